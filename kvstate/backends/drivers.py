@@ -1,0 +1,220 @@
+"""Drivers: execute a lifecycle's transfer commands on a backend and return completions.
+
+- :class:`StepDriver` — for tests and benchmarks: commands wait until the caller picks
+  which (command, rank) completes next and how (in full, partially, failed, or never).
+- :class:`ThreadedDriver` — for production: worker threads run the commands; completions
+  come back through a thread-safe queue the engine polls. ``close()`` joins every thread
+  within a deadline.
+
+A driver knows nothing of request states; notices (first token, start prefill, ...) are
+handed back to the caller, which owns compute and messaging.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .. import commands as C
+from ..errors import DriverError, KVStateError, ValidationError
+from ..events import Completion
+from .reference import TransferBackend
+
+__all__ = ["execute", "StepDriver", "ThreadedDriver"]
+
+
+def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None) -> Completion:
+    """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given)."""
+    keys = cmd.keys if limit is None else cmd.keys[:limit]
+    try:
+        if isinstance(cmd, C.QueryBlocks):
+            n = backend.query(rank, keys)
+        elif isinstance(cmd, C.WriteBlocks):
+            n = backend.write(rank, keys, cmd.block_ids[:len(keys)])
+        elif isinstance(cmd, C.ReadBlocks):
+            n = backend.read(rank, keys, cmd.block_ids[:len(keys)])
+        else:
+            raise ValidationError(f"cannot execute {type(cmd).__name__}")
+    except (KVStateError, OSError) as e:
+        return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
+    return Completion(cmd.command_id, rank, n)
+
+
+def _no_backend(cmd: C.TransferCommand, rank: int) -> Completion:
+    """Without a backend nothing is stored: queries find nothing, reads and writes succeed."""
+    n = 0 if isinstance(cmd, C.QueryBlocks) else len(cmd.keys)
+    return Completion(cmd.command_id, rank, n)
+
+
+class StepDriver:
+    """Holds a lifecycle's transfer commands until the caller completes them, one rank at a time."""
+
+    def __init__(self, lifecycle: Any, backend: TransferBackend | None = None,
+                 on_notice: Callable[[C.Command], None] | None = None) -> None:
+        self.lifecycle = lifecycle
+        self.backend = backend
+        self.on_notice = on_notice
+        #: (command, rank) pairs waiting for an answer, oldest first
+        self.pending: dict[tuple[int, int], C.TransferCommand] = {}
+        self.notices: list[C.Command] = []
+
+    def pump(self) -> int:
+        """Move newly queued commands in; returns how many arrived."""
+        cmds = self.lifecycle.poll_commands()
+        pending, notices, on_notice = self.pending, self.notices, self.on_notice
+        for cmd in cmds:
+            if isinstance(cmd, C.TransferCommand):
+                cid = cmd.command_id
+                for r in cmd.ranks:
+                    pending[(cid, r)] = cmd
+            elif isinstance(cmd, C.CancelCommand):
+                notices.append(cmd)  # its (command, rank) answers are still owed: pins release on them
+            elif on_notice is not None:
+                on_notice(cmd)
+            else:
+                notices.append(cmd)
+        return len(cmds)
+
+    def complete(self, command_id: int, rank: int, outcome: int | str | None = None) -> Completion:
+        """Answer one (command, rank).
+
+        ``outcome``: ``None`` runs it in full (on the backend if there is one), an int runs
+        only that many leading keys (a partial transfer), ``"fail"`` answers 0 with an
+        error and moves nothing.
+        """
+        cmd = self.pending.pop((command_id, rank), None)
+        if cmd is None:
+            raise ValidationError(f"no pending command {command_id} for rank {rank}")
+        if outcome == "fail":
+            c = Completion(command_id, rank, 0, error="injected failure")
+        elif outcome is not None and not (isinstance(outcome, int) and 0 <= outcome <= len(cmd.keys)):
+            self.pending[(command_id, rank)] = cmd
+            raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
+        elif self.backend is not None:
+            c = execute(self.backend, cmd, rank, outcome)
+        elif outcome is None:
+            c = _no_backend(cmd, rank)
+        else:
+            c = Completion(command_id, rank, outcome)
+        self.lifecycle.complete(c)
+        return c
+
+    def drop(self, command_id: int, rank: int) -> None:
+        """Forget a pending answer: that rank never answers."""
+        self.pending.pop((command_id, rank), None)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        """Complete every pending answer in order, in full, until nothing is left."""
+        steps = 0
+        self.pump()
+        while self.pending:
+            (cid, rank) = next(iter(self.pending))
+            self.complete(cid, rank)
+            self.pump()
+            steps += 1
+            if steps >= max_steps:
+                raise DriverError(f"run_until_idle: still busy after {max_steps} steps")
+        return steps
+
+
+_STOP = object()
+
+
+class ThreadedDriver:
+    """Runs transfer commands on ``workers`` threads; the engine polls the completions.
+
+    ``submit`` never blocks on a transfer. A command cancelled before a worker reaches it
+    is answered with count 0 (its blocks unpin); one already running finishes normally.
+    """
+
+    def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate") -> None:
+        if not isinstance(workers, int) or workers <= 0:
+            raise ValidationError(f"ThreadedDriver: workers must be an int > 0, got {workers!r}")
+        self.backend = backend
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._done: queue.Queue[Completion] = queue.Queue()
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-transfer-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, cmd: C.Command) -> bool:
+        """Queue a transfer command (True), note a cancel (True), or ignore a notice (False)."""
+        if self._closed:
+            raise DriverError("ThreadedDriver: submit after close")
+        if isinstance(cmd, C.CancelCommand):
+            with self._lock:
+                self._cancelled.add(cmd.command_id)
+            return True
+        if not isinstance(cmd, C.TransferCommand):
+            return False
+        with self._lock:
+            self._inflight += len(cmd.ranks)
+        for r in cmd.ranks:
+            self._jobs.put((cmd, r))
+        return True
+
+    def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
+        """Submit every command; returns the notices, which the caller handles."""
+        return [c for c in cmds if not self.submit(c)]
+
+    def poll(self, timeout: float = 0.0) -> list[Completion]:
+        """Completions ready now (waiting up to ``timeout`` seconds for the first one)."""
+        out: list[Completion] = []
+        try:
+            out.append(self._done.get(timeout=timeout) if timeout > 0 else self._done.get_nowait())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    @property
+    def inflight(self) -> int:
+        """(command, rank) answers not yet delivered to ``poll``."""
+        return self._inflight
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            cmd, rank = job
+            with self._lock:
+                cancelled = cmd.command_id in self._cancelled
+            if cancelled:
+                c = Completion(cmd.command_id, rank, 0, error="cancelled")
+            else:
+                try:
+                    c = execute(self.backend, cmd, rank)
+                except Exception as e:  # noqa: BLE001 - a worker must always answer
+                    c = Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._inflight -= 1
+            self._done.put(c)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop accepting work, let queued work finish, and join every thread by ``timeout``."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(_STOP)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            raise DriverError(f"ThreadedDriver.close: threads {alive} still running after {timeout}s")
+
+    def __enter__(self) -> ThreadedDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,136 @@
+"""The numpy reference backend: real KV bytes on the CPU, moved through the transfer ops.
+
+Each TP rank owns layer-major caches per kind (``key``, ``value``, fp8 scales), one array
+per layer ``[num_blocks, heads, block_size, dim]``. A write gathers the blocks into a
+block-major host buffer with :func:`~kvstate.kernels.swap_cache_layout` (``"d2h"``) and
+puts one object per (block, kind, rank); a read gets the objects into the host buffer and
+scatters the blocks that arrived whole (``"h2d"``). The backend knows nothing of request
+states: it answers how many *leading* blocks it stored, read or found.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..kernels.reference import swap_cache_layout
+from ..keys import rank_key
+from ..spec import CacheSpec
+from .stores import Store, as_bytes_view
+
+__all__ = ["TransferBackend", "ReferenceBackend", "leading"]
+
+
+def leading(flags: Sequence[bool]) -> int:
+    """How many leading entries are true."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+class TransferBackend:
+    """What a driver needs from a backend: per-rank query, write and read of blocks."""
+
+    spec: CacheSpec
+
+    def query(self, rank: int, keys: Sequence[str]) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release buffers and devices (idempotent)."""
+
+
+class ReferenceBackend(TransferBackend):
+    """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError("ReferenceBackend: spec must be a CacheSpec")
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValidationError(f"ReferenceBackend: num_blocks must be an int > 0, got {num_blocks!r}")
+        if not isinstance(store, Store):
+            raise ValidationError("ReferenceBackend: store must be a kvstate Store")
+        self.spec, self.num_blocks, self.store = spec, num_blocks, store
+        #: caches[rank][kind] -> list of per-layer arrays [num_blocks, heads, block_size, dim]
+        self.caches = [
+            {kind: [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
+                    for _ in range(spec.layers)] for kind in spec.kinds}
+            for _ in range(spec.tp_size)]
+        self.bytes_moved = 0  #: payload bytes written to and read from the store
+
+    # -- block access (tests, the demo's fake compute) -----------------------------------------
+    def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
+        """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
+        return b"".join(layer[block_id].tobytes() for layer in self.caches[rank][kind])
+
+    def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:
+        """Overwrite one block of ``kind`` on ``rank`` (block-major bytes, as stored)."""
+        layers = self.caches[rank][kind]
+        chunk = layers[0][block_id].nbytes
+        if len(data) != chunk * len(layers):
+            raise ValidationError(f"fill_block: block {block_id} needs {chunk * len(layers)} bytes, got {len(data)}")
+        for i, layer in enumerate(layers):
+            layer[block_id] = np.frombuffer(data, layer.dtype, offset=i * chunk,
+                                            count=layer[block_id].size).reshape(layer.shape[1:])
+
+    # -- TransferBackend -----------------------------------------------------------------------
+    def _check(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] | None) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.spec.tp_size:
+            raise ValidationError(f"rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        if block_ids is not None and len(block_ids) != len(keys):
+            raise ValidationError(f"{len(keys)} keys but {len(block_ids)} block ids")
+
+    def _host(self, n: int) -> dict[str, np.ndarray]:
+        s = self.spec
+        return {k: np.empty((n, s.layers) + s.block_shape(k), s.kind_dtype(k)) for k in s.kinds}
+
+    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
+        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
+
+    def query(self, rank: int, keys: Sequence[str]) -> int:
+        self._check(rank, keys, None)
+        found = self.store.batch_is_exist(self._names(rank, keys))
+        nk = len(self.spec.kinds)
+        return leading(all(f == 1 for f in found[i * nk:(i + 1) * nk]) for i in range(len(keys)))
+
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+        self._check(rank, keys, block_ids)
+        n = len(keys)
+        host = self._host(n)
+        slots = list(range(n))
+        for kind, buf in host.items():
+            swap_cache_layout(self.caches[rank][kind], buf, list(block_ids), slots, "d2h")
+        bufs = [as_bytes_view(host[kind][i]) for i in range(n) for kind in self.spec.kinds]
+        status = self.store.batch_put_from(self._names(rank, keys), bufs)
+        nk = len(self.spec.kinds)
+        count = leading(all(s == 0 for s in status[i * nk:(i + 1) * nk]) for i in range(n))
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+        self._check(rank, keys, block_ids)
+        n = len(keys)
+        host = self._host(n)
+        kinds = self.spec.kinds
+        bufs = [as_bytes_view(host[kind][i]) for i in range(n) for kind in kinds]
+        got = self.store.batch_get_into(self._names(rank, keys), bufs)
+        nk = len(kinds)
+        # a short read is a miss: a block counts only if every kind arrived whole
+        count = leading(all(got[i * nk + j] == bufs[i * nk + j].nbytes for j in range(nk))
+                        for i in range(n))
+        if count:
+            for kind, buf in host.items():
+                swap_cache_layout(self.caches[rank][kind], buf, list(block_ids[:count]),
+                                  list(range(count)), "h2d")
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count

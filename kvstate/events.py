@@ -1,0 +1,97 @@
+"""Events: what the outside world tells the lifecycle.
+
+Every engine-facing method of :class:`~kvstate.lifecycle.PrefillLifecycle` and
+:class:`~kvstate.lifecycle.DecodeLifecycle` has a typed event here, so a driver, a test or
+a log replay can feed the machines through one entry point, ``lifecycle.handle(event)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Event", "Completion", "Admit", "PrefillDone", "Reserve", "FirstToken", "AppendTokens",
+    "Preempt", "Resume", "RecomputeDone", "Finish", "Abort", "Tick",
+]
+
+
+@dataclass(slots=True)
+class Event:
+    pass
+
+
+@dataclass(slots=True)
+class Completion(Event):
+    """One rank's answer to a transfer command.
+
+    ``count`` is the number of leading items done (blocks stored / read / written; 1 for a
+    sent first token); ``error`` is a short reason when the rank failed.
+    """
+
+    command_id: int
+    rank: int
+    count: int
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Admit(Event):
+    request_id: str
+    token_ids: Sequence[int]
+    extra_keys: Mapping[int, Sequence[str]] | None = None
+
+
+@dataclass(slots=True)
+class PrefillDone(Event):
+    request_id: str
+    first_token: int
+
+
+@dataclass(slots=True)
+class Reserve(Event):
+    request_id: str
+    token_ids: Sequence[int]
+    extra_keys: Mapping[int, Sequence[str]] | None = None
+
+
+@dataclass(slots=True)
+class FirstToken(Event):
+    request_id: str
+    token: int | None
+    error_code: int = 200
+
+
+@dataclass(slots=True)
+class AppendTokens(Event):
+    request_id: str
+    token_ids: Sequence[int] = field(default_factory=tuple)
+
+
+@dataclass(slots=True)
+class Preempt(Event):
+    request_id: str
+
+
+@dataclass(slots=True)
+class Resume(Event):
+    request_id: str
+
+
+@dataclass(slots=True)
+class RecomputeDone(Event):
+    request_id: str
+
+
+@dataclass(slots=True)
+class Finish(Event):
+    request_id: str
+
+
+@dataclass(slots=True)
+class Abort(Event):
+    request_id: str
+
+
+@dataclass(slots=True)
+class Tick(Event):
+    """The clock moved: expire every command whose deadline passed."""

@@ -1,0 +1,201 @@
+"""The transfer ops' shared semantics: validation, layout math and coalesced copy runs.
+
+Every implementation (numpy here, CUDA in a later module) validates through
+:func:`plan_layout`, :func:`plan_per_layer` or :func:`plan_all_layers` *before* a byte
+moves, so bad arguments fail with the same :class:`~kvstate.errors.ValidationError`
+everywhere. The resulting :class:`TransferPlan` is also what a cost model reads: bytes
+over the link, copy runs, chunks.
+
+Layouts (``N`` GPU blocks, ``M`` host blocks, ``L`` layers, chunk ``[H, B, D]``):
+
+- ``swap_cache_layout``: GPU caches, one array per layer ``[N, H, B, D]`` ⇄ a block-major
+  host buffer ``[M, L, H, B, D]``; ``"d2h"`` gathers into host, ``"h2d"`` scatters back.
+- ``swap_cache_per_layer``: one layer, ``[N, H, B, D]`` ⇄ ``[M, H, B, D]``.
+- ``swap_cache_all_layers``: ``L`` layers, each ``[N, H, B, D]`` ⇄ ``[M, H, B, D]``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import BlockError, ValidationError
+
+__all__ = ["DIRECTIONS", "TransferPlan", "coalesce_runs", "check_ids", "plan_layout",
+           "plan_per_layer", "plan_all_layers"]
+
+DIRECTIONS = ("d2h", "h2d")
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """A validated transfer: what moves, in which runs, how many bytes."""
+
+    op: str
+    direction: str
+    layers: int
+    chunk_bytes: int  #: bytes of one (layer, block) chunk
+    gpu_ids: np.ndarray
+    host_ids: np.ndarray
+    runs: tuple[tuple[int, int, int], ...]  #: (gpu_start, host_start, length), consecutive on both sides
+    host_block_contiguous: bool  #: one host block holds all layers back to back (layout op)
+
+    @property
+    def blocks(self) -> int:
+        return int(self.gpu_ids.size)
+
+    @property
+    def chunks(self) -> int:
+        """(layer, block) chunks moved."""
+        return self.blocks * self.layers
+
+    @property
+    def bytes(self) -> int:
+        """Payload bytes over the link."""
+        return self.chunks * self.chunk_bytes
+
+
+def coalesce_runs(gpu_ids: np.ndarray, host_ids: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """Group positions where both id lists advance by one into (gpu, host, length) runs."""
+    n = int(gpu_ids.size)
+    if n == 0:
+        return ()
+    breaks = np.flatnonzero((np.diff(gpu_ids) != 1) | (np.diff(host_ids) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [n]))
+    return tuple((int(gpu_ids[s]), int(host_ids[s]), int(e - s)) for s, e in zip(starts, ends))
+
+
+def _as_ids(ids: Any, name: str) -> np.ndarray:
+    if isinstance(ids, np.ndarray):
+        arr = ids
+    else:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ValidationError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
+        for b in ids:
+            if not isinstance(b, (int, np.integer)) or isinstance(b, bool):
+                raise BlockError(f"{name}: block id {b!r} is not an int")
+        arr = np.asarray(ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValidationError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise BlockError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
+    """Validated block ids: integers in ``0..limit-1``, distinct when ``unique``."""
+    arr = _as_ids(ids, name)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise BlockError(f"{name}: block {lo} is negative")
+        if hi >= limit:
+            raise BlockError(f"{name}: block {hi} is out of range 0..{limit - 1}")
+        if unique:
+            uniq, counts = np.unique(arr, return_counts=True)
+            if uniq.size != arr.size:
+                raise BlockError(f"{name}: block {int(uniq[counts > 1][0])} appears twice "
+                                 f"(a destination block may be written once)")
+    return arr
+
+
+def _meta(a: Any, name: str) -> tuple[tuple[int, ...], Any, bool]:
+    """(shape, dtype, contiguous) of an array-like, without importing any framework."""
+    shape = getattr(a, "shape", None)
+    dtype = getattr(a, "dtype", None)
+    if shape is None or dtype is None:
+        raise ValidationError(f"{name} must be an array or tensor, got {type(a).__name__}")
+    shape = tuple(int(s) for s in shape)
+    if isinstance(a, np.ndarray):
+        contiguous = a.flags.c_contiguous
+    elif hasattr(a, "is_contiguous"):  # torch, paddle
+        contiguous = bool(a.is_contiguous())
+    elif hasattr(a, "flags"):  # cupy
+        contiguous = bool(a.flags.c_contiguous)
+    else:
+        contiguous = True
+    return shape, dtype, contiguous
+
+
+def _check_direction(direction: Any) -> None:
+    if direction not in DIRECTIONS:
+        raise ValidationError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
+
+
+def _check_layers(caches: Any, name: str) -> tuple[tuple[int, ...], Any]:
+    if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence) or not caches:
+        raise ValidationError(f"{name} must be a non-empty list of per-layer arrays")
+    shape0, dtype0, _ = _meta(caches[0], f"{name}[0]")
+    for i, c in enumerate(caches):
+        shape, dtype, contiguous = _meta(c, f"{name}[{i}]")
+        if len(shape) != 4:
+            raise ValidationError(f"{name}[{i}] must be [blocks, heads, block_size, head_dim], got shape {shape}")
+        if shape != shape0:
+            raise ValidationError(f"{name}[{i}] has shape {shape}, layer 0 has {shape0}: all layers must match")
+        if str(dtype) != str(dtype0):
+            raise ValidationError(f"{name}[{i}] has dtype {dtype}, layer 0 has {dtype0}: all layers must match")
+        if not contiguous:
+            raise ValidationError(f"{name}[{i}] is not contiguous")
+    return shape0, dtype0
+
+
+def _itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if size is None:  # torch / paddle dtypes
+        size = np.dtype(str(dtype).replace("torch.", "").replace("paddle.", "").replace(
+            "bfloat16", "uint16")).itemsize
+    return int(size)
+
+
+def _finish(op: str, direction: str, layers: int, chunk: tuple[int, ...], dtype: Any,
+            gpu_ids: Any, host_ids: Any, num_gpu: int, num_host: int, host_contig: bool) -> TransferPlan:
+    g = check_ids(gpu_ids, num_gpu, "gpu_block_ids", unique=direction == "h2d")
+    h = check_ids(host_ids, num_host, "host_block_ids", unique=direction == "d2h")
+    if g.size != h.size:
+        raise ValidationError(f"gpu_block_ids has {g.size} ids, host_block_ids has {h.size}: lengths must match")
+    chunk_bytes = int(np.prod(chunk)) * _itemsize(dtype)
+    return TransferPlan(op, direction, layers, chunk_bytes, g, h, coalesce_runs(g, h), host_contig)
+
+
+def plan_layout(caches: Sequence[Any], host: Any, gpu_block_ids: Any, host_block_ids: Any,
+                direction: str) -> TransferPlan:
+    """Validate a ``swap_cache_layout`` call and plan it."""
+    _check_direction(direction)
+    shape, dtype = _check_layers(caches, "caches")
+    hshape, hdtype, hcontig = _meta(host, "host")
+    expect = (len(caches),) + shape[1:]
+    if len(hshape) != 5 or hshape[1:] != expect:
+        raise ValidationError(f"host must be [host_blocks, {', '.join(map(str, expect))}] for these caches, "
+                              f"got shape {hshape}")
+    if str(hdtype) != str(dtype):
+        raise ValidationError(f"host dtype {hdtype} differs from the caches' {dtype}")
+    if not hcontig:
+        raise ValidationError("host is not contiguous")
+    return _finish("swap_cache_layout", direction, len(caches), shape[1:], dtype, gpu_block_ids,
+                   host_block_ids, shape[0], hshape[0], True)
+
+
+def plan_per_layer(cache: Any, host_layer: Any, gpu_block_ids: Any, host_block_ids: Any,
+                   direction: str) -> TransferPlan:
+    """Validate a ``swap_cache_per_layer`` call and plan it."""
+    return plan_all_layers([cache], [host_layer], gpu_block_ids, host_block_ids, direction,
+                           op="swap_cache_per_layer")
+
+
+def plan_all_layers(caches: Sequence[Any], host_layers: Sequence[Any], gpu_block_ids: Any,
+                    host_block_ids: Any, direction: str, op: str = "swap_cache_all_layers") -> TransferPlan:
+    """Validate a ``swap_cache_all_layers`` call and plan it."""
+    _check_direction(direction)
+    shape, dtype = _check_layers(caches, "caches")
+    hshape, hdtype = _check_layers(host_layers, "host_layers")
+    if len(host_layers) != len(caches):
+        raise ValidationError(f"host_layers has {len(host_layers)} layers, caches has {len(caches)}")
+    if hshape[1:] != shape[1:]:
+        raise ValidationError(f"host block shape {hshape[1:]} differs from the caches' {shape[1:]}")
+    if str(hdtype) != str(dtype):
+        raise ValidationError(f"host dtype {hdtype} differs from the caches' {dtype}")
+    return _finish(op, direction, len(caches), shape[1:], dtype, gpu_block_ids, host_block_ids,
+                   shape[0], hshape[0], False)

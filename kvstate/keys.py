@@ -1,0 +1,85 @@
+"""Storage keys: one function that P and D both call, so they can never disagree.
+
+A block's key is a chained sha256 over the previous block's key, the block's token ids
+and optional extra keys (e.g. multimodal content hashes). The last, incomplete block's key
+carries the ``:partial:N`` suffix, N being its token count. Python's ``hash()`` is never
+used: it is salted per process.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Mapping, Sequence
+
+from .errors import ValidationError
+
+__all__ = ["block_keys", "pack_tokens", "keys_of_packed", "rank_key", "KEY_PREFIX_SEP"]
+
+KEY_PREFIX_SEP = "/"
+_sha256 = hashlib.sha256
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Mapping[int, Sequence[str]] | None = None,
+    namespace: str = "",
+) -> list[str]:
+    """Keys of every block covering ``token_ids`` (the caller's list is never modified).
+
+    ``extra_keys`` maps a block index to strings mixed into that block's hash (and, through
+    the chain, every later one). ``namespace`` (e.g. a model name) prefixes every key so
+    two models sharing one pool never collide.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValidationError(f"block_keys: block_size must be a positive int, got {block_size!r}")
+    return keys_of_packed(pack_tokens(token_ids), block_size, extra_keys, namespace)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> array:
+    """Token ids as an int64 array; raises :class:`ValidationError` for anything but ints >= 0."""
+    if isinstance(token_ids, (str, bytes)):
+        raise ValidationError("token ids must be a sequence of ints, not a string")
+    try:
+        packed = array("q", token_ids)
+    except (TypeError, OverflowError) as e:
+        raise ValidationError(f"token ids must be ints in int64 range ({e})") from None
+    if packed and min(packed) < 0:
+        raise ValidationError(f"token ids must be >= 0, got {min(packed)}")
+    return packed
+
+
+def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
+                   namespace: str) -> list[str]:
+    """:func:`block_keys` over already validated, packed token ids."""
+    n = len(packed)
+    packed = packed.tobytes()
+    if extra_keys:
+        nblocks = -(-n // block_size)
+        for idx in extra_keys:
+            if not isinstance(idx, int) or not 0 <= idx < nblocks:
+                raise ValidationError(f"block_keys: extra_keys names block {idx!r}, outside 0..{nblocks - 1}")
+    step = block_size * 8
+    keys: list[str] = []
+    prev = namespace.encode()
+    for i, start in enumerate(range(0, n * 8, step)):
+        h = _sha256(prev)
+        h.update(packed[start:start + step])
+        if extra_keys and i in extra_keys:
+            for extra in extra_keys[i]:
+                h.update(b"\x00" + str(extra).encode())
+        key = h.hexdigest()
+        filled = min(block_size, n - i * block_size)
+        if filled < block_size:
+            key = f"{key}:partial:{filled}"
+        if namespace:
+            keys.append(namespace + KEY_PREFIX_SEP + key)
+        else:
+            keys.append(key)
+        prev = key.encode()
+    return keys
+
+
+def rank_key(key: str, kind: str, rank: int) -> str:
+    """Name of the stored object holding ``kind`` ("key", "value", ...) of one block on ``rank``."""
+    return f"{key}_{kind}_{rank}"

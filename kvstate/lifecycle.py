@@ -1,0 +1,637 @@
+"""The sans-I/O core: per-request KV-cache life driven by the machines in :mod:`kvstate.machines`.
+
+A lifecycle object owns a block pool, the live requests, the outstanding commands and
+their deadlines. It consumes events (method calls or :mod:`kvstate.events` objects given to
+:meth:`Lifecycle.handle`) and queues :mod:`kvstate.commands` that :meth:`Lifecycle.poll_commands`
+hands out. It never sleeps, spawns a thread or touches a device; time comes from an injected
+clock and deadlines are enforced by :meth:`Lifecycle.tick`.
+
+Block safety comes from reference counts: a request holds one reference to each of its
+blocks, and every in-flight transfer pins the blocks it touches with one more. Freeing a
+request drops only its own reference, so a block returns to the free list when the last
+transfer touching it has answered (or its deadline plus ``Policy.fence_grace`` passed).
+"""
+from __future__ import annotations
+
+import heapq
+from array import array
+import itertools
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from . import commands as C
+from . import events as E
+from .errors import (DuplicateRequestError, InvalidTransitionError, OutOfBlocksError,
+                     UnknownRequestError, ValidationError)
+from .keys import block_keys, keys_of_packed, pack_tokens
+from .machines import allowed_sources, build_machine, decode, prefill
+from .policy import ERROR_ABORTED, ERROR_READ_FAILED, ERROR_WRITE_FAILED, Policy
+from .pool import BlockPool
+from .spec import CacheSpec
+
+__all__ = ["Lifecycle", "PrefillLifecycle", "DecodeLifecycle", "Request", "ERROR_NO_FIRST_TOKEN"]
+
+ERROR_NO_FIRST_TOKEN = 504  #: D's wait for P's first token passed its deadline
+
+_CMD, _FENCE, _WAIT = 0, 1, 2  # timer kinds
+_ENDED_MEMORY = 4096  # recently ended request ids kept for clear error messages
+
+
+class Request:
+    """A live request's record: cheap (slots), no per-request machine."""
+
+    __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base",
+                 "retries", "error_code", "token", "stored_keys", "wait_seq")
+
+    def __init__(self, request_id: str, state: str, tokens: array, keys: list[str],
+                 extra_keys: Mapping[int, Sequence[str]] | None) -> None:
+        self.id = request_id
+        self.state = state
+        self.tokens = tokens
+        self.keys = keys
+        self.extra_keys = extra_keys
+        self.blocks: list[int] = []
+        self.cmd = 0  # the command whose answer the request waits for (0: none)
+        self.base = 0
+        self.retries = 0
+        self.error_code = 200
+        self.token: int | None = None
+        self.stored_keys: list[str] | None = None
+        self.wait_seq = 0
+
+
+class _Pending:
+    """An outstanding transfer command: per-rank answers and the blocks it pins."""
+
+    __slots__ = ("cmd", "req", "trigger", "blocks", "counts", "left", "limit", "resolved")
+
+    def __init__(self, cmd: C.TransferCommand, req: Request, trigger: str, blocks: Sequence[int],
+                 limit: int) -> None:
+        self.cmd = cmd
+        self.req: Request | None = req
+        self.trigger = trigger
+        self.blocks = blocks
+        self.counts: dict[int, int] = {}
+        self.left = len(cmd.ranks)
+        self.limit = limit
+        self.resolved = False
+
+
+def _check_request_id(request_id: Any) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValidationError(f"request id must be a non-empty str, got {request_id!r}")
+
+
+def _check_tokens(request_id: str, token_ids: Any) -> array:
+    """Validated token ids as our own int64 array: the caller's list is never mutated."""
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise ValidationError(f"request {request_id!r}: token_ids must be a sequence of ints")
+    if not token_ids:
+        raise ValidationError(f"request {request_id!r}: token_ids is empty")
+    try:
+        return pack_tokens(token_ids)
+    except ValidationError as e:
+        raise ValidationError(f"request {request_id!r}: {e}") from None
+
+
+def _check_token(request_id: str, token: Any) -> None:
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ValidationError(f"request {request_id!r}: token {token!r} is not an int >= 0")
+
+
+class Lifecycle:
+    """What the P and D sides share: pool, requests, commands, deadlines, completions."""
+
+    TABLE: ModuleType
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, namespace: str = "",
+                 lean_machine: bool = True) -> None:
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
+        if not callable(clock):
+            raise ValidationError("clock must be callable")
+        self.spec = spec
+        self.policy = policy or Policy()
+        self.pool = BlockPool(num_blocks)
+        self.clock = clock
+        self.namespace = namespace
+        self._reqs: dict[str, Request] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._timers: list[tuple[float, int, int, Any]] = []
+        self._out: deque[C.Command] = deque()
+        self._ids = itertools.count(1)
+        self._ranks = tuple(range(spec.tp_size))
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("done", "failed", "aborted", "expired", "stale_completions", "late_completions",
+             "forced_releases", "retries"), 0)
+        self.machine = build_machine(self.TABLE, self, lean_machine)
+        self._fire_ev = {name: ev.trigger for name, ev in self.machine.events.items()}
+        self._sources = allowed_sources(self.TABLE)
+
+    # -- inspection --------------------------------------------------------------------------
+    def state_of(self, request_id: str) -> str:
+        return self._get(request_id).state
+
+    def blocks_of(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._get(request_id).blocks)
+
+    def live_requests(self) -> list[str]:
+        return list(self._reqs)
+
+    def pending_commands(self) -> list[C.TransferCommand]:
+        """Transfer commands still awaiting at least one rank's answer."""
+        return [p.cmd for p in self._pending.values()]
+
+    def pinned_blocks(self) -> dict[int, int]:
+        """Block id -> number of in-flight commands pinning it."""
+        out: dict[int, int] = {}
+        for p in self._pending.values():
+            for b in p.blocks:
+                out[b] = out.get(b, 0) + 1
+        return out
+
+    def owned_blocks(self) -> dict[str, tuple[int, ...]]:
+        return {rid: tuple(r.blocks) for rid, r in self._reqs.items()}
+
+    def stats(self) -> dict[str, Any]:
+        return {"live": len(self._reqs), "pending_commands": len(self._pending),
+                "pool": self.pool.stats(), **self.counters}
+
+    # -- commands out, completions and time in -------------------------------------------------
+    def poll_commands(self) -> list[C.Command]:
+        """Every command queued since the last poll, oldest first."""
+        out = list(self._out)
+        self._out.clear()
+        return out
+
+    def complete(self, completion: E.Completion) -> bool:
+        """Record one rank's answer. Returns False for an answer nobody waits for any more
+        (its command expired and was reclaimed, or it never existed): such answers are
+        counted in ``counters['stale_completions']`` and change nothing."""
+        if not isinstance(completion, E.Completion):
+            raise ValidationError(f"complete() takes a Completion, got {type(completion).__name__}")
+        p = self._pending.get(completion.command_id)
+        if p is None:
+            self.counters["stale_completions"] += 1
+            return False
+        rank, count, cmd = completion.rank, completion.count, p.cmd
+        if rank not in cmd.ranks:
+            raise ValidationError(f"command {cmd.command_id} of request {cmd.request_id!r}: "
+                                  f"rank {rank!r} is not one of its ranks {cmd.ranks}")
+        if rank in p.counts:
+            raise ValidationError(f"command {cmd.command_id} of request {cmd.request_id!r}: "
+                                  f"rank {rank} already answered")
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= p.limit:
+            raise ValidationError(f"command {cmd.command_id} of request {cmd.request_id!r}: "
+                                  f"count {count!r} outside 0..{p.limit}")
+        p.counts[rank] = 0 if completion.error else count
+        p.left -= 1
+        if p.resolved:
+            self.counters["late_completions"] += 1
+        elif p.left == 0:
+            self._resolve(p)
+        if p.left == 0:
+            self._retire(p)
+        return True
+
+    def tick(self) -> int:
+        """Enforce deadlines at the clock's current time; returns how many timers fired.
+
+        An expired command resolves as if its silent ranks answered 0, so the request moves
+        on (retry, error, recompute) at once; its blocks stay pinned until the late answers
+        arrive or ``Policy.fence_grace`` passes.
+        """
+        now, timers, fired = self.clock(), self._timers, 0
+        while timers and timers[0][0] <= now:
+            deadline, _, kind, ident = heapq.heappop(timers)
+            if kind == _WAIT:
+                req = self._reqs.get(ident[0])
+                if req is not None and req.wait_seq == ident[1] and req.state == decode.INITIAL:
+                    fired += 1
+                    self._fire(req, "timed_out")
+                continue
+            p = self._pending.get(ident)
+            if p is None:
+                continue
+            fired += 1
+            if kind == _CMD and not p.resolved:
+                self.counters["expired"] += 1
+                self._push_timer(deadline + self.policy.fence_grace, _FENCE, ident)
+                self._out.append(C.CancelCommand(p.cmd.request_id, ident))
+                self._resolve(p)
+            elif kind == _FENCE:
+                self.counters["forced_releases"] += 1
+                self._retire(p)
+        return fired
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a live request from any state; its blocks are freed once no transfer pins them."""
+        self._fire(self._get(request_id), "abort")
+
+    def handle(self, event: E.Event) -> Any:
+        """Feed one typed event (see :mod:`kvstate.events`) to the matching method."""
+        try:
+            method = self._HANDLERS[type(event)]
+        except KeyError:
+            raise ValidationError(f"{type(self).__name__} does not take {type(event).__name__} events") from None
+        return method(self, event)
+
+    _HANDLERS: dict[type, Callable[..., Any]] = {
+        E.Completion: lambda s, e: s.complete(e),
+        E.Tick: lambda s, e: s.tick(),
+        E.Abort: lambda s, e: s.abort(e.request_id),
+    }
+
+    # -- internals -------------------------------------------------------------------------
+    def _get(self, request_id: str) -> Request:
+        req = self._reqs.get(request_id)
+        if req is None:
+            ended = self._ended.get(request_id) if isinstance(request_id, str) else None
+            if ended:
+                raise UnknownRequestError(
+                    f"request {request_id!r} already ended ({ended}) and was recycled on the "
+                    f"{self.TABLE.NAME} side: no further events are accepted for it")
+            raise UnknownRequestError(f"request {request_id!r} is unknown on the {self.TABLE.NAME} side")
+        return req
+
+    def _fire(self, req: Request, trigger: str, value: Any = None) -> None:
+        if req.state not in self._sources[trigger]:
+            raise InvalidTransitionError(req.id, req.state, trigger, self.TABLE.NAME)
+        self._fire_ev[trigger](req, req, value)
+
+    def _push_timer(self, when: float, kind: int, ident: Any) -> None:
+        heapq.heappush(self._timers, (when, next(self._ids), kind, ident))
+
+    def _transfer(self, req: Request, cls: type, trigger: str, limit: int, *,
+                  blocks: Sequence[int] = (), ranks: tuple[int, ...] | None = None, **fields: Any) -> None:
+        cid = next(self._ids)
+        deadline = self.clock() + self.policy.transfer_timeout
+        cmd = cls(req.id, cid, ranks or self._ranks, deadline, **fields)
+        if blocks:
+            self.pool._incref(blocks)
+        self._pending[cid] = _Pending(cmd, req, trigger, blocks, limit)
+        heapq.heappush(self._timers, (deadline, cid, _CMD, cid))
+        req.cmd = cid
+        self._out.append(cmd)
+
+    def _resolve(self, p: _Pending) -> None:
+        p.resolved = True
+        req = p.req
+        if req is None or req.cmd != p.cmd.command_id:
+            return
+        req.cmd = 0
+        counts = p.counts
+        eff = min(counts.get(r, 0) for r in p.cmd.ranks)  # TP: the minimum over every rank
+        self._fire(req, p.trigger, eff)
+
+    def _retire(self, p: _Pending) -> None:
+        del self._pending[p.cmd.command_id]
+        if p.blocks:
+            if self.pool._decref(p.blocks):
+                self._blocks_freed()
+
+    def _detach(self, req: Request) -> None:
+        if req.cmd:
+            p = self._pending.get(req.cmd)
+            if p is not None:
+                p.req = None
+                self._out.append(C.CancelCommand(req.id, req.cmd))
+            req.cmd = 0
+
+    def _release(self, req: Request) -> None:
+        self._detach(req)
+        if req.blocks:
+            blocks, req.blocks = req.blocks, []
+            self._out.append(C.FreeBlocks(req.id, tuple(blocks)))
+            if self.pool._decref(blocks):
+                self._blocks_freed()
+
+    def _blocks_freed(self) -> None:
+        """Hook: blocks returned to the free list."""
+
+    # -- actions shared by both tables (called by transitions as callback(req, value)) --------
+    def recycle(self, req: Request, value: Any = None) -> None:
+        if req.state == "aborted" and req.error_code == 200:
+            req.error_code = ERROR_ABORTED
+        self._release(req)
+        del self._reqs[req.id]
+        ended = self._ended
+        ended[req.id] = req.state
+        if len(ended) > _ENDED_MEMORY:
+            ended.popitem(last=False)
+        self.counters[req.state] += 1
+        self._out.append(C.RequestEnded(req.id, req.state, req.error_code))
+
+    def write_complete(self, req: Request, value: int) -> bool:
+        return req.base + value >= len(req.keys)
+
+    def can_retry(self, req: Request, value: int) -> bool:
+        return req.retries < self.policy.write_retries
+
+    def retry_write(self, req: Request, value: int) -> None:
+        req.retries += 1
+        self.counters["retries"] += 1
+        self._write(req, req.base + value)
+
+    def positive(self, req: Request, value: int) -> bool:
+        return value > 0
+
+    def _write(self, req: Request, base: int) -> None:
+        req.base = base
+        keys = req.keys
+        blocks = req.blocks[base:len(keys)]
+        self._transfer(req, C.WriteBlocks, "written", len(keys) - base, blocks=blocks,
+                       keys=tuple(keys[base:]), block_ids=tuple(blocks))
+
+    def _new_request(self, request_id: str, token_ids: Any, extra_keys: Any) -> Request:
+        _check_request_id(request_id)
+        if request_id in self._reqs:
+            raise DuplicateRequestError(
+                f"request {request_id!r} is already live on the {self.TABLE.NAME} side "
+                f"(state {self._reqs[request_id].state!r})")
+        tokens = _check_tokens(request_id, token_ids)
+        if extra_keys is not None and not isinstance(extra_keys, Mapping):
+            raise ValidationError(f"request {request_id!r}: extra_keys must map block index -> strings")
+        try:
+            keys = keys_of_packed(tokens, self.spec.block_size, extra_keys, self.namespace)
+        except ValidationError as e:
+            raise ValidationError(f"request {request_id!r}: {e}") from None
+        return Request(request_id, self.TABLE.INITIAL, tokens, keys, extra_keys)
+
+    def _check_fits(self, req: Request, nblocks: int) -> None:
+        if nblocks > self.pool.num_blocks:
+            raise ValidationError(
+                f"request {req.id!r}: {len(req.tokens)} tokens need {nblocks} blocks of "
+                f"{self.spec.block_size}, more than the pool's {self.pool.num_blocks}")
+
+
+class PrefillLifecycle(Lifecycle):
+    """The P instance's side: see :mod:`kvstate.machines.prefill`."""
+
+    TABLE = prefill
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._waiting: deque[Request] = deque()
+
+    # -- engine API --------------------------------------------------------------------------
+    def admit(self, request_id: str, token_ids: Sequence[int],
+              extra_keys: Mapping[int, Sequence[str]] | None = None) -> str:
+        """Admit a prompt; blocks are allocated now or, FIFO, as soon as enough are free.
+
+        Returns the request's state (``"waiting"`` when it queues for blocks)."""
+        req = self._new_request(request_id, token_ids, extra_keys)
+        self._check_fits(req, len(req.keys))
+        self._reqs[request_id] = req
+        self._waiting.append(req)
+        self._start_waiting()
+        return req.state
+
+    def prefill_done(self, request_id: str, first_token: int) -> None:
+        """The prompt's cache is computed and ``first_token`` sampled: store it, then send."""
+        req = self._get(request_id)
+        _check_token(request_id, first_token)
+        self._fire(req, "prefill_done", first_token)
+
+    _HANDLERS = {**Lifecycle._HANDLERS,
+                 E.Admit: lambda s, e: s.admit(e.request_id, e.token_ids, e.extra_keys),
+                 E.PrefillDone: lambda s, e: s.prefill_done(e.request_id, e.first_token)}
+
+    # -- internals ---------------------------------------------------------------------------
+    def _start_waiting(self) -> None:
+        waiting, pool = self._waiting, self.pool
+        while waiting:
+            req = waiting[0]
+            if req.state != prefill.INITIAL:  # aborted while it waited
+                waiting.popleft()
+                continue
+            n = len(req.keys)
+            if pool.num_free < n:
+                return
+            waiting.popleft()
+            req.blocks = pool.allocate(n)
+            self._fire(req, "start")
+
+    def _blocks_freed(self) -> None:
+        if self._waiting:
+            self._start_waiting()
+
+    def _prefix_limit(self, req: Request) -> int:
+        # Reuse full blocks only, and leave at least one token to compute the first token from.
+        return (len(req.tokens) - 1) // self.spec.block_size
+
+    # -- actions (see the table in kvstate.machines.prefill) ----------------------------------
+    def wants_prefix(self, req: Request, value: Any) -> bool:
+        return self.policy.read_prefix and self._prefix_limit(req) > 0
+
+    def send_prefix_query(self, req: Request, value: Any) -> None:
+        n = self._prefix_limit(req)
+        self._transfer(req, C.QueryBlocks, "prefix_queried", n, keys=tuple(req.keys[:n]))
+
+    def send_prefix_read(self, req: Request, value: int) -> None:
+        blocks = req.blocks[:value]
+        self._transfer(req, C.ReadBlocks, "prefix_read", value, blocks=blocks,
+                       keys=tuple(req.keys[:value]), block_ids=tuple(blocks))
+
+    def start_prefill(self, req: Request, value: int | None) -> None:
+        self._out.append(C.StartPrefill(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
+
+    def send_query(self, req: Request, value: int) -> None:
+        req.token = value
+        self._transfer(req, C.QueryBlocks, "queried", len(req.keys), keys=tuple(req.keys))
+
+    def all_stored(self, req: Request, value: int) -> bool:
+        return value >= len(req.keys)
+
+    def send_write(self, req: Request, value: int) -> None:
+        self._write(req, value)
+
+    def send_first_token(self, req: Request, value: Any) -> None:
+        self._out.append(C.SendFirstToken(req.id, req.token, 200))
+
+    def send_write_error(self, req: Request, value: Any) -> None:
+        req.error_code = ERROR_WRITE_FAILED
+        self._out.append(C.SendFirstToken(req.id, None, ERROR_WRITE_FAILED))
+
+
+class DecodeLifecycle(Lifecycle):
+    """The D instance's side, preemption included: see :mod:`kvstate.machines.decode`."""
+
+    TABLE = decode
+
+    def __init__(self, *args: Any, first_token_timeout: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        t = self.policy.transfer_timeout * 2 if first_token_timeout is None else first_token_timeout
+        if not isinstance(t, (int, float)) or not t > 0:
+            raise ValidationError(f"first_token_timeout must be a number > 0, got {t!r}")
+        self.first_token_timeout = float(t)
+        self._running: set[str] = set()
+
+    # -- engine API --------------------------------------------------------------------------
+    def can_reserve(self, num_tokens: int) -> bool:
+        """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
+        if not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise ValidationError(f"num_tokens must be an int > 0, got {num_tokens!r}")
+        return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
+
+    def reserve(self, request_id: str, token_ids: Sequence[int],
+                extra_keys: Mapping[int, Sequence[str]] | None = None) -> tuple[int, ...]:
+        """P asks for blocks: reserve room for the prompt plus the first token.
+
+        Keeps ``Policy.decode_headroom_blocks`` free per running request; raises
+        :class:`OutOfBlocksError` (reserving nothing) when that is not possible."""
+        req = self._new_request(request_id, token_ids, extra_keys)
+        n = self.spec.blocks_for(len(req.tokens) + 1)
+        self._check_fits(req, n)
+        try:
+            req.blocks = self.pool.allocate(n, self._headroom())
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
+        req.stored_keys = req.keys
+        self._reqs[request_id] = req
+        req.wait_seq = next(self._ids)
+        self._push_timer(self.clock() + self.first_token_timeout, _WAIT, (request_id, req.wait_seq))
+        return tuple(req.blocks)
+
+    def deliver_first_token(self, request_id: str, token: int | None, error_code: int = 200) -> None:
+        """P's first token arrived (``error_code`` 200), or P reports it has no cache (!= 200)."""
+        req = self._get(request_id)
+        if not isinstance(error_code, int) or isinstance(error_code, bool):
+            raise ValidationError(f"request {request_id!r}: error_code {error_code!r} is not an int")
+        if error_code == 200:
+            _check_token(request_id, token)
+        self._fire(req, "first_token", (token, error_code))
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """Decoded tokens: grow the request, allocating blocks as it crosses block boundaries.
+
+        Returns the blocks newly allocated. Raises :class:`OutOfBlocksError` (appending
+        nothing) when the pool is short: preempt a request and try again."""
+        req = self._get(request_id)
+        if req.state != "running":
+            raise InvalidTransitionError(request_id, req.state, "append_tokens", decode.NAME)
+        new = _check_tokens(request_id, token_ids)
+        need = self.spec.blocks_for(len(req.tokens) + len(new)) - len(req.blocks)
+        try:
+            added = self.pool.allocate(max(need, 0))
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot grow by {need} blocks ({e})") from None
+        req.blocks.extend(added)
+        req.tokens.extend(new)
+        req.stored_keys = None  # the store no longer holds the whole cache
+        return tuple(added)
+
+    def preempt(self, request_id: str) -> None:
+        """Take the request's blocks back: write its cache out first if the policy says so."""
+        self._fire(self._get(request_id), "preempt")
+
+    def resume(self, request_id: str) -> tuple[int, ...]:
+        """Give a preempted request blocks again, then reload its cache or recompute it."""
+        req = self._get(request_id)
+        if req.state not in self._sources["resume"]:
+            raise InvalidTransitionError(request_id, req.state, "resume", decode.NAME)
+        n = self.spec.blocks_for(len(req.tokens))
+        try:
+            req.blocks = self.pool.allocate(n)
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks ({e})") from None
+        self._fire(req, "resume")
+        return tuple(req.blocks)
+
+    def recompute_done(self, request_id: str) -> None:
+        self._fire(self._get(request_id), "recompute_done")
+
+    def finish(self, request_id: str) -> None:
+        self._fire(self._get(request_id), "finish")
+
+    _HANDLERS = {**Lifecycle._HANDLERS,
+                 E.Reserve: lambda s, e: s.reserve(e.request_id, e.token_ids, e.extra_keys),
+                 E.FirstToken: lambda s, e: s.deliver_first_token(e.request_id, e.token, e.error_code),
+                 E.AppendTokens: lambda s, e: s.append_tokens(e.request_id, e.token_ids),
+                 E.Preempt: lambda s, e: s.preempt(e.request_id),
+                 E.Resume: lambda s, e: s.resume(e.request_id),
+                 E.RecomputeDone: lambda s, e: s.recompute_done(e.request_id),
+                 E.Finish: lambda s, e: s.finish(e.request_id)}
+
+    def _headroom(self) -> int:
+        return self.policy.decode_headroom_blocks * len(self._running)
+
+    # -- actions (see the table in kvstate.machines.decode) -----------------------------------
+    def token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:
+        return value[1] == 200
+
+    def send_read(self, req: Request, value: tuple[int, int]) -> None:
+        req.tokens.append(value[0])
+        self._read(req)
+
+    def send_reload(self, req: Request, value: Any) -> None:
+        self._read(req)
+
+    def _read(self, req: Request) -> None:
+        keys = req.stored_keys
+        assert keys is not None
+        blocks = req.blocks[:len(keys)]
+        self._transfer(req, C.ReadBlocks, "read_done", len(keys), blocks=blocks,
+                       keys=tuple(keys), block_ids=tuple(blocks))
+
+    def fail_from_prefill(self, req: Request, value: tuple[int | None, int]) -> None:
+        req.error_code = value[1]
+        self.recycle(req)
+
+    def fail_no_token(self, req: Request, value: Any) -> None:
+        req.error_code = ERROR_NO_FIRST_TOKEN
+        self.recycle(req)
+
+    def read_complete(self, req: Request, value: int) -> bool:
+        return value >= len(req.stored_keys or ())
+
+    def recompute_on_miss(self, req: Request, value: int) -> bool:
+        return self.policy.read_failure == "recompute"
+
+    def fail_read(self, req: Request, value: int) -> None:
+        req.error_code = ERROR_READ_FAILED
+        self.recycle(req)
+
+    def start_recompute(self, req: Request, value: int | None) -> None:
+        req.stored_keys = None
+        self._out.append(C.Recompute(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
+
+    def start_decode(self, req: Request, value: Any) -> None:
+        self._running.add(req.id)
+        self._out.append(C.StartDecode(req.id, tuple(req.blocks)))
+
+    def writes_back(self, req: Request, value: Any) -> bool:
+        return self.policy.preempt == "write"
+
+    def send_write_back(self, req: Request, value: Any) -> None:
+        self._running.discard(req.id)
+        # The newest token's cache is computed by the next decode step: store all before it.
+        req.keys = block_keys(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace)
+        req.retries = 0
+        self._write(req, 0)
+
+    def keep_write_back(self, req: Request, value: int) -> None:
+        req.stored_keys = req.keys  # the write-back answered in full on every rank
+
+    def release_blocks(self, req: Request, value: Any) -> None:
+        self._running.discard(req.id)
+        self._release(req)
+
+    def drop_write_back(self, req: Request, value: Any) -> None:
+        req.stored_keys = None
+        self._running.discard(req.id)
+        self._release(req)
+
+    def has_stored(self, req: Request, value: Any) -> bool:
+        return req.stored_keys is not None
+
+    def recycle(self, req: Request, value: Any = None) -> None:
+        self._running.discard(req.id)
+        super().recycle(req, value)

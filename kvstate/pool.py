@@ -1,0 +1,149 @@
+"""The paged block pool: allocation, refcounted sharing, headroom and accounting.
+
+A block is free (refcount 0) or held by one or more references. The lifecycle takes one
+reference per request that owns a block and one per in-flight transfer that touches it,
+so a block returns to the free list only when the last of them lets go: nothing is
+freed, or handed out again, under a running transfer.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .errors import BlockError, OutOfBlocksError, ValidationError
+
+__all__ = ["BlockPool", "PoolStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of the pool's accounting (``free + used == total`` always)."""
+
+    total: int
+    free: int
+    used: int
+    shared: int
+    peak_used: int
+    allocations: int
+    frees: int
+
+
+class BlockPool:
+    """``num_blocks`` block ids ``0 .. num_blocks-1`` with reference counts."""
+
+    __slots__ = ("num_blocks", "_free", "_refs", "_peak", "_allocs", "_frees", "_shared")
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise ValidationError(f"BlockPool: num_blocks must be an int >= 0, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0 first
+        self._refs = [0] * num_blocks
+        self._shared = 0  # blocks with refcount >= 2
+        self._peak = 0
+        self._allocs = 0
+        self._frees = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, n: int, headroom: int = 0) -> bool:
+        """Whether ``n`` blocks can be allocated while ``headroom`` blocks stay free."""
+        self._check_count(n, "n")
+        self._check_count(headroom, "headroom")
+        return len(self._free) - n >= headroom
+
+    def refcount(self, block_id: int) -> int:
+        self._check_ids((block_id,), "refcount", allow_free=True)
+        return self._refs[block_id]
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.num_blocks, len(self._free), self.num_used, self._shared,
+                         self._peak, self._allocs, self._frees)
+
+    # -- mutations (validate everything first, then change) --------------------------------
+    def allocate(self, n: int, headroom: int = 0) -> list[int]:
+        """Take ``n`` free blocks (refcount 1 each); ``n == 0`` gives ``[]``.
+
+        Raises :class:`OutOfBlocksError` (allocating nothing) unless ``headroom`` blocks
+        would still be free afterwards.
+        """
+        if not self.can_allocate(n, headroom):
+            raise OutOfBlocksError(
+                f"cannot allocate {n} block(s) keeping {headroom} free: {len(self._free)} of "
+                f"{self.num_blocks} are free"
+            )
+        if n == 0:
+            return []
+        free, refs = self._free, self._refs
+        ids = free[-n:]
+        del free[-n:]
+        ids.reverse()
+        for b in ids:
+            refs[b] = 1
+        self._allocs += n
+        used = self.num_blocks - len(free)
+        if used > self._peak:
+            self._peak = used
+        return ids
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Add one reference to each (already held) block: prefix sharing, transfer pins."""
+        self._check_ids(block_ids, "share")
+        self._incref(block_ids)
+
+    def free(self, block_ids: Sequence[int]) -> int:
+        """Drop one reference from each block; blocks reaching 0 return to the free list.
+
+        Returns how many blocks became free. A double free, a foreign id or a duplicate in
+        ``block_ids`` raises :class:`BlockError` naming the block, and changes nothing.
+        """
+        self._check_ids(block_ids, "free")
+        return self._decref(block_ids)
+
+    # -- trusted fast path: ids the pool handed out itself (used by the lifecycle) ----------
+    def _incref(self, block_ids: Sequence[int]) -> None:
+        refs = self._refs
+        for b in block_ids:
+            if refs[b] == 1:
+                self._shared += 1
+            refs[b] += 1
+
+    def _decref(self, block_ids: Sequence[int]) -> int:
+        refs, freed = self._refs, 0
+        for b in block_ids:
+            r = refs[b] - 1
+            refs[b] = r
+            if r == 1:
+                self._shared -= 1
+            elif r == 0:
+                self._free.append(b)
+                freed += 1
+        self._frees += freed
+        return freed
+
+    # -- validation ------------------------------------------------------------------------
+    @staticmethod
+    def _check_count(n: int, name: str) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValidationError(f"BlockPool: {name} must be an int >= 0, got {n!r}")
+
+    def _check_ids(self, block_ids: Iterable[int], op: str, allow_free: bool = False) -> None:
+        refs, nb = self._refs, self.num_blocks
+        seen: set[int] = set()
+        for b in block_ids:
+            if not isinstance(b, int) or isinstance(b, bool):
+                raise BlockError(f"BlockPool.{op}: block id {b!r} is not an int")
+            if b < 0 or b >= nb:
+                raise BlockError(f"BlockPool.{op}: block {b} is out of range 0..{nb - 1}")
+            if b in seen:
+                raise BlockError(f"BlockPool.{op}: block {b} appears twice")
+            seen.add(b)
+            if not allow_free and refs[b] == 0:
+                raise BlockError(f"BlockPool.{op}: block {b} is free (double free or foreign id)")

@@ -1,0 +1,101 @@
+"""Cache geometry: every size derived from a model's KV-cache layout lives here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = ["CacheSpec", "DTYPES", "CACHE_KINDS", "SCALE_DTYPE"]
+
+#: Supported cache dtypes -> numpy storage dtype of the same width. numpy has no bfloat16,
+#: and kvstate only moves bytes, so bfloat16 is held as uint16 of the same size.
+DTYPES: dict[str, np.dtype] = {
+    "bfloat16": np.dtype(np.uint16),
+    "float16": np.dtype(np.float16),
+    "uint8": np.dtype(np.uint8),  # fp8 (e4m3/e5m2) caches are moved as raw bytes
+}
+#: Block-wise fp8 scales: one float32 per (head, token) of a block.
+SCALE_DTYPE = np.dtype(np.float32)
+CACHE_KINDS = ("key", "value", "key_scale", "value_scale")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """Geometry of one TP rank's paged KV cache.
+
+    Per layer and kind the cache is ``[num_blocks, kv_heads, block_size, head_dim]``; fp8
+    scales, when present, are ``[num_blocks, kv_heads, block_size, 1]`` float32.
+    """
+
+    num_layers: int
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    extra_layers: int = 0
+    has_value: bool = True
+    fp8_scales: bool = False
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"CacheSpec.{name} must be a positive int, got {v!r}")
+        if not isinstance(self.extra_layers, int) or self.extra_layers < 0:
+            raise ConfigError(f"CacheSpec.extra_layers must be an int >= 0, got {self.extra_layers!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"CacheSpec.dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
+        if self.fp8_scales and self.dtype != "uint8":
+            raise ConfigError("CacheSpec.fp8_scales needs dtype 'uint8' (an fp8 cache)")
+
+    # -- derived sizes (the single place they are computed) ------------------------------
+    @property
+    def layers(self) -> int:
+        """Layers whose cache moves: model layers plus extra ones (e.g. MTP)."""
+        return self.num_layers + self.extra_layers
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Cache tensors per layer: key, value (absent for MLA), and their fp8 scales."""
+        kinds = ["key"] + (["value"] if self.has_value else [])
+        if self.fp8_scales:
+            kinds += [k + "_scale" for k in kinds]
+        return tuple(kinds)
+
+    def kind_dtype(self, kind: str) -> np.dtype:
+        return SCALE_DTYPE if kind.endswith("_scale") else self.np_dtype
+
+    def block_shape(self, kind: str) -> tuple[int, int, int]:
+        """Shape of one (layer, block) chunk of ``kind``: ``(heads, block_size, dim)``."""
+        dim = 1 if kind.endswith("_scale") else self.head_dim
+        return (self.kv_heads, self.block_size, dim)
+
+    def chunk_bytes(self, kind: str = "key") -> int:
+        """Bytes of one (layer, block) chunk of ``kind``."""
+        h, b, d = self.block_shape(kind)
+        return h * b * d * self.kind_dtype(kind).itemsize
+
+    def block_bytes(self, kind: str = "key") -> int:
+        """Bytes of one block of ``kind`` across all layers (one stored object)."""
+        return self.layers * self.chunk_bytes(kind)
+
+    @property
+    def bytes_per_block_per_rank(self) -> int:
+        """Bytes of one block, all layers and kinds, on one TP rank."""
+        return sum(self.block_bytes(k) for k in self.kinds)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over every TP rank."""
+        return self.bytes_per_block_per_rank * self.tp_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
