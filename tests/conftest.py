@@ -1,0 +1,64 @@
+"""Shared helpers: a settable clock, small specs, a P+D rig that runs a request end to end."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle
+from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+
+def small_spec(tp: int = 2, **kw) -> CacheSpec:
+    args = dict(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=tp)
+    args.update(kw)
+    return CacheSpec(**args)
+
+
+class Rig:
+    """P and D lifecycles with reference backends over one MemoryStore and StepDrivers."""
+
+    def __init__(self, tp: int = 2, blocks: int = 64, policy: Policy | None = None, spec=None,
+                 store=None, first_token_timeout: float = 100.0) -> None:
+        self.clock = Clock()
+        self.spec = spec or small_spec(tp)
+        self.policy = policy or Policy(transfer_timeout=10.0, fence_grace=5.0)
+        self.store = store or MemoryStore(1 << 26)
+        self.P = PrefillLifecycle(self.spec, blocks, self.policy, clock=self.clock)
+        self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock,
+                                 first_token_timeout=first_token_timeout)
+        self.pb = ReferenceBackend(self.spec, blocks, self.store)
+        self.db = ReferenceBackend(self.spec, blocks, self.store)
+        self.pd = StepDriver(self.P, self.pb)
+        self.dd = StepDriver(self.D, self.db)
+
+    def notices(self, drv: StepDriver, cls=None):
+        drv.pump()
+        out = [n for n in drv.notices if cls is None or isinstance(n, cls)]
+        drv.notices = [n for n in drv.notices if n not in out]
+        return out
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return Rig()
+
+
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None

@@ -1,0 +1,79 @@
+"""``kvstate demo`` and ``kvstate diagram`` as a user runs them."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstate.cli import main
+from kvstate.demo import DemoConfig, run_demo
+
+
+def test_demo_json_integrity_with_tp2_preemptions_and_aborts(capsys):
+    assert main(["demo", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    for key in ("requests", "finished", "failed", "aborted", "leaked_blocks", "bytes_moved", "integrity_ok"):
+        assert key in s
+    assert s["integrity_ok"] is True and s["leaked_blocks"] == 0 and s["pending_commands"] == 0
+    assert s["requests"] == 64 and s["tp"] == 2
+    assert s["finished"] + s["failed"] + s["aborted"] == 64
+    assert s["preemptions"] > 0 and s["aborted"] > 0 and s["prefix_blocks_read"] > 0
+    assert s["bytes_moved"] > 0 and s["blocks_checked"] > 100
+
+
+@pytest.mark.parametrize("seed,tp", [(1, 1), (2, 4)])
+def test_demo_other_seeds_and_tp(seed, tp):
+    s = run_demo(DemoConfig(requests=40, seed=seed, tp=tp))
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0
+
+
+def test_demo_file_store(tmp_path):
+    s = run_demo(DemoConfig(requests=16, store="file", store_dir=str(tmp_path)))
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["store"] == "FileStore"
+
+
+def test_demo_detects_corruption(monkeypatch):
+    from kvstate.backends import reference
+
+    orig = reference.ReferenceBackend.read
+
+    def corrupt(self, rank, keys, block_ids):
+        n = orig(self, rank, keys, block_ids)
+        if n:
+            self.caches[rank]["key"][0][block_ids[0]].flat[0] += 1
+        return n
+
+    monkeypatch.setattr(reference.ReferenceBackend, "read", corrupt)
+    s = run_demo(DemoConfig(requests=8))
+    assert s["integrity_ok"] is False and s["blocks_mismatched"] > 0
+
+
+def test_demo_human_summary(capsys):
+    assert main(["demo", "--requests", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "integrity: OK" in out and "leaked blocks 0" in out
+
+
+@pytest.mark.parametrize("args", [["demo", "--requests", "0"], ["demo", "--tp", "x"], ["demo", "--store", "s3"],
+                                  ["nope"], ["diagram", "--machine", "x"]])
+def test_cli_rejects_bad_options(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+
+
+def test_cli_file_store_needs_dir(capsys):
+    assert main(["demo", "--store", "file"]) == 2
+    assert "--store-dir" in capsys.readouterr().err
+
+
+def test_diagram_from_machines(capsys):
+    assert main(["diagram"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("stateDiagram-v2") == 2 and "preempt_writing" in out and "querying_prefix" in out
+
+
+def test_console_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "kvstate", "demo", "--requests", "4", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["integrity_ok"]

@@ -1,0 +1,146 @@
+"""The numpy transfer ops against a trivially correct loop, and every validation rule."""
+import numpy as np
+import pytest
+from conftest import has_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstate import BlockError, ValidationError
+from kvstate.kernels import coalesce_runs, swap_cache_all_layers, swap_cache_layout, swap_cache_per_layer
+
+DTYPES = [np.uint16, np.float16, np.uint8, np.float32]
+
+
+@st.composite
+def case(draw):
+    layers = draw(st.integers(1, 4))
+    n_gpu, n_host = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    heads, bs, dim = draw(st.integers(1, 3)), draw(st.integers(1, 5)), draw(st.integers(1, 7))  # odd chunk sizes
+    dtype = draw(st.sampled_from(DTYPES))
+    k = draw(st.integers(0, min(n_gpu, n_host)))
+    gpu = draw(st.permutations(range(n_gpu)))[:k]
+    host = draw(st.permutations(range(n_host)))[:k]
+    if draw(st.booleans()) and k:  # runs of consecutive ids on both sides
+        g0, h0 = draw(st.integers(0, n_gpu - k)), draw(st.integers(0, n_host - k))
+        gpu, host = list(range(g0, g0 + k)), list(range(h0, h0 + k))
+    seed = draw(st.integers(0, 2**31))
+    return layers, n_gpu, n_host, (heads, bs, dim), np.dtype(dtype), list(gpu), list(host), seed
+
+
+def rand(shape, dtype, rng):
+    return rng.integers(0, 255, size=shape).astype(dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(case(), st.sampled_from(["d2h", "h2d"]))
+def test_layout_matches_loop(c, direction):
+    layers, n_gpu, n_host, chunk, dtype, gpu, host, seed = c
+    rng = np.random.default_rng(seed)
+    caches = [rand((n_gpu,) + chunk, dtype, rng) for _ in range(layers)]
+    hbuf = rand((n_host, layers) + chunk, dtype, rng)
+    want_c, want_h = [x.copy() for x in caches], hbuf.copy()
+    for g, h in zip(gpu, host):  # the trivially correct loop
+        for layer in range(layers):
+            if direction == "d2h":
+                want_h[h, layer] = want_c[layer][g]
+            else:
+                want_c[layer][g] = want_h[h, layer]
+    plan = swap_cache_layout(caches, hbuf, gpu, host, direction)
+    assert all((a == b).all() for a, b in zip(caches, want_c)) and (hbuf == want_h).all()
+    assert plan.bytes == len(gpu) * layers * int(np.prod(chunk)) * dtype.itemsize
+    assert sum(n for _, _, n in plan.runs) == len(gpu)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case(), st.sampled_from(["d2h", "h2d"]), st.booleans())
+def test_per_layer_and_all_layers_match_loop(c, direction, one):
+    layers, n_gpu, n_host, chunk, dtype, gpu, host, seed = c
+    layers = 1 if one else layers
+    rng = np.random.default_rng(seed)
+    caches = [rand((n_gpu,) + chunk, dtype, rng) for _ in range(layers)]
+    hosts = [rand((n_host,) + chunk, dtype, rng) for _ in range(layers)]
+    want_c, want_h = [x.copy() for x in caches], [x.copy() for x in hosts]
+    for g, h in zip(gpu, host):
+        for layer in range(layers):
+            if direction == "d2h":
+                want_h[layer][h] = want_c[layer][g]
+            else:
+                want_c[layer][g] = want_h[layer][h]
+    if one:
+        swap_cache_per_layer(caches[0], hosts[0], gpu, host, direction)
+    else:
+        swap_cache_all_layers(caches, hosts, gpu, host, direction)
+    assert all((a == b).all() for a, b in zip(caches + hosts, want_c + want_h))
+
+
+def test_coalesce_runs():
+    assert coalesce_runs(np.array([3, 4, 5, 9, 10]), np.array([0, 1, 2, 3, 7])) == ((3, 0, 3), (9, 3, 1), (10, 7, 1))
+    assert coalesce_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == ()
+
+
+def _arrays():
+    caches = [np.zeros((4, 2, 3, 5), np.float16) for _ in range(2)]
+    host = np.ones((3, 2, 2, 3, 5), np.float16)
+    return caches, host
+
+
+@pytest.mark.parametrize("gpu,host,direction,err,msg", [
+    ([0, 1], [0], "d2h", ValidationError, "lengths must match"),
+    ([4], [0], "d2h", BlockError, "out of range"),
+    ([-1], [0], "d2h", BlockError, "negative"),
+    ([0], [3], "d2h", BlockError, "out of range"),
+    ([0, 1], [1, 1], "d2h", BlockError, "appears twice"),
+    ([1, 1], [0, 1], "h2d", BlockError, "appears twice"),
+    ([0.5], [0], "d2h", BlockError, "not an int"),
+    ([0], [0], "up", ValidationError, "direction"),
+])
+def test_validation_rules_move_nothing(gpu, host, direction, err, msg):
+    caches, hbuf = _arrays()
+    before = [c.copy() for c in caches], hbuf.copy()
+    with pytest.raises(err, match=msg):
+        swap_cache_layout(caches, hbuf, gpu, host, direction)
+    assert all((a == b).all() for a, b in zip(caches, before[0])) and (hbuf == before[1]).all()
+
+
+def test_duplicate_source_is_allowed():
+    caches, hbuf = _arrays()
+    caches[0][1] = 7
+    swap_cache_layout(caches, hbuf, [1, 1], [0, 2], "d2h")
+    assert (hbuf[0, 0] == 7).all() and (hbuf[2, 0] == 7).all()
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda c, h: (c + [np.zeros((4, 2, 3, 6), np.float16)], h), "shape"),
+    (lambda c, h: ([c[0], c[1].astype(np.float32)], h), "dtype"),
+    (lambda c, h: (c, h[:, :1]), "host must be"),
+    (lambda c, h: (c, h.astype(np.uint8)), "host dtype"),
+    (lambda c, h: ([c[0][:, :, :, ::2].copy(), c[1][:, :, :, ::2]], h), "contiguous|shape"),
+    (lambda c, h: ([], h), "non-empty"),
+    (lambda c, h: (c, "not an array"), "DLPack|array"),
+])
+def test_shape_dtype_contiguity_rules(mutate, msg):
+    caches, hbuf = mutate(*_arrays())
+    with pytest.raises(ValidationError, match=msg):
+        swap_cache_layout(caches, hbuf, [0], [0], "d2h")
+
+
+@pytest.mark.paddle
+@pytest.mark.skipif(not has_module("paddle"), reason="paddlepaddle is not installed (pip install '.[paddle]')")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "uint8"])
+def test_paddle_cpu_tensors_zero_copy(dtype):
+    import paddle
+
+    rng = np.random.default_rng(0)
+    src = [rng.integers(0, 100, (6, 2, 4, 3)).astype(np.float32) for _ in range(3)]
+    caches = [paddle.to_tensor(s).astype(dtype) for s in src]
+    host = paddle.zeros([4, 3, 2, 4, 3], dtype=dtype)
+    ptr = host.data_ptr()
+    swap_cache_layout(caches, host, [5, 0, 2], [0, 1, 3], "d2h")
+    assert host.data_ptr() == ptr  # written in place, through DLPack
+    got = host.astype("float32").numpy()
+    for g, h in zip([5, 0, 2], [0, 1, 3]):
+        for layer in range(3):
+            np.testing.assert_array_equal(got[h, layer], caches[layer].astype("float32").numpy()[g])
+    back = [paddle.zeros([6, 2, 4, 3], dtype=dtype) for _ in range(3)]
+    swap_cache_layout(back, host, [1, 2, 3], [0, 1, 3], "h2d")
+    np.testing.assert_array_equal(back[1].astype("float32").numpy()[1], caches[1].astype("float32").numpy()[5])

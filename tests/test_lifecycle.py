@@ -1,0 +1,451 @@
+"""The lifecycle machines on real bytes: happy paths, failures, deadlines, aborts, preemption."""
+from __future__ import annotations
+
+import pytest
+from conftest import Rig
+
+from kvstate import (DuplicateRequestError, InvalidTransitionError, OutOfBlocksError, Policy,
+                     UnknownRequestError, ValidationError)
+from kvstate import commands as C
+from kvstate.events import Completion
+from kvstate.keys import block_keys
+
+TOKS = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial one
+
+
+def handoff(rig: Rig, rid: str, toks=TOKS, first=7):
+    """Reserve on D, admit on P, prefill, run P's transfers; returns P's notices."""
+    rig.D.reserve(rid, toks)
+    rig.P.admit(rid, toks)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    fill_p(rig, rid, toks, sp.block_ids, sp.num_cached_tokens // rig.spec.block_size)
+    rig.P.prefill_done(rid, first)
+    rig.pd.run_until_idle()
+    return rig.notices(rig.pd)
+
+
+def pattern(key, rank, kind, nbytes):
+    from kvstate.demo import fake_block
+    return fake_block(key, rank, kind, nbytes)
+
+
+def fill_p(rig, rid, toks, blocks, start=0):
+    keys = block_keys(toks, rig.spec.block_size)
+    for i in range(start, len(keys)):
+        for r in range(rig.spec.tp_size):
+            for kind in rig.spec.kinds:
+                rig.pb.fill_block(r, kind, blocks[i], pattern(keys[i], r, kind, rig.spec.block_bytes(kind)))
+
+
+def d_matches(rig, toks, blocks):
+    keys = block_keys(toks, rig.spec.block_size)
+    return all(rig.db.block_bytes(r, kind, blocks[i]) == pattern(keys[i], r, kind, rig.spec.block_bytes(kind))
+               for i in range(len(keys)) for r in range(rig.spec.tp_size) for kind in rig.spec.kinds)
+
+
+def deliver(rig, notices):
+    for n in notices:
+        if isinstance(n, C.SendFirstToken):
+            rig.D.deliver_first_token(n.request_id, n.token, n.error_code)
+
+
+def assert_clean(rig):
+    for lc in (rig.P, rig.D):
+        assert lc.live_requests() == []
+        assert lc.pending_commands() == []
+        assert lc.pool.num_used == 0, lc.pool.stats()
+
+
+# -- happy path --------------------------------------------------------------------------------
+def test_handoff_end_to_end_bytes_match(rig):
+    notes = handoff(rig, "r1")
+    [ft] = [n for n in notes if isinstance(n, C.SendFirstToken)]
+    assert (ft.token, ft.error_code) == (7, 200)
+    assert [n.state for n in notes if isinstance(n, C.RequestEnded)] == ["done"]
+    assert rig.P.pool.num_used == 0  # P recycled once the cache was stored
+    deliver(rig, notes)
+    assert rig.D.state_of("r1") == "reading"
+    rig.dd.run_until_idle()
+    [sd] = rig.notices(rig.dd, C.StartDecode)
+    assert rig.D.state_of("r1") == "running"
+    assert d_matches(rig, TOKS, sd.block_ids)
+    rig.D.finish("r1")
+    assert_clean(rig)
+
+
+def test_second_request_skips_stored_prefix_and_full_hit_still_sends(rig):
+    deliver(rig, handoff(rig, "a"))
+    rig.dd.run_until_idle()
+    rig.D.finish("a")
+    writes_before = rig.store.puts
+    # identical prompt: P reads the stored prefix, then finds every block stored: nothing to write
+    notes = handoff(rig, "b")
+    assert rig.store.puts == writes_before
+    assert any(isinstance(n, C.SendFirstToken) and n.error_code == 200 for n in notes)
+    deliver(rig, notes)
+    rig.dd.run_until_idle()
+    rig.D.finish("b")
+    assert_clean(rig)
+
+
+def test_prefix_read_reports_cached_tokens(rig):
+    deliver(rig, handoff(rig, "a"))
+    rig.dd.run_until_idle()
+    rig.D.finish("a")
+    toks = TOKS[:8] + [1, 2, 3, 4, 5]  # shares two full blocks
+    rig.D.reserve("b", toks)
+    rig.P.admit("b", toks)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    assert sp.num_cached_tokens == 8
+    keys = block_keys(toks, 4)
+    assert all(rig.pb.block_bytes(r, "key", sp.block_ids[i]) == pattern(keys[i], r, "key", rig.spec.block_bytes("key"))
+               for i in range(2) for r in range(2))
+
+
+# -- TP: completion needs every rank, effective count is the minimum -----------------------------
+def test_tp_write_waits_for_every_rank_and_takes_minimum():
+    rig = Rig(tp=2, policy=Policy(write_retries=0, read_prefix=False))
+    rig.D.reserve("r", TOKS)
+    rig.P.admit("r", TOKS)
+    rig.pd.pump()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    rig.P.prefill_done("r", 1)
+    rig.pd.pump()
+    q = next(iter(rig.pd.pending.values()))
+    rig.pd.complete(q.command_id, 0)
+    assert rig.P.state_of("r") == "querying"  # rank 1 has not answered
+    rig.pd.complete(q.command_id, 1)
+    rig.pd.pump()
+    w = next(iter(rig.pd.pending.values()))
+    assert isinstance(w, C.WriteBlocks) and len(w.keys) == 3
+    rig.pd.complete(w.command_id, 0)  # rank 0 wrote all 3
+    rig.pd.complete(w.command_id, 1, 1)  # rank 1 only the first block
+    notes = rig.notices(rig.pd)
+    assert [n.error_code for n in notes if isinstance(n, C.SendFirstToken)] == [503]
+    assert [n.state for n in notes if isinstance(n, C.RequestEnded)] == ["failed"]
+
+
+def test_write_retry_writes_only_the_rest():
+    rig = Rig(policy=Policy(write_retries=1, read_prefix=False))
+    rig.D.reserve("r", TOKS)
+    rig.P.admit("r", TOKS)
+    rig.pd.pump()
+    rig.notices(rig.pd)
+    rig.P.prefill_done("r", 1)
+    rig.pd.pump()
+    q = next(iter(rig.pd.pending.values()))
+    for r in q.ranks:
+        rig.pd.complete(q.command_id, r)
+    rig.pd.pump()
+    w = next(iter(rig.pd.pending.values()))
+    rig.pd.complete(w.command_id, 0, 2)
+    rig.pd.complete(w.command_id, 1, "fail")
+    rig.pd.pump()
+    retry = next(iter(rig.pd.pending.values()))
+    assert isinstance(retry, C.WriteBlocks) and retry.keys == w.keys  # min over ranks was 0
+    rig.pd.run_until_idle()
+    assert rig.P.counters["retries"] == 1 and rig.P.counters["done"] == 1
+
+
+# -- D failures ------------------------------------------------------------------------------
+def test_read_miss_fails_with_502_and_recycles(rig):
+    notes = handoff(rig, "r")
+    rig.store.evict([k for k in rig.store.keys() if "_value_1" in k][:1])
+    deliver(rig, notes)
+    rig.dd.run_until_idle()
+    [end] = rig.notices(rig.dd, C.RequestEnded)
+    assert (end.state, end.error_code) == ("failed", 502)
+    assert_clean(rig)
+
+
+def test_read_miss_recomputes_from_prefix_read_on_every_rank():
+    rig = Rig(policy=Policy(read_failure="recompute"))
+    notes = handoff(rig, "r")
+    keys = block_keys(TOKS, 4)
+    rig.store.evict([f"{keys[1]}_key_0"])  # rank 0 lost block 1: both ranks keep only block 0
+    deliver(rig, notes)
+    rig.dd.run_until_idle()
+    [rc] = rig.notices(rig.dd, C.Recompute)
+    assert rc.from_token == 4 and rig.D.state_of("r") == "recomputing"
+    rig.D.recompute_done("r")
+    assert rig.D.state_of("r") == "running"
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_error_first_token_ends_d_request(rig):
+    rig.D.reserve("r", TOKS)
+    rig.D.deliver_first_token("r", None, 503)
+    [end] = rig.notices(rig.dd, C.RequestEnded)
+    assert (end.state, end.error_code) == ("failed", 503)
+    assert_clean(rig)
+
+
+def test_first_token_deadline_on_tick_alone():
+    rig = Rig(first_token_timeout=3.0)
+    rig.D.reserve("r", TOKS)
+    rig.clock.advance(2.9)
+    rig.D.tick()
+    assert rig.D.state_of("r") == "reserved"
+    rig.clock.advance(0.2)
+    assert rig.D.tick() == 1  # no new work arrived: the tick alone fires the deadline
+    [end] = rig.notices(rig.dd, C.RequestEnded)
+    assert (end.state, end.error_code) == ("failed", 504)
+    assert_clean(rig)
+
+
+# -- deadlines, late and stale answers ----------------------------------------------------------------
+def test_silent_rank_expires_then_pins_until_grace(rig):
+    notes = handoff(rig, "r")
+    deliver(rig, notes)
+    rig.dd.pump()
+    read = next(iter(rig.dd.pending.values()))
+    rig.dd.complete(read.command_id, 0)
+    rig.dd.drop(read.command_id, 1)  # rank 1 never answers
+    rig.clock.advance(10.01)
+    rig.D.tick()
+    [end] = rig.notices(rig.dd, C.RequestEnded)
+    assert (end.state, end.error_code) == ("failed", 502)
+    assert rig.D.live_requests() == []
+    pinned = set(read.block_ids)
+    assert set(rig.D.pinned_blocks()) == pinned and rig.D.pool.num_used == len(pinned)
+    rig.clock.advance(5.0)
+    rig.D.tick()
+    assert rig.D.pool.num_used == 0 and rig.D.counters["forced_releases"] == 1
+
+
+def test_late_answer_unpins_and_stale_answer_is_ignored(rig):
+    deliver(rig, handoff(rig, "r"))
+    rig.dd.pump()
+    read = next(iter(rig.dd.pending.values()))
+    rig.dd.complete(read.command_id, 0)
+    rig.clock.advance(11)
+    rig.D.tick()
+    assert rig.D.pool.num_used > 0
+    rig.dd.complete(read.command_id, 1)  # late: recorded, unpins, changes no request
+    assert rig.D.pool.num_used == 0 and rig.D.counters["late_completions"] == 1
+    assert rig.D.complete(Completion(read.command_id, 1, 3)) is False
+    assert rig.D.counters["stale_completions"] == 1
+
+
+def test_completion_validation(rig):
+    rig.D.reserve("r", TOKS)
+    rig.D.deliver_first_token("r", 5)
+    rig.dd.pump()
+    read = next(iter(rig.dd.pending.values()))
+    for bad in (Completion(read.command_id, 7, 1), Completion(read.command_id, 0, 99),
+                Completion(read.command_id, 0, -1)):
+        with pytest.raises(ValidationError):
+            rig.D.complete(bad)
+    rig.dd.complete(read.command_id, 0)
+    with pytest.raises(ValidationError, match="already answered"):
+        rig.D.complete(Completion(read.command_id, 0, 1))
+    assert rig.D.state_of("r") == "reading"
+
+
+# -- abort -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", ["waiting", "querying_prefix", "prefilling", "querying", "writing"])
+def test_abort_prefill_in_every_state_frees_after_transfer(stage):
+    rig = Rig(blocks=3, policy=Policy(transfer_timeout=10.0))
+    if stage == "waiting":
+        rig.P.admit("hog", TOKS)
+    rig.P.admit("r", TOKS)
+    rig.pd.pump()
+    if stage not in ("waiting", "querying_prefix"):
+        for (cid, rank) in list(rig.pd.pending):
+            rig.pd.complete(cid, rank)
+        rig.pd.pump()
+        if stage in ("querying", "writing"):
+            rig.P.prefill_done("r", 1)
+            rig.pd.pump()
+        if stage == "writing":
+            for (cid, rank) in list(rig.pd.pending):
+                rig.pd.complete(cid, rank)
+            rig.pd.pump()
+    assert rig.P.state_of("r") == stage
+    rig.P.abort("r")
+    [end] = [n for n in rig.notices(rig.pd, C.RequestEnded) if n.request_id == "r"]
+    assert (end.state, end.error_code) == ("aborted", 499)
+    assert "r" not in rig.P.live_requests()
+    pinned = rig.P.pinned_blocks()
+    assert rig.P.pool.num_used == len(pinned) + len(rig.P.blocks_of("hog") if stage == "waiting" else ())
+    for (cid, rank) in list(rig.pd.pending):
+        rig.pd.complete(cid, rank)
+    if stage == "waiting":
+        rig.P.abort("hog")
+    assert rig.P.pool.num_used == 0
+
+
+def test_abort_mid_read_keeps_blocks_until_read_answers(rig):
+    deliver(rig, handoff(rig, "r"))
+    rig.dd.pump()
+    blocks = set(rig.D.blocks_of("r"))
+    rig.D.abort("r")
+    assert rig.D.pool.num_used == len(next(iter(rig.dd.pending.values())).block_ids)
+    assert all(rig.D.pool.refcount(b) == 1 for b in rig.D.pinned_blocks())
+    pinned = set(rig.D.pinned_blocks())
+    assert pinned and pinned <= blocks
+    rig.D.reserve("other", list(range(4 * 60)))  # takes every free block, never a pinned one
+    assert pinned.isdisjoint(rig.D.blocks_of("other"))
+    rig.dd.run_until_idle()
+    rig.D.abort("other")
+    assert_clean(rig)
+
+
+# -- preemption --------------------------------------------------------------------------------
+def _running(rig, rid="r"):
+    deliver(rig, handoff(rig, rid))
+    rig.dd.run_until_idle()
+    rig.notices(rig.dd)
+    assert rig.D.state_of(rid) == "running"
+
+
+def test_preempt_writes_back_then_frees_then_reloads_same_bytes(rig):
+    _running(rig)
+    rig.D.append_tokens("r", [1, 2, 3])
+    toks = TOKS + [7, 1, 2, 3]
+    blocks = rig.D.blocks_of("r")
+    keys = block_keys(toks[:-1], 4)
+    for i, k in enumerate(keys):
+        for r in range(2):
+            for kind in rig.spec.kinds:
+                rig.db.fill_block(r, kind, blocks[i], pattern(k, r, kind, rig.spec.block_bytes(kind)))
+    rig.D.preempt("r")
+    assert rig.D.state_of("r") == "preempt_writing"
+    assert rig.D.pool.num_used == len(blocks)  # not freed before the write answered
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "preempted" and rig.D.pool.num_used == 0
+    for b in blocks:  # scribble over the freed blocks
+        for r in range(2):
+            for kind in rig.spec.kinds:
+                rig.db.fill_block(r, kind, b, bytes(rig.spec.block_bytes(kind)))
+    new = rig.D.resume("r")
+    assert rig.D.state_of("r") == "reloading"
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running"
+    assert d_matches(rig, toks[:-1], new)
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_preempt_recompute_policy_frees_at_once():
+    rig = Rig(policy=Policy(preempt="recompute"))
+    _running(rig)
+    rig.D.append_tokens("r", [1])
+    rig.D.preempt("r")
+    assert rig.D.state_of("r") == "preempted" and rig.D.pool.num_used == 0
+    rig.D.resume("r")
+    [rc] = rig.notices(rig.dd, C.Recompute)
+    assert rc.from_token == 0
+    rig.D.recompute_done("r")
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_failed_write_back_falls_back_to_recompute():
+    rig = Rig(policy=Policy(write_retries=0))
+    _running(rig)
+    rig.D.preempt("r")
+    rig.dd.pump()
+    for (cid, rank) in list(rig.dd.pending):
+        rig.dd.complete(cid, rank, "fail")
+    assert rig.D.state_of("r") == "preempted"
+    rig.D.resume("r")
+    assert rig.D.state_of("r") == "recomputing"
+
+
+def test_preempt_mid_read_then_resume_reloads(rig):
+    deliver(rig, handoff(rig, "r"))
+    rig.dd.pump()
+    rig.D.preempt("r")
+    assert rig.D.state_of("r") == "preempted"
+    rig.dd.run_until_idle()  # the abandoned read answers: its pins drop
+    assert rig.D.pool.num_used == 0
+    new = rig.D.resume("r")
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS, new)
+
+
+# -- growth and reservations -----------------------------------------------------------------------
+def test_append_tokens_allocates_on_block_boundaries(rig):
+    _running(rig)
+    n0 = len(rig.D.blocks_of("r"))  # 11 tokens (prompt + first) in 3 blocks
+    assert rig.D.append_tokens("r", [1]) == ()
+    assert len(rig.D.append_tokens("r", [2])) == 1 and len(rig.D.blocks_of("r")) == n0 + 1
+
+
+def test_reserve_keeps_headroom_for_running_requests():
+    rig = Rig(blocks=10, policy=Policy(decode_headroom_blocks=2))
+    _running(rig, "a")  # 3 blocks, running -> 2 blocks headroom
+    assert rig.D.can_reserve(4 * 5 - 1)  # 5 blocks: 7 free - 5 = 2 >= 2
+    assert not rig.D.can_reserve(4 * 6 - 1)
+    with pytest.raises(OutOfBlocksError, match="'b'"):
+        rig.D.reserve("b", list(range(4 * 6 - 1)))
+    assert "b" not in rig.D.live_requests() and rig.D.pool.num_used == 3
+
+
+def test_prefill_waits_fifo_for_blocks():
+    rig = Rig(blocks=4, policy=Policy(read_prefix=False))
+    assert rig.P.admit("a", TOKS) == "prefilling"
+    assert rig.P.admit("b", TOKS) == "waiting"
+    rig.P.abort("a")
+    assert rig.P.state_of("b") == "prefilling"
+
+
+# -- bad events change nothing -------------------------------------------------------------------
+def test_unknown_and_recycled_requests(rig):
+    with pytest.raises(UnknownRequestError, match="unknown"):
+        rig.D.finish("nope")
+    _running(rig)
+    rig.D.finish("r")
+    with pytest.raises(UnknownRequestError, match="already ended"):
+        rig.D.deliver_first_token("r", 1)
+
+
+def test_illegal_event_names_request_state_and_changes_nothing(rig):
+    rig.D.reserve("r", TOKS)
+    before = (rig.D.state_of("r"), rig.D.blocks_of("r"), rig.D.pool.stats())
+    for call in (lambda: rig.D.finish("r"), lambda: rig.D.resume("r"), lambda: rig.D.preempt("r"),
+                 lambda: rig.D.append_tokens("r", [1])):
+        with pytest.raises(InvalidTransitionError, match="'r' is in state 'reserved'"):
+            call()
+    assert (rig.D.state_of("r"), rig.D.blocks_of("r"), rig.D.pool.stats()) == before
+    rig.D.deliver_first_token("r", 3)
+    with pytest.raises(InvalidTransitionError):
+        rig.D.deliver_first_token("r", 3)  # duplicate first token
+    assert rig.D.state_of("r") == "reading"
+
+
+@pytest.mark.parametrize("call,err", [
+    (lambda r: r.P.admit("", TOKS), ValidationError),
+    (lambda r: r.P.admit(5, TOKS), ValidationError),
+    (lambda r: r.P.admit("x", []), ValidationError),
+    (lambda r: r.P.admit("x", [1, -2]), ValidationError),
+    (lambda r: r.P.admit("x", [1.0]), ValidationError),
+    (lambda r: r.P.admit("x", "abc"), ValidationError),
+    (lambda r: r.P.admit("x", list(range(4 * 65))), ValidationError),  # can never fit the pool
+    (lambda r: r.P.admit("x", TOKS, extra_keys={9: ["m"]}), ValidationError),
+    (lambda r: r.D.reserve("x", [True, "a"]), ValidationError),
+    (lambda r: r.D.can_reserve(0), ValidationError),
+])
+def test_bad_arguments_rejected_before_any_change(rig, call, err):
+    before = (rig.P.pool.stats(), rig.D.pool.stats(), rig.P.live_requests(), rig.D.live_requests())
+    with pytest.raises(err):
+        call(rig)
+    assert before == (rig.P.pool.stats(), rig.D.pool.stats(), rig.P.live_requests(), rig.D.live_requests())
+
+
+def test_duplicate_request_id(rig):
+    rig.P.admit("x", TOKS)
+    with pytest.raises(DuplicateRequestError, match="'x' is already live"):
+        rig.P.admit("x", TOKS)
+
+
+def test_caller_token_list_is_not_mutated(rig):
+    toks = list(TOKS)
+    rig.D.reserve("r", toks)
+    rig.D.deliver_first_token("r", 9)
+    rig.dd.run_until_idle()
+    assert toks == TOKS

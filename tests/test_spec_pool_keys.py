@@ -1,0 +1,141 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstate import BlockError, BlockPool, CacheSpec, ConfigError, OutOfBlocksError, ValidationError
+from kvstate.keys import block_keys, rank_key
+
+
+# -- CacheSpec ---------------------------------------------------------------------------------
+def test_spec_sizes_bf16_with_v():
+    s = CacheSpec(num_layers=32, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", extra_layers=1)
+    assert s.layers == 33
+    assert s.kinds == ("key", "value")
+    assert s.chunk_bytes() == 8 * 64 * 128 * 2 == 128 * 1024
+    assert s.block_bytes("key") == 33 * 128 * 1024
+    assert s.bytes_per_block_per_rank == 2 * 33 * 128 * 1024
+    assert s.blocks_for(65) == 2 and s.blocks_for(64) == 1
+
+
+def test_spec_mla_and_fp8_scales():
+    s = CacheSpec(num_layers=2, kv_heads=1, block_size=16, head_dim=576, dtype="uint8", has_value=False,
+                  fp8_scales=True, tp_size=4)
+    assert s.kinds == ("key", "key_scale")
+    assert s.chunk_bytes("key") == 16 * 576
+    assert s.chunk_bytes("key_scale") == 16 * 4  # one float32 per (head, token)
+    assert s.bytes_per_block == 4 * s.bytes_per_block_per_rank
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="float32"), dict(num_layers=0), dict(block_size=-1),
+                                dict(tp_size=0), dict(extra_layers=-1), dict(fp8_scales=True),
+                                dict(head_dim=1.5)])
+def test_spec_rejects(kw):
+    args = dict(num_layers=2, kv_heads=1, block_size=4, head_dim=8)
+    args.update(kw)
+    with pytest.raises(ConfigError):
+        CacheSpec(**args)
+
+
+# -- BlockPool ---------------------------------------------------------------------------------
+def test_pool_allocate_zero_gives_nothing():
+    p = BlockPool(4)
+    assert p.allocate(0) == [] and p.num_free == 4
+
+
+def test_pool_allocate_free_roundtrip_and_stats():
+    p = BlockPool(8)
+    a = p.allocate(3)
+    assert sorted(a) == [0, 1, 2] and p.num_free == 5
+    b = p.allocate(5)
+    assert set(a).isdisjoint(b)
+    with pytest.raises(OutOfBlocksError):
+        p.allocate(1)
+    assert p.free(a) == 3
+    st = p.stats()
+    assert (st.total, st.free, st.used, st.peak_used) == (8, 3, 5, 8)
+
+
+def test_pool_double_free_names_block_and_changes_nothing():
+    p = BlockPool(4)
+    a = p.allocate(2)
+    p.free([a[0]])
+    before = p.stats()
+    with pytest.raises(BlockError, match=f"block {a[0]} is free"):
+        p.free([a[1], a[0]])  # the valid id a[1] must not be freed either
+    assert p.stats() == before and p.refcount(a[1]) == 1
+
+
+@pytest.mark.parametrize("ids,msg", [([9], "out of range"), ([-1], "out of range"), ([0, 0], "twice"),
+                                     (["x"], "not an int"), ([True], "not an int")])
+def test_pool_rejects_bad_ids(ids, msg):
+    p = BlockPool(4)
+    p.allocate(4)
+    with pytest.raises(BlockError, match=msg):
+        p.free(ids)
+    assert p.num_free == 0
+
+
+def test_pool_sharing_refcounts():
+    p = BlockPool(4)
+    a = p.allocate(2)
+    p.share(a)
+    assert p.stats().shared == 2
+    assert p.free(a) == 0 and p.num_free == 2  # still held once
+    assert p.free(a) == 2 and p.num_free == 4
+    with pytest.raises(BlockError):
+        p.share(a)  # free blocks cannot be shared
+
+
+def test_pool_headroom():
+    p = BlockPool(10)
+    assert p.can_allocate(6, headroom=4) and not p.can_allocate(7, headroom=4)
+    with pytest.raises(OutOfBlocksError):
+        p.allocate(7, headroom=4)
+    assert p.num_free == 10
+    with pytest.raises(ValidationError):
+        p.can_allocate(-1)
+
+
+# -- storage keys --------------------------------------------------------------------------------
+def test_keys_chain_and_partial_suffix():
+    toks = list(range(10))
+    keys = block_keys(toks, 4)
+    assert len(keys) == 3
+    assert keys[2].endswith(":partial:2") and ":partial:" not in keys[0]
+    assert block_keys(toks[:8], 4) == keys[:2]  # full blocks do not depend on what follows
+    changed = block_keys([99] + toks[1:], 4)
+    assert all(a != b for a, b in zip(keys, changed))  # an early change propagates down the chain
+
+
+def test_keys_never_mutate_and_extra_keys_change_hash():
+    toks = [1, 2, 3, 4, 5]
+    copy = list(toks)
+    k1 = block_keys(toks, 4)
+    k2 = block_keys(toks, 4, extra_keys={0: ["image-abc"]})
+    assert toks == copy
+    assert k1[0] != k2[0] and k1[1] != k2[1]
+    assert block_keys(toks, 4, namespace="llama3").__getitem__(0).startswith("llama3/")
+    with pytest.raises(ValidationError):
+        block_keys(toks, 4, extra_keys={5: ["x"]})
+
+
+def test_keys_stable_across_processes():
+    code = "from kvstate.keys import block_keys; print(block_keys(list(range(37)), 16)[-1])"
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout)
+    assert len(outs) == 1 and block_keys(list(range(37)), 16)[-1] + "\n" in outs
+
+
+@pytest.mark.parametrize("toks", [[1.5], ["a"], [-3], "abc", [2**64]])
+def test_keys_reject_bad_tokens(toks):
+    with pytest.raises(ValidationError):
+        block_keys(toks, 4)
+
+
+def test_rank_key():
+    assert rank_key("abc", "value", 3) == "abc_value_3"

@@ -1,0 +1,114 @@
+"""Embedded stores and the reference backend on real bytes."""
+import numpy as np
+import pytest
+from conftest import small_spec
+
+from kvstate import StoreError, ValidationError
+from kvstate.backends import FileStore, MemoryStore, ReferenceBackend
+from kvstate.keys import block_keys
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request, tmp_path):
+    return MemoryStore(1 << 20) if request.param == "memory" else FileStore(tmp_path / "pool")
+
+
+def test_put_get_exist_roundtrip(store):
+    a, b = np.arange(16, dtype=np.uint8), np.arange(8, dtype=np.float16)
+    assert store.batch_put_from(["a", "b"], [a, b]) == [0, 0]
+    assert store.batch_is_exist(["a", "zz", "b"]) == [1, 0, 1]
+    out_a, out_b = np.zeros(16, np.uint8), np.zeros(8, np.float16)
+    assert store.batch_get_into(["a", "b", "zz"], [out_a, out_b, np.zeros(4, np.uint8)]) == [16, 16, -1]
+    assert (out_a == a).all() and (out_b == b).all()
+    assert store.batch_get_into(["a"], [np.zeros(4, np.uint8)]) == [-1]  # buffer too small: a miss
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.batch_put_from(["a"], []),
+    lambda s: s.batch_put_from([""], [b"x"]),
+    lambda s: s.batch_put_from(["a" * 600], [b"x"]),
+    lambda s: s.batch_put_from("ab", [b"x", b"y"]),
+    lambda s: s.batch_get_into(["a"], [object()]),
+    lambda s: s.batch_get_into(["a"], [np.zeros((4, 4))[:, ::2]]),
+])
+def test_store_validation(store, call):
+    with pytest.raises(ValidationError):
+        call(store)
+    assert store.batch_is_exist(["a"]) == [0]
+
+
+def test_memory_store_lru_eviction_is_silent():
+    s = MemoryStore(100)
+    for k in "abc":
+        s.batch_put_from([k], [bytes(40)])
+    assert s.batch_is_exist(list("abc")) == [0, 1, 1] and s.evictions == 1
+    s.batch_get_into(["b"], [bytearray(40)])  # b is now most recent
+    s.batch_put_from(["d"], [bytes(40)])
+    assert s.batch_is_exist(list("bcd")) == [1, 0, 1] and s.used_bytes == 80
+    assert s.batch_put_from(["huge"], [bytes(101)]) == [-1]
+    with pytest.raises(ValidationError):
+        MemoryStore(0)
+
+
+def test_file_store_survives_restart_and_writes_atomically(tmp_path):
+    s = FileStore(tmp_path)
+    s.batch_put_from(["k:partial:3"], [b"hello"])
+    again = FileStore(tmp_path)
+    buf = bytearray(5)
+    assert again.batch_get_into(["k:partial:3"], [buf]) == [5] and bytes(buf) == b"hello"
+    assert not [p for p in tmp_path.rglob(".tmp-*")]  # no torn temp files left
+    assert again.evict(["k:partial:3"]) == 1 and again.batch_is_exist(["k:partial:3"]) == [0]
+
+
+def test_file_store_unwritable_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(StoreError, match="not writable"):
+        FileStore(f / "sub")
+
+
+def test_backend_roundtrip_two_ranks_and_partial_read():
+    spec = small_spec(tp=2)
+    store = MemoryStore(1 << 22)
+    p, d = ReferenceBackend(spec, 8, store), ReferenceBackend(spec, 8, store)
+    rng = np.random.default_rng(1)
+    for rank in range(2):
+        for kind in spec.kinds:
+            for layer in p.caches[rank][kind]:
+                layer[:] = rng.integers(0, 1000, layer.shape)
+    keys = block_keys(list(range(11)), 4)
+    assert d.query(0, keys) == 0
+    assert p.write(0, keys, [5, 1, 2]) == 3 and p.write(1, keys, [5, 1, 2]) == 3
+    assert d.query(1, keys) == 3
+    assert d.read(1, keys, [0, 3, 7]) == 3
+    for kind in spec.kinds:
+        assert d.block_bytes(1, kind, 3) == p.block_bytes(1, kind, 1)
+    store.evict([f"{keys[1]}_value_0"])
+    assert d.query(0, keys) == 1
+    before = d.block_bytes(0, "key", 6)
+    assert d.read(0, keys, [4, 6, 7]) == 1  # block 1 is missing: only the leading block is scattered
+    assert d.block_bytes(0, "key", 6) == before
+    assert d.block_bytes(0, "key", 4) == p.block_bytes(0, "key", 5)
+
+
+def test_backend_fp8_mla_spec_roundtrip():
+    spec = small_spec(tp=1, dtype="uint8", has_value=False, fp8_scales=True)
+    store = MemoryStore(1 << 20)
+    p, d = ReferenceBackend(spec, 4, store), ReferenceBackend(spec, 4, store)
+    p.caches[0]["key_scale"][1][2] = 0.5
+    keys = block_keys([1, 2, 3], 4)
+    p.write(0, keys, [2])
+    assert d.read(0, keys, [0]) == 1
+    assert d.caches[0]["key_scale"][1][0].tolist() == p.caches[0]["key_scale"][1][2].tolist()
+    assert set(spec.kinds) == {"key", "key_scale"}
+
+
+def test_backend_validation():
+    spec = small_spec(tp=2)
+    b = ReferenceBackend(spec, 4, MemoryStore(1 << 20))
+    with pytest.raises(ValidationError):
+        b.write(2, ["k"], [0])
+    with pytest.raises(ValidationError):
+        b.read(0, ["k", "j"], [0])
+    with pytest.raises(ValidationError):
+        ReferenceBackend(spec, 0, MemoryStore(1 << 20))
