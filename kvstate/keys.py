@@ -37,16 +37,14 @@ def block_keys(
 
 
 def pack_tokens(token_ids: Sequence[int]) -> array:
-    """Token ids as an int64 array; raises :class:`ValidationError` for anything but ints >= 0."""
+    """Token ids as a uint64 array; raises :class:`ValidationError` for anything but ints >= 0."""
     if isinstance(token_ids, (str, bytes)):
         raise ValidationError("token ids must be a sequence of ints, not a string")
     try:
-        packed = array("q", token_ids)
+        # unsigned 64-bit: negative ids and non-ints are rejected by the conversion itself
+        return array("Q", token_ids)
     except (TypeError, OverflowError) as e:
-        raise ValidationError(f"token ids must be ints in int64 range ({e})") from None
-    if packed and min(packed) < 0:
-        raise ValidationError(f"token ids must be >= 0, got {min(packed)}")
-    return packed
+        raise ValidationError(f"token ids must be ints in 0..2**64-1 ({e})") from None
 
 
 def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
@@ -60,22 +58,22 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
             if not isinstance(idx, int) or not 0 <= idx < nblocks:
                 raise ValidationError(f"block_keys: extra_keys names block {idx!r}, outside 0..{nblocks - 1}")
     step = block_size * 8
+    full = (n // block_size) * step
     keys: list[str] = []
+    append = keys.append
+    view = memoryview(packed)
+    prefix = namespace + KEY_PREFIX_SEP if namespace else ""
     prev = namespace.encode()
     for i, start in enumerate(range(0, n * 8, step)):
         h = _sha256(prev)
-        h.update(packed[start:start + step])
+        h.update(view[start:start + step])
         if extra_keys and i in extra_keys:
             for extra in extra_keys[i]:
                 h.update(b"\x00" + str(extra).encode())
         key = h.hexdigest()
-        filled = min(block_size, n - i * block_size)
-        if filled < block_size:
-            key = f"{key}:partial:{filled}"
-        if namespace:
-            keys.append(namespace + KEY_PREFIX_SEP + key)
-        else:
-            keys.append(key)
+        if start >= full:  # the last, incomplete block
+            key = f"{key}:partial:{n - i * block_size}"
+        append(prefix + key)
         prev = key.encode()
     return keys
 

@@ -86,7 +86,7 @@ def _check_request_id(request_id: Any) -> None:
 
 
 def _check_tokens(request_id: str, token_ids: Any) -> array:
-    """Validated token ids as our own int64 array: the caller's list is never mutated."""
+    """Validated token ids as our own uint64 array: the caller's list is never mutated."""
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise ValidationError(f"request {request_id!r}: token_ids must be a sequence of ints")
     if not token_ids:
@@ -167,6 +167,8 @@ class Lifecycle:
     # -- commands out, completions and time in -------------------------------------------------
     def poll_commands(self) -> list[C.Command]:
         """Every command queued since the last poll, oldest first."""
+        if not self._out:
+            return []
         out = list(self._out)
         self._out.clear()
         return out
@@ -288,7 +290,8 @@ class Lifecycle:
             return
         req.cmd = 0
         counts = p.counts
-        eff = min(counts.get(r, 0) for r in p.cmd.ranks)  # TP: the minimum over every rank
+        # TP: the minimum over every rank; a rank that never answered counts 0
+        eff = min(counts.values()) if len(counts) == len(p.cmd.ranks) else 0
         self._fire(req, p.trigger, eff)
 
     def _retire(self, p: _Pending) -> None:

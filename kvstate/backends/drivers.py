@@ -63,6 +63,8 @@ class StepDriver:
     def pump(self) -> int:
         """Move newly queued commands in; returns how many arrived."""
         cmds = self.lifecycle.poll_commands()
+        if not cmds:
+            return 0
         pending, notices, on_notice = self.pending, self.notices, self.on_notice
         for cmd in cmds:
             if isinstance(cmd, C.TransferCommand):
