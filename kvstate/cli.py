@@ -28,8 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=_positive_int, default=64, help="number of requests (default 64)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     d.add_argument("--tp", type=_positive_int, default=2, help="TP ranks per instance (default 2)")
-    d.add_argument("--store", choices=("memory", "file"), default="memory", help="storage pool (default memory)")
+    d.add_argument("--store", choices=("memory", "file", "mooncake"), default="memory",
+                   help="storage pool (default memory)")
     d.add_argument("--store-dir", help="directory of the file store (with --store file)")
+    d.add_argument("--master", help="Mooncake master HOST:PORT (with --store mooncake)")
+    d.add_argument("--metadata", help="Mooncake metadata server URL, e.g. http://HOST:8080/metadata")
+    d.add_argument("--protocol", choices=("tcp", "rdma"), default="tcp", help="Mooncake transport (default tcp)")
+    d.add_argument("--start-master", action="store_true",
+                   help="start a local mooncake_master on free loopback ports for this run, stop it after")
     d.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight (default 8)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     g = sub.add_parser("diagram", help="print each lifecycle machine's diagram (mermaid), drawn from the machines")
@@ -37,16 +43,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, format_summary, run_demo
+
+    cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store,
+                     store_dir=args.store_dir, concurrency=args.concurrency)
+    master = None
+    try:
+        if args.store == "mooncake":
+            from .backends.mooncake import MooncakeConfig, MooncakeMaster, MooncakeStore
+            from .errors import ConfigError
+
+            if args.start_master:
+                if args.master or args.metadata:
+                    raise ConfigError("--start-master starts its own master: drop --master/--metadata")
+                master = MooncakeMaster().start()
+                mc = master.config(protocol=args.protocol)
+            elif not (args.master and args.metadata):
+                raise ConfigError("--store mooncake needs --master HOST:PORT and --metadata URL, or --start-master")
+            else:
+                mc = MooncakeConfig(master=args.master, metadata=args.metadata, protocol=args.protocol)
+            mc.validate()
+            cfg.store, cfg.store_factory = "custom", lambda spec: MooncakeStore(mc)
+        elif args.start_master or args.master or args.metadata:
+            from .errors import ConfigError
+
+            raise ConfigError("--master, --metadata and --start-master go with --store mooncake")
+        s = run_demo(cfg)
+    finally:
+        if master is not None:
+            master.stop()
+    print(json.dumps(s, sort_keys=True) if args.json else format_summary(s))
+    return 0 if s["integrity_ok"] and s["leaked_blocks"] == 0 else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.cmd == "demo":
-            from .demo import DemoConfig, format_summary, run_demo
-
-            s = run_demo(DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store,
-                                    store_dir=args.store_dir, concurrency=args.concurrency))
-            print(json.dumps(s, sort_keys=True) if args.json else format_summary(s))
-            return 0 if s["integrity_ok"] and s["leaked_blocks"] == 0 else 1
+            return _demo(args)
         from .machines import MACHINES, mermaid
 
         names = [args.machine] if args.machine else list(MACHINES)

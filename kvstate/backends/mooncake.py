@@ -1,0 +1,322 @@
+"""The Mooncake store backend: kvstate's :class:`Store` over ``MooncakeDistributedStore``.
+
+Version: ``mooncake-transfer-engine`` 0.3.12 and newer need the NVIDIA driver library
+(``libcuda``) just to import, so they cannot run on a CPU-only host; kvstate pins
+0.3.10.post2, which needs only ``libcudart.so.12``. That library comes from the pip package
+``nvidia-cuda-runtime-cu12`` and is loaded here before the import, so no LD_LIBRARY_PATH is
+needed. The transfer engine also links ``libibverbs`` (Debian: ``libibverbs1
+ibverbs-providers``), even over tcp.
+
+Data path: every batch goes through one staging buffer registered with the store once at
+start-up (``register_buffer``); puts copy the caller's buffers into it and call
+``batch_put_from``, gets call ``batch_get_into`` and copy out. Per-key results keep
+Mooncake's meaning: bytes read (a short read is a miss to the backend), negative on error.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, StoreError, ValidationError
+from .stores import MISSING, Store, _check_batch
+
+__all__ = ["MooncakeConfig", "MooncakeStore", "MooncakeMaster", "load_mooncake", "INSTALL_HINT"]
+
+INSTALL_HINT = ("pip install 'kvstate[mooncake]' (mooncake-transfer-engine==0.3.10.post2 and "
+                "nvidia-cuda-runtime-cu12) and apt-get install libibverbs1 ibverbs-providers")
+MAX_MOONCAKE_KEY = 256
+
+
+def load_mooncake() -> Any:
+    """Import ``mooncake.store`` after loading libcudart from the pip package; clear errors."""
+    try:
+        import nvidia.cuda_runtime as cr  # type: ignore[import-not-found]
+        libs = sorted(glob.glob(os.path.join(list(cr.__path__)[0], "lib", "libcudart.so*")))
+        if not libs:
+            raise ImportError("libcudart.so.12 not found in nvidia-cuda-runtime-cu12")
+        ctypes.CDLL(libs[0], mode=ctypes.RTLD_GLOBAL)
+    except ImportError as e:
+        raise StoreError(f"the Mooncake store needs libcudart.so.12 ({e}): {INSTALL_HINT}") from None
+    try:
+        from mooncake import store  # type: ignore[import-not-found]
+    except ImportError as e:
+        hint = "apt-get install libibverbs1 ibverbs-providers" if "ibverbs" in str(e) else INSTALL_HINT
+        raise StoreError(f"cannot import mooncake.store ({e}): {hint}") from None
+    return store
+
+
+def _host_port(value: str, setting: str) -> tuple[str, int]:
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{setting} must be HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """Where the pool is and how this client joins it.
+
+    ``master`` is the master's RPC ``HOST:PORT``; ``metadata`` the metadata server URL (the
+    master's built-in one is ``http://HOST:PORT/metadata``); ``global_segment_size`` the bytes
+    this client contributes to the pool; ``local_buffer_size`` its transfer buffer;
+    ``staging_bytes`` the registered staging buffer every batch goes through.
+    """
+
+    master: str
+    metadata: str
+    protocol: str = "tcp"
+    local_hostname: str = "127.0.0.1"
+    device_name: str = ""
+    global_segment_size: int = 256 << 20
+    local_buffer_size: int = 64 << 20
+    staging_bytes: int = 64 << 20
+    connect_timeout: float = 5.0
+
+    def validate(self) -> None:
+        _host_port(self.master, "master")
+        if not str(self.metadata).startswith(("http://", "etcd://", "P2PHANDSHAKE")):
+            raise ConfigError(f"metadata must be an http:// URL (e.g. http://127.0.0.1:8080/metadata), "
+                              f"got {self.metadata!r}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        for name in ("global_segment_size", "local_buffer_size", "staging_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{name} must be an int > 0, got {v!r}")
+            if v > total:
+                raise ConfigError(f"{name} = {v} bytes is larger than this machine's memory ({total} bytes): "
+                                  "choose a smaller segment")
+        if self.connect_timeout <= 0:
+            raise ConfigError("connect_timeout must be > 0")
+
+
+def _probe(cfg: MooncakeConfig) -> None:
+    host, port = _host_port(cfg.master, "master")
+    try:
+        with socket.create_connection((host, port), timeout=cfg.connect_timeout):
+            pass
+    except OSError as e:
+        raise StoreError(f"Mooncake master {cfg.master} is unreachable ({e}): start mooncake_master there "
+                         "or pass the right --master HOST:PORT (kvstate demo --start-master starts one)") from None
+    if cfg.metadata.startswith("http://"):
+        try:
+            urllib.request.urlopen(cfg.metadata + "?key=kvstate-probe", timeout=cfg.connect_timeout)
+        except urllib.error.HTTPError:
+            pass  # the server answered (404 for an unknown key): it is there
+        except (urllib.error.URLError, OSError) as e:
+            raise StoreError(f"metadata server {cfg.metadata} does not answer ({e}): start the master with "
+                             "--enable_http_metadata_server=true or fix --metadata") from None
+
+
+class MooncakeStore(Store):
+    """A client of a Mooncake pool, behind kvstate's batch store interface."""
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        config.validate()
+        _probe(config)
+        mc = load_mooncake()
+        self.config = config
+        self._lock = threading.Lock()
+        self._closed = False
+        self._store = mc.MooncakeDistributedStore()
+        rc = self._store.setup(config.local_hostname, config.metadata, config.global_segment_size,
+                               config.local_buffer_size, config.protocol, config.device_name, config.master)
+        if rc != 0:
+            raise StoreError(f"Mooncake setup failed with code {rc} (master {config.master}, metadata "
+                             f"{config.metadata}, protocol {config.protocol}, global_segment_size "
+                             f"{config.global_segment_size}): code -600 means invalid parameters, e.g. a "
+                             "segment under 16 MiB")
+        self._staging = np.empty(config.staging_bytes, np.uint8)
+        self._base = self._staging.ctypes.data
+        rc = self._store.register_buffer(self._base, self._staging.nbytes)
+        if rc != 0:
+            self._store.close()
+            raise StoreError(f"Mooncake could not register the {config.staging_bytes}-byte staging buffer "
+                             f"(code {rc})")
+
+    # -- batching through the registered staging buffer --------------------------------------
+    def _groups(self, views: list[memoryview]) -> list[tuple[int, int]]:
+        """Split a batch into [start, end) groups that fit the staging buffer."""
+        groups, start, used = [], 0, 0
+        cap = self._staging.nbytes
+        for i, v in enumerate(views):
+            if v.nbytes > cap:
+                raise ValidationError(f"an object of {v.nbytes} bytes exceeds the {cap}-byte staging buffer "
+                                      "(raise MooncakeConfig.staging_bytes)")
+            if used + v.nbytes > cap:
+                groups.append((start, i))
+                start, used = i, 0
+            used += v.nbytes
+        groups.append((start, len(views)))
+        return groups
+
+    def _check(self, keys: Sequence[str], buffers: Sequence[Any] | None, op: str) -> list[memoryview]:
+        if self._closed:
+            raise StoreError(f"MooncakeStore.{op}: the store is closed")
+        views = _check_batch(keys, buffers, f"MooncakeStore.{op}")
+        for k in keys:
+            if len(k) > MAX_MOONCAKE_KEY:
+                raise ValidationError(f"MooncakeStore.{op}: key {k[:40]!r}... is {len(k)} chars, "
+                                      f"over Mooncake's {MAX_MOONCAKE_KEY}")
+        return views
+
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        views = self._check(keys, buffers, "batch_put_from")
+        out: list[int] = []
+        with self._lock:
+            for a, b in self._groups(views):
+                ptrs, sizes, off = [], [], 0
+                for v in views[a:b]:
+                    self._staging[off:off + v.nbytes] = np.frombuffer(v, np.uint8)
+                    ptrs.append(self._base + off)
+                    sizes.append(v.nbytes)
+                    off += v.nbytes
+                rcs = self._store.batch_put_from(list(keys[a:b]), ptrs, sizes)
+                out.extend(0 if rc == 0 else (rc if rc < 0 else MISSING) for rc in rcs)
+        return out
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        views = self._check(keys, buffers, "batch_get_into")
+        out: list[int] = []
+        with self._lock:
+            for a, b in self._groups(views):
+                ptrs, sizes, offs, off = [], [], [], 0
+                for v in views[a:b]:
+                    ptrs.append(self._base + off)
+                    sizes.append(v.nbytes)
+                    offs.append(off)
+                    off += v.nbytes
+                got = self._store.batch_get_into(list(keys[a:b]), ptrs, sizes)
+                for v, o, n in zip(views[a:b], offs, got):
+                    if n > 0:
+                        v[:n] = memoryview(self._staging)[o:o + n]
+                    out.append(n if n >= 0 else n)
+        return out
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        self._check(keys, None, "batch_is_exist")
+        with self._lock:
+            return [1 if r == 1 else 0 for r in self._store.batch_is_exist(list(keys))]
+
+    def evict(self, keys: Sequence[str]) -> int:
+        """Remove keys now (tests: a pool that evicted them)."""
+        self._check(keys, None, "evict")
+        with self._lock:
+            return sum(1 for rc in self._store.batch_remove(list(keys), True) if rc == 0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            try:
+                self._store.unregister_buffer(self._base)
+            finally:
+                self._store.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _master_binary() -> str:
+    for cand in (Path(sys.executable).parent / "mooncake_master", shutil.which("mooncake_master")):
+        if cand and Path(cand).exists():
+            return str(cand)
+    raise StoreError(f"mooncake_master was not found next to {sys.executable} or on PATH: {INSTALL_HINT}")
+
+
+class MooncakeMaster:
+    """A local ``mooncake_master`` with its HTTP metadata server, on free loopback ports.
+
+    ``start()`` waits until both ports answer; ``stop()`` ends the process by its PID (TERM,
+    then KILL). Use it as a context manager so the server never outlives its owner.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", rpc_port: int | None = None, http_port: int | None = None,
+                 log_path: str | os.PathLike[str] | None = None, extra_args: Sequence[str] = ()) -> None:
+        self.host = host
+        self.rpc_port = rpc_port or _free_port()
+        self.http_port = http_port or _free_port()
+        self.metrics_port = _free_port()
+        self.log_path = log_path
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    def config(self, **overrides: Any) -> MooncakeConfig:
+        return MooncakeConfig(master=self.address, metadata=self.metadata_url, local_hostname=self.host, **overrides)
+
+    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+        cmd = [_master_binary(), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
+               "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
+               f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
+               *self.extra_args]
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if log is not subprocess.DEVNULL:
+            log.close()
+        deadline = time.monotonic() + timeout
+        cfg = MooncakeConfig(master=self.address, metadata=self.metadata_url, connect_timeout=0.5)
+        while True:
+            if self.proc.poll() is not None:
+                raise StoreError(f"mooncake_master exited with code {self.proc.returncode} at start "
+                                 f"(ports {self.rpc_port}/{self.http_port})")
+            try:
+                _probe(cfg)
+                return self
+            except StoreError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise StoreError(f"mooncake_master did not answer within {timeout}s") from None
+                time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        os.kill(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout)
+
+    def kill(self) -> None:
+        """Kill -9 (a crash), for failure tests."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,219 @@
+"""The Mooncake store for real: a mooncake_master on loopback, real KV bytes, failures."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import Rig, has_module, small_spec
+from test_lifecycle import TOKS, assert_clean, d_matches, deliver, handoff
+
+from kvstate import ConfigError, Policy, StoreError, ValidationError
+from kvstate import commands as C
+
+pytestmark = [
+    pytest.mark.mooncake,
+    pytest.mark.skipif(not has_module("mooncake"),
+                       reason="mooncake-transfer-engine is not installed (pip install '.[mooncake]')"),
+]
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    from kvstate.backends.mooncake import MooncakeMaster
+
+    with MooncakeMaster(log_path=tmp_path_factory.mktemp("mc") / "master.log") as m:
+        yield m
+    assert m.proc is None  # stopped by its PID
+
+
+def mstore(master, **kw):
+    from kvstate.backends.mooncake import MooncakeStore
+
+    kw.setdefault("global_segment_size", 64 << 20)
+    kw.setdefault("staging_bytes", 8 << 20)
+    return MooncakeStore(master.config(**kw))
+
+
+def test_demo_roundtrip_two_ranks(master):
+    from kvstate.demo import DemoConfig, run_demo
+
+    s = run_demo(DemoConfig(requests=24, tp=2, store="custom", store_factory=lambda spec: mstore(master)))
+    assert s["store"] == "MooncakeStore" and s["integrity_ok"] and s["leaked_blocks"] == 0
+    assert s["bytes_moved"] > 0 and s["finished"] > 0
+
+
+def test_exists_and_skip_already_stored(master):
+    store = mstore(master)
+    puts: list[int] = []
+    orig = store.batch_put_from
+    store.batch_put_from = lambda keys, bufs: (puts.append(len(keys)), orig(keys, bufs))[1]
+    rig = Rig(tp=2, store=store)
+    try:
+        deliver(rig, handoff(rig, "a"))
+        rig.dd.run_until_idle()
+        [sd] = rig.notices(rig.dd, C.StartDecode)
+        assert d_matches(rig, TOKS, sd.block_ids)
+        rig.D.finish("a")
+        written = sum(puts)
+        assert written == 3 * 2 * 2  # 3 blocks x (key, value) on each of 2 ranks
+        assert rig.pb.query(0, rig.P.TABLE and __import__("kvstate").block_keys(TOKS, 4)) == 3
+        deliver(rig, handoff(rig, "b"))  # same prompt: every block found, nothing written
+        assert sum(puts) == written
+        rig.dd.run_until_idle()
+        rig.D.finish("b")
+        assert_clean(rig)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_full_pool_evicts_and_partial_read_runs_policy(master, policy):
+    # A small pool (16 MiB, the smallest segment Mooncake accepts here): ~256 objects of 64 KiB.
+    spec = small_spec(tp=1, num_layers=4, kv_heads=4, block_size=16, head_dim=128)
+    store = mstore(master, global_segment_size=16 << 20)
+    rig = Rig(tp=1, spec=spec, blocks=64, store=store,
+              policy=Policy(read_failure=policy, write_retries=0, read_prefix=False))
+    try:
+        first = list(range(16 * 3))
+        deliver(rig, handoff(rig, "first", first))
+        assert rig.D.state_of("first") == "reading"
+        rig.dd.pump()
+        held = list(rig.dd.pending)  # hold the read back until the pool evicted its blocks
+        from kvstate.keys import block_keys, rank_key
+
+        probe = [rank_key(block_keys(first, 16)[0], "key", 0)]
+        # ~50 MiB of other requests' cache through a 16 MiB pool (an existence probe would
+        # refresh the key's recency, so probe once, at the end)
+        for i in range(100):
+            toks = [1000 + i] + list(range(16 * 4 - 1))
+            rig.P.admit(f"fill{i}", toks)
+            rig.pd.run_until_idle()
+            for n in rig.notices(rig.pd, C.StartPrefill):
+                rig.P.prefill_done(n.request_id, 1)
+            rig.pd.run_until_idle()
+            rig.notices(rig.pd)
+        time.sleep(0.5)
+        assert store.batch_is_exist(probe) == [0], "the pool never evicted"
+        for key in held:  # now the read runs for real and comes back short
+            assert rig.dd.complete(*key).count < 3
+        notes = rig.notices(rig.dd)
+        if policy == "fail":
+            assert [(n.state, n.error_code) for n in notes if isinstance(n, C.RequestEnded)] == [("failed", 502)]
+        else:
+            assert [n.from_token for n in notes if isinstance(n, C.Recompute)] == [0]
+            rig.D.recompute_done("first")
+            rig.D.finish("first")
+        rig.clock.advance(20)
+        rig.D.tick()
+        assert rig.D.live_requests() == [] and rig.D.pool.num_used == 0
+    finally:
+        store.close()
+
+
+def _drive_to_end(rig, deadline_s=60.0):
+    t0 = time.monotonic()
+    while rig.P.live_requests() or rig.D.live_requests() or rig.pd.pending or rig.dd.pending:
+        assert time.monotonic() - t0 < deadline_s, "hung"
+        for drv in (rig.pd, rig.dd):
+            drv.pump()
+            for key in list(drv.pending):
+                drv.complete(*key)
+        for n in rig.notices(rig.pd):
+            if isinstance(n, C.StartPrefill):
+                rig.P.prefill_done(n.request_id, 1)
+            elif isinstance(n, C.SendFirstToken) and n.request_id in rig.D.live_requests():
+                rig.D.deliver_first_token(n.request_id, n.token, n.error_code)
+        for n in rig.notices(rig.dd):
+            if isinstance(n, C.StartDecode):
+                rig.D.finish(n.request_id)
+            elif isinstance(n, C.Recompute):
+                rig.D.recompute_done(n.request_id)
+        rig.clock.advance(1.0)
+        rig.P.tick()
+        rig.D.tick()
+
+
+def test_master_killed_mid_run_then_restarted(tmp_path):
+    from kvstate.backends.mooncake import MooncakeMaster
+
+    m = MooncakeMaster(log_path=tmp_path / "m.log").start()
+    store = mstore(m)
+    rig = Rig(tp=2, store=store, policy=Policy(read_failure="recompute", transfer_timeout=5.0))
+    try:
+        for i in range(6):
+            rig.D.reserve(f"r{i}", [i] + TOKS)
+            rig.P.admit(f"r{i}", [i] + TOKS)
+        rig.pd.pump()
+        m.kill()  # the master dies with every request in flight
+        _drive_to_end(rig)
+        assert rig.P.live_requests() == [] and rig.D.live_requests() == []
+        assert rig.P.pool.num_used == 0 and rig.D.pool.num_used == 0
+        ended = rig.D.counters["done"] + rig.D.counters["failed"]
+        assert ended == 6
+    finally:
+        store.close()
+        m.stop()
+    with MooncakeMaster(log_path=tmp_path / "m2.log") as m2:  # restarted: new requests succeed
+        store2 = mstore(m2)
+        rig2 = Rig(tp=2, store=store2)
+        try:
+            deliver(rig2, handoff(rig2, "new"))
+            rig2.dd.run_until_idle()
+            [sd] = rig2.notices(rig2.dd, C.StartDecode)
+            assert d_matches(rig2, TOKS, sd.block_ids)
+        finally:
+            store2.close()
+
+
+# -- bad input: clear errors naming the setting ---------------------------------------------------
+def test_unreachable_master_and_wrong_metadata(master):
+    from kvstate.backends.mooncake import MooncakeConfig, MooncakeStore
+
+    with pytest.raises(StoreError, match="master 127.0.0.1:1 is unreachable"):
+        MooncakeStore(MooncakeConfig(master="127.0.0.1:1", metadata=master.metadata_url))
+    with pytest.raises(StoreError, match="metadata server .* does not answer"):
+        MooncakeStore(MooncakeConfig(master=master.address, metadata="http://127.0.0.1:1/metadata",
+                                     connect_timeout=1.0))
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(master="nohost"), "HOST:PORT"),
+    (dict(metadata="ftp://x"), "http://"),
+    (dict(protocol="udp"), "protocol"),
+    (dict(global_segment_size=1 << 50), "larger than this machine's memory"),
+    (dict(staging_bytes=0), "staging_bytes"),
+])
+def test_config_rules(kw, msg):
+    from kvstate.backends.mooncake import MooncakeConfig
+
+    args = dict(master="127.0.0.1:50051", metadata="http://127.0.0.1:8080/metadata")
+    args.update(kw)
+    with pytest.raises(ConfigError, match=msg):
+        MooncakeConfig(**args).validate()
+
+
+def test_bad_keys_and_buffers(master):
+    store = mstore(master, staging_bytes=1 << 20)
+    try:
+        with pytest.raises(ValidationError, match="over Mooncake's"):
+            store.batch_put_from(["k" * 300], [b"x"])
+        with pytest.raises(ValidationError, match="staging buffer"):
+            store.batch_put_from(["big"], [np.zeros(2 << 20, np.uint8)])
+        assert store.batch_is_exist(["big"]) == [0]
+    finally:
+        store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.batch_is_exist(["k"])
+
+
+def test_cli_start_master_demo(capsys):
+    from kvstate.cli import main
+
+    assert main(["demo", "--store", "mooncake", "--start-master", "--requests", "8", "--json"]) == 0
+    import json
+
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["integrity_ok"] and s["store"] == "MooncakeStore"
+    assert main(["demo", "--store", "mooncake"]) == 2
+    assert main(["demo", "--master", "127.0.0.1:1"]) == 2
