@@ -21,7 +21,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -131,11 +130,20 @@ class MooncakeStore(Store):
     def __init__(self, config: MooncakeConfig) -> None:
         config.validate()
         _probe(config)
-        mc = load_mooncake()
+        self._mc = load_mooncake()
         self.config = config
         self._lock = threading.Lock()
         self._closed = False
-        self._store = mc.MooncakeDistributedStore()
+        self._staging = np.empty(config.staging_bytes, np.uint8)
+        self._base = self._staging.ctypes.data
+        self._up, self._checked = True, time.monotonic()
+        self.reconnects = 0
+        self._join()
+
+    def _join(self) -> None:
+        """Create a client, join the pool, register the staging buffer."""
+        config = self.config
+        self._store = self._mc.MooncakeDistributedStore()
         rc = self._store.setup(config.local_hostname, config.metadata, config.global_segment_size,
                                config.local_buffer_size, config.protocol, config.device_name, config.master)
         if rc != 0:
@@ -143,13 +151,41 @@ class MooncakeStore(Store):
                              f"{config.metadata}, protocol {config.protocol}, global_segment_size "
                              f"{config.global_segment_size}): code -600 means invalid parameters, e.g. a "
                              "segment under 16 MiB")
-        self._staging = np.empty(config.staging_bytes, np.uint8)
-        self._base = self._staging.ctypes.data
         rc = self._store.register_buffer(self._base, self._staging.nbytes)
         if rc != 0:
             self._store.close()
             raise StoreError(f"Mooncake could not register the {config.staging_bytes}-byte staging buffer "
                              f"(code {rc})")
+
+    # -- liveness: fail fast while the master is down, re-join when it is back ------------------
+    LIVENESS_INTERVAL = 0.5  #: seconds between master probes
+
+    def _ensure_master(self) -> None:
+        """Called under the lock before each batch. A dead master would make Mooncake calls
+        block for seconds in RPC retries; instead every call fails at once with StoreError,
+        and the client re-joins the pool (a new segment, a re-registered buffer) once the
+        master answers again. Objects stored before a restart are gone: reads miss."""
+        now = time.monotonic()
+        if self._up and now - self._checked < self.LIVENESS_INTERVAL:
+            return
+        host, port = _host_port(self.config.master, "master")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                alive = True
+        except OSError:
+            alive = False
+        self._checked = now
+        if not alive:
+            self._up = False
+            raise StoreError(f"Mooncake master {self.config.master} is unreachable: failing fast until it is back")
+        if not self._up:
+            try:
+                self._store.close()
+            except Exception:  # noqa: BLE001 - the old client may already be broken
+                pass
+            self._join()
+            self.reconnects += 1
+            self._up = True
 
     # -- batching through the registered staging buffer --------------------------------------
     def _groups(self, views: list[memoryview]) -> list[tuple[int, int]]:
@@ -181,6 +217,7 @@ class MooncakeStore(Store):
         views = self._check(keys, buffers, "batch_put_from")
         out: list[int] = []
         with self._lock:
+            self._ensure_master()
             for a, b in self._groups(views):
                 ptrs, sizes, off = [], [], 0
                 for v in views[a:b]:
@@ -196,6 +233,7 @@ class MooncakeStore(Store):
         views = self._check(keys, buffers, "batch_get_into")
         out: list[int] = []
         with self._lock:
+            self._ensure_master()
             for a, b in self._groups(views):
                 ptrs, sizes, offs, off = [], [], [], 0
                 for v in views[a:b]:
@@ -207,18 +245,20 @@ class MooncakeStore(Store):
                 for v, o, n in zip(views[a:b], offs, got):
                     if n > 0:
                         v[:n] = memoryview(self._staging)[o:o + n]
-                    out.append(n if n >= 0 else n)
+                    out.append(n)
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         self._check(keys, None, "batch_is_exist")
         with self._lock:
+            self._ensure_master()
             return [1 if r == 1 else 0 for r in self._store.batch_is_exist(list(keys))]
 
     def evict(self, keys: Sequence[str]) -> int:
         """Remove keys now (tests: a pool that evicted them)."""
         self._check(keys, None, "evict")
         with self._lock:
+            self._ensure_master()
             return sum(1 for rc in self._store.batch_remove(list(keys), True) if rc == 0)
 
     def close(self) -> None:
@@ -239,10 +279,19 @@ def _free_port() -> int:
 
 
 def _master_binary() -> str:
-    for cand in (Path(sys.executable).parent / "mooncake_master", shutil.which("mooncake_master")):
-        if cand and Path(cand).exists():
+    """The real ``mooncake_master`` binary shipped in the package (the console script of the
+    same name is a Python wrapper that spawns it, so its PID is not the server's)."""
+    try:
+        import mooncake  # type: ignore[import-not-found]
+        cand = Path(mooncake.__file__).parent / "mooncake_master"
+        if cand.exists():
             return str(cand)
-    raise StoreError(f"mooncake_master was not found next to {sys.executable} or on PATH: {INSTALL_HINT}")
+    except ImportError:
+        pass
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    raise StoreError(f"mooncake_master was not found in the mooncake package or on PATH: {INSTALL_HINT}")
 
 
 class MooncakeMaster:
@@ -301,17 +350,17 @@ class MooncakeMaster:
         p, self.proc = self.proc, None
         if p is None or p.poll() is not None:
             return
-        os.kill(p.pid, signal.SIGTERM)
+        os.killpg(p.pid, signal.SIGTERM)  # its own session: the server and anything it spawned
         try:
             p.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGKILL)
+            os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout)
 
     def kill(self) -> None:
         """Kill -9 (a crash), for failure tests."""
         if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         self.proc = None
 
