@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import random
 import shutil
 import signal
 import socket
@@ -273,9 +274,25 @@ class MooncakeStore(Store):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port below the ephemeral range that binds on every interface (the master's HTTP
+    servers bind 0.0.0.0, and Mooncake's tcp transport leaves many ephemeral ports in
+    TIME_WAIT, where a port the kernel just handed out can still collide)."""
+    lo, hi = 20000, 32000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo_eph = int(f.read().split()[0])
+        hi = min(hi, lo_eph)
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    raise StoreError("no free port found for mooncake_master")
 
 
 def _master_binary() -> str:
@@ -304,6 +321,7 @@ class MooncakeMaster:
     def __init__(self, host: str = "127.0.0.1", rpc_port: int | None = None, http_port: int | None = None,
                  log_path: str | os.PathLike[str] | None = None, extra_args: Sequence[str] = ()) -> None:
         self.host = host
+        self._fixed_ports = bool(rpc_port or http_port)
         self.rpc_port = rpc_port or _free_port()
         self.http_port = http_port or _free_port()
         self.metrics_port = _free_port()
@@ -322,7 +340,19 @@ class MooncakeMaster:
     def config(self, **overrides: Any) -> MooncakeConfig:
         return MooncakeConfig(master=self.address, metadata=self.metadata_url, local_hostname=self.host, **overrides)
 
-    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> MooncakeMaster:
+        """Start the server and wait until it answers; on a port clash retry on fresh ports
+        (only for ports this object chose itself)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except StoreError:
+                if attempt == attempts - 1 or self._fixed_ports:
+                    raise
+                self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> MooncakeMaster:
         cmd = [_master_binary(), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
                "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
                f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
