@@ -182,6 +182,26 @@ def test_master_killed_mid_run_then_restarted(tmp_path):
         m.stop()
 
 
+def test_master_dies_with_a_crashed_owner():
+    import subprocess
+    import sys
+
+    code = ("import os, sys; sys.path.insert(0, %r)\n"
+            "from kvstate.backends.mooncake import MooncakeMaster\n"
+            "m = MooncakeMaster().start(); print(m.proc.pid, flush=True); os._exit(1)" % str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    import os
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    raise AssertionError("mooncake_master outlived its crashed owner")
+
+
 # -- bad input: clear errors naming the setting ---------------------------------------------------
 def test_unreachable_master_and_wrong_metadata(master):
     from kvstate.backends.mooncake import MooncakeConfig, MooncakeStore

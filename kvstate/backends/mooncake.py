@@ -21,6 +21,7 @@ import random
 import shutil
 import signal
 import socket
+import sys
 import subprocess
 import threading
 import time
@@ -295,6 +296,14 @@ def _free_port() -> int:
     raise StoreError("no free port found for mooncake_master")
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the kernel sends SIGKILL to the master if its owner dies, even by a crash."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _master_binary() -> str:
     """The real ``mooncake_master`` binary shipped in the package (the console script of the
     same name is a Python wrapper that spawns it, so its PID is not the server's)."""
@@ -358,7 +367,8 @@ class MooncakeMaster:
                f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
                *self.extra_args]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         if log is not subprocess.DEVNULL:
             log.close()
         deadline = time.monotonic() + timeout
