@@ -215,19 +215,27 @@ class MooncakeStore(Store):
                                       f"over Mooncake's {MAX_MOONCAKE_KEY}")
         return views
 
+    @staticmethod
+    def _offsets(views: Sequence[memoryview]) -> list[int]:
+        """Where each object of a group sits in the staging buffer (back to back)."""
+        offs, off = [], 0
+        for v in views:
+            offs.append(off)
+            off += v.nbytes
+        return offs
+
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = self._check(keys, buffers, "batch_put_from")
         out: list[int] = []
         with self._lock:
             self._ensure_master()
             for a, b in self._groups(views):
-                ptrs, sizes, off = [], [], 0
-                for v in views[a:b]:
-                    self._staging[off:off + v.nbytes] = np.frombuffer(v, np.uint8)
-                    ptrs.append(self._base + off)
-                    sizes.append(v.nbytes)
-                    off += v.nbytes
-                rcs = self._store.batch_put_from(list(keys[a:b]), ptrs, sizes)
+                group = views[a:b]
+                offs = self._offsets(group)
+                for v, o in zip(group, offs):
+                    self._staging[o:o + v.nbytes] = np.frombuffer(v, np.uint8)
+                rcs = self._store.batch_put_from(list(keys[a:b]), [self._base + o for o in offs],
+                                                 [v.nbytes for v in group])
                 out.extend(0 if rc == 0 else (rc if rc < 0 else MISSING) for rc in rcs)
         return out
 
@@ -237,14 +245,11 @@ class MooncakeStore(Store):
         with self._lock:
             self._ensure_master()
             for a, b in self._groups(views):
-                ptrs, sizes, offs, off = [], [], [], 0
-                for v in views[a:b]:
-                    ptrs.append(self._base + off)
-                    sizes.append(v.nbytes)
-                    offs.append(off)
-                    off += v.nbytes
-                got = self._store.batch_get_into(list(keys[a:b]), ptrs, sizes)
-                for v, o, n in zip(views[a:b], offs, got):
+                group = views[a:b]
+                offs = self._offsets(group)
+                got = self._store.batch_get_into(list(keys[a:b]), [self._base + o for o in offs],
+                                                 [v.nbytes for v in group])
+                for v, o, n in zip(group, offs, got):
                     if n > 0:
                         v[:n] = memoryview(self._staging)[o:o + n]
                     out.append(n)
