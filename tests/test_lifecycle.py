@@ -44,6 +44,13 @@ def d_matches(rig, toks, blocks):
                for i in range(len(keys)) for r in range(rig.spec.tp_size) for kind in rig.spec.kinds)
 
 
+def serve(rig, rid, toks=TOKS):
+    """A whole P -> store -> D life with every transfer answered in full."""
+    deliver(rig, handoff(rig, rid, toks))
+    rig.dd.run_until_idle()
+    rig.D.finish(rid)
+
+
 def deliver(rig, notices):
     for n in notices:
         if isinstance(n, C.SendFirstToken):
@@ -75,9 +82,7 @@ def test_handoff_end_to_end_bytes_match(rig):
 
 
 def test_second_request_skips_stored_prefix_and_full_hit_still_sends(rig):
-    deliver(rig, handoff(rig, "a"))
-    rig.dd.run_until_idle()
-    rig.D.finish("a")
+    serve(rig, "a")
     writes_before = rig.store.puts
     # identical prompt: P reads the stored prefix, then finds every block stored: nothing to write
     notes = handoff(rig, "b")
@@ -90,9 +95,7 @@ def test_second_request_skips_stored_prefix_and_full_hit_still_sends(rig):
 
 
 def test_prefix_read_reports_cached_tokens(rig):
-    deliver(rig, handoff(rig, "a"))
-    rig.dd.run_until_idle()
-    rig.D.finish("a")
+    serve(rig, "a")
     toks = TOKS[:8] + [1, 2, 3, 4, 5]  # shares two full blocks
     rig.D.reserve("b", toks)
     rig.P.admit("b", toks)
