@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--protocol", choices=("tcp", "rdma"), default="tcp", help="Mooncake transport (default tcp)")
     d.add_argument("--start-master", action="store_true",
                    help="start a local mooncake_master on free loopback ports for this run, stop it after")
+    d.add_argument("--backend", choices=("reference", "cuda"), default="reference",
+                   help="reference: numpy caches on the CPU (default); cuda: GPU caches through the CUDA kernels")
     d.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight (default 8)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     g = sub.add_parser("diagram", help="print each lifecycle machine's diagram (mermaid), drawn from the machines")
@@ -47,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, format_summary, run_demo
 
     cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store,
-                     store_dir=args.store_dir, concurrency=args.concurrency)
+                     store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend)
     master = None
     try:
         if args.store == "mooncake":

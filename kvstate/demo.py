@@ -42,6 +42,7 @@ class DemoConfig:
     dtype: str = "bfloat16"
     blocks_per_instance: int = 256
     concurrency: int = 8
+    backend: str = "reference"  #: "reference" (numpy, CPU) or "cuda" (GPU caches, P and D on one GPU)
     store_factory: Callable[[CacheSpec], Store] | None = field(default=None, repr=False)
 
     def validate(self) -> None:
@@ -53,6 +54,8 @@ class DemoConfig:
             raise ConfigError(f"--store must be 'memory' or 'file', got {self.store!r}")
         if self.store == "file" and not self.store_dir:
             raise ConfigError("--store file needs --store-dir DIR")
+        if self.backend not in ("reference", "cuda"):
+            raise ConfigError(f"--backend must be 'reference' or 'cuda', got {self.backend!r}")
         if not isinstance(self.concurrency, int) or self.concurrency <= 0:
             raise ConfigError(f"--concurrency must be an int > 0, got {self.concurrency!r}")
 
@@ -95,8 +98,13 @@ class _Demo:
         nb = cfg.blocks_per_instance
         self.P = PrefillLifecycle(self.spec, nb, policy, clock=clock)
         self.D = DecodeLifecycle(self.spec, nb, policy, clock=clock)
-        self.pb = ReferenceBackend(self.spec, nb, self.store)
-        self.db = ReferenceBackend(self.spec, nb, self.store)
+        self.pb = self.db = None
+        try:
+            self.pb = self._backend(nb)
+            self.db = self._backend(nb)
+        except BaseException:
+            self.close()
+            raise
         self.pd = StepDriver(self.P, self.pb)
         self.dd = StepDriver(self.D, self.db)
         self.plans: dict[str, _Plan] = {}
@@ -104,6 +112,19 @@ class _Demo:
         self.checked = self.mismatched = 0
         self.preemptions = self.prefix_blocks_read = 0
         self._fake: dict[tuple[str, int, str], bytes] = {}
+
+    def _backend(self, nb: int) -> Any:
+        if self.cfg.backend == "cuda":
+            from .backends.cuda import CudaBackend
+
+            return CudaBackend(self.spec, nb, self.store, staging_bytes=1 << 20)
+        return ReferenceBackend(self.spec, nb, self.store)
+
+    def close(self) -> None:
+        for b in (self.pb, self.db):
+            if b is not None:
+                b.close()
+        self.store.close()
 
     # -- workload -------------------------------------------------------------------------
     def make_plans(self) -> list[_Plan]:
@@ -281,9 +302,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
     try:
         return demo.run()
     finally:
-        demo.pb.close()
-        demo.db.close()
-        demo.store.close()
+        demo.close()
 
 
 def format_summary(s: dict[str, Any]) -> str:

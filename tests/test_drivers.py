@@ -3,11 +3,11 @@ import threading
 import time
 
 import pytest
-from conftest import Rig, small_spec
+from conftest import small_spec
 
 from kvstate import DecodeLifecycle, DriverError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
-from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver, ThreadedDriver
+from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
 from kvstate.demo import fake_block
 from kvstate.keys import block_keys
 

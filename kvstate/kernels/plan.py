@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from ..errors import BlockError, ValidationError
 
-__all__ = ["DIRECTIONS", "TransferPlan", "coalesce_runs", "check_ids", "plan_layout",
-           "plan_per_layer", "plan_all_layers"]
+__all__ = ["DIRECTIONS", "TransferPlan", "LayerSet", "coalesce_runs", "check_ids", "dtype_name",
+           "plan_layout", "plan_per_layer", "plan_all_layers"]
 
 DIRECTIONS = ("d2h", "h2d")
 
@@ -39,8 +40,23 @@ class TransferPlan:
     chunk_bytes: int  #: bytes of one (layer, block) chunk
     gpu_ids: np.ndarray
     host_ids: np.ndarray
-    runs: tuple[tuple[int, int, int], ...]  #: (gpu_start, host_start, length), consecutive on both sides
     host_block_contiguous: bool  #: one host block holds all layers back to back (layout op)
+
+    @cached_property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(gpu_start, host_start, length) runs, consecutive on both sides (computed on first use)."""
+        return coalesce_runs(self.gpu_ids, self.host_ids)
+
+    @cached_property
+    def host_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(position, host_start, length) runs of consecutive host ids, whatever the GPU ids do."""
+        n = int(self.host_ids.size)
+        if n == 0:
+            return ()
+        breaks = np.flatnonzero(np.diff(self.host_ids) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [n]))
+        return tuple((int(s), int(self.host_ids[s]), int(e - s)) for s, e in zip(starts, ends))
 
     @property
     def blocks(self) -> int:
@@ -94,12 +110,49 @@ def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
             raise BlockError(f"{name}: block {lo} is negative")
         if hi >= limit:
             raise BlockError(f"{name}: block {hi} is out of range 0..{limit - 1}")
-        if unique:
-            uniq, counts = np.unique(arr, return_counts=True)
-            if uniq.size != arr.size:
-                raise BlockError(f"{name}: block {int(uniq[counts > 1][0])} appears twice "
+        if unique and arr.size > 1:
+            srt = np.sort(arr)
+            dup = np.flatnonzero(srt[1:] == srt[:-1])
+            if dup.size:
+                raise BlockError(f"{name}: block {int(srt[dup[0]])} appears twice "
                                  f"(a destination block may be written once)")
     return arr
+
+
+def dtype_name(dtype: Any) -> str:
+    """A framework-neutral dtype name: ``torch.float16`` and numpy's ``float16`` are both
+    ``float16``; ``bfloat16`` is ``uint16`` (numpy has no bfloat16, so a bfloat16 cache is moved
+    as its 16-bit patterns, and a uint16 host buffer holds it)."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    return "uint16" if name == "bfloat16" else name
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSet:
+    """Per-layer cache arrays validated once (same shape, same dtype, contiguous).
+
+    Pass one to the ops instead of a list to skip re-checking every layer on each call; the
+    CUDA implementation also keeps the layers' device pointers here.
+    """
+
+    arrays: tuple[Any, ...]
+    shape: tuple[int, ...]  #: one layer's shape ``[N, H, B, D]``
+    dtype: str  #: :func:`dtype_name` of the layers
+    itemsize: int
+
+    @classmethod
+    def of(cls, arrays: Sequence[Any], name: str = "caches") -> LayerSet:
+        shape, dtype = _check_layers(arrays, name)
+        return cls(tuple(arrays), shape, dtype_name(dtype), _itemsize(dtype))
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.arrays[i]
+
+    def __iter__(self):
+        return iter(self.arrays)
 
 
 def _meta(a: Any, name: str) -> tuple[tuple[int, ...], Any, bool]:
@@ -126,6 +179,8 @@ def _check_direction(direction: Any) -> None:
 
 
 def _check_layers(caches: Any, name: str) -> tuple[tuple[int, ...], Any]:
+    if isinstance(caches, LayerSet):
+        return caches.shape, caches.dtype
     if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence) or not caches:
         raise ValidationError(f"{name} must be a non-empty list of per-layer arrays")
     shape0, dtype0, _ = _meta(caches[0], f"{name}[0]")
@@ -135,8 +190,9 @@ def _check_layers(caches: Any, name: str) -> tuple[tuple[int, ...], Any]:
             raise ValidationError(f"{name}[{i}] must be [blocks, heads, block_size, head_dim], got shape {shape}")
         if shape != shape0:
             raise ValidationError(f"{name}[{i}] has shape {shape}, layer 0 has {shape0}: all layers must match")
-        if str(dtype) != str(dtype0):
-            raise ValidationError(f"{name}[{i}] has dtype {dtype}, layer 0 has {dtype0}: all layers must match")
+        if dtype_name(dtype) != dtype_name(dtype0):
+            raise ValidationError(f"{name}[{i}] has dtype {dtype_name(dtype)}, layer 0 has "
+                                  f"{dtype_name(dtype0)}: all layers must match")
         if not contiguous:
             raise ValidationError(f"{name}[{i}] is not contiguous")
     return shape0, dtype0
@@ -145,8 +201,7 @@ def _check_layers(caches: Any, name: str) -> tuple[tuple[int, ...], Any]:
 def _itemsize(dtype: Any) -> int:
     size = getattr(dtype, "itemsize", None)
     if size is None:  # torch / paddle dtypes
-        size = np.dtype(str(dtype).replace("torch.", "").replace("paddle.", "").replace(
-            "bfloat16", "uint16")).itemsize
+        size = np.dtype(dtype_name(dtype)).itemsize
     return int(size)
 
 
@@ -157,7 +212,7 @@ def _finish(op: str, direction: str, layers: int, chunk: tuple[int, ...], dtype:
     if g.size != h.size:
         raise ValidationError(f"gpu_block_ids has {g.size} ids, host_block_ids has {h.size}: lengths must match")
     chunk_bytes = int(np.prod(chunk)) * _itemsize(dtype)
-    return TransferPlan(op, direction, layers, chunk_bytes, g, h, coalesce_runs(g, h), host_contig)
+    return TransferPlan(op, direction, layers, chunk_bytes, g, h, host_contig)
 
 
 def plan_layout(caches: Sequence[Any], host: Any, gpu_block_ids: Any, host_block_ids: Any,
@@ -170,8 +225,8 @@ def plan_layout(caches: Sequence[Any], host: Any, gpu_block_ids: Any, host_block
     if len(hshape) != 5 or hshape[1:] != expect:
         raise ValidationError(f"host must be [host_blocks, {', '.join(map(str, expect))}] for these caches, "
                               f"got shape {hshape}")
-    if str(hdtype) != str(dtype):
-        raise ValidationError(f"host dtype {hdtype} differs from the caches' {dtype}")
+    if dtype_name(hdtype) != dtype_name(dtype):
+        raise ValidationError(f"host dtype {dtype_name(hdtype)} differs from the caches' {dtype_name(dtype)}")
     if not hcontig:
         raise ValidationError("host is not contiguous")
     return _finish("swap_cache_layout", direction, len(caches), shape[1:], dtype, gpu_block_ids,
@@ -195,7 +250,7 @@ def plan_all_layers(caches: Sequence[Any], host_layers: Sequence[Any], gpu_block
         raise ValidationError(f"host_layers has {len(host_layers)} layers, caches has {len(caches)}")
     if hshape[1:] != shape[1:]:
         raise ValidationError(f"host block shape {hshape[1:]} differs from the caches' {shape[1:]}")
-    if str(hdtype) != str(dtype):
-        raise ValidationError(f"host dtype {hdtype} differs from the caches' {dtype}")
+    if dtype_name(hdtype) != dtype_name(dtype):
+        raise ValidationError(f"host dtype {dtype_name(hdtype)} differs from the caches' {dtype_name(dtype)}")
     return _finish(op, direction, len(caches), shape[1:], dtype, gpu_block_ids, host_block_ids,
                    shape[0], hshape[0], False)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU machine's run: CUDA tests, the kernels benchmark and the anchor baseline, side by side.
+# From the repo root, with the wheels of transitions and simpy in .whl/ and a copy of
+# ../shared/anchors/swap_small.py in .dev/ (both git-ignored, carried by the device tool).
+# Results go to $OUT (default ./results).
+set -o pipefail
+OUT=${OUT:-results}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
+date -u | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -m gpu tests/test_kernels_cuda.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
+python3 benchmarks/kernels.py ${BENCH_ARGS:-} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+if [ -f .dev/swap_small.py ] && [ -z "${NO_ANCHOR:-}" ]; then
+  (cd "$OUT" && OUT=. python3 "$OLDPWD/.dev/swap_small.py") 2>&1 | tee "$OUT/anchor.log"
+fi

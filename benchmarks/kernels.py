@@ -1,0 +1,256 @@
+"""CUDA transfer ops and backend handoff on the GPU machine: prints a table, writes JSON.
+
+    python benchmarks/kernels.py [--quick] [--out FILE] [--json]
+
+1. PCIe limits: one 1 GiB pinned copy each way.
+2. ``swap_cache_layout``, 32 layers, 256 of 4096 blocks, contiguous and random GPU ids, both
+   directions, chunk sizes 128 KiB, 16 KiB, 4 KiB, 1 KiB and 105 B, for each strategy and
+   ``auto``; GB/s of payload = bytes / median wall time of a synchronous call (the same
+   method as ../shared/anchors/swap_small.py, which the device run executes alongside);
+   every ``auto`` result is checked byte for byte.
+3. The CUDA backend's handoff of one 8k-token request (Llama-3-8B-like cache, TP 1) P GPU →
+   MemoryStore → D GPU, against each stage alone (D2H, the store's put+get copy, H2D).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvstate.kernels.cuda import CudaSwapper, choose_strategy, load_cupy  # noqa: E402
+
+#: the physical limits of ../shared/anchors/README.md (H100, 1 GiB pinned copies)
+ANCHOR_LIMIT = {"d2h": 54.7, "h2d": 51.9}
+
+CHUNKS = [  # (chunk bytes, [heads, block_size, head_dim], dtype)
+    (131072, (8, 64, 128), "uint16"),
+    (16384, (1, 64, 128), "uint16"),
+    (4096, (1, 16, 128), "uint16"),
+    (1024, (1, 16, 32), "uint16"),
+    (105, (3, 5, 7), "uint8"),
+]
+
+
+def median_time(fn, sync, reps: int) -> float:
+    fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def limits(cp, sw, reps: int) -> dict:
+    nbytes = 1 << 30
+    dev = cp.cuda.runtime.malloc(nbytes)
+    host = sw.pinned((nbytes,), np.uint8)
+    hp = host.__array_interface__["data"][0]
+    s = sw.stream
+    sync = s.synchronize
+    d2h = median_time(lambda: cp.cuda.runtime.memcpyAsync(hp, dev, nbytes, 2, s.ptr), sync, reps)
+    h2d = median_time(lambda: cp.cuda.runtime.memcpyAsync(dev, hp, nbytes, 1, s.ptr), sync, reps)
+    cp.cuda.runtime.free(dev)
+    return {"d2h_GBps": nbytes / d2h / 1e9, "h2d_GBps": nbytes / h2d / 1e9}
+
+
+def layout_rows(cp, sw, lim: dict, reps: int, quick: bool) -> list[dict]:
+    L, N, n = 32, 4096, 256
+    rows = []
+    for chunk, shape, dt in CHUNKS[:2] + CHUNKS[3:] if quick else CHUNKS:
+        caches = [cp.random.randint(0, 255, (N,) + shape).astype(dt) for _ in range(L)]
+        layers = sw.bind(caches)
+        host = sw.pinned((n, L) + shape, dt)
+        nbytes = n * L * chunk
+        for pattern in ("contig", "random"):
+            gids = (np.arange(n) + 7) if pattern == "contig" else np.random.default_rng(1).choice(N, n, replace=False)
+            gids = gids.astype(np.int64)
+            hids = np.arange(n, dtype=np.int64)
+            for direction in ("d2h", "h2d"):
+                r = {"chunk": chunk, "pattern": pattern, "direction": direction, "MiB": round(nbytes / 2**20, 2)}
+                for strat in ("zero_copy", "staged", "dma", "auto"):
+                    if strat == "dma" and pattern == "random" and chunk < 16384:
+                        continue  # 8192 single-chunk DMAs: the per-chunk baseline, measured by the anchor
+                    fn = lambda: sw.swap_cache_layout(layers, host, gids, hids, direction, strategy=strat)  # noqa: E731
+                    r[strat] = nbytes / median_time(fn, lambda: None, reps) / 1e9
+                plan = sw.swap_cache_layout(layers, host, gids, hids, direction, strategy="auto")
+                r["auto_is"] = choose_strategy(plan)
+                r["auto_pct_of_limit"] = 100 * r["auto"] / lim[f"{direction}_GBps"]
+                r["auto_pct_of_anchor_limit"] = 100 * r["auto"] / ANCHOR_LIMIT[direction]
+                r["correct"] = check(cp, sw, layers, caches, host, gids, hids, direction)
+                rows.append(r)
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+        caches = layers = None
+        sw._bound.clear()
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def check(cp, sw, layers, caches, host, gids, hids, direction) -> bool:
+    """Poison the destination, run ``auto`` once more, compare every byte."""
+    g = cp.asarray(gids)
+    if direction == "d2h":
+        host[...] = 0x5A if host.dtype == np.uint8 else 0x5A5A
+        sw.swap_cache_layout(layers, host, gids, hids, "d2h")
+        want = cp.stack([c[g] for c in caches], axis=1)
+        return bool((cp.asarray(host[hids]) == want).all())
+    src = np.random.default_rng(2).integers(0, 256, host.nbytes, dtype=np.uint8).view(host.dtype).reshape(host.shape)
+    host[...] = src
+    sw.swap_cache_layout(layers, host, gids, hids, "h2d")
+    return all(bool((c[g] == cp.asarray(src[hids, i])).all()) for i, c in enumerate(caches))
+
+
+def overhead(cp, sw) -> dict:
+    """Where the host time of one small call goes (105-byte chunks, 256 random blocks, d2h)."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvstate.kernels.plan import plan_layout
+
+    L, N, n, shape = 32, 4096, 256, (3, 5, 7)
+    caches = [cp.random.randint(0, 255, (N,) + shape).astype("uint8") for _ in range(L)]
+    layers = sw.bind(caches)
+    host = sw.pinned((n, L) + shape, np.uint8)
+    gids = np.random.default_rng(1).choice(N, n, replace=False).astype(np.int64)
+    hids = np.arange(n, dtype=np.int64)
+    reps = 300
+
+    def per_call(fn) -> float:
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps * 1e6
+
+    out = {
+        "plan_us": per_call(lambda: plan_layout(layers, host, gids, hids, "d2h")),
+        "host_check_us": per_call(lambda: sw._host_ptr(host, "host")),
+        "sync_call_us": per_call(lambda: sw.swap_cache_layout(layers, host, gids, hids, "d2h", strategy="zero_copy")),
+        "list_call_us": per_call(lambda: sw.swap_cache_layout(caches, host, gids, hids, "d2h", strategy="zero_copy")),
+    }
+    evs = []
+    t = time.perf_counter()
+    for _ in range(reps):
+        evs.append(sw.swap_cache_layout_async(layers, host, gids, hids, "d2h", strategy="zero_copy"))
+    evs[-1].synchronize()
+    out["async_pipelined_us"] = (time.perf_counter() - t) / reps * 1e6
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(sw.stream)
+    for _ in range(50):
+        sw.swap_cache_layout_async(layers, host, gids, hids, "d2h", strategy="zero_copy")
+    end.record(sw.stream)
+    end.synchronize()
+    out["gpu_us_per_call"] = cp.cuda.get_elapsed_time(start, end) * 1e3 / 50
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(reps):
+        sw.swap_cache_layout(layers, host, gids, hids, "d2h", strategy="zero_copy")
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+    out["profile"] = buf.getvalue()
+    sw._bound.clear()
+    return out
+
+
+def handoff(cp, reps: int) -> dict:
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+
+    spec = CacheSpec(num_layers=32, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", tp_size=1)
+    nblocks = spec.blocks_for(8192)
+    keys = [f"req0:{i}" for i in range(nblocks)]
+    src, dst = list(range(nblocks)), list(range(nblocks, 2 * nblocks))
+    total = nblocks * spec.bytes_per_block_per_rank
+    store = MemoryStore(3 * total)
+    p = CudaBackend(spec, 2 * nblocks, store)
+    d = CudaBackend(spec, 2 * nblocks, store)
+    try:
+        for kind in spec.kinds:
+            for v in p.caches(0, kind).views:
+                v[...] = cp.random.randint(0, 65535, v.shape, dtype=cp.int64).astype(cp.uint16)
+
+        def run() -> None:
+            assert p.write(0, keys, src) == nblocks
+            assert d.read(0, keys, dst) == nblocks
+
+        t_handoff = median_time(run, lambda: None, reps)
+        ok = all(bool((pv[cp.asarray(src)] == dv[cp.asarray(dst)]).all())
+                 for kind in spec.kinds
+                 for pv, dv in zip(p.caches(0, kind).views, d.caches(0, kind).views))
+        # each stage alone, over whole-request pinned buffers
+        with CudaSwapper() as sw:
+            bufs = {k: sw.pinned((nblocks, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
+            hids = np.arange(nblocks)
+            t_d2h = median_time(lambda: [sw.swap_cache_layout(p.caches(0, k), bufs[k], src, hids, "d2h")
+                                         for k in spec.kinds], lambda: None, reps)
+            t_h2d = median_time(lambda: [sw.swap_cache_layout(d.caches(0, k), bufs[k], dst, hids, "h2d")
+                                         for k in spec.kinds], lambda: None, reps)
+            names = [f"stage:{k}:{i}" for i in range(nblocks) for k in spec.kinds]
+            views = [memoryview(bufs[k][i]).cast("B") for i in range(nblocks) for k in spec.kinds]
+
+            def copy() -> None:
+                store.batch_put_from(names, views)
+                store.batch_get_into(names, views)
+
+            t_store = median_time(copy, lambda: None, reps)
+        slowest = max(t_d2h, t_store, t_h2d)
+        return {"request_tokens": 8192, "bytes": total, "handoff_ms": t_handoff * 1e3, "d2h_ms": t_d2h * 1e3,
+                "store_copy_ms": t_store * 1e3, "h2d_ms": t_h2d * 1e3, "ratio_to_slowest_stage": t_handoff / slowest,
+                "pinned_staging_bytes": p.pinned_bytes + d.pinned_bytes, "correct": ok}
+    finally:
+        p.close()
+        d.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument("--json", action="store_true", help="print the JSON object last")
+    args = ap.parse_args(argv)
+    cp = load_cupy()
+    reps = 3 if args.quick else 5
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    out = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d")}
+    with CudaSwapper() as sw:
+        out["limits"] = limits(cp, sw, reps)
+        print(json.dumps(out["limits"]), flush=True)
+        out["overhead"] = overhead(cp, sw)
+        print(out["overhead"].pop("profile") if not args.json else "", flush=True)
+        print(json.dumps(out["overhead"]), flush=True)
+        out["layout"] = layout_rows(cp, sw, out["limits"], reps, args.quick)
+    out["handoff"] = handoff(cp, 5)
+    print(json.dumps(out["handoff"]), flush=True)
+    print(f"\n{out['gpu']}: PCIe limit d2h {out['limits']['d2h_GBps']:.1f} GB/s, h2d {out['limits']['h2d_GBps']:.1f} GB/s")
+    print(f"{'chunk':>7} {'ids':>6} {'dir':>4} {'zero_copy':>9} {'staged':>7} {'dma':>6} {'auto':>6} {'%limit':>6} {'%anchor':>7} auto_is  ok")
+    for r in out["layout"]:
+        dma = f"{r['dma']:6.1f}" if "dma" in r else "     -"
+        print(f"{r['chunk']:>7} {r['pattern']:>6} {r['direction']:>4} {r['zero_copy']:9.1f} {r['staged']:7.1f} "
+              f"{dma} {r['auto']:6.1f} {r['auto_pct_of_limit']:6.1f} {r['auto_pct_of_anchor_limit']:7.1f} "
+              f"{r['auto_is']:<9} {r['correct']}")
+    h = out["handoff"]
+    print(f"handoff 8k tokens ({h['bytes'] / 2**20:.0f} MiB): {h['handoff_ms']:.1f} ms; alone: d2h {h['d2h_ms']:.1f}, "
+          f"store {h['store_copy_ms']:.1f}, h2d {h['h2d_ms']:.1f} ms -> {h['ratio_to_slowest_stage']:.2f}x slowest; "
+          f"pinned {h['pinned_staging_bytes'] / 2**20:.0f} MiB; correct {h['correct']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The CUDA backend: the core's write and read commands over real GPU caches.
+
+Each TP rank owns layer-major GPU caches per kind (allocated here, or the engine's own
+PyTorch/Paddle/CuPy tensors), a :class:`~kvstate.kernels.cuda.CudaSwapper` (its streams and
+kernels) and a pinned staging ring of two slots, bounded by ``staging_bytes`` (64 MiB by
+default) whatever the request length. A write gathers piece *k+1* into one slot on the GPU
+while the store copies piece *k* out of the other; a read gets piece *k+1* from the store
+while piece *k* is scattered to the GPU. Completion is a CUDA event; the calling (driver)
+thread waits for it with a timeout, so the engine's thread never blocks on a transfer.
+
+Like every backend it knows nothing of request states: it answers how many *leading* blocks
+it stored, read or found.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
+from ..keys import rank_key
+from ..spec import CacheSpec
+from .reference import TransferBackend, leading
+from .stores import Store, as_bytes_view
+
+__all__ = ["CudaBackend"]
+
+
+class CudaBackend(TransferBackend):
+    """Per-rank GPU caches over a :class:`~kvstate.backends.stores.Store`, through pinned staging.
+
+    ``caches``, when given, is ``caches[rank][kind]`` = a list of per-layer GPU tensors
+    ``[num_blocks, heads, block_size, dim]`` (the engine's own cache); otherwise zeroed CuPy
+    arrays are allocated. ``staging_bytes`` is the pinned staging per rank.
+    """
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
+                 device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0) -> None:
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError("CudaBackend: spec must be a CacheSpec")
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValidationError(f"CudaBackend: num_blocks must be an int > 0, got {num_blocks!r}")
+        if not isinstance(store, Store):
+            raise ValidationError("CudaBackend: store must be a kvstate Store")
+        per_block = spec.bytes_per_block_per_rank
+        if not isinstance(staging_bytes, int) or staging_bytes < 2 * per_block:
+            raise ValidationError(f"CudaBackend: staging_bytes must hold two blocks ({2 * per_block} bytes "
+                                  f"for this spec), got {staging_bytes!r}")
+        if caches is not None:
+            if not isinstance(caches, Sequence) or len(caches) != spec.tp_size:
+                raise ValidationError(f"CudaBackend: caches must hold one dict per TP rank ({spec.tp_size})")
+            for r, by_kind in enumerate(caches):
+                if not isinstance(by_kind, dict) or set(by_kind) != set(spec.kinds):
+                    raise ValidationError(f"CudaBackend: caches[{r}] must map exactly the kinds {spec.kinds}")
+        self.cp = cp = load_cupy()
+        self.spec, self.num_blocks, self.store, self.device = spec, num_blocks, store, device
+        self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
+        self._swappers: list[CudaSwapper] = []
+        self._locks = [threading.Lock() for _ in range(spec.tp_size)]
+        self._closed = False
+        self.bytes_moved = 0  #: payload bytes written to and read from the store
+        try:
+            self._layers: list[dict[str, DeviceLayers]] = []
+            self._slots: list[list[dict[str, np.ndarray]]] = []
+            for r in range(spec.tp_size):
+                sw = CudaSwapper(device, timeout=timeout)
+                self._swappers.append(sw)
+                by_kind = {}
+                for kind in spec.kinds:
+                    if caches is None:
+                        with cp.cuda.Device(device):
+                            layers = [cp.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
+                                      for _ in range(spec.layers)]
+                    else:
+                        layers = list(caches[r][kind])
+                    bound = sw.bind(layers, f"caches[{r}][{kind!r}]")
+                    want = (num_blocks,) + spec.block_shape(kind)
+                    if bound.shape != want or len(bound) != spec.layers:
+                        raise ValidationError(f"CudaBackend: caches[{r}][{kind!r}] must be {spec.layers} layers "
+                                              f"of {want}, got {len(bound)} of {bound.shape}")
+                    by_kind[kind] = bound
+                self._layers.append(by_kind)
+                self._slots.append([
+                    {k: sw.pinned((self.per_slot, spec.layers) + spec.block_shape(k), spec.kind_dtype(k))
+                     for k in spec.kinds} for _ in range(2)])
+        except BaseException:
+            self.close()
+            raise
+        self.pinned_bytes = 2 * self.per_slot * per_block * spec.tp_size  #: pinned staging in all
+
+    # -- block access (tests, the demo's fake compute) -----------------------------------------
+    def caches(self, rank: int, kind: str) -> DeviceLayers:
+        """The bound per-layer GPU caches of ``kind`` on ``rank``."""
+        return self._layers[rank][kind]
+
+    def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
+        """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
+        return b"".join(v[block_id].get().tobytes() for v in self._layers[rank][kind].views)
+
+    def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:
+        """Overwrite one block of ``kind`` on ``rank`` (block-major bytes, as stored)."""
+        views = self._layers[rank][kind].views
+        chunk = views[0][block_id].nbytes
+        if len(data) != chunk * len(views):
+            raise ValidationError(f"fill_block: block {block_id} needs {chunk * len(views)} bytes, got {len(data)}")
+        for i, v in enumerate(views):
+            part = np.frombuffer(data, v.dtype, offset=i * chunk, count=v[block_id].size)
+            v[block_id] = self.cp.asarray(part.reshape(v.shape[1:]))
+
+    # -- TransferBackend -----------------------------------------------------------------------
+    def _check(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] | None) -> None:
+        if self._closed:
+            raise ValidationError("CudaBackend is closed")
+        if not isinstance(rank, int) or not 0 <= rank < self.spec.tp_size:
+            raise ValidationError(f"rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        if block_ids is not None:
+            if len(block_ids) != len(keys):
+                raise ValidationError(f"{len(keys)} keys but {len(block_ids)} block ids")
+            for b in block_ids:
+                if not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_blocks:
+                    raise ValidationError(f"block {b!r} outside 0..{self.num_blocks - 1}")
+
+    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
+        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
+
+    def _views(self, slot: dict[str, np.ndarray], m: int) -> list[memoryview]:
+        return [as_bytes_view(slot[kind][i]) for i in range(m) for kind in self.spec.kinds]
+
+    def query(self, rank: int, keys: Sequence[str]) -> int:
+        self._check(rank, keys, None)
+        found = self.store.batch_is_exist(self._names(rank, keys))
+        nk = len(self.spec.kinds)
+        return leading(all(f == 1 for f in found[i * nk:(i + 1) * nk]) for i in range(len(keys)))
+
+    def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str) -> Any:
+        sw, ev = self._swappers[rank], None
+        m = len(ids)
+        for kind in self.spec.kinds:
+            ev = sw.swap_cache_layout_async(self._layers[rank][kind], self._slots[rank][slot][kind][:m],
+                                            np.asarray(ids, np.int64), np.arange(m, dtype=np.int64), direction)
+        return ev  # one stream: the last event covers every kind
+
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+        self._check(rank, keys, block_ids)
+        n, m, sw = len(keys), self.per_slot, self._swappers[rank]
+        pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
+        count = 0
+        with self._locks[rank]:
+            events: list[Any] = [None, None]
+            if pieces:
+                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h")
+            try:
+                for k, (a, b) in enumerate(pieces):
+                    if k + 1 < len(pieces):  # gather the next piece while this one is stored
+                        a2, b2 = pieces[k + 1]
+                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h")
+                    sw._wait(events[k % 2])
+                    status = self.store.batch_put_from(self._names(rank, keys[a:b]),
+                                                       self._views(self._slots[rank][k % 2], b - a))
+                    nk = len(self.spec.kinds)
+                    done = leading(all(s == 0 for s in status[i * nk:(i + 1) * nk]) for i in range(b - a))
+                    count += done
+                    if done < b - a:
+                        break
+            finally:
+                for ev in events:  # nothing may still write a slot when we leave
+                    if ev is not None:
+                        sw._wait(ev)
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+        self._check(rank, keys, block_ids)
+        n, m, sw = len(keys), self.per_slot, self._swappers[rank]
+        nk = len(self.spec.kinds)
+        count = 0
+        with self._locks[rank]:
+            events: list[Any] = [None, None]
+            try:
+                for k, a in enumerate(range(0, n, m)):
+                    b, slot = min(n, a + m), k % 2
+                    if events[slot] is not None:  # the slot's previous scatter must have read it
+                        sw._wait(events[slot])
+                    views = self._views(self._slots[rank][slot], b - a)
+                    got = self.store.batch_get_into(self._names(rank, keys[a:b]), views)
+                    # a short read is a miss: a block counts only if every kind arrived whole
+                    done = leading(all(got[i * nk + j] == views[i * nk + j].nbytes for j in range(nk))
+                                   for i in range(b - a))
+                    if done:
+                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d")
+                    count += done
+                    if done < b - a:
+                        break
+            finally:
+                for ev in events:
+                    if ev is not None:
+                        sw._wait(ev)
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def close(self) -> None:
+        """Wait for queued transfers, free staging, caches this backend allocated and streams."""
+        if self._closed:
+            return
+        self._closed = True
+        for sw in self._swappers:
+            sw.close()
+        self._swappers.clear()
+        self._layers = []
+        self._slots = []

@@ -1,0 +1,325 @@
+"""The CUDA transfer ops and backend: byte-identical to the numpy reference, same errors, no leaks.
+
+Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing, run for real on
+the GPU machine (docs/benchmarks.md records the run).
+"""
+import gc
+import resource
+
+import numpy as np
+import pytest
+from conftest import has_module
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstate import ConfigError, KVStateError, ValidationError
+from kvstate.kernels import reference
+from kvstate.kernels.cuda import cuda_available, load_cupy
+
+GPU = has_module("cupy") and cuda_available()
+gpu = pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+pytestmark = pytest.mark.gpu
+STRATS = ["zero_copy", "staged", "dma", "auto"]
+HSET = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.skipif(GPU or has_module("cupy"), reason="checks the error where CuPy is absent")
+def test_without_cupy_a_clear_config_error():
+    with pytest.raises(ConfigError, match="CuPy"):
+        load_cupy()
+
+
+@pytest.fixture(scope="module")
+def sw():
+    from kvstate.kernels.cuda import CudaSwapper
+
+    with CudaSwapper(staging_bytes=4 << 20) as s:  # small staging: many pieces in the staged path
+        yield s
+
+
+@st.composite
+def case(draw):
+    layers = draw(st.integers(1, 4))
+    n_gpu, n_host = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    heads, bs, dim = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from(["float16", "uint8", "bfloat16"]))
+    k = draw(st.integers(0, min(n_gpu, n_host)))
+    gids = draw(st.permutations(range(n_gpu)))[:k]
+    hids = draw(st.permutations(range(n_host)))[:k]
+    if draw(st.booleans()) and k:
+        g0, h0 = draw(st.integers(0, n_gpu - k)), draw(st.integers(0, n_host - k))
+        gids, hids = list(range(g0, g0 + k)), list(range(h0, h0 + k))
+    lib = draw(st.sampled_from(["torch", "cupy"] if has_module("torch") else ["cupy"]))
+    return dict(layers=layers, n_gpu=n_gpu, n_host=n_host, chunk=(heads, bs, dim), dtype=dtype,
+                gids=list(gids), hids=list(hids), lib=lib, seed=draw(st.integers(0, 2**31)))
+
+
+def _np_dtype(name):
+    return np.dtype("uint16" if name == "bfloat16" else name)
+
+
+def _to_gpu(a, lib, dtype):
+    """A GPU tensor holding numpy array ``a``'s bytes (bfloat16 through a 16-bit view)."""
+    if lib == "cupy":
+        import cupy as cp
+
+        return cp.asarray(a)
+    import torch
+
+    t = torch.from_numpy(a.view(np.int16) if a.dtype == np.uint16 else a).cuda()
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def _to_np(t):
+    import cupy as cp
+
+    if isinstance(t, cp.ndarray):
+        return cp.asnumpy(t)
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.cpu().numpy().view(np.uint16) if t.dtype == torch.int16 else t.cpu().numpy()
+
+
+@gpu
+@HSET
+@given(c=case(), direction=st.sampled_from(["d2h", "h2d"]), strategy=st.sampled_from(STRATS))
+def test_layout_identical_to_reference(sw, c, direction, strategy):
+    rng = np.random.default_rng(c["seed"])
+    dt = _np_dtype(c["dtype"])
+    caches = [rng.integers(0, 255, (c["n_gpu"],) + c["chunk"]).astype(dt) for _ in range(c["layers"])]
+    host = sw.pinned((c["n_host"], c["layers"]) + c["chunk"], dt)
+    host[...] = rng.integers(0, 255, host.shape).astype(dt)  # poisoned: every byte must be right
+    want_c, want_h = [x.copy() for x in caches], host.copy()
+    reference.swap_cache_layout(want_c, want_h, c["gids"], c["hids"], direction)
+    gcaches = [_to_gpu(x, c["lib"], c["dtype"]) for x in caches]
+    plan = sw.swap_cache_layout(gcaches, host, c["gids"], c["hids"], direction, strategy=strategy)
+    assert plan.blocks == len(c["gids"])
+    assert np.array_equal(host, want_h)
+    for g, w in zip(gcaches, want_c):
+        assert np.array_equal(_to_np(g), w)
+
+
+@gpu
+@HSET
+@given(c=case(), direction=st.sampled_from(["d2h", "h2d"]), strategy=st.sampled_from(STRATS),
+       one=st.booleans())
+def test_per_layer_and_all_layers_identical(sw, c, direction, strategy, one):
+    rng = np.random.default_rng(c["seed"])
+    dt = _np_dtype(c["dtype"])
+    layers = 1 if one else c["layers"]
+    caches = [rng.integers(0, 255, (c["n_gpu"],) + c["chunk"]).astype(dt) for _ in range(layers)]
+    hosts = [sw.pinned((c["n_host"],) + c["chunk"], dt) for _ in range(layers)]
+    for h in hosts:
+        h[...] = rng.integers(0, 255, h.shape).astype(dt)
+    want_c, want_h = [x.copy() for x in caches], [h.copy() for h in hosts]
+    gcaches = [_to_gpu(x, c["lib"], c["dtype"]) for x in caches]
+    if one:
+        reference.swap_cache_per_layer(want_c[0], want_h[0], c["gids"], c["hids"], direction)
+        sw.swap_cache_per_layer(gcaches[0], hosts[0], c["gids"], c["hids"], direction, strategy=strategy)
+    else:
+        reference.swap_cache_all_layers(want_c, want_h, c["gids"], c["hids"], direction)
+        sw.swap_cache_all_layers(gcaches, hosts, c["gids"], c["hids"], direction, strategy=strategy)
+    for h, w in zip(hosts, want_h):
+        assert np.array_equal(h, w)
+    for g, w in zip(gcaches, want_c):
+        assert np.array_equal(_to_np(g), w)
+
+
+@gpu
+@pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch")
+def test_async_form_orders_through_events(sw):
+    """d2h then h2d enqueued on a PyTorch side stream, no host wait between: the event of the
+    first orders the second, and a later kernel on the stream sees the result."""
+    import torch
+
+    src = [torch.randint(0, 30000, (64, 2, 16, 64), dtype=torch.int16, device="cuda").view(torch.bfloat16)
+           for _ in range(3)]
+    dst = [torch.zeros_like(s) for s in src]
+    host = torch.zeros((40, 2, 16, 64), dtype=torch.bfloat16).pin_memory()
+    side = torch.cuda.Stream()
+    ids = [(7 * i) % 64 for i in range(40)]  # distinct, scattered
+    for layer in range(3):
+        ev1 = sw.swap_cache_per_layer_async(src[layer], host, ids, list(range(40)), "d2h", stream=side)
+        ev2 = sw.swap_cache_per_layer_async(dst[layer], host, ids, list(range(40)), "h2d", stream=side)
+        assert ev1 is not None and ev2 is not None
+    with torch.cuda.stream(side):  # enqueued after the swaps, no host wait in between
+        diff = sum((d[ids].view(torch.int16) != s[ids].view(torch.int16)).sum() for d, s in zip(dst, src))
+    side.synchronize()
+    assert int(diff) == 0
+    untouched = sorted(set(range(64)) - set(ids))
+    assert all(int(d[untouched].view(torch.int16).abs().sum()) == 0 for d in dst)
+
+
+def _bad_cases():
+    return [
+        (dict(gids=[0, 1], hids=[0]), "lengths must match"),
+        (dict(gids=[4], hids=[0]), "out of range"),
+        (dict(gids=[-1], hids=[0]), "negative"),
+        (dict(gids=[0], hids=[3]), "out of range"),
+        (dict(gids=[0, 1], hids=[1, 1]), "appears twice"),
+        (dict(gids=[1, 1], hids=[0, 1], direction="h2d"), "appears twice"),
+        (dict(gids=[0.5], hids=[0]), "not an int"),
+        (dict(direction="up"), "direction"),
+        (dict(host_shape=(3, 1, 2, 3, 5)), "host must be"),
+        (dict(host_dtype="uint8"), "host dtype"),
+        (dict(layer_dtype="float32"), "dtype"),
+    ]
+
+
+@gpu
+@pytest.mark.parametrize("bad,msg", _bad_cases())
+def test_bad_input_same_error_as_reference_and_nothing_moves(sw, bad, msg):
+    import cupy as cp
+
+    direction = bad.get("direction", "d2h")
+    gids, hids = bad.get("gids", [0]), bad.get("hids", [0])
+    np_caches = [np.full((4, 2, 3, 5), 7, np.float16) for _ in range(2)]
+    if "layer_dtype" in bad:
+        np_caches[1] = np_caches[1].astype(bad["layer_dtype"])
+    hshape, hdt = bad.get("host_shape", (3, 2, 2, 3, 5)), bad.get("host_dtype", "float16")
+    np_host = np.ones(hshape, hdt)
+    host = sw.pinned(hshape, hdt)
+    host[...] = 1
+    g_caches = [cp.asarray(x) for x in np_caches]
+    with pytest.raises(KVStateError) as ref_err:
+        reference.swap_cache_layout(np_caches, np_host, gids, hids, direction)
+    with pytest.raises(KVStateError) as gpu_err:
+        sw.swap_cache_layout(g_caches, host, gids, hids, direction)
+    assert type(gpu_err.value) is type(ref_err.value)
+    assert str(gpu_err.value) == str(ref_err.value)
+    assert msg in str(gpu_err.value)
+    assert (host == 1).all() and all(int((g != 7).sum()) == 0 for g in g_caches)
+
+
+@gpu
+def test_gpu_specific_rules(sw):
+    import cupy as cp
+
+    caches = [cp.zeros((4, 2, 3, 5), cp.float16) for _ in range(2)]
+    pinned = sw.pinned((3, 2, 2, 3, 5), np.float16)
+    with pytest.raises(ValidationError, match="host memory.*GPU tensor|GPU tensor"):
+        sw.swap_cache_layout([np.zeros((4, 2, 3, 5), np.float16)] * 2, pinned, [0], [0], "d2h")
+    with pytest.raises(ValidationError, match="GPU memory: the host side"):
+        sw.swap_cache_layout(caches, cp.zeros((3, 2, 2, 3, 5), cp.float16), [0], [0], "d2h")
+    with pytest.raises(ValidationError, match="page-locked"):
+        sw.swap_cache_layout(caches, np.zeros((3, 2, 2, 3, 5), np.float16), [0], [0], "d2h")
+    strided = [cp.zeros((4, 2, 3, 10), cp.float16)[..., ::2] for _ in range(2)]
+    with pytest.raises(ValidationError, match="contiguous"):
+        sw.swap_cache_layout(strided, pinned, [0], [0], "d2h")
+    with pytest.raises(ValidationError, match="strategy"):
+        sw.swap_cache_layout(caches, pinned, [0], [0], "d2h", strategy="fast")
+
+
+@gpu
+def test_create_and_close_1000_times_leaks_nothing():
+    import cupy as cp
+
+    from kvstate.kernels.cuda import CudaSwapper
+
+    caches = [cp.arange(8 * 64, dtype=cp.uint8).reshape(8, 1, 8, 8) for _ in range(4)]
+
+    def cycle():
+        with CudaSwapper(staging_bytes=1 << 20) as s:
+            host = s.pinned((8, 4, 1, 8, 8), np.uint8)
+            s.swap_cache_layout(caches, host, [1, 2], [0, 1], "d2h", strategy="staged")
+            s.swap_cache_layout(caches, host, [3], [2], "d2h", strategy="zero_copy")
+
+    for _ in range(20):  # warm caches (compiled module, allocator pools)
+        cycle()
+    gc.collect()
+    free0 = cp.cuda.runtime.memGetInfo()[0]
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(1000):
+        cycle()
+    gc.collect()
+    free1 = cp.cuda.runtime.memGetInfo()[0]
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert free0 - free1 < 4 << 20, f"device memory fell by {(free0 - free1) >> 20} MiB over 1000 swappers"
+    assert rss1 - rss0 < 64 << 10, f"peak RSS grew by {(rss1 - rss0) >> 10} MiB over 1000 swappers"
+
+
+@gpu
+def test_closed_swapper_refuses_work():
+    import cupy as cp
+
+    from kvstate.kernels.cuda import CudaSwapper
+
+    s = CudaSwapper()
+    host = s.pinned((2, 1, 1, 1, 16), np.uint8)
+    s.close()
+    s.close()
+    with pytest.raises(ValidationError, match="closed"):
+        s.swap_cache_layout([cp.zeros((2, 1, 1, 16), cp.uint8)], host, [0], [0], "d2h")
+
+
+@gpu
+def test_module_ops_dispatch_to_cuda_for_gpu_tensors():
+    import cupy as cp
+
+    from kvstate.kernels import swap_cache_layout
+    from kvstate.kernels.cuda import CudaSwapper
+
+    caches = [cp.arange(6 * 105, dtype=cp.uint8).reshape(6, 1, 1, 105) + i for i in range(3)]
+    with CudaSwapper() as s:
+        host = s.pinned((4, 3, 1, 1, 105), np.uint8)
+        swap_cache_layout(caches, host, [5, 0], [3, 1], "d2h", swapper=s)
+        assert np.array_equal(host[3, 2, 0, 0], cp.asnumpy(caches[2][5, 0, 0]))
+        host[...] = 0
+        swap_cache_layout(caches, host, [5, 0], [3, 1], "d2h")  # a transient swapper
+        assert np.array_equal(host[1, 1, 0, 0], cp.asnumpy(caches[1][0, 0, 0]))
+
+
+# -- the CUDA backend ---------------------------------------------------------------------------
+
+@gpu
+def test_demo_end_to_end_on_the_gpu():
+    from kvstate.demo import DemoConfig, run_demo
+
+    s = run_demo(DemoConfig(requests=48, backend="cuda"))
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["blocks_checked"] > 0
+    assert s["preemptions"] > 0 and s["aborted"] > 0
+
+
+@gpu
+@pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch")
+def test_backend_over_engine_torch_caches_pipelined_and_short_read():
+    import torch
+
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+
+    spec = CacheSpec(num_layers=3, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
+    n = 32
+
+    def torch_caches():
+        return [{k: [torch.randint(-999, 999, (n,) + spec.block_shape(k), dtype=torch.int16, device="cuda")
+                     .view(torch.bfloat16) for _ in range(spec.layers)] for k in spec.kinds}
+                for _ in range(spec.tp_size)]
+
+    store = MemoryStore(1 << 28)
+    small = 3 * spec.bytes_per_block_per_rank * 2  # three blocks a slot: a 20-block write is 7 pieces
+    p = CudaBackend(spec, n, store, caches=torch_caches(), staging_bytes=small)
+    d = CudaBackend(spec, n, store, caches=torch_caches(), staging_bytes=small)
+    try:
+        keys = [f"k{i}" for i in range(20)]
+        src, dst = list(range(5, 25)), list(range(31, 11, -1))
+        for r in range(2):
+            assert p.write(r, keys, src) == 20
+        assert p.query(0, keys) == 20
+        for r in range(2):
+            assert d.read(r, keys, dst) == 20
+        for r in range(2):
+            for kind in spec.kinds:
+                for s_id, d_id in zip(src, dst):
+                    assert p.block_bytes(r, kind, s_id) == d.block_bytes(r, kind, d_id)
+        store.evict(["k7_value_0"])  # block 7 lost on rank 0: the read stops there
+        assert d.read(0, keys, list(range(20))) == 7
+        assert d.block_bytes(0, "key", 6) == p.block_bytes(0, "key", src[6])
+        assert d.read(1, keys, list(range(20))) == 20
+        assert p.pinned_bytes <= 2 * small * spec.tp_size
+    finally:
+        p.close()
+        d.close()
