@@ -101,6 +101,7 @@ class DeviceLayers(LayerSet):
     ptrs: tuple[int, ...] = ()  #: host copy of the layer pointers
     ptr_array: Any = None  #: the same pointers as a CuPy uint64 array
     views: tuple[Any, ...] = ()  #: CuPy views keeping the tensors' memory referenced
+    aligned: bool = False  #: every layer starts on a 16-byte boundary
 
 
 def _stream_ptr(stream: Any) -> int:
@@ -190,6 +191,7 @@ class CudaSwapper:
             self._module = cp.RawModule(code=KERNEL_SOURCE, options=("-std=c++17",))
             self._k32 = self._module.get_function("kv_copy32")
             self._k64 = self._module.get_function("kv_copy64")
+            self._kchunks = self._module.get_function("kv_chunks")
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         self._bound: OrderedDict[tuple[int, ...], DeviceLayers] = OrderedDict()
         self._staging: _Buffer | None = None
@@ -217,7 +219,7 @@ class CudaSwapper:
             self._buffers.clear()
             self._bound.clear()
             self._staging = self._param_host = self._param_dev = None
-            self._module = self._k32 = self._k64 = None
+            self._module = self._k32 = self._k64 = self._kchunks = None
             self.stream = self._copy_stream = None
 
     def __enter__(self) -> CudaSwapper:
@@ -280,7 +282,8 @@ class CudaSwapper:
         ptrs = tuple(int(v.data.ptr) for v in views)
         with self.cp.cuda.Device(self.device):
             arr = self.cp.asarray(np.asarray(ptrs, dtype=np.uint64))
-        bound = DeviceLayers(base.arrays, base.shape, base.dtype, base.itemsize, self.device, ptrs, arr, views)
+        bound = DeviceLayers(base.arrays, base.shape, base.dtype, base.itemsize, self.device, ptrs, arr, views,
+                             all(p % 16 == 0 for p in ptrs))
         self._bound[key] = bound
         while len(self._bound) > self.max_bound:
             self._bound.popitem(last=False)
@@ -463,29 +466,41 @@ class CudaSwapper:
 
     def _launch(self, stream: Any, layer_ptrs: int, flat_ptrs: int, flat_base: int, group_stride: int,
                 gids: int, fids: int, n: int, groups: int, span: int, chunk: int, lps: int,
-                aligned: bool, gather: bool) -> None:
-        units = span // 16 if aligned else (span + 30) // 16
-        total = n * groups * units
-        if total == 0:
+                aligned: bool, gather: bool, vectors: bool = False) -> None:
+        """Launch the copy; ``vectors`` when every chunk is whole aligned 16-byte vectors."""
+        if n == 0:
             return
-        blocks = max(1, min(-(-total // _THREADS), self._sms * 8))
-        small = total < 2**31 and span < 2**31
-        kernel, it = (self._k32, np.uint32) if small else (self._k64, np.uint64)
-        args = (np.uint64(layer_ptrs), np.uint64(flat_ptrs), np.uint64(flat_base), np.uint64(group_stride),
-                np.uint64(gids), np.uint64(fids), it(n), it(groups), it(span), it(chunk), it(lps),
-                it(units), np.int32(1 if gather else 0))
+        if vectors and groups * lps <= 65535:
+            units = chunk // 16
+            threads = min(_THREADS, max(32, -(-units // 32) * 32))
+            grid, block = (n, groups * lps), (threads,)
+            args = (np.uint64(layer_ptrs), np.uint64(flat_ptrs), np.uint64(flat_base), np.uint64(group_stride),
+                    np.uint64(gids), np.uint64(fids), np.uint64(span), np.uint64(chunk), np.uint32(lps),
+                    np.int32(1 if gather else 0))
+            kernel = self._kchunks
+        else:
+            units = span // 16 if aligned else (span + 30) // 16
+            total = n * groups * units
+            blocks = max(1, min(-(-total // _THREADS), self._sms * 8))
+            small = total < 2**31 and span < 2**31
+            kernel, it = (self._k32, np.uint32) if small else (self._k64, np.uint64)
+            grid, block = (blocks,), (_THREADS,)
+            args = (np.uint64(layer_ptrs), np.uint64(flat_ptrs), np.uint64(flat_base), np.uint64(group_stride),
+                    np.uint64(gids), np.uint64(fids), it(n), it(groups), it(span), it(chunk), it(lps),
+                    it(units), np.int32(1 if gather else 0))
         try:
-            kernel((blocks,), (_THREADS,), args, stream=stream)
+            kernel(grid, block, args, stream=stream)
         except TypeError:  # a CuPy whose Function takes no stream argument: use its current stream
             with stream:
-                kernel((blocks,), (_THREADS,), args)
+                kernel(grid, block, args)
 
     def _zero_copy(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
         groups, span, lps = self._geometry(plan)
         aligned = span % 16 == 0 and all(p % 16 == 0 for p in host_ptrs)
         gptr, fptr, hptr = self._params([plan.gpu_ids, plan.host_ids, np.asarray(host_ptrs, np.int64)], stream)
+        vectors = aligned and layers.aligned and plan.chunk_bytes % 16 == 0
         self._launch(stream, layers.ptr_array.data.ptr, hptr, 0, 0, gptr, fptr, plan.blocks, groups, span,
-                     plan.chunk_bytes, lps, aligned, plan.direction == "d2h")
+                     plan.chunk_bytes, lps, aligned, plan.direction == "d2h", vectors)
 
     def _dma(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
         rt = self.cp.cuda.runtime
@@ -524,6 +539,7 @@ class CudaSwapper:
         per_piece = min(per_piece, max(1, -(-n // 4))) if n * span * groups >= (8 << 20) else per_piece
         gptr, = self._params([plan.gpu_ids], stream)
         d2h = plan.direction == "d2h"
+        vectors = layers.aligned and plan.chunk_bytes % 16 == 0
         copy = self._copy_stream
         start = cp.cuda.Event(block=False, disable_timing=True)
         start.record(stream)
@@ -540,7 +556,7 @@ class CudaSwapper:
                 if slot_free[slot] is not None:
                     stream.wait_event(slot_free[slot])
                 self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride, gptr + e0 * 8, 0, m, groups,
-                             span, plan.chunk_bytes, lps, span % 16 == 0, True)
+                             span, plan.chunk_bytes, lps, span % 16 == 0, True, vectors)
                 ready = cp.cuda.Event(block=False, disable_timing=True)
                 ready.record(stream)
                 copy.wait_event(ready)
@@ -556,7 +572,7 @@ class CudaSwapper:
                 ready.record(copy)
                 stream.wait_event(ready)
                 self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride, gptr + e0 * 8, 0, m, groups,
-                             span, plan.chunk_bytes, lps, span % 16 == 0, False)
+                             span, plan.chunk_bytes, lps, span % 16 == 0, False, vectors)
                 freed = cp.cuda.Event(block=False, disable_timing=True)
                 freed.record(stream)
                 slot_free[slot] = freed
