@@ -21,15 +21,14 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
-from ..keys import rank_key
 from ..spec import CacheSpec
-from .reference import TransferBackend, leading
+from .reference import StoreBackend
 from .stores import Store, as_bytes_view
 
 __all__ = ["CudaBackend"]
 
 
-class CudaBackend(TransferBackend):
+class CudaBackend(StoreBackend):
     """Per-rank GPU caches over a :class:`~kvstate.backends.stores.Store`, through pinned staging.
 
     ``caches``, when given, is ``caches[rank][kind]`` = a list of per-layer GPU tensors
@@ -39,12 +38,7 @@ class CudaBackend(TransferBackend):
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0) -> None:
-        if not isinstance(spec, CacheSpec):
-            raise ValidationError("CudaBackend: spec must be a CacheSpec")
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValidationError(f"CudaBackend: num_blocks must be an int > 0, got {num_blocks!r}")
-        if not isinstance(store, Store):
-            raise ValidationError("CudaBackend: store must be a kvstate Store")
+        self._setup(spec, num_blocks, store)
         per_block = spec.bytes_per_block_per_rank
         if not isinstance(staging_bytes, int) or staging_bytes < 2 * per_block:
             raise ValidationError(f"CudaBackend: staging_bytes must hold two blocks ({2 * per_block} bytes "
@@ -56,12 +50,11 @@ class CudaBackend(TransferBackend):
                 if not isinstance(by_kind, dict) or set(by_kind) != set(spec.kinds):
                     raise ValidationError(f"CudaBackend: caches[{r}] must map exactly the kinds {spec.kinds}")
         self.cp = cp = load_cupy()
-        self.spec, self.num_blocks, self.store, self.device = spec, num_blocks, store, device
+        self.device = device
         self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
         self._swappers: list[CudaSwapper] = []
         self._locks = [threading.Lock() for _ in range(spec.tp_size)]
         self._closed = False
-        self.bytes_moved = 0  #: payload bytes written to and read from the store
         try:
             self._layers: list[dict[str, DeviceLayers]] = []
             self._slots: list[list[dict[str, np.ndarray]]] = []
@@ -114,26 +107,14 @@ class CudaBackend(TransferBackend):
     def _check(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] | None) -> None:
         if self._closed:
             raise ValidationError("CudaBackend is closed")
-        if not isinstance(rank, int) or not 0 <= rank < self.spec.tp_size:
-            raise ValidationError(f"rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        super()._check(rank, keys, block_ids)
         if block_ids is not None:
-            if len(block_ids) != len(keys):
-                raise ValidationError(f"{len(keys)} keys but {len(block_ids)} block ids")
             for b in block_ids:
                 if not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_blocks:
                     raise ValidationError(f"block {b!r} outside 0..{self.num_blocks - 1}")
 
-    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
-        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
-
     def _views(self, slot: dict[str, np.ndarray], m: int) -> list[memoryview]:
         return [as_bytes_view(slot[kind][i]) for i in range(m) for kind in self.spec.kinds]
-
-    def query(self, rank: int, keys: Sequence[str]) -> int:
-        self._check(rank, keys, None)
-        found = self.store.batch_is_exist(self._names(rank, keys))
-        nk = len(self.spec.kinds)
-        return leading(all(f == 1 for f in found[i * nk:(i + 1) * nk]) for i in range(len(keys)))
 
     def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str) -> Any:
         sw, ev = self._swappers[rank], None
@@ -160,8 +141,7 @@ class CudaBackend(TransferBackend):
                     sw._wait(events[k % 2])
                     status = self.store.batch_put_from(self._names(rank, keys[a:b]),
                                                        self._views(self._slots[rank][k % 2], b - a))
-                    nk = len(self.spec.kinds)
-                    done = leading(all(s == 0 for s in status[i * nk:(i + 1) * nk]) for i in range(b - a))
+                    done = self._whole([st == 0 for st in status], b - a)
                     count += done
                     if done < b - a:
                         break
@@ -175,7 +155,6 @@ class CudaBackend(TransferBackend):
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
         self._check(rank, keys, block_ids)
         n, m, sw = len(keys), self.per_slot, self._swappers[rank]
-        nk = len(self.spec.kinds)
         count = 0
         with self._locks[rank]:
             events: list[Any] = [None, None]
@@ -187,8 +166,7 @@ class CudaBackend(TransferBackend):
                     views = self._views(self._slots[rank][slot], b - a)
                     got = self.store.batch_get_into(self._names(rank, keys[a:b]), views)
                     # a short read is a miss: a block counts only if every kind arrived whole
-                    done = leading(all(got[i * nk + j] == views[i * nk + j].nbytes for j in range(nk))
-                                   for i in range(b - a))
+                    done = self._whole([g == v.nbytes for g, v in zip(got, views)], b - a)
                     if done:
                         events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d")
                     count += done

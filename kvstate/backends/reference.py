@@ -19,7 +19,7 @@ from ..keys import rank_key
 from ..spec import CacheSpec
 from .stores import Store, as_bytes_view
 
-__all__ = ["TransferBackend", "ReferenceBackend", "leading"]
+__all__ = ["TransferBackend", "StoreBackend", "ReferenceBackend", "leading"]
 
 
 def leading(flags: Sequence[bool]) -> int:
@@ -50,23 +50,51 @@ class TransferBackend:
         """Release buffers and devices (idempotent)."""
 
 
-class ReferenceBackend(TransferBackend):
+class StoreBackend(TransferBackend):
+    """What backends keeping one object per (block, kind, rank) in a Store share: argument
+    checks, object names, the existence query and counting whole blocks."""
+
+    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
+        name = type(self).__name__
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError(f"{name}: spec must be a CacheSpec")
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValidationError(f"{name}: num_blocks must be an int > 0, got {num_blocks!r}")
+        if not isinstance(store, Store):
+            raise ValidationError(f"{name}: store must be a kvstate Store")
+        self.spec, self.num_blocks, self.store = spec, num_blocks, store
+        self.bytes_moved = 0  #: payload bytes written to and read from the store
+
+    def _check(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] | None) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.spec.tp_size:
+            raise ValidationError(f"rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        if block_ids is not None and len(block_ids) != len(keys):
+            raise ValidationError(f"{len(keys)} keys but {len(block_ids)} block ids")
+
+    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
+        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
+
+    def _whole(self, ok: Sequence[bool], n: int) -> int:
+        """Leading blocks of ``n`` whose every kind's object is ``ok`` (one flag per object)."""
+        nk = len(self.spec.kinds)
+        return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
+
+    def query(self, rank: int, keys: Sequence[str]) -> int:
+        self._check(rank, keys, None)
+        found = self.store.batch_is_exist(self._names(rank, keys))
+        return self._whole([f == 1 for f in found], len(keys))
+
+
+class ReferenceBackend(StoreBackend):
     """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
-        if not isinstance(spec, CacheSpec):
-            raise ValidationError("ReferenceBackend: spec must be a CacheSpec")
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValidationError(f"ReferenceBackend: num_blocks must be an int > 0, got {num_blocks!r}")
-        if not isinstance(store, Store):
-            raise ValidationError("ReferenceBackend: store must be a kvstate Store")
-        self.spec, self.num_blocks, self.store = spec, num_blocks, store
+        self._setup(spec, num_blocks, store)
         #: caches[rank][kind] -> list of per-layer arrays [num_blocks, heads, block_size, dim]
         self.caches = [
             {kind: [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
                     for _ in range(spec.layers)] for kind in spec.kinds}
             for _ in range(spec.tp_size)]
-        self.bytes_moved = 0  #: payload bytes written to and read from the store
 
     # -- block access (tests, the demo's fake compute) -----------------------------------------
     def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
@@ -84,24 +112,9 @@ class ReferenceBackend(TransferBackend):
                                             count=layer[block_id].size).reshape(layer.shape[1:])
 
     # -- TransferBackend -----------------------------------------------------------------------
-    def _check(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] | None) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.spec.tp_size:
-            raise ValidationError(f"rank {rank!r} outside 0..{self.spec.tp_size - 1}")
-        if block_ids is not None and len(block_ids) != len(keys):
-            raise ValidationError(f"{len(keys)} keys but {len(block_ids)} block ids")
-
     def _host(self, n: int) -> dict[str, np.ndarray]:
         s = self.spec
         return {k: np.empty((n, s.layers) + s.block_shape(k), s.kind_dtype(k)) for k in s.kinds}
-
-    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
-        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
-
-    def query(self, rank: int, keys: Sequence[str]) -> int:
-        self._check(rank, keys, None)
-        found = self.store.batch_is_exist(self._names(rank, keys))
-        nk = len(self.spec.kinds)
-        return leading(all(f == 1 for f in found[i * nk:(i + 1) * nk]) for i in range(len(keys)))
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
         self._check(rank, keys, block_ids)
@@ -112,8 +125,7 @@ class ReferenceBackend(TransferBackend):
             swap_cache_layout(self.caches[rank][kind], buf, list(block_ids), slots, "d2h")
         bufs = [as_bytes_view(host[kind][i]) for i in range(n) for kind in self.spec.kinds]
         status = self.store.batch_put_from(self._names(rank, keys), bufs)
-        nk = len(self.spec.kinds)
-        count = leading(all(s == 0 for s in status[i * nk:(i + 1) * nk]) for i in range(n))
+        count = self._whole([st == 0 for st in status], n)
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
@@ -124,10 +136,8 @@ class ReferenceBackend(TransferBackend):
         kinds = self.spec.kinds
         bufs = [as_bytes_view(host[kind][i]) for i in range(n) for kind in kinds]
         got = self.store.batch_get_into(self._names(rank, keys), bufs)
-        nk = len(kinds)
         # a short read is a miss: a block counts only if every kind arrived whole
-        count = leading(all(got[i * nk + j] == bufs[i * nk + j].nbytes for j in range(nk))
-                        for i in range(n))
+        count = self._whole([g == b.nbytes for g, b in zip(got, bufs)], n)
         if count:
             for kind, buf in host.items():
                 swap_cache_layout(self.caches[rank][kind], buf, list(block_ids[:count]),

@@ -33,43 +33,35 @@ def _gpu_device(x: Any) -> int | None:
     return int(idx) if int(kind) == _DL_CUDA else None
 
 
-def _swapper_for(device: int) -> Any:
+def _dispatch(op: str, gpu_side: Any, args: tuple, swapper: Any) -> TransferPlan:
+    """Run ``op`` on ``swapper``, on a transient swapper for GPU tensors, or in numpy."""
+    if swapper is not None:
+        return getattr(swapper, op)(*args)
+    dev = _gpu_device(gpu_side)
+    if dev is None:
+        return getattr(reference, op)(*args)
     from .cuda import CudaSwapper
 
-    return CudaSwapper(device)
+    with CudaSwapper(dev) as sw:
+        return getattr(sw, op)(*args)
 
 
 def swap_cache_layout(caches: Sequence[Any], host: Any, gpu_block_ids: Any, host_block_ids: Any,
                       direction: str, *, swapper: Any = None) -> TransferPlan:
     """Layer-major caches ``[N,H,B,D]`` per layer ⇄ block-major host ``[M,L,H,B,D]``."""
-    if swapper is not None:
-        return swapper.swap_cache_layout(caches, host, gpu_block_ids, host_block_ids, direction)
-    dev = _gpu_device(caches)
-    if dev is None:
-        return reference.swap_cache_layout(caches, host, gpu_block_ids, host_block_ids, direction)
-    with _swapper_for(dev) as sw:
-        return sw.swap_cache_layout(caches, host, gpu_block_ids, host_block_ids, direction)
+    return _dispatch("swap_cache_layout", caches, (caches, host, gpu_block_ids, host_block_ids, direction),
+                     swapper)
 
 
 def swap_cache_per_layer(cache: Any, host_layer: Any, gpu_block_ids: Any, host_block_ids: Any,
                          direction: str, *, swapper: Any = None) -> TransferPlan:
     """One layer: ``[N,H,B,D]`` ⇄ ``[M,H,B,D]``."""
-    if swapper is not None:
-        return swapper.swap_cache_per_layer(cache, host_layer, gpu_block_ids, host_block_ids, direction)
-    dev = _gpu_device(cache)
-    if dev is None:
-        return reference.swap_cache_per_layer(cache, host_layer, gpu_block_ids, host_block_ids, direction)
-    with _swapper_for(dev) as sw:
-        return sw.swap_cache_per_layer(cache, host_layer, gpu_block_ids, host_block_ids, direction)
+    return _dispatch("swap_cache_per_layer", cache, (cache, host_layer, gpu_block_ids, host_block_ids, direction),
+                     swapper)
 
 
 def swap_cache_all_layers(caches: Sequence[Any], host_layers: Sequence[Any], gpu_block_ids: Any,
                           host_block_ids: Any, direction: str, *, swapper: Any = None) -> TransferPlan:
     """Every layer, the same layout on both sides: ``[N,H,B,D]`` ⇄ ``[M,H,B,D]`` per layer."""
-    if swapper is not None:
-        return swapper.swap_cache_all_layers(caches, host_layers, gpu_block_ids, host_block_ids, direction)
-    dev = _gpu_device(caches)
-    if dev is None:
-        return reference.swap_cache_all_layers(caches, host_layers, gpu_block_ids, host_block_ids, direction)
-    with _swapper_for(dev) as sw:
-        return sw.swap_cache_all_layers(caches, host_layers, gpu_block_ids, host_block_ids, direction)
+    return _dispatch("swap_cache_all_layers", caches,
+                     (caches, host_layers, gpu_block_ids, host_block_ids, direction), swapper)
