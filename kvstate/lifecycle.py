@@ -397,6 +397,11 @@ class PrefillLifecycle(Lifecycle):
         self._start_waiting()
         return req.state
 
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests still queued for blocks."""
+        return len(self._waiting)
+
     def prefill_done(self, request_id: str, first_token: int) -> None:
         """The prompt's cache is computed and ``first_token`` sampled: store it, then send."""
         req = self._get(request_id)

@@ -1,0 +1,171 @@
+"""Workloads: synthetic arrivals with length distributions, and Mooncake-format traces.
+
+Every request becomes an :class:`Arrival` whose token ids are built so that requests
+sharing a prefix share its token ids (hence its storage keys, through the one key
+function P and D both use): a synthetic request starts with its prefix group's tokens; a
+trace request's tokens are derived block by block from its ``hash_ids``.
+"""
+from __future__ import annotations
+
+import json
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from .scenario import WorkloadSpec
+
+__all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals"]
+
+_UNIQUE_BASE = 1 << 40  # token ids of unshared tokens start here (trace hash ids stay below)
+
+
+@dataclass(slots=True)
+class Arrival:
+    """One request of the workload."""
+
+    index: int
+    time: float  #: seconds from the start
+    input_len: int
+    output_len: int  #: tokens generated, the first (from P) included
+    tokens: array  #: uint64 token ids of the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def _int_field(rec: dict, name: str, where: str, minimum: int) -> int:
+    v = rec.get(name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{where}: {name} must be an integer, got {v!r}")
+    if v < minimum:
+        raise ConfigError(f"{where}: {name} must be >= {minimum}, got {v}")
+    return v
+
+
+def load_trace(path: str | Path, hash_block_size: int = 512) -> list[TraceRecord]:
+    """Read and validate a JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids``); errors name the file, the line and the rule. Nothing is returned on any error."""
+    p = Path(path)
+    known = {"timestamp", "input_length", "output_length", "hash_ids"}
+    out: list[TraceRecord] = []
+    last = -1.0
+    try:
+        f = p.open()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: trace file not found") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ConfigError(f"{where}: a record must be a JSON object")
+            extra = set(rec) - known
+            if extra:
+                raise ConfigError(f"{where}: unknown field(s) {sorted(extra)} (known: {sorted(known)})")
+            ts = rec.get("timestamp")
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0:
+                raise ConfigError(f"{where}: timestamp must be a number of ms >= 0, got {ts!r}")
+            if ts < last:
+                raise ConfigError(f"{where}: timestamp {ts} goes back in time (previous {last}): "
+                                  "timestamps must be non-decreasing")
+            last = float(ts)
+            n_in = _int_field(rec, "input_length", where, 1)
+            n_out = _int_field(rec, "output_length", where, 1)
+            hids = rec.get("hash_ids", [])
+            if not isinstance(hids, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hids):
+                raise ConfigError(f"{where}: hash_ids must be a list of integers >= 0")
+            allowed = -(-n_in // hash_block_size)
+            if len(hids) > allowed:
+                raise ConfigError(f"{where}: {len(hids)} hash_ids but input_length {n_in} allows at most "
+                                  f"{allowed} blocks of {hash_block_size} tokens")
+            out.append(TraceRecord(float(ts), n_in, n_out, tuple(hids)))
+    if not out:
+        raise ConfigError(f"{p}: the trace holds no request")
+    return out
+
+
+def _tokens(prefix: np.ndarray | None, n: int, unique_start: int) -> array:
+    """``n`` token ids: the shared ``prefix`` (truncated to ``n``), then unique ids."""
+    k = 0 if prefix is None else min(len(prefix), n)
+    out = np.empty(n, dtype=np.uint64)
+    if k:
+        out[:k] = prefix[:k]
+    out[k:] = np.arange(unique_start, unique_start + n - k, dtype=np.uint64)
+    a = array("Q")
+    a.frombytes(out.tobytes())
+    return a
+
+
+def _lengths(rng: np.random.Generator, dist: str, mean: float, sigma: float, cap: int, n: int) -> np.ndarray:
+    if dist == "fixed":
+        x = np.full(n, mean)
+    elif dist == "uniform":
+        x = rng.uniform(mean * (1 - min(sigma, 1.0)), mean * (1 + min(sigma, 1.0)), n)
+    elif dist == "exponential":
+        x = rng.exponential(mean, n)
+    else:  # lognormal with the given mean
+        x = rng.lognormal(np.log(mean) - sigma * sigma / 2, sigma, n)
+    return np.clip(np.rint(x), 1, cap).astype(np.int64)
+
+
+def synthetic(w: WorkloadSpec, seed: int) -> Iterator[Arrival]:
+    """Poisson or gamma arrivals; prompts share one of ``prefix_groups`` prefixes."""
+    rng = np.random.default_rng(seed)
+    n = w.num_requests
+    if w.arrival == "poisson":
+        gaps = rng.exponential(1.0 / w.rate, n)
+    else:  # gamma with mean 1/rate and coefficient of variation cv
+        shape = 1.0 / (w.cv * w.cv)
+        gaps = rng.gamma(shape, 1.0 / (w.rate * shape), n)
+    times = np.cumsum(gaps) - gaps[0]
+    ins = _lengths(rng, w.input_dist, w.input_mean, w.input_sigma, w.input_max, n)
+    outs = _lengths(rng, w.output_dist, w.output_mean, w.output_sigma, w.output_max, n)
+    groups = rng.integers(0, w.prefix_groups, n) if w.prefix_groups else None
+    prefixes: dict[int, np.ndarray] = {}
+    for i in range(n):
+        prefix = None
+        if groups is not None and w.prefix_tokens:
+            g = int(groups[i])
+            prefix = prefixes.get(g)
+            if prefix is None:
+                prefix = prefixes[g] = np.arange(g * w.prefix_tokens, (g + 1) * w.prefix_tokens, dtype=np.uint64)
+        n_in = int(ins[i])
+        yield Arrival(i, float(times[i]), n_in, int(outs[i]), _tokens(prefix, n_in, _UNIQUE_BASE + i * (w.input_max + 1)))
+
+
+def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]:
+    """Replay: equal ``hash_ids`` give equal token ids, block by block (``hash_block_size`` each)."""
+    hb = w.hash_block_size
+    offsets = np.arange(hb, dtype=np.uint64)
+    t0 = records[0].timestamp_ms
+    for i, r in enumerate(records):
+        prefix = None
+        if r.hash_ids:
+            prefix = (np.repeat(np.asarray(r.hash_ids, dtype=np.uint64), hb) * np.uint64(hb)
+                      + np.tile(offsets, len(r.hash_ids)))
+        start = _UNIQUE_BASE * 2 + i * (r.input_length + 1)
+        yield Arrival(i, (r.timestamp_ms - t0) / 1000.0 * w.time_scale, r.input_length, r.output_length,
+                      _tokens(prefix, r.input_length, start))
+
+
+def arrivals(w: WorkloadSpec, seed: int) -> tuple[int, Iterator[Arrival]]:
+    """(number of requests, their arrivals in time order). A trace is read and validated here,
+    in full, before the first arrival is handed out."""
+    if w.arrival == "trace":
+        records = load_trace(w.trace, w.hash_block_size)
+        return len(records), from_trace(records, w)
+    return w.num_requests, synthetic(w, seed)
