@@ -21,14 +21,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvstate.sim.metrics import simulate, to_json  # noqa: E402
 from kvstate.sim.scenario import Scenario, with_overrides  # noqa: E402
 
-TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                     "mooncake_synthetic_trace.jsonl")
+TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "mooncake_synthetic_trace.jsonl")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--trace", default=TRACE, help="Mooncake-format trace to time (default: the shared one)")
+    ap.add_argument("--trace", default=TRACE, help="Mooncake-format trace to time (default: data/mooncake_synthetic_trace.jsonl)")
     ap.add_argument("--quick", action="store_true", help="500 requests, no trace")
     args = ap.parse_args()
     s = Scenario()
