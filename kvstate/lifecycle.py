@@ -184,7 +184,7 @@ class Lifecycle:
             self.counters["stale_completions"] += 1
             return False
         rank, count, cmd = completion.rank, completion.count, p.cmd
-        if rank not in cmd.ranks:
+        if isinstance(rank, bool) or rank not in cmd.ranks:
             raise ValidationError(f"command {cmd.command_id} of request {cmd.request_id!r}: "
                                   f"rank {rank!r} is not one of its ranks {cmd.ranks}")
         if rank in p.counts:
@@ -253,9 +253,11 @@ class Lifecycle:
 
     # -- internals -------------------------------------------------------------------------
     def _get(self, request_id: str) -> Request:
+        if not isinstance(request_id, str):
+            raise ValidationError(f"request id must be a str, got {type(request_id).__name__} {request_id!r}")
         req = self._reqs.get(request_id)
         if req is None:
-            ended = self._ended.get(request_id) if isinstance(request_id, str) else None
+            ended = self._ended.get(request_id)
             if ended:
                 raise UnknownRequestError(
                     f"request {request_id!r} already ended ({ended}) and was recycled on the "
@@ -485,7 +487,7 @@ class DecodeLifecycle(Lifecycle):
     # -- engine API --------------------------------------------------------------------------
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
-        if not isinstance(num_tokens, int) or num_tokens <= 0:
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise ValidationError(f"num_tokens must be an int > 0, got {num_tokens!r}")
         return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
 

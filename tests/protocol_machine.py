@@ -1,0 +1,426 @@
+"""The protocol state machine: hypothesis drives P and D through any order of completions,
+faults, preemptions, aborts and clock ticks, and checks the invariants after every step.
+
+Shared by ``tests/test_protocol.py`` (the CI profile, with fault quotas) and
+``benchmarks/protocol.py`` (the report; ``KVSTATE_PROTOCOL_PROFILE=deep`` for the deep run).
+Every run adds to :data:`STATS`: examples, steps, injected faults per class, invariant checks.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from conftest import Rig
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstate import InvalidTransitionError, KVStateError, OutOfBlocksError, Policy, UnknownRequestError
+from kvstate import commands as C
+from kvstate.demo import fake_block
+from kvstate.keys import block_keys
+from kvstate.machines import decode, prefill
+
+BS = 4
+
+#: the fault classes of the issue; each must be injected >= 100 times per CI run
+FAULT_CLASSES = (
+    "write_fail", "write_partial", "evict_between_write_and_read", "read_fail", "read_partial",
+    "rank_never_answers", "rank_answers_late", "store_unavailable", "cancel", "cancel_mid_transfer",
+    "preempt", "duplicate_first_token", "late_first_token", "recycled_event", "tick",
+)
+INVARIANTS = (
+    "block_owned_by_one_request", "refcount_equals_owners_plus_pins", "free_list_matches_refcounts",
+    "pool_free_plus_used_is_total", "pending_command_has_deadline", "live_request_in_legal_state",
+    "runnable_only_after_full_read_on_every_rank_with_p_bytes", "drained_all_terminal_and_empty",
+)
+STATS: Counter[str] = Counter()
+CORPUS = Path(__file__).with_name("protocol_corpus")
+
+PROFILES = {  # examples, steps per example
+    "ci": (800, 60),
+    "deep": (2500, 60),
+    "quick": (60, 40),
+}
+
+
+def profile_settings(profile: str | None = None) -> settings:
+    name = profile or os.environ.get("KVSTATE_PROTOCOL_PROFILE", "ci")
+    if name not in PROFILES:
+        raise ValueError(f"KVSTATE_PROTOCOL_PROFILE must be one of {sorted(PROFILES)}, got {name!r}")
+    examples, steps = PROFILES[name]
+    # failures hypothesis finds are saved in tests/protocol_corpus/ (committed) and replayed first
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                    database=DirectoryBasedExampleDatabase(str(CORPUS)),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class StoreSwitch:
+    """Wraps the shared store: while ``down`` every operation raises (store unavailable)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.down = False
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if callable(attr) and self.down and name in ("batch_put_from", "batch_get_into", "batch_is_exist"):
+            def unavailable(*a, **k):
+                from kvstate.errors import StoreError
+                raise StoreError("store unavailable (injected)")
+            return unavailable
+        return attr
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+class Protocol(RuleBasedStateMachine):
+    @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
+                preempt=st.sampled_from(["write", "recompute"]), retries=st.integers(0, 2),
+                capacity=st.sampled_from([1 << 26, 6000]))
+    def setup(self, tp, read_failure, preempt, retries, capacity):
+        from kvstate.backends import MemoryStore
+        STATS["examples"] += 1
+        self.switch = StoreSwitch(MemoryStore(capacity))
+        self.rig = Rig(tp=tp, blocks=24, store=self.switch,
+                       policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
+                                     transfer_timeout=5.0, fence_grace=3.0), first_token_timeout=12.0)
+        self.tokens: dict[str, list[int]] = {}
+        self.n = 0
+        self.faults: Counter[str] = Counter()
+        self.ended: set[str] = set()
+        self.recomputes: list = []
+        self.prefills: list = []
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _fill(self, backend, toks, blocks, start):
+        spec = self.rig.spec
+        keys = block_keys(toks, BS)
+        for i in range(start, len(keys)):
+            for r in range(spec.tp_size):
+                for kind in spec.kinds:
+                    backend.fill_block(r, kind, blocks[i], fake_block(keys[i], r, kind, spec.block_bytes(kind)))
+
+    def _process_notices(self):
+        rig = self.rig
+        for _ in range(50):
+            moved = False
+            for drv in (rig.pd, rig.dd):
+                drv.pump()
+                notes, drv.notices = drv.notices, []
+                for n in notes:
+                    moved = True
+                    self._notice(drv, n)
+            if not moved:
+                return
+
+    def _notice(self, drv, n):
+        rig, rid = self.rig, n.request_id
+        if isinstance(n, C.StartPrefill):
+            self.prefills.append(n)  # the engine computes it later (rule prefill)
+        elif isinstance(n, C.SendFirstToken):
+            if rid in rig.D.live_requests() and rig.D.state_of(rid) == "reserved":
+                rig.D.deliver_first_token(rid, n.token, n.error_code)
+                if n.error_code == 200:
+                    self.tokens[rid] = self.tokens[rid][:self.plen[rid]] + [n.token]
+            else:  # it arrives after D gave up waiting (or was told by another message)
+                self.faults["late_first_token"] += 1
+                snap = snapshot(rig.D)
+                try:
+                    rig.D.deliver_first_token(rid, n.token, n.error_code)
+                    raise AssertionError(f"a late first token for {rid} was accepted")
+                except (UnknownRequestError, InvalidTransitionError):
+                    pass
+                assert snapshot(rig.D) == snap
+        elif isinstance(n, C.StartDecode):
+            STATS["invariant:runnable_only_after_full_read_on_every_rank_with_p_bytes"] += 1
+            # D is runnable only with every needed block read on every rank, byte-equal to P's
+            toks = self.tokens[rid][:-1]
+            keys = block_keys(toks, BS)
+            spec = rig.spec
+            for i, k in enumerate(keys):
+                for r in range(spec.tp_size):
+                    for kind in spec.kinds:
+                        assert rig.db.block_bytes(r, kind, n.block_ids[i]) == fake_block(
+                            k, r, kind, spec.block_bytes(kind)), (rid, i, r, kind)
+        elif isinstance(n, C.Recompute):
+            self.recomputes.append(n)  # the engine computes it later (rule recompute)
+        elif isinstance(n, C.RequestEnded) and drv is rig.dd:
+            self.ended.add(rid)
+
+    # -- rules -------------------------------------------------------------------------------
+    @rule(length=st.integers(1, 14), share=st.booleans(), data=st.data())
+    def arrive(self, length, share, data):
+        rig = self.rig
+        rid = f"r{self.n}"
+        self.n += 1
+        toks = [data.draw(st.integers(0, 3)) for _ in range(length)]
+        if share and self.tokens:
+            donor = self.tokens[data.draw(st.sampled_from(sorted(self.tokens)))]
+            toks[:min(len(donor), length) - 1] = donor[:min(len(donor), length) - 1]
+        if not rig.D.can_reserve(len(toks)):
+            return
+        rig.D.reserve(rid, toks)
+        rig.P.admit(rid, toks)
+        self.plen = getattr(self, "plen", {})
+        self.plen[rid] = len(toks)
+        self.tokens[rid] = list(toks)
+        self._process_notices()
+
+    @precondition(lambda self: self.rig.pd.pending or self.rig.dd.pending)
+    @rule(data=st.data(), whole=st.booleans())
+    def answer(self, data, whole):
+        """Answer one (command, rank), or every rank of one command, each with its own outcome."""
+        rig = self.rig
+        drv = data.draw(st.sampled_from([d for d in (rig.pd, rig.dd) if d.pending]))
+        cid, rank = data.draw(st.sampled_from(sorted(drv.pending)))
+        keys = [k for k in sorted(drv.pending) if k[0] == cid] if whole else [(cid, rank)]
+        for key in keys:
+            cmd = drv.pending[key]
+            kind = {"WriteBlocks": "write", "ReadBlocks": "read", "QueryBlocks": "query"}[type(cmd).__name__]
+            outcome = data.draw(st.sampled_from(["ok"] * 4 + ["fail", "partial", "never", "store_down"]))
+            if outcome == "never":
+                self.faults["rank_never_answers"] += 1
+                drv.drop(*key)
+            elif outcome == "fail":
+                self.faults[f"{kind}_fail"] += 1
+                drv.complete(*key, "fail")
+            elif outcome == "partial":
+                self.faults[f"{kind}_partial"] += 1
+                drv.complete(*key, data.draw(st.integers(0, len(cmd.keys))))
+            elif outcome == "store_down":
+                self.faults["store_unavailable"] += 1
+                self.switch.down = True
+                try:
+                    drv.complete(*key)
+                finally:
+                    self.switch.down = False
+            else:
+                drv.complete(*key)
+        self._process_notices()
+
+    @precondition(lambda self: self.rig.pd.pending or self.rig.dd.pending)
+    @rule()
+    def progress(self):
+        """Run queued prefills and answer every pending (command, rank) in full: lets runs get
+        deep into the life."""
+        while self.prefills:
+            self._run_prefill(self.prefills.pop(0))
+        for drv in (self.rig.pd, self.rig.dd):
+            for key in sorted(drv.pending):
+                if key in drv.pending:
+                    drv.complete(*key)
+        self._process_notices()
+
+    def _io_pending(self):
+        return [(drv, key) for drv in (self.rig.pd, self.rig.dd) for key, cmd in sorted(drv.pending.items())
+                if isinstance(cmd, (C.WriteBlocks, C.ReadBlocks))]
+
+    @precondition(lambda self: self._io_pending())
+    @rule(data=st.data(), how=st.sampled_from(["fail", "partial"]))
+    def fault_io(self, data, how):
+        """A write or read fails on one rank, or moves only its leading blocks there."""
+        pending = self._io_pending()
+        reads = [(d, k) for d, k in pending if isinstance(d.pending[k], C.ReadBlocks)]
+        if reads:  # reads are rarer (they need a write first): fault them whenever there is one
+            pending = reads
+        drv, key = data.draw(st.sampled_from(pending))
+        cmd = drv.pending[key]
+        kind = "write" if isinstance(cmd, C.WriteBlocks) else "read"
+        self.faults[f"{kind}_{how}"] += 1
+        drv.complete(*key, "fail" if how == "fail" else data.draw(st.integers(0, max(0, len(cmd.keys) - 1))))
+        self._process_notices()
+
+    def _run_prefill(self, n) -> None:
+        rig, rid = self.rig, n.request_id
+        if rid in rig.P.live_requests() and rig.P.state_of(rid) == "prefilling":
+            self._fill(rig.pb, self.tokens[rid][:self.plen[rid]], n.block_ids, n.num_cached_tokens // BS)
+            rig.P.prefill_done(rid, 1)
+
+    @precondition(lambda self: self.prefills)
+    @rule(data=st.data())
+    def prefill(self, data):
+        """The engine finished a prefill it was asked for."""
+        self._run_prefill(self.prefills.pop(data.draw(st.integers(0, len(self.prefills) - 1))))
+        self._process_notices()
+
+    @precondition(lambda self: self.recomputes)
+    @rule(data=st.data())
+    def recompute(self, data):
+        """The engine finished a recompute it was asked for (if the request still wants it)."""
+        n = self.recomputes.pop(data.draw(st.integers(0, len(self.recomputes) - 1)))
+        rig, rid = self.rig, n.request_id
+        if rid in rig.D.live_requests() and rig.D.state_of(rid) == "recomputing" \
+                and rig.D.blocks_of(rid) == n.block_ids:
+            self._fill(rig.db, self.tokens[rid][:-1], n.block_ids, n.from_token // BS)
+            rig.D.recompute_done(rid)
+            self._process_notices()
+
+    @precondition(lambda self: self.rig.pd.pending or self.rig.dd.pending)
+    @rule(data=st.data())
+    def late_answer(self, data):
+        """A rank answers after its command's deadline (and the fence grace, sometimes) passed."""
+        rig = self.rig
+        drv = data.draw(st.sampled_from([d for d in (rig.pd, rig.dd) if d.pending]))
+        key = data.draw(st.sampled_from(sorted(drv.pending)))
+        cmd = drv.pending[key]
+        rig.clock.advance(max(0.0, cmd.deadline - rig.clock()) + data.draw(st.sampled_from([0.1, 4.0])))
+        rig.P.tick()
+        rig.D.tick()
+        self.faults["rank_answers_late"] += 1
+        drv.complete(*key)
+        self._process_notices()
+
+    @precondition(lambda self: len(self.rig.store) > 0)
+    @rule(data=st.data())
+    def evict(self, data):
+        self.faults["evict_between_write_and_read"] += 1
+        self.rig.store.evict([data.draw(st.sampled_from(sorted(self.rig.store.keys())))])
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    def tick(self, dt):
+        self.faults["tick"] += 1
+        self.rig.clock.advance(dt)
+        self.rig.P.tick()
+        self.rig.D.tick()
+        self._process_notices()
+
+    @precondition(lambda self: self.rig.P.live_requests() or self.rig.D.live_requests())
+    @rule(data=st.data(), side=st.sampled_from(["P", "D"]))
+    def abort(self, data, side):
+        lc = getattr(self.rig, side)
+        if lc.live_requests():
+            rid = data.draw(st.sampled_from(sorted(lc.live_requests())))
+            self.faults["cancel"] += 1
+            self.faults[f"cancel:{side}:{lc.state_of(rid)}"] += 1
+            if lc._reqs[rid].cmd:
+                self.faults["cancel_mid_transfer"] += 1
+            lc.abort(rid)
+            self._process_notices()
+
+    @precondition(lambda self: self.rig.D.live_requests())
+    @rule(data=st.data())
+    def decode_event(self, data):
+        rig = self.rig
+        rid = data.draw(st.sampled_from(sorted(rig.D.live_requests())))
+        state = rig.D.state_of(rid)
+        action = data.draw(st.sampled_from(["preempt", "resume", "append", "finish", "first_token"]))
+        try:
+            if action == "preempt":
+                self.faults["preempt"] += 1
+                self.faults[f"preempt:{state}"] += 1
+                rig.D.preempt(rid)
+            elif action == "resume":
+                rig.D.resume(rid)
+            elif action == "append":
+                tok = data.draw(st.integers(0, 3))
+                rig.D.append_tokens(rid, [tok])
+                self.tokens[rid].append(tok)
+                # the decode step that produced ``tok`` computed the cache of the token before it
+                # (keys of every block but the newest token's change with it): as an engine would
+                toks = self.tokens[rid][:-1]
+                self._fill(rig.db, toks, rig.D.blocks_of(rid), (len(toks) - 1) // BS)
+            elif action == "finish":
+                rig.D.finish(rid)
+            else:
+                self.faults["duplicate_first_token"] += 1
+                rig.D.deliver_first_token(rid, 2)
+                self.tokens[rid] = self.tokens[rid][:self.plen[rid]] + [2]
+        except (InvalidTransitionError, OutOfBlocksError):
+            assert rig.D.state_of(rid) == state  # rejected events change nothing
+        self._process_notices()
+
+    @precondition(lambda self: self.ended)
+    @rule(data=st.data())
+    def event_for_recycled(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.ended)))
+        if rid in self.rig.D.live_requests():
+            return
+        before = self.rig.D.pool.stats()
+        self.faults["recycled_event"] += 1
+        try:
+            self.rig.D.deliver_first_token(rid, 1)
+            raise AssertionError("an event for a recycled request was accepted")
+        except UnknownRequestError:
+            pass
+        assert self.rig.D.pool.stats() == before
+
+    # -- invariants ----------------------------------------------------------------------------
+    @invariant()
+    def blocks_owned_once_and_accounted(self):
+        if not hasattr(self, "rig"):
+            return
+        STATS["steps"] += 1
+        for name in INVARIANTS[:6]:
+            STATS[f"invariant:{name}"] += 2
+        for lc in (self.rig.P, self.rig.D):
+            owners = Counter(b for blocks in lc.owned_blocks().values() for b in blocks)
+            assert all(c == 1 for c in owners.values()), "a block owned by two requests"
+            pins = lc.pinned_blocks()
+            pool = lc.pool
+            for b in range(pool.num_blocks):
+                assert pool._refs[b] == owners.get(b, 0) + pins.get(b, 0), (b, pool._refs[b])
+            assert sorted(pool._free) == [b for b in range(pool.num_blocks) if pool._refs[b] == 0]
+            st_ = pool.stats()
+            assert st_.free + st_.used == st_.total
+            for cmd in lc.pending_commands():
+                assert cmd.deadline < float("inf")
+            live = set(lc.TABLE.LIVE)
+            for rid in lc.live_requests():
+                assert lc.state_of(rid) in live
+
+    def teardown(self):
+        if not hasattr(self, "rig"):
+            return
+        rig = self.rig
+        # drain: answer everything, tick past every deadline, end what the engine owns
+        for _ in range(200):
+            for drv in (rig.pd, rig.dd):
+                drv.pump()
+                for key in list(drv.pending):
+                    drv.complete(*key)
+            self._process_notices()
+            while self.prefills:
+                self._run_prefill(self.prefills.pop())
+            while self.recomputes:
+                n = self.recomputes.pop()
+                if n.request_id in rig.D.live_requests() and rig.D.state_of(n.request_id) == "recomputing" \
+                        and rig.D.blocks_of(n.request_id) == n.block_ids:
+                    self._fill(rig.db, self.tokens[n.request_id][:-1], n.block_ids, n.from_token // BS)
+                    rig.D.recompute_done(n.request_id)
+            self._process_notices()
+            for rid in rig.D.live_requests():
+                if rig.D.state_of(rid) == "running":
+                    rig.D.finish(rid)
+                elif rig.D.state_of(rid) in ("preempted", "recomputing", "reserved"):
+                    rig.D.abort(rid)
+            for rid in rig.P.live_requests():
+                if rig.P.state_of(rid) in ("prefilling", "waiting"):
+                    rig.P.abort(rid)
+            rig.clock.advance(20.0)
+            rig.P.tick()
+            rig.D.tick()
+            self._process_notices()
+            if not (rig.P.live_requests() or rig.D.live_requests() or rig.pd.pending or rig.dd.pending):
+                break
+        for lc in (rig.P, rig.D):
+            assert lc.live_requests() == []
+            assert lc.pool.num_used == 0, lc.pool.stats()
+            assert lc.pending_commands() == []
+        STATS["invariant:drained_all_terminal_and_empty"] += 1
+        STATS.update({f"fault:{k}": v for k, v in self.faults.items()})
+
+
+def snapshot(lc) -> tuple:
+    """Everything observable of a lifecycle: requests, states, blocks, pins, pool, queued commands."""
+    return (tuple(sorted((rid, lc.state_of(rid), lc.blocks_of(rid)) for rid in lc.live_requests())),
+            tuple(sorted(lc.pinned_blocks().items())), lc.pool.stats(),
+            tuple(c.command_id for c in lc.pending_commands()), len(lc._out),
+            tuple(sorted(lc.counters.items())))
+
+
+__all__ = ["Protocol", "STATS", "FAULT_CLASSES", "INVARIANTS", "profile_settings", "snapshot",
+           "KVStateError", "prefill", "decode"]
