@@ -22,6 +22,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from kernels import limits, median_time  # noqa: E402  (benchmarks/kernels.py: the same timing method)
+
 from kvstate.kernels.cost import fit_cost_model  # noqa: E402
 from kvstate.kernels.cuda import CudaSwapper, load_cupy  # noqa: E402
 
@@ -36,16 +38,6 @@ FIT_BLOCKS = (8, 16, 32, 64, 128, 256, 512)
 HELD_BLOCKS = (12, 24, 48, 96, 192, 384)  #: never fitted: checks the interpolation over counts
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="calibration.json")
@@ -55,20 +47,8 @@ def main() -> int:
     cp = load_cupy()
     samples = []
     with CudaSwapper() as sw:
-        nbytes = 1 << 30
-        dev = cp.cuda.runtime.malloc(nbytes)
-        host = sw.pinned((nbytes,), np.uint8)
-        hp, s = host.__array_interface__["data"][0], sw.stream
-        lim = {}
-        for direction, kind in (("d2h", 2), ("h2d", 1)):
-            src, dst = (dev, hp) if direction == "d2h" else (hp, dev)
-
-            def copy(dst=dst, src=src, kind=kind) -> None:
-                cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, s.ptr)
-                s.synchronize()
-            lim[direction] = nbytes / timed(copy, 5)
-        cp.cuda.runtime.free(dev)
-        del host
+        gbps = limits(cp, sw, 5)  # one 1 GiB pinned copy each way
+        lim = {d: gbps[f"{d}_GBps"] * 1e9 for d in ("d2h", "h2d")}
         rng = np.random.default_rng(0)
         nmax = max(FIT_BLOCKS + HELD_BLOCKS)
         for chunk, shape in SHAPES.items():
@@ -82,7 +62,8 @@ def main() -> int:
                 for n, gids in ids.items():
                     hids = np.arange(n, dtype=np.int64)
                     for direction in ("d2h", "h2d"):
-                        t = timed(lambda: sw.swap_cache_layout(layers, hostbuf, gids, hids, direction), args.reps)
+                        t = median_time(lambda: sw.swap_cache_layout(layers, hostbuf, gids, hids, direction),
+                                        lambda: None, args.reps)
                         best[(n, direction)] = min(t, best.get((n, direction), t))
             for (n, direction), t in sorted(best.items()):
                 fit = chunk not in BETWEEN_SIZES and n in FIT_BLOCKS

@@ -30,7 +30,7 @@ import simpy
 
 from .. import commands as C
 from ..backends.drivers import execute
-from ..errors import OutOfBlocksError
+from ..errors import ConfigError, OutOfBlocksError, UnknownRequestError
 from ..events import Completion
 from ..kernels.cost import TransferCostModel
 from ..lifecycle import DecodeLifecycle, PrefillLifecycle
@@ -110,7 +110,7 @@ class Instance:
                   skew_s=[x / 1000.0 for x in s.tp.skew_ms], barrier_timeout=s.tp.barrier_timeout_s)
         self.write_pool = RankPools(env, f"{self.name}.write_barrier", reset_by="rank0", **kw)
         self.read_pool = RankPools(env, f"{self.name}.read_barrier", reset_by="all", **kw)
-        self.skew = [x / 1000.0 for x in s.tp.skew_ms] + [0.0] * (tp - len(s.tp.skew_ms))
+        self.skew = self.write_pool.skew  # per rank, padded with zeros (queries use it too)
         self.queue: deque = deque()  # P: (req, new, cached) prompts to prefill; D: (req, from) recomputes
         self.running: dict[str, SimRequest] = {}
         self.preempted: deque[SimRequest] = deque()
@@ -334,7 +334,6 @@ class Cluster:
         self.env = simpy.Environment()
         m, tp = s.model, s.cluster.tp
         if m.kv_heads % tp:
-            from ..errors import ConfigError
             raise ConfigError(f"{s.source}: [model] kv_heads {m.kv_heads} is not divisible by [cluster] tp {tp}")
         self.cache_spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.kv_heads // tp, block_size=m.block_size,
                                     head_dim=m.head_dim, dtype=m.dtype, tp_size=tp)
@@ -362,7 +361,6 @@ class Cluster:
         self.backlog: deque[SimRequest] = deque()
         need = self.cache_spec.blocks_for(s.workload.input_max + 1) if s.workload.arrival != "trace" else 0
         if need > self.gpu_blocks:
-            from ..errors import ConfigError
             raise ConfigError(f"{s.source}: [workload] input_max {s.workload.input_max} needs {need} blocks, "
                               f"more than an instance's {self.gpu_blocks}")
         self.prefill = [Instance(self, "prefill", i) for i in range(s.cluster.n_prefill)]
@@ -513,5 +511,5 @@ def _state(inst: Instance | None, rid: str) -> str:
         return "-"
     try:
         return inst.lc.state_of(rid)
-    except Exception:  # noqa: BLE001 - ended on that side
+    except UnknownRequestError:  # ended on that side
         return "ended"

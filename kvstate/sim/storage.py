@@ -45,8 +45,8 @@ class SimStore:
         return start, end + self.latency
 
     # -- contents (the TransferBackend questions) --------------------------------------------
-    def query(self, rank: int, keys: Sequence[str]) -> int:
-        self.stats["queries"] += 1
+    def _leading(self, rank: int, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` hold ``rank``'s shard."""
         bit, blocks, n = 1 << rank, self._blocks, 0
         for k in keys:
             m = blocks.get(k)
@@ -55,9 +55,12 @@ class SimStore:
             n += 1
         return n
 
+    def query(self, rank: int, keys: Sequence[str]) -> int:
+        self.stats["queries"] += 1
+        return self._leading(rank, keys)
+
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = ()) -> int:
-        n = self.query(rank, keys)
-        self.stats["queries"] -= 1
+        n = self._leading(rank, keys)
         self.stats["gets"] += 1
         self.stats["bytes_read"] += n * self.shard_bytes
         self.stats["hits"] += n

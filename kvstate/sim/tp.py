@@ -114,7 +114,6 @@ class RankPools:
         self.barrier = SimBarrier(env, name, tp, semantics, log) if protocol == "seed" else None
         self.queues = [simpy.Store(env) for _ in range(tp)]
         self.stuck: list[Stuck] = []
-        self.busy = [0] * tp
         for r in range(tp):
             for _ in range(workers):
                 env.process(self._worker(r))
@@ -129,7 +128,6 @@ class RankPools:
         env, q, barrier = self.env, self.queues[r], self.barrier
         while True:
             task = yield q.get()
-            self.busy[r] += 1
             dt = task.start(r) + self.skew[r]
             if dt > 0:
                 yield env.timeout(dt)
@@ -143,7 +141,6 @@ class RankPools:
                         return  # the worker is lost, like a thread blocked forever
                 if self.manual and (self.reset_by == "all" or r == 0):
                     barrier.reset(r, task.label)
-            self.busy[r] -= 1
             task.finish(r)
 
 
