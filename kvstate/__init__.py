@@ -2,13 +2,13 @@
 
 The core (this package) is sans-I/O: lifecycle objects consume events and emit commands.
 Subpackages: :mod:`kvstate.kernels` (transfer ops), :mod:`kvstate.backends` (reference
-backend, stores, drivers) and :mod:`kvstate.sim` (the simulator, not yet available).
+backend, stores, drivers) and :mod:`kvstate.sim` (the SimPy timing simulator).
 """
 from __future__ import annotations
 
 from . import commands, events
 from .errors import (BlockError, ConfigError, DriverError, DuplicateRequestError,
-                     InvalidTransitionError, KVStateError, OutOfBlocksError, StoreError,
+                     FenceError, InvalidTransitionError, KVStateError, OutOfBlocksError, StoreError,
                      UnknownRequestError, ValidationError)
 from .keys import block_keys, rank_key
 from .lifecycle import DecodeLifecycle, Lifecycle, PrefillLifecycle
@@ -23,5 +23,5 @@ __all__ = [
     "Lifecycle", "PrefillLifecycle", "DecodeLifecycle", "commands", "events",
     "KVStateError", "ValidationError", "BlockError", "OutOfBlocksError", "UnknownRequestError",
     "DuplicateRequestError", "InvalidTransitionError", "StoreError", "ConfigError", "DriverError",
-    "__version__",
+    "FenceError", "__version__",
 ]

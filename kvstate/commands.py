@@ -4,13 +4,16 @@ Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dat
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
 Transfer commands (:class:`QueryBlocks`, :class:`ReadBlocks`, :class:`WriteBlocks`) carry a ``command_id``, the TP ``ranks`` that must each answer with
-a :class:`~kvstate.events.Completion`, and an absolute ``deadline`` on the lifecycle's
-clock. Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`, :class:`Recompute`,
+a :class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's
+clock, and a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the
+lifecycle may recycle the blocks, so no driver or backend may touch them after it (they
+check it just before gathering or scattering blocks). Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`, :class:`Recompute`,
 :class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`) need no answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 __all__ = [
     "Command", "TransferCommand", "QueryBlocks", "ReadBlocks", "WriteBlocks", "SendFirstToken",
@@ -28,6 +31,7 @@ class TransferCommand(Command):
     command_id: int
     ranks: tuple[int, ...]
     deadline: float
+    fence: float = field(default=math.inf, kw_only=True)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ __all__ = [
     "StoreError",
     "ConfigError",
     "DriverError",
+    "FenceError",
 ]
 
 
@@ -64,3 +65,8 @@ class ConfigError(KVStateError):
 
 class DriverError(KVStateError):
     """A driver was used after close, or a wait ran past its deadline."""
+
+
+class FenceError(KVStateError):
+    """A transfer reached its command's fence (deadline plus grace): from then on the
+    lifecycle may have recycled the blocks, so the transfer touches none of them."""

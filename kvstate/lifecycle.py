@@ -277,7 +277,8 @@ class Lifecycle:
                   blocks: Sequence[int] = (), ranks: tuple[int, ...] | None = None, **fields: Any) -> None:
         cid = next(self._ids)
         deadline = self.clock() + self.policy.transfer_timeout
-        cmd = cls(req.id, cid, ranks or self._ranks, deadline, **fields)
+        cmd = cls(req.id, cid, ranks or self._ranks, deadline, fence=deadline + self.policy.fence_grace,
+                  **fields)
         if blocks:
             self.pool._incref(blocks)
         self._pending[cid] = _Pending(cmd, req, trigger, blocks, limit)

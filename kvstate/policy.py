@@ -24,7 +24,9 @@ class Policy:
       resume) or ``"recompute"`` (free at once, recompute on resume).
     - ``transfer_timeout``: deadline of every outstanding command.
     - ``fence_grace``: after a command's deadline, how long its blocks stay pinned waiting
-      for the late backend answer before they are reclaimed.
+      for the late backend answer before they are reclaimed. Each transfer command carries
+      its fence (deadline + grace); drivers and backends touch blocks only before it, so the
+      grace must cover one local gather or scatter (milliseconds), not the store operation.
     - ``decode_headroom_blocks``: blocks D keeps free per running request when P asks it
       for blocks (seed 002's reservation for running requests' growth).
     """

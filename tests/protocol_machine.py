@@ -30,6 +30,7 @@ FAULT_CLASSES = (
     "write_fail", "write_partial", "evict_between_write_and_read", "read_fail", "read_partial",
     "rank_never_answers", "rank_answers_late", "store_unavailable", "cancel", "cancel_mid_transfer",
     "preempt", "duplicate_first_token", "late_first_token", "recycled_event", "tick",
+    "answer_after_fence",
 )
 INVARIANTS = (
     "block_owned_by_one_request", "refcount_equals_owners_plus_pins", "free_list_matches_refcounts",
@@ -271,7 +272,9 @@ class Protocol(RuleBasedStateMachine):
         rig.P.tick()
         rig.D.tick()
         self.faults["rank_answers_late"] += 1
-        drv.complete(*key)
+        c = drv.complete(*key)
+        if c.error and c.error.startswith("FenceError"):
+            self.faults["answer_after_fence"] += 1  # it moved nothing: the blocks may be recycled
         self._process_notices()
 
     @precondition(lambda self: len(self.rig.store) > 0)

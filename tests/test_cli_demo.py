@@ -37,8 +37,8 @@ def test_demo_detects_corruption(monkeypatch):
 
     orig = reference.ReferenceBackend.read
 
-    def corrupt(self, rank, keys, block_ids):
-        n = orig(self, rank, keys, block_ids)
+    def corrupt(self, rank, keys, block_ids, guard=None):
+        n = orig(self, rank, keys, block_ids, guard)
         if n:
             self.caches[rank]["key"][0][block_ids[0]].flat[0] += 1
         return n

@@ -6,6 +6,7 @@ import pytest
 from conftest import small_spec
 
 from kvstate import DecodeLifecycle, DriverError, Policy, PrefillLifecycle, ValidationError
+from kvstate.events import Completion
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
 from kvstate.demo import fake_block
@@ -24,6 +25,81 @@ def test_step_driver_partial_and_fail_outcomes(rig):
     assert c.error == "injected failure" and rig.D.counters["failed"] == 1
     with pytest.raises(ValidationError):
         rig.dd.complete(cid, r1)
+
+
+def test_step_driver_answer_after_the_fence_moves_no_bytes(rig):
+    """A rank answering after its command's fence (deadline + grace) must not scatter into
+    blocks the lifecycle has recycled to another request, nor store blocks P recycled."""
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    rig.P.admit("a", toks)
+    rig.pd.pump()
+    while rig.pd.pending or rig.notices(rig.pd, C.StartPrefill):
+        for key in list(rig.pd.pending):
+            rig.pd.complete(*key)
+        for n in rig.notices(rig.pd, C.StartPrefill):
+            for i, k in enumerate(block_keys(toks, 4)):
+                for r in range(2):
+                    for kind in rig.spec.kinds:
+                        rig.pb.fill_block(r, kind, n.block_ids[i], fake_block(k, r, kind, rig.spec.block_bytes(kind)))
+            rig.P.prefill_done("a", 1)
+        rig.pd.pump()
+    assert rig.P.counters["done"] == 1
+    # D reads it, but no rank answers before the fence; the blocks go to request b
+    blocks_a = rig.D.reserve("a", toks)
+    rig.D.deliver_first_token("a", 1)
+    rig.dd.pump()
+    late = sorted(rig.dd.pending)
+    rig.clock.advance(rig.policy.transfer_timeout + rig.policy.fence_grace)
+    rig.D.tick()
+    assert rig.D.counters["forced_releases"] == 1 and rig.D.pool.num_used == 0
+    blocks_b = rig.D.reserve("b", [0] * 9)
+    assert set(blocks_b) == set(blocks_a)
+    before = [rig.db.block_bytes(r, k, b) for r in range(2) for k in rig.spec.kinds for b in blocks_b]
+    for key in late:
+        c = rig.dd.complete(*key)
+        assert c.count == 0 and c.error.startswith("FenceError")
+    assert [rig.db.block_bytes(r, k, b) for r in range(2) for k in rig.spec.kinds for b in blocks_b] == before
+    assert rig.D.counters["stale_completions"] == 2  # nobody waits for them any more
+    # a write past its fence stores nothing
+    rig.P.admit("w", [3] * 9)
+    rig.pd.pump()
+    while not any(isinstance(c, C.WriteBlocks) for c in rig.pd.pending.values()):
+        for key in sorted(rig.pd.pending):  # prefix query and query: nothing stored yet
+            rig.pd.complete(*key)
+        if rig.notices(rig.pd, C.StartPrefill):
+            rig.P.prefill_done("w", 1)
+        rig.pd.pump()
+    writes = sorted(rig.pd.pending)
+    assert all(isinstance(rig.pd.pending[k], C.WriteBlocks) for k in writes)
+    stored = len(rig.store)
+    rig.clock.advance(rig.policy.transfer_timeout + rig.policy.fence_grace)
+    rig.P.tick()
+    for key in writes:
+        assert rig.pd.complete(*key).error.startswith("FenceError")
+    assert len(rig.store) == stored
+
+
+def test_threaded_driver_fences_on_the_lifecycle_clock():
+    spec = small_spec(tp=1)
+    store = MemoryStore(1 << 20)
+    be = ReferenceBackend(spec, 4, store)
+    keys = block_keys([1, 2, 3, 4], 4)
+    assert be.write(0, keys, [0]) == 1
+    now = [0.0]
+    with ThreadedDriver(be, workers=1, clock=lambda: now[0]) as d:
+        d.submit(C.ReadBlocks("a", 1, (0,), 1.0, keys, (2,), fence=2.0))
+        now[0] = 5.0  # whichever the worker runs it, it is past the fence only after this
+        d.submit(C.ReadBlocks("a", 2, (0,), 1.0, keys, (3,), fence=2.0))
+        got = []
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += d.poll(timeout=0.1)
+    [c2] = [c for c in got if c.command_id == 2]
+    assert c2.count == 0 and c2.error.startswith("FenceError")
+    assert not any(layer[3].any() for kind in spec.kinds for layer in be.caches[0][kind])
+    with pytest.raises(ValidationError):
+        ThreadedDriver(be, clock=5.0)
+    assert isinstance(c2, Completion)
 
 
 def test_threaded_driver_close_joins_threads_and_rejects_late_submit():

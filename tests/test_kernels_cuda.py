@@ -287,7 +287,7 @@ def test_demo_end_to_end_on_the_gpu():
 def test_backend_over_engine_torch_caches_pipelined_and_short_read():
     import torch
 
-    from kvstate import CacheSpec
+    from kvstate import CacheSpec, FenceError
     from kvstate.backends import MemoryStore
     from kvstate.backends.cuda import CudaBackend
 
@@ -319,6 +319,19 @@ def test_backend_over_engine_torch_caches_pipelined_and_short_read():
         assert d.read(0, keys, list(range(20))) == 7
         assert d.block_bytes(0, "key", 6) == p.block_bytes(0, "key", src[6])
         assert d.read(1, keys, list(range(20))) == 20
+        # past the command's fence nothing is gathered or scattered
+        before = [d.block_bytes(0, "key", b) for b in range(n)]
+        with pytest.raises(FenceError):
+            d.read(0, keys, dst, guard=lambda: False)
+        assert [d.block_bytes(0, "key", b) for b in range(n)] == before
+        with pytest.raises(FenceError):
+            p.write(0, [f"x{i}" for i in range(20)], src, guard=lambda: False)
+        assert p.query(0, ["x0"]) == 0
+        # a guard that turns mid-way stops the pipelined write at a piece boundary
+        calls = iter([True, True])
+        with pytest.raises(FenceError):
+            p.write(1, [f"y{i}" for i in range(20)], src, guard=lambda: next(calls, False))
+        assert p.query(1, [f"y{i}" for i in range(20)]) < 20
         assert p.pinned_bytes <= 2 * small * spec.tp_size
     finally:
         p.close()

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from conftest import small_spec
 
-from kvstate import StoreError, ValidationError
+from kvstate import FenceError, StoreError, ValidationError
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend
 from kvstate.keys import block_keys
 
@@ -89,6 +89,25 @@ def test_backend_roundtrip_two_ranks_and_partial_read():
     assert d.read(0, keys, [4, 6, 7]) == 1  # block 1 is missing: only the leading block is scattered
     assert d.block_bytes(0, "key", 6) == before
     assert d.block_bytes(0, "key", 4) == p.block_bytes(0, "key", 5)
+
+
+def test_backend_touches_no_block_once_the_fence_passed():
+    spec = small_spec(tp=1)
+    store = MemoryStore(1 << 22)
+    p, d = ReferenceBackend(spec, 8, store), ReferenceBackend(spec, 8, store)
+    for kind in spec.kinds:
+        for layer in p.caches[0][kind]:
+            layer[:] = 7
+    keys = block_keys(list(range(8)), 4)
+    with pytest.raises(FenceError, match=r"rank 0: .*fence passed before it could gather blocks \[1, 2\]"):
+        p.write(0, keys, [1, 2], guard=lambda: False)
+    assert len(store) == 0  # nothing gathered, nothing stored
+    assert p.write(0, keys, [1, 2], guard=lambda: True) == 2
+    with pytest.raises(FenceError, match="scatter into blocks"):
+        d.read(0, keys, [3, 4], guard=lambda: False)
+    assert all(not layer.any() for kind in spec.kinds for layer in d.caches[0][kind])
+    assert d.read(0, keys, [3, 4], guard=lambda: True) == 2
+    assert d.block_bytes(0, "key", 4) == p.block_bytes(0, "key", 2)
 
 
 def test_backend_fp8_mla_spec_roundtrip():

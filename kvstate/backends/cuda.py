@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
-from .reference import StoreBackend
+from .reference import Guard, StoreBackend, check_fence
 from .stores import Store, as_bytes_view
 
 __all__ = ["CudaBackend"]
@@ -116,7 +116,9 @@ class CudaBackend(StoreBackend):
     def _views(self, slot: dict[str, np.ndarray], m: int) -> list[memoryview]:
         return [as_bytes_view(slot[kind][i]) for i in range(m) for kind in self.spec.kinds]
 
-    def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str) -> Any:
+    def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str,
+                 guard: Guard | None) -> Any:
+        check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
         sw, ev = self._swappers[rank], None
         m = len(ids)
         for kind in self.spec.kinds:
@@ -124,7 +126,8 @@ class CudaBackend(StoreBackend):
                                             np.asarray(ids, np.int64), np.arange(m, dtype=np.int64), direction)
         return ev  # one stream: the last event covers every kind
 
-    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+              guard: Guard | None = None) -> int:
         self._check(rank, keys, block_ids)
         n, m, sw = len(keys), self.per_slot, self._swappers[rank]
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
@@ -132,12 +135,12 @@ class CudaBackend(StoreBackend):
         with self._locks[rank]:
             events: list[Any] = [None, None]
             if pieces:
-                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h")
+                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard)
             try:
                 for k, (a, b) in enumerate(pieces):
                     if k + 1 < len(pieces):  # gather the next piece while this one is stored
                         a2, b2 = pieces[k + 1]
-                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h")
+                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard)
                     sw._wait(events[k % 2])
                     status = self.store.batch_put_from(self._names(rank, keys[a:b]),
                                                        self._views(self._slots[rank][k % 2], b - a))
@@ -152,7 +155,8 @@ class CudaBackend(StoreBackend):
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None = None) -> int:
         self._check(rank, keys, block_ids)
         n, m, sw = len(keys), self.per_slot, self._swappers[rank]
         count = 0
@@ -168,7 +172,7 @@ class CudaBackend(StoreBackend):
                     # a short read is a miss: a block counts only if every kind arrived whole
                     done = self._whole([g == v.nbytes for g, v in zip(got, views)], b - a)
                     if done:
-                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d")
+                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d", guard)
                     count += done
                     if done < b - a:
                         break

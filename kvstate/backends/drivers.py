@@ -11,6 +11,7 @@ handed back to the caller, which owns compute and messaging.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -25,16 +26,23 @@ from .reference import TransferBackend
 __all__ = ["execute", "StepDriver", "ThreadedDriver"]
 
 
-def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None) -> Completion:
-    """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given)."""
+def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None,
+            clock: Callable[[], float] | None = None) -> Completion:
+    """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given).
+
+    With ``clock`` (the lifecycle's), blocks are touched only while ``clock() < cmd.fence``:
+    past the fence the answer is an error (:class:`~kvstate.errors.FenceError`) and no block
+    was gathered or scattered."""
     keys = cmd.keys if limit is None else cmd.keys[:limit]
+    fence = cmd.fence
+    guard = None if clock is None or fence == math.inf else (lambda: clock() < fence)
     try:
         if isinstance(cmd, C.QueryBlocks):
             n = backend.query(rank, keys)
         elif isinstance(cmd, C.WriteBlocks):
-            n = backend.write(rank, keys, cmd.block_ids[:len(keys)])
+            n = backend.write(rank, keys, cmd.block_ids[:len(keys)], guard)
         elif isinstance(cmd, C.ReadBlocks):
-            n = backend.read(rank, keys, cmd.block_ids[:len(keys)])
+            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
         else:
             raise ValidationError(f"cannot execute {type(cmd).__name__}")
     except (KVStateError, OSError) as e:
@@ -94,8 +102,8 @@ class StepDriver:
         elif outcome is not None and not (isinstance(outcome, int) and 0 <= outcome <= len(cmd.keys)):
             self.pending[(command_id, rank)] = cmd
             raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
-        elif self.backend is not None:
-            c = execute(self.backend, cmd, rank, outcome)
+        elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)
+            c = execute(self.backend, cmd, rank, outcome, self.lifecycle.clock)
         elif outcome is None:
             c = _no_backend(cmd, rank)
         else:
@@ -128,13 +136,19 @@ class ThreadedDriver:
     """Runs transfer commands on ``workers`` threads; the engine polls the completions.
 
     ``submit`` never blocks on a transfer. A command cancelled before a worker reaches it
-    is answered with count 0 (its blocks unpin); one already running finishes normally.
+    is answered with count 0 (its blocks unpin); one already running finishes its store
+    operation, but touches blocks only before the command's fence on ``clock`` (which must
+    be the lifecycle's clock).
     """
 
-    def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate") -> None:
+    def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(workers, int) or workers <= 0:
             raise ValidationError(f"ThreadedDriver: workers must be an int > 0, got {workers!r}")
+        if not callable(clock):
+            raise ValidationError("ThreadedDriver: clock must be callable (the lifecycle's clock)")
         self.backend = backend
+        self.clock = clock
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[Completion] = queue.Queue()
         self._cancelled: set[int] = set()
@@ -194,7 +208,7 @@ class ThreadedDriver:
                 c = Completion(cmd.command_id, rank, 0, error="cancelled")
             else:
                 try:
-                    c = execute(self.backend, cmd, rank)
+                    c = execute(self.backend, cmd, rank, None, self.clock)
                 except Exception as e:  # noqa: BLE001 - a worker must always answer
                     c = Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
             with self._lock:

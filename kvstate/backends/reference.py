@@ -6,20 +6,29 @@ block-major host buffer with :func:`~kvstate.kernels.swap_cache_layout` (``"d2h"
 puts one object per (block, kind, rank); a read gets the objects into the host buffer and
 scatters the blocks that arrived whole (``"h2d"``). The backend knows nothing of request
 states: it answers how many *leading* blocks it stored, read or found.
+
+A ``guard`` (given by the drivers from the command's fence) is asked just before blocks are
+gathered or scattered: once it says no, the transfer raises
+:class:`~kvstate.errors.FenceError` and touches no block, since the lifecycle may already
+have recycled them. Only the slow store operation runs between the check and the end of
+the command; the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import ValidationError
+from ..errors import FenceError, ValidationError
 from ..kernels.reference import swap_cache_layout
 from ..keys import rank_key
 from ..spec import CacheSpec
 from .stores import Store, as_bytes_view
 
-__all__ = ["TransferBackend", "StoreBackend", "ReferenceBackend", "leading"]
+__all__ = ["TransferBackend", "StoreBackend", "ReferenceBackend", "leading", "Guard", "check_fence"]
+
+#: asked just before a transfer touches blocks: True while the command's fence has not passed
+Guard = Callable[[], bool]
 
 
 def leading(flags: Sequence[bool]) -> int:
@@ -32,18 +41,31 @@ def leading(flags: Sequence[bool]) -> int:
     return n
 
 
+def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[int]) -> None:
+    """Raise :class:`FenceError` when ``guard`` says the blocks may no longer be touched."""
+    if guard is not None and not guard():
+        raise FenceError(f"rank {rank}: the command's fence passed before it could {what} "
+                         f"blocks {list(block_ids)}: none touched")
+
+
 class TransferBackend:
-    """What a driver needs from a backend: per-rank query, write and read of blocks."""
+    """What a driver needs from a backend: per-rank query, write and read of blocks.
+
+    ``write`` and ``read`` ask ``guard`` (when given) right before they gather or scatter
+    blocks, and raise :class:`FenceError` without touching any once it returns False.
+    """
 
     spec: CacheSpec
 
     def query(self, rank: int, keys: Sequence[str]) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:  # pragma: no cover
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+              guard: Guard | None = None) -> int:  # pragma: no cover
         raise NotImplementedError
 
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:  # pragma: no cover
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None = None) -> int:  # pragma: no cover
         raise NotImplementedError
 
     def close(self) -> None:
@@ -116,10 +138,12 @@ class ReferenceBackend(StoreBackend):
         s = self.spec
         return {k: np.empty((n, s.layers) + s.block_shape(k), s.kind_dtype(k)) for k in s.kinds}
 
-    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+              guard: Guard | None = None) -> int:
         self._check(rank, keys, block_ids)
         n = len(keys)
         host = self._host(n)
+        check_fence(guard, rank, "gather", block_ids)
         slots = list(range(n))
         for kind, buf in host.items():
             swap_cache_layout(self.caches[rank][kind], buf, list(block_ids), slots, "d2h")
@@ -129,7 +153,8 @@ class ReferenceBackend(StoreBackend):
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None = None) -> int:
         self._check(rank, keys, block_ids)
         n = len(keys)
         host = self._host(n)
@@ -139,6 +164,7 @@ class ReferenceBackend(StoreBackend):
         # a short read is a miss: a block counts only if every kind arrived whole
         count = self._whole([g == b.nbytes for g, b in zip(got, bufs)], n)
         if count:
+            check_fence(guard, rank, "scatter into", block_ids[:count])
             for kind, buf in host.items():
                 swap_cache_layout(self.caches[rank][kind], buf, list(block_ids[:count]),
                                   list(range(count)), "h2d")

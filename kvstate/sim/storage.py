@@ -59,7 +59,7 @@ class SimStore:
         self.stats["queries"] += 1
         return self._leading(rank, keys)
 
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = ()) -> int:
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None) -> int:
         n = self._leading(rank, keys)
         self.stats["gets"] += 1
         self.stats["bytes_read"] += n * self.shard_bytes
@@ -70,7 +70,7 @@ class SimStore:
             blocks.move_to_end(k)
         return n
 
-    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = ()) -> int:
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None) -> int:
         bit, blocks, shard = 1 << rank, self._blocks, self.shard_bytes
         self.stats["puts"] += 1
         self.stats["bytes_written"] += len(keys) * shard
