@@ -30,15 +30,16 @@ class Rig:
     """P and D lifecycles with reference backends over one MemoryStore and StepDrivers."""
 
     def __init__(self, tp: int = 2, blocks: int = 64, policy: Policy | None = None, spec=None,
-                 store=None, first_token_timeout: float = 100.0) -> None:
+                 store=None, first_token_timeout: float = 100.0, p_blocks: int | None = None) -> None:
         self.clock = Clock()
         self.spec = spec or small_spec(tp)
         self.policy = policy or Policy(transfer_timeout=10.0, fence_grace=5.0)
         self.store = store or MemoryStore(1 << 26)
-        self.P = PrefillLifecycle(self.spec, blocks, self.policy, clock=self.clock)
+        p_blocks = p_blocks or blocks
+        self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock)
         self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock,
                                  first_token_timeout=first_token_timeout)
-        self.pb = ReferenceBackend(self.spec, blocks, self.store)
+        self.pb = ReferenceBackend(self.spec, p_blocks, self.store)
         self.db = ReferenceBackend(self.spec, blocks, self.store)
         self.pd = StepDriver(self.P, self.pb)
         self.dd = StepDriver(self.D, self.db)

@@ -81,15 +81,17 @@ class StoreSwitch:
 class Protocol(RuleBasedStateMachine):
     @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
                 preempt=st.sampled_from(["write", "recompute"]), retries=st.integers(0, 2),
-                capacity=st.sampled_from([1 << 26, 6000]))
-    def setup(self, tp, read_failure, preempt, retries, capacity):
+                capacity=st.sampled_from([1 << 26, 6000]), p_blocks=st.sampled_from([24, 6]))
+    def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks):
         from kvstate.backends import MemoryStore
         STATS["examples"] += 1
         self.switch = StoreSwitch(MemoryStore(capacity))
-        self.rig = Rig(tp=tp, blocks=24, store=self.switch,
+        # a small P pool makes admitted requests queue for blocks (P's "waiting" state)
+        self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
                                      transfer_timeout=5.0, fence_grace=3.0), first_token_timeout=12.0)
         self.tokens: dict[str, list[int]] = {}
+        self.plen: dict[str, int] = {}  # prompt length per request
         self.n = 0
         self.faults: Counter[str] = Counter()
         self.ended: set[str] = set()
@@ -166,10 +168,41 @@ class Protocol(RuleBasedStateMachine):
             return
         rig.D.reserve(rid, toks)
         rig.P.admit(rid, toks)
-        self.plen = getattr(self, "plen", {})
         self.plen[rid] = len(toks)
         self.tokens[rid] = list(toks)
         self._process_notices()
+
+    @precondition(lambda self: self.tokens and len(self.rig.store) > 0)
+    @rule(data=st.data(), cancel=st.booleans())
+    def arrive_on_stored_prefix(self, data, cancel):
+        """A prompt extending an earlier one: its prefix query is answered at once, so P reads
+        the stored prefix (state reading_prefix), where it is cancelled or left to go on."""
+        rig = self.rig
+        drid = data.draw(st.sampled_from(sorted(self.tokens)))
+        toks = self.tokens[drid][:self.plen[drid]] + [data.draw(st.integers(0, 3))
+                                                       for _ in range(data.draw(st.integers(1, 5)))]
+        rid = f"r{self.n}"
+        self.n += 1
+        if len(toks) > 14 * 2 or not rig.D.can_reserve(len(toks)):
+            return
+        rig.D.reserve(rid, toks)
+        rig.P.admit(rid, toks)
+        self.plen[rid] = len(toks)
+        self.tokens[rid] = list(toks)
+        self._process_notices()
+        if rid in rig.P.live_requests() and rig.P.state_of(rid) == "querying_prefix":
+            cid = rig.P._reqs[rid].cmd
+            for key in sorted(k for k in rig.pd.pending if k[0] == cid):
+                rig.pd.complete(*key)
+            self._process_notices()
+        if cancel and rid in rig.P.live_requests():
+            state = rig.P.state_of(rid)
+            self.faults["cancel"] += 1
+            self.faults[f"cancel:P:{state}"] += 1
+            if rig.P._reqs[rid].cmd:
+                self.faults["cancel_mid_transfer"] += 1
+            rig.P.abort(rid)
+            self._process_notices()
 
     @precondition(lambda self: self.rig.pd.pending or self.rig.dd.pending)
     @rule(data=st.data(), whole=st.booleans())
@@ -334,6 +367,65 @@ class Protocol(RuleBasedStateMachine):
                 self.tokens[rid] = self.tokens[rid][:self.plen[rid]] + [2]
         except (InvalidTransitionError, OutOfBlocksError):
             assert rig.D.state_of(rid) == state  # rejected events change nothing
+        self._process_notices()
+
+    def _running(self) -> list[str]:
+        return sorted(r for r in self.rig.D.live_requests() if self.rig.D.state_of(r) == "running")
+
+    @precondition(lambda self: self.rig.D.live_requests())
+    @rule(data=st.data(), stage=st.sampled_from([0, 1, 2, 2, 2]), action=st.sampled_from(["cancel", "preempt"]))
+    def deep_preempt(self, data, stage, action):
+        """Preempt a running request (running the engine until one is), then take it deeper
+        (write-back answered, resumed) before a cancel or a second preemption: reaches
+        preempt_writing, preempted and reloading, which one-event rules rarely meet."""
+        rig = self.rig
+        for _ in range(4):
+            if self._running() or not (self.prefills or rig.pd.pending or rig.dd.pending):
+                break
+            self.progress()
+        if not self._running():
+            return
+        rid = data.draw(st.sampled_from(self._running()))
+        self.faults["preempt"] += 1
+        self.faults["preempt:running"] += 1
+        rig.D.preempt(rid)
+        self._process_notices()
+        if stage >= 1 and rig.D.state_of(rid) == "preempt_writing":
+            cid = rig.D._reqs[rid].cmd
+            for key in sorted(k for k in rig.dd.pending if k[0] == cid):
+                rig.dd.complete(*key)
+            self._process_notices()
+        if stage >= 2 and rid in rig.D.live_requests() and rig.D.state_of(rid) == "preempted":
+            try:
+                rig.D.resume(rid)
+            except OutOfBlocksError:
+                pass
+            self._process_notices()
+        if rid not in rig.D.live_requests():
+            return
+        state = rig.D.state_of(rid)
+        if state == "preempt_writing":  # a second preemption while the write-back runs: rejected
+            self.faults["preempt"] += 1
+            self.faults[f"preempt:{state}"] += 1
+            snap = snapshot(rig.D)
+            try:
+                rig.D.preempt(rid)
+                raise AssertionError(f"{rid} preempted twice")
+            except InvalidTransitionError:
+                assert snapshot(rig.D) == snap
+        if action == "cancel":
+            self.faults["cancel"] += 1
+            self.faults[f"cancel:D:{state}"] += 1
+            if rig.D._reqs[rid].cmd:
+                self.faults["cancel_mid_transfer"] += 1
+            rig.D.abort(rid)
+        else:
+            self.faults["preempt"] += 1
+            self.faults[f"preempt:{state}"] += 1
+            try:
+                rig.D.preempt(rid)
+            except InvalidTransitionError:
+                assert rig.D.state_of(rid) == state
         self._process_notices()
 
     @precondition(lambda self: self.ended)

@@ -1,5 +1,5 @@
 """Protocol assurance on every CI run: the stateful machine of ``protocol_machine.py`` under the
-CI profile (500 examples of up to 60 steps), then the quotas: >= 10,000 steps and every fault
+CI profile (800 examples of up to 60 steps), then the quotas: >= 10,000 steps and every fault
 class injected >= 100 times. ``KVSTATE_PROTOCOL_PROFILE=deep`` runs the deep profile instead."""
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     assert not short, f"fault classes injected fewer than 100 times: {short}"
     for name in INVARIANTS:
         assert STATS[f"invariant:{name}"] > 0, name
-    # preemption and cancel were tried across the states (per-state counts: benchmarks/protocol.py)
-    assert sum(STATS[f"fault:preempt:{s}"] > 0 for s in decode.LIVE) >= 5
-    assert sum(STATS[f"fault:cancel:D:{s}"] > 0 for s in decode.LIVE) >= 5
-    assert sum(STATS[f"fault:cancel:P:{s}"] > 0 for s in prefill.LIVE) >= 5
+    # preemption in every decode state, cancel in every state of both sides
+    # (per-state counts: benchmarks/protocol.py; each is >= 20 in a typical CI run)
+    missing = [f"preempt:{s}" for s in decode.LIVE if not STATS[f"fault:preempt:{s}"]]
+    missing += [f"cancel:D:{s}" for s in decode.LIVE if not STATS[f"fault:cancel:D:{s}"]]
+    missing += [f"cancel:P:{s}" for s in prefill.LIVE if not STATS[f"fault:cancel:P:{s}"]]
+    assert not missing, f"never tried: {missing}"
 
 
 def test_tables_cover_terminal_states():
