@@ -135,6 +135,8 @@ class BlockPool:
             raise ValidationError(f"BlockPool: {name} must be an int >= 0, got {n!r}")
 
     def _check_ids(self, block_ids: Iterable[int], op: str, allow_free: bool = False) -> None:
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
+            raise BlockError(f"BlockPool.{op}: block ids must be a sequence of ints, got {block_ids!r}")
         refs, nb = self._refs, self.num_blocks
         seen: set[int] = set()
         for b in block_ids:

@@ -44,10 +44,13 @@ class CacheSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"CacheSpec.{name} must be a positive int, got {v!r}")
-        if not isinstance(self.extra_layers, int) or self.extra_layers < 0:
+        if not isinstance(self.extra_layers, int) or isinstance(self.extra_layers, bool) or self.extra_layers < 0:
             raise ConfigError(f"CacheSpec.extra_layers must be an int >= 0, got {self.extra_layers!r}")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"CacheSpec.dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
+        if not isinstance(self.fp8_scales, bool) or not isinstance(self.has_value, bool):
+            raise ConfigError(f"CacheSpec.fp8_scales and has_value must be bools, got "
+                              f"{self.fp8_scales!r} and {self.has_value!r}")
         if self.fp8_scales and self.dtype != "uint8":
             raise ConfigError("CacheSpec.fp8_scales needs dtype 'uint8' (an fp8 cache)")
 

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
-from .reference import Guard, StoreBackend, check_fence
+from .reference import _NO_IDS, Guard, StoreBackend, check_fence
 from .stores import Store, as_bytes_view
 
 __all__ = ["CudaBackend"]
@@ -91,27 +91,24 @@ class CudaBackend(StoreBackend):
 
     def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
         """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
+        self._check(rank, ())
+        self._check_block(block_id)
         return b"".join(v[block_id].get().tobytes() for v in self._layers[rank][kind].views)
 
     def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:
         """Overwrite one block of ``kind`` on ``rank`` (block-major bytes, as stored)."""
+        self._check_fill(rank, kind, block_id, data)
         views = self._layers[rank][kind].views
         chunk = views[0][block_id].nbytes
-        if len(data) != chunk * len(views):
-            raise ValidationError(f"fill_block: block {block_id} needs {chunk * len(views)} bytes, got {len(data)}")
         for i, v in enumerate(views):
             part = np.frombuffer(data, v.dtype, offset=i * chunk, count=v[block_id].size)
             v[block_id] = self.cp.asarray(part.reshape(v.shape[1:]))
 
     # -- TransferBackend -----------------------------------------------------------------------
-    def _check(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] | None) -> None:
+    def _check(self, rank: int, keys: Sequence[str], block_ids: Any = _NO_IDS) -> None:
         if self._closed:
             raise ValidationError("CudaBackend is closed")
         super()._check(rank, keys, block_ids)
-        if block_ids is not None:
-            for b in block_ids:
-                if not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_blocks:
-                    raise ValidationError(f"block {b!r} outside 0..{self.num_blocks - 1}")
 
     def _views(self, slot: dict[str, np.ndarray], m: int) -> list[memoryview]:
         return [as_bytes_view(slot[kind][i]) for i in range(m) for kind in self.spec.kinds]

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, StoreError, ValidationError
-from .stores import MISSING, Store, _check_batch
+from .stores import _NO_BUFFERS, MISSING, Store, _check_batch
 
 __all__ = ["MooncakeConfig", "MooncakeStore", "MooncakeMaster", "load_mooncake", "INSTALL_HINT"]
 
@@ -205,7 +205,7 @@ class MooncakeStore(Store):
         groups.append((start, len(views)))
         return groups
 
-    def _check(self, keys: Sequence[str], buffers: Sequence[Any] | None, op: str) -> list[memoryview]:
+    def _check(self, keys: Sequence[str], buffers: Sequence[Any], op: str) -> list[memoryview]:
         if self._closed:
             raise StoreError(f"MooncakeStore.{op}: the store is closed")
         views = _check_batch(keys, buffers, f"MooncakeStore.{op}")
@@ -256,14 +256,14 @@ class MooncakeStore(Store):
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        self._check(keys, None, "batch_is_exist")
+        self._check(keys, _NO_BUFFERS, "batch_is_exist")
         with self._lock:
             self._ensure_master()
             return [1 if r == 1 else 0 for r in self._store.batch_is_exist(list(keys))]
 
     def evict(self, keys: Sequence[str]) -> int:
         """Remove keys now (tests: a pool that evicted them)."""
-        self._check(keys, None, "evict")
+        self._check(keys, _NO_BUFFERS, "evict")
         with self._lock:
             self._ensure_master()
             return sum(1 for rc in self._store.batch_remove(list(keys), True) if rc == 0)

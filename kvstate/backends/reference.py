@@ -16,6 +16,7 @@ the command; the check-to-copy window is a local copy, which ``Policy.fence_grac
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,9 @@ def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[i
     if guard is not None and not guard():
         raise FenceError(f"rank {rank}: the command's fence passed before it could {what} "
                          f"blocks {list(block_ids)}: none touched")
+
+
+_NO_IDS: Any = object()  # the op takes keys only
 
 
 class TransferBackend:
@@ -87,11 +91,41 @@ class StoreBackend(TransferBackend):
         self.spec, self.num_blocks, self.store = spec, num_blocks, store
         self.bytes_moved = 0  #: payload bytes written to and read from the store
 
-    def _check(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] | None) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.spec.tp_size:
-            raise ValidationError(f"rank {rank!r} outside 0..{self.spec.tp_size - 1}")
-        if block_ids is not None and len(block_ids) != len(keys):
-            raise ValidationError(f"{len(keys)} keys but {len(block_ids)} block ids")
+    def _check(self, rank: int, keys: Sequence[str], block_ids: Any = _NO_IDS) -> None:
+        """Rank in range; keys a sequence of non-empty str; block ids (unless the op takes
+        none) one per key, ints in range and distinct. Raises before anything is touched."""
+        name = type(self).__name__
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.spec.tp_size:
+            raise ValidationError(f"{name}: rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) \
+                or not all(isinstance(k, str) and k for k in keys):
+            raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
+        if block_ids is _NO_IDS:
+            return
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
+            raise ValidationError(f"{name}: block ids must be a sequence of ints, got {block_ids!r}")
+        if len(block_ids) != len(keys):
+            raise ValidationError(f"{name}: {len(keys)} keys but {len(block_ids)} block ids")
+        for b in block_ids:
+            self._check_block(b)
+        if len(set(block_ids)) != len(block_ids):
+            raise ValidationError(f"{name}: block ids {list(block_ids)} name a block twice")
+
+    def _check_block(self, b: Any) -> None:
+        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
+            raise ValidationError(f"{type(self).__name__}: block {b!r} outside 0..{self.num_blocks - 1}")
+
+    def _check_fill(self, rank: int, kind: str, block_id: int, data: Any) -> int:
+        """Checks of ``fill_block``; returns the bytes the block needs."""
+        self._check(rank, ())
+        if kind not in self.spec.kinds:
+            raise ValidationError(f"{type(self).__name__}.fill_block: kind {kind!r} is not one of {self.spec.kinds}")
+        self._check_block(block_id)
+        need = self.spec.block_bytes(kind)
+        if not isinstance(data, (bytes, bytearray, memoryview)) or memoryview(data).nbytes != need:
+            got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
+            raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
+        return need
 
     def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
         return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
@@ -102,7 +136,7 @@ class StoreBackend(TransferBackend):
         return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
 
     def query(self, rank: int, keys: Sequence[str]) -> int:
-        self._check(rank, keys, None)
+        self._check(rank, keys)
         found = self.store.batch_is_exist(self._names(rank, keys))
         return self._whole([f == 1 for f in found], len(keys))
 
@@ -121,14 +155,15 @@ class ReferenceBackend(StoreBackend):
     # -- block access (tests, the demo's fake compute) -----------------------------------------
     def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
         """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
+        self._check(rank, ())
+        self._check_block(block_id)
         return b"".join(layer[block_id].tobytes() for layer in self.caches[rank][kind])
 
     def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:
         """Overwrite one block of ``kind`` on ``rank`` (block-major bytes, as stored)."""
+        self._check_fill(rank, kind, block_id, data)
         layers = self.caches[rank][kind]
         chunk = layers[0][block_id].nbytes
-        if len(data) != chunk * len(layers):
-            raise ValidationError(f"fill_block: block {block_id} needs {chunk * len(layers)} bytes, got {len(data)}")
         for i, layer in enumerate(layers):
             layer[block_id] = np.frombuffer(data, layer.dtype, offset=i * chunk,
                                             count=layer[block_id].size).reshape(layer.shape[1:])

@@ -27,7 +27,10 @@ MISSING = -1  #: ``batch_get_into`` / ``batch_put_from`` code for a missing key 
 MAX_KEY_LEN = 512
 
 
-def _check_batch(keys: Sequence[str], buffers: Sequence[Any] | None, op: str) -> list[memoryview]:
+_NO_BUFFERS: Any = object()  # the op takes keys only
+
+
+def _check_batch(keys: Sequence[str], buffers: Sequence[Any], op: str) -> list[memoryview]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise ValidationError(f"{op}: keys must be a sequence of str")
     for k in keys:
@@ -35,8 +38,10 @@ def _check_batch(keys: Sequence[str], buffers: Sequence[Any] | None, op: str) ->
             raise ValidationError(f"{op}: key {k!r} is not a non-empty str")
         if len(k) > MAX_KEY_LEN:
             raise ValidationError(f"{op}: key {k[:40]!r}... is {len(k)} chars, over {MAX_KEY_LEN}")
-    if buffers is None:
+    if buffers is _NO_BUFFERS:
         return []
+    if isinstance(buffers, (str, bytes, bytearray, memoryview)) or not isinstance(buffers, Sequence):
+        raise ValidationError(f"{op}: buffers must be a sequence (one per key), got {type(buffers).__name__}")
     if len(buffers) != len(keys):
         raise ValidationError(f"{op}: {len(keys)} keys but {len(buffers)} buffers")
     views = []
@@ -135,13 +140,13 @@ class MemoryStore(Store):
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        _check_batch(keys, None, "MemoryStore.batch_is_exist")
+        _check_batch(keys, _NO_BUFFERS, "MemoryStore.batch_is_exist")
         with self._lock:
             return [1 if k in self._data else 0 for k in keys]
 
     def evict(self, keys: Sequence[str]) -> int:
         """Drop these keys now (as a full pool would); returns how many existed."""
-        _check_batch(keys, None, "MemoryStore.evict")
+        _check_batch(keys, _NO_BUFFERS, "MemoryStore.evict")
         n = 0
         with self._lock:
             for k in keys:
@@ -215,11 +220,11 @@ class FileStore(Store):
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        _check_batch(keys, None, "FileStore.batch_is_exist")
+        _check_batch(keys, _NO_BUFFERS, "FileStore.batch_is_exist")
         return [1 if self._path(k).is_file() else 0 for k in keys]
 
     def evict(self, keys: Sequence[str]) -> int:
-        _check_batch(keys, None, "FileStore.evict")
+        _check_batch(keys, _NO_BUFFERS, "FileStore.evict")
         n = 0
         for k in keys:
             try:

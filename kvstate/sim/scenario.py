@@ -374,12 +374,18 @@ def scenario_to_dict(s: Scenario) -> dict[str, Any]:
 
 def with_overrides(s: Scenario, overrides: dict[str, Any]) -> Scenario:
     """A copy with ``{"section.field": value}`` (or top-level ``"seed"``) replaced, validated again."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"overrides must be a dict of 'section.field' -> value, got {type(overrides).__name__}")
     d = scenario_to_dict(s)
     source = d.pop("source")
     for dotted, v in overrides.items():
+        if not isinstance(dotted, str):
+            raise ConfigError(f"scenario field {dotted!r} must be a str 'section.field'")
         sec, _, name = dotted.rpartition(".")
+        if (sec and sec not in _SECTIONS) or (not sec and name != "seed"):
+            raise ConfigError(f"unknown scenario field {dotted!r}")
         target = d[sec] if sec else d
-        if (sec and sec not in _SECTIONS) or name not in target:
+        if name not in target:
             raise ConfigError(f"unknown scenario field {dotted!r}")
         target[name] = v
     return scenario_from_dict(d, source)
