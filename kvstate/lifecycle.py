@@ -80,6 +80,11 @@ class _Pending:
         self.resolved = False
 
 
+def _is_int(x: Any) -> bool:
+    """An int, bool excluded (True would pass for rank or command 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _check_request_id(request_id: Any) -> None:
     if not isinstance(request_id, str) or not request_id:
         raise ValidationError(f"request id must be a non-empty str, got {request_id!r}")
@@ -177,21 +182,24 @@ class Lifecycle:
         """Record one rank's answer. Returns False for an answer nobody waits for any more
         (its command expired and was reclaimed, or it never existed): such answers are
         counted in ``counters['stale_completions']`` and change nothing."""
-        if not isinstance(completion, E.Completion):
+        if completion.__class__ is not E.Completion and not isinstance(completion, E.Completion):
             raise ValidationError(f"complete() takes a Completion, got {type(completion).__name__}")
-        p = self._pending.get(completion.command_id)
+        cid, rank, count = completion.command_id, completion.rank, completion.count
+        if cid.__class__ is not int and not _is_int(cid):
+            raise ValidationError(f"completion: command id {cid!r} is not an int")
+        p = self._pending.get(cid)
         if p is None:
             self.counters["stale_completions"] += 1
             return False
-        rank, count, cmd = completion.rank, completion.count, p.cmd
-        if isinstance(rank, bool) or rank not in cmd.ranks:
-            raise ValidationError(f"command {cmd.command_id} of request {cmd.request_id!r}: "
+        cmd = p.cmd
+        if (rank.__class__ is not int and not _is_int(rank)) or rank not in cmd.ranks:
+            raise ValidationError(f"command {cid} of request {cmd.request_id!r}: "
                                   f"rank {rank!r} is not one of its ranks {cmd.ranks}")
         if rank in p.counts:
-            raise ValidationError(f"command {cmd.command_id} of request {cmd.request_id!r}: "
+            raise ValidationError(f"command {cid} of request {cmd.request_id!r}: "
                                   f"rank {rank} already answered")
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= p.limit:
-            raise ValidationError(f"command {cmd.command_id} of request {cmd.request_id!r}: "
+        if (count.__class__ is not int and not _is_int(count)) or not 0 <= count <= p.limit:
+            raise ValidationError(f"command {cid} of request {cmd.request_id!r}: "
                                   f"count {count!r} outside 0..{p.limit}")
         p.counts[rank] = 0 if completion.error else count
         p.left -= 1

@@ -183,7 +183,7 @@ class Protocol(RuleBasedStateMachine):
                                                        for _ in range(data.draw(st.integers(1, 5)))]
         rid = f"r{self.n}"
         self.n += 1
-        if len(toks) > 14 * 2 or not rig.D.can_reserve(len(toks)):
+        if -(-len(toks) // BS) > rig.P.pool.num_blocks or not rig.D.can_reserve(len(toks)):
             return
         rig.D.reserve(rid, toks)
         rig.P.admit(rid, toks)

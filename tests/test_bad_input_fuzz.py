@@ -50,6 +50,7 @@ CALLS = {
     "D.complete(event)": lambda r, x: r.D.complete(x),
     "D.complete(rank)": lambda r, x: r.D.complete(Completion(r.D.pending_commands()[0].command_id, x, 0)),
     "D.complete(count)": lambda r, x: r.D.complete(Completion(r.D.pending_commands()[0].command_id, 0, x)),
+    "D.complete(command_id)": lambda r, x: r.D.complete(Completion(x, 0, 0)),
     "D.handle(event)": lambda r, x: r.D.handle(x),
 }
 
@@ -60,10 +61,12 @@ def test_invalid_arguments_raise_and_change_nothing(call, data):
     rig = live_rig()
     strat = {"tokens": bad_tokens, "id": bad_ids}.get(call[call.index("(") + 1:-1], junk)
     arg = data.draw(strat)
-    if call.endswith("(count)") and isinstance(arg, int) and not isinstance(arg, bool) and arg >= 0:
+    if call.endswith("(count)") and type(arg) is int and arg >= 0:
         arg = 10**6  # beyond the command's blocks
-    if call.endswith("(rank)") and arg in (0, 1) and not isinstance(arg, bool):
+    if call.endswith("(rank)") and type(arg) is int and arg in (0, 1):
         arg = 7
+    if call.endswith("(command_id)") and type(arg) is int:
+        arg = str(arg)  # an unknown int id is a stale answer (returns False), not bad input
     before = (snapshot(rig.P), snapshot(rig.D), rig.D.pending_commands()[0].command_id)
     try:
         CALLS[call](rig, arg)
@@ -99,15 +102,18 @@ def test_regression_bool_is_not_a_token_count():
             assert "num_tokens must be an int > 0" in str(e)
         else:
             raise AssertionError(v)
-    # and ``complete`` took rank False for rank 0
+    # and ``complete`` took rank False for rank 0, rank 1.0 for rank 1, command True for
+    # command 1, and raised TypeError for an unhashable command id
     cid = rig.D.pending_commands()[0].command_id
     before = snapshot(rig.D)
-    try:
-        rig.D.complete(Completion(cid, False, 0))
-    except KVStateError:
-        pass
-    else:
-        raise AssertionError("rank False accepted")
+    for bad in (Completion(cid, False, 0), Completion(cid, 1.0, 0), Completion(cid, 0, 1.0),
+                Completion(True, 0, 0), Completion([cid], 0, 0)):
+        try:
+            rig.D.complete(bad)
+        except KVStateError:
+            pass
+        else:
+            raise AssertionError(f"{bad} accepted")
     assert snapshot(rig.D) == before
 
 

@@ -118,14 +118,16 @@ class StepDriver:
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Complete every pending answer in order, in full, until nothing is left."""
         steps = 0
+        pending, complete = self.pending, self.complete
         self.pump()
-        while self.pending:
-            (cid, rank) = next(iter(self.pending))
-            self.complete(cid, rank)
+        while pending:
+            for cid, rank in list(pending):  # oldest first; what they cause comes in after
+                if (cid, rank) in pending:
+                    complete(cid, rank)
+                    steps += 1
+                    if steps >= max_steps:
+                        raise DriverError(f"run_until_idle: still busy after {max_steps} steps")
             self.pump()
-            steps += 1
-            if steps >= max_steps:
-                raise DriverError(f"run_until_idle: still busy after {max_steps} steps")
         return steps
 
 

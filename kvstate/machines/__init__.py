@@ -38,23 +38,40 @@ class _LeanTransition(Transition):
         machine = event_data.machine
         if self.prepare:
             machine.callbacks(self.prepare, event_data)
-        for cond in self.conditions:
-            if not cond.check(event_data):
-                return False
+        if machine.send_event:
+            for cond in self.conditions:
+                if not cond.check(event_data):
+                    return False
+        else:  # Condition.check without its per-call resolve: callables are called directly
+            args, kwargs = event_data.args, event_data.kwargs
+            for cond in self.conditions:
+                func = cond.func
+                if isinstance(func, str):
+                    func = machine.resolve_callable(func, event_data)
+                if func(*args, **kwargs) != cond.target:
+                    return False
         if machine.before_state_change or self.before:
             machine.callbacks(itertools.chain(machine.before_state_change, self.before), event_data)
         if self.dest:
             self._change_state(event_data)
-        for func in itertools.chain(self.after, machine.after_state_change):
-            machine.callback(func, event_data)
+        if machine.send_event or machine.after_state_change:
+            for func in itertools.chain(self.after, machine.after_state_change):
+                machine.callback(func, event_data)
+        else:
+            args, kwargs = event_data.args, event_data.kwargs
+            for func in self.after:
+                if isinstance(func, str):
+                    func = machine.resolve_callable(func, event_data)
+                func(*args, **kwargs)
         return True
 
     def _change_state(self, event_data: EventData) -> None:
         machine = event_data.machine
-        source = machine.states[self.source]
+        states = machine.states
+        source = states[self.source]
         if source.on_exit:
             source.exit(event_data)
-        dest = machine.states[self.dest]
+        dest = states[self.dest]
         setattr(event_data.model, machine.model_attribute, dest.value)
         event_data.state = dest
         if dest.on_enter:
@@ -68,7 +85,19 @@ class _LeanEvent(Event):
         machine = self.machine
         if machine.has_queue or machine._transition_queue:
             return super().trigger(model, *args, **kwargs)
-        return self._trigger(EventData(None, self, machine, model, args=args, kwargs=kwargs))
+        if machine.prepare_event or machine.finalize_event or machine.on_exception:
+            return self._trigger(EventData(None, self, machine, model, args=args, kwargs=kwargs))
+        # no event-level callbacks: source check, then the first transition whose conditions hold
+        state = machine.states[getattr(model, machine.model_attribute)]
+        candidates = self.transitions.get(state.name)
+        if candidates is None:
+            return self._is_valid_source(state)  # raises MachineError (or False when ignored)
+        event_data = EventData(state, self, machine, model, args, kwargs)
+        for trans in candidates:
+            event_data.transition = trans
+            if trans.execute(event_data):
+                return True
+        return False
 
     def _trigger(self, event_data: EventData) -> bool:
         machine = self.machine
