@@ -42,6 +42,10 @@ def pack_tokens(token_ids: Sequence[int]) -> array:
         raise ValidationError("token ids must be a sequence of ints, not a string")
     try:
         # unsigned 64-bit: negative ids and non-ints are rejected by the conversion itself
+        if token_ids.__class__ is list:
+            packed = array("Q")
+            packed.fromlist(token_ids)  # faster than array("Q", list) for the common case
+            return packed
         return array("Q", token_ids)
     except (TypeError, OverflowError) as e:
         raise ValidationError(f"token ids must be ints in 0..2**64-1 ({e})") from None
@@ -51,30 +55,33 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
                    namespace: str) -> list[str]:
     """:func:`block_keys` over already validated, packed token ids."""
     n = len(packed)
-    packed = packed.tobytes()
     if extra_keys:
         nblocks = -(-n // block_size)
         for idx in extra_keys:
             if not isinstance(idx, int) or not 0 <= idx < nblocks:
                 raise ValidationError(f"block_keys: extra_keys names block {idx!r}, outside 0..{nblocks - 1}")
     step = block_size * 8
-    full = (n // block_size) * step
+    nfull = n // block_size
+    end = nfull * step
     keys: list[str] = []
     append = keys.append
-    view = memoryview(packed)
-    prefix = namespace + KEY_PREFIX_SEP if namespace else ""
     prev = namespace.encode()
-    for i, start in enumerate(range(0, n * 8, step)):
-        h = _sha256(prev)
-        h.update(view[start:start + step])
-        if extra_keys and i in extra_keys:
-            for extra in extra_keys[i]:
-                h.update(b"\x00" + str(extra).encode())
-        key = h.hexdigest()
-        if start >= full:  # the last, incomplete block
-            key = f"{key}:partial:{n - i * block_size}"
-        append(prefix + key)
-        prev = key.encode()
+    # the views are released on leaving, so the caller may still grow ``packed``
+    with memoryview(packed) as raw, raw.cast("B") as view:
+        for i, start in enumerate(range(0, n * 8, step)):
+            h = _sha256(prev)
+            h.update(view[start:start + step])
+            if extra_keys and i in extra_keys:
+                for extra in extra_keys[i]:
+                    h.update(b"\x00" + str(extra).encode())
+            key = h.hexdigest()
+            if start >= end:  # the last, incomplete block
+                key = f"{key}:partial:{n - nfull * block_size}"
+            append(key)
+            prev = key.encode()
+    if namespace:
+        prefix = namespace + KEY_PREFIX_SEP
+        return [prefix + k for k in keys]
     return keys
 
 

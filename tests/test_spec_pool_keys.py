@@ -121,6 +121,30 @@ def test_keys_never_mutate_and_extra_keys_change_hash():
         block_keys(toks, 4, extra_keys={5: ["x"]})
 
 
+def _chain(toks, bs, seed):
+    """The documented derivation, written independently of kvstate.keys."""
+    import hashlib
+    import struct
+    prev, out = seed, []
+    for i in range(0, len(toks), bs):
+        block = toks[i:i + bs]
+        key = hashlib.sha256(prev + struct.pack(f"<{len(block)}Q", *block)).hexdigest()
+        key = key if len(block) == bs else f"{key}:partial:{len(block)}"
+        out.append(key)
+        prev = key.encode()
+    return out
+
+
+def test_keys_follow_the_documented_derivation():
+    """The key format is a storage format (pools outlive processes): sha256 over the previous
+    key's hex (the namespace for the first block) and the block's token ids as little-endian
+    uint64, in hex; the partial block carries its token count."""
+    toks = [5, 2**40 + 7, 0, 31999, 1, 2, 3]
+    assert block_keys(toks, 4) == _chain(toks, 4, b"")
+    assert block_keys(tuple(toks), 4) == _chain(toks, 4, b"")  # any sequence, same keys
+    assert block_keys(toks, 4, namespace="m") == [f"m/{k}" for k in _chain(toks, 4, b"m")]
+
+
 def test_keys_stable_across_processes():
     code = "from kvstate.keys import block_keys; print(block_keys(list(range(37)), 16)[-1])"
     outs = set()

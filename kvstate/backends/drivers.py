@@ -50,12 +50,6 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
     return Completion(cmd.command_id, rank, n)
 
 
-def _no_backend(cmd: C.TransferCommand, rank: int) -> Completion:
-    """Without a backend nothing is stored: queries find nothing, reads and writes succeed."""
-    n = 0 if isinstance(cmd, C.QueryBlocks) else len(cmd.keys)
-    return Completion(cmd.command_id, rank, n)
-
-
 class StepDriver:
     """Holds a lifecycle's transfer commands until the caller completes them, one rank at a time."""
 
@@ -74,8 +68,9 @@ class StepDriver:
         if not cmds:
             return 0
         pending, notices, on_notice = self.pending, self.notices, self.on_notice
+        transfer = C.TransferCommand
         for cmd in cmds:
-            if isinstance(cmd, C.TransferCommand):
+            if isinstance(cmd, transfer):
                 cid = cmd.command_id
                 for r in cmd.ranks:
                     pending[(cid, r)] = cmd
@@ -97,6 +92,11 @@ class StepDriver:
         cmd = self.pending.pop((command_id, rank), None)
         if cmd is None:
             raise ValidationError(f"no pending command {command_id} for rank {rank}")
+        if outcome is None and self.backend is None:
+            # without a backend nothing is stored: queries find nothing, reads and writes succeed
+            c = Completion(command_id, rank, 0 if cmd.__class__ is C.QueryBlocks else len(cmd.keys))
+            self.lifecycle.complete(c)
+            return c
         if outcome == "fail":
             c = Completion(command_id, rank, 0, error="injected failure")
         elif outcome is not None and not (isinstance(outcome, int) and 0 <= outcome <= len(cmd.keys)):
@@ -104,8 +104,6 @@ class StepDriver:
             raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
         elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)
             c = execute(self.backend, cmd, rank, outcome, self.lifecycle.clock)
-        elif outcome is None:
-            c = _no_backend(cmd, rank)
         else:
             c = Completion(command_id, rank, outcome)
         self.lifecycle.complete(c)

@@ -87,12 +87,13 @@ class _LeanEvent(Event):
             return super().trigger(model, *args, **kwargs)
         if machine.prepare_event or machine.finalize_event or machine.on_exception:
             return self._trigger(EventData(None, self, machine, model, args=args, kwargs=kwargs))
-        # no event-level callbacks: source check, then the first transition whose conditions hold
-        state = machine.states[getattr(model, machine.model_attribute)]
-        candidates = self.transitions.get(state.name)
+        # no event-level callbacks: source check, then the first transition whose conditions
+        # hold (string states: the model's state value is the state's name)
+        value = getattr(model, machine.model_attribute)
+        candidates = self.transitions.get(value) if value.__class__ is str else None
         if candidates is None:
-            return self._is_valid_source(state)  # raises MachineError (or False when ignored)
-        event_data = EventData(state, self, machine, model, args, kwargs)
+            return self._trigger(EventData(None, self, machine, model, args=args, kwargs=kwargs))
+        event_data = EventData(machine.states[value], self, machine, model, args, kwargs)
         for trans in candidates:
             event_data.transition = trans
             if trans.execute(event_data):
