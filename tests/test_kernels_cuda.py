@@ -128,6 +128,41 @@ def test_per_layer_and_all_layers_identical(sw, c, direction, strategy, one):
 
 
 @gpu
+@pytest.mark.parametrize("strategy", ["zero_copy", "staged"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_odd_chunks_over_several_shared_memory_pieces_and_unaligned_hosts(sw, strategy, direction):
+    """Spans longer than one kv_span piece (40 layers x 1005 B), and host layers starting 3
+    bytes past a 16-byte boundary (per-layer layout), byte for byte against the reference."""
+    import cupy as cp
+
+    from kvstate.kernels.cuda_src import SPAN_PIECE
+
+    rng = np.random.default_rng(7)
+    L, n_gpu, n_host, chunk = 40, 12, 9, (1, 5, 201)
+    assert L * 1005 > 2 * SPAN_PIECE
+    caches = [rng.integers(0, 255, (n_gpu,) + chunk).astype(np.uint8) for _ in range(L)]
+    gids, hids = [11, 0, 5, 6, 7, 2], [8, 0, 1, 4, 3, 2]
+    host = sw.pinned((n_host, L) + chunk, np.uint8)
+    host[...] = rng.integers(0, 255, host.shape)
+    want_c, want_h = [x.copy() for x in caches], host.copy()
+    reference.swap_cache_layout(want_c, want_h, gids, hids, direction)
+    g = [cp.asarray(x) for x in caches]
+    sw.swap_cache_layout(g, host, gids, hids, direction, strategy=strategy)
+    assert np.array_equal(host, want_h)
+    assert all(np.array_equal(cp.asnumpy(a), b) for a, b in zip(g, want_c))
+    # per-layer host arrays at odd addresses: head and tail bytes around the vector middle
+    raw = sw.pinned((L, n_host * 1005 + 3), np.uint8)
+    hosts = [raw[i, 3:].reshape((n_host,) + chunk) for i in range(L)]
+    for h in hosts:
+        h[...] = rng.integers(0, 255, h.shape)
+    want_c, want_h = [cp.asnumpy(a) for a in g], [h.copy() for h in hosts]
+    reference.swap_cache_all_layers(want_c, want_h, gids, hids, direction)
+    sw.swap_cache_all_layers(g, hosts, gids, hids, direction, strategy=strategy)
+    assert all(np.array_equal(h, w) for h, w in zip(hosts, want_h))
+    assert all(np.array_equal(cp.asnumpy(a), b) for a, b in zip(g, want_c))
+
+
+@gpu
 @pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch")
 def test_async_form_orders_through_events(sw):
     """d2h then h2d enqueued on a PyTorch side stream, no host wait between: the event of the

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, DriverError, ValidationError
-from .cuda_src import KERNEL_SOURCE
+from .cuda_src import KERNEL_SOURCE, SPAN_PIECE
 from .plan import LayerSet, TransferPlan, plan_all_layers, plan_layout, plan_per_layer
 from .reference import _bf16_as_uint16, as_numpy
 
@@ -192,6 +192,7 @@ class CudaSwapper:
             self._k32 = self._module.get_function("kv_copy32")
             self._k64 = self._module.get_function("kv_copy64")
             self._kchunks = self._module.get_function("kv_chunks")
+            self._kspan = self._module.get_function("kv_span")
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         self._bound: OrderedDict[tuple[int, ...], DeviceLayers] = OrderedDict()
         self._staging: _Buffer | None = None
@@ -219,7 +220,7 @@ class CudaSwapper:
             self._buffers.clear()
             self._bound.clear()
             self._staging = self._param_host = self._param_dev = None
-            self._module = self._k32 = self._k64 = self._kchunks = None
+            self._module = self._k32 = self._k64 = self._kchunks = self._kspan = None
             self.stream = self._copy_stream = None
 
     def __enter__(self) -> CudaSwapper:
@@ -470,6 +471,7 @@ class CudaSwapper:
         """Launch the copy; ``vectors`` when every chunk is whole aligned 16-byte vectors."""
         if n == 0:
             return
+        shared = 0
         if vectors and groups * lps <= 65535:
             units = chunk // 16
             threads = min(_THREADS, max(32, -(-units // 32) * 32))
@@ -478,6 +480,15 @@ class CudaSwapper:
                     np.uint64(gids), np.uint64(fids), np.uint64(span), np.uint64(chunk), np.uint32(lps),
                     np.int32(1 if gather else 0))
             kernel = self._kchunks
+        elif span < 2**31 and groups <= 65535 and -(-span // SPAN_PIECE) <= 65535:
+            # any chunk size: pieces of a span through shared memory
+            pieces = -(-span // SPAN_PIECE)
+            grid, block = (n, groups, pieces), (_THREADS,)
+            args = (np.uint64(layer_ptrs), np.uint64(flat_ptrs), np.uint64(flat_base), np.uint64(group_stride),
+                    np.uint64(gids), np.uint64(fids), np.uint32(span), np.uint32(chunk), np.uint32(lps),
+                    np.uint32(SPAN_PIECE), np.int32(1 if gather else 0))
+            shared = SPAN_PIECE + 16
+            kernel = self._kspan
         else:
             units = span // 16 if aligned else (span + 30) // 16
             total = n * groups * units
@@ -489,10 +500,10 @@ class CudaSwapper:
                     np.uint64(gids), np.uint64(fids), it(n), it(groups), it(span), it(chunk), it(lps),
                     it(units), np.int32(1 if gather else 0))
         try:
-            kernel(grid, block, args, stream=stream)
+            kernel(grid, block, args, stream=stream, shared_mem=shared)
         except TypeError:  # a CuPy whose Function takes no stream argument: use its current stream
             with stream:
-                kernel(grid, block, args)
+                kernel(grid, block, args, shared_mem=shared)
 
     def _zero_copy(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
         groups, span, lps = self._geometry(plan)

@@ -17,12 +17,22 @@ copied exactly. Two variants: 32-bit index arithmetic when every index fits, 64-
 ``kv_chunks`` is the fast path when every chunk is a whole number of aligned 16-byte vectors
 (the usual bfloat16/float16 cache): one CTA per (entry, layer) chunk, whose indices are loaded
 once, and plain vector copies — no per-unit arithmetic.
+
+``kv_span`` is the path for chunk sizes that are not whole vectors (105 bytes, fp8 scales):
+one CTA per piece of at most ``SPAN_PIECE`` bytes of a span, staged through shared memory.
+The GPU side moves byte by byte, coalesced across the CTA (every byte is independent, so
+the loads overlap); the flat side moves as aligned 16-byte vectors with byte-exact head and
+tail — so writes into pinned host memory still leave as full packets, and no thread walks a
+chain of dependent byte copies.
 """
 from __future__ import annotations
 
 __all__ = ["KERNEL_SOURCE", "KERNEL_NAMES"]
 
-KERNEL_NAMES = ("kv_copy32", "kv_copy64", "kv_chunks")
+KERNEL_NAMES = ("kv_copy32", "kv_copy64", "kv_chunks", "kv_span")
+
+#: bytes of a span one ``kv_span`` CTA moves through shared memory (plus 16 for alignment)
+SPAN_PIECE = 16384
 
 KERNEL_SOURCE = r"""
 typedef unsigned long long u64;
@@ -104,6 +114,50 @@ extern "C" __global__ void kv_chunks(
         for (u64 j = threadIdx.x; j < units; j += blockDim.x) f[j] = p[j];
     } else {
         for (u64 j = threadIdx.x; j < units; j += blockDim.x) p[j] = f[j];
+    }
+}
+
+extern "C" __global__ void kv_span(
+    const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
+    u64 group_stride, const i64* __restrict__ gids, const i64* __restrict__ fids,
+    unsigned int span, unsigned int chunk, unsigned int layers_per_span, unsigned int piece,
+    int gather)
+{
+    extern __shared__ uint4 smem4[];
+    unsigned char* sm = (unsigned char*)smem4;
+    const unsigned int i = blockIdx.x, g = blockIdx.y;
+    const unsigned int s0 = blockIdx.z * piece;
+    if (s0 >= span) return;
+    const unsigned int len = span - s0 < piece ? span - s0 : piece;
+    const u64 fb = fids ? (u64)fids[i] : (u64)i;
+    const u64 gbase = flat_ptrs ? flat_ptrs[g] : flat_base + (u64)g * group_stride;
+    unsigned char* f = (unsigned char*)(gbase + fb * (u64)span + s0);  /* this piece, flat side */
+    const unsigned int a0 = (unsigned int)((u64)f & 15);               /* sm[a0 + t] <-> f[t] */
+    const unsigned int head = a0 ? (16 - a0 < len ? 16 - a0 : len) : 0;
+    const unsigned int nvec = (len - head) >> 4;
+    const unsigned int vend = head + (nvec << 4);                      /* f + head is aligned */
+    const u64* lp = layer_ptrs + (u64)g * layers_per_span;
+    const u64 gofs = (u64)gids[i] * (u64)chunk;
+    if (gather) {
+        for (unsigned int t = threadIdx.x; t < len; t += blockDim.x) {
+            const unsigned int u = s0 + t, l = u / chunk;
+            sm[a0 + t] = *((const unsigned char*)lp[l] + gofs + (u - l * chunk));
+        }
+        __syncthreads();
+        for (unsigned int v = threadIdx.x; v < nvec; v += blockDim.x)
+            ((uint4*)(f + head))[v] = smem4[(a0 + head) / 16 + v];
+        for (unsigned int t = threadIdx.x; t < head; t += blockDim.x) f[t] = sm[a0 + t];
+        for (unsigned int t = vend + threadIdx.x; t < len; t += blockDim.x) f[t] = sm[a0 + t];
+    } else {
+        for (unsigned int v = threadIdx.x; v < nvec; v += blockDim.x)
+            smem4[(a0 + head) / 16 + v] = ((const uint4*)(f + head))[v];
+        for (unsigned int t = threadIdx.x; t < head; t += blockDim.x) sm[a0 + t] = f[t];
+        for (unsigned int t = vend + threadIdx.x; t < len; t += blockDim.x) sm[a0 + t] = f[t];
+        __syncthreads();
+        for (unsigned int t = threadIdx.x; t < len; t += blockDim.x) {
+            const unsigned int u = s0 + t, l = u / chunk;
+            *((unsigned char*)lp[l] + gofs + (u - l * chunk)) = sm[a0 + t];
+        }
     }
 }
 

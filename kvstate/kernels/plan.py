@@ -15,6 +15,7 @@ Layouts (``N`` GPU blocks, ``M`` host blocks, ``L`` layers, chunk ``[H, B, D]``)
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -105,26 +106,39 @@ def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
     """Validated block ids: integers in ``0..limit-1``, distinct when ``unique``."""
     arr = _as_ids(ids, name)
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0:
-            raise BlockError(f"{name}: block {lo} is negative")
-        if hi >= limit:
+        # one comparison catches both ends: a negative id viewed as uint64 is huge
+        if (arr.view(np.uint64) >= limit).any():
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0:
+                raise BlockError(f"{name}: block {lo} is negative")
             raise BlockError(f"{name}: block {hi} is out of range 0..{limit - 1}")
         if unique and arr.size > 1:
-            srt = np.sort(arr)
-            dup = np.flatnonzero(srt[1:] == srt[:-1])
-            if dup.size:
-                raise BlockError(f"{name}: block {int(srt[dup[0]])} appears twice "
+            counts = np.bincount(arr, minlength=limit)
+            if counts.max() > 1:
+                raise BlockError(f"{name}: block {int(np.argmax(counts > 1))} appears twice "
                                  f"(a destination block may be written once)")
     return arr
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
     """A framework-neutral dtype name: ``torch.float16`` and numpy's ``float16`` are both
     ``float16``; ``bfloat16`` is ``uint16`` (numpy has no bfloat16, so a bfloat16 cache is moved
     as its 16-bit patterns, and a uint16 host buffer holds it)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # first sight, or an unhashable dtype-like
+        pass
     name = str(dtype).rsplit(".", 1)[-1]
-    return "uint16" if name == "bfloat16" else name
+    name = "uint16" if name == "bfloat16" else name
+    try:
+        if len(_DTYPE_NAMES) < 256:
+            _DTYPE_NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,7 +225,7 @@ def _finish(op: str, direction: str, layers: int, chunk: tuple[int, ...], dtype:
     h = check_ids(host_ids, num_host, "host_block_ids", unique=direction == "d2h")
     if g.size != h.size:
         raise ValidationError(f"gpu_block_ids has {g.size} ids, host_block_ids has {h.size}: lengths must match")
-    chunk_bytes = int(np.prod(chunk)) * _itemsize(dtype)
+    chunk_bytes = math.prod(chunk) * _itemsize(dtype)
     return TransferPlan(op, direction, layers, chunk_bytes, g, h, host_contig)
 
 
