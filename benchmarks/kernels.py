@@ -82,7 +82,8 @@ def layout_rows(cp, sw, lim: dict, reps: int, quick: bool) -> list[dict]:
                         continue  # 8192 single-chunk DMAs: the per-chunk baseline, measured by the anchor
                     fn = lambda: sw.swap_cache_layout(layers, host, gids, hids, direction, strategy=strat)  # noqa: E731
                     r[strat] = nbytes / median_time(fn, lambda: None, reps) / 1e9
-                r["auto_pipelined"] = nbytes / pipelined_time(cp, sw, layers, host, gids, hids, direction) / 1e9
+                    r[f"{strat}_pipelined"] = nbytes / pipelined_time(cp, sw, layers, host, gids, hids, direction,
+                                                                     strat) / 1e9
                 plan = sw.swap_cache_layout(layers, host, gids, hids, direction, strategy="auto")
                 r["auto_is"] = choose_strategy(plan)
                 r["auto_pct_of_limit"] = 100 * r["auto"] / lim[f"{direction}_GBps"]
@@ -96,14 +97,14 @@ def layout_rows(cp, sw, lim: dict, reps: int, quick: bool) -> list[dict]:
     return rows
 
 
-def pipelined_time(cp, sw, layers, host, gids, hids, direction, calls: int = 20) -> float:
-    """Seconds per call when an engine enqueues ``auto`` calls back to back (async form):
-    between two events on the swapper's stream, so host and GPU work overlap."""
-    sw.swap_cache_layout(layers, host, gids, hids, direction)
+def pipelined_time(cp, sw, layers, host, gids, hids, direction, strategy: str = "auto", calls: int = 20) -> float:
+    """Seconds per call when an engine enqueues calls back to back (the async form): between
+    two events on the swapper's stream, so host and GPU work overlap."""
+    sw.swap_cache_layout(layers, host, gids, hids, direction, strategy=strategy)
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record(sw.stream)
     for _ in range(calls):
-        sw.swap_cache_layout_async(layers, host, gids, hids, direction)
+        sw.swap_cache_layout_async(layers, host, gids, hids, direction, strategy=strategy)
     end.record(sw.stream)
     end.synchronize()
     return cp.cuda.get_elapsed_time(start, end) / 1e3 / calls
@@ -255,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['chunk']:>7} {r['pattern']:>6} {r['direction']:>4} {r['zero_copy']:9.1f} {r['staged']:7.1f} "
               f"{dma} {r['auto']:6.1f} {r['auto_pct_of_limit']:6.1f} {r['auto_pct_of_anchor_limit']:7.1f} "
               f"{r['auto_pipelined']:9.1f} {r['auto_is']:<9} {r['correct']}")
+    print("\npipelined (async calls back to back), GB/s:")
+    print(f"{'chunk':>7} {'ids':>6} {'dir':>4} {'zero_copy':>9} {'staged':>7} {'dma':>6} {'auto':>6} {'%limit':>6}")
+    for r in out["layout"]:
+        dma = f"{r['dma_pipelined']:6.1f}" if "dma_pipelined" in r else "     -"
+        pct = 100 * r["auto_pipelined"] / out["limits"][f"{r['direction']}_GBps"]
+        print(f"{r['chunk']:>7} {r['pattern']:>6} {r['direction']:>4} {r['zero_copy_pipelined']:9.1f} "
+              f"{r['staged_pipelined']:7.1f} {dma} {r['auto_pipelined']:6.1f} {pct:6.1f}")
     h = out["handoff"]
     print(f"handoff 8k tokens ({h['bytes'] / 2**20:.0f} MiB): {h['handoff_ms']:.1f} ms; alone: d2h {h['d2h_ms']:.1f}, "
           f"store {h['store_copy_ms']:.1f}, h2d {h['h2d_ms']:.1f} ms -> {h['ratio_to_slowest_stage']:.2f}x slowest; "

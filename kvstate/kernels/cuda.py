@@ -197,6 +197,7 @@ class CudaSwapper:
         self._bound: OrderedDict[tuple[int, ...], DeviceLayers] = OrderedDict()
         self._staging: _Buffer | None = None
         self._param_host: _Buffer | None = None
+        self._param_view: np.ndarray | None = None  # the pinned parameter slots as int64
         self._param_dev: _Buffer | None = None
         self._param_slot_bytes = 0
         self._param_events = [self._event() for _ in range(_PARAM_SLOTS)]
@@ -219,7 +220,7 @@ class CudaSwapper:
                 b.free()
             self._buffers.clear()
             self._bound.clear()
-            self._staging = self._param_host = self._param_dev = None
+            self._staging = self._param_host = self._param_dev = self._param_view = None
             self._module = self._k32 = self._k64 = self._kchunks = self._kspan = None
             self.stream = self._copy_stream = None
 
@@ -444,6 +445,7 @@ class CudaSwapper:
             self._release(self._param_dev)
             slot = max(64 << 10, 1 << (need - 1).bit_length())
             self._param_host = self._alloc(slot * _PARAM_SLOTS, pinned=True)
+            self._param_view = self._param_host.host_array(np.int64)
             self._param_dev = self._alloc(slot * _PARAM_SLOTS, pinned=False)
             self._param_slot_bytes = slot
             self._param_used = [False] * _PARAM_SLOTS
@@ -453,7 +455,7 @@ class CudaSwapper:
         if self._param_used[s]:
             self._wait(ev)  # the slot's previous upload must have left the pinned buffer
         base = s * self._param_slot_bytes
-        host = self._param_host.host_array(np.int64)[base // 8: (base + self._param_slot_bytes) // 8]
+        host = self._param_view[base // 8: (base + self._param_slot_bytes) // 8]
         ptrs, off = [], 0
         for a in arrays:
             host[off: off + a.size] = a
@@ -476,17 +478,15 @@ class CudaSwapper:
             units = chunk // 16
             threads = min(_THREADS, max(32, -(-units // 32) * 32))
             grid, block = (n, groups * lps), (threads,)
-            args = (np.uint64(layer_ptrs), np.uint64(flat_ptrs), np.uint64(flat_base), np.uint64(group_stride),
-                    np.uint64(gids), np.uint64(fids), np.uint64(span), np.uint64(chunk), np.uint32(lps),
-                    np.int32(1 if gather else 0))
+            # every parameter of kv_chunks and kv_span is 64-bit: plain ints are passed as such
+            args = (layer_ptrs, flat_ptrs, flat_base, group_stride, gids, fids, span, chunk, lps, int(gather))
             kernel = self._kchunks
         elif span < 2**31 and groups <= 65535 and -(-span // SPAN_PIECE) <= 65535:
             # any chunk size: pieces of a span through shared memory
             pieces = -(-span // SPAN_PIECE)
             grid, block = (n, groups, pieces), (_THREADS,)
-            args = (np.uint64(layer_ptrs), np.uint64(flat_ptrs), np.uint64(flat_base), np.uint64(group_stride),
-                    np.uint64(gids), np.uint64(fids), np.uint32(span), np.uint32(chunk), np.uint32(lps),
-                    np.uint32(SPAN_PIECE), np.int32(1 if gather else 0))
+            args = (layer_ptrs, flat_ptrs, flat_base, group_stride, gids, fids, span, chunk, lps, SPAN_PIECE,
+                    int(gather))
             shared = SPAN_PIECE + 16
             kernel = self._kspan
         else:

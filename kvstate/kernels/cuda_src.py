@@ -99,8 +99,9 @@ __device__ __forceinline__ void kv_copy_body(
 extern "C" __global__ void kv_chunks(
     const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
     u64 group_stride, const i64* __restrict__ gids, const i64* __restrict__ fids,
-    u64 span, u64 chunk, unsigned int layers_per_span, int gather)
+    u64 span, u64 chunk, u64 lps64, i64 gather)
 {
+    const unsigned int layers_per_span = (unsigned int)lps64;
     const unsigned int i = blockIdx.x;
     const unsigned int gl = blockIdx.y;
     const unsigned int g = gl / layers_per_span;
@@ -120,9 +121,11 @@ extern "C" __global__ void kv_chunks(
 extern "C" __global__ void kv_span(
     const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
     u64 group_stride, const i64* __restrict__ gids, const i64* __restrict__ fids,
-    unsigned int span, unsigned int chunk, unsigned int layers_per_span, unsigned int piece,
-    int gather)
+    u64 span64, u64 chunk64, u64 lps64, u64 piece64, i64 gather)
 {
+    /* 64-bit parameters (the host passes plain ints); spans are < 2^31 here */
+    const unsigned int span = (unsigned int)span64, chunk = (unsigned int)chunk64;
+    const unsigned int layers_per_span = (unsigned int)lps64, piece = (unsigned int)piece64;
     extern __shared__ uint4 smem4[];
     unsigned char* sm = (unsigned char*)smem4;
     const unsigned int i = blockIdx.x, g = blockIdx.y;
