@@ -189,8 +189,6 @@ class CudaSwapper:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._copy_stream = cp.cuda.Stream(non_blocking=True)
             self._module = cp.RawModule(code=KERNEL_SOURCE, options=("-std=c++17",))
-            self._k32 = self._module.get_function("kv_copy32")
-            self._k64 = self._module.get_function("kv_copy64")
             self._kchunks = self._module.get_function("kv_chunks")
             self._kspan = self._module.get_function("kv_span")
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
@@ -221,7 +219,7 @@ class CudaSwapper:
             self._buffers.clear()
             self._bound.clear()
             self._staging = self._param_host = self._param_dev = self._param_view = None
-            self._module = self._k32 = self._k64 = self._kchunks = self._kspan = None
+            self._module = self._kchunks = self._kspan = None
             self.stream = self._copy_stream = None
 
     def __enter__(self) -> CudaSwapper:
@@ -469,7 +467,7 @@ class CudaSwapper:
 
     def _launch(self, stream: Any, layer_ptrs: int, flat_ptrs: int, flat_base: int, group_stride: int,
                 gids: int, fids: int, n: int, groups: int, span: int, chunk: int, lps: int,
-                aligned: bool, gather: bool, vectors: bool = False) -> None:
+                gather: bool, vectors: bool = False) -> None:
         """Launch the copy; ``vectors`` when every chunk is whole aligned 16-byte vectors."""
         if n == 0:
             return
@@ -481,24 +479,16 @@ class CudaSwapper:
             # every parameter of kv_chunks and kv_span is 64-bit: plain ints are passed as such
             args = (layer_ptrs, flat_ptrs, flat_base, group_stride, gids, fids, span, chunk, lps, int(gather))
             kernel = self._kchunks
-        elif span < 2**31 and groups <= 65535 and -(-span // SPAN_PIECE) <= 65535:
-            # any chunk size: pieces of a span through shared memory
+        else:  # any chunk size: pieces of a span through shared memory
             pieces = -(-span // SPAN_PIECE)
+            if span >= 2**31 or groups > 65535 or pieces > 65535:
+                raise ValidationError(f"a block's span of {span} bytes in {groups} groups is beyond the "
+                                      "kernels' grid (spans under 1 GiB, at most 65,535 layers)")
             grid, block = (n, groups, pieces), (_THREADS,)
             args = (layer_ptrs, flat_ptrs, flat_base, group_stride, gids, fids, span, chunk, lps, SPAN_PIECE,
                     int(gather))
             shared = SPAN_PIECE + 16
             kernel = self._kspan
-        else:
-            units = span // 16 if aligned else (span + 30) // 16
-            total = n * groups * units
-            blocks = max(1, min(-(-total // _THREADS), self._sms * 8))
-            small = total < 2**31 and span < 2**31
-            kernel, it = (self._k32, np.uint32) if small else (self._k64, np.uint64)
-            grid, block = (blocks,), (_THREADS,)
-            args = (np.uint64(layer_ptrs), np.uint64(flat_ptrs), np.uint64(flat_base), np.uint64(group_stride),
-                    np.uint64(gids), np.uint64(fids), it(n), it(groups), it(span), it(chunk), it(lps),
-                    it(units), np.int32(1 if gather else 0))
         try:
             kernel(grid, block, args, stream=stream, shared_mem=shared)
         except TypeError:  # a CuPy whose Function takes no stream argument: use its current stream
@@ -511,7 +501,7 @@ class CudaSwapper:
         gptr, fptr, hptr = self._params([plan.gpu_ids, plan.host_ids, np.asarray(host_ptrs, np.int64)], stream)
         vectors = aligned and layers.aligned and plan.chunk_bytes % 16 == 0
         self._launch(stream, layers.ptr_array.data.ptr, hptr, 0, 0, gptr, fptr, plan.blocks, groups, span,
-                     plan.chunk_bytes, lps, aligned, plan.direction == "d2h", vectors)
+                     plan.chunk_bytes, lps, plan.direction == "d2h", vectors)
 
     def _dma(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
         rt = self.cp.cuda.runtime
@@ -567,7 +557,7 @@ class CudaSwapper:
                 if slot_free[slot] is not None:
                     stream.wait_event(slot_free[slot])
                 self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride, gptr + e0 * 8, 0, m, groups,
-                             span, plan.chunk_bytes, lps, span % 16 == 0, True, vectors)
+                             span, plan.chunk_bytes, lps, True, vectors)
                 ready = cp.cuda.Event(block=False, disable_timing=True)
                 ready.record(stream)
                 copy.wait_event(ready)
@@ -583,7 +573,7 @@ class CudaSwapper:
                 ready.record(copy)
                 stream.wait_event(ready)
                 self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride, gptr + e0 * 8, 0, m, groups,
-                             span, plan.chunk_bytes, lps, span % 16 == 0, False, vectors)
+                             span, plan.chunk_bytes, lps, False, vectors)
                 freed = cp.cuda.Event(block=False, disable_timing=True)
                 freed.record(stream)
                 slot_free[slot] = freed
