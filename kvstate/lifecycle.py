@@ -17,7 +17,7 @@ import heapq
 from array import array
 import itertools
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -92,7 +92,7 @@ def _check_request_id(request_id: Any) -> None:
 
 def _check_tokens(request_id: str, token_ids: Any) -> array:
     """Validated token ids as our own uint64 array: the caller's list is never mutated."""
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+    if token_ids.__class__ is not list and (isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence)):
         raise ValidationError(f"request {request_id!r}: token_ids must be a sequence of ints")
     if not token_ids:
         raise ValidationError(f"request {request_id!r}: token_ids is empty")
@@ -132,7 +132,7 @@ class Lifecycle:
         self._out: deque[C.Command] = deque()
         self._ids = itertools.count(1)
         self._ranks = tuple(range(spec.tp_size))
-        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._ended: dict[str, str] = {}  # insertion-ordered: the oldest goes first
         self.counters: dict[str, int] = dict.fromkeys(
             ("done", "failed", "aborted", "expired", "stale_completions", "late_completions",
              "forced_releases", "retries"), 0)
@@ -339,7 +339,7 @@ class Lifecycle:
         ended = self._ended
         ended[req.id] = req.state
         if len(ended) > _ENDED_MEMORY:
-            ended.popitem(last=False)
+            del ended[next(iter(ended))]
         self.counters[req.state] += 1
         self._out.append(C.RequestEnded(req.id, req.state, req.error_code))
 
