@@ -133,6 +133,9 @@ def _pool_snap(p):
 
 
 _TMP = tempfile.TemporaryDirectory(prefix="kvstate-fuzz-")  # removed when the session ends
+_TRACE = __import__("os").path.join(_TMP.name, "trace.jsonl")
+with open(_TRACE, "w") as _f:
+    _f.write('{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n')
 
 
 def _store(kind):
@@ -226,6 +229,21 @@ bad_key_lists = st.one_of(st.none(), st.integers(), st.text(max_size=3), st.list
 bad_ranks = st.one_of(st.integers(max_value=-1), st.integers(2, 50), st.none(), st.booleans(), st.text(max_size=2),
                       st.floats())
 
+def _step_snap(rig):
+    return snapshot(rig.P), snapshot(rig.D), tuple(sorted(rig.dd.pending)), tuple(sorted(rig.pd.pending))
+
+
+def _threaded(workers):
+    from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
+    from conftest import small_spec
+    ThreadedDriver(ReferenceBackend(small_spec(), 4, MemoryStore(1 << 20)), workers=workers).close()
+
+
+def _scenario_dict(data):
+    from kvstate.sim.scenario import scenario_from_dict
+    scenario_from_dict(data)
+
+
 # name -> (make, snapshot, call(obj, arg), strategy of bad arguments)
 COMPONENTS = {
     "BlockPool.allocate(n)": (_pool, _pool_snap, lambda p, x: p.allocate(x), bad_counts),
@@ -282,6 +300,31 @@ COMPONENTS = {
                               st.one_of(st.dictionaries(st.text(max_size=6), st.integers(), min_size=1, max_size=2),
                                         st.just({"cluster.num_prefill": -1}), st.just({"slo.ttft_ms": "x"}),
                                         st.just({"workload.rate": float("nan")}))),
+    "StepDriver.complete(outcome)": (live_rig, _step_snap, lambda r, x: r.dd.complete(*sorted(r.dd.pending)[0], x),
+                                     st.one_of(st.integers(max_value=-1), st.integers(100, 10**6), st.text(min_size=1,
+                                               max_size=3).filter(lambda t: t != "fail"), st.floats(),
+                                               st.lists(st.integers(), max_size=2))),
+    "StepDriver.complete(command)": (live_rig, _step_snap, lambda r, x: r.dd.complete(x, 0),
+                                     st.one_of(st.integers(10**6, 10**7), st.none(), st.text(max_size=2))),
+    "ThreadedDriver(workers)": (_nothing, _nothing, lambda o, x: _threaded(x),
+                                st.one_of(st.integers(max_value=0), st.none(), st.floats(), st.text(max_size=2))),
+    "MemoryStore(capacity)": (_nothing, _nothing, lambda o, x: __import__("kvstate.backends", fromlist=["x"]).MemoryStore(x),
+                              st.one_of(st.integers(max_value=0), st.none(), st.floats(), st.text(max_size=2))),
+    "Policy(preempt)": (_nothing, _nothing, lambda o, x: _policy(preempt=x), junk),
+    "Policy(write_retries)": (_nothing, _nothing, lambda o, x: _policy(write_retries=x),
+                              st.one_of(st.integers(max_value=-1), st.none(), st.floats(), st.text(max_size=2))),
+    "scenario_from_dict(data)": (_nothing, _nothing, lambda o, x: _scenario_dict(x),
+                                 st.one_of(st.none(), st.integers(), st.text(max_size=3),
+                                           st.dictionaries(st.text(max_size=5), junk, min_size=1, max_size=2))),
+    "load_trace(path)": (_nothing, _nothing, lambda o, x: __import__("kvstate.sim", fromlist=["x"]).load_trace(x),
+                         st.one_of(st.just("/nonexistent/trace.jsonl"), st.just("/"), st.just("/bin/sh"),
+                                   st.none(), st.integers())),
+    "load_trace(hash_block_size)": (_nothing, _nothing,
+                                    lambda o, x: __import__("kvstate.sim", fromlist=["x"]).load_trace(_TRACE, x),
+                                    st.one_of(st.integers(max_value=0), st.none(), st.floats(), st.booleans())),
+    "load_scenario(path)": (_nothing, _nothing, lambda o, x: __import__("kvstate.sim", fromlist=["x"]).load_scenario(x),
+                            st.one_of(st.just("/nonexistent.toml"), st.just("/"), st.just("/bin/sh"), st.integers(),
+                                      st.lists(st.integers(), max_size=1))),
 }
 
 
@@ -302,8 +345,9 @@ def test_component_entry_points_reject_bad_arguments_and_change_nothing(case, da
 
 
 def test_regression_component_fuzz_finds():
-    """Found by the component fuzzing above; each raised TypeError/IndexError/KeyError, or
-    (get with buffers None) was accepted."""
+    """Found by the component fuzzing above; each raised TypeError/IndexError/KeyError (or
+    IsADirectoryError, UnicodeDecodeError for a trace or scenario path), or (get with buffers
+    None) was accepted."""
     import pytest
 
     cases = [
@@ -312,6 +356,8 @@ def test_regression_component_fuzz_finds():
         ("ReferenceBackend.fill_block(data)", None), ("MemoryStore.batch_get_into(buffers)", None),
         ("FileStore.batch_get_into(buffers)", None), ("BlockPool.free(ids)", None),
         ("CacheSpec(dtype)", ["float16"]), ("with_overrides(field)", {"0": 1}),
+        ("load_trace(path)", None), ("load_trace(path)", "/"), ("load_scenario(path)", "/"),
+        ("load_scenario(path)", "/bin/sh"),
     ]
     for case, arg in cases:
         make, snap, call, _ = COMPONENTS[case]

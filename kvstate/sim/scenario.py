@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -349,14 +350,18 @@ def load_scenario(path: str | Path | None) -> Scenario:
     """The scenario in a TOML file, or the embedded default for ``None``."""
     if path is None:
         return Scenario()
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"scenario path must be a str or a path, got {type(path).__name__}")
     p = Path(path)
     try:
         with p.open("rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{p}: scenario file not found") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the scenario ({e.strerror or e})") from None
     wl = data.get("workload")
     if isinstance(wl, dict) and isinstance(wl.get("trace"), str) and wl["trace"]:
         t = Path(wl["trace"])

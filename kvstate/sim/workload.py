@@ -8,6 +8,7 @@ trace request's tokens are derived block by block from its ``hash_ids``.
 from __future__ import annotations
 
 import json
+import os
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,15 +55,26 @@ def _int_field(rec: dict, name: str, where: str, minimum: int) -> int:
 def load_trace(path: str | Path, hash_block_size: int = 512) -> list[TraceRecord]:
     """Read and validate a JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids``); errors name the file, the line and the rule. Nothing is returned on any error."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"trace path must be a str or a path, got {type(path).__name__}")
+    if isinstance(hash_block_size, bool) or not isinstance(hash_block_size, int) or hash_block_size <= 0:
+        raise ConfigError(f"hash_block_size must be an int > 0, got {hash_block_size!r}")
     p = Path(path)
+    try:
+        return _read_trace(p, hash_block_size)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: trace file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a text (UTF-8) file ({e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the trace ({e.strerror or e})") from None
+
+
+def _read_trace(p: Path, hash_block_size: int) -> list[TraceRecord]:
     known = {"timestamp", "input_length", "output_length", "hash_ids"}
     out: list[TraceRecord] = []
     last = -1.0
-    try:
-        f = p.open()
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: trace file not found") from None
-    with f:
+    with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
