@@ -13,7 +13,6 @@ transfer touching it has answered (or its deadline plus ``Policy.fence_grace`` p
 """
 from __future__ import annotations
 
-import heapq
 from array import array
 import itertools
 import time
@@ -128,7 +127,11 @@ class Lifecycle:
         self.namespace = namespace
         self._reqs: dict[str, Request] = {}
         self._pending: dict[int, _Pending] = {}
-        self._timers: list[tuple[float, int, int, Any]] = []
+        # Timers: one FIFO per kind (_CMD, _FENCE, _WAIT) of (when, seq, ident). Each kind's
+        # times are "now" plus a constant, so appending keeps every queue sorted (O(1) per
+        # timer, where a heap paid O(log n) for the many timers of answered commands);
+        # tick() merges the three heads in (when, seq) order.
+        self._timers: tuple[deque[tuple[float, int, Any]], ...] = (deque(), deque(), deque())
         self._out: deque[C.Command] = deque()
         self._ids = itertools.count(1)
         self._ranks = tuple(range(spec.tp_size))
@@ -218,9 +221,15 @@ class Lifecycle:
         on (retry, error, recompute) at once; its blocks stay pinned until the late answers
         arrive or ``Policy.fence_grace`` passes.
         """
-        now, timers, fired = self.clock(), self._timers, 0
-        while timers and timers[0][0] <= now:
-            deadline, _, kind, ident = heapq.heappop(timers)
+        now, queues, fired = self.clock(), self._timers, 0
+        while True:
+            kind, head = -1, None
+            for k, q in enumerate(queues):
+                if q and q[0][0] <= now and (head is None or q[0][:2] < head[:2]):
+                    kind, head = k, q[0]
+            if head is None:
+                break
+            deadline, _, ident = queues[kind].popleft()
             if kind == _WAIT:
                 req = self._reqs.get(ident[0])
                 if req is not None and req.wait_seq == ident[1] and req.state == decode.INITIAL:
@@ -278,8 +287,16 @@ class Lifecycle:
             raise InvalidTransitionError(req.id, req.state, trigger, self.TABLE.NAME)
         self._fire_ev[trigger](req, req, value)
 
-    def _push_timer(self, when: float, kind: int, ident: Any) -> None:
-        heapq.heappush(self._timers, (when, next(self._ids), kind, ident))
+    def _push_timer(self, when: float, kind: int, ident: Any, seq: int | None = None) -> None:
+        q = self._timers[kind]
+        entry = (when, next(self._ids) if seq is None else seq, ident)
+        if q and when < q[-1][0]:  # the clock went back: insert where the queue stays sorted
+            i = len(q)
+            while i and q[i - 1][0] > when:
+                i -= 1
+            q.insert(i, entry)
+        else:
+            q.append(entry)
 
     def _transfer(self, req: Request, cls: type, trigger: str, limit: int, *,
                   blocks: Sequence[int] = (), ranks: tuple[int, ...] | None = None, **fields: Any) -> None:
@@ -290,7 +307,7 @@ class Lifecycle:
         if blocks:
             self.pool._incref(blocks)
         self._pending[cid] = _Pending(cmd, req, trigger, blocks, limit)
-        heapq.heappush(self._timers, (deadline, cid, _CMD, cid))
+        self._push_timer(deadline, _CMD, cid, cid)
         req.cmd = cid
         self._out.append(cmd)
 

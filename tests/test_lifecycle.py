@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Rig
+from conftest import Rig, small_spec
 
-from kvstate import (DuplicateRequestError, InvalidTransitionError, OutOfBlocksError, Policy,
+from kvstate import (DecodeLifecycle, DuplicateRequestError, InvalidTransitionError, OutOfBlocksError, Policy,
                      UnknownRequestError, ValidationError)
 from kvstate import commands as C
 from kvstate.events import Completion
@@ -452,3 +452,19 @@ def test_caller_token_list_is_not_mutated(rig):
     rig.D.deliver_first_token("r", 9)
     rig.dd.run_until_idle()
     assert toks == TOKS
+
+
+def test_deadlines_fire_in_order_even_when_the_clock_steps_back(clock):
+    """Timers sit in one FIFO per kind; a clock that goes back must not hide an earlier deadline
+    behind a later one."""
+    D = DecodeLifecycle(small_spec(), 32, Policy(transfer_timeout=10.0, fence_grace=5.0), clock=clock,
+                        first_token_timeout=20.0)
+    clock.now = 100.0
+    D.reserve("late", [1, 2, 3])  # its first-token deadline: 120
+    clock.now = 50.0  # the clock steps back
+    D.reserve("early", [1, 2, 3])  # deadline 70, queued behind 120
+    clock.now = 80.0
+    assert D.tick() == 1
+    assert D.live_requests() == ["late"] and D.counters["failed"] == 1
+    clock.now = 121.0
+    assert D.tick() == 1 and D.live_requests() == []
