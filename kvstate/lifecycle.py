@@ -229,7 +229,7 @@ class Lifecycle:
                     kind, head = k, q[0]
             if head is None:
                 break
-            deadline, _, ident = queues[kind].popleft()
+            ident = queues[kind].popleft()[2]
             if kind == _WAIT:
                 req = self._reqs.get(ident[0])
                 if req is not None and req.wait_seq == ident[1] and req.state == decode.INITIAL:
@@ -242,7 +242,7 @@ class Lifecycle:
             fired += 1
             if kind == _CMD and not p.resolved:
                 self.counters["expired"] += 1
-                self._push_timer(deadline + self.policy.fence_grace, _FENCE, ident)
+                self._push_timer(p.cmd.fence, _FENCE, ident)
                 self._out.append(C.CancelCommand(p.cmd.request_id, ident))
                 self._resolve(p)
             elif kind == _FENCE:

@@ -107,6 +107,32 @@ class Protocol(RuleBasedStateMachine):
                 for kind in spec.kinds:
                     backend.fill_block(r, kind, blocks[i], fake_block(keys[i], r, kind, spec.block_bytes(kind)))
 
+    def _admit(self, rid, toks):
+        """D reserves, P admits, the harness records the prompt; then the notices run."""
+        self.rig.D.reserve(rid, toks)
+        self.rig.P.admit(rid, toks)
+        self.plen[rid] = len(toks)
+        self.tokens[rid] = list(toks)
+        self._process_notices()
+
+    def _answer_command(self, side, rid):
+        """Every rank answers the command ``rid`` waits for on ``side``, in full."""
+        lc, drv = (self.rig.P, self.rig.pd) if side == "P" else (self.rig.D, self.rig.dd)
+        cid = lc._reqs[rid].cmd
+        for key in sorted(k for k in drv.pending if k[0] == cid):
+            drv.complete(*key)
+        self._process_notices()
+
+    def _cancel(self, side, rid):
+        """Abort ``rid`` on ``side``, counted per state (and whether a transfer was in flight)."""
+        lc = getattr(self.rig, side)
+        self.faults["cancel"] += 1
+        self.faults[f"cancel:{side}:{lc.state_of(rid)}"] += 1
+        if lc._reqs[rid].cmd:
+            self.faults["cancel_mid_transfer"] += 1
+        lc.abort(rid)
+        self._process_notices()
+
     def _process_notices(self):
         rig = self.rig
         for _ in range(50):
@@ -166,11 +192,7 @@ class Protocol(RuleBasedStateMachine):
             toks[:min(len(donor), length) - 1] = donor[:min(len(donor), length) - 1]
         if not rig.D.can_reserve(len(toks)):
             return
-        rig.D.reserve(rid, toks)
-        rig.P.admit(rid, toks)
-        self.plen[rid] = len(toks)
-        self.tokens[rid] = list(toks)
-        self._process_notices()
+        self._admit(rid, toks)
 
     @precondition(lambda self: self.tokens and len(self.rig.store) > 0)
     @rule(data=st.data(), cancel=st.booleans())
@@ -185,24 +207,11 @@ class Protocol(RuleBasedStateMachine):
         self.n += 1
         if -(-len(toks) // BS) > rig.P.pool.num_blocks or not rig.D.can_reserve(len(toks)):
             return
-        rig.D.reserve(rid, toks)
-        rig.P.admit(rid, toks)
-        self.plen[rid] = len(toks)
-        self.tokens[rid] = list(toks)
-        self._process_notices()
+        self._admit(rid, toks)
         if rid in rig.P.live_requests() and rig.P.state_of(rid) == "querying_prefix":
-            cid = rig.P._reqs[rid].cmd
-            for key in sorted(k for k in rig.pd.pending if k[0] == cid):
-                rig.pd.complete(*key)
-            self._process_notices()
+            self._answer_command("P", rid)
         if cancel and rid in rig.P.live_requests():
-            state = rig.P.state_of(rid)
-            self.faults["cancel"] += 1
-            self.faults[f"cancel:P:{state}"] += 1
-            if rig.P._reqs[rid].cmd:
-                self.faults["cancel_mid_transfer"] += 1
-            rig.P.abort(rid)
-            self._process_notices()
+            self._cancel("P", rid)
 
     @precondition(lambda self: self.rig.pd.pending or self.rig.dd.pending)
     @rule(data=st.data(), whole=st.booleans())
@@ -329,13 +338,7 @@ class Protocol(RuleBasedStateMachine):
     def abort(self, data, side):
         lc = getattr(self.rig, side)
         if lc.live_requests():
-            rid = data.draw(st.sampled_from(sorted(lc.live_requests())))
-            self.faults["cancel"] += 1
-            self.faults[f"cancel:{side}:{lc.state_of(rid)}"] += 1
-            if lc._reqs[rid].cmd:
-                self.faults["cancel_mid_transfer"] += 1
-            lc.abort(rid)
-            self._process_notices()
+            self._cancel(side, data.draw(st.sampled_from(sorted(lc.live_requests()))))
 
     @precondition(lambda self: self.rig.D.live_requests())
     @rule(data=st.data())
@@ -391,10 +394,7 @@ class Protocol(RuleBasedStateMachine):
         rig.D.preempt(rid)
         self._process_notices()
         if stage >= 1 and rig.D.state_of(rid) == "preempt_writing":
-            cid = rig.D._reqs[rid].cmd
-            for key in sorted(k for k in rig.dd.pending if k[0] == cid):
-                rig.dd.complete(*key)
-            self._process_notices()
+            self._answer_command("D", rid)
         if stage >= 2 and rid in rig.D.live_requests() and rig.D.state_of(rid) == "preempted":
             try:
                 rig.D.resume(rid)
@@ -414,11 +414,7 @@ class Protocol(RuleBasedStateMachine):
             except InvalidTransitionError:
                 assert snapshot(rig.D) == snap
         if action == "cancel":
-            self.faults["cancel"] += 1
-            self.faults[f"cancel:D:{state}"] += 1
-            if rig.D._reqs[rid].cmd:
-                self.faults["cancel_mid_transfer"] += 1
-            rig.D.abort(rid)
+            self._cancel("D", rid)
         else:
             self.faults["preempt"] += 1
             self.faults[f"preempt:{state}"] += 1

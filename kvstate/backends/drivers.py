@@ -99,7 +99,8 @@ class StepDriver:
             return c
         if outcome == "fail":
             c = Completion(command_id, rank, 0, error="injected failure")
-        elif outcome is not None and not (isinstance(outcome, int) and 0 <= outcome <= len(cmd.keys)):
+        elif outcome is not None and not (isinstance(outcome, int) and not isinstance(outcome, bool)
+                                          and 0 <= outcome <= len(cmd.keys)):
             self.pending[(command_id, rank)] = cmd
             raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
         elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)

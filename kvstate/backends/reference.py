@@ -115,8 +115,8 @@ class StoreBackend(TransferBackend):
         if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
             raise ValidationError(f"{type(self).__name__}: block {b!r} outside 0..{self.num_blocks - 1}")
 
-    def _check_fill(self, rank: int, kind: str, block_id: int, data: Any) -> int:
-        """Checks of ``fill_block``; returns the bytes the block needs."""
+    def _check_fill(self, rank: int, kind: str, block_id: int, data: Any) -> None:
+        """Checks of ``fill_block``: rank, kind, block id, and data of exactly one block."""
         self._check(rank, ())
         if kind not in self.spec.kinds:
             raise ValidationError(f"{type(self).__name__}.fill_block: kind {kind!r} is not one of {self.spec.kinds}")
@@ -125,7 +125,6 @@ class StoreBackend(TransferBackend):
         if not isinstance(data, (bytes, bytearray, memoryview)) or memoryview(data).nbytes != need:
             got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
             raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
-        return need
 
     def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
         return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
