@@ -63,22 +63,23 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
     step = block_size * 8
     nfull = n // block_size
     end = nfull * step
+    raw = packed.tobytes()  # one copy; slicing bytes is cheaper than slicing a memoryview
     keys: list[str] = []
     append = keys.append
     prev = namespace.encode()
-    # the views are released on leaving, so the caller may still grow ``packed``
-    with memoryview(packed) as raw, raw.cast("B") as view:
-        for i, start in enumerate(range(0, n * 8, step)):
+    for i, start in enumerate(range(0, n * 8, step)):
+        if extra_keys and i in extra_keys:
             h = _sha256(prev)
-            h.update(view[start:start + step])
-            if extra_keys and i in extra_keys:
-                for extra in extra_keys[i]:
-                    h.update(b"\x00" + str(extra).encode())
+            h.update(raw[start:start + step])
+            for extra in extra_keys[i]:
+                h.update(b"\x00" + str(extra).encode())
             key = h.hexdigest()
-            if start >= end:  # the last, incomplete block
-                key = f"{key}:partial:{n - nfull * block_size}"
-            append(key)
-            prev = key.encode()
+        else:
+            key = _sha256(prev + raw[start:start + step]).hexdigest()
+        if start >= end:  # the last, incomplete block
+            key = f"{key}:partial:{n - nfull * block_size}"
+        append(key)
+        prev = key.encode()
     if namespace:
         prefix = namespace + KEY_PREFIX_SEP
         return [prefix + k for k in keys]

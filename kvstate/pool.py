@@ -31,7 +31,7 @@ class PoolStats:
 class BlockPool:
     """``num_blocks`` block ids ``0 .. num_blocks-1`` with reference counts."""
 
-    __slots__ = ("num_blocks", "_free", "_refs", "_peak", "_allocs", "_frees", "_shared")
+    __slots__ = ("num_blocks", "_free", "_refs", "_peak", "_allocs", "_frees")
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
@@ -39,7 +39,6 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0 first
         self._refs = [0] * num_blocks
-        self._shared = 0  # blocks with refcount >= 2
         self._peak = 0
         self._allocs = 0
         self._frees = 0
@@ -64,7 +63,8 @@ class BlockPool:
         return self._refs[block_id]
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.num_blocks, len(self._free), self.num_used, self._shared,
+        shared = sum(1 for r in self._refs if r >= 2)  # counted here: pins stay two list ops
+        return PoolStats(self.num_blocks, len(self._free), self.num_used, shared,
                          self._peak, self._allocs, self._frees)
 
     # -- mutations (validate everything first, then change) --------------------------------
@@ -111,20 +111,17 @@ class BlockPool:
     def _incref(self, block_ids: Sequence[int]) -> None:
         refs = self._refs
         for b in block_ids:
-            if refs[b] == 1:
-                self._shared += 1
             refs[b] += 1
 
     def _decref(self, block_ids: Sequence[int]) -> int:
-        refs, freed = self._refs, 0
+        refs, free = self._refs, self._free
+        before = len(free)
         for b in block_ids:
             r = refs[b] - 1
             refs[b] = r
-            if r == 1:
-                self._shared -= 1
-            elif r == 0:
-                self._free.append(b)
-                freed += 1
+            if not r:
+                free.append(b)
+        freed = len(free) - before
         self._frees += freed
         return freed
 

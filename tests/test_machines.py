@@ -3,7 +3,7 @@ import random
 
 import pytest
 from conftest import Rig
-from transitions import Machine
+from transitions import Machine, MachineError
 
 from kvstate import Policy
 from kvstate import commands as C
@@ -105,3 +105,61 @@ def test_mermaid_diagram_drawn_from_the_table(name):
         assert f'state "{s}"' in text
     for tr in MACHINES[name].TRANSITIONS:
         assert tr["trigger"] in text
+
+
+class _Model:
+    """Logs every callback; the state attribute is set by the machine."""
+
+    def __init__(self, log):
+        self.state, self.log, self.flag = "a", log, True
+
+    def __getattr__(self, name):  # callbacks named in the table: log and answer self.flag
+        if name.startswith("cb_"):
+            def cb(*args, **kwargs):
+                self.log.append((name, self.state, tuple(a if isinstance(a, int) else type(a).__name__ for a in args)))
+                return self.flag
+            return cb
+        raise AttributeError(name)
+
+
+_MACHINE_CALLBACKS = {
+    "none": {},
+    "state_change": dict(before_state_change="cb_bsc", after_state_change="cb_asc"),
+    "event": dict(prepare_event="cb_pe", finalize_event="cb_fe", on_final="cb_final"),
+    "send_event": dict(send_event=True),
+}
+
+
+def _every_callback_kind(cls, seed: int, machine_callbacks: str):
+    """Random triggers on a machine using each kind of callback transitions offers."""
+    rng = random.Random(seed)
+    log: list = []
+    extra = _MACHINE_CALLBACKS[machine_callbacks]
+    states = ["a", dict(name="b", on_enter="cb_enter_b", on_exit="cb_exit_b"), "c", dict(name="z", final=True)]
+    m = cls(model=None, states=states, initial="a", auto_transitions=False, **extra, transitions=[
+        dict(trigger="go", source="a", dest="b", conditions="cb_cond", after="cb_after"),
+        dict(trigger="go", source="a", dest="c", unless="cb_unless", after=["cb_after2", "cb_after3"]),
+        dict(trigger="go", source="b", dest="c", prepare="cb_prep", before="cb_before"),
+        dict(trigger="go", source="c", dest="a"),
+        dict(trigger="stay", source=["a", "b", "c"], dest=None, after="cb_internal"),
+        dict(trigger="end", source="c", dest="z", after="cb_end"),
+        dict(trigger="back", source="z", dest="a"),
+    ])
+    model = _Model(log)
+    for _ in range(60):
+        model.flag = rng.random() < 0.5
+        trigger = rng.choice(["go", "go", "stay", "end", "back"])
+        try:
+            ok = m.events[trigger].trigger(model, rng.randrange(3))
+        except MachineError as e:
+            ok = f"error: {e}"
+        log.append((trigger, ok, model.state))
+    return log
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("machine_callbacks", list(_MACHINE_CALLBACKS))
+def test_lean_machine_runs_every_callback_kind_like_stock(seed, machine_callbacks):
+    lean = _every_callback_kind(LeanMachine, seed, machine_callbacks)
+    assert lean == _every_callback_kind(Machine, seed, machine_callbacks)
+    assert {e[0] for e in lean} >= {"cb_cond", "cb_after", "cb_enter_b", "cb_exit_b", "cb_prep", "cb_internal"}

@@ -68,13 +68,13 @@ class StepDriver:
         if not cmds:
             return 0
         pending, notices, on_notice = self.pending, self.notices, self.on_notice
-        transfer = C.TransferCommand
         for cmd in cmds:
-            if isinstance(cmd, transfer):
+            cls = cmd.__class__
+            if cls in _TRANSFERS or isinstance(cmd, C.TransferCommand):
                 cid = cmd.command_id
                 for r in cmd.ranks:
                     pending[(cid, r)] = cmd
-            elif isinstance(cmd, C.CancelCommand):
+            elif cls is C.CancelCommand:
                 notices.append(cmd)  # its (command, rank) answers are still owed: pins release on them
             elif on_notice is not None:
                 on_notice(cmd)
@@ -89,24 +89,25 @@ class StepDriver:
         only that many leading keys (a partial transfer), ``"fail"`` answers 0 with an
         error and moves nothing.
         """
-        cmd = self.pending.pop((command_id, rank), None)
+        key = (command_id, rank)
+        cmd = self.pending.get(key)
         if cmd is None:
             raise ValidationError(f"no pending command {command_id} for rank {rank}")
-        if outcome is None and self.backend is None:
-            # without a backend nothing is stored: queries find nothing, reads and writes succeed
-            c = Completion(command_id, rank, 0 if cmd.__class__ is C.QueryBlocks else len(cmd.keys))
-            self.lifecycle.complete(c)
-            return c
-        if outcome == "fail":
-            c = Completion(command_id, rank, 0, error="injected failure")
-        elif outcome is not None and not (isinstance(outcome, int) and not isinstance(outcome, bool)
-                                          and 0 <= outcome <= len(cmd.keys)):
-            self.pending[(command_id, rank)] = cmd
+        if outcome is not None and outcome != "fail" and not (
+                isinstance(outcome, int) and not isinstance(outcome, bool) and 0 <= outcome <= len(cmd.keys)):
             raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
+        del self.pending[key]
+        return self._answer(cmd, rank, outcome)
+
+    def _answer(self, cmd: C.TransferCommand, rank: int, outcome: int | str | None) -> Completion:
+        if outcome == "fail":
+            c = Completion(cmd.command_id, rank, 0, error="injected failure")
         elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)
             c = execute(self.backend, cmd, rank, outcome, self.lifecycle.clock)
-        else:
-            c = Completion(command_id, rank, outcome)
+        elif outcome is not None:
+            c = Completion(cmd.command_id, rank, outcome)
+        else:  # without a backend nothing is stored: queries find nothing, the rest succeed
+            c = Completion(cmd.command_id, rank, 0 if cmd.__class__ is C.QueryBlocks else len(cmd.keys))
         self.lifecycle.complete(c)
         return c
 
@@ -117,12 +118,13 @@ class StepDriver:
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Complete every pending answer in order, in full, until nothing is left."""
         steps = 0
-        pending, complete = self.pending, self.complete
+        pending, answer = self.pending, self._answer
         self.pump()
         while pending:
-            for cid, rank in list(pending):  # oldest first; what they cause comes in after
-                if (cid, rank) in pending:
-                    complete(cid, rank)
+            for key in list(pending):  # oldest first; what they cause comes in after
+                cmd = pending.pop(key, None)
+                if cmd is not None:
+                    answer(cmd, key[1], None)
                     steps += 1
                     if steps >= max_steps:
                         raise DriverError(f"run_until_idle: still busy after {max_steps} steps")
@@ -130,6 +132,7 @@ class StepDriver:
         return steps
 
 
+_TRANSFERS = frozenset((C.QueryBlocks, C.ReadBlocks, C.WriteBlocks))
 _STOP = object()
 
 

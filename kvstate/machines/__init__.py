@@ -83,9 +83,11 @@ class _LeanTransition(Transition):
 class _LeanEvent(Event):
     def trigger(self, model: Any, *args: Any, **kwargs: Any) -> bool:
         machine = self.machine
-        if machine.has_queue or machine._transition_queue:
+        # The machine's callback lists are read through their private attributes: the public
+        # properties cost a call each (transitions is pinned below 0.10; a test checks them).
+        if machine._queued or machine._transition_queue:
             return super().trigger(model, *args, **kwargs)
-        if machine.prepare_event or machine.finalize_event or machine.on_exception:
+        if machine._prepare_event or machine._finalize_event or machine._on_exception:
             return self._trigger(EventData(None, self, machine, model, args=args, kwargs=kwargs))
         # no event-level callbacks: source check, then the first transition whose conditions
         # hold (string states: the model's state value is the state's name)
@@ -93,10 +95,50 @@ class _LeanEvent(Event):
         candidates = self.transitions.get(value) if value.__class__ is str else None
         if candidates is None:
             return self._trigger(EventData(None, self, machine, model, args=args, kwargs=kwargs))
-        event_data = EventData(machine.states[value], self, machine, model, args, kwargs)
+        states = machine.states
+        if machine.send_event or machine._before_state_change or machine._after_state_change or kwargs:
+            event_data = EventData(states[value], self, machine, model, args, kwargs)
+            for trans in candidates:
+                event_data.transition = trans
+                if trans.execute(event_data):
+                    return True
+            return False
+        # The common case, steps in the same order without an EventData: conditions, state
+        # change, after. A transition with prepare/before callbacks, or leaving or entering a
+        # state with callbacks (or a final one), takes the full path.
+        event_data = None
+        exits = states[value].on_exit
         for trans in candidates:
-            event_data.transition = trans
-            if trans.execute(event_data):
+            dest = trans.dest
+            if dest is not None:
+                dest_state = states[dest]
+                full = dest_state.on_enter or dest_state.final
+            else:
+                full = False
+            if full or exits or trans.prepare or trans.before:
+                if event_data is None:
+                    event_data = EventData(states[value], self, machine, model, args, kwargs)
+                event_data.transition = trans
+                if trans.execute(event_data):
+                    return True
+                continue
+            for cond in trans.conditions:
+                func = cond.func
+                if func.__class__ is str:
+                    if event_data is None:
+                        event_data = EventData(states[value], self, machine, model, args, kwargs)
+                    func = machine.resolve_callable(func, event_data)
+                if func(*args) != cond.target:
+                    break
+            else:
+                if dest is not None:
+                    setattr(model, machine.model_attribute, dest)  # string state: value is the name
+                for func in trans.after:
+                    if func.__class__ is str:
+                        if event_data is None:
+                            event_data = EventData(states[value], self, machine, model, args, kwargs)
+                        func = machine.resolve_callable(func, event_data)
+                    func(*args)
                 return True
         return False
 
