@@ -3,7 +3,7 @@
 Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dataclass
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
-Transfer commands (:class:`QueryBlocks`, :class:`ReadBlocks`, :class:`WriteBlocks`) carry a ``command_id``, the TP ``ranks`` that must each answer with
+Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`) carry a ``command_id``, the TP ``ranks`` that must each answer with
 a :class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's
 clock, and a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the
 lifecycle may recycle the blocks, so no driver or backend may touch them after it (they
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Command", "TransferCommand", "QueryBlocks", "ReadBlocks", "WriteBlocks", "SendFirstToken",
+    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
 ]
 
@@ -35,15 +35,10 @@ class TransferCommand(Command):
 
 
 @dataclass(slots=True)
-class QueryBlocks(TransferCommand):
-    """Each rank answers how many *leading* keys are stored (all its kinds present)."""
-
-    keys: tuple[str, ...]
-
-
-@dataclass(slots=True)
 class ReadBlocks(TransferCommand):
-    """Read ``keys[i]`` into GPU block ``block_ids[i]``; answer the leading count read whole."""
+    """Read ``keys[i]`` into GPU block ``block_ids[i]``; answer the leading count read whole.
+
+    A key the store lacks ends the count, so a read is also how P looks for a stored prefix."""
 
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]
@@ -51,7 +46,11 @@ class ReadBlocks(TransferCommand):
 
 @dataclass(slots=True)
 class WriteBlocks(TransferCommand):
-    """Write GPU block ``block_ids[i]`` under ``keys[i]``; answer the leading count written."""
+    """Store GPU block ``block_ids[i]`` under ``keys[i]``; answer the leading count stored.
+
+    Keys are content hashes, so a key already stored holds these very bytes: a rank first
+    asks the store how many leading keys it holds and gathers and writes only the rest
+    (a full hit moves nothing)."""
 
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]

@@ -467,27 +467,18 @@ class PrefillLifecycle(Lifecycle):
     def wants_prefix(self, req: Request, value: Any) -> bool:
         return self.policy.read_prefix and self._prefix_limit(req) > 0
 
-    def send_prefix_query(self, req: Request, value: Any) -> None:
+    def send_prefix_read(self, req: Request, value: Any) -> None:
         n = self._prefix_limit(req)
-        self._transfer(req, C.QueryBlocks, "prefix_queried", n, keys=tuple(req.keys[:n]))
-
-    def send_prefix_read(self, req: Request, value: int) -> None:
-        blocks = req.blocks[:value]
-        self._transfer(req, C.ReadBlocks, "prefix_read", value, blocks=blocks,
-                       keys=tuple(req.keys[:value]), block_ids=tuple(blocks))
+        blocks = req.blocks[:n]
+        self._transfer(req, C.ReadBlocks, "prefix_read", n, blocks=blocks,
+                       keys=tuple(req.keys[:n]), block_ids=tuple(blocks))
 
     def start_prefill(self, req: Request, value: int | None) -> None:
         self._out.append(C.StartPrefill(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
 
-    def send_query(self, req: Request, value: int) -> None:
-        req.token = value
-        self._transfer(req, C.QueryBlocks, "queried", len(req.keys), keys=tuple(req.keys))
-
-    def all_stored(self, req: Request, value: int) -> bool:
-        return value >= len(req.keys)
-
     def send_write(self, req: Request, value: int) -> None:
-        self._write(req, value)
+        req.token = value
+        self._write(req, 0)
 
     def send_first_token(self, req: Request, value: Any) -> None:
         self._out.append(C.SendFirstToken(req.id, req.token, 200))

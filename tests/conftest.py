@@ -34,7 +34,7 @@ class Rig:
         self.clock = Clock()
         self.spec = spec or small_spec(tp)
         self.policy = policy or Policy(transfer_timeout=10.0, fence_grace=5.0)
-        self.store = store or MemoryStore(1 << 26)
+        self.store = store if store is not None else MemoryStore(1 << 26)
         p_blocks = p_blocks or blocks
         self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock)
         self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock,

@@ -20,6 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstate import InvalidTransitionError, KVStateError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
 from kvstate.demo import fake_block
+from kvstate.backends.stores import Store
+from kvstate.errors import StoreError
 from kvstate.keys import block_keys
 from kvstate.machines import decode, prefill
 
@@ -58,21 +60,29 @@ def profile_settings(profile: str | None = None) -> settings:
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-class StoreSwitch:
+class StoreSwitch(Store):
     """Wraps the shared store: while ``down`` every operation raises (store unavailable)."""
 
     def __init__(self, store) -> None:
         self._store = store
         self.down = False
 
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if callable(attr) and self.down and name in ("batch_put_from", "batch_get_into", "batch_is_exist"):
-            def unavailable(*a, **k):
-                from kvstate.errors import StoreError
-                raise StoreError("store unavailable (injected)")
-            return unavailable
-        return attr
+    def _up(self):
+        if self.down:
+            raise StoreError("store unavailable (injected)")
+        return self._store
+
+    def batch_put_from(self, keys, buffers):
+        return self._up().batch_put_from(keys, buffers)
+
+    def batch_get_into(self, keys, buffers):
+        return self._up().batch_get_into(keys, buffers)
+
+    def batch_is_exist(self, keys):
+        return self._up().batch_is_exist(keys)
+
+    def __getattr__(self, name):  # evict, keys, ...: the wrapped store's own
+        return getattr(self._store, name)
 
     def __len__(self) -> int:
         return len(self._store)
@@ -197,8 +207,8 @@ class Protocol(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens and len(self.rig.store) > 0)
     @rule(data=st.data(), cancel=st.booleans())
     def arrive_on_stored_prefix(self, data, cancel):
-        """A prompt extending an earlier one: its prefix query is answered at once, so P reads
-        the stored prefix (state reading_prefix), where it is cancelled or left to go on."""
+        """A prompt extending an earlier one: P's prefix read (state reading_prefix) finds the
+        stored blocks; the request is cancelled there or left to go on."""
         rig = self.rig
         drid = data.draw(st.sampled_from(sorted(self.tokens)))
         toks = self.tokens[drid][:self.plen[drid]] + [data.draw(st.integers(0, 3))
@@ -208,8 +218,6 @@ class Protocol(RuleBasedStateMachine):
         if -(-len(toks) // BS) > rig.P.pool.num_blocks or not rig.D.can_reserve(len(toks)):
             return
         self._admit(rid, toks)
-        if rid in rig.P.live_requests() and rig.P.state_of(rid) == "querying_prefix":
-            self._answer_command("P", rid)
         if cancel and rid in rig.P.live_requests():
             self._cancel("P", rid)
 
@@ -223,7 +231,7 @@ class Protocol(RuleBasedStateMachine):
         keys = [k for k in sorted(drv.pending) if k[0] == cid] if whole else [(cid, rank)]
         for key in keys:
             cmd = drv.pending[key]
-            kind = {"WriteBlocks": "write", "ReadBlocks": "read", "QueryBlocks": "query"}[type(cmd).__name__]
+            kind = {"WriteBlocks": "write", "ReadBlocks": "read"}[type(cmd).__name__]
             outcome = data.draw(st.sampled_from(["ok"] * 4 + ["fail", "partial", "never", "store_down"]))
             if outcome == "never":
                 self.faults["rank_never_answers"] += 1

@@ -70,7 +70,7 @@ def test_cli_file_store_needs_dir(capsys):
 def test_diagram_from_machines(capsys):
     assert main(["diagram"]) == 0
     out = capsys.readouterr().out
-    assert out.count("stateDiagram-v2") == 2 and "preempt_writing" in out and "querying_prefix" in out
+    assert out.count("stateDiagram-v2") == 2 and "preempt_writing" in out and "reading_prefix" in out
 
 
 def test_console_entry_point_runs():

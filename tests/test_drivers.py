@@ -109,20 +109,20 @@ def test_threaded_driver_close_joins_threads_and_rejects_late_submit():
         d.close()
     assert threading.active_count() == before
     with pytest.raises(DriverError):
-        d.submit(C.QueryBlocks("r", 1, (0,), 1.0, ("k",)))
+        d.submit(C.ReadBlocks("r", 1, (0,), 1.0, ("k",), (0,)))
     with pytest.raises(ValidationError):
         ThreadedDriver(None, workers=0)
 
 
 def test_threaded_driver_answers_cancelled_commands_with_zero():
     class Slow(ReferenceBackend):
-        def query(self, rank, keys):
+        def read(self, rank, keys, block_ids, guard=None):
             time.sleep(0.2)
-            return super().query(rank, keys)
+            return super().read(rank, keys, block_ids, guard)
 
     with ThreadedDriver(Slow(small_spec(tp=1), 4, MemoryStore(1 << 20)), workers=1) as d:
-        d.submit(C.QueryBlocks("a", 1, (0,), 9.0, ("k",)))
-        d.submit(C.QueryBlocks("b", 2, (0,), 9.0, ("k",)))
+        d.submit(C.ReadBlocks("a", 1, (0,), 9.0, ("k",), (0,)))
+        d.submit(C.ReadBlocks("b", 2, (0,), 9.0, ("k",), (1,)))
         d.submit(C.CancelCommand("b", 2))
         got = []
         deadline = time.monotonic() + 5

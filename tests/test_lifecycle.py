@@ -7,6 +7,7 @@ from conftest import Rig, small_spec
 from kvstate import (DecodeLifecycle, DuplicateRequestError, InvalidTransitionError, OutOfBlocksError, Policy,
                      UnknownRequestError, ValidationError)
 from kvstate import commands as C
+from kvstate.backends import MemoryStore
 from kvstate.events import Completion
 from kvstate.keys import block_keys
 
@@ -116,14 +117,10 @@ def test_tp_write_waits_for_every_rank_and_takes_minimum():
     [sp] = rig.notices(rig.pd, C.StartPrefill)
     rig.P.prefill_done("r", 1)
     rig.pd.pump()
-    q = next(iter(rig.pd.pending.values()))
-    rig.pd.complete(q.command_id, 0)
-    assert rig.P.state_of("r") == "querying"  # rank 1 has not answered
-    rig.pd.complete(q.command_id, 1)
-    rig.pd.pump()
     w = next(iter(rig.pd.pending.values()))
     assert isinstance(w, C.WriteBlocks) and len(w.keys) == 3
     rig.pd.complete(w.command_id, 0)  # rank 0 wrote all 3
+    assert rig.P.state_of("r") == "writing"  # rank 1 has not answered
     rig.pd.complete(w.command_id, 1, 1)  # rank 1 only the first block
     notes = rig.notices(rig.pd)
     assert [n.error_code for n in notes if isinstance(n, C.SendFirstToken)] == [503]
@@ -138,10 +135,6 @@ def test_write_retry_writes_only_the_rest():
     rig.notices(rig.pd)
     rig.P.prefill_done("r", 1)
     rig.pd.pump()
-    q = next(iter(rig.pd.pending.values()))
-    for r in q.ranks:
-        rig.pd.complete(q.command_id, r)
-    rig.pd.pump()
     w = next(iter(rig.pd.pending.values()))
     rig.pd.complete(w.command_id, 0, 2)
     rig.pd.complete(w.command_id, 1, "fail")
@@ -150,6 +143,47 @@ def test_write_retry_writes_only_the_rest():
     assert isinstance(retry, C.WriteBlocks) and retry.keys == w.keys  # min over ranks was 0
     rig.pd.run_until_idle()
     assert rig.P.counters["retries"] == 1 and rig.P.counters["done"] == 1
+
+
+class _CountingStore(MemoryStore):
+    """Counts the keys each put carries."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.put_keys: list[str] = []
+
+    def batch_put_from(self, keys, buffers):
+        self.put_keys += list(keys)
+        return super().batch_put_from(keys, buffers)
+
+
+def test_write_skips_the_leading_blocks_already_stored():
+    store = _CountingStore(1 << 26)
+    rig = Rig(store=store, policy=Policy(transfer_timeout=10.0, fence_grace=5.0, read_prefix=False))
+    serve(rig, "a")
+    assert len(store.put_keys) == 3 * 2 * 2  # 3 blocks, 2 ranks, K and V
+    # the same prompt again: every block is stored, so the write moves nothing and answers in full
+    store.put_keys.clear()
+    serve(rig, "b")
+    assert store.put_keys == [] and rig.P.counters["done"] == 2
+    # one more token completes the partial block: the two full blocks are skipped, the rest written
+    serve(rig, "c", TOKS + [110, 111])
+    keys = block_keys(TOKS + [110, 111], 4)
+    assert {k.split("_")[0] for k in store.put_keys} == {keys[2]}
+    assert_clean(rig)
+
+
+def test_prefix_read_of_a_missing_prefix_reads_nothing_and_prefills_everything(rig):
+    rig.D.reserve("r", TOKS)
+    rig.P.admit("r", TOKS)
+    assert rig.P.state_of("r") == "reading_prefix"
+    rig.pd.pump()
+    reads = {id(c): c for c in rig.pd.pending.values()}
+    [read] = reads.values()
+    assert isinstance(read, C.ReadBlocks) and len(read.keys) == 2  # full blocks only, one token left
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    assert sp.num_cached_tokens == 0 and rig.P.state_of("r") == "prefilling"
 
 
 # -- D failures ------------------------------------------------------------------------------
@@ -249,23 +283,19 @@ def test_completion_validation(rig):
 
 
 # -- abort -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", ["waiting", "querying_prefix", "prefilling", "querying", "writing"])
+@pytest.mark.parametrize("stage", ["waiting", "reading_prefix", "prefilling", "writing"])
 def test_abort_prefill_in_every_state_frees_after_transfer(stage):
     rig = Rig(blocks=3, policy=Policy(transfer_timeout=10.0))
     if stage == "waiting":
         rig.P.admit("hog", TOKS)
     rig.P.admit("r", TOKS)
     rig.pd.pump()
-    if stage not in ("waiting", "querying_prefix"):
+    if stage not in ("waiting", "reading_prefix"):
         for (cid, rank) in list(rig.pd.pending):
             rig.pd.complete(cid, rank)
         rig.pd.pump()
-        if stage in ("querying", "writing"):
-            rig.P.prefill_done("r", 1)
-            rig.pd.pump()
         if stage == "writing":
-            for (cid, rank) in list(rig.pd.pending):
-                rig.pd.complete(cid, rank)
+            rig.P.prefill_done("r", 1)
             rig.pd.pump()
     assert rig.P.state_of("r") == stage
     rig.P.abort("r")
@@ -273,7 +303,7 @@ def test_abort_prefill_in_every_state_frees_after_transfer(stage):
     assert (end.state, end.error_code) == ("aborted", 499)
     assert "r" not in rig.P.live_requests()
     pinned = rig.P.pinned_blocks()
-    assert rig.P.pool.num_used == len(pinned) + len(rig.P.blocks_of("hog") if stage == "waiting" else ())
+    assert rig.P.pool.num_used == len(set(pinned) | set(rig.P.blocks_of("hog") if stage == "waiting" else ()))
     for (cid, rank) in list(rig.pd.pending):
         rig.pd.complete(cid, rank)
     if stage == "waiting":

@@ -37,10 +37,11 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
     fence = cmd.fence
     guard = None if clock is None or fence == math.inf else (lambda: clock() < fence)
     try:
-        if isinstance(cmd, C.QueryBlocks):
+        if isinstance(cmd, C.WriteBlocks):
+            # skip the leading keys already stored (same key, same bytes), write the rest
             n = backend.query(rank, keys)
-        elif isinstance(cmd, C.WriteBlocks):
-            n = backend.write(rank, keys, cmd.block_ids[:len(keys)], guard)
+            if n < len(keys):
+                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
         elif isinstance(cmd, C.ReadBlocks):
             n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
         else:
@@ -106,8 +107,8 @@ class StepDriver:
             c = execute(self.backend, cmd, rank, outcome, self.lifecycle.clock)
         elif outcome is not None:
             c = Completion(cmd.command_id, rank, outcome)
-        else:  # without a backend nothing is stored: queries find nothing, the rest succeed
-            c = Completion(cmd.command_id, rank, 0 if cmd.__class__ is C.QueryBlocks else len(cmd.keys))
+        else:  # without a backend every read and write succeeds in full
+            c = Completion(cmd.command_id, rank, len(cmd.keys))
         self.lifecycle.complete(c)
         return c
 
@@ -120,7 +121,7 @@ class StepDriver:
         steps = 0
         pending, answer = self.pending, self._answer
         self.pump()
-        while pending:
+        while pending or self.pump():  # a notice's handler may have queued new commands
             for key in list(pending):  # oldest first; what they cause comes in after
                 cmd = pending.pop(key, None)
                 if cmd is not None:
@@ -132,7 +133,7 @@ class StepDriver:
         return steps
 
 
-_TRANSFERS = frozenset((C.QueryBlocks, C.ReadBlocks, C.WriteBlocks))
+_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks))
 _STOP = object()
 
 

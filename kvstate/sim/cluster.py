@@ -5,11 +5,13 @@ Each instance holds a :class:`~kvstate.lifecycle.PrefillLifecycle` or
 engine runs — and this module is their driver: it turns every command they emit into
 timed SimPy work and feeds the outcome back as the same events an engine would send.
 
-- transfer commands (query, write, read) become tasks of the instance's per-rank worker
+- transfer commands (write, read) become tasks of the instance's per-rank worker
   pools (:mod:`kvstate.sim.tp`); a rank's part costs its PCIe time from the calibrated
   kernel cost model (:mod:`kvstate.kernels.cost`) pipelined with the storage pool's
-  bandwidth (:mod:`kvstate.sim.storage`); its answer comes from the simulated pool's
-  contents, so evictions make reads partial exactly as in production;
+  bandwidth (:mod:`kvstate.sim.storage`), for the blocks it really moves (a write skips the
+  leading blocks already stored after one existence query; a read stops at a miss); its
+  answer comes from the simulated pool's contents, so evictions make reads partial exactly
+  as in production;
 - ``StartPrefill`` queues the prompt on the P instance's compute loop (batched prefill under
   a token budget); ``SendFirstToken`` crosses the network to D;
 - ``StartDecode`` / ``Recompute`` join D's continuous batching; a request that needs a block
@@ -87,7 +89,15 @@ class _Transfer:
         self.n = len(cmd.keys)
 
     def start(self, rank: int) -> float:
-        return self.inst.transfer_time(rank, self.direction, self.n)
+        """Seconds of this rank's part: a write first asks which leading keys are stored and
+        moves only the rest; a read moves the leading keys found (a miss ends it)."""
+        inst = self.inst
+        store = inst.cluster.store
+        found = store.leading(rank, self.cmd.keys)
+        if self.direction == "d2h":
+            rest = self.n - found
+            return store.query_latency + (inst.transfer_time(rank, "d2h", rest) if rest else 0.0)
+        return inst.transfer_time(rank, "h2d", found) if found else store.latency
 
     def finish(self, rank: int) -> None:
         self.inst.answer(self.cmd, rank)
@@ -126,8 +136,6 @@ class Instance:
         """Seconds of one rank's part of a transfer of ``n`` blocks starting now."""
         cl = self.cluster
         now = self.env.now
-        if direction == "query":
-            return cl.store.query_latency
         link = self._link_cost.get((direction, n))
         if link is None:
             link = self._link_cost[(direction, n)] = cl.link_seconds(direction, n)
@@ -158,12 +166,6 @@ class Instance:
         self.lc.complete(c)
         self.pump()
 
-    def _query(self, cmd: C.QueryBlocks) -> None:
-        env, lat = self.env, self.cluster.store.query_latency
-        for r in cmd.ranks:
-            ev = env.timeout(lat + self.skew[r])
-            ev.callbacks.append(lambda _e, r=r: self.answer(cmd, r))
-
     # -- commands out of the lifecycle ------------------------------------------------------------
     def pump(self) -> None:
         cl = self.cluster
@@ -173,8 +175,6 @@ class Instance:
                 self.write_pool.submit(_Transfer(self, cmd, "d2h"), cmd.ranks)
             elif t is C.ReadBlocks:
                 self.read_pool.submit(_Transfer(self, cmd, "h2d"), cmd.ranks)
-            elif t is C.QueryBlocks:
-                self._query(cmd)
             elif t is C.CancelCommand:
                 self.cancelled.add(cmd.command_id)
             elif t is C.StartPrefill:

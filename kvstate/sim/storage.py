@@ -45,8 +45,8 @@ class SimStore:
         return start, end + self.latency
 
     # -- contents (the TransferBackend questions) --------------------------------------------
-    def _leading(self, rank: int, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` hold ``rank``'s shard."""
+    def leading(self, rank: int, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` hold ``rank``'s shard (a look that counts no query)."""
         bit, blocks, n = 1 << rank, self._blocks, 0
         for k in keys:
             m = blocks.get(k)
@@ -57,10 +57,10 @@ class SimStore:
 
     def query(self, rank: int, keys: Sequence[str]) -> int:
         self.stats["queries"] += 1
-        return self._leading(rank, keys)
+        return self.leading(rank, keys)
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None) -> int:
-        n = self._leading(rank, keys)
+        n = self.leading(rank, keys)
         self.stats["gets"] += 1
         self.stats["bytes_read"] += n * self.shard_bytes
         self.stats["hits"] += n
