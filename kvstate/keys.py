@@ -67,19 +67,24 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
     keys: list[str] = []
     append = keys.append
     prev = namespace.encode()
-    for i, start in enumerate(range(0, n * 8, step)):
-        if extra_keys and i in extra_keys:
+    if not extra_keys:  # the common case: one sha256 call per block
+        for start in range(0, end, step):
+            key = _sha256(prev + raw[start:start + step]).hexdigest()
+            append(key)
+            prev = key.encode()
+        if end < n * 8:  # the last, incomplete block
+            append(f"{_sha256(prev + raw[end:]).hexdigest()}:partial:{n - nfull * block_size}")
+    else:
+        for i, start in enumerate(range(0, n * 8, step)):
             h = _sha256(prev)
             h.update(raw[start:start + step])
-            for extra in extra_keys[i]:
+            for extra in extra_keys.get(i, ()):
                 h.update(b"\x00" + str(extra).encode())
             key = h.hexdigest()
-        else:
-            key = _sha256(prev + raw[start:start + step]).hexdigest()
-        if start >= end:  # the last, incomplete block
-            key = f"{key}:partial:{n - nfull * block_size}"
-        append(key)
-        prev = key.encode()
+            if start >= end:  # the last, incomplete block
+                key = f"{key}:partial:{n - nfull * block_size}"
+            append(key)
+            prev = key.encode()
     if namespace:
         prefix = namespace + KEY_PREFIX_SEP
         return [prefix + k for k in keys]

@@ -132,7 +132,7 @@ class Lifecycle:
         # timer, where a heap paid O(log n) for the many timers of answered commands);
         # tick() merges the three heads in (when, seq) order.
         self._timers: tuple[deque[tuple[float, int, Any]], ...] = (deque(), deque(), deque())
-        self._out: deque[C.Command] = deque()
+        self._out: list[C.Command] = []  # swapped out whole by poll_commands
         self._ids = itertools.count(1)
         self._ranks = tuple(range(spec.tp_size))
         self._ended: dict[str, str] = {}  # insertion-ordered: the oldest goes first
@@ -175,10 +175,10 @@ class Lifecycle:
     # -- commands out, completions and time in -------------------------------------------------
     def poll_commands(self) -> list[C.Command]:
         """Every command queued since the last poll, oldest first."""
-        if not self._out:
+        out = self._out
+        if not out:
             return []
-        out = list(self._out)
-        self._out.clear()
+        self._out = []
         return out
 
     def complete(self, completion: E.Completion) -> bool:
@@ -298,15 +298,16 @@ class Lifecycle:
         else:
             q.append(entry)
 
-    def _transfer(self, req: Request, cls: type, trigger: str, limit: int, *,
-                  blocks: Sequence[int] = (), ranks: tuple[int, ...] | None = None, **fields: Any) -> None:
+    def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int]) -> None:
+        """Send a read or write of ``keys`` into / from ``blocks`` (pinned until it answers)."""
         cid = next(self._ids)
         deadline = self.clock() + self.policy.transfer_timeout
-        cmd = cls(req.id, cid, ranks or self._ranks, deadline, fence=deadline + self.policy.fence_grace,
-                  **fields)
-        if blocks:
-            self.pool._incref(blocks)
-        self._pending[cid] = _Pending(cmd, req, trigger, blocks, limit)
+        ids = tuple(blocks)
+        cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids,
+                  fence=deadline + self.policy.fence_grace)
+        if ids:
+            self.pool._incref(ids)
+        self._pending[cid] = _Pending(cmd, req, trigger, ids, len(ids))
         self._push_timer(deadline, _CMD, cid, cid)
         req.cmd = cid
         self._out.append(cmd)
@@ -371,15 +372,11 @@ class Lifecycle:
         self.counters["retries"] += 1
         self._write(req, req.base + value)
 
-    def positive(self, req: Request, value: int) -> bool:
-        return value > 0
-
     def _write(self, req: Request, base: int) -> None:
         req.base = base
         keys = req.keys
         blocks = req.blocks[base:len(keys)]
-        self._transfer(req, C.WriteBlocks, "written", len(keys) - base, blocks=blocks,
-                       keys=tuple(keys[base:]), block_ids=tuple(blocks))
+        self._transfer(req, C.WriteBlocks, "written", keys[base:], blocks)
 
     def _new_request(self, request_id: str, token_ids: Any, extra_keys: Any) -> Request:
         _check_request_id(request_id)
@@ -470,8 +467,7 @@ class PrefillLifecycle(Lifecycle):
     def send_prefix_read(self, req: Request, value: Any) -> None:
         n = self._prefix_limit(req)
         blocks = req.blocks[:n]
-        self._transfer(req, C.ReadBlocks, "prefix_read", n, blocks=blocks,
-                       keys=tuple(req.keys[:n]), block_ids=tuple(blocks))
+        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[:n], blocks)
 
     def start_prefill(self, req: Request, value: int | None) -> None:
         self._out.append(C.StartPrefill(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
@@ -605,8 +601,7 @@ class DecodeLifecycle(Lifecycle):
         keys = req.stored_keys
         assert keys is not None
         blocks = req.blocks[:len(keys)]
-        self._transfer(req, C.ReadBlocks, "read_done", len(keys), blocks=blocks,
-                       keys=tuple(keys), block_ids=tuple(blocks))
+        self._transfer(req, C.ReadBlocks, "read_done", keys, blocks)
 
     def fail_from_prefill(self, req: Request, value: tuple[int | None, int]) -> None:
         req.error_code = value[1]

@@ -74,7 +74,13 @@ class BlockPool:
         Raises :class:`OutOfBlocksError` (allocating nothing) unless ``headroom`` blocks
         would still be free afterwards.
         """
-        if not self.can_allocate(n, headroom):
+        if n.__class__ is not int or headroom.__class__ is not int:  # bool, float, ...: the full check
+            self._check_count(n, "n")
+            self._check_count(headroom, "headroom")
+        elif n < 0 or headroom < 0:
+            self._check_count(n, "n")
+            self._check_count(headroom, "headroom")
+        if len(self._free) - n < headroom:
             raise OutOfBlocksError(
                 f"cannot allocate {n} block(s) keeping {headroom} free: {len(self._free)} of "
                 f"{self.num_blocks} are free"
