@@ -200,26 +200,40 @@ def handoff(cp, reps: int) -> dict:
             assert p.write(0, keys, src) == nblocks
             assert d.read(0, keys, dst) == nblocks
 
-        t_handoff = median_time(run, lambda: None, reps)
-        ok = all(bool((pv[cp.asarray(src)] == dv[cp.asarray(dst)]).all())
-                 for kind in spec.kinds
-                 for pv, dv in zip(p.caches(0, kind).views, d.caches(0, kind).views))
-        # each stage alone, over whole-request pinned buffers
+        # the handoff and each stage alone (over whole-request pinned buffers), interleaved rep
+        # by rep so that drift on a shared machine hits all four alike; medians
         with CudaSwapper() as sw:
             bufs = {k: sw.pinned((nblocks, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
             hids = np.arange(nblocks)
-            t_d2h = median_time(lambda: [sw.swap_cache_layout(p.caches(0, k), bufs[k], src, hids, "d2h")
-                                         for k in spec.kinds], lambda: None, reps)
-            t_h2d = median_time(lambda: [sw.swap_cache_layout(d.caches(0, k), bufs[k], dst, hids, "h2d")
-                                         for k in spec.kinds], lambda: None, reps)
             names = [f"stage:{k}:{i}" for i in range(nblocks) for k in spec.kinds]
             views = [memoryview(bufs[k][i]).cast("B") for i in range(nblocks) for k in spec.kinds]
+
+            def d2h() -> None:
+                for k in spec.kinds:
+                    sw.swap_cache_layout(p.caches(0, k), bufs[k], src, hids, "d2h")
+
+            def h2d() -> None:
+                for k in spec.kinds:
+                    sw.swap_cache_layout(d.caches(0, k), bufs[k], dst, hids, "h2d")
 
             def copy() -> None:
                 store.batch_put_from(names, views)
                 store.batch_get_into(names, views)
 
-            t_store = median_time(copy, lambda: None, reps)
+            times: dict[str, list[float]] = {"handoff": [], "d2h": [], "store": [], "h2d": []}
+            for fn in (run, d2h, copy, h2d):  # warm-up
+                fn()
+            for _ in range(reps):
+                for name, fn in (("handoff", run), ("d2h", d2h), ("store", copy), ("h2d", h2d)):
+                    cp.cuda.runtime.deviceSynchronize()
+                    t = time.perf_counter()
+                    fn()
+                    cp.cuda.runtime.deviceSynchronize()
+                    times[name].append(time.perf_counter() - t)
+            t_handoff, t_d2h, t_store, t_h2d = (float(np.median(times[k])) for k in ("handoff", "d2h", "store", "h2d"))
+        ok = all(bool((pv[cp.asarray(src)] == dv[cp.asarray(dst)]).all())
+                 for kind in spec.kinds
+                 for pv, dv in zip(p.caches(0, kind).views, d.caches(0, kind).views))
         slowest = max(t_d2h, t_store, t_h2d)
         return {"request_tokens": 8192, "bytes": total, "handoff_ms": t_handoff * 1e3, "d2h_ms": t_d2h * 1e3,
                 "store_copy_ms": t_store * 1e3, "h2d_ms": t_h2d * 1e3, "ratio_to_slowest_stage": t_handoff / slowest,

@@ -29,11 +29,14 @@ def test_without_cupy_a_clear_config_error():
         load_cupy()
 
 
-@pytest.fixture(scope="module")
-def sw():
+@pytest.fixture(scope="module", params=["ids_inline", "ids_on_device"])
+def sw(request):
+    """Both ways of handing block ids to the kernels: in the launch's parameters (calls of up to
+    INLINE_IDS blocks) and uploaded to device memory first (forced with inline_ids=0)."""
     from kvstate.kernels.cuda import CudaSwapper
 
-    with CudaSwapper(staging_bytes=4 << 20) as s:  # small staging: many pieces in the staged path
+    inline = 480 if request.param == "ids_inline" else 0
+    with CudaSwapper(staging_bytes=4 << 20, inline_ids=inline) as s:  # small staging: many staged pieces
         yield s
 
 
@@ -245,6 +248,40 @@ def test_gpu_specific_rules(sw):
         sw.swap_cache_layout(strided, pinned, [0], [0], "d2h")
     with pytest.raises(ValidationError, match="strategy"):
         sw.swap_cache_layout(caches, pinned, [0], [0], "d2h", strategy="fast")
+    from kvstate.kernels.cuda import CudaSwapper
+
+    for bad in (481, -1, True, 2.0):
+        with pytest.raises(ValidationError, match="inline_ids"):
+            CudaSwapper(inline_ids=bad)
+
+
+@gpu
+@pytest.mark.parametrize("chunk", [(1, 3, 35), (2, 4, 8)])  # 105 B (kv_span), 64 B (kv_chunks)
+@pytest.mark.parametrize("strategy", ["zero_copy", "staged"])
+def test_ids_inline_up_to_the_limit_then_uploaded(sw, monkeypatch, chunk, strategy):
+    """Calls of up to inline_ids blocks upload no ids; bigger ones do; both byte-exact."""
+    import cupy as cp
+
+    rng = np.random.default_rng(7)
+    L, N = 3, 1200
+    caches = [cp.asarray(rng.integers(0, 255, (N,) + chunk).astype(np.uint8)) for _ in range(L)]
+    uploads = []
+    real = sw._params
+    monkeypatch.setattr(sw, "_params", lambda arrays, stream: uploads.append(len(arrays)) or real(arrays, stream))
+    for n in (sw.inline_ids or 5, 700):
+        gids = rng.choice(N, n, replace=False)
+        hids = rng.permutation(n)
+        host = sw.pinned((n, L) + chunk, np.uint8)
+        uploads.clear()
+        sw.swap_cache_layout(caches, host, gids, hids, "d2h", strategy=strategy)
+        want = np.zeros_like(host)
+        reference.swap_cache_layout([cp.asnumpy(c) for c in caches], want, gids, hids, "d2h")
+        assert np.array_equal(host, want)
+        assert bool(uploads) == (n > sw.inline_ids), (n, sw.inline_ids, uploads)
+        host[...] = rng.integers(0, 255, host.shape).astype(np.uint8)
+        sw.swap_cache_layout(caches, host, gids, hids, "h2d", strategy=strategy)
+        for i, c in enumerate(caches):
+            assert np.array_equal(cp.asnumpy(c)[gids], host[hids, i])
 
 
 @gpu

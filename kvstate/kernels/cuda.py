@@ -16,6 +16,10 @@ before a byte moves. Three ways to move the bytes, picked per shape by :data:`AU
   in pieces on a second stream, so gathering piece *k+1* overlaps the DMA of piece *k*);
 - ``dma`` — strided DMA, one ``cudaMemcpy2DAsync`` per layer and run of consecutive ids.
 
+Kernels are launched through the driver API (``cuLaunchKernel``) from a parameter block each
+kernel keeps and refills, and a call of at most ``inline_ids`` blocks passes its block ids in
+the kernel's parameters: such a call is one launch, with no id upload before it.
+
 GPU tensors come in through DLPack (``cupy.from_dlpack``); bfloat16 tensors are viewed as
 16-bit integers first (CuPy has no bfloat16). Host buffers are numpy arrays or CPU tensors
 in page-locked memory (:meth:`CudaSwapper.pinned`, or PyTorch's ``pin_memory()``).
@@ -33,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, DriverError, ValidationError
-from .cuda_src import KERNEL_SOURCE, SPAN_PIECE
+from .cuda_src import INLINE_IDS, KERNEL_SOURCE, SPAN_PIECE
 from .plan import LayerSet, TransferPlan, plan_all_layers, plan_layout, plan_per_layer
 from .reference import _bf16_as_uint16, as_numpy
 
@@ -163,6 +167,70 @@ class _Buffer:
             self.ptr = 0
 
 
+class _IdList(ctypes.Structure):
+    """The kernels' ``IdList`` parameter (see :mod:`kvstate.kernels.cuda_src`)."""
+
+    _fields_ = [("n", ctypes.c_int32), ("has_f", ctypes.c_int32),
+                ("g", ctypes.c_int32 * INLINE_IDS), ("f", ctypes.c_int32 * INLINE_IDS)]
+
+
+def _driver_launch(cp: Any) -> Any:
+    """``cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)``: CuPy's
+    binding, else libcuda's through ctypes."""
+    fn = getattr(getattr(cp.cuda, "driver", None), "launchKernel", None)
+    if fn is not None:
+        return fn
+    lib = ctypes.CDLL("libcuda.so.1")
+    c_launch = lib.cuLaunchKernel
+    u = ctypes.c_uint
+    c_launch.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    c_launch.restype = ctypes.c_int
+
+    def launch(*args: Any) -> None:
+        rc = c_launch(*args)
+        if rc:
+            raise DriverError(f"cuLaunchKernel failed with CUDA error {rc}")
+    return launch
+
+
+class _Kernel:
+    """One kernel and the parameter block it is launched from.
+
+    ``cuLaunchKernel`` copies the parameters when called, so the block is refilled for the
+    next launch at once: a launch is a few stores and one call, with no per-argument work.
+    """
+
+    def __init__(self, func: Any, scalars: int, inline: bool, launch: Any) -> None:
+        handle = getattr(func, "ptr", None)
+        if handle is None:  # a RawKernel: its compiled Function holds the CUfunction
+            handle = func.kernel.ptr
+        self.func, self.fptr, self.launch = func, int(handle), launch
+        self.vals = (ctypes.c_uint64 * scalars)()
+        addrs = [ctypes.addressof(self.vals) + 8 * i for i in range(scalars)]
+        self.ids: _IdList | None = None
+        if inline:
+            self.ids = _IdList()
+            addrs.append(ctypes.addressof(self.ids))
+            self.g = np.frombuffer(self.ids.g, dtype=np.int32)
+            self.f = np.frombuffer(self.ids.f, dtype=np.int32)
+        self.params = (ctypes.c_void_p * len(addrs))(*addrs)
+        self.pptr = ctypes.addressof(self.params)
+
+    def __call__(self, grid: tuple[int, int, int], threads: int, shared: int, stream_ptr: int,
+                 values: Sequence[int], gids: np.ndarray | None = None, fids: np.ndarray | None = None) -> None:
+        self.vals[:len(values)] = values
+        if gids is not None:
+            ids, n = self.ids, len(gids)
+            ids.n = n
+            self.g[:n] = gids
+            if fids is None:
+                ids.has_f = 0
+            else:
+                ids.has_f = 1
+                self.f[:n] = fids
+        self.launch(self.fptr, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream_ptr, self.pptr, 0)
+
+
 class CudaSwapper:
     """Runs the transfer ops on one CUDA device; owns its streams and buffers.
 
@@ -171,7 +239,7 @@ class CudaSwapper:
     """
 
     def __init__(self, device: int = 0, staging_bytes: int = 64 << 20, strategy: str = "auto",
-                 timeout: float = 60.0, max_bound: int = 64) -> None:
+                 timeout: float = 60.0, max_bound: int = 64, inline_ids: int = INLINE_IDS) -> None:
         cp = load_cupy()
         if not isinstance(device, int) or not 0 <= device < cp.cuda.runtime.getDeviceCount():
             raise ValidationError(f"CudaSwapper: device {device!r} does not exist")
@@ -181,6 +249,9 @@ class CudaSwapper:
             raise ValidationError(f"CudaSwapper: strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not timeout > 0:
             raise ValidationError(f"CudaSwapper: timeout must be > 0, got {timeout!r}")
+        if not isinstance(inline_ids, int) or isinstance(inline_ids, bool) or not 0 <= inline_ids <= INLINE_IDS:
+            raise ValidationError(f"CudaSwapper: inline_ids must be an int in 0..{INLINE_IDS}, got {inline_ids!r}")
+        self.inline_ids = inline_ids
         self.cp, self.device, self.strategy, self.timeout = cp, device, strategy, float(timeout)
         self.staging_bytes, self.max_bound = staging_bytes, max_bound
         self._closed = False
@@ -189,8 +260,12 @@ class CudaSwapper:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._copy_stream = cp.cuda.Stream(non_blocking=True)
             self._module = cp.RawModule(code=KERNEL_SOURCE, options=("-std=c++17",))
-            self._kchunks = self._module.get_function("kv_chunks")
-            self._kspan = self._module.get_function("kv_span")
+            launch = _driver_launch(cp)
+            get = self._module.get_function
+            self._kchunks = _Kernel(get("kv_chunks"), 10, False, launch)
+            self._kchunks_i = _Kernel(get("kv_chunks_i"), 8, True, launch)
+            self._kspan = _Kernel(get("kv_span"), 11, False, launch)
+            self._kspan_i = _Kernel(get("kv_span_i"), 9, True, launch)
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         self._bound: OrderedDict[tuple[int, ...], DeviceLayers] = OrderedDict()
         self._staging: _Buffer | None = None
@@ -219,7 +294,7 @@ class CudaSwapper:
             self._buffers.clear()
             self._bound.clear()
             self._staging = self._param_host = self._param_dev = self._param_view = None
-            self._module = self._kchunks = self._kspan = None
+            self._module = self._kchunks = self._kspan = self._kchunks_i = self._kspan_i = None
             self.stream = self._copy_stream = None
 
     def __enter__(self) -> CudaSwapper:
@@ -376,7 +451,7 @@ class CudaSwapper:
         layers = self.bind(caches)
         host_np, hptr = self._host_ptr(host, "host")
         plan = plan_layout(layers, host_np, gids, hids, direction)
-        return plan, self._run(plan, layers, (hptr,), strategy, sptr)
+        return plan, self._run(plan, layers, (hptr,), strategy, sptr, host_np.shape[0])
 
     def _layers(self, caches: Any, host_layers: Any, gids: Any, hids: Any, direction: str,
                 strategy: str | None, stream: Any, op: str) -> tuple[TransferPlan, Any]:
@@ -394,12 +469,14 @@ class CudaSwapper:
             plan = plan_per_layer(layers, hosts[0], gids, hids, direction)
         else:
             plan = plan_all_layers(layers, hosts, gids, hids, direction)
-        return plan, self._run(plan, layers, tuple(p[1] for p in pairs), strategy, sptr)
+        return plan, self._run(plan, layers, tuple(p[1] for p in pairs), strategy, sptr, hosts[0].shape[0])
 
     # -- execution -----------------------------------------------------------------------------
     def _run(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], strategy: str,
-             sptr: int | None) -> Any:
+             sptr: int | None, host_blocks: int) -> Any:
         """Enqueue ``plan``; ``sptr`` None means a synchronous call (waited on here)."""
+        # ids go inline (as int32) for calls of up to inline_ids blocks on both sides' ranges
+        inline = plan.blocks <= self.inline_ids and layers.shape[0] < 2**31 and host_blocks < 2**31
         cp = self.cp
         stream = self.stream if not sptr else _external(cp, sptr, self.device)
         if strategy == "auto":
@@ -414,9 +491,9 @@ class CudaSwapper:
                 if strategy == "dma":
                     self._dma(plan, layers, host_ptrs, stream)
                 elif strategy == "staged":
-                    self._staged(plan, layers, host_ptrs, stream)
+                    self._staged(plan, layers, host_ptrs, stream, inline)
                 else:
-                    self._zero_copy(plan, layers, host_ptrs, stream)
+                    self._zero_copy(plan, layers, host_ptrs, stream, inline)
             ev = self._done if sptr is None else cp.cuda.Event(block=False, disable_timing=True)
             ev.record(stream)
         finally:
@@ -466,42 +543,53 @@ class CudaSwapper:
         return ptrs
 
     def _launch(self, stream: Any, layer_ptrs: int, flat_ptrs: int, flat_base: int, group_stride: int,
-                gids: int, fids: int, n: int, groups: int, span: int, chunk: int, lps: int,
-                gather: bool, vectors: bool = False) -> None:
-        """Launch the copy; ``vectors`` when every chunk is whole aligned 16-byte vectors."""
+                gids: int | np.ndarray, fids: int | np.ndarray | None, n: int, groups: int, span: int,
+                chunk: int, lps: int, gather: bool, vectors: bool = False) -> None:
+        """Launch the copy; ``vectors`` when every chunk is whole aligned 16-byte vectors.
+
+        ``gids``/``fids`` are device pointers (``fids`` 0: entry i goes to flat position i), or
+        numpy arrays of at most ``INLINE_IDS`` ids (``fids`` None: position i), passed inline."""
         if n == 0:
             return
-        shared = 0
+        inline = isinstance(gids, np.ndarray)
         if vectors and groups * lps <= 65535:
             units = chunk // 16
             threads = min(_THREADS, max(32, -(-units // 32) * 32))
-            grid, block = (n, groups * lps), (threads,)
-            # every parameter of kv_chunks and kv_span is 64-bit: plain ints are passed as such
-            args = (layer_ptrs, flat_ptrs, flat_base, group_stride, gids, fids, span, chunk, lps, int(gather))
-            kernel = self._kchunks
-        else:  # any chunk size: pieces of a span through shared memory
-            pieces = -(-span // SPAN_PIECE)
-            if span >= 2**31 or groups > 65535 or pieces > 65535:
-                raise ValidationError(f"a block's span of {span} bytes in {groups} groups is beyond the "
-                                      "kernels' grid (spans under 1 GiB, at most 65,535 layers)")
-            grid, block = (n, groups, pieces), (_THREADS,)
-            args = (layer_ptrs, flat_ptrs, flat_base, group_stride, gids, fids, span, chunk, lps, SPAN_PIECE,
-                    int(gather))
-            shared = SPAN_PIECE + 16
-            kernel = self._kspan
-        try:
-            kernel(grid, block, args, stream=stream, shared_mem=shared)
-        except TypeError:  # a CuPy whose Function takes no stream argument: use its current stream
-            with stream:
-                kernel(grid, block, args, shared_mem=shared)
+            grid, shared = (n, groups * lps, 1), 0
+            if inline:  # every parameter of the kernels is 64-bit: plain ints are passed as such
+                self._kchunks_i(grid, threads, 0, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride,
+                                                             span, chunk, lps, int(gather)), gids, fids)
+            else:
+                self._kchunks(grid, threads, 0, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride,
+                                                           gids, fids, span, chunk, lps, int(gather)))
+            return
+        # any chunk size: pieces of a span through shared memory
+        pieces = -(-span // SPAN_PIECE)
+        if span >= 2**31 or groups > 65535 or pieces > 65535:
+            raise ValidationError(f"a block's span of {span} bytes in {groups} groups is beyond the "
+                                  "kernels' grid (spans under 1 GiB, at most 65,535 layers)")
+        grid, shared = (n, groups, pieces), SPAN_PIECE + 16
+        if inline:
+            self._kspan_i(grid, _THREADS, shared, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride,
+                                                               span, chunk, lps, SPAN_PIECE, int(gather)), gids, fids)
+        else:
+            self._kspan(grid, _THREADS, shared, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride, gids,
+                                                             fids, span, chunk, lps, SPAN_PIECE, int(gather)))
 
-    def _zero_copy(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
+    def _zero_copy(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
+                   inline: bool) -> None:
         groups, span, lps = self._geometry(plan)
-        aligned = span % 16 == 0 and all(p % 16 == 0 for p in host_ptrs)
-        gptr, fptr, hptr = self._params([plan.gpu_ids, plan.host_ids, np.asarray(host_ptrs, np.int64)], stream)
+        aligned = span % 16 == 0 and (host_ptrs[0] % 16 == 0 if len(host_ptrs) == 1
+                                      else all(p % 16 == 0 for p in host_ptrs))
         vectors = aligned and layers.aligned and plan.chunk_bytes % 16 == 0
+        d2h = plan.direction == "d2h"
+        if inline and len(host_ptrs) == 1:  # one launch, ids inline
+            self._launch(stream, layers.ptr_array.data.ptr, 0, host_ptrs[0], 0, plan.gpu_ids, plan.host_ids,
+                         plan.blocks, groups, span, plan.chunk_bytes, lps, d2h, vectors)
+            return
+        gptr, fptr, hptr = self._params([plan.gpu_ids, plan.host_ids, np.asarray(host_ptrs, np.int64)], stream)
         self._launch(stream, layers.ptr_array.data.ptr, hptr, 0, 0, gptr, fptr, plan.blocks, groups, span,
-                     plan.chunk_bytes, lps, plan.direction == "d2h", vectors)
+                     plan.chunk_bytes, lps, d2h, vectors)
 
     def _dma(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
         rt = self.cp.cuda.runtime
@@ -523,7 +611,8 @@ class CudaSwapper:
                     else:
                         rt.memcpyAsync(gp, hp, n * c, _H2D, stream.ptr)
 
-    def _staged(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
+    def _staged(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
+                inline: bool) -> None:
         """Kernel ⇄ device staging, DMA ⇄ host, in pieces over a ring of staging slots."""
         cp, rt = self.cp, self.cp.cuda.runtime
         groups, span, lps = self._geometry(plan)
@@ -538,7 +627,7 @@ class CudaSwapper:
         n = plan.blocks
         # few, large pieces for big transfers, at least 4 when there is enough to overlap
         per_piece = min(per_piece, max(1, -(-n // 4))) if n * span * groups >= (8 << 20) else per_piece
-        gptr, = self._params([plan.gpu_ids], stream)
+        gptr = 0 if inline else self._params([plan.gpu_ids], stream)[0]
         d2h = plan.direction == "d2h"
         vectors = layers.aligned and plan.chunk_bytes % 16 == 0
         copy = self._copy_stream
@@ -556,7 +645,8 @@ class CudaSwapper:
             if d2h:
                 if slot_free[slot] is not None:
                     stream.wait_event(slot_free[slot])
-                self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride, gptr + e0 * 8, 0, m, groups,
+                self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride,
+                             plan.gpu_ids[e0:e1] if inline else gptr + e0 * 8, None if inline else 0, m, groups,
                              span, plan.chunk_bytes, lps, True, vectors)
                 ready = cp.cuda.Event(block=False, disable_timing=True)
                 ready.record(stream)
@@ -572,7 +662,8 @@ class CudaSwapper:
                 ready = cp.cuda.Event(block=False, disable_timing=True)
                 ready.record(copy)
                 stream.wait_event(ready)
-                self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride, gptr + e0 * 8, 0, m, groups,
+                self._launch(stream, layers.ptr_array.data.ptr, 0, sp, stride,
+                             plan.gpu_ids[e0:e1] if inline else gptr + e0 * 8, None if inline else 0, m, groups,
                              span, plan.chunk_bytes, lps, False, vectors)
                 freed = cp.cuda.Event(block=False, disable_timing=True)
                 freed.record(stream)

@@ -16,35 +16,63 @@ once, and plain vector copies — no per-unit arithmetic.
 coalesced across the CTA (every byte is independent, so the loads overlap); the flat side
 moves as aligned 16-byte vectors with byte-exact head and tail — so writes into pinned host
 memory still leave as full packets, tails are copied exactly, and no thread walks a chain of
-dependent byte copies.
+dependent byte copies; each thread issues its loads in batches before storing any, so a
+CTA has many loads in flight.
+
+Each kernel comes in two forms. The plain one reads the block ids from device arrays (``gids``,
+``fids``); the ``_i`` form takes up to ``INLINE_IDS`` of them inside its parameters (an
+``IdList`` passed by value as a ``__grid_constant__``), so a call of that size needs no
+upload of its ids before the kernel and no event guarding the upload buffer.
 """
 from __future__ import annotations
 
-__all__ = ["KERNEL_SOURCE", "KERNEL_NAMES"]
+__all__ = ["KERNEL_SOURCE", "KERNEL_NAMES", "SPAN_PIECE", "INLINE_IDS"]
 
-KERNEL_NAMES = ("kv_chunks", "kv_span")
+KERNEL_NAMES = ("kv_chunks", "kv_chunks_i", "kv_span", "kv_span_i")
 
 #: bytes of a span one ``kv_span`` CTA moves through shared memory (plus 16 for alignment)
 SPAN_PIECE = 16384
+
+#: most block ids an ``_i`` kernel takes in its parameters (keeps them under 4 KiB)
+INLINE_IDS = 480
 
 KERNEL_SOURCE = r"""
 typedef unsigned long long u64;
 typedef long long i64;
 
-extern "C" __global__ void kv_chunks(
+#define INLINE_IDS 480
+struct IdList {            /* block ids passed by value: 8 + 2 * 4 * INLINE_IDS bytes */
+    int n, has_f;
+    int g[INLINE_IDS];
+    int f[INLINE_IDS];
+};
+
+struct DevIds {            /* ids in device memory; no fids: entry i goes to flat position i */
+    const i64* g; const i64* f;
+    __device__ __forceinline__ u64 gid(unsigned int i) const { return (u64)g[i]; }
+    __device__ __forceinline__ u64 fid(unsigned int i) const { return f ? (u64)f[i] : (u64)i; }
+};
+
+struct InlineIds {         /* ids in the kernel's parameter space */
+    const IdList* p;
+    __device__ __forceinline__ u64 gid(unsigned int i) const { return (u64)p->g[i]; }
+    __device__ __forceinline__ u64 fid(unsigned int i) const { return p->has_f ? (u64)p->f[i] : (u64)i; }
+};
+
+template <class Ids>
+__device__ __forceinline__ void chunks_body(
     const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
-    u64 group_stride, const i64* __restrict__ gids, const i64* __restrict__ fids,
-    u64 span, u64 chunk, u64 lps64, i64 gather)
+    u64 group_stride, const Ids ids, u64 span, u64 chunk, u64 lps64, i64 gather)
 {
     const unsigned int layers_per_span = (unsigned int)lps64;
     const unsigned int i = blockIdx.x;
     const unsigned int gl = blockIdx.y;
     const unsigned int g = gl / layers_per_span;
     const unsigned int l = gl - g * layers_per_span;
-    const u64 fb = fids ? (u64)fids[i] : (u64)i;
+    const u64 fb = ids.fid(i);
     const u64 gbase = flat_ptrs ? flat_ptrs[g] : flat_base + (u64)g * group_stride;
     uint4* f = (uint4*)(gbase + fb * span + (u64)l * chunk);
-    uint4* p = (uint4*)(layer_ptrs[gl] + (u64)gids[i] * chunk);
+    uint4* p = (uint4*)(layer_ptrs[gl] + ids.gid(i) * chunk);
     const u64 units = chunk >> 4;
     if (gather) {
         for (u64 j = threadIdx.x; j < units; j += blockDim.x) f[j] = p[j];
@@ -53,10 +81,12 @@ extern "C" __global__ void kv_chunks(
     }
 }
 
-extern "C" __global__ void kv_span(
+#define SPAN_BATCH 8
+
+template <class Ids>
+__device__ __forceinline__ void span_body(
     const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
-    u64 group_stride, const i64* __restrict__ gids, const i64* __restrict__ fids,
-    u64 span64, u64 chunk64, u64 lps64, u64 piece64, i64 gather)
+    u64 group_stride, const Ids ids, u64 span64, u64 chunk64, u64 lps64, u64 piece64, i64 gather)
 {
     /* 64-bit parameters (the host passes plain ints); spans are < 2^31 here */
     const unsigned int span = (unsigned int)span64, chunk = (unsigned int)chunk64;
@@ -67,7 +97,7 @@ extern "C" __global__ void kv_span(
     const unsigned int s0 = blockIdx.z * piece;
     if (s0 >= span) return;
     const unsigned int len = span - s0 < piece ? span - s0 : piece;
-    const u64 fb = fids ? (u64)fids[i] : (u64)i;
+    const u64 fb = ids.fid(i);
     const u64 gbase = flat_ptrs ? flat_ptrs[g] : flat_base + (u64)g * group_stride;
     unsigned char* f = (unsigned char*)(gbase + fb * (u64)span + s0);  /* this piece, flat side */
     const unsigned int a0 = (unsigned int)((u64)f & 15);               /* sm[a0 + t] <-> f[t] */
@@ -75,11 +105,24 @@ extern "C" __global__ void kv_span(
     const unsigned int nvec = (len - head) >> 4;
     const unsigned int vend = head + (nvec << 4);                      /* f + head is aligned */
     const u64* lp = layer_ptrs + (u64)g * layers_per_span;
-    const u64 gofs = (u64)gids[i] * (u64)chunk;
+    const u64 gofs = ids.gid(i) * (u64)chunk;
+    const unsigned int step = blockDim.x * SPAN_BATCH;
     if (gather) {
-        for (unsigned int t = threadIdx.x; t < len; t += blockDim.x) {
-            const unsigned int u = s0 + t, l = u / chunk;
-            sm[a0 + t] = *((const unsigned char*)lp[l] + gofs + (u - l * chunk));
+        for (unsigned int t0 = threadIdx.x; t0 < len; t0 += step) {
+            unsigned char v[SPAN_BATCH];
+            #pragma unroll
+            for (int k = 0; k < SPAN_BATCH; ++k) {   /* every load of the batch in flight at once */
+                const unsigned int t = t0 + k * blockDim.x;
+                if (t < len) {
+                    const unsigned int u = s0 + t, l = u / chunk;
+                    v[k] = __ldg((const unsigned char*)lp[l] + gofs + (u - l * chunk));
+                }
+            }
+            #pragma unroll
+            for (int k = 0; k < SPAN_BATCH; ++k) {
+                const unsigned int t = t0 + k * blockDim.x;
+                if (t < len) sm[a0 + t] = v[k];
+            }
         }
         __syncthreads();
         for (unsigned int v = threadIdx.x; v < nvec; v += blockDim.x)
@@ -97,5 +140,40 @@ extern "C" __global__ void kv_span(
             *((unsigned char*)lp[l] + gofs + (u - l * chunk)) = sm[a0 + t];
         }
     }
+}
+
+extern "C" __global__ void kv_chunks(
+    const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
+    u64 group_stride, const i64* __restrict__ gids, const i64* __restrict__ fids,
+    u64 span, u64 chunk, u64 lps64, i64 gather)
+{
+    DevIds ids = {gids, fids};
+    chunks_body(layer_ptrs, flat_ptrs, flat_base, group_stride, ids, span, chunk, lps64, gather);
+}
+
+extern "C" __global__ void kv_chunks_i(
+    const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
+    u64 group_stride, u64 span, u64 chunk, u64 lps64, i64 gather, const __grid_constant__ IdList idl)
+{
+    InlineIds ids = {&idl};
+    chunks_body(layer_ptrs, flat_ptrs, flat_base, group_stride, ids, span, chunk, lps64, gather);
+}
+
+extern "C" __global__ void kv_span(
+    const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
+    u64 group_stride, const i64* __restrict__ gids, const i64* __restrict__ fids,
+    u64 span64, u64 chunk64, u64 lps64, u64 piece64, i64 gather)
+{
+    DevIds ids = {gids, fids};
+    span_body(layer_ptrs, flat_ptrs, flat_base, group_stride, ids, span64, chunk64, lps64, piece64, gather);
+}
+
+extern "C" __global__ void kv_span_i(
+    const u64* __restrict__ layer_ptrs, const u64* __restrict__ flat_ptrs, u64 flat_base,
+    u64 group_stride, u64 span64, u64 chunk64, u64 lps64, u64 piece64, i64 gather,
+    const __grid_constant__ IdList idl)
+{
+    InlineIds ids = {&idl};
+    span_body(layer_ptrs, flat_ptrs, flat_base, group_stride, ids, span64, chunk64, lps64, piece64, gather);
 }
 """

@@ -106,8 +106,8 @@ def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
     """Validated block ids: integers in ``0..limit-1``, distinct when ``unique``."""
     arr = _as_ids(ids, name)
     if arr.size:
-        # one comparison catches both ends: a negative id viewed as uint64 is huge
-        if (arr.view(np.uint64) >= limit).any():
+        # one reduction catches both ends: a negative id viewed as uint64 is huge
+        if int(arr.view(np.uint64).max()) >= limit:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0:
                 raise BlockError(f"{name}: block {lo} is negative")
