@@ -1,9 +1,11 @@
 """Lifecycle overhead: the full P-side plus D-side life of one request, no data moved.
 
-Each request: D reserves blocks, P admits it (queries for a stored prefix, finds none),
-prefills, queries which blocks are stored, writes them, sends the first token; D reads
-the cache and decodes; both recycle. Transfers are answered by a StepDriver (no backend,
-so no bytes move); every state change runs through the transitions machines.
+Each request: D reserves blocks, P admits it and reads a stored prefix (a StepDriver
+without a backend answers every transfer in full, so the 7 full blocks "hit"), prefills
+the rest, writes the cache (a write skips stored blocks inside the backend, so it is one
+command), sends the first token; D reads the cache and decodes; both recycle. 7 triggers,
+3 transfer commands of 2 TP ranks each, no bytes moved; every state change runs through
+the transitions machines.
 
 Side by side in one run (alternating, median of the repeats):
 - ``kvstate``: the lifecycles as shipped (transitions, LeanMachine),
@@ -173,7 +175,7 @@ def main() -> int:
         "bytes_per_request": round(bpr, 1),
         "requests": n, "repeats": args.repeats, "prompt_tokens": PROMPT_TOKENS,
         "blocks_per_request": SPEC.blocks_for(PROMPT_TOKENS), "tp": SPEC.tp_size,
-        "triggers_per_request": 8,
+        "triggers_per_request": 7,
         "stock_transitions_us_per_trigger": round(trig, 2),
         "python": platform.python_version(), "machine": platform.machine(),
     }

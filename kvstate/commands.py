@@ -89,7 +89,8 @@ class Recompute(Command):
 
 @dataclass(slots=True)
 class FreeBlocks(Command):
-    """The request released these blocks (they are free once no transfer pins them)."""
+    """A live request released these blocks (preempted; they are free once no transfer pins
+    them). A request that ends reports its blocks in :class:`RequestEnded` instead."""
 
     block_ids: tuple[int, ...]
 
@@ -103,7 +104,9 @@ class CancelCommand(Command):
 
 @dataclass(slots=True)
 class RequestEnded(Command):
-    """The request reached a terminal state (``done``, ``failed`` or ``aborted``)."""
+    """The request reached a terminal state (``done``, ``failed`` or ``aborted``) and released
+    ``block_ids`` (free once no transfer pins them): no :class:`FreeBlocks` precedes it."""
 
     state: str
     error_code: int
+    block_ids: tuple[int, ...] = ()

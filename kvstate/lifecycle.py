@@ -337,13 +337,18 @@ class Lifecycle:
                 self._out.append(C.CancelCommand(req.id, req.cmd))
             req.cmd = 0
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, ended: C.RequestEnded | None = None) -> None:
+        """Drop the request's blocks; the notice (``ended``, else a FreeBlocks) goes out first,
+        before blocks freed here can start a waiting request."""
         self._detach(req)
-        if req.blocks:
-            blocks, req.blocks = req.blocks, []
+        blocks, req.blocks = req.blocks, []
+        if ended is not None:
+            ended.block_ids = tuple(blocks)
+            self._out.append(ended)
+        elif blocks:
             self._out.append(C.FreeBlocks(req.id, tuple(blocks)))
-            if self.pool._decref(blocks):
-                self._blocks_freed()
+        if blocks and self.pool._decref(blocks):
+            self._blocks_freed()
 
     def _blocks_freed(self) -> None:
         """Hook: blocks returned to the free list."""
@@ -352,14 +357,13 @@ class Lifecycle:
     def recycle(self, req: Request, value: Any = None) -> None:
         if req.state == "aborted" and req.error_code == 200:
             req.error_code = ERROR_ABORTED
-        self._release(req)
         del self._reqs[req.id]
         ended = self._ended
         ended[req.id] = req.state
         if len(ended) > _ENDED_MEMORY:
             del ended[next(iter(ended))]
         self.counters[req.state] += 1
-        self._out.append(C.RequestEnded(req.id, req.state, req.error_code))
+        self._release(req, C.RequestEnded(req.id, req.state, req.error_code))
 
     def write_complete(self, req: Request, value: int) -> bool:
         return req.base + value >= len(req.keys)

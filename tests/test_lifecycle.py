@@ -498,3 +498,27 @@ def test_deadlines_fire_in_order_even_when_the_clock_steps_back(clock):
     assert D.live_requests() == ["late"] and D.counters["failed"] == 1
     clock.now = 121.0
     assert D.tick() == 1 and D.live_requests() == []
+
+
+def test_request_ended_reports_the_released_blocks_and_preemption_frees_with_a_notice(rig):
+    blocks = rig.D.reserve("r", TOKS)
+    rig.P.admit("r", TOKS)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    fill_p(rig, "r", TOKS, sp.block_ids)
+    rig.P.prefill_done("r", 7)
+    rig.pd.run_until_idle()
+    p_notes = rig.notices(rig.pd)
+    assert not [n for n in p_notes if isinstance(n, C.FreeBlocks)]
+    [p_end] = [n for n in p_notes if isinstance(n, C.RequestEnded)]
+    assert p_end.block_ids == sp.block_ids and p_end.state == "done"
+    deliver(rig, p_notes)
+    rig.dd.run_until_idle()
+    rig.notices(rig.dd)
+    rig.D.preempt("r")  # default policy writes the cache back first, then frees with a notice
+    rig.dd.run_until_idle()
+    [free] = rig.notices(rig.dd, C.FreeBlocks)
+    assert free.block_ids == blocks and rig.D.state_of("r") == "preempted"
+    rig.D.abort("r")
+    [end] = rig.notices(rig.dd, C.RequestEnded)
+    assert end.block_ids == () and end.state == "aborted"
