@@ -4,11 +4,15 @@ A block's key is a chained sha256 over the previous block's key, the block's tok
 and optional extra keys (e.g. multimodal content hashes). The last, incomplete block's key
 carries the ``:partial:N`` suffix, N being its token count. Python's ``hash()`` is never
 used: it is salted per process.
+
+Token ids are hashed as little-endian uint32 (every tokenizer's vocabulary is far below
+2**32; ids outside 0..2**32-1 are rejected), which halves the bytes hashed per block.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
+import sys
 from collections.abc import Mapping, Sequence
 
 from .errors import ValidationError
@@ -16,7 +20,11 @@ from .errors import ValidationError
 __all__ = ["block_keys", "pack_tokens", "keys_of_packed", "rank_key", "KEY_PREFIX_SEP"]
 
 KEY_PREFIX_SEP = "/"
+TOKEN_TYPECODE = "I"  #: the array typecode of packed token ids: uint32
 _sha256 = hashlib.sha256
+_BIG_ENDIAN = sys.byteorder == "big"
+if array(TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - no mainstream platform
+    raise ImportError("kvstate needs a 4-byte array('I')")
 
 
 def block_keys(
@@ -37,18 +45,18 @@ def block_keys(
 
 
 def pack_tokens(token_ids: Sequence[int]) -> array:
-    """Token ids as a uint64 array; raises :class:`ValidationError` for anything but ints >= 0."""
+    """Token ids as a uint32 array; raises :class:`ValidationError` for anything but ints in 0..2**32-1."""
     if isinstance(token_ids, (str, bytes)):
         raise ValidationError("token ids must be a sequence of ints, not a string")
     try:
-        # unsigned 64-bit: negative ids and non-ints are rejected by the conversion itself
+        # unsigned 32-bit: negative, too large and non-int ids are rejected by the conversion itself
         if token_ids.__class__ is list:
-            packed = array("Q")
-            packed.fromlist(token_ids)  # faster than array("Q", list) for the common case
+            packed = array(TOKEN_TYPECODE)
+            packed.fromlist(token_ids)  # faster than array("I", list) for the common case
             return packed
-        return array("Q", token_ids)
+        return array(TOKEN_TYPECODE, token_ids)
     except (TypeError, OverflowError) as e:
-        raise ValidationError(f"token ids must be ints in 0..2**64-1 ({e})") from None
+        raise ValidationError(f"token ids must be ints in 0..2**32-1 ({e})") from None
 
 
 def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
@@ -60,9 +68,12 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
         for idx in extra_keys:
             if not isinstance(idx, int) or not 0 <= idx < nblocks:
                 raise ValidationError(f"block_keys: extra_keys names block {idx!r}, outside 0..{nblocks - 1}")
-    step = block_size * 8
+    step = block_size * 4
     nfull = n // block_size
     end = nfull * step
+    if _BIG_ENDIAN:  # pragma: no cover - keys are a storage format: little-endian everywhere
+        packed = array(TOKEN_TYPECODE, packed)
+        packed.byteswap()
     raw = packed.tobytes()  # one copy; slicing bytes is cheaper than slicing a memoryview
     keys: list[str] = []
     append = keys.append
@@ -72,10 +83,10 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
             key = _sha256(prev + raw[start:start + step]).hexdigest()
             append(key)
             prev = key.encode()
-        if end < n * 8:  # the last, incomplete block
+        if end < n * 4:  # the last, incomplete block
             append(f"{_sha256(prev + raw[end:]).hexdigest()}:partial:{n - nfull * block_size}")
     else:
-        for i, start in enumerate(range(0, n * 8, step)):
+        for i, start in enumerate(range(0, n * 4, step)):
             h = _sha256(prev)
             h.update(raw[start:start + step])
             for extra in extra_keys.get(i, ()):

@@ -25,7 +25,7 @@ from . import commands as C
 from . import events as E
 from .errors import (DuplicateRequestError, InvalidTransitionError, OutOfBlocksError,
                      UnknownRequestError, ValidationError)
-from .keys import block_keys, keys_of_packed, pack_tokens
+from .keys import TOKEN_TYPECODE, block_keys, keys_of_packed, pack_tokens
 from .machines import allowed_sources, build_machine, decode, prefill
 from .policy import ERROR_ABORTED, ERROR_READ_FAILED, ERROR_WRITE_FAILED, Policy
 from .pool import BlockPool
@@ -90,7 +90,7 @@ def _check_request_id(request_id: Any) -> None:
 
 
 def _check_tokens(request_id: str, token_ids: Any) -> array:
-    """Validated token ids as our own uint64 array: the caller's list is never mutated."""
+    """Validated token ids as our own uint32 array: the caller's list is never mutated."""
     if token_ids.__class__ is not list and (isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence)):
         raise ValidationError(f"request {request_id!r}: token_ids must be a sequence of ints")
     if not token_ids:
@@ -102,8 +102,8 @@ def _check_tokens(request_id: str, token_ids: Any) -> array:
 
 
 def _check_token(request_id: str, token: Any) -> None:
-    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-        raise ValidationError(f"request {request_id!r}: token {token!r} is not an int >= 0")
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 2**32:
+        raise ValidationError(f"request {request_id!r}: token {token!r} is not an int in 0..2**32-1")
 
 
 class Lifecycle:
@@ -383,12 +383,20 @@ class Lifecycle:
         self._transfer(req, C.WriteBlocks, "written", keys[base:], blocks)
 
     def _new_request(self, request_id: str, token_ids: Any, extra_keys: Any) -> Request:
-        _check_request_id(request_id)
+        if request_id.__class__ is not str or not request_id:
+            _check_request_id(request_id)
         if request_id in self._reqs:
             raise DuplicateRequestError(
                 f"request {request_id!r} is already live on the {self.TABLE.NAME} side "
                 f"(state {self._reqs[request_id].state!r})")
-        tokens = _check_tokens(request_id, token_ids)
+        if token_ids.__class__ is list and token_ids:  # the common case, checked by the packing
+            tokens = array(TOKEN_TYPECODE)
+            try:
+                tokens.fromlist(token_ids)
+            except (TypeError, OverflowError):
+                tokens = _check_tokens(request_id, token_ids)  # raises the full message
+        else:
+            tokens = _check_tokens(request_id, token_ids)
         if extra_keys is not None and not isinstance(extra_keys, Mapping):
             raise ValidationError(f"request {request_id!r}: extra_keys must map block index -> strings")
         try:
@@ -515,8 +523,9 @@ class DecodeLifecycle(Lifecycle):
         Keeps ``Policy.decode_headroom_blocks`` free per running request; raises
         :class:`OutOfBlocksError` (reserving nothing) when that is not possible."""
         req = self._new_request(request_id, token_ids, extra_keys)
-        n = self.spec.blocks_for(len(req.tokens) + 1)
-        self._check_fits(req, n)
+        n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline
+        if n > self.pool.num_blocks:
+            self._check_fits(req, n)
         try:
             req.blocks = self.pool.allocate(n, self._headroom())
         except OutOfBlocksError as e:

@@ -17,7 +17,7 @@ junk = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.text(ma
                  st.integers(max_value=-1), st.binary(max_size=3))
 bad_tokens = st.one_of(st.just([]), st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
                        st.lists(st.text(max_size=2), min_size=1, max_size=2), st.text(max_size=3), st.none(),
-                       st.just([2**64]), st.lists(st.floats(), min_size=1, max_size=2))
+                       st.just([2**64]), st.just([2**32]), st.lists(st.floats(), min_size=1, max_size=2))
 bad_ids = st.one_of(st.just(""), st.integers(), st.none(), st.lists(st.integers(), max_size=2))
 
 
@@ -59,7 +59,8 @@ CALLS = {
 @given(call=st.sampled_from(sorted(CALLS)), data=st.data())
 def test_invalid_arguments_raise_and_change_nothing(call, data):
     rig = live_rig()
-    strat = {"tokens": bad_tokens, "id": bad_ids}.get(call[call.index("(") + 1:-1], junk)
+    strat = {"tokens": bad_tokens, "id": bad_ids,
+             "token": st.one_of(junk, st.integers(min_value=2**32))}.get(call[call.index("(") + 1:-1], junk)
     arg = data.draw(strat)
     if call.endswith("(count)") and type(arg) is int and arg >= 0:
         arg = 10**6  # beyond the command's blocks

@@ -128,7 +128,7 @@ def _chain(toks, bs, seed):
     prev, out = seed, []
     for i in range(0, len(toks), bs):
         block = toks[i:i + bs]
-        key = hashlib.sha256(prev + struct.pack(f"<{len(block)}Q", *block)).hexdigest()
+        key = hashlib.sha256(prev + struct.pack(f"<{len(block)}I", *block)).hexdigest()
         key = key if len(block) == bs else f"{key}:partial:{len(block)}"
         out.append(key)
         prev = key.encode()
@@ -138,8 +138,8 @@ def _chain(toks, bs, seed):
 def test_keys_follow_the_documented_derivation():
     """The key format is a storage format (pools outlive processes): sha256 over the previous
     key's hex (the namespace for the first block) and the block's token ids as little-endian
-    uint64, in hex; the partial block carries its token count."""
-    toks = [5, 2**40 + 7, 0, 31999, 1, 2, 3]
+    uint32, in hex; the partial block carries its token count."""
+    toks = [5, 2**32 - 1, 0, 31999, 1, 2, 3]
     assert block_keys(toks, 4) == _chain(toks, 4, b"")
     assert block_keys(tuple(toks), 4) == _chain(toks, 4, b"")  # any sequence, same keys
     assert block_keys(toks, 4, namespace="m") == [f"m/{k}" for k in _chain(toks, 4, b"m")]
@@ -155,7 +155,7 @@ def test_keys_stable_across_processes():
     assert len(outs) == 1 and block_keys(list(range(37)), 16)[-1] + "\n" in outs
 
 
-@pytest.mark.parametrize("toks", [[1.5], ["a"], [-3], "abc", [2**64]])
+@pytest.mark.parametrize("toks", [[1.5], ["a"], [-3], "abc", [2**32], [2**64]])
 def test_keys_reject_bad_tokens(toks):
     with pytest.raises(ValidationError):
         block_keys(toks, 4)

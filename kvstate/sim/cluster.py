@@ -23,7 +23,6 @@ timed SimPy work and feeds the outcome back as the same events an engine would s
 from __future__ import annotations
 
 import math
-from array import array
 from collections import deque
 from typing import Any
 
@@ -42,7 +41,7 @@ from .compute import ComputeModel
 from .scenario import Scenario
 from .storage import SimStore
 from .tp import RankPools
-from .workload import Arrival, arrivals
+from .workload import Arrival, arrivals, unique_start, unique_tokens
 
 __all__ = ["Cluster", "SimRequest"]
 
@@ -73,7 +72,7 @@ class SimRequest:
         self.ctx = 0
         self.synced = 0
         self.cap = 0
-        self.base = (1 << 50) + a.index * (1 << 24)  # ids of decoded tokens
+        self.base = unique_start(a.index, salt=1)  # where the run of its decoded tokens starts
         self.preemptions = 0
         self.cached_tokens = 0
 
@@ -275,7 +274,7 @@ class Instance:
     def _sync(self, req: SimRequest, upto: int) -> tuple[int, ...]:
         added = ()
         if upto > req.synced:
-            added = self.lc.append_tokens(req.rid, array("Q", range(req.base + req.synced, req.base + upto)))
+            added = self.lc.append_tokens(req.rid, unique_tokens(req.base, req.synced, upto))
             req.synced = upto
         return added
 

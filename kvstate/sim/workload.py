@@ -19,9 +19,28 @@ import numpy as np
 from ..errors import ConfigError
 from .scenario import WorkloadSpec
 
-__all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals"]
+__all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals", "unique_start", "unique_tokens"]
 
-_UNIQUE_BASE = 1 << 40  # token ids of unshared tokens start here (trace hash ids stay below)
+# Token ids are uint32 (kvstate.keys). Shared tokens (prefix groups, trace hash blocks) lie in
+# [0, 2**31), a request's own tokens in [2**31, 2**32): its run starts at a point of that half
+# that no other request's run starts at (i * _MIX mod 2**31 is one-to-one for an odd _MIX), so
+# its keys differ from every other request's past their shared prefix.
+_HALF = 1 << 31
+_MIX = 0x9E3779B1  # odd
+
+
+def unique_start(i: int, salt: int = 0) -> int:
+    """Where request ``i``'s own token run starts (offset in the upper half; ``salt`` picks a
+    different run for a second use, e.g. decoded tokens)."""
+    return (i * _MIX + salt * 0x7F4A7C15) % _HALF
+
+
+def unique_tokens(start: int, lo: int, hi: int) -> array:
+    """Tokens ``lo .. hi-1`` of the own run that starts at ``start``, as a uint32 array."""
+    out = array("I")
+    out.frombytes(((np.arange(lo, hi, dtype=np.uint64) + np.uint64(start)) % np.uint64(_HALF)
+                   + np.uint64(_HALF)).astype(np.uint32).tobytes())
+    return out
 
 
 @dataclass(slots=True)
@@ -32,7 +51,7 @@ class Arrival:
     time: float  #: seconds from the start
     input_len: int
     output_len: int  #: tokens generated, the first (from P) included
-    tokens: array  #: uint64 token ids of the prompt
+    tokens: array  #: uint32 token ids of the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +129,13 @@ def _read_trace(p: Path, hash_block_size: int) -> list[TraceRecord]:
     return out
 
 
-def _tokens(prefix: np.ndarray | None, n: int, unique_start: int) -> array:
-    """``n`` token ids: the shared ``prefix`` (truncated to ``n``), then unique ids."""
+def _tokens(prefix: np.ndarray | None, n: int, start: int) -> array:
+    """``n`` token ids: the shared ``prefix`` (truncated to ``n``), then the request's own run."""
     k = 0 if prefix is None else min(len(prefix), n)
-    out = np.empty(n, dtype=np.uint64)
+    a = array("I")
     if k:
-        out[:k] = prefix[:k]
-    out[k:] = np.arange(unique_start, unique_start + n - k, dtype=np.uint64)
-    a = array("Q")
-    a.frombytes(out.tobytes())
+        a.frombytes(prefix[:k].astype(np.uint32).tobytes())
+    a.extend(unique_tokens(start, 0, n - k))
     return a
 
 
@@ -156,7 +173,7 @@ def synthetic(w: WorkloadSpec, seed: int) -> Iterator[Arrival]:
             if prefix is None:
                 prefix = prefixes[g] = np.arange(g * w.prefix_tokens, (g + 1) * w.prefix_tokens, dtype=np.uint64)
         n_in = int(ins[i])
-        yield Arrival(i, float(times[i]), n_in, int(outs[i]), _tokens(prefix, n_in, _UNIQUE_BASE + i * (w.input_max + 1)))
+        yield Arrival(i, float(times[i]), n_in, int(outs[i]), _tokens(prefix, n_in, unique_start(i)))
 
 
 def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]:
@@ -168,10 +185,9 @@ def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]
         prefix = None
         if r.hash_ids:
             prefix = (np.repeat(np.asarray(r.hash_ids, dtype=np.uint64), hb) * np.uint64(hb)
-                      + np.tile(offsets, len(r.hash_ids)))
-        start = _UNIQUE_BASE * 2 + i * (r.input_length + 1)
+                      + np.tile(offsets, len(r.hash_ids))) % np.uint64(_HALF)
         yield Arrival(i, (r.timestamp_ms - t0) / 1000.0 * w.time_scale, r.input_length, r.output_length,
-                      _tokens(prefix, r.input_length, start))
+                      _tokens(prefix, r.input_length, unique_start(i)))
 
 
 def arrivals(w: WorkloadSpec, seed: int) -> tuple[int, Iterator[Arrival]]:
