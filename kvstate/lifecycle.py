@@ -7,9 +7,12 @@ hands out. It never sleeps, spawns a thread or touches a device; time comes from
 clock and deadlines are enforced by :meth:`Lifecycle.tick`.
 
 Block safety comes from reference counts: a request holds one reference to each of its
-blocks, and every in-flight transfer pins the blocks it touches with one more. Freeing a
-request drops only its own reference, so a block returns to the free list when the last
-transfer touching it has answered (or its deadline plus ``Policy.fence_grace`` passed).
+blocks. A transfer touches blocks of its own request only; when that request lets go of
+its blocks (finish, abort, preemption, failure) while transfers that touch them are still
+unanswered, each such transfer pins its blocks with one more reference, dropped when its
+last rank answers (or its deadline plus ``Policy.fence_grace`` passes). So a block returns
+to the free list only when neither an owner nor an in-flight transfer holds it, and the
+common life (every transfer answered before its request lets go) pays no pin at all.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ class Request:
     """A live request's record: cheap (slots), no per-request machine."""
 
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base",
-                 "retries", "error_code", "token", "stored_keys", "wait_seq")
+                 "retries", "error_code", "token", "stored_keys", "wait_seq", "inflight")
 
     def __init__(self, request_id: str, state: str, tokens: array, keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
@@ -60,12 +63,14 @@ class Request:
         self.token: int | None = None
         self.stored_keys: list[str] | None = None
         self.wait_seq = 0
+        self.inflight: list[_Pending] = []  # its transfers not yet retired
 
 
 class _Pending:
     """An outstanding transfer command: per-rank answers and the blocks it pins."""
 
-    __slots__ = ("cmd", "req", "trigger", "blocks", "counts", "left", "limit", "resolved")
+    __slots__ = ("cmd", "req", "trigger", "blocks", "counts", "left", "limit", "resolved", "pinned",
+                 "held", "inflight")
 
     def __init__(self, cmd: C.TransferCommand, req: Request, trigger: str, blocks: Sequence[int],
                  limit: int) -> None:
@@ -77,6 +82,10 @@ class _Pending:
         self.left = len(cmd.ranks)
         self.limit = limit
         self.resolved = False
+        self.pinned = False  # holds a reference to each of its blocks (its request let go)
+        self.held = req.blocks  # the request's block list it was cut from (replaced on release)
+        self.inflight = req.inflight
+        req.inflight.append(self)
 
 
 def _is_int(x: Any) -> bool:
@@ -158,9 +167,12 @@ class Lifecycle:
         return [p.cmd for p in self._pending.values()]
 
     def pinned_blocks(self) -> dict[int, int]:
-        """Block id -> number of in-flight commands pinning it."""
+        """Block id -> number of in-flight commands pinning it (a transfer pins its blocks
+        once its request has let go of them)."""
         out: dict[int, int] = {}
         for p in self._pending.values():
+            if not p.pinned:
+                continue
             for b in p.blocks:
                 out[b] = out.get(b, 0) + 1
         return out
@@ -305,8 +317,6 @@ class Lifecycle:
         ids = tuple(blocks)
         cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids,
                   fence=deadline + self.policy.fence_grace)
-        if ids:
-            self.pool._incref(ids)
         self._pending[cid] = _Pending(cmd, req, trigger, ids, len(ids))
         self._push_timer(deadline, _CMD, cid, cid)
         req.cmd = cid
@@ -325,9 +335,9 @@ class Lifecycle:
 
     def _retire(self, p: _Pending) -> None:
         del self._pending[p.cmd.command_id]
-        if p.blocks:
-            if self.pool._decref(p.blocks):
-                self._blocks_freed()
+        p.inflight.remove(p)
+        if p.pinned and self.pool._decref(p.blocks):
+            self._blocks_freed()
 
     def _detach(self, req: Request) -> None:
         if req.cmd:
@@ -341,6 +351,11 @@ class Lifecycle:
         """Drop the request's blocks; the notice (``ended``, else a FreeBlocks) goes out first,
         before blocks freed here can start a waiting request."""
         self._detach(req)
+        for p in req.inflight:  # unanswered transfers keep the blocks they touch
+            if not p.pinned:
+                p.pinned = True
+                if p.blocks:
+                    self.pool._incref(p.blocks)
         blocks, req.blocks = req.blocks, []
         if ended is not None:
             ended.block_ids = tuple(blocks)

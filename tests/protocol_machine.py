@@ -37,6 +37,7 @@ FAULT_CLASSES = (
 INVARIANTS = (
     "block_owned_by_one_request", "refcount_equals_owners_plus_pins", "free_list_matches_refcounts",
     "pool_free_plus_used_is_total", "pending_command_has_deadline", "live_request_in_legal_state",
+    "transfer_blocks_held_by_their_request_or_pinned",
     "runnable_only_after_full_read_on_every_rank_with_p_bytes", "drained_all_terminal_and_empty",
 )
 STATS: Counter[str] = Counter()
@@ -453,7 +454,7 @@ class Protocol(RuleBasedStateMachine):
         if not hasattr(self, "rig"):
             return
         STATS["steps"] += 1
-        for name in INVARIANTS[:6]:
+        for name in INVARIANTS[:7]:
             STATS[f"invariant:{name}"] += 2
         for lc in (self.rig.P, self.rig.D):
             owners = Counter(b for blocks in lc.owned_blocks().values() for b in blocks)
@@ -470,6 +471,12 @@ class Protocol(RuleBasedStateMachine):
             live = set(lc.TABLE.LIVE)
             for rid in lc.live_requests():
                 assert lc.state_of(rid) in live
+            # a transfer's blocks stay held: by its request, which has not let go of the block
+            # list the transfer was cut from, or by the transfer's own pin
+            for p in lc._pending.values():
+                held = p.req is not None and p.req.blocks is p.held and set(p.blocks) <= set(p.held)
+                assert p.pinned or held, f"command {p.cmd.command_id}: blocks neither held nor pinned"
+                assert all(pool._refs[b] >= 1 for b in p.blocks)
 
     def teardown(self):
         if not hasattr(self, "rig"):
