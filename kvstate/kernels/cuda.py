@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -268,6 +269,9 @@ class CudaSwapper:
             self._kspan_i = _Kernel(get("kv_span_i"), 9, True, launch)
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         self._bound: OrderedDict[tuple[int, ...], DeviceLayers] = OrderedDict()
+        # host arrays already found page-locked: id -> (weak reference, device pointer); an
+        # array's memory cannot change under it, so a live array seen before is not re-asked
+        self._pinned_seen: dict[int, tuple[Any, int]] = {}
         self._staging: _Buffer | None = None
         self._param_host: _Buffer | None = None
         self._param_view: np.ndarray | None = None  # the pinned parameter slots as int64
@@ -293,6 +297,7 @@ class CudaSwapper:
                 b.free()
             self._buffers.clear()
             self._bound.clear()
+            self._pinned_seen.clear()
             self._staging = self._param_host = self._param_dev = self._param_view = None
             self._module = self._kchunks = self._kspan = self._kchunks_i = self._kspan_i = None
             self.stream = self._copy_stream = None
@@ -386,6 +391,10 @@ class CudaSwapper:
 
     def _host_ptr(self, x: Any, name: str) -> tuple[np.ndarray, int]:
         """(numpy view, device-visible pointer) of a pinned host buffer."""
+        given = x
+        seen = self._pinned_seen.get(id(x))
+        if seen is not None and seen[0]() is x:
+            return x, seen[1]
         if not isinstance(x, np.ndarray):
             dev = getattr(x, "__dlpack_device__", None)
             if dev is not None and int(dev()[0]) not in (_DL_CPU, _DL_CUDA_HOST):
@@ -402,6 +411,10 @@ class CudaSwapper:
         if kind != 1 or not dptr:
             raise ValidationError(f"{name} is not page-locked (pinned) host memory: allocate it with "
                                   "CudaSwapper.pinned() or pin_memory()")
+        if given.__class__ is np.ndarray:
+            if len(self._pinned_seen) >= self.max_bound:
+                del self._pinned_seen[next(iter(self._pinned_seen))]
+            self._pinned_seen[id(x)] = (weakref.ref(x), int(dptr))
         return x, int(dptr)
 
     # -- the ops -------------------------------------------------------------------------------

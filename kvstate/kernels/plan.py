@@ -102,19 +102,22 @@ def _as_ids(ids: Any, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+_MAX = np.maximum.reduce  # ndarray.max without its Python-level wrapper
+
+
 def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
     """Validated block ids: integers in ``0..limit-1``, distinct when ``unique``."""
     arr = _as_ids(ids, name)
     if arr.size:
         # one reduction catches both ends: a negative id viewed as uint64 is huge
-        if int(arr.view(np.uint64).max()) >= limit:
+        if int(_MAX(arr.view(np.uint64))) >= limit:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0:
                 raise BlockError(f"{name}: block {lo} is negative")
             raise BlockError(f"{name}: block {hi} is out of range 0..{limit - 1}")
         if unique and arr.size > 1:
             counts = np.bincount(arr, minlength=limit)
-            if counts.max() > 1:
+            if _MAX(counts) > 1:
                 raise BlockError(f"{name}: block {int(np.argmax(counts > 1))} appears twice "
                                  f"(a destination block may be written once)")
     return arr
@@ -171,6 +174,8 @@ class LayerSet:
 
 def _meta(a: Any, name: str) -> tuple[tuple[int, ...], Any, bool]:
     """(shape, dtype, contiguous) of an array-like, without importing any framework."""
+    if a.__class__ is np.ndarray:
+        return a.shape, a.dtype, a.flags.c_contiguous
     shape = getattr(a, "shape", None)
     dtype = getattr(a, "dtype", None)
     if shape is None or dtype is None:
@@ -213,6 +218,8 @@ def _check_layers(caches: Any, name: str) -> tuple[tuple[int, ...], Any]:
 
 
 def _itemsize(dtype: Any) -> int:
+    if dtype.__class__ is not str and isinstance(dtype, np.dtype):
+        return dtype.itemsize
     size = getattr(dtype, "itemsize", None)
     if size is None:  # torch / paddle dtypes
         size = np.dtype(dtype_name(dtype)).itemsize
