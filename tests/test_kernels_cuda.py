@@ -408,3 +408,24 @@ def test_backend_over_engine_torch_caches_pipelined_and_short_read():
     finally:
         p.close()
         d.close()
+
+
+def test_auto_keeps_strided_dma_for_big_calls_only():
+    """No GPU needed: the choice reads the plan. A whole request's layers in one run take strided
+    DMA; a backend piece of 4 blocks (64 DMA calls of 512 KiB each) must not."""
+    from kvstate.kernels.cuda import choose_strategy
+    from kvstate.kernels.plan import LayerSet, plan_layout
+
+    class Arr:  # shape/dtype only: planning never touches memory
+        def __init__(self, shape):
+            self.shape, self.dtype = shape, np.dtype("uint16")
+
+    chunk = (8, 64, 128)  # 128 KiB of bfloat16
+    layers = LayerSet.of([Arr((512,) + chunk) for _ in range(32)])
+
+    def plan(n):
+        return plan_layout(layers, Arr((n, 32) + chunk), np.arange(n), np.arange(n), "d2h")
+
+    assert choose_strategy(plan(256)) == "dma"  # 32 calls of 32 MiB
+    assert choose_strategy(plan(4)) == "staged"  # 16 MiB in 32 calls of 512 KiB
+    assert choose_strategy(plan(1)) == "zero_copy"

@@ -48,12 +48,15 @@ __all__ = ["STRATEGIES", "AUTO", "CudaSwapper", "DeviceLayers", "cuda_available"
 STRATEGIES = ("auto", "zero_copy", "staged", "dma")
 
 #: How ``auto`` picks, from the H100 measurements in docs/benchmarks.md: strided DMA when few
-#: calls move big chunks (53-54 GB/s at 128 KiB, contiguous ids); staging + pipelined DMA for
+#: calls move big chunks (53-54 GB/s at 128 KiB, contiguous ids) and each call moves enough to
+#: hide its host cost (a CudaBackend piece of 4 blocks would issue 64 DMAs for 32 MiB); staging + pipelined DMA for
 #: large transfers whose host side is in few runs (53 GB/s at 128 KiB random, 48 at 16 KiB);
 #: the zero-copy kernel below that (it wins at 1 KiB and at odd sizes, where a call is short).
 AUTO = {
     "dma_min_chunk": 64 * 1024,    # chunk bytes at or above which strided DMA is considered
-    "dma_max_calls": 64,           # at most this many DMA calls (runs x layers)
+    "dma_max_calls": 64,           # at most this many DMA calls (runs x layers) ...
+    "dma_min_call_bytes": 4 << 20,  # ... each moving at least this much: issuing one costs ~10 us
+                                    # of host time, which a small call (a backend's piece) can't hide
     "staged_min_bytes": 16 << 20,  # transfers at least this big go through staging ...
     "staged_max_runs": 16,         # ... when the host side is in at most this many runs
 }
@@ -90,7 +93,9 @@ def cuda_available() -> bool:
 
 def choose_strategy(plan: TransferPlan) -> str:
     """The ``auto`` choice for ``plan`` (see :data:`AUTO`)."""
-    if plan.chunk_bytes >= AUTO["dma_min_chunk"] and len(plan.runs) * plan.layers <= AUTO["dma_max_calls"]:
+    calls = len(plan.runs) * plan.layers
+    if (plan.chunk_bytes >= AUTO["dma_min_chunk"] and calls <= AUTO["dma_max_calls"]
+            and plan.bytes >= calls * AUTO["dma_min_call_bytes"]):
         return "dma"
     if plan.bytes >= AUTO["staged_min_bytes"]:
         if len(plan.host_runs) <= AUTO["staged_max_runs"]:
