@@ -423,9 +423,11 @@ def test_auto_keeps_strided_dma_for_big_calls_only():
     chunk = (8, 64, 128)  # 128 KiB of bfloat16
     layers = LayerSet.of([Arr((512,) + chunk) for _ in range(32)])
 
-    def plan(n):
-        return plan_layout(layers, Arr((n, 32) + chunk), np.arange(n), np.arange(n), "d2h")
+    def plan(n, gids=None):
+        return plan_layout(layers, Arr((n, 32) + chunk), np.arange(n) if gids is None else gids,
+                           np.arange(n), "d2h")
 
     assert choose_strategy(plan(256)) == "dma"  # 32 calls of 32 MiB
-    assert choose_strategy(plan(4)) == "staged"  # 16 MiB in 32 calls of 512 KiB
+    assert choose_strategy(plan(4)) == "zero_copy"  # 16 MiB: 32 DMA calls of 512 KiB, or one launch
+    assert choose_strategy(plan(64, np.arange(64) * 2)) == "staged"  # 256 MiB, 2,048 runs x layers
     assert choose_strategy(plan(1)) == "zero_copy"

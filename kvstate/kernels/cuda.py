@@ -57,7 +57,8 @@ AUTO = {
     "dma_max_calls": 64,           # at most this many DMA calls (runs x layers) ...
     "dma_min_call_bytes": 4 << 20,  # ... each moving at least this much: issuing one costs ~10 us
                                     # of host time, which a small call (a backend's piece) can't hide
-    "staged_min_bytes": 16 << 20,  # transfers at least this big go through staging ...
+    "staged_min_bytes": 32 << 20,  # transfers at least this big go through staging (its pieces'
+                                   # events cost ~0.1 ms of host per call) ...
     "staged_max_runs": 16,         # ... when the host side is in at most this many runs
 }
 
