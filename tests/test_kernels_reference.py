@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from kvstate import BlockError, ValidationError
 from kvstate.kernels import coalesce_runs, swap_cache_all_layers, swap_cache_layout, swap_cache_per_layer
+from kvstate.kernels.plan import plan_layout
 
 DTYPES = [np.uint16, np.float16, np.uint8, np.float32]
 
@@ -144,3 +145,13 @@ def test_paddle_cpu_tensors_zero_copy(dtype):
     back = [paddle.zeros([6, 2, 4, 3], dtype=dtype) for _ in range(3)]
     swap_cache_layout(back, host, [1, 2, 3], [0, 1, 3], "h2d")
     np.testing.assert_array_equal(back[1].astype("float32").numpy()[1], caches[1].astype("float32").numpy()[5])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=12, unique=True), st.data())
+def test_run_counts_match_the_runs(gids, data):
+    """``num_runs``/``num_host_runs`` count what ``runs``/``host_runs`` build."""
+    hids = data.draw(st.permutations(range(len(gids))))
+    caches = [np.zeros((31, 1, 1, 2), np.uint8)]
+    plan = plan_layout(caches, np.zeros((max(1, len(gids)), 1, 1, 1, 2), np.uint8), gids, hids, "d2h")
+    assert plan.num_runs == len(plan.runs) and plan.num_host_runs == len(plan.host_runs)

@@ -94,12 +94,12 @@ def cuda_available() -> bool:
 
 def choose_strategy(plan: TransferPlan) -> str:
     """The ``auto`` choice for ``plan`` (see :data:`AUTO`)."""
-    calls = len(plan.runs) * plan.layers
-    if (plan.chunk_bytes >= AUTO["dma_min_chunk"] and calls <= AUTO["dma_max_calls"]
-            and plan.bytes >= calls * AUTO["dma_min_call_bytes"]):
-        return "dma"
+    if plan.chunk_bytes >= AUTO["dma_min_chunk"]:
+        calls = plan.num_runs * plan.layers
+        if calls <= AUTO["dma_max_calls"] and plan.bytes >= calls * AUTO["dma_min_call_bytes"]:
+            return "dma"
     if plan.bytes >= AUTO["staged_min_bytes"]:
-        if len(plan.host_runs) <= AUTO["staged_max_runs"]:
+        if plan.num_host_runs <= AUTO["staged_max_runs"]:
             return "staged"
     return "zero_copy"
 

@@ -59,6 +59,20 @@ class TransferPlan:
         ends = np.concatenate((breaks, [n]))
         return tuple((int(s), int(self.host_ids[s]), int(e - s)) for s, e in zip(starts, ends))
 
+    @cached_property
+    def num_runs(self) -> int:
+        """``len(runs)``, counted without building the runs."""
+        g, h = self.gpu_ids, self.host_ids
+        if g.size == 0:
+            return 0
+        return 1 + int(np.count_nonzero((np.diff(g) != 1) | (np.diff(h) != 1)))
+
+    @cached_property
+    def num_host_runs(self) -> int:
+        """``len(host_runs)``, counted without building the runs."""
+        h = self.host_ids
+        return 0 if h.size == 0 else 1 + int(np.count_nonzero(np.diff(h) != 1))
+
     @property
     def blocks(self) -> int:
         return int(self.gpu_ids.size)
