@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from .errors import ValidationError
 
-__all__ = ["block_keys", "pack_tokens", "keys_of_packed", "rank_key", "KEY_PREFIX_SEP"]
+__all__ = ["block_keys", "pack_tokens", "keys_of_packed", "rank_key", "KEY_PREFIX_SEP", "TOKEN_TYPECODE"]
 
 KEY_PREFIX_SEP = "/"
 TOKEN_TYPECODE = "I"  #: the array typecode of packed token ids: uint32

@@ -16,7 +16,7 @@ ERROR_ABORTED = 499  #: the client went away
 class Policy:
     """Knobs of the lifecycle machines (all times in the clock's unit, seconds by default).
 
-    - ``read_prefix``: P queries the store for a stored prefix and reads it before prefill.
+    - ``read_prefix``: P reads the longest stored prefix of its prompt before prefill.
     - ``write_retries``: extra attempts after a failed or partial write.
     - ``read_failure``: ``"fail"`` (end with 502 and recycle) or ``"recompute"`` (recompute
       from the longest prefix that was read on every rank).

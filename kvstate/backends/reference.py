@@ -53,7 +53,9 @@ _NO_IDS: Any = object()  # the op takes keys only
 
 
 class TransferBackend:
-    """What a driver needs from a backend: per-rank query, write and read of blocks.
+    """What a driver needs from a backend: per-rank query (how many leading keys are stored;
+    :func:`~kvstate.backends.drivers.execute` asks it before a write, to skip them), write and
+    read of blocks.
 
     ``write`` and ``read`` ask ``guard`` (when given) right before they gather or scatter
     blocks, and raise :class:`FenceError` without touching any once it returns False.

@@ -119,7 +119,6 @@ class Instance:
                   skew_s=[x / 1000.0 for x in s.tp.skew_ms], barrier_timeout=s.tp.barrier_timeout_s)
         self.write_pool = RankPools(env, f"{self.name}.write_barrier", reset_by="rank0", **kw)
         self.read_pool = RankPools(env, f"{self.name}.read_barrier", reset_by="all", **kw)
-        self.skew = self.write_pool.skew  # per rank, padded with zeros (queries use it too)
         self.queue: deque = deque()  # P: (req, new, cached) prompts to prefill; D: (req, from) recomputes
         self.running: dict[str, SimRequest] = {}
         self.preempted: deque[SimRequest] = deque()
