@@ -185,6 +185,8 @@ def test_default_workload_drains_with_every_block_back():
     assert 0 < r["goodput_rps"] <= r["throughput_rps"]
     assert r["prefix_hit_rate"] > 0  # shared prefixes were read back from the pool
     assert r["storage"]["bytes_written"] > 0 and r["storage"]["bytes_read"] > 0
+    # nothing is evicted here: P's prefix reads that stop at a miss are not partial reads
+    assert r["storage"]["evicted_blocks"] == 0 and r["partial_reads"] == 0
     assert r["series"] and set(r["series"][0]) >= {"t", "prefill_queue", "decode_running", "blocks_used"}
 
 

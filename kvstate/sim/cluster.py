@@ -159,7 +159,8 @@ class Instance:
             cl.counters["injected_read_failures"] += 1
         else:
             c = execute(cl.store, cmd, rank)
-            if isinstance(cmd, C.ReadBlocks) and c.count < len(cmd.keys):
+            # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
+            if self.role == "decode" and isinstance(cmd, C.ReadBlocks) and c.count < len(cmd.keys):
                 cl.counters["partial_reads"] += 1
         self.lc.complete(c)
         self.pump()
