@@ -28,7 +28,7 @@ from . import commands as C
 from . import events as E
 from .errors import (DuplicateRequestError, InvalidTransitionError, OutOfBlocksError,
                      UnknownRequestError, ValidationError)
-from .keys import TOKEN_TYPECODE, block_keys, keys_of_packed, pack_tokens
+from .keys import block_keys, keys_of_packed, pack_tokens
 from .machines import allowed_sources, build_machine, decode, prefill
 from .policy import ERROR_ABORTED, ERROR_READ_FAILED, ERROR_WRITE_FAILED, Policy
 from .pool import BlockPool
@@ -398,20 +398,12 @@ class Lifecycle:
         self._transfer(req, C.WriteBlocks, "written", keys[base:], blocks)
 
     def _new_request(self, request_id: str, token_ids: Any, extra_keys: Any) -> Request:
-        if request_id.__class__ is not str or not request_id:
-            _check_request_id(request_id)
+        _check_request_id(request_id)
         if request_id in self._reqs:
             raise DuplicateRequestError(
                 f"request {request_id!r} is already live on the {self.TABLE.NAME} side "
                 f"(state {self._reqs[request_id].state!r})")
-        if token_ids.__class__ is list and token_ids:  # the common case, checked by the packing
-            tokens = array(TOKEN_TYPECODE)
-            try:
-                tokens.fromlist(token_ids)
-            except (TypeError, OverflowError):
-                tokens = _check_tokens(request_id, token_ids)  # raises the full message
-        else:
-            tokens = _check_tokens(request_id, token_ids)
+        tokens = _check_tokens(request_id, token_ids)
         if extra_keys is not None and not isinstance(extra_keys, Mapping):
             raise ValidationError(f"request {request_id!r}: extra_keys must map block index -> strings")
         try:
@@ -538,9 +530,8 @@ class DecodeLifecycle(Lifecycle):
         Keeps ``Policy.decode_headroom_blocks`` free per running request; raises
         :class:`OutOfBlocksError` (reserving nothing) when that is not possible."""
         req = self._new_request(request_id, token_ids, extra_keys)
-        n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline
-        if n > self.pool.num_blocks:
-            self._check_fits(req, n)
+        n = self.spec.blocks_for(len(req.tokens) + 1)
+        self._check_fits(req, n)
         try:
             req.blocks = self.pool.allocate(n, self._headroom())
         except OutOfBlocksError as e:

@@ -74,11 +74,8 @@ class BlockPool:
         Raises :class:`OutOfBlocksError` (allocating nothing) unless ``headroom`` blocks
         would still be free afterwards.
         """
-        if n.__class__ is not int or headroom.__class__ is not int:  # bool, float, ...: the full check
-            self._check_count(n, "n")
-            self._check_count(headroom, "headroom")
-        elif n < 0 or headroom < 0:
-            self._check_count(n, "n")
+        if n.__class__ is not int or headroom.__class__ is not int or n < 0 or headroom < 0:
+            self._check_count(n, "n")  # bool, float, negative: raise with the rule broken
             self._check_count(headroom, "headroom")
         if len(self._free) - n < headroom:
             raise OutOfBlocksError(

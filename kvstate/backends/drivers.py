@@ -70,17 +70,11 @@ class StepDriver:
             return 0
         pending, notices, on_notice = self.pending, self.notices, self.on_notice
         for cmd in cmds:
-            cls = cmd.__class__
-            if cls in _NOTICES:
-                if on_notice is not None:
-                    on_notice(cmd)
-                else:
-                    notices.append(cmd)
-            elif cls in _TRANSFERS or isinstance(cmd, C.TransferCommand):
+            if cmd.__class__ in _TRANSFERS or isinstance(cmd, C.TransferCommand):
                 cid = cmd.command_id
                 for r in cmd.ranks:
                     pending[(cid, r)] = cmd
-            elif cls is C.CancelCommand:
+            elif cmd.__class__ is C.CancelCommand:
                 notices.append(cmd)  # its (command, rank) answers are still owed: pins release on them
             elif on_notice is not None:
                 on_notice(cmd)
@@ -139,7 +133,6 @@ class StepDriver:
 
 
 _TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks))
-_NOTICES = frozenset((C.SendFirstToken, C.StartPrefill, C.StartDecode, C.Recompute, C.FreeBlocks, C.RequestEnded))
 _STOP = object()
 
 

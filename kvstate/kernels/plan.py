@@ -51,27 +51,18 @@ class TransferPlan:
     @cached_property
     def host_runs(self) -> tuple[tuple[int, int, int], ...]:
         """(position, host_start, length) runs of consecutive host ids, whatever the GPU ids do."""
-        n = int(self.host_ids.size)
-        if n == 0:
-            return ()
-        breaks = np.flatnonzero(np.diff(self.host_ids) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [n]))
-        return tuple((int(s), int(self.host_ids[s]), int(e - s)) for s, e in zip(starts, ends))
+        h = self.host_ids
+        return tuple((s, int(h[s]), e - s) for s, e in _run_bounds(_breaks(h), int(h.size)))
 
     @cached_property
     def num_runs(self) -> int:
         """``len(runs)``, counted without building the runs."""
-        g, h = self.gpu_ids, self.host_ids
-        if g.size == 0:
-            return 0
-        return 1 + int(np.count_nonzero((np.diff(g) != 1) | (np.diff(h) != 1)))
+        return 0 if self.gpu_ids.size == 0 else 1 + int(_breaks(self.gpu_ids, self.host_ids).size)
 
     @cached_property
     def num_host_runs(self) -> int:
         """``len(host_runs)``, counted without building the runs."""
-        h = self.host_ids
-        return 0 if h.size == 0 else 1 + int(np.count_nonzero(np.diff(h) != 1))
+        return 0 if self.host_ids.size == 0 else 1 + int(_breaks(self.host_ids).size)
 
     @property
     def blocks(self) -> int:
@@ -88,15 +79,26 @@ class TransferPlan:
         return self.chunks * self.chunk_bytes
 
 
+def _breaks(ids: np.ndarray, other: np.ndarray | None = None) -> np.ndarray:
+    """Positions where ``ids`` (and ``other``, when given) stop advancing by one."""
+    step = np.diff(ids) != 1
+    if other is not None:
+        step |= np.diff(other) != 1
+    return np.flatnonzero(step) + 1
+
+
+def _run_bounds(breaks: np.ndarray, n: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of ``n`` positions cut at ``breaks``."""
+    if n == 0:
+        return []
+    edges = [0, *breaks.tolist(), n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def coalesce_runs(gpu_ids: np.ndarray, host_ids: np.ndarray) -> tuple[tuple[int, int, int], ...]:
     """Group positions where both id lists advance by one into (gpu, host, length) runs."""
-    n = int(gpu_ids.size)
-    if n == 0:
-        return ()
-    breaks = np.flatnonzero((np.diff(gpu_ids) != 1) | (np.diff(host_ids) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [n]))
-    return tuple((int(gpu_ids[s]), int(host_ids[s]), int(e - s)) for s, e in zip(starts, ends))
+    return tuple((int(gpu_ids[s]), int(host_ids[s]), e - s)
+                 for s, e in _run_bounds(_breaks(gpu_ids, host_ids), int(gpu_ids.size)))
 
 
 def _as_ids(ids: Any, name: str) -> np.ndarray:

@@ -105,7 +105,8 @@ class _LeanEvent(Event):
             return False
         # The common case, steps in the same order without an EventData: conditions, state
         # change, after. A transition with prepare/before callbacks, or leaving or entering a
-        # state with callbacks (or a final one), takes the full path.
+        # state with callbacks (or a final one), takes the full path; so does resolving a
+        # callback given by name (it needs an EventData, built once when first needed).
         event_data = None
         exits = states[value].on_exit
         for trans in candidates:
@@ -116,8 +117,7 @@ class _LeanEvent(Event):
             else:
                 full = False
             if full or exits or trans.prepare or trans.before:
-                if event_data is None:
-                    event_data = EventData(states[value], self, machine, model, args, kwargs)
+                event_data = event_data or EventData(states[value], self, machine, model, args, kwargs)
                 event_data.transition = trans
                 if trans.execute(event_data):
                     return True
@@ -125,8 +125,7 @@ class _LeanEvent(Event):
             for cond in trans.conditions:
                 func = cond.func
                 if func.__class__ is str:
-                    if event_data is None:
-                        event_data = EventData(states[value], self, machine, model, args, kwargs)
+                    event_data = event_data or EventData(states[value], self, machine, model, args, kwargs)
                     func = machine.resolve_callable(func, event_data)
                 if func(*args) != cond.target:
                     break
@@ -135,8 +134,7 @@ class _LeanEvent(Event):
                     setattr(model, machine.model_attribute, dest)  # string state: value is the name
                 for func in trans.after:
                     if func.__class__ is str:
-                        if event_data is None:
-                            event_data = EventData(states[value], self, machine, model, args, kwargs)
+                        event_data = event_data or EventData(states[value], self, machine, model, args, kwargs)
                         func = machine.resolve_callable(func, event_data)
                     func(*args)
                 return True
