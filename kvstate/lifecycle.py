@@ -28,7 +28,7 @@ from . import commands as C
 from . import events as E
 from .errors import (DuplicateRequestError, InvalidTransitionError, OutOfBlocksError,
                      UnknownRequestError, ValidationError)
-from .keys import block_keys, keys_of_packed, pack_tokens
+from .keys import TOKEN_TYPECODE, block_keys, keys_of_packed, pack_tokens
 from .machines import allowed_sources, build_machine, decode, prefill
 from .policy import ERROR_ABORTED, ERROR_READ_FAILED, ERROR_WRITE_FAILED, Policy
 from .pool import BlockPool
@@ -100,6 +100,13 @@ def _check_request_id(request_id: Any) -> None:
 
 def _check_tokens(request_id: str, token_ids: Any) -> array:
     """Validated token ids as our own uint32 array: the caller's list is never mutated."""
+    if token_ids.__class__ is list and token_ids:  # the hot case: the packing is the check
+        packed = array(TOKEN_TYPECODE)
+        try:
+            packed.fromlist(token_ids)
+            return packed
+        except (TypeError, OverflowError):
+            pass  # the checks below raise with the rule broken
     if token_ids.__class__ is not list and (isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence)):
         raise ValidationError(f"request {request_id!r}: token_ids must be a sequence of ints")
     if not token_ids:
@@ -398,7 +405,8 @@ class Lifecycle:
         self._transfer(req, C.WriteBlocks, "written", keys[base:], blocks)
 
     def _new_request(self, request_id: str, token_ids: Any, extra_keys: Any) -> Request:
-        _check_request_id(request_id)
+        if request_id.__class__ is not str or not request_id:
+            _check_request_id(request_id)  # raises
         if request_id in self._reqs:
             raise DuplicateRequestError(
                 f"request {request_id!r} is already live on the {self.TABLE.NAME} side "
@@ -530,8 +538,9 @@ class DecodeLifecycle(Lifecycle):
         Keeps ``Policy.decode_headroom_blocks`` free per running request; raises
         :class:`OutOfBlocksError` (reserving nothing) when that is not possible."""
         req = self._new_request(request_id, token_ids, extra_keys)
-        n = self.spec.blocks_for(len(req.tokens) + 1)
-        self._check_fits(req, n)
+        n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline (hot path)
+        if n > self.pool.num_blocks:
+            self._check_fits(req, n)  # raises
         try:
             req.blocks = self.pool.allocate(n, self._headroom())
         except OutOfBlocksError as e:
