@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 
 from .errors import ValidationError
 
-__all__ = ["block_keys", "pack_tokens", "keys_of_packed", "rank_key", "KEY_PREFIX_SEP", "TOKEN_TYPECODE"]
+__all__ = ["block_keys", "pack_tokens", "keys_of_packed", "rank_key", "KeyCache", "KEY_PREFIX_SEP",
+           "TOKEN_TYPECODE"]
 
 KEY_PREFIX_SEP = "/"
 TOKEN_TYPECODE = "I"  #: the array typecode of packed token ids: uint32
@@ -59,9 +60,37 @@ def pack_tokens(token_ids: Sequence[int]) -> array:
         raise ValidationError(f"token ids must be ints in 0..2**32-1 ({e})") from None
 
 
+class KeyCache:
+    """Block keys computed recently, found by the exact bytes hashed for them (the previous
+    key and the block's token ids): prompts that share a prefix hash it once.
+
+    Keys are content hashes, so a cached key is the key the function computes: a cache
+    changes speed, never a key. Bounded: past ``capacity`` entries the older half goes
+    (about 0.5 KB an entry). The last prompt's keys are kept whole: a prompt asked for again
+    at once (P and D of one request, in one process) costs one comparison. Not thread-safe: share one among lifecycles driven by one thread
+    (the simulator shares one between its P and D instances), or give each thread its own.
+    """
+
+    __slots__ = ("capacity", "hits", "misses", "_map", "_last")
+
+    def __init__(self, capacity: int = 65536) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ValidationError(f"KeyCache: capacity must be an int > 0, got {capacity!r}")
+        self.capacity = capacity
+        self.hits = 0  #: blocks whose key was found
+        self.misses = 0  #: blocks hashed
+        self._map: dict[bytes, tuple[bytes, str]] = {}  # hashed bytes -> (key for the chain, key)
+        # the last prompt's (token bytes, block size, namespace) and keys: P and D of one request
+        # in one process ask for the same keys back to back
+        self._last: tuple[bytes, int, str, list[str]] | None = None
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
 def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
-                   namespace: str) -> list[str]:
-    """:func:`block_keys` over already validated, packed token ids."""
+                   namespace: str, cache: KeyCache | None = None) -> list[str]:
+    """:func:`block_keys` over already validated, packed token ids (``cache``: see :class:`KeyCache`)."""
     n = len(packed)
     if extra_keys:
         nblocks = -(-n // block_size)
@@ -75,30 +104,72 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
         packed = array(TOKEN_TYPECODE, packed)
         packed.byteswap()
     raw = packed.tobytes()  # one copy; slicing bytes is cheaper than slicing a memoryview
-    keys: list[str] = []
-    append = keys.append
-    prev = namespace.encode()
-    if not extra_keys:  # the common case: one sha256 call per block
+    prefix = namespace + KEY_PREFIX_SEP if namespace else ""
+    partial = f":partial:{n - nfull * block_size}"
+    if extra_keys:
+        keys = _chain_extra(raw, step, end, namespace.encode(), extra_keys, partial)
+    elif cache is not None:  # keys come prefixed from the cache
+        last = cache._last
+        if last is not None and last[0] == raw and last[1] == block_size and last[2] == namespace:
+            cache.hits += nfull
+            return list(last[3])
+        keys, prev = _chain_cached(raw, step, end, namespace.encode(), prefix, cache)
+        if end < n * 4:  # the last, incomplete block: its key is never reused whole
+            keys.append(f"{prefix}{_sha256(prev + raw[end:]).hexdigest()}{partial}")
+        cache._last = (raw, block_size, namespace, keys)
+        return list(keys)
+    else:  # the common case: one sha256 call per block
+        keys = []
+        append = keys.append
+        prev = namespace.encode()
         for start in range(0, end, step):
             key = _sha256(prev + raw[start:start + step]).hexdigest()
             append(key)
             prev = key.encode()
         if end < n * 4:  # the last, incomplete block
-            append(f"{_sha256(prev + raw[end:]).hexdigest()}:partial:{n - nfull * block_size}")
-    else:
-        for i, start in enumerate(range(0, n * 4, step)):
-            h = _sha256(prev)
-            h.update(raw[start:start + step])
-            for extra in extra_keys.get(i, ()):
-                h.update(b"\x00" + str(extra).encode())
-            key = h.hexdigest()
-            if start >= end:  # the last, incomplete block
-                key = f"{key}:partial:{n - nfull * block_size}"
-            append(key)
-            prev = key.encode()
-    if namespace:
-        prefix = namespace + KEY_PREFIX_SEP
-        return [prefix + k for k in keys]
+            append(f"{_sha256(prev + raw[end:]).hexdigest()}{partial}")
+    return [prefix + k for k in keys] if prefix else keys
+
+
+def _chain_cached(raw: bytes, step: int, end: int, prev: bytes, prefix: str,
+                  cache: KeyCache) -> tuple[list[str], bytes]:
+    """The prefixed keys of the full blocks, through ``cache``; and the last key for the chain."""
+    keys: list[str] = []
+    append = keys.append
+    known, cap, hashed = cache._map, cache.capacity, 0
+    get = known.get
+    for start in range(0, end, step):
+        data = prev + raw[start:start + step]
+        got = get(data)
+        if got is None:
+            key = _sha256(data).hexdigest()
+            got = known[data] = (key.encode(), prefix + key)
+            hashed += 1
+            if len(known) > cap:  # drop the older half at once (deleting a dict's first key one
+                keep = list(known.items())[len(known) // 2:]  # at a time costs a scan each)
+                known.clear()
+                known.update(keep)
+        prev = got[0]
+        append(got[1])
+    cache.misses += hashed
+    cache.hits += len(keys) - hashed
+    return keys, prev
+
+
+def _chain_extra(raw: bytes, step: int, end: int, prev: bytes, extra_keys: Mapping[int, Sequence[str]],
+                 partial: str) -> list[str]:
+    """Keys when some blocks mix in extra keys (never cached: rare, and their bytes differ)."""
+    keys: list[str] = []
+    for i, start in enumerate(range(0, len(raw), step)):
+        h = _sha256(prev)
+        h.update(raw[start:start + step])
+        for extra in extra_keys.get(i, ()):
+            h.update(b"\x00" + str(extra).encode())
+        key = h.hexdigest()
+        if start >= end:  # the last, incomplete block
+            key += partial
+        keys.append(key)
+        prev = key.encode()
     return keys
 
 

@@ -3,6 +3,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstate import BlockError, BlockPool, CacheSpec, ConfigError, OutOfBlocksError, ValidationError
 from kvstate.keys import block_keys, rank_key
@@ -163,3 +165,34 @@ def test_keys_reject_bad_tokens(toks):
 
 def test_rank_key():
     assert rank_key("abc", "value", 3) == "abc_value_3"
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=40), min_size=1, max_size=8),
+       block=st.sampled_from([1, 3, 4]), namespace=st.sampled_from(["", "m"]), capacity=st.integers(1, 12))
+def test_a_key_cache_changes_no_key(prompts, block, namespace, capacity):
+    """Cached keys equal computed ones, shared prefixes hit, and the cache stays in its bound."""
+    from array import array
+
+    from kvstate.keys import KeyCache, keys_of_packed
+    cache = KeyCache(capacity)
+    for toks in prompts + prompts:  # the second round repeats every prompt
+        packed = array("I", toks)
+        want = block_keys(toks, block, namespace=namespace)
+        for _ in range(2):  # asked twice in a row (P and D of one request): answered whole
+            got = keys_of_packed(packed, block, None, namespace, cache)
+            assert got == want
+            got.append("x")  # the caller owns its list: the cache's copy is untouched
+        assert len(cache) <= capacity
+    full = sum(len(t) // block for t in prompts)
+    assert cache.hits + cache.misses == 4 * full
+    assert cache.misses <= 2 * full  # the repeat in a row never hashes
+    if capacity >= full:
+        assert cache.misses <= full  # every full block of the second round was a hit
+
+
+def test_key_cache_rejects_a_bad_capacity():
+    from kvstate.keys import KeyCache
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValidationError, match="capacity"):
+            KeyCache(bad)
