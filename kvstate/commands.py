@@ -8,7 +8,8 @@ a :class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle
 clock, and a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the
 lifecycle may recycle the blocks, so no driver or backend may touch them after it (they
 check it just before gathering or scattering blocks). Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`, :class:`Recompute`,
-:class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`) need no answer.
+:class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`, :class:`LateEvent`) need no
+answer.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
+    "LateEvent",
 ]
 
 
@@ -105,8 +107,23 @@ class CancelCommand(Command):
 @dataclass(slots=True)
 class RequestEnded(Command):
     """The request reached a terminal state (``done``, ``failed`` or ``aborted``) and released
-    ``block_ids`` (free once no transfer pins them): no :class:`FreeBlocks` precedes it."""
+    ``block_ids`` (free once no transfer pins them): no :class:`FreeBlocks` precedes it.
+
+    ``reason`` says why, one of :data:`kvstate.policy.REASONS` (``"done"``,
+    ``"first_token_timeout"``, ``"read_failed"``, ...)."""
 
     state: str
     error_code: int
     block_ids: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class LateEvent(Command):
+    """An event arrived for a request that had already ended (``ended``: its terminal state):
+    it was dropped and changed nothing. ``event`` is ``"first_token"``, ``"prefill_done"``,
+    ``"recompute_done"`` or ``"abort"``. A late first token means D gave up waiting: the
+    cache P stored for it is not needed any more."""
+
+    event: str
+    ended: str

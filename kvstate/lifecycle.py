@@ -28,25 +28,26 @@ from . import commands as C
 from . import events as E
 from .errors import (DuplicateRequestError, InvalidTransitionError, OutOfBlocksError,
                      UnknownRequestError, ValidationError)
-from .keys import TOKEN_TYPECODE, block_keys, keys_of_packed, pack_tokens
+from .keys import TOKEN_TYPECODE, KeyCache, keys_of_packed, pack_tokens
 from .machines import allowed_sources, build_machine, decode, prefill
-from .policy import ERROR_ABORTED, ERROR_READ_FAILED, ERROR_WRITE_FAILED, Policy
+from .policy import (ERROR_ABORTED, ERROR_READ_FAILED, ERROR_TIMEOUT, ERROR_WRITE_FAILED, Policy,
+                     prefill_reason)
 from .pool import BlockPool
 from .spec import CacheSpec
 
 __all__ = ["Lifecycle", "PrefillLifecycle", "DecodeLifecycle", "Request", "ERROR_NO_FIRST_TOKEN"]
 
-ERROR_NO_FIRST_TOKEN = 504  #: D's wait for P's first token passed its deadline
+ERROR_NO_FIRST_TOKEN = ERROR_TIMEOUT  #: D's wait for P's first token passed its deadline
 
 _CMD, _FENCE, _WAIT = 0, 1, 2  # timer kinds
-_ENDED_MEMORY = 4096  # recently ended request ids kept for clear error messages
+_ENDED_MEMORY = 4096  # recently ended request ids: late events for them are dropped, not errors
 
 
 class Request:
     """A live request's record: cheap (slots), no per-request machine."""
 
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base",
-                 "retries", "error_code", "token", "stored_keys", "wait_seq", "inflight")
+                 "retries", "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight")
 
     def __init__(self, request_id: str, state: str, tokens: array, keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
@@ -60,6 +61,7 @@ class Request:
         self.base = 0
         self.retries = 0
         self.error_code = 200
+        self.reason = ""  # why it ended, set by the action that fails it (else its end state)
         self.token: int | None = None
         self.stored_keys: list[str] | None = None
         self.wait_seq = 0
@@ -129,13 +131,16 @@ class Lifecycle:
 
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
-                 lean_machine: bool = True) -> None:
+                 lean_machine: bool = True, key_cache: KeyCache | None = None) -> None:
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
         if policy is not None and not isinstance(policy, Policy):
             raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
         if not callable(clock):
             raise ValidationError("clock must be callable")
+        if key_cache is not None and not isinstance(key_cache, KeyCache):
+            raise ValidationError(f"key_cache must be a KeyCache, got {type(key_cache).__name__}")
+        self.key_cache = key_cache
         self.spec = spec
         self.policy = policy or Policy()
         self.pool = BlockPool(num_blocks)
@@ -154,7 +159,7 @@ class Lifecycle:
         self._ended: dict[str, str] = {}  # insertion-ordered: the oldest goes first
         self.counters: dict[str, int] = dict.fromkeys(
             ("done", "failed", "aborted", "expired", "stale_completions", "late_completions",
-             "forced_releases", "retries"), 0)
+             "late_events", "forced_releases", "retries"), 0)
         self.machine = build_machine(self.TABLE, self, lean_machine)
         self._fire_ev = {name: ev.trigger for name, ev in self.machine.events.items()}
         self._sources = allowed_sources(self.TABLE)
@@ -168,6 +173,24 @@ class Lifecycle:
 
     def live_requests(self) -> list[str]:
         return list(self._reqs)
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` is live here (admitted or reserved, not yet ended)."""
+        return request_id in self._reqs
+
+    def next_deadline(self) -> float | None:
+        """The clock time at which :meth:`tick` next has work, or None when no timer is set.
+
+        An engine may sleep until then (or until an event arrives); calling ``tick()`` any
+        earlier fires nothing. Timers whose work went away (an answered command, a request
+        that got its first token) are dropped here as they reach the head of their queue."""
+        best = None
+        for kind, q in enumerate(self._timers):
+            while q and not self._live_timer(kind, q[0][2]):
+                q.popleft()
+            if q and (best is None or q[0][0] < best):
+                best = q[0][0]
+        return best
 
     def pending_commands(self) -> list[C.TransferCommand]:
         """Transfer commands still awaiting at least one rank's answer."""
@@ -250,10 +273,9 @@ class Lifecycle:
                 break
             ident = queues[kind].popleft()[2]
             if kind == _WAIT:
-                req = self._reqs.get(ident[0])
-                if req is not None and req.wait_seq == ident[1] and req.state == decode.INITIAL:
+                if self._live_timer(_WAIT, ident):
                     fired += 1
-                    self._fire(req, "timed_out")
+                    self._fire(self._reqs[ident[0]], "timed_out")
                 continue
             p = self._pending.get(ident)
             if p is None:
@@ -269,9 +291,16 @@ class Lifecycle:
                 self._retire(p)
         return fired
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a live request from any state; its blocks are freed once no transfer pins them."""
-        self._fire(self._get(request_id), "abort")
+    def abort(self, request_id: str) -> bool:
+        """Cancel a live request from any state; its blocks are freed once no transfer pins them.
+
+        Returns False, changing nothing, when the request already ended (a client's abort
+        racing the request's own end is normal): see :meth:`_late`."""
+        req = self._late(request_id, "abort")
+        if req is None:
+            return False
+        self._fire(req, "abort")
+        return True
 
     def handle(self, event: E.Event) -> Any:
         """Feed one typed event (see :mod:`kvstate.events`) to the matching method."""
@@ -300,6 +329,31 @@ class Lifecycle:
                     f"{self.TABLE.NAME} side: no further events are accepted for it")
             raise UnknownRequestError(f"request {request_id!r} is unknown on the {self.TABLE.NAME} side")
         return req
+
+    def _late(self, request_id: str, event: str) -> Request | None:
+        """The live request, or None for one that already ended: an event that answers work
+        the lifecycle asked for (a prefill, a recompute, P's first token) or an abort can
+        arrive after the request ended by a deadline or an abort. Such a late event is
+        dropped, counted in ``counters['late_events']`` and reported as a
+        :class:`~kvstate.commands.LateEvent` notice. An id never seen still raises."""
+        req = self._reqs.get(request_id) if request_id.__class__ is str else None
+        if req is not None:
+            return req
+        ended = self._ended.get(request_id) if request_id.__class__ is str else None
+        if ended is None:
+            self._get(request_id)  # raises: not a str, or never admitted here
+        self.counters["late_events"] += 1
+        self._out.append(C.LateEvent(request_id, event, ended))
+        return None
+
+    def _live_timer(self, kind: int, ident: Any) -> bool:
+        """Whether a timer still has work: its command unanswered (or, for a fence, not yet
+        retired), or its request still waiting in the initial state it was set in."""
+        if kind == _WAIT:
+            req = self._reqs.get(ident[0])
+            return req is not None and req.wait_seq == ident[1] and req.state == self.TABLE.INITIAL
+        p = self._pending.get(ident)
+        return p is not None and (kind == _FENCE or not p.resolved)
 
     def _fire(self, req: Request, trigger: str, value: Any = None) -> None:
         if req.state not in self._sources[trigger]:
@@ -385,7 +439,7 @@ class Lifecycle:
         if len(ended) > _ENDED_MEMORY:
             del ended[next(iter(ended))]
         self.counters[req.state] += 1
-        self._release(req, C.RequestEnded(req.id, req.state, req.error_code))
+        self._release(req, C.RequestEnded(req.id, req.state, req.error_code, (), req.reason or req.state))
 
     def write_complete(self, req: Request, value: int) -> bool:
         return req.base + value >= len(req.keys)
@@ -415,7 +469,7 @@ class Lifecycle:
         if extra_keys is not None and not isinstance(extra_keys, Mapping):
             raise ValidationError(f"request {request_id!r}: extra_keys must map block index -> strings")
         try:
-            keys = keys_of_packed(tokens, self.spec.block_size, extra_keys, self.namespace)
+            keys = keys_of_packed(tokens, self.spec.block_size, extra_keys, self.namespace, self.key_cache)
         except ValidationError as e:
             raise ValidationError(f"request {request_id!r}: {e}") from None
         return Request(request_id, self.TABLE.INITIAL, tokens, keys, extra_keys)
@@ -447,6 +501,9 @@ class PrefillLifecycle(Lifecycle):
         self._reqs[request_id] = req
         self._waiting.append(req)
         self._start_waiting()
+        if req.state == prefill.INITIAL:  # queued for blocks: until Policy.queue_timeout at most
+            req.wait_seq = next(self._ids)
+            self._push_timer(self.clock() + self.policy.queue_timeout, _WAIT, (request_id, req.wait_seq))
         return req.state
 
     @property
@@ -454,11 +511,17 @@ class PrefillLifecycle(Lifecycle):
         """Admitted requests still queued for blocks."""
         return len(self._waiting)
 
-    def prefill_done(self, request_id: str, first_token: int) -> None:
-        """The prompt's cache is computed and ``first_token`` sampled: store it, then send."""
-        req = self._get(request_id)
+    def prefill_done(self, request_id: str, first_token: int) -> bool:
+        """The prompt's cache is computed and ``first_token`` sampled: store it, then send.
+
+        Returns False for a request that already ended (aborted while it computed): the
+        late result is dropped (see :meth:`Lifecycle._late`)."""
         _check_token(request_id, first_token)
+        req = self._late(request_id, "prefill_done")
+        if req is None:
+            return False
         self._fire(req, "prefill_done", first_token)
+        return True
 
     _HANDLERS = {**Lifecycle._HANDLERS,
                  E.Admit: lambda s, e: s.admit(e.request_id, e.token_ids, e.extra_keys),
@@ -507,8 +570,12 @@ class PrefillLifecycle(Lifecycle):
         self._out.append(C.SendFirstToken(req.id, req.token, 200))
 
     def send_write_error(self, req: Request, value: Any) -> None:
-        req.error_code = ERROR_WRITE_FAILED
+        req.error_code, req.reason = ERROR_WRITE_FAILED, "write_failed"
         self._out.append(C.SendFirstToken(req.id, None, ERROR_WRITE_FAILED))
+
+    def send_queue_timeout(self, req: Request, value: Any) -> None:
+        req.error_code, req.reason = ERROR_TIMEOUT, "queue_timeout"
+        self._out.append(C.SendFirstToken(req.id, None, ERROR_TIMEOUT))
 
 
 class DecodeLifecycle(Lifecycle):
@@ -516,12 +583,8 @@ class DecodeLifecycle(Lifecycle):
 
     TABLE = decode
 
-    def __init__(self, *args: Any, first_token_timeout: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        t = self.policy.transfer_timeout * 2 if first_token_timeout is None else first_token_timeout
-        if not isinstance(t, (int, float)) or not t > 0:
-            raise ValidationError(f"first_token_timeout must be a number > 0, got {t!r}")
-        self.first_token_timeout = float(t)
         self._running: set[str] = set()
 
     # -- engine API --------------------------------------------------------------------------
@@ -548,17 +611,23 @@ class DecodeLifecycle(Lifecycle):
         req.stored_keys = req.keys
         self._reqs[request_id] = req
         req.wait_seq = next(self._ids)
-        self._push_timer(self.clock() + self.first_token_timeout, _WAIT, (request_id, req.wait_seq))
+        self._push_timer(self.clock() + self.policy.first_token_timeout, _WAIT, (request_id, req.wait_seq))
         return tuple(req.blocks)
 
-    def deliver_first_token(self, request_id: str, token: int | None, error_code: int = 200) -> None:
-        """P's first token arrived (``error_code`` 200), or P reports it has no cache (!= 200)."""
-        req = self._get(request_id)
+    def deliver_first_token(self, request_id: str, token: int | None, error_code: int = 200) -> bool:
+        """P's first token arrived (``error_code`` 200), or P reports it has no cache (!= 200).
+
+        Returns False for a request that already ended (D's first-token deadline passed, or
+        it was aborted): the late token is dropped (see :meth:`Lifecycle._late`)."""
         if not isinstance(error_code, int) or isinstance(error_code, bool):
             raise ValidationError(f"request {request_id!r}: error_code {error_code!r} is not an int")
         if error_code == 200:
             _check_token(request_id, token)
+        req = self._late(request_id, "first_token")
+        if req is None:
+            return False
         self._fire(req, "first_token", (token, error_code))
+        return True
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, ...]:
         """Decoded tokens: grow the request, allocating blocks as it crosses block boundaries.
@@ -596,8 +665,15 @@ class DecodeLifecycle(Lifecycle):
         self._fire(req, "resume")
         return tuple(req.blocks)
 
-    def recompute_done(self, request_id: str) -> None:
-        self._fire(self._get(request_id), "recompute_done")
+    def recompute_done(self, request_id: str) -> bool:
+        """The engine recomputed the cache a :class:`~kvstate.commands.Recompute` asked for.
+
+        Returns False for a request that already ended (the late result is dropped)."""
+        req = self._late(request_id, "recompute_done")
+        if req is None:
+            return False
+        self._fire(req, "recompute_done")
+        return True
 
     def finish(self, request_id: str) -> None:
         self._fire(self._get(request_id), "finish")
@@ -632,11 +708,11 @@ class DecodeLifecycle(Lifecycle):
         self._transfer(req, C.ReadBlocks, "read_done", keys, blocks)
 
     def fail_from_prefill(self, req: Request, value: tuple[int | None, int]) -> None:
-        req.error_code = value[1]
+        req.error_code, req.reason = value[1], prefill_reason(value[1])
         self.recycle(req)
 
     def fail_no_token(self, req: Request, value: Any) -> None:
-        req.error_code = ERROR_NO_FIRST_TOKEN
+        req.error_code, req.reason = ERROR_NO_FIRST_TOKEN, "first_token_timeout"
         self.recycle(req)
 
     def read_complete(self, req: Request, value: int) -> bool:
@@ -646,7 +722,7 @@ class DecodeLifecycle(Lifecycle):
         return self.policy.read_failure == "recompute"
 
     def fail_read(self, req: Request, value: int) -> None:
-        req.error_code = ERROR_READ_FAILED
+        req.error_code, req.reason = ERROR_READ_FAILED, "read_failed"
         self.recycle(req)
 
     def start_recompute(self, req: Request, value: int | None) -> None:
@@ -663,7 +739,8 @@ class DecodeLifecycle(Lifecycle):
     def send_write_back(self, req: Request, value: Any) -> None:
         self._running.discard(req.id)
         # The newest token's cache is computed by the next decode step: store all before it.
-        req.keys = block_keys(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace)
+        req.keys = keys_of_packed(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace,
+                                  self.key_cache)
         req.retries = 0
         self._write(req, 0)
 

@@ -5,11 +5,31 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Policy", "ERROR_READ_FAILED", "ERROR_WRITE_FAILED", "ERROR_ABORTED"]
+__all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "ERROR_READ_FAILED", "ERROR_WRITE_FAILED", "ERROR_ABORTED", "ERROR_TIMEOUT",
+           "REASONS", "prefill_reason"]
 
-ERROR_READ_FAILED = 502  #: D could not read the cache P wrote (seed 000's code)
+READ_FAILURE_MODES = ("fail", "recompute")  #: ``Policy.read_failure``
+PREEMPT_MODES = ("write", "recompute")  #: ``Policy.preempt``
+
+ERROR_READ_FAILED = 502  #: D could not read the cache P wrote
 ERROR_WRITE_FAILED = 503  #: P could not write the cache; its first token carries this code
 ERROR_ABORTED = 499  #: the client went away
+ERROR_TIMEOUT = 504  #: a wait passed its deadline (P's queue for blocks, D's first token)
+
+#: Why a request ended (``RequestEnded.reason``). P: ``done`` (cache stored, first token
+#: sent), ``write_failed``, ``queue_timeout`` (no blocks within ``Policy.queue_timeout``),
+#: ``aborted``. D: ``done``, ``first_token_timeout``, ``read_failed``, ``aborted``, and, when
+#: P's first token carried an error, ``prefill_`` + P's reason for that code.
+REASONS = ("done", "aborted", "write_failed", "queue_timeout", "first_token_timeout", "read_failed",
+           "prefill_write_failed", "prefill_queue_timeout", "prefill_aborted", "prefill_failed")
+
+_PREFILL_REASONS = {ERROR_WRITE_FAILED: "prefill_write_failed", ERROR_TIMEOUT: "prefill_queue_timeout",
+                    ERROR_ABORTED: "prefill_aborted"}
+
+
+def prefill_reason(error_code: int) -> str:
+    """D's reason for ending a request whose first token came with ``error_code`` (not 200)."""
+    return _PREFILL_REASONS.get(error_code, "prefill_failed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,12 +43,17 @@ class Policy:
     - ``preempt``: ``"write"`` (write the cache out, free after it completed, reload on
       resume) or ``"recompute"`` (free at once, recompute on resume).
     - ``transfer_timeout``: deadline of every outstanding command.
+    - ``first_token_timeout``: how long D waits, from reserving blocks, for P's first token;
+      past it the request fails (reason ``first_token_timeout``, 504) and its blocks are free.
+    - ``queue_timeout``: how long an admitted prompt may wait for P's blocks; past it the
+      request fails (reason ``queue_timeout``) and its first token carries 504, so D learns
+      at once instead of at its own first-token deadline.
     - ``fence_grace``: after a command's deadline, how long its blocks stay pinned waiting
       for the late backend answer before they are reclaimed. Each transfer command carries
       its fence (deadline + grace); drivers and backends touch blocks only before it, so the
       grace must cover one local gather or scatter (milliseconds), not the store operation.
     - ``decode_headroom_blocks``: blocks D keeps free per running request when P asks it
-      for blocks (seed 002's reservation for running requests' growth).
+      for blocks (room for running requests to grow).
     """
 
     read_prefix: bool = True
@@ -36,20 +61,22 @@ class Policy:
     read_failure: str = "fail"
     preempt: str = "write"
     transfer_timeout: float = 30.0
+    first_token_timeout: float = 60.0
+    queue_timeout: float = 30.0
     fence_grace: float = 60.0
     decode_headroom_blocks: int = 1
 
     def __post_init__(self) -> None:
-        if self.read_failure not in ("fail", "recompute"):
+        if self.read_failure not in READ_FAILURE_MODES:
             raise ConfigError(f"Policy.read_failure must be 'fail' or 'recompute', got {self.read_failure!r}")
-        if self.preempt not in ("write", "recompute"):
+        if self.preempt not in PREEMPT_MODES:
             raise ConfigError(f"Policy.preempt must be 'write' or 'recompute', got {self.preempt!r}")
         if not isinstance(self.write_retries, int) or self.write_retries < 0:
             raise ConfigError(f"Policy.write_retries must be an int >= 0, got {self.write_retries!r}")
         if not isinstance(self.decode_headroom_blocks, int) or self.decode_headroom_blocks < 0:
             raise ConfigError(
                 f"Policy.decode_headroom_blocks must be an int >= 0, got {self.decode_headroom_blocks!r}")
-        for name in ("transfer_timeout", "fence_grace"):
+        for name in ("transfer_timeout", "first_token_timeout", "queue_timeout", "fence_grace"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"Policy.{name} must be a number > 0, got {v!r}")

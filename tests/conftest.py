@@ -1,6 +1,7 @@
 """Shared helpers: a settable clock, small specs, a P+D rig that runs a request end to end."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -33,12 +34,12 @@ class Rig:
                  store=None, first_token_timeout: float = 100.0, p_blocks: int | None = None) -> None:
         self.clock = Clock()
         self.spec = spec or small_spec(tp)
-        self.policy = policy or Policy(transfer_timeout=10.0, fence_grace=5.0)
+        self.policy = dataclasses.replace(policy or Policy(transfer_timeout=10.0, fence_grace=5.0),
+                                          first_token_timeout=first_token_timeout)
         self.store = store if store is not None else MemoryStore(1 << 26)
         p_blocks = p_blocks or blocks
         self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock)
-        self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock,
-                                 first_token_timeout=first_token_timeout)
+        self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock)
         self.pb = ReferenceBackend(self.spec, p_blocks, self.store)
         self.db = ReferenceBackend(self.spec, blocks, self.store)
         self.pd = StepDriver(self.P, self.pb)

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstate import InvalidTransitionError, KVStateError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
-from kvstate.demo import fake_block
+from kvstate.testing import fake_block
 from kvstate.backends.stores import Store
 from kvstate.errors import StoreError
 from kvstate.keys import block_keys
@@ -100,7 +100,8 @@ class Protocol(RuleBasedStateMachine):
         # a small P pool makes admitted requests queue for blocks (P's "waiting" state)
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
-                                     transfer_timeout=5.0, fence_grace=3.0), first_token_timeout=12.0)
+                                     transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0),
+                       first_token_timeout=12.0)
         self.tokens: dict[str, list[int]] = {}
         self.plen: dict[str, int] = {}  # prompt length per request
         self.n = 0
@@ -169,12 +170,18 @@ class Protocol(RuleBasedStateMachine):
             else:  # it arrives after D gave up waiting (or was told by another message)
                 self.faults["late_first_token"] += 1
                 snap = snapshot(rig.D)
-                try:
-                    rig.D.deliver_first_token(rid, n.token, n.error_code)
-                    raise AssertionError(f"a late first token for {rid} was accepted")
-                except (UnknownRequestError, InvalidTransitionError):
-                    pass
-                assert snapshot(rig.D) == snap
+                if rid in rig.D.live_requests():  # live in another state: a protocol error
+                    try:
+                        rig.D.deliver_first_token(rid, n.token, n.error_code)
+                        raise AssertionError(f"a second first token for live {rid} was accepted")
+                    except InvalidTransitionError:
+                        pass
+                    assert snapshot(rig.D) == snap
+                else:  # ended: dropped, counted, reported; nothing else changes
+                    late = rig.D.stats()["late_events"]
+                    assert rig.D.deliver_first_token(rid, n.token, n.error_code) is False
+                    assert rig.D.stats()["late_events"] == late + 1
+                    assert snapshot(rig.D)[:4] == snap[:4]
         elif isinstance(n, C.StartDecode):
             STATS["invariant:runnable_only_after_full_read_on_every_rank_with_p_bytes"] += 1
             # D is runnable only with every needed block read on every rank, byte-equal to P's
@@ -439,14 +446,21 @@ class Protocol(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.ended)))
         if rid in self.rig.D.live_requests():
             return
-        before = self.rig.D.pool.stats()
+        before = snapshot(self.rig.D)
         self.faults["recycled_event"] += 1
-        try:
-            self.rig.D.deliver_first_token(rid, 1)
-            raise AssertionError("an event for a recycled request was accepted")
-        except UnknownRequestError:
-            pass
-        assert self.rig.D.pool.stats() == before
+        event = data.draw(st.sampled_from(["first_token", "abort", "recompute_done", "finish"]))
+        if event == "finish":  # the scheduler's own action on an ended request is its bug: raises
+            try:
+                self.rig.D.finish(rid)
+                raise AssertionError("finish of a recycled request was accepted")
+            except UnknownRequestError:
+                pass
+        else:  # a late answer or abort is normal: dropped
+            call = {"first_token": lambda: self.rig.D.deliver_first_token(rid, 1),
+                    "abort": lambda: self.rig.D.abort(rid),
+                    "recompute_done": lambda: self.rig.D.recompute_done(rid)}[event]
+            assert call() is False
+        assert snapshot(self.rig.D)[:4] == before[:4]
 
     # -- invariants ----------------------------------------------------------------------------
     @invariant()

@@ -27,7 +27,7 @@ def handoff(rig: Rig, rid: str, toks=TOKS, first=7):
 
 
 def pattern(key, rank, kind, nbytes):
-    from kvstate.demo import fake_block
+    from kvstate.testing import fake_block
     return fake_block(key, rank, kind, nbytes)
 
 
@@ -431,10 +431,116 @@ def test_prefill_waits_fifo_for_blocks():
 def test_unknown_and_recycled_requests(rig):
     with pytest.raises(UnknownRequestError, match="unknown"):
         rig.D.finish("nope")
+    for call in (lambda: rig.D.deliver_first_token("nope", 1), lambda: rig.P.prefill_done("nope", 1),
+                 lambda: rig.D.recompute_done("nope"), lambda: rig.D.abort("nope")):
+        with pytest.raises(UnknownRequestError, match="'nope' is unknown"):
+            call()  # an id never seen is a bug of the caller, not a late event
     _running(rig)
     rig.D.finish("r")
     with pytest.raises(UnknownRequestError, match="already ended"):
-        rig.D.deliver_first_token("r", 1)
+        rig.D.finish("r")  # the scheduler's own actions on an ended request are its bug
+
+
+def test_late_events_for_ended_requests_are_dropped_and_counted():
+    """D's first-token deadline fires while P still computes: P's first token, a late
+    abort and a late recompute result change nothing, are counted and reported."""
+    rig = Rig(first_token_timeout=3.0)
+    rig.D.reserve("r", TOKS)
+    rig.P.admit("r", TOKS)
+    rig.pd.run_until_idle()
+    rig.clock.advance(3.5)
+    rig.D.tick()
+    [end] = rig.notices(rig.dd, C.RequestEnded)
+    assert (end.state, end.reason) == ("failed", "first_token_timeout")
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    fill_p(rig, "r", TOKS, sp.block_ids)
+    assert rig.P.prefill_done("r", 7) is True
+    rig.pd.run_until_idle()
+    [ft] = rig.notices(rig.pd, C.SendFirstToken)
+    before = snapshot_d(rig)
+    assert rig.D.deliver_first_token("r", ft.token, ft.error_code) is False
+    assert rig.D.abort("r") is False
+    assert rig.D.recompute_done("r") is False
+    assert rig.P.abort("r") is False and rig.P.prefill_done("r", 1) is False
+    assert snapshot_d(rig) == before
+    assert rig.D.stats()["late_events"] == 3 and rig.P.stats()["late_events"] == 2
+    late = rig.notices(rig.dd, C.LateEvent)
+    assert [(n.event, n.ended) for n in late] == [("first_token", "failed"), ("abort", "failed"),
+                                                   ("recompute_done", "failed")]
+    assert_clean(rig)
+
+
+def snapshot_d(rig):
+    return (rig.D.live_requests(), rig.D.pool.stats(), rig.D.pending_commands())
+
+
+def test_prefill_queue_deadline_fails_and_tells_d():
+    """A prompt waiting for P's blocks past Policy.queue_timeout fails (504, queue_timeout),
+    its first token carries the error, and D ends it at once with the derived reason."""
+    rig = Rig(blocks=4, policy=Policy(read_prefix=False, queue_timeout=2.0, transfer_timeout=10.0,
+                                      fence_grace=5.0))
+    rig.D.reserve("b", TOKS)
+    assert rig.P.admit("a", TOKS) == "prefilling"
+    assert rig.P.admit("b", TOKS) == "waiting"
+    assert rig.P.next_deadline() == 2.0
+    rig.clock.advance(1.9)
+    assert rig.P.tick() == 0 and rig.P.state_of("b") == "waiting"
+    rig.clock.advance(0.1)
+    assert rig.P.tick() == 1
+    [ft] = rig.notices(rig.pd, C.SendFirstToken)
+    [end] = rig.notices(rig.pd, C.RequestEnded)
+    assert (ft.request_id, ft.token, ft.error_code) == ("b", None, 504)
+    assert (end.request_id, end.state, end.reason, end.block_ids) == ("b", "failed", "queue_timeout", ())
+    rig.D.deliver_first_token("b", ft.token, ft.error_code)
+    [dend] = rig.notices(rig.dd, C.RequestEnded)
+    assert (dend.state, dend.error_code, dend.reason) == ("failed", 504, "prefill_queue_timeout")
+    rig.P.abort("a")  # frees its blocks: the timed-out request does not start
+    assert rig.P.live_requests() == [] and rig.P.pool.num_used == 0
+
+
+def test_a_request_that_got_blocks_has_no_queue_deadline():
+    rig = Rig(blocks=4, policy=Policy(read_prefix=False, queue_timeout=2.0))
+    rig.P.admit("a", TOKS)
+    rig.P.admit("b", TOKS)
+    rig.P.abort("a")
+    assert rig.P.state_of("b") == "prefilling"
+    assert rig.P.next_deadline() is None  # the wait timer went with the wait
+    rig.clock.advance(5.0)
+    assert rig.P.tick() == 0 and rig.P.state_of("b") == "prefilling"
+
+
+def test_next_deadline_is_the_time_tick_next_has_work():
+    rig = Rig(first_token_timeout=50.0)  # transfer_timeout 10, fence_grace 5
+    assert rig.D.next_deadline() is None
+    rig.D.reserve("r", TOKS)
+    assert rig.D.next_deadline() == 50.0
+    rig.clock.advance(1.0)
+    rig.D.deliver_first_token("r", 9)  # the wait ends; a read goes out at t=1 (deadline 11)
+    rig.dd.pump()
+    assert rig.D.next_deadline() == 11.0
+    rig.clock.advance(10.0)
+    assert rig.D.tick() == 1  # the silent read expires exactly at its deadline ...
+    assert rig.D.next_deadline() == 16.0  # ... and its pins at the fence
+    rig.clock.advance(5.0)
+    assert rig.D.tick() == 1 and rig.D.next_deadline() is None
+    assert_clean(rig)
+
+
+def test_terminal_reasons_of_every_end():
+    rig = Rig(policy=Policy(read_failure="fail", transfer_timeout=10.0, fence_grace=5.0))
+    serve(rig, "ok")
+    ends = {n.request_id: n for n in rig.notices(rig.dd, C.RequestEnded)}
+    assert ends["ok"].reason == "done"
+    rig.D.reserve("miss", [t + 1000 for t in TOKS])
+    rig.D.deliver_first_token("miss", 3)  # nothing was stored for these tokens: the read misses
+    rig.dd.run_until_idle()
+    rig.D.reserve("gone", TOKS)
+    rig.D.abort("gone")
+    rig.D.reserve("p503", TOKS)
+    rig.D.deliver_first_token("p503", None, 503)
+    ends = {n.request_id: (n.state, n.error_code, n.reason) for n in rig.notices(rig.dd, C.RequestEnded)}
+    assert ends == {"miss": ("failed", 502, "read_failed"), "gone": ("aborted", 499, "aborted"),
+                    "p503": ("failed", 503, "prefill_write_failed")}
 
 
 def test_illegal_event_names_request_state_and_changes_nothing(rig):
@@ -487,8 +593,8 @@ def test_caller_token_list_is_not_mutated(rig):
 def test_deadlines_fire_in_order_even_when_the_clock_steps_back(clock):
     """Timers sit in one FIFO per kind; a clock that goes back must not hide an earlier deadline
     behind a later one."""
-    D = DecodeLifecycle(small_spec(), 32, Policy(transfer_timeout=10.0, fence_grace=5.0), clock=clock,
-                        first_token_timeout=20.0)
+    D = DecodeLifecycle(small_spec(), 32, Policy(transfer_timeout=10.0, fence_grace=5.0, first_token_timeout=20.0),
+                        clock=clock)
     clock.now = 100.0
     D.reserve("late", [1, 2, 3])  # its first-token deadline: 120
     clock.now = 50.0  # the clock steps back

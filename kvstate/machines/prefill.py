@@ -1,6 +1,6 @@
 """The prefill (P) side of a request's KV-cache life.
 
-admit -> (read a stored prefix) -> prefill -> write the cache, skipping the leading blocks
+admit -> wait for blocks (FIFO, until ``Policy.queue_timeout``) -> (read a stored prefix) -> prefill -> write the cache, skipping the leading blocks
 already stored (retry, else first token with an error code) -> send the first token and
 recycle. Reading a prefix and skipping stored blocks need no round trip of their own: the
 read answers how many leading blocks it found, and a write first asks the store which
@@ -23,6 +23,8 @@ TRANSITIONS = (
     dict(trigger="start", source="waiting", dest="reading_prefix", conditions="wants_prefix",
          after="send_prefix_read"),
     dict(trigger="start", source="waiting", dest="prefilling", after="start_prefill"),
+    # no blocks within Policy.queue_timeout: fail, and tell D at once through the first token
+    dict(trigger="timed_out", source="waiting", dest="failed", after=["send_queue_timeout", "recycle"]),
     dict(trigger="prefix_read", source="reading_prefix", dest="prefilling", after="start_prefill"),
     # prefill computed: write what is not stored yet (a full hit writes nothing and answers in full)
     dict(trigger="prefill_done", source="prefilling", dest="writing", after="send_write"),
