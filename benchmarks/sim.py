@@ -18,8 +18,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate.sim.metrics import simulate, to_json  # noqa: E402
-from kvstate.sim.scenario import Scenario, with_overrides  # noqa: E402
+from kvstate.sim import simulate, to_json  # noqa: E402
+from kvstate.sim import Scenario, with_overrides  # noqa: E402
 
 TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "mooncake_synthetic_trace.jsonl")
 

@@ -1,31 +1,156 @@
-"""Metrics of a finished simulation, the readable report, and the JSON object.
+"""Metrics of a finished simulation, as plain data (definitions: docs/metrics.md).
 
-- TTFT: arrival → first token at D (P's prefill, storage write and message included);
-- TPOT: (finish − first token) / (output tokens − 1), for requests of 2+ tokens;
-- end-to-end latency: arrival → last token;
-- goodput: requests per second that finished and met both the TTFT and TPOT SLOs.
+- latencies (ms; mean, p50, p90, p99) of requests that finished: TTFT (arrival → first token
+  at D), TPOT ((finish − first token) / (tokens − 1), answers of 2+ tokens), ITL (every gap
+  between consecutive tokens of an answer, preemptions and reads included; nearest rank over
+  tokens) and E2E (arrival → last token);
+- the steady window: from the time 10 % of the requests had ended (warm-up) to the last
+  arrival (after it the queues only drain). Throughput, goodput and tokens/s count requests
+  that finished inside it, per second of it, beside the offered rate (arrivals in it per
+  second). A run too short for a window (it would span under 10 % of the run) counts over the
+  whole run instead, and says so; its offered rate is then the arrival rate over the arrivals'
+  span;
+- SLO attainment: the share of *all* requests that finished meeting the TTFT SLO, the TPOT
+  SLO, and both. A run meets the SLOs when it drained, both attainments reach the target
+  and goodput reaches target × offered rate;
+- utilisation over the run: compute busy; on D also the batch slots used (time-weighted
+  batch size / ``decode_max_batch``); blocks used (time-weighted / blocks per instance).
 """
 from __future__ import annotations
 
-import json
-import time
+import math
 from typing import Any
 
 import numpy as np
 
 from .cluster import Cluster
-from .scenario import Scenario, scenario_to_dict
+from .request import SimRequest
+from .scenario_io import scenario_to_dict
 
-__all__ = ["simulate", "summarize", "format_report", "to_json"]
+__all__ = ["summarize", "steady_window", "latency_stats", "weighted_stats", "WARMUP_FRACTION"]
+
+WARMUP_FRACTION = 0.1  #: requests that must have ended before the steady window opens
 
 
-def _pcts(xs: list[float]) -> dict[str, float | None]:
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    a = np.asarray(xs) * 1000.0
+def latency_stats(seconds: list[float]) -> dict[str, float | None]:
+    """Mean, p50, p90, p99 in ms (linear interpolation; None when there is no sample)."""
+    if not seconds:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(seconds) * 1000.0
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3),
-            "mean": round(float(a.mean()), 3)}
+    return {"mean": round(float(a.mean()), 3), "p50": round(float(p50), 3), "p90": round(float(p90), 3),
+            "p99": round(float(p99), 3)}
+
+
+def weighted_stats(hist: dict[float, int]) -> dict[str, float | None]:
+    """Mean, p50, p90, p99 in ms of a histogram ``{seconds: count}`` (nearest rank)."""
+    total = sum(hist.values())
+    if not total:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    values = sorted(hist)
+    cum = np.cumsum([hist[v] for v in values])
+    out: dict[str, float | None] = {"mean": round(1000.0 * sum(v * n for v, n in hist.items()) / total, 3)}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        i = int(np.searchsorted(cum, math.ceil(q * total)))
+        out[name] = round(1000.0 * values[min(i, len(values) - 1)], 3)
+    return out
+
+
+def steady_window(reqs: list[SimRequest]) -> tuple[float, float, bool]:
+    """(start, end, steady): the steady window, or the whole run when there is none."""
+    if not reqs:
+        return 0.0, 0.0, False
+    ends = sorted(r.finish for r in reqs if r.finish is not None)
+    first = min(r.arrival for r in reqs)
+    last_arrival = max(r.arrival for r in reqs)
+    last_end = ends[-1] if ends else last_arrival
+    start = ends[max(0, math.ceil(WARMUP_FRACTION * len(reqs)) - 1)] if ends else first
+    if last_arrival - start >= WARMUP_FRACTION * (last_end - first) > 0:
+        return start, last_arrival, True
+    return first, last_end, False
+
+
+def _attainment(s: Any, reqs: list[SimRequest], ok: list[SimRequest]) -> dict[str, Any]:
+    slo_t, slo_p = s.slo.ttft_ms / 1000.0, s.slo.tpot_ms / 1000.0
+    n = len(reqs) or 1
+    ttft_ok = {r.rid for r in ok if r.first_token - r.arrival <= slo_t}
+    tpot_ok = {r.rid for r in ok if r.out <= 1 or (r.finish - r.first_token) / (r.out - 1) <= slo_p}
+    return {"ttft_ms": s.slo.ttft_ms, "tpot_ms": s.slo.tpot_ms, "target": s.slo.attainment,
+            "ttft_attainment": round(len(ttft_ok) / n, 4), "tpot_attainment": round(len(tpot_ok) / n, 4),
+            "attainment": round(len(ttft_ok & tpot_ok) / n, 4), "_good": ttft_ok & tpot_ok}
+
+
+def _offered(reqs: list[SimRequest], start: float, end: float, steady: bool) -> float:
+    """Arrivals per second: in the steady window, else over the arrival span (the whole run's
+    length when everything arrived at once)."""
+    if steady:
+        return sum(1 for r in reqs if start <= r.arrival <= end) / (end - start)
+    first, last = min(r.arrival for r in reqs), max(r.arrival for r in reqs)
+    if last > first:
+        return (len(reqs) - 1) / (last - first)
+    return len(reqs) / (end - start) if end > start else 0.0
+
+
+def _rates(reqs: list[SimRequest], ok: list[SimRequest], good: set[str]) -> dict[str, Any]:
+    start, end, steady = steady_window(reqs)
+    span = end - start
+    inside = [r for r in ok if start <= r.finish <= end]
+    per_s = (lambda x: round(x / span, 4)) if span > 0 else (lambda x: 0.0)
+    return {
+        "window_s": [round(start, 6), round(end, 6)], "window": "steady" if steady else "whole run",
+        "offered_rps": round(_offered(reqs, start, end, steady), 4) if reqs else 0.0,
+        "throughput_rps": per_s(len(inside)),
+        "goodput_rps": per_s(sum(1 for r in inside if r.rid in good)),
+        "output_tokens_per_s": round(per_s(sum(r.generated for r in inside)), 2),
+        "total_tokens_per_s": round(per_s(sum(r.generated + r.input_len for r in inside)), 2),
+    }
+
+
+def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any]) -> list[str]:
+    """Why the run does not meet the SLOs (empty: it meets them)."""
+    why, target = [], slo["target"]
+    if not drained:
+        why.append("the run did not drain")
+    if slo["ttft_attainment"] < target:
+        why.append(f"TTFT attainment {slo['ttft_attainment']:.3f} < {target}")
+    if slo["tpot_attainment"] < target:
+        why.append(f"TPOT attainment {slo['tpot_attainment']:.3f} < {target}")
+    if rates["goodput_rps"] < target * rates["offered_rps"]:
+        why.append(f"goodput {rates['goodput_rps']:.2f} req/s < {target} x offered {rates['offered_rps']:.2f}")
+    return why
+
+
+def _instances(cl: Cluster, end: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i in cl.instances:
+        d: dict[str, Any] = {"compute_busy": round(i.busy_time / end, 4)}
+        if i.role == "decode":
+            d["batch_slots_used"] = round(i.slot_seconds / end / i.max_batch, 4)  # type: ignore[attr-defined]
+        d["blocks_used"] = round(i.block_seconds / end / cl.gpu_blocks, 4)
+        d["peak_blocks_used"] = round(i.lc.pool.stats().peak_used / cl.gpu_blocks, 4)
+        d["lifecycle"] = {k: v for k, v in i.lc.counters.items() if v}
+        out[i.name] = d
+    return out
+
+
+def _storage(cl: Cluster, end: float) -> dict[str, Any]:
+    st = cl.store
+    w, r = st.stats["bytes_written"], st.stats["bytes_read"]
+    return {"bytes_written": w, "bytes_read": r, "write_GBps": round(w / end / 1e9, 4),
+            "read_GBps": round(r / end / 1e9, 4), "bandwidth_use": round((w + r) / end / st.bandwidth, 4),
+            "capacity_bytes": st.capacity, "peak_used_bytes": st.peak, "peak_use": round(st.peak / st.capacity, 4),
+            "evicted_blocks": st.stats["evicted_blocks"], "read_block_hits": st.stats["hits"],
+            "read_block_misses": st.stats["misses"]}
+
+
+def _counts(reqs: list[SimRequest]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {"states": {}, "reasons": {}, "errors": {}}
+    for r in reqs:
+        out["states"][r.state] = out["states"].get(r.state, 0) + 1
+        out["reasons"][r.reason] = out["reasons"].get(r.reason, 0) + 1
+        if r.state != "done":
+            out["errors"][str(r.error)] = out["errors"].get(str(r.error), 0) + 1
+    return {k: dict(sorted(v.items())) for k, v in out.items()}
 
 
 def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
@@ -33,115 +158,45 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
     s = cl.scenario
     reqs = sorted(cl.done, key=lambda r: r.index)
     ok = [r for r in reqs if r.state == "done"]
-    ttft = [r.first_token - r.arrival for r in ok]
-    tpot = [(r.finish - r.first_token) / (r.out - 1) for r in ok if r.out > 1]
-    e2e = [r.finish - r.arrival for r in ok]
-    slo_t, slo_p = s.slo.ttft_ms / 1000.0, s.slo.tpot_ms / 1000.0
-    good = sum(1 for r in ok if r.first_token - r.arrival <= slo_t
-               and (r.out <= 1 or (r.finish - r.first_token) / (r.out - 1) <= slo_p))
-    span = max((r.finish for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
-    states: dict[str, int] = {}
-    errors: dict[str, int] = {}
-    for r in reqs:
-        states[r.state] = states.get(r.state, 0) + 1
-        if r.state != "done":
-            errors[str(r.error)] = errors.get(str(r.error), 0) + 1
-    st = cl.store
-    hits, misses = st.stats["hits"], st.stats["misses"]
-    insts = cl.prefill + cl.decode
     end = max(raw["end_time"], 1e-9)
-    cached = sum(r.cached_tokens for r in reqs)
+    itl: dict[float, int] = {}
+    for d in cl.decode:
+        for gap, n in d.itl.items():
+            itl[gap] = itl.get(gap, 0) + n
+    slo = _attainment(s, reqs, ok)
+    rates = _rates(reqs, ok, slo.pop("_good"))
+    why = _verdict(raw["drained"] and not raw["deadlock"], slo, rates)
     prompt = sum(r.input_len for r in reqs)
-    series = cl.series
-
-    def peak(key: str) -> list[int]:
-        return [max((x[key][i] for x in series), default=0) for i in range(len(series[0][key]))] if series else []
-
     return {
-        "scenario": scenario_to_dict(s),
-        "requests": len(reqs), "states": dict(sorted(states.items())), "errors": dict(sorted(errors.items())),
-        "drained": raw["drained"], "deadlock": raw["deadlock"],
-        "simulated_s": round(raw["end_time"], 6),
-        "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "e2e_ms": _pcts(e2e),
-        "throughput_rps": round(len(ok) / span, 4) if span > 0 else 0.0,
-        "goodput_rps": round(good / span, 4) if span > 0 else 0.0,
-        "slo_attainment": round(good / len(reqs), 4) if reqs else 0.0,
-        "output_tokens_per_s": round(sum(r.generated for r in ok) / span, 2) if span > 0 else 0.0,
-        "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-        "storage": {
-            "bytes_written": st.stats["bytes_written"], "bytes_read": st.stats["bytes_read"],
-            "write_GBps": round(st.stats["bytes_written"] / end / 1e9, 4),
-            "read_GBps": round(st.stats["bytes_read"] / end / 1e9, 4),
-            "bandwidth_use": round((st.stats["bytes_written"] + st.stats["bytes_read"]) / end / st.bandwidth, 4),
-            "capacity_bytes": st.capacity, "peak_used_bytes": st.peak,
-            "peak_use": round(st.peak / st.capacity, 4),
-            "evicted_blocks": st.stats["evicted_blocks"], "read_block_hits": hits, "read_block_misses": misses,
-        },
-        "partial_reads": cl.counters["partial_reads"],
-        "preemptions": cl.counters["preemptions"],
-        "backlogged_requests": cl.counters["backlogged"],
-        "rejected_too_long": cl.counters["rejected_too_long"],
+        "scenario": scenario_to_dict(s), "requests": len(reqs), **_counts(reqs),
+        "drained": raw["drained"], "deadlock": raw["deadlock"], "duration_s": round(raw["end_time"], 6),
+        "configured_rate_rps": s.workload.rate if s.workload.arrival != "trace" else None,
+        **rates,
+        "ttft_ms": latency_stats([r.first_token - r.arrival for r in ok]),
+        "tpot_ms": latency_stats([(r.finish - r.first_token) / (r.out - 1) for r in ok if r.out > 1]),
+        "itl_ms": weighted_stats(itl),
+        "e2e_ms": latency_stats([r.finish - r.arrival for r in ok]),
+        "slo": {**slo, "meets": not why, "unmet": why},
+        "prefix_hit_rate": round(sum(r.cached_tokens for r in reqs) / prompt, 4) if prompt else 0.0,
+        "storage": _storage(cl, end),
+        "partial_reads": cl.counters["partial_reads"], "preemptions": cl.counters["preemptions"],
+        "backlogged_requests": cl.counters["backlogged"], "rejected_too_long": cl.counters["rejected_too_long"],
+        "late_events": {k[5:]: v for k, v in sorted(cl.counters.items()) if k.startswith("late_")},
         "injected_failures": {"write": cl.counters["injected_write_failures"],
                               "read": cl.counters["injected_read_failures"]},
         "gpu_blocks_per_instance": cl.gpu_blocks,
-        "instances": {i.name: {"busy": round(i.busy_time / end, 4),
-                               "peak_blocks_used": i.lc.pool.stats().peak_used,
-                               "lifecycle": {k: v for k, v in i.lc.counters.items() if v}}
-                      for i in insts},
-        "peaks": {"prefill_queue": peak("prefill_queue"), "decode_running": peak("decode_running"),
-                  "decode_preempted": peak("decode_preempted"),
-                  "backlog": max((x["backlog"] for x in series), default=0)},
-        "series": series,
-        "_latencies_ms": {"TTFT": [1000 * x for x in ttft], "TPOT": [1000 * x for x in tpot],
-                          "E2E": [1000 * x for x in e2e]},
+        "instances": _instances(cl, end),
+        "peaks": _peaks(cl.series),
+        "series": cl.series,
+        "_latencies_ms": {"TTFT": [1000 * (r.first_token - r.arrival) for r in ok],
+                          "TPOT": [1000 * (r.finish - r.first_token) / (r.out - 1) for r in ok if r.out > 1],
+                          "E2E": [1000 * (r.finish - r.arrival) for r in ok]},
     }
 
 
-def simulate(s: Scenario) -> dict[str, Any]:
-    """Run ``s``; returns :func:`summarize`'s object plus ``wall_s`` (not part of ``--json``'s determinism)."""
-    t = time.perf_counter()
-    cl = Cluster(s)
-    raw = cl.run()
-    out = summarize(cl, raw)
-    out["wall_s"] = time.perf_counter() - t
-    return out
+def _peaks(series: list[dict[str, Any]]) -> dict[str, Any]:
+    def peak(key: str) -> list[int]:
+        return [max(x[key][i] for x in series) for i in range(len(series[0][key]))] if series else []
 
-
-def to_json(result: dict[str, Any]) -> str:
-    """The ``--json`` document: every metric, wall time left out so equal seeds give equal bytes."""
-    return json.dumps({k: v for k, v in result.items() if k != "wall_s" and not k.startswith("_")}, sort_keys=True)
-
-
-def format_report(r: dict[str, Any]) -> str:
-    s = r["scenario"]
-    c, m = s["cluster"], s["model"]
-
-    def row(name: str, d: dict) -> str:
-        f = lambda v: "-" if v is None else f"{v:10.1f}"  # noqa: E731
-        return f"  {name:<10}{f(d['p50'])}{f(d['p90'])}{f(d['p99'])}"
-
-    st = r["storage"]
-    lines = [
-        f"kvstate simulate — {m['name']} on {c['n_prefill']} P + {c['n_decode']} D x TP {c['tp']} "
-        f"({s['gpu']['name']}), {s['workload']['arrival']} load, seed {s['seed']}",
-        f"requests {r['requests']}: {r['states']}" + (f", errors {r['errors']}" if r["errors"] else ""),
-        f"simulated {r['simulated_s']:.1f} s" + (f" in {r['wall_s']:.2f} s wall" if "wall_s" in r else ""),
-        "latency (ms)      p50       p90       p99",
-        row("TTFT", r["ttft_ms"]), row("TPOT", r["tpot_ms"]), row("E2E", r["e2e_ms"]),
-        f"throughput {r['throughput_rps']:.2f} req/s, goodput {r['goodput_rps']:.2f} req/s "
-        f"(SLO TTFT {s['slo']['ttft_ms']:.0f} ms, TPOT {s['slo']['tpot_ms']:.0f} ms: {100 * r['slo_attainment']:.1f} % met)",
-        f"prefix hit rate {100 * r['prefix_hit_rate']:.1f} % of prompt tokens read from storage",
-        f"storage: write {st['write_GBps']:.2f} GB/s, read {st['read_GBps']:.2f} GB/s "
-        f"({100 * st['bandwidth_use']:.1f} % of bandwidth), peak {st['peak_used_bytes'] / 2**30:.1f} GiB "
-        f"({100 * st['peak_use']:.1f} %), evicted {st['evicted_blocks']} blocks, partial reads {r['partial_reads']}",
-        f"preemptions {r['preemptions']}, backlogged arrivals {r['backlogged_requests']}, "
-        f"GPU blocks per instance {r['gpu_blocks_per_instance']}",
-        "instances: " + ", ".join(f"{k} busy {100 * v['busy']:.0f} % peak blocks {v['peak_blocks_used']}"
-                                  for k, v in r["instances"].items()),
-    ]
-    if r["deadlock"]:
-        d = r["deadlock"]
-        lines.append(f"DEADLOCK / NOT DRAINED: {d['reason']}; {d['live_count']} requests live")
-        lines += [f"  {x}" for x in d["stuck_ranks"][:10]]
-        lines += [f"  {rid}: {st_}" for rid, st_ in list(d["live_requests"].items())[:10]]
-    return "\n".join(lines)
+    return {"prefill_queue": peak("prefill_queue"), "decode_running": peak("decode_running"),
+            "decode_preempted": peak("decode_preempted"), "backlog": max((x["backlog"] for x in series), default=0)}

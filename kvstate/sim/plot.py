@@ -6,10 +6,11 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["plot_simulation", "plot_plan"]
+__all__ = ["plot_simulation", "plot_plan", "pyplot"]
 
 
-def _pyplot():
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a ConfigError saying how to install it."""
     try:
         import matplotlib
     except ImportError:
@@ -21,9 +22,9 @@ def _pyplot():
 
 def plot_simulation(result: dict[str, Any], latencies: dict[str, list[float]], out_dir: str | Path) -> list[str]:
     """Latency CDFs and queues / block use / storage use over time; returns the files written."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)  # its parent must exist: missing directories are not made up
     files = []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (name, xs) in zip(axes, latencies.items()):
@@ -70,19 +71,19 @@ def plot_simulation(result: dict[str, Any], latencies: dict[str, list[float]], o
 
 def plot_plan(rows: list[dict[str, Any]], x: str, out_file: str | Path) -> str:
     """Goodput and TTFT p99 of every swept configuration, by ``x``."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     labels = [", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["config"].items()) for r in rows]
-    colors = ["tab:green" if r["meets_slo"] else "tab:red" for r in rows]
-    axes[0].bar(range(len(rows)), [r["goodput_rps"] for r in rows], color=colors)
+    colors = ["tab:green" if r["meets_slo"] else "tab:red" if r["feasible"] else "tab:gray" for r in rows]
+    axes[0].bar(range(len(rows)), [r.get("goodput_rps", 0.0) for r in rows], color=colors)
     axes[0].set_ylabel("goodput (req/s)")
-    axes[1].bar(range(len(rows)), [r["ttft_p99_ms"] or 0 for r in rows], color=colors)
+    axes[1].bar(range(len(rows)), [r.get("ttft_p99_ms") or 0 for r in rows], color=colors)
     axes[1].set_ylabel("TTFT p99 (ms)")
     for ax in axes:
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"capacity plan (green: meets the SLOs), by {x}")
+    fig.suptitle(f"capacity plan (green: meets the SLOs, red: does not, gray: infeasible), by {x}")
     fig.tight_layout()
     fig.savefig(out_file, dpi=100)
     plt.close(fig)

@@ -29,8 +29,9 @@ class SimStore:
         self.bandwidth = spec.bandwidth_gbps * 1e9
         self.latency = spec.latency_ms / 1000.0
         self.query_latency = spec.query_latency_ms / 1000.0
-        self._all = (1 << tp) - 1
-        self._blocks: OrderedDict[str, int] = OrderedDict()  # key -> bitmask of ranks stored
+        self._blocks: OrderedDict[str, int] = OrderedDict()  # LRU order: key -> bitmask of ranks stored
+        self._ranks: list[set[str]] = [set() for _ in range(tp)]  # the keys each rank's shard is stored under
+        self._holders = [[self._ranks[r] for r in range(tp) if m >> r & 1] for m in range(1 << tp)]  # by mask
         self.used = 0
         self.peak = 0
         self.busy_until = 0.0
@@ -45,45 +46,63 @@ class SimStore:
         return start, end + self.latency
 
     # -- contents (the TransferBackend questions) --------------------------------------------
-    def leading(self, rank: int, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` hold ``rank``'s shard (a look that counts no query)."""
-        bit, blocks, n = 1 << rank, self._blocks, 0
-        for k in keys:
-            m = blocks.get(k)
-            if m is None or not m & bit:
+    @property
+    def evictions(self) -> int:
+        """Blocks evicted so far: while it is unchanged, no stored key went away."""
+        return self.stats["evicted_blocks"]
+
+    def leading(self, rank: int, keys: Sequence[str], known: int = 0) -> int:
+        """How many leading ``keys`` hold ``rank``'s shard (a look that counts no query).
+        ``known``: so many leading keys were seen stored with no eviction since."""
+        stored, n = self._ranks[rank], known
+        for k in keys[known:] if known else keys:
+            if k not in stored:
                 break
             n += 1
         return n
 
-    def query(self, rank: int, keys: Sequence[str]) -> int:
+    def query(self, rank: int, keys: Sequence[str], known: int = 0) -> int:
         self.stats["queries"] += 1
-        return self.leading(rank, keys)
+        return self.leading(rank, keys, known)
 
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None) -> int:
-        n = self.leading(rank, keys)
-        self.stats["gets"] += 1
-        self.stats["bytes_read"] += n * self.shard_bytes
-        self.stats["hits"] += n
-        self.stats["misses"] += len(keys) - n
-        blocks = self._blocks
+    def answer(self, rank: int, keys: Sequence[str], write: bool, known: int = 0) -> int:
+        """What :func:`~kvstate.backends.drivers.execute` answers for one rank's write (query,
+        then write the rest) or read of ``keys`` here, ``known`` as in :meth:`leading`."""
+        if write:
+            n = self.query(rank, keys, known)
+            return n + self.write(rank, keys[n:]) if n < len(keys) else n
+        return self.read(rank, keys, known=known)
+
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None,
+             known: int = 0) -> int:
+        n = self.leading(rank, keys, known)
+        stats = self.stats
+        stats["gets"] += 1
+        stats["bytes_read"] += n * self.shard_bytes
+        stats["hits"] += n
+        stats["misses"] += len(keys) - n
+        touch = self._blocks.move_to_end
         for k in keys[:n]:
-            blocks.move_to_end(k)
+            touch(k)
         return n
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None) -> int:
-        bit, blocks, shard = 1 << rank, self._blocks, self.shard_bytes
+        stored, blocks, bit, new = self._ranks[rank], self._blocks, 1 << rank, 0
         self.stats["puts"] += 1
-        self.stats["bytes_written"] += len(keys) * shard
+        self.stats["bytes_written"] += len(keys) * self.shard_bytes
         for k in keys:
+            if k in stored:
+                blocks.move_to_end(k)
+                continue
+            stored.add(k)
+            new += 1
             m = blocks.get(k)
             if m is None:
                 blocks[k] = bit
-                self.used += shard
             else:
-                if not m & bit:
-                    self.used += shard
                 blocks[k] = m | bit
                 blocks.move_to_end(k)
+        self.used += new * self.shard_bytes
         if self.used > self.capacity:
             self._evict()
         if self.used > self.peak:
@@ -91,11 +110,16 @@ class SimStore:
         return len(keys)
 
     def _evict(self) -> None:
-        blocks, shard = self._blocks, self.shard_bytes
+        blocks, shard, holders = self._blocks, self.shard_bytes, self._holders
+        n = 0
         while self.used > self.capacity and blocks:
-            _, m = blocks.popitem(last=False)
-            self.used -= shard * bin(m).count("1")
-            self.stats["evicted_blocks"] += 1
+            k, m = blocks.popitem(last=False)
+            sets = holders[m]
+            for stored in sets:
+                stored.discard(k)
+            self.used -= shard * len(sets)
+            n += 1
+        self.stats["evicted_blocks"] += n
 
     def __len__(self) -> int:
         return len(self._blocks)

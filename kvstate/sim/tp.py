@@ -1,7 +1,7 @@
 """TP ranks running transfer tasks, with the barrier protocols to compare, and a deadlock search.
 
-Each rank of an instance has a pool of ``workers`` SimPy processes per task kind (read,
-write), like the seed's per-rank thread pools. A task is handed to every rank; each rank
+Each rank of an instance has a pool of ``workers`` per task kind (read, write), like the
+per-rank thread pools of FastDeploy's cache transfer manager. A task is handed to every rank; each rank
 does its part (its own duration plus its configured skew) and answers.
 
 Protocols:
@@ -9,12 +9,12 @@ Protocols:
 - ``kvstate`` — each rank answers its own part; the lifecycle takes the minimum over the
   ranks and a deadline covers a rank that never answers. No barrier is shared, so none can
   be reset at the wrong moment.
-- ``seed`` — as the seed's cache transfer manager: after its part every rank waits on one
+- ``shared-barrier`` — as FastDeploy's cache transfer manager: after its part every rank waits on one
   barrier shared by all tasks of that kind, then answers. Barrier semantics:
   ``auto`` (generation barrier, like ``threading.Barrier``: it resets itself when the last
   party arrives) or ``manual-reset`` (it trips when ``parties`` arrivals are counted and stays
   open until someone calls ``reset()``, which zeroes the count; rank 0 resets after passing
-  on writes, every rank on reads — the seed's two call sites).
+  on writes, every rank on reads — that manager's two call sites).
 
 A barrier wait has a timeout: a waiter still blocked after ``barrier_timeout`` is
 reported as stuck with the barrier's arrivals (who is there, who is missing), and the
@@ -23,13 +23,19 @@ worker is lost, as a thread blocked forever would be.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import simpy
 
-__all__ = ["SimBarrier", "RankPools", "Stuck", "TaskSchedule", "run_schedule", "search_deadlocks"]
+__all__ = ["SimBarrier", "RankPools", "Stuck", "TaskSchedule", "run_schedule", "search_deadlocks",
+           "PROTOCOLS", "INDEPENDENT", "SHARED_BARRIER"]
+
+INDEPENDENT = "kvstate"  #: each rank answers on its own; the lifecycle takes the minimum
+SHARED_BARRIER = "shared-barrier"  #: every rank waits on one barrier per task kind, then answers
+PROTOCOLS = (INDEPENDENT, SHARED_BARRIER)
 
 
 @dataclass
@@ -100,7 +106,12 @@ class SimBarrier:
 
 
 class RankPools:
-    """Worker pools of every rank of one instance, for one task kind."""
+    """Worker pools of every rank of one instance, for one task kind.
+
+    Workers are counts, not processes: a task starts when one of its rank's ``workers`` is
+    free (FIFO otherwise), its part is one timeout, and its barrier wait (``shared-barrier``)
+    a callback on the barrier's event. A task therefore costs one SimPy event per rank.
+    """
 
     def __init__(self, env: simpy.Environment, name: str, tp: int, workers: int, protocol: str,
                  semantics: str, skew_s: Iterable[float] = (), barrier_timeout: float = 30.0,
@@ -111,37 +122,56 @@ class RankPools:
         self.barrier_timeout = barrier_timeout
         self.reset_by = reset_by
         self.manual = semantics == "manual-reset"
-        self.barrier = SimBarrier(env, name, tp, semantics, log) if protocol == "seed" else None
-        self.queues = [simpy.Store(env) for _ in range(tp)]
+        self.barrier = SimBarrier(env, name, tp, semantics, log) if protocol == SHARED_BARRIER else None
+        self.queues: list[deque[Any]] = [deque() for _ in range(tp)]
+        self.idle = [workers] * tp  #: free workers per rank
         self.stuck: list[Stuck] = []
-        for r in range(tp):
-            for _ in range(workers):
-                env.process(self._worker(r))
 
     def submit(self, task: Any, ranks: Iterable[int]) -> None:
         """Hand ``task`` to each rank: ``task.start(rank) -> seconds`` is called when a worker
         takes it, ``task.finish(rank)`` when that rank's part is done (after the barrier)."""
         for r in ranks:
-            self.queues[r].put(task)
+            if self.idle[r]:
+                self.idle[r] -= 1
+                self._start(r, task)
+            else:
+                self.queues[r].append(task)
 
-    def _worker(self, r: int):
-        env, q, barrier = self.env, self.queues[r], self.barrier
-        while True:
-            task = yield q.get()
-            dt = task.start(r) + self.skew[r]
-            if dt > 0:
-                yield env.timeout(dt)
-            if barrier is not None:
-                since = env.now
-                ev = barrier.wait(r, task.label)
-                if not ev.triggered:
-                    res = yield ev | env.timeout(self.barrier_timeout)
-                    if ev not in res:
-                        self.stuck.append(barrier.stuck_report(r, task.label, since))
-                        return  # the worker is lost, like a thread blocked forever
-                if self.manual and (self.reset_by == "all" or r == 0):
-                    barrier.reset(r, task.label)
-            task.finish(r)
+    def _start(self, r: int, task: Any) -> None:
+        dt = task.start(r) + self.skew[r]
+        self.env.timeout(dt if dt > 0 else 0.0).callbacks.append(lambda _e: self._worked(r, task))
+
+    def _worked(self, r: int, task: Any) -> None:
+        barrier = self.barrier
+        if barrier is None:
+            self._done(r, task)
+            return
+        since = self.env.now
+        ev = barrier.wait(r, task.label)
+        if ev.triggered:
+            self._passed(r, task)
+            return
+        either = ev | self.env.timeout(self.barrier_timeout)
+
+        def after(_e: Any) -> None:
+            if ev.triggered:
+                self._passed(r, task)
+            else:  # the worker is lost, like a thread blocked forever
+                self.stuck.append(barrier.stuck_report(r, task.label, since))
+        either.callbacks.append(after)
+
+    def _passed(self, r: int, task: Any) -> None:
+        if self.manual and (self.reset_by == "all" or r == 0):
+            self.barrier.reset(r, task.label)  # type: ignore[union-attr]
+        self._done(r, task)
+
+    def _done(self, r: int, task: Any) -> None:
+        task.finish(r)
+        q = self.queues[r]
+        if q:
+            self._start(r, q.popleft())
+        else:
+            self.idle[r] += 1
 
 
 # -- the deadlock search --------------------------------------------------------------------
@@ -195,7 +225,7 @@ def run_schedule(case: TaskSchedule, barrier_timeout: float = 1.0) -> dict[str, 
             "unsynchronized": pools.barrier.unsynchronized if pools.barrier else 0, "trace": log}
 
 
-def search_deadlocks(protocols: Iterable[str] = ("seed", "kvstate"),
+def search_deadlocks(protocols: Iterable[str] = (SHARED_BARRIER, INDEPENDENT),
                      semantics: Iterable[str] = ("auto", "manual-reset"),
                      tps: Iterable[int] = (2, 4), workers: Iterable[int] = (1, 2),
                      tasks: Iterable[int] = (1, 2, 3, 4), spacings: Iterable[float] = (0.0, 0.0005, 0.002),
@@ -207,7 +237,7 @@ def search_deadlocks(protocols: Iterable[str] = ("seed", "kvstate"),
     results: dict[str, Any] = {}
     n = 0
     for proto, sem in itertools.product(protocols, semantics):
-        reset_bys = ("rank0", "all") if proto == "seed" else ("rank0",)
+        reset_bys = ("rank0", "all") if proto == SHARED_BARRIER else ("rank0",)
         summary = {"cases": 0, "deadlocks": 0, "unsynchronized_cases": 0, "minimal": None}
         best_key = None
         for reset_by, tp, w, k, sp, sk, slow in itertools.product(

@@ -36,10 +36,21 @@ def unique_start(i: int, salt: int = 0) -> int:
 
 
 def unique_tokens(start: int, lo: int, hi: int) -> array:
-    """Tokens ``lo .. hi-1`` of the own run that starts at ``start``, as a uint32 array."""
+    """Tokens ``lo .. hi-1`` of the own run that starts at ``start``, as a uint32 array: the
+    ids ``2**31 + (start + i) mod 2**31`` (a run that may wrap once)."""
+    a = (start + lo) % _HALF
+    n = hi - lo
+    if n <= 128:  # a block's worth: cheaper without numpy
+        if a + n <= _HALF:
+            return array("I", range(_HALF + a, _HALF + a + n))
+        out = array("I", range(_HALF + a, 1 << 32))
+        out.extend(range(_HALF, _HALF + n - (_HALF - a)))
+        return out
     out = array("I")
-    out.frombytes(((np.arange(lo, hi, dtype=np.uint64) + np.uint64(start)) % np.uint64(_HALF)
-                   + np.uint64(_HALF)).astype(np.uint32).tobytes())
+    if a + n <= _HALF:
+        out.frombytes(np.arange(_HALF + a, _HALF + a + n, dtype=np.uint32).tobytes())
+    else:
+        out.frombytes(((np.arange(n, dtype=np.uint32) + np.uint32(a)) % np.uint32(_HALF) + np.uint32(_HALF)).tobytes())
     return out
 
 
@@ -130,11 +141,11 @@ def _read_trace(p: Path, hash_block_size: int) -> list[TraceRecord]:
 
 
 def _tokens(prefix: np.ndarray | None, n: int, start: int) -> array:
-    """``n`` token ids: the shared ``prefix`` (truncated to ``n``), then the request's own run."""
+    """``n`` token ids: the shared uint32 ``prefix`` (truncated to ``n``), then the request's own run."""
     k = 0 if prefix is None else min(len(prefix), n)
     a = array("I")
     if k:
-        a.frombytes(prefix[:k].astype(np.uint32).tobytes())
+        a.frombytes(prefix[:k].tobytes())  # uint32 already
     a.extend(unique_tokens(start, 0, n - k))
     return a
 
@@ -171,7 +182,8 @@ def synthetic(w: WorkloadSpec, seed: int) -> Iterator[Arrival]:
             g = int(groups[i])
             prefix = prefixes.get(g)
             if prefix is None:
-                prefix = prefixes[g] = np.arange(g * w.prefix_tokens, (g + 1) * w.prefix_tokens, dtype=np.uint64)
+                prefix = prefixes[g] = np.arange(g * w.prefix_tokens, (g + 1) * w.prefix_tokens,
+                                                 dtype=np.uint64).astype(np.uint32)
         n_in = int(ins[i])
         yield Arrival(i, float(times[i]), n_in, int(outs[i]), _tokens(prefix, n_in, unique_start(i)))
 
@@ -186,6 +198,7 @@ def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]
         if r.hash_ids:
             prefix = (np.repeat(np.asarray(r.hash_ids, dtype=np.uint64), hb) * np.uint64(hb)
                       + np.tile(offsets, len(r.hash_ids))) % np.uint64(_HALF)
+            prefix = prefix.astype(np.uint32)
         yield Arrival(i, (r.timestamp_ms - t0) / 1000.0 * w.time_scale, r.input_length, r.output_length,
                       _tokens(prefix, r.input_length, unique_start(i)))
 

@@ -1,0 +1,150 @@
+"""Capacity planning: sweep scenario fields, keep the cheapest configuration meeting the SLOs.
+
+Every combination of the swept values (``{"cluster.n_prefill": [1, 2, 3], ...}``) is simulated
+at the target rate, in parallel over the machine's cores. A configuration *meets the SLOs*
+when its run drained and its SLO verdict holds (:mod:`kvstate.sim.metrics`: TTFT and TPOT
+attainment at the target, goodput at target x offered rate). A configuration that cannot be
+built (its model does not fit, its TP does not divide the heads), whose simulation fails, or
+that does not drain is *infeasible*: its row says why, and the sweep goes on. Its cost is the
+number of GPUs, ``(n_prefill + n_decode) * tp``, then the storage bandwidth; the cheapest
+configuration that meets the SLOs is the plan.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..errors import ConfigError, KVStateError
+from .run import simulate
+from .scenario import Scenario
+from .scenario_io import field_names, with_overrides
+
+__all__ = ["plan", "parse_sweep", "Row"]
+
+Row = dict[str, Any]  #: one configuration's outcome (see :func:`plan`)
+
+
+def _value(text: str) -> Any:
+    text = text.strip()
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_sweep(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``["cluster.n_decode=1,2,4", ...]`` -> ``{"cluster.n_decode": [1, 2, 4], ...}`` (numbers
+    and true/false parsed). A field given twice is an error."""
+    out: dict[str, list[Any]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not values.strip():
+            raise ConfigError(f"--sweep {item!r}: expected FIELD=V1,V2,...")
+        if name in out:
+            raise ConfigError(f"--sweep {name} is given twice: list all its values once (FIELD=V1,V2)")
+        out[name] = [_value(v) for v in values.split(",")]
+    return out
+
+
+def _cost(s: Scenario) -> tuple[int, float]:
+    return ((s.cluster.n_prefill + s.cluster.n_decode) * s.cluster.tp, s.storage.bandwidth_gbps)
+
+
+def _infeasible(config: dict[str, Any], reason: str) -> Row:
+    return {"config": config, "gpus": None, "storage_bandwidth_gbps": None, "feasible": False,
+            "reason": reason, "meets_slo": False, "unmet": [reason]}
+
+
+def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
+    """Simulate one configuration; any failure makes it an infeasible row, never an exception."""
+    s, config = args
+    if isinstance(s, str):  # it could not be built: the reason
+        return _infeasible(config, s)
+    try:
+        r = simulate(s)
+    except KVStateError as e:
+        return _infeasible(config, f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - a sweep outlives a failing configuration, and says why
+        return _infeasible(config, f"simulation failed ({type(e).__name__}: {e})")
+    gpus, bw = _cost(s)
+    drained = r["drained"] and not r["deadlock"]
+    slo = r["slo"]
+    return {
+        "config": config, "gpus": gpus, "storage_bandwidth_gbps": bw, "feasible": drained,
+        "reason": None if drained else f"did not drain: {r['deadlock']['reason']}",
+        "meets_slo": slo["meets"], "unmet": slo["unmet"], "offered_rps": r["offered_rps"],
+        "goodput_rps": r["goodput_rps"], "throughput_rps": r["throughput_rps"],
+        "ttft_attainment": slo["ttft_attainment"], "tpot_attainment": slo["tpot_attainment"],
+        "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p99_ms": r["tpot_ms"]["p99"],
+        "preemptions": r["preemptions"], "partial_reads": r["partial_reads"], "reasons": r["reasons"],
+    }
+
+
+def _jobs(base: Scenario, sweep: Mapping[str, Sequence[Any]], fixed: dict[str, Any]) -> list[tuple[Any, dict]]:
+    """One job per combination: its scenario, or why it cannot be built."""
+    known = set(field_names())
+    for name in sweep:
+        if name not in known:
+            raise ConfigError(f"--sweep: unknown scenario field {name!r} (fields are SECTION.NAME, "
+                              f"e.g. cluster.n_decode; `kvstate scenario` lists them)")
+    names = list(sweep)
+    jobs: list[tuple[Any, dict]] = []
+    for combo in itertools.product(*(sweep[n] for n in names)):
+        config = dict(zip(names, combo))
+        try:
+            s = with_overrides(base, {**fixed, **config})
+            s.gpu_blocks()  # the model must fit the GPU
+            jobs.append((s, config))
+        except ConfigError as e:
+            jobs.append((str(e), config))
+    return jobs
+
+
+def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | None = None,
+         attainment: float | None = None, workers: int | None = None,
+         on_row: Callable[[Row, int, int], None] | None = None) -> dict[str, Any]:
+    """Simulate every combination; returns ``rows`` (sorted by cost, infeasible last) and
+    ``best`` (or None). ``on_row(row, done, total)`` sees each row as it comes."""
+    if not sweep:
+        raise ConfigError("plan: give at least one field to sweep")
+    if attainment is not None and not 0 < attainment <= 1:
+        raise ConfigError(f"plan: attainment must be within (0, 1], got {attainment}")
+    fixed: dict[str, Any] = {}
+    if rate is not None:
+        fixed["workload.rate"] = rate
+    if attainment is not None:
+        fixed["slo.attainment"] = attainment
+    base = with_overrides(base, fixed) if fixed else base  # a bad rate is the whole plan's error
+    jobs = _jobs(base, sweep, fixed)
+    rows: list[Row] = []
+    n = len(jobs)
+    workers = min(workers or os.cpu_count() or 1, n)
+    if workers == 1:
+        results: Any = map(_run_one, jobs)
+    else:
+        ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
+        pool = ctx.Pool(workers)
+        results = pool.imap(_run_one, jobs)
+    try:
+        for row in results:
+            rows.append(row)
+            if on_row is not None:
+                on_row(row, len(rows), n)
+    finally:
+        if workers != 1:
+            pool.terminate()
+            pool.join()
+    rows.sort(key=lambda r: (not r["feasible"], r["gpus"] or 0, r["storage_bandwidth_gbps"] or 0.0,
+                             -r.get("goodput_rps", 0.0)))
+    best = next((r for r in rows if r["meets_slo"]), None)
+    return {"rate": base.workload.rate, "attainment": base.slo.attainment,
+            "slo": {"ttft_ms": base.slo.ttft_ms, "tpot_ms": base.slo.tpot_ms}, "complete": True,
+            "rows": rows, "best": best, "sweep": {k: list(v) for k, v in sweep.items()},
+            "base": base.source}

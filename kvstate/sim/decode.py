@@ -1,0 +1,281 @@
+"""A simulated D instance: reads land, requests join continuous batching, decode steps run.
+
+Batching: at most ``decode_max_batch`` running requests decode together, oldest in the batch
+first; the rest wait for a slot. A request that needs a block when none is free preempts the
+running request that arrived last (possibly itself), by write-back or recompute per policy;
+preempted requests resume in arrival order once their blocks fit. Ordering victims and
+resumes by arrival guarantees progress: the oldest request is never the victim of a newer one.
+
+The batch is simulated lazily. A request in it produces one token per step without being
+touched: its progress is the number of steps since ``s0``. It is visited only at its next
+*event* — the step that ends its answer, the step whose token needs a new block, or its first
+step after joining or stalling (that token's gap is not one step). A step costs O(1) plus
+its events, not O(batch); the batch's total context, the step time's input, is a running sum
+kept exact through every join, event and preemption.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import TYPE_CHECKING
+
+from .. import commands as C
+from ..errors import OutOfBlocksError
+from ..lifecycle import DecodeLifecycle
+from .instance import Instance
+from .workload import unique_tokens
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cluster import Cluster
+    from .request import SimRequest
+
+__all__ = ["DecodeInstance"]
+
+
+class DecodeInstance(Instance):
+    """One D instance and its decode loop."""
+
+    role = "decode"
+    lifecycle_cls = DecodeLifecycle
+
+    def __init__(self, cluster: Cluster, idx: int) -> None:
+        super().__init__(cluster, idx)
+        self.lc: DecodeLifecycle
+        self.max_batch = cluster.scenario.cluster.decode_max_batch
+        self.batch: dict[str, SimRequest] = {}  # decoding (insertion order: oldest first)
+        self.overflow: dict[str, SimRequest] = {}  # running, waiting for a batch slot
+        self.preempted: list[tuple[int, SimRequest]] = []  # heap by arrival index
+        self.recompute: list[tuple[SimRequest, int, int]] = []  # (request, tokens, from token)
+        self.finishing: list[SimRequest] = []  # answers complete at StartDecode
+        self.steps = 0
+        self.context = 0  #: total context of the batch
+        self.slot_seconds = 0.0  #: integral of the batch size over compute time
+        self.itl: dict[float, int] = {}  #: inter-token gap (s) -> tokens
+        self._events: list[tuple[int, int, SimRequest, int]] = []  # (step, seq, request, version)
+        self._seq = itertools.count()
+        self._current: SimRequest | None = None  # the request whose event runs now
+        self._skipped = 0  # batch members preempted before their event of this step ran
+        self._step_len = 0.0  # the duration of the step whose events run
+        self._stepping = False  # a step is running (its batch is fixed)
+        self.env.process(self._loop())
+
+    @property
+    def running(self) -> int:
+        return len(self.batch) + len(self.overflow)
+
+    def notice(self, cmd: C.Command) -> None:
+        cl = self.cluster
+        t = cmd.__class__
+        if t is C.StartDecode:
+            req = cl.reqs[cmd.request_id]
+            req.cap = len(cmd.block_ids) * cl.block_size
+            if req.generated >= req.out:
+                self.finishing.append(req)  # one-token answers: nothing left to decode
+            else:
+                self._add(req)
+            self.wake_up()
+        elif t is C.Recompute:
+            req = cl.reqs[cmd.request_id]
+            self.recompute.append((req, req.synced - cmd.from_token, cmd.from_token))
+            self.wake_up()
+        elif t is C.RequestEnded:
+            cl.ended(cl.reqs[cmd.request_id], cmd)
+        elif t is C.FreeBlocks:
+            self.wake_up()  # a write-back answered: a preempted request may resume
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _loop(self):
+        cl, env, lc = self.cluster, self.env, self.lc
+        while True:
+            while self.finishing:
+                req = self.finishing.pop()
+                req.finish = env.now
+                lc.finish(req.rid)
+                self.pump()
+            self._resume_preempted()
+            work, self.recompute = self.recompute, []
+            b = len(self.batch)
+            if not b and not work:
+                yield self.idle()
+                continue
+            t = cl.compute.decode_step_time(b, self.context) if b else 0.0
+            if work:
+                t += cl.compute.prefill_time((n, c) for _, n, c in work)
+            self.busy_time += t
+            self.slot_seconds += t * b
+            self._stepping = True
+            yield env.timeout(t)
+            self._stepping = False
+            self.steps += 1
+            self.context += b  # every member made one token, until its event says otherwise
+            for req, _, _ in work:
+                if lc.is_live(req.rid) and lc.state_of(req.rid) == "recomputing":
+                    lc.recompute_done(req.rid)
+            self.pump()  # recomputed requests join for the next step
+            self._run_events(b, t)
+            self.pump()
+            cl.router.retry_backlog()
+
+    def _run_events(self, b: int, d: float) -> None:
+        """Visit the requests whose event falls on this step; the rest made a token ``d`` apart."""
+        events, step, done = self._events, self.steps, 0
+        self._skipped, self._step_len = 0, d
+        while events and events[0][0] <= step:
+            _, _, req, ver = heapq.heappop(events)
+            if ver != req.ver:
+                continue  # it left the batch since
+            done += 1
+            self._current = req
+            self._event(req, d)
+        self._current = None
+        bulk = b - done - self._skipped
+        if bulk:
+            self.itl[d] = self.itl.get(d, 0) + bulk
+
+    def _event(self, req: SimRequest, d: float) -> None:
+        step, now = self.steps, self.env.now
+        k = step - 1 - req.s0  # steps it advanced normally before this one
+        req.generated += k
+        req.ctx += k
+        req.s0 = step - 1
+        if req.generated + 1 >= req.out:  # this step made its last token
+            req.generated += 1
+            self._gap(req, d, now)
+            self.context -= req.ctx + 1
+            self._leave(req)
+            req.finish = now
+            self.lc.finish(req.rid)
+            return
+        if req.ctx + 1 > req.cap and not self._grow(req):
+            if req.rid in self.batch:  # no block this step: it waits a step (a victim writes back)
+                self.context -= 1
+                if not req.explicit:
+                    req.last_token, req.explicit = now - d, True
+                req.s0 = step
+                self._schedule(req, step + 1)
+            return
+        req.generated += 1
+        req.ctx += 1
+        self._gap(req, d, now)
+        req.s0 = step
+        self._schedule(req, step + min(req.out - req.generated, req.cap - req.ctx + 1))
+
+    def _gap(self, req: SimRequest, d: float, now: float) -> None:
+        gap = now - req.last_token if req.explicit else d
+        self.itl[gap] = self.itl.get(gap, 0) + 1
+        req.last_token, req.explicit = now, False
+
+    def audit(self) -> list[str]:
+        """Broken bookkeeping of the lazy batch, between steps (empty when sound): the running
+        context sum, each member's next event, the batch bound."""
+        errors = []
+        ctx = sum(r.ctx + self.steps - r.s0 for r in self.batch.values())
+        if ctx != self.context:
+            errors.append(f"{self.name}: context sum {self.context} != members' {ctx} at step {self.steps}")
+        for r in self.batch.values():
+            if r.event_step <= self.steps or r.s0 > self.steps:
+                errors.append(f"{self.name}: {r.rid} event at {r.event_step}, s0 {r.s0}, step {self.steps}")
+        if len(self.batch) > self.max_batch or (self.overflow and len(self.batch) < self.max_batch):
+            errors.append(f"{self.name}: batch {len(self.batch)} of {self.max_batch}, {len(self.overflow)} waiting")
+        return errors
+
+    # -- batch membership ----------------------------------------------------------------------
+    def _schedule(self, req: SimRequest, step: int) -> None:
+        req.event_step = step
+        heapq.heappush(self._events, (step, next(self._seq), req, req.ver))
+
+    def _add(self, req: SimRequest) -> None:
+        if len(self.batch) < self.max_batch:
+            self._join(req)
+        else:
+            self.overflow[req.rid] = req
+
+    def _join(self, req: SimRequest) -> None:
+        self.batch[req.rid] = req
+        # a read that lands while a step runs joins the next one: that step's batch is fixed
+        req.s0 = self.steps + self._stepping
+        req.explicit = True  # its first token here is not one step after its last
+        self.context += req.ctx
+        self._schedule(req, req.s0 + 1)
+
+    def _leave(self, req: SimRequest) -> None:
+        del self.batch[req.rid]
+        req.ver += 1
+        req.event_step = -1
+        while self.overflow and len(self.batch) < self.max_batch:
+            nxt = next(iter(self.overflow.values()))
+            del self.overflow[nxt.rid]
+            self._join(nxt)
+
+    # -- blocks: growth, preemption, resumption -------------------------------------------------
+    def _sync(self, req: SimRequest, upto: int) -> tuple[int, ...]:
+        added: tuple[int, ...] = ()
+        if upto > req.synced:
+            added = self.lc.append_tokens(req.rid, unique_tokens(req.base, req.synced, upto))
+            req.synced = upto
+        return added
+
+    def _grow(self, req: SimRequest) -> bool:
+        """Give ``req`` the block its next token needs, preempting the running request that
+        arrived last (possibly ``req`` itself) when none is free."""
+        while True:
+            try:
+                added = self._sync(req, req.ctx + 1)
+            except OutOfBlocksError:
+                if self._writing_back():
+                    return False  # blocks are on their way back: wait rather than preempt more
+                victim = max(itertools.chain(self.batch.values(), self.overflow.values()),
+                             key=lambda r: r.index)
+                self._preempt(victim)
+                if victim is req or self.lc.state_of(victim.rid) != "preempted":
+                    return False  # itself, or its blocks free once its write-back answers
+                continue
+            req.cap += len(added) * self.cluster.block_size
+            return True
+
+    def _writing_back(self) -> bool:
+        live, lc = self.cluster.live, self.lc
+        return any(r.rid in live and lc.state_of(r.rid) == "preempt_writing" for _, r in self.preempted)
+
+    def _preempt(self, req: SimRequest) -> None:
+        if req.rid in self.batch:
+            step = self.steps
+            # this step's token: made, unless its event is due now (pending, or running now)
+            pending = req.event_step == step
+            k = step - req.s0 - (1 if pending else 0)
+            req.generated += k
+            req.ctx += k
+            self.context -= req.ctx + (1 if pending else 0)
+            if pending and req is not self._current:
+                self._skipped += 1
+            if not req.explicit:  # it made a token at the end of this step, or of the last one
+                req.last_token = self.env.now - (self._step_len if pending else 0.0)
+            self._leave(req)
+        else:
+            del self.overflow[req.rid]
+        req.explicit = True
+        self._sync(req, req.ctx)
+        req.preemptions += 1
+        self.cluster.counters["preemptions"] += 1
+        self.lc.preempt(req.rid)
+        heapq.heappush(self.preempted, (req.index, req))
+        self.pump()
+
+    def _resume_preempted(self) -> None:
+        lc, pre, live = self.lc, self.preempted, self.cluster.live
+        while pre:
+            req = pre[0][1]
+            state = lc.state_of(req.rid) if req.rid in live else "ended"
+            if state not in ("preempted", "preempt_writing"):
+                heapq.heappop(pre)
+                continue
+            if state != "preempted":
+                return  # in arrival order: its write-back is still running
+            need = self.cluster.cache_spec.blocks_for(req.synced)
+            if self.running:  # room for the running requests to grow, as at reservation
+                need += lc.policy.decode_headroom_blocks
+            if lc.pool.num_free < need:
+                return
+            heapq.heappop(pre)
+            lc.resume(req.rid)
+            self.pump()

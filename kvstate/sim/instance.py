@@ -1,0 +1,169 @@
+"""What a simulated P or D instance shares: its lifecycle on the simulation clock, its TP
+ranks' transfer workers and PCIe links, and the driver loop that turns the lifecycle's
+commands into timed work and feeds the outcomes back as the events an engine would send.
+
+A transfer command becomes a task of the instance's per-rank worker pools
+(:mod:`kvstate.sim.tp`). A rank's part costs its PCIe time from the calibrated kernel cost
+model (:mod:`kvstate.kernels.cost`), pipelined with the storage pool's bandwidth
+(:mod:`kvstate.sim.storage`), for the blocks it really moves: a write skips the leading
+blocks already stored after one existence query, a read stops at a miss. Its answer comes
+from the simulated pool's contents, so evictions make reads partial exactly as in
+production. Notices go to the role's :meth:`Instance.notice`.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import simpy
+
+from .. import commands as C
+from ..events import Completion
+from ..lifecycle import Lifecycle
+from .tp import RankPools
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cluster import Cluster
+
+__all__ = ["Instance", "Transfer"]
+
+
+class Transfer:
+    """One transfer command as a task of the rank pools."""
+
+    __slots__ = ("inst", "cmd", "label", "write", "n", "seen")
+
+    def __init__(self, inst: Instance, cmd: C.TransferCommand, write: bool) -> None:
+        self.inst, self.cmd, self.write = inst, cmd, write
+        self.label = cmd.command_id
+        self.n = len(cmd.keys)
+        self.seen: dict[int, tuple[int, int]] = {}  # rank -> (leading keys stored, evictions) at start
+
+    def start(self, rank: int) -> float:
+        """Seconds of this rank's part: a write first asks which leading keys are stored and
+        moves only the rest; a read moves the leading keys found (a miss ends it)."""
+        inst = self.inst
+        store = inst.cluster.store
+        found = store.leading(rank, self.cmd.keys)
+        self.seen[rank] = (found, store.evictions)
+        if self.write:
+            rest = self.n - found
+            return store.query_latency + (inst.transfer_time(rank, "d2h", rest) if rest else 0.0)
+        return inst.transfer_time(rank, "h2d", found) if found else store.latency
+
+    def finish(self, rank: int) -> None:
+        self.inst.answer(self, rank)
+
+
+class Instance:
+    """One P or D instance: its lifecycle, rank pools and links (the role adds compute)."""
+
+    role = ""
+    lifecycle_cls: type[Lifecycle] = Lifecycle
+
+    def __init__(self, cluster: Cluster, idx: int) -> None:
+        s, env = cluster.scenario, cluster.env
+        self.cluster, self.idx, self.env = cluster, idx, env
+        self.name = f"{self.role[0].upper()}{idx}"
+        self.lc = self.lifecycle_cls(cluster.cache_spec, cluster.gpu_blocks, cluster.policy,
+                                     clock=lambda: env.now, namespace=s.model.name, key_cache=cluster.key_cache)
+        tp = s.cluster.tp
+        self.link_free = [0.0] * tp
+        self.cancelled: set[int] = set()
+        kw: dict[str, Any] = dict(tp=tp, workers=s.cluster.transfer_workers, protocol=s.tp.protocol,
+                                  semantics=s.tp.barrier, skew_s=[x / 1000.0 for x in s.tp.skew_ms],
+                                  barrier_timeout=s.tp.barrier_timeout_s)
+        self.write_pool = RankPools(env, f"{self.name}.write_barrier", reset_by="rank0", **kw)
+        self.read_pool = RankPools(env, f"{self.name}.read_barrier", reset_by="all", **kw)
+        self.wake: simpy.Event | None = None
+        self.busy_time = 0.0  #: seconds the instance computed
+        self.block_seconds = 0.0  #: integral of blocks used over time
+        self._noted_at, self._noted_used = 0.0, 0  # time and blocks used of the last note
+        self._link_cost: dict[tuple[str, int], float] = {}
+
+    # -- transfers ---------------------------------------------------------------------------
+    def transfer_time(self, rank: int, direction: str, n: int) -> float:
+        """Seconds of one rank's part of a transfer of ``n`` blocks starting now."""
+        cl = self.cluster
+        now = self.env.now
+        link = self._link_cost.get((direction, n))
+        if link is None:
+            link = self._link_cost[(direction, n)] = cl.link_seconds(direction, n)
+        start = self.link_free[rank]
+        if start < now:
+            start = now
+        self.link_free[rank] = link_end = start + link
+        nbytes = n * cl.shard_bytes
+        s_start, s_end = cl.store.occupy(now, nbytes)
+        pieces = max(1, math.ceil(nbytes / cl.staging_bytes))
+        end = max(link_end, s_end) + min(link, s_end - s_start) / pieces
+        return end - now
+
+    def answer(self, task: Transfer, rank: int) -> None:
+        """A rank finished its part: answer from the pool's contents (or an injected fault),
+        as :func:`~kvstate.backends.drivers.execute` would from a real pool."""
+        cl, cmd, write = self.cluster, task.cmd, task.write
+        fail = cl.faults_write if write else cl.faults_read
+        if cmd.command_id in self.cancelled:
+            c = Completion(cmd.command_id, rank, 0, error="cancelled")
+        elif fail and cl.rng.random() < fail:
+            c = Completion(cmd.command_id, rank, 0, error="injected failure")
+            cl.counters["injected_write_failures" if write else "injected_read_failures"] += 1
+        else:
+            found, evictions = task.seen[rank]
+            known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
+            c = Completion(cmd.command_id, rank, cl.store.answer(rank, cmd.keys, write, known))
+            # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
+            if self.role == "decode" and not write and c.count < len(cmd.keys):
+                cl.counters["partial_reads"] += 1
+        self.lc.complete(c)
+        self.pump()
+        if not cl.live:  # the last answers after the last request ended
+            cl.check_finished()
+
+    # -- commands out of the lifecycle ------------------------------------------------------------
+    def pump(self) -> None:
+        """Hand every queued command to its worker or to the role's notice handler."""
+        cmds = self.lc.poll_commands()
+        if not cmds:
+            return
+        timed = False  # a transfer brings a deadline: the next tick may have to come sooner
+        for cmd in cmds:
+            t = cmd.__class__
+            if t is C.WriteBlocks:
+                self.write_pool.submit(Transfer(self, cmd, True), cmd.ranks)
+                timed = True
+            elif t is C.ReadBlocks:
+                self.read_pool.submit(Transfer(self, cmd, False), cmd.ranks)
+                timed = True
+            elif t is C.CancelCommand:
+                self.cancelled.add(cmd.command_id)
+            elif t is C.LateEvent:
+                counters = self.cluster.counters
+                counters[f"late_{cmd.event}"] = counters.get(f"late_{cmd.event}", 0) + 1
+            else:
+                self.notice(cmd)
+        self.note_blocks()
+        if timed:
+            self.cluster.arm_timer(self, self.env.now + self.lc.policy.transfer_timeout)
+
+    def notice(self, cmd: C.Command) -> None:
+        """A notice of the lifecycle (first token, start prefill, ...): the role's job."""
+        raise NotImplementedError
+
+    # -- accounting ----------------------------------------------------------------------------
+    def note_blocks(self) -> None:
+        """Add the blocks held since the last note to the time integral (called whenever the
+        lifecycle acted, so the integral is exact at the scheduler's resolution)."""
+        now = self.env.now
+        self.block_seconds += (now - self._noted_at) * self._noted_used
+        self._noted_at, self._noted_used = now, self.lc.pool.num_used
+
+    # -- the compute loop's sleep ---------------------------------------------------------------
+    def wake_up(self) -> None:
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def idle(self) -> simpy.Event:
+        self.wake = self.env.event()
+        return self.wake

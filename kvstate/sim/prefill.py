@@ -1,0 +1,79 @@
+"""A simulated P instance: prompts queue for batched prefill; the first token crosses to D.
+
+``StartPrefill`` queues the prompt (its tokens past the stored prefix) on the compute loop,
+which runs one forward over as many queued prompts as fit the token budget. A prompt whose
+request ended meanwhile (D gave up, and the router aborted it here) is skipped when its
+forward finishes. ``SendFirstToken`` reaches D after the network latency.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .. import commands as C
+from ..lifecycle import PrefillLifecycle
+from .instance import Instance
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cluster import Cluster
+    from .request import SimRequest
+
+__all__ = ["PrefillInstance", "FIRST_TOKEN"]
+
+FIRST_TOKEN = 1  #: the token id every simulated prefill samples
+
+
+class PrefillInstance(Instance):
+    """One P instance and its prefill loop."""
+
+    role = "prefill"
+    lifecycle_cls = PrefillLifecycle
+
+    def __init__(self, cluster: Cluster, idx: int) -> None:
+        super().__init__(cluster, idx)
+        self.lc: PrefillLifecycle
+        self.queue: deque[tuple[SimRequest, int, int]] = deque()  # (request, new tokens, cached)
+        self.queued_tokens = 0  #: new tokens waiting in ``queue``
+        self.assigned = 0  #: requests the router sent here
+        self.env.process(self._loop())
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """The router's key: tokens queued for prefill plus prompts waiting for blocks."""
+        return (self.queued_tokens + self.lc.num_waiting, self.assigned)
+
+    def notice(self, cmd: C.Command) -> None:
+        cl = self.cluster
+        t = cmd.__class__
+        if t is C.StartPrefill:
+            req = cl.reqs[cmd.request_id]
+            req.cached_tokens = cmd.num_cached_tokens
+            new = req.input_len - cmd.num_cached_tokens
+            self.queue.append((req, new, cmd.num_cached_tokens))
+            self.queued_tokens += new
+            self.wake_up()
+        elif t is C.SendFirstToken:
+            ev = self.env.timeout(cl.net_latency)
+            ev.callbacks.append(lambda _e, c=cmd: cl.first_token(c))
+        # RequestEnded, FreeBlocks: the pool took the blocks back; D's end is the request's end
+
+    def _loop(self):
+        cl, env, q, lc = self.cluster, self.env, self.queue, self.lc
+        budget = cl.scenario.cluster.prefill_token_budget
+        while True:
+            if not q:
+                yield self.idle()
+                continue
+            batch, tokens = [], 0
+            while q and (not batch or tokens + q[0][1] <= budget):
+                item = q.popleft()
+                batch.append(item)
+                tokens += item[1]
+            self.queued_tokens -= tokens
+            t = cl.compute.prefill_time((n, c) for _, n, c in batch)
+            self.busy_time += t
+            yield env.timeout(t)
+            for req, _, _ in batch:
+                if lc.is_live(req.rid) and lc.state_of(req.rid) == "prefilling":
+                    lc.prefill_done(req.rid, FIRST_TOKEN)
+            self.pump()

@@ -1,0 +1,52 @@
+"""Shipped scenarios, as overrides of the embedded default (``kvstate scenario NAME`` prints one)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..errors import ConfigError
+from .models import MODELS
+from .scenario import Scenario
+from .scenario_io import with_overrides
+
+__all__ = ["PRESETS", "preset", "describe"]
+
+_H200 = {"gpu.name": "H200", "gpu.mem_gib": 141.0, "gpu.hbm_gbps": 4800.0}
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {f"model.{k}": v for k, v in dataclasses.asdict(MODELS[name]).items()}
+
+
+#: name -> (what it is, its overrides of the default)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "default": ("Llama-3-8B on 2 P + 2 D instances at TP 2 (H100), Poisson arrivals at 40 req/s, "
+                "2,048-token prompts sharing 16 prefixes", {}),
+    "llama-3-70b-h200": ("Llama-3-70B on 1 P + 2 D instances at TP 4 (H200), bursty arrivals (gamma, "
+                         "cv 2) at 6 req/s of 4,096-token prompts and 512-token answers: about twice "
+                         "what P can prefill", {
+                             **_model("llama-3-70b"), **_H200, "cluster.n_prefill": 1, "cluster.n_decode": 2,
+                             "cluster.tp": 4, "workload.arrival": "gamma", "workload.cv": 2.0,
+                             "workload.rate": 6.0, "workload.num_requests": 600, "workload.input_dist": "fixed",
+                             "workload.input_mean": 4096.0, "workload.output_dist": "fixed",
+                             "workload.output_mean": 512.0}),
+    "long-prompts": ("Llama-3-8B with 16k-token prompts that share 8 system prefixes of 4,096 "
+                     "tokens, short answers: prefill- and storage-bound", {
+                         "cluster.n_prefill": 3, "cluster.n_decode": 1, "workload.rate": 3.0,
+                         "workload.num_requests": 500, "workload.input_mean": 16384.0,
+                         "workload.input_sigma": 0.3, "workload.input_max": 32768,
+                         "workload.output_mean": 64.0, "workload.output_max": 512,
+                         "workload.prefix_groups": 8, "workload.prefix_tokens": 4096}),
+}
+
+
+def preset(name: str) -> Scenario:
+    """The shipped scenario ``name``."""
+    if name not in PRESETS:
+        raise ConfigError(f"no scenario preset {name!r} (presets: {', '.join(PRESETS)})")
+    s = with_overrides(Scenario(), PRESETS[name][1])
+    return dataclasses.replace(s, source=f"<preset {name}>")
+
+
+def describe(name: str) -> str:
+    return PRESETS[name][0]

@@ -1,0 +1,90 @@
+"""A simulation's results as text for people (``kvstate simulate``) and as JSON (``--json``)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["format_report", "to_json"]
+
+
+def to_json(result: dict[str, Any]) -> str:
+    """The ``--json`` document: every metric, wall time left out so equal seeds give equal bytes."""
+    return json.dumps({k: v for k, v in result.items() if k != "wall_s" and not k.startswith("_")}, sort_keys=True)
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+
+
+def _ms(v: float | None) -> str:
+    return f"{'-':>9}" if v is None else f"{v:9.1f}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _header(r: dict[str, Any]) -> list[str]:
+    s = r["scenario"]
+    c, w = s["cluster"], s["workload"]
+    load = f"{w['arrival']} arrivals at {w['rate']:g} req/s" if r["configured_rate_rps"] is not None else "trace replay"
+    wall = f" ({r['wall_s']:.2f} s wall)" if "wall_s" in r else ""
+    return [
+        f"kvstate simulate: {s['model']['name']} on {c['n_prefill']} P + {c['n_decode']} D, TP {c['tp']}, "
+        f"{s['gpu']['name']}; {load}, seed {s['seed']}",
+        f"offered {r['offered_rps']:.2f} req/s over the {r['window']} window "
+        f"{r['window_s'][0]:.1f}-{r['window_s'][1]:.1f} s; run {r['duration_s']:.1f} s simulated{wall}",
+        f"requests {r['requests']:,}, ended: {_counts(r['reasons'])}",
+    ]
+
+
+def _latencies(r: dict[str, Any]) -> list[str]:
+    lines = [f"{'latency (ms)':<14}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}"]
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
+        d = r[key]
+        lines.append(f"  {name:<12}{_ms(d['mean'])}{_ms(d['p50'])}{_ms(d['p90'])}{_ms(d['p99'])}")
+    return lines
+
+
+def _slo(r: dict[str, Any]) -> list[str]:
+    slo = r["slo"]
+    verdict = "meets the SLOs" if slo["meets"] else "does not meet the SLOs: " + "; ".join(slo["unmet"])
+    return [
+        f"throughput {r['throughput_rps']:.2f} req/s, goodput {r['goodput_rps']:.2f} req/s; "
+        f"output {r['output_tokens_per_s']:,.0f} tok/s, total {r['total_tokens_per_s']:,.0f} tok/s",
+        f"SLOs: TTFT <= {slo['ttft_ms']:g} ms met by {_pct(slo['ttft_attainment'])}, TPOT <= {slo['tpot_ms']:g} ms "
+        f"by {_pct(slo['tpot_attainment'])}, both by {_pct(slo['attainment'])} (target {_pct(slo['target'])})",
+        f"verdict: {verdict}",
+    ]
+
+
+def _resources(r: dict[str, Any]) -> list[str]:
+    st = r["storage"]
+    late = r["late_events"]
+    lines = [
+        f"prefix hits: {_pct(r['prefix_hit_rate'])} of prompt tokens read from storage",
+        f"storage: write {st['write_GBps']:.2f} GB/s, read {st['read_GBps']:.2f} GB/s "
+        f"({_pct(st['bandwidth_use'])} of its bandwidth); peak {st['peak_used_bytes'] / 2**30:.1f} GiB "
+        f"({_pct(st['peak_use'])} of capacity), {st['evicted_blocks']:,} blocks evicted, "
+        f"{r['partial_reads']:,} partial reads",
+        f"preemptions {r['preemptions']:,}, backlogged arrivals {r['backlogged_requests']:,}, "
+        f"late events {_counts(late) if late else 'none'}",
+        f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):",
+    ]
+    for name, i in r["instances"].items():
+        slots = f", batch slots {_pct(i['batch_slots_used'])}" if "batch_slots_used" in i else ""
+        lines.append(f"  {name:<4} compute {_pct(i['compute_busy'])}{slots}, blocks {_pct(i['blocks_used'])} "
+                     f"(peak {_pct(i['peak_blocks_used'])})")
+    return lines
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The human-readable report: header, latencies, rates and SLOs, resources, any deadlock."""
+    lines = _header(r) + _latencies(r) + _slo(r) + _resources(r)
+    d = r["deadlock"]
+    if d:
+        lines.append(f"DEADLOCK / NOT DRAINED: {d['reason']}; {d['live_count']} requests live")
+        lines += [f"  {x}" for x in d["stuck_ranks"][:10]]
+        lines += [f"  {rid}: prefill {st['prefill']}, decode {st['decode']}"
+                  for rid, st in list(d["live_requests"].items())[:10]]
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""The simulator under overload: every request ends with a reason, nothing leaks, nothing escapes."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstate.policy import REASONS
+from kvstate.sim import Cluster, scenario_from_dict
+from kvstate.sim.metrics import summarize
+
+#: the shape that crashed: a 70B-class model at TP 4, 1 P + 2 D on H200-class GPUs, bursty
+#: arrivals at twice what P can prefill, 4,096-token prompts and 512-token answers
+OVERLOAD_70B = {
+    "model": {"name": "llama-70b-like", "params_b": 70.6, "num_layers": 80, "hidden": 8192,
+              "kv_heads": 8, "head_dim": 128},
+    "gpu": {"name": "H200", "mem_gib": 141.0, "hbm_gbps": 4800.0},
+    "cluster": {"n_prefill": 1, "n_decode": 2, "tp": 4},
+    "workload": {"arrival": "gamma", "cv": 2.0, "rate": 6.0, "num_requests": 600,
+                 "input_dist": "fixed", "input_mean": 4096.0, "output_dist": "fixed", "output_mean": 512.0},
+}
+
+
+def run(data: dict) -> tuple[Cluster, dict]:
+    cl = Cluster(scenario_from_dict(data))
+    return cl, summarize(cl, cl.run())
+
+
+def assert_every_request_ended_clean(cl: Cluster, r: dict) -> None:
+    assert r["drained"] and not r["deadlock"], r["deadlock"]
+    assert r["requests"] == cl.total
+    reasons = r["reasons"]
+    assert sum(reasons.values()) == cl.total
+    assert set(reasons) <= set(REASONS) | {"rejected_too_long"}, reasons
+    for inst in cl.prefill + cl.decode:
+        assert inst.lc.live_requests() == [], inst.name
+        assert inst.lc.pool.num_used == 0, (inst.name, inst.lc.pool.stats())
+        assert inst.lc.pending_commands() == [], inst.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 7])
+def test_overloaded_70b_cluster_drains_with_reasons(seed):
+    """D's first-token deadline fires while prompts still wait at P: P's late first tokens are
+    dropped, the router aborts what P still holds, and the run reports every end."""
+    cl, r = run({**OVERLOAD_70B, "seed": seed})
+    assert_every_request_ended_clean(cl, r)
+    assert r["reasons"]["first_token_timeout"] > 0  # the overload really happened
+    assert r["reasons"]["done"] > 0
+    p = cl.prefill[0].lc.counters
+    assert p["aborted"] == r["reasons"]["first_token_timeout"] - cl.counters.get("late_first_token", 0)
+
+
+@st.composite
+def overloaded(draw) -> dict:
+    """A small cluster far past its capacity: few blocks, a small pool, short deadlines."""
+    tp = draw(st.sampled_from([1, 2, 4]))
+    block = draw(st.sampled_from([16, 64]))
+    gpu_blocks = draw(st.integers(24, 160))
+    input_max = min(2048, (gpu_blocks // 3) * block - 1)
+    return {
+        "seed": draw(st.integers(0, 2**16)),
+        "time_limit_s": 5000.0,
+        "model": {"name": "tiny", "params_b": 1.0, "num_layers": draw(st.integers(2, 8)), "hidden": 1024,
+                  "kv_heads": 4, "head_dim": 64, "block_size": block},
+        "cluster": {"n_prefill": draw(st.integers(1, 2)), "n_decode": draw(st.integers(1, 2)), "tp": tp,
+                    "gpu_blocks": gpu_blocks, "decode_max_batch": draw(st.sampled_from([4, 32, 256])),
+                    "prefill_token_budget": draw(st.sampled_from([512, 4096]))},
+        "storage": {"capacity_gib": draw(st.sampled_from([0.01, 0.2, 64.0])),
+                    "bandwidth_gbps": draw(st.sampled_from([1.0, 100.0]))},
+        "policy": {"preempt": draw(st.sampled_from(["write", "recompute"])),
+                   "read_failure": draw(st.sampled_from(["fail", "recompute"])),
+                   "write_retries": draw(st.integers(0, 2)),
+                   "transfer_timeout_s": draw(st.sampled_from([0.05, 1.0, 30.0])),
+                   "queue_timeout_s": draw(st.sampled_from([0.5, 30.0])),
+                   "first_token_timeout_s": draw(st.sampled_from([0.5, 5.0, 60.0])),
+                   "decode_headroom_blocks": draw(st.integers(0, 2))},
+        "faults": {"write_fail": draw(st.sampled_from([0.0, 0.1])),
+                   "read_fail": draw(st.sampled_from([0.0, 0.1]))},
+        "tp": {"skew_ms": [draw(st.sampled_from([0.0, 50.0]))] * tp},
+        "workload": {"arrival": draw(st.sampled_from(["poisson", "gamma"])), "cv": 3.0,
+                     "rate": draw(st.sampled_from([200.0, 2000.0])), "num_requests": draw(st.integers(10, 60)),
+                     "input_mean": float(draw(st.integers(8, input_max))), "input_max": input_max,
+                     "output_mean": float(draw(st.integers(1, 200))), "output_max": 400,
+                     "prefix_groups": draw(st.integers(0, 3)), "prefix_tokens": draw(st.integers(0, 256))},
+    }
+
+
+@settings(max_examples=int(os.environ.get("KVSTATE_SIM_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(overloaded())
+def test_random_overloaded_clusters_end_every_request_and_leak_nothing(data):
+    cl, r = run(data)
+    assert_every_request_ended_clean(cl, r)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(overloaded())
+def test_the_lazy_decode_batch_keeps_exact_books(data):
+    """After every decode step the batch's context sum equals its members' contexts, every
+    member has its next event ahead, and the batch is full whenever requests wait for a slot."""
+    from kvstate.sim.decode import DecodeInstance
+    errors: list[str] = []
+    real = DecodeInstance._run_events
+
+    def audited(self, b, d):
+        real(self, b, d)
+        errors.extend(self.audit())
+    DecodeInstance._run_events = audited
+    try:
+        cl, r = run(data)
+    finally:
+        DecodeInstance._run_events = real
+    assert not errors, errors[:5]
+    assert_every_request_ended_clean(cl, r)
