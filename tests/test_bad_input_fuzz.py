@@ -210,7 +210,7 @@ def _policy(**bad):
 
 
 def _scenario(overrides):
-    from kvstate.sim.scenario import load_scenario, with_overrides
+    from kvstate.sim.scenario_io import load_scenario, with_overrides
     with_overrides(load_scenario(None), overrides)
 
 
@@ -241,7 +241,7 @@ def _threaded(workers):
 
 
 def _scenario_dict(data):
-    from kvstate.sim.scenario import scenario_from_dict
+    from kvstate.sim.scenario_io import scenario_from_dict
     scenario_from_dict(data)
 
 

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from kvstate.cli import main
-from kvstate.demo import DemoConfig, run_demo
+from kvstate.app.cli import main
+from kvstate.app.demo import DemoConfig, run_demo
 
 
 def test_demo_json_integrity_with_tp2_preemptions_and_aborts(capsys):

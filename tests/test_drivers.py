@@ -9,7 +9,7 @@ from kvstate import DecodeLifecycle, DriverError, Policy, PrefillLifecycle, Vali
 from kvstate.events import Completion
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
-from kvstate.demo import fake_block
+from kvstate.testing import fake_block
 from kvstate.keys import block_keys
 
 

@@ -347,7 +347,7 @@ def test_module_ops_dispatch_to_cuda_for_gpu_tensors():
 
 @gpu
 def test_demo_end_to_end_on_the_gpu():
-    from kvstate.demo import DemoConfig, run_demo
+    from kvstate.app.demo import DemoConfig, run_demo
 
     s = run_demo(DemoConfig(requests=48, backend="cuda"))
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["blocks_checked"] > 0

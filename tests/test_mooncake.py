@@ -50,7 +50,7 @@ def mstore(master, **kw):
 
 
 def test_demo_roundtrip_two_ranks(master):
-    from kvstate.demo import DemoConfig, run_demo
+    from kvstate.app.demo import DemoConfig, run_demo
 
     s = run_demo(DemoConfig(requests=24, tp=2, store="custom", store_factory=lambda spec: mstore(master)))
     assert s["store"] == "MooncakeStore" and s["integrity_ok"] and s["leaked_blocks"] == 0
@@ -263,7 +263,7 @@ def test_bad_keys_and_buffers(master):
 
 
 def test_cli_start_master_demo(capsys):
-    from kvstate.cli import main
+    from kvstate.app.cli import main
 
     assert main(["demo", "--store", "mooncake", "--start-master", "--requests", "8", "--json"]) == 0
     import json

@@ -7,12 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstate.cli import main
+from kvstate.app.cli import main
 from kvstate.errors import ConfigError, KVStateError, ValidationError
 from kvstate.kernels.cost import TransferCostModel, fit_cost_model
 from kvstate.kernels.plan import plan_layout
 from kvstate.sim import Cluster, Scenario, load_scenario, scenario_from_dict, search_deadlocks, with_overrides
-from kvstate.sim.metrics import simulate, summarize, to_json
+from kvstate.sim import simulate, to_json
+from kvstate.sim.metrics import summarize
 from kvstate.sim.tp import TaskSchedule, run_schedule
 from kvstate.sim.workload import load_trace
 
@@ -42,10 +43,11 @@ def assert_clean(cl: Cluster) -> None:
 
 
 # -- scenarios -------------------------------------------------------------------------------
-def test_empty_file_is_the_default(tmp_path):
+def test_an_empty_scenario_file_is_an_error(tmp_path):
     f = tmp_path / "s.toml"
-    f.write_text("")
-    assert load_scenario(f) == Scenario(source=str(f))
+    f.write_text("# nothing here\n")
+    with pytest.raises(ConfigError, match="s.toml: the scenario file is empty"):
+        load_scenario(f)
     assert Scenario().gpu_blocks() > 1000  # H100 memory left after Llama-3-8B weights at TP 2
 
 
@@ -228,10 +230,10 @@ def test_injected_write_failures_end_requests_with_503_or_retry():
     assert_clean(cl)
 
 
-def test_seed_barrier_protocol_deadlocks_and_is_reported():
+def test_shared_barrier_protocol_deadlocks_and_is_reported():
     """Concurrent writes on a shared manual-reset barrier strand a rank's workers; the
     lifecycle's deadlines still end the requests whose answers never come (no hang)."""
-    s = small(**{"tp.protocol": "seed", "tp.barrier": "manual-reset", "tp.barrier_timeout_s": 5.0,
+    s = small(**{"tp.protocol": "shared-barrier", "tp.barrier": "manual-reset", "tp.barrier_timeout_s": 5.0,
                  "workload.num_requests": 40, "workload.rate": 200.0, "tp.skew_ms": [0.0, 1.0]})
     cl, r = run(s)
     d = r["deadlock"]
@@ -245,10 +247,10 @@ def test_seed_barrier_protocol_deadlocks_and_is_reported():
     assert r["deadlock"] is None and r["states"] == {"done": 40}
 
 
-def test_deadlock_search_finds_the_seed_reset_race_and_nothing_in_kvstate():
+def test_deadlock_search_finds_the_shared_barrier_reset_race_and_nothing_in_kvstate():
     res = search_deadlocks(tps=(2,), tasks=(1, 2, 3), spacings=(0.0, 0.002), skews=(0.0, 0.002))
-    assert res["seed/manual-reset"]["deadlocks"] > 0
-    m = res["seed/manual-reset"]["minimal"]
+    assert res["shared-barrier/manual-reset"]["deadlocks"] > 0
+    m = res["shared-barrier/manual-reset"]["minimal"]
     assert m["case"]["tasks"] == 2 and m["stuck"] and m["trace"]
     assert any(e[2] == "pass-open" for e in m["trace"])  # a rank passed the barrier left open
     for sem in ("auto", "manual-reset"):
@@ -256,9 +258,9 @@ def test_deadlock_search_finds_the_seed_reset_race_and_nothing_in_kvstate():
         assert res[f"kvstate/{sem}"]["unsynchronized_cases"] == 0
 
 
-def test_a_single_task_never_deadlocks_even_in_the_seed_protocol():
+def test_a_single_task_never_deadlocks_even_with_shared_barriers():
     for sem in ("auto", "manual-reset"):
-        out = run_schedule(TaskSchedule("seed", sem, "rank0", 2, 1, 1, 0.0, 0.001, (0.0, 0.003)))
+        out = run_schedule(TaskSchedule("shared-barrier", sem, "rank0", 2, 1, 1, 0.0, 0.001, (0.0, 0.003)))
         assert not out["deadlock"] and out["unsynchronized"] == 0
 
 
@@ -290,7 +292,7 @@ def test_cli_simulate_exits_nonzero_on_deadlock(tmp_path, capsys):
     f = scenario_file(tmp_path, workload={"num_requests": 40, "input_mean": 600.0, "input_max": 4096,
                                           "output_mean": 24.0, "output_max": 128, "prefix_tokens": 256,
                                           "rate": 200.0},
-                      tp={"protocol": "seed", "barrier": "manual-reset", "barrier_timeout_s": 5.0,
+                      tp={"protocol": "shared-barrier", "barrier": "manual-reset", "barrier_timeout_s": 5.0,
                           "skew_ms": [0.0, 1.0]})
     assert main(["simulate", str(f)]) == 3
     assert "DEADLOCK" in capsys.readouterr().out
@@ -333,5 +335,25 @@ def test_cli_plan_finds_the_cheapest_configuration(tmp_path, capsys):
         assert res["best"]["gpus"] == min(r["gpus"] for r in ok)
     assert "cheapest" in capsys.readouterr().out or not ok
     with pytest.raises(KVStateError, match="FIELD=V1"):
-        from kvstate.sim.plan import parse_sweep
+        from kvstate.sim.capacity import parse_sweep
         parse_sweep(["cluster.n_decode"])
+
+
+def test_a_deadline_fires_at_its_exact_simulated_time(tmp_path):
+    """r0's prompt is so long that D's first-token deadline passes while P0 still computes it;
+    r1 (on P1) is quick, and its read's deadline is armed before r0's, then goes stale. r0 must
+    still end at exactly arrival + first_token_timeout_s, not at the next tick of a poller."""
+    recs = [{"timestamp": 0, "input_length": 60000, "output_length": 4, "hash_ids": []},
+            {"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": []}]
+    t = write_trace(tmp_path / "t.jsonl", recs)
+    s = with_overrides(Scenario(), {"workload.arrival": "trace", "workload.trace": str(t),
+                                    "cluster.n_decode": 1, "gpu.tflops": 20.0,
+                                    "policy.first_token_timeout_s": 2.345, "policy.transfer_timeout_s": 0.5})
+    cl, r = run(s)
+    r0, r1 = cl.reqs["r0"], cl.reqs["r1"]
+    assert (r0.reason, r1.reason) == ("first_token_timeout", "done")
+    assert r1.finish < 2.345  # r1's transfers came and went before r0's deadline
+    assert r0.finish == pytest.approx(2.345, abs=1e-12)
+    # D gave up while P0 still computed: the router aborted it there, so no token came late
+    assert cl.prefill[0].lc.counters["aborted"] == 1 and r["late_events"] == {}
+    assert_clean(cl)

@@ -8,24 +8,22 @@ itself) wrote. Some requests share a stored prefix, some are preempted, some abo
 """
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from .. import commands as C
+from ..backends import FileStore, MemoryStore, ReferenceBackend, StepDriver, Store
+from ..errors import ConfigError, OutOfBlocksError
+from ..keys import block_keys
+from ..lifecycle import DecodeLifecycle, PrefillLifecycle
+from ..policy import Policy
+from ..spec import CacheSpec
+from ..testing import fake_block
 
-from . import commands as C
-from .backends import FileStore, MemoryStore, ReferenceBackend, StepDriver, Store
-from .errors import ConfigError, OutOfBlocksError
-from .keys import block_keys
-from .lifecycle import DecodeLifecycle, PrefillLifecycle
-from .policy import Policy
-from .spec import CacheSpec
-
-__all__ = ["DemoConfig", "run_demo", "format_summary", "fake_block"]
+__all__ = ["DemoConfig", "run_demo", "format_summary"]
 
 
 @dataclass
@@ -58,12 +56,6 @@ class DemoConfig:
             raise ConfigError(f"--backend must be 'reference' or 'cuda', got {self.backend!r}")
         if not isinstance(self.concurrency, int) or self.concurrency <= 0:
             raise ConfigError(f"--concurrency must be an int > 0, got {self.concurrency!r}")
-
-
-def fake_block(key: str, rank: int, kind: str, nbytes: int) -> bytes:
-    """The demo's stand-in for computed KV: a pattern fixed by (key, rank, kind)."""
-    seed = int.from_bytes(hashlib.sha256(f"{key}|{rank}|{kind}".encode()).digest()[:8], "little")
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
 
 
 @dataclass
@@ -115,7 +107,7 @@ class _Demo:
 
     def _backend(self, nb: int) -> Any:
         if self.cfg.backend == "cuda":
-            from .backends.cuda import CudaBackend
+            from ..backends.cuda import CudaBackend
 
             return CudaBackend(self.spec, nb, self.store, staging_bytes=1 << 20)
         return ReferenceBackend(self.spec, nb, self.store)

@@ -1,0 +1,137 @@
+"""The ``kvstate`` command line: ``simulate``, ``plan``, ``scenario``, ``demo`` and ``diagram``.
+
+Bad input (an option, a scenario, a path) is one line on stderr and exit 2, checked before
+anything runs; see :data:`EXIT_CODES`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from .. import __version__
+from ..errors import ConfigError, KVStateError
+from . import democmd, simcmds
+
+__all__ = ["main", "EXIT_CODES"]
+
+#: What the exit status means (``kvstate --help`` and the README print this).
+EXIT_CODES = {
+    0: "success (plan: a configuration meets the SLOs)",
+    1: "plan: no configuration meets the SLOs; demo: a byte differed or a block leaked",
+    2: "bad input: an option, a scenario or trace file, an output path",
+    3: "simulate: the run did not drain (a deadlock, or its time limit passed)",
+    141: "stdout was closed early (e.g. piped into head)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (``kvstate CMD: error: ...``) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind: Callable[[str], float], low: float, inclusive: bool, what: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (v >= low if inclusive else v > low) or v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    return parse
+
+
+POSITIVE_INT = _number(int, 0, False, "an integer > 0")
+NON_NEGATIVE_INT = _number(int, 0, True, "an integer >= 0")
+POSITIVE_FLOAT = _number(float, 0, False, "a number > 0")
+
+
+def _overrides(p: argparse.ArgumentParser) -> None:
+    """The scenario options ``simulate`` and ``plan`` share."""
+    p.add_argument("scenario", nargs="?", metavar="SCENARIO",
+                   help="a scenario TOML file or a preset name (`kvstate scenario --list`); default: the embedded one")
+    g = p.add_argument_group("scenario overrides (applied in this order, --set last)")
+    g.add_argument("--trace", help="replay this Mooncake-format JSONL trace instead of the scenario's arrivals")
+    g.add_argument("--model", metavar="NAME_OR_CONFIG",
+                   help="a model preset (llama-3-8b, llama-3-70b, ...) or a Hugging Face config.json")
+    g.add_argument("--rate", type=POSITIVE_FLOAT, help="request rate, per second")
+    g.add_argument("--num-prompts", type=POSITIVE_INT, help="number of requests")
+    g.add_argument("--tp", type=POSITIVE_INT, help="tensor-parallel GPUs per instance")
+    g.add_argument("--n-prefill", type=POSITIVE_INT, help="prefill instances")
+    g.add_argument("--n-decode", type=POSITIVE_INT, help="decode instances")
+    g.add_argument("--seed", type=NON_NEGATIVE_INT, help="random seed (>= 0)")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any scenario field, e.g. --set slo.ttft_ms=500 (repeatable; VALUE is JSON or text)")
+    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+
+
+def _parser() -> argparse.ArgumentParser:
+    codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
+    p = _Parser(prog="kvstate", description="The KV-cache life of PD-disaggregated LLM serving: simulate a "
+                "cluster, plan capacity, run the demo.", epilog=f"exit status:\n{codes}",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"kvstate {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
+    s = sub.add_parser("simulate", help="simulate a PD cluster under a workload (the production machines, SimPy)")
+    _overrides(s)
+    s.add_argument("--json", action="store_true", help="print every metric as one JSON object")
+    s.add_argument("--plot", metavar="DIR", help="write PNG charts (latency CDFs, utilisation) into DIR")
+    pl = sub.add_parser("plan", help="sweep scenario fields; find the cheapest configuration meeting the SLOs")
+    _overrides(pl)
+    pl.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
+                    help="a field and its values, e.g. cluster.n_decode=1,2,4 (repeatable; each field once); "
+                         "default: cluster.n_prefill and cluster.n_decode 1..4")
+    pl.add_argument("--attainment", type=_number(float, 0, False, "a number in (0, 1]"),
+                    help="share of requests that must meet each SLO (default: the scenario's)")
+    pl.add_argument("--workers", type=POSITIVE_INT, help="parallel simulations (default: every core)")
+    pl.add_argument("--out", default="plan.json", help="JSON result file, rewritten as rows come (default plan.json)")
+    pl.add_argument("--plot", metavar="DIR", help="write plan.png (every configuration) into DIR")
+    pl.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    sc = sub.add_parser("scenario", help="print the default scenario, or a preset, as commented TOML")
+    sc.add_argument("name", nargs="?", default="default", help="a preset (default: the embedded default)")
+    sc.add_argument("--list", action="store_true", help="list the presets")
+    democmd.add_parser(sub)
+    g = sub.add_parser("diagram", help="print each lifecycle machine's diagram (mermaid), drawn from the machines")
+    g.add_argument("--machine", choices=("prefill", "decode"), help="only this machine")
+    return p
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    from ..machines import MACHINES, mermaid
+
+    names = [args.machine] if args.machine else list(MACHINES)
+    print("\n\n".join(mermaid(MACHINES[n]) for n in names))
+    return 0
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "simulate": simcmds.simulate, "plan": simcmds.plan, "scenario": simcmds.scenario,
+    "demo": democmd.run, "diagram": _diagram,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit status (:data:`EXIT_CODES`)."""
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.cmd](args)
+    except KVStateError as e:
+        print(f"kvstate {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader went away (`kvstate diagram | head -1`): stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return 141
+    except OSError as e:  # an output that could not be written after all (disk full, ...)
+        raise SystemExit(f"kvstate {args.cmd}: error: {ConfigError(str(e))}") from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
