@@ -1,58 +1,72 @@
 """Simulator speed and determinism: prints a table, ``--json`` prints one object.
 
-    python benchmarks/sim.py [--json] [--trace FILE] [--quick]
+    python benchmarks/sim.py [--json] [--quick] [--repeats N]
 
-- the embedded default scenario (2,000 requests), run twice with the same seed: simulated
-  requests per wall second (best of the two) and whether the two ``--json`` documents are
+- the embedded default scenario (2,000 requests), run ``--repeats`` times with the same seed:
+  simulated requests per wall second (best run) and whether every ``--json`` document is
   byte-identical;
-- the Mooncake synthetic trace (3,993 requests), when found: wall seconds.
-One process, one core (SimPy is single-threaded).
+- the shipped Mooncake synthetic trace (3,993 requests, 64 % block reuse): wall seconds;
+- a 12,000-request conversation-style trace (``kvstate.sim.conversation``, seed 0, 37 % block
+  reuse), generated into a temporary file: wall seconds.
+One process, one core (SimPy is single-threaded). Wall times on a shared machine vary by
+tens of percent between runs: take the best of several.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate.sim import simulate, to_json  # noqa: E402
-from kvstate.sim import Scenario, with_overrides  # noqa: E402
+from kvstate.sim import Scenario, simulate, to_json, with_overrides  # noqa: E402
+from kvstate.sim.conversation import block_reuse, conversation_trace, write_trace  # noqa: E402
 
 TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "mooncake_synthetic_trace.jsonl")
+
+
+def timed(s: Scenario) -> tuple[float, dict]:
+    t = time.perf_counter()
+    r = simulate(s)
+    return time.perf_counter() - t, r
+
+
+def replay(path: str) -> tuple[float, dict]:
+    return timed(with_overrides(Scenario(), {"workload.arrival": "trace", "workload.trace": os.path.abspath(path)}))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--trace", default=TRACE, help="Mooncake-format trace to time (default: data/mooncake_synthetic_trace.jsonl)")
-    ap.add_argument("--quick", action="store_true", help="500 requests, no trace")
+    ap.add_argument("--quick", action="store_true", help="500 requests, no traces")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the default scenario (best is reported)")
     args = ap.parse_args()
     s = Scenario()
     if args.quick:
         s = with_overrides(s, {"workload.num_requests": 500})
-    runs = []
-    for _ in range(2):
-        t = time.perf_counter()
-        r = simulate(s)
-        runs.append((time.perf_counter() - t, to_json(r), r))
-    best = min(w for w, _, _ in runs)
-    r = runs[0][2]
-    out = {
-        "sim_requests_per_s": round(r["requests"] / best, 1),
-        "default_requests": r["requests"], "default_wall_s": round(best, 3),
-        "default_simulated_s": r["simulated_s"], "deterministic": runs[0][1] == runs[1][1],
-        "json_bytes": len(runs[0][1]),
-    }
-    if not args.quick and os.path.exists(args.trace):
-        ts = with_overrides(Scenario(), {"workload.arrival": "trace", "workload.trace": os.path.abspath(args.trace)})
-        t = time.perf_counter()
-        tr = simulate(ts)
-        out.update({"trace_requests": tr["requests"], "trace_wall_s": round(time.perf_counter() - t, 3),
-                    "trace_simulated_s": tr["simulated_s"], "trace_states": tr["states"],
-                    "trace_goodput_rps": tr["goodput_rps"], "trace_ttft_p99_ms": tr["ttft_ms"]["p99"]})
+    runs = [timed(s) for _ in range(max(2, args.repeats))]
+    best = min(w for w, _ in runs)
+    r = runs[0][1]
+    docs = {to_json(x) for _, x in runs}
+    out = {"python": platform.python_version(), "sim_requests_per_s": round(r["requests"] / best, 1),
+           "default_requests": r["requests"], "default_wall_s": round(best, 3),
+           "default_simulated_s": r["duration_s"], "deterministic": len(docs) == 1}
+    if not args.quick:
+        wall, tr = replay(TRACE)
+        out.update({"trace_requests": tr["requests"], "trace_wall_s": round(wall, 3),
+                    "trace_simulated_s": tr["duration_s"], "trace_reasons": tr["reasons"]})
+        with tempfile.TemporaryDirectory() as d:
+            recs = conversation_trace(12000, seed=0)
+            path = os.path.join(d, "conversation.jsonl")
+            write_trace(recs, path)
+            wall, cr = replay(path)
+        out.update({"conversation_requests": cr["requests"], "conversation_block_reuse": round(block_reuse(recs), 4),
+                    "conversation_wall_s": round(wall, 3), "conversation_simulated_s": cr["duration_s"],
+                    "conversation_reasons": cr["reasons"]})
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:

@@ -61,36 +61,29 @@ def pack_tokens(token_ids: Sequence[int]) -> array:
 
 
 class KeyCache:
-    """Block keys computed recently, found by the exact bytes hashed for them (the previous
-    key and the block's token ids): prompts that share a prefix hash it once.
+    """The last prompt's keys, kept whole: asked for the same tokens again at once, the key
+    function answers with one comparison instead of a hash per block.
 
-    Keys are content hashes, so a cached key is the key the function computes: a cache
-    changes speed, never a key. Bounded: past ``capacity`` entries the older half goes
-    (about 0.5 KB an entry). The last prompt's keys are kept whole: a prompt asked for again
-    at once (P and D of one request, in one process) costs one comparison. Not thread-safe: share one among lifecycles driven by one thread
-    (the simulator shares one between its P and D instances), or give each thread its own.
+    That is the case when P and D of one request run in one process (the simulator, a
+    colocated engine), each computing the request's keys. Keys are content hashes, so a
+    kept key is the key the function computes: it changes speed, never a key. (A cache of
+    single blocks' keys was measured and cost more than it saved: a hit still hashes the
+    block's bytes to find it, and a miss adds its insertion to the sha256.) Not thread-safe:
+    share one among lifecycles driven by one thread.
     """
 
-    __slots__ = ("capacity", "hits", "misses", "_map", "_last")
+    __slots__ = ("hits", "misses", "_last")
 
-    def __init__(self, capacity: int = 65536) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-            raise ValidationError(f"KeyCache: capacity must be an int > 0, got {capacity!r}")
-        self.capacity = capacity
-        self.hits = 0  #: blocks whose key was found
-        self.misses = 0  #: blocks hashed
-        self._map: dict[bytes, tuple[bytes, str]] = {}  # hashed bytes -> (key for the chain, key)
-        # the last prompt's (token bytes, block size, namespace) and keys: P and D of one request
-        # in one process ask for the same keys back to back
-        self._last: tuple[bytes, int, str, list[str]] | None = None
-
-    def __len__(self) -> int:
-        return len(self._map)
+    def __init__(self) -> None:
+        self.hits = 0  #: prompts answered whole
+        self.misses = 0  #: prompts hashed
+        self._last: tuple[bytes, int, str, list[str]] | None = None  # token bytes, block size, namespace, keys
 
 
 def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
                    namespace: str, cache: KeyCache | None = None) -> list[str]:
-    """:func:`block_keys` over already validated, packed token ids (``cache``: see :class:`KeyCache`)."""
+    """:func:`block_keys` over already validated, packed token ids (``cache``: see :class:`KeyCache`;
+    it serves prompts without extra keys)."""
     n = len(packed)
     if extra_keys:
         nblocks = -(-n // block_size)
@@ -108,52 +101,28 @@ def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequ
     partial = f":partial:{n - nfull * block_size}"
     if extra_keys:
         keys = _chain_extra(raw, step, end, namespace.encode(), extra_keys, partial)
-    elif cache is not None:  # keys come prefixed from the cache
+        return [prefix + k for k in keys] if prefix else keys
+    if cache is not None:
         last = cache._last
         if last is not None and last[0] == raw and last[1] == block_size and last[2] == namespace:
-            cache.hits += nfull
+            cache.hits += 1
             return list(last[3])
-        keys, prev = _chain_cached(raw, step, end, namespace.encode(), prefix, cache)
-        if end < n * 4:  # the last, incomplete block: its key is never reused whole
-            keys.append(f"{prefix}{_sha256(prev + raw[end:]).hexdigest()}{partial}")
+        cache.misses += 1
+    keys = []  # the common case: one sha256 call per block
+    append = keys.append
+    prev = namespace.encode()
+    for start in range(0, end, step):
+        key = _sha256(prev + raw[start:start + step]).hexdigest()
+        append(key)
+        prev = key.encode()
+    if end < n * 4:  # the last, incomplete block
+        append(f"{_sha256(prev + raw[end:]).hexdigest()}{partial}")
+    if prefix:
+        keys = [prefix + k for k in keys]
+    if cache is not None:
         cache._last = (raw, block_size, namespace, keys)
         return list(keys)
-    else:  # the common case: one sha256 call per block
-        keys = []
-        append = keys.append
-        prev = namespace.encode()
-        for start in range(0, end, step):
-            key = _sha256(prev + raw[start:start + step]).hexdigest()
-            append(key)
-            prev = key.encode()
-        if end < n * 4:  # the last, incomplete block
-            append(f"{_sha256(prev + raw[end:]).hexdigest()}{partial}")
-    return [prefix + k for k in keys] if prefix else keys
-
-
-def _chain_cached(raw: bytes, step: int, end: int, prev: bytes, prefix: str,
-                  cache: KeyCache) -> tuple[list[str], bytes]:
-    """The prefixed keys of the full blocks, through ``cache``; and the last key for the chain."""
-    keys: list[str] = []
-    append = keys.append
-    known, cap, hashed = cache._map, cache.capacity, 0
-    get = known.get
-    for start in range(0, end, step):
-        data = prev + raw[start:start + step]
-        got = get(data)
-        if got is None:
-            key = _sha256(data).hexdigest()
-            got = known[data] = (key.encode(), prefix + key)
-            hashed += 1
-            if len(known) > cap:  # drop the older half at once (deleting a dict's first key one
-                keep = list(known.items())[len(known) // 2:]  # at a time costs a scan each)
-                known.clear()
-                known.update(keep)
-        prev = got[0]
-        append(got[1])
-    cache.misses += hashed
-    cache.hits += len(keys) - hashed
-    return keys, prev
+    return keys
 
 
 def _chain_extra(raw: bytes, step: int, end: int, prev: bytes, extra_keys: Mapping[int, Sequence[str]],

@@ -58,9 +58,9 @@ class Cluster:
         self.kinds = len(self.cache_spec.kinds)
         self.staging_bytes = s.cluster.staging_mib << 20
         self.store = SimStore(s.storage, self.shard_bytes, s.cluster.tp)
-        # every instance runs in this one process and thread: one cache of block keys serves them
-        # all (a key is a content hash, so caching changes the run's speed, never its results)
-        self.key_cache = KeyCache(1 << 17)
+        # every instance runs in this one thread: D's reserve and P's admit of a request compute
+        # the same keys back to back, so one KeyCache makes the second free (never a different key)
+        self.key_cache = KeyCache()
         self.net_latency = s.network.latency_ms / 1000.0
         self.rng = np.random.default_rng(s.seed + 1)
         self.faults_write, self.faults_read = s.faults.write_fail, s.faults.read_fail
