@@ -191,14 +191,16 @@ def synthetic(w: WorkloadSpec, seed: int) -> Iterator[Arrival]:
 def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]:
     """Replay: equal ``hash_ids`` give equal token ids, block by block (``hash_block_size`` each)."""
     hb = w.hash_block_size
-    offsets = np.arange(hb, dtype=np.uint64)
+    offsets = np.arange(hb, dtype=np.uint32)[None, :]
     t0 = records[0].timestamp_ms
     for i, r in enumerate(records):
         prefix = None
-        if r.hash_ids:
-            prefix = (np.repeat(np.asarray(r.hash_ids, dtype=np.uint64), hb) * np.uint64(hb)
-                      + np.tile(offsets, len(r.hash_ids))) % np.uint64(_HALF)
-            prefix = prefix.astype(np.uint32)
+        if r.hash_ids:  # token j of hash block h is h * hb + j (mod 2**31): equal ids, equal tokens
+            if (max(r.hash_ids) + 1) * hb <= _HALF:  # no wrap: plain uint32 arithmetic
+                prefix = (np.asarray(r.hash_ids, dtype=np.uint32)[:, None] * np.uint32(hb) + offsets).ravel()
+            else:
+                ids = np.asarray(r.hash_ids, dtype=np.uint64)[:, None]
+                prefix = ((ids * np.uint64(hb) + offsets) % np.uint64(_HALF)).astype(np.uint32).ravel()
         yield Arrival(i, (r.timestamp_ms - t0) / 1000.0 * w.time_scale, r.input_length, r.output_length,
                       _tokens(prefix, r.input_length, unique_start(i)))
 
