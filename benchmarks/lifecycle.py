@@ -4,13 +4,12 @@ Each request: D reserves blocks, P admits it and reads a stored prefix (a StepDr
 without a backend answers every transfer in full, so the 7 full blocks "hit"), prefills
 the rest, writes the cache (a write skips stored blocks inside the backend, so it is one
 command), sends the first token; D reads the cache and decodes; both recycle. 7 triggers,
-3 transfer commands of 2 TP ranks each, no bytes moved; every state change runs through
-the transitions machines.
+3 transfer commands of 2 TP ranks each, no bytes moved.
 
-Side by side in one run (alternating, median of the repeats):
-- ``kvstate``: the lifecycles as shipped (transitions, LeanMachine),
-- ``stock``: the same lifecycles on an unmodified ``transitions.Machine``,
-- ``baseline``: the same lifecycles with a hand-written dict table in place of transitions.
+Side by side in one run (alternating, median of the repeats), the same lifecycles with:
+- ``kvstate``: the machines as shipped (compiled from their transitions definition),
+- ``stock``: every trigger through a stock ``transitions.Machine``,
+- ``baseline``: a hand-written dict table (what the bookkeeping costs with no machine library).
 
 Memory: Python heap per idle (reserved) request for the lifecycle's own bookkeeping,
 beyond the request's block ids, keys and tokens (tracemalloc).
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from array import array
 import json
 import platform
 import statistics
@@ -31,48 +31,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstate import CacheSpec, DecodeLifecycle, PrefillLifecycle  # noqa: E402
+from kvstate import CacheSpec, DecodeLifecycle, PrefillLifecycle, block_keys  # noqa: E402
 from kvstate import commands as C  # noqa: E402
 from kvstate.backends import StepDriver  # noqa: E402
+from kvstate.machine import CompiledMachine, StockMachine  # noqa: E402
 
 SPEC = CacheSpec(num_layers=32, kv_heads=4, block_size=64, head_dim=128, tp_size=2)
 PROMPT_TOKENS = 500  # 8 blocks of 64, the last one partial
 
 
-def use_dict_table(lc) -> None:
-    """Replace transitions with a hand-written (trigger, state) -> transitions dict table."""
-    table: dict[tuple[str, str], list] = {}
-    for t in lc.TABLE.TRANSITIONS:
-        srcs = [t["source"]] if isinstance(t["source"], str) else t["source"]
-        conds = t.get("conditions", [])
-        conds = [conds] if isinstance(conds, str) else conds
-        after = t.get("after", [])
-        after = [after] if isinstance(after, str) else after
-        for s in srcs:
-            table.setdefault((t["trigger"], s), []).append(
-                ([getattr(lc, c) for c in conds], t["dest"], [getattr(lc, a) for a in after]))
+class HandTable:
+    """A hand-written (trigger, state) -> rows dict: what a lifecycle costs with no machine library."""
 
-    def make(trigger):
-        def fire(req, _req, value):
-            for conds, dest, after in table[(trigger, req.state)]:
-                if all(c(req, value) for c in conds):
-                    req.state = dest
-                    for a in after:
-                        a(req, value)
-                    return True
-            return False
-        return fire
+    def __init__(self, defn, owner) -> None:
+        self.table: dict[tuple[str, str], list] = {}
+        for t in defn.transitions:
+            srcs = [t["source"]] if isinstance(t["source"], str) else t["source"]
+            conds = t.get("conditions", [])
+            conds = [conds] if isinstance(conds, str) else conds
+            after = t.get("after", [])
+            after = [after] if isinstance(after, str) else after
+            for s in srcs:
+                self.table.setdefault((t["trigger"], s), []).append(
+                    ([getattr(owner, c) for c in conds], t["dest"], [getattr(owner, a) for a in after]))
 
-    lc._fire_ev = {t: make(t) for t in {t["trigger"] for t in lc.TABLE.TRANSITIONS}}
+    def fire(self, req, trigger, value=None):
+        for conds, dest, after in self.table[(trigger, req.state)]:
+            if all(c(req, value) for c in conds):
+                req.state = dest
+                for a in after:
+                    a(req, value)
+                return True
+        return False
+
+
+MACHINES = {"kvstate": CompiledMachine, "stock": StockMachine, "baseline": HandTable}
 
 
 def make_rig(kind: str, n: int):
-    P = PrefillLifecycle(SPEC, 16 * n + 64, lean_machine=kind != "stock")
-    D = DecodeLifecycle(SPEC, 16 * n + 64, lean_machine=kind != "stock")
-    if kind == "baseline":
-        use_dict_table(P)
-        use_dict_table(D)
-    return P, D
+    cls = MACHINES[kind]
+    return PrefillLifecycle(SPEC, 16 * n + 64, machine_cls=cls), DecodeLifecycle(SPEC, 16 * n + 64, machine_cls=cls)
 
 
 def run_requests(kind: str, n: int, prompts: list[list[int]]) -> float:
@@ -119,12 +117,14 @@ def bytes_per_idle_request(n: int, prompts: list[list[int]]) -> float:
     snap = tracemalloc.take_snapshot()
     tracemalloc.stop()
     total = sum(s.size_diff for s in snap.compare_to(base, "filename"))
-    # the request's own data: its block ids, keys and token ids
+    # the request's own data, rebuilt alike: its block ids, keys and token ids
     own = 0
-    for rid in ids:
-        r = D._reqs[rid]
-        own += sys.getsizeof(r.blocks) + sys.getsizeof(r.keys) + sum(sys.getsizeof(k) for k in r.keys)
-        own += sys.getsizeof(r.tokens)
+    for rid, toks in zip(ids, prompts):
+        keys = block_keys(toks, SPEC.block_size)
+        own += sys.getsizeof(list(D.blocks_of(rid))) + sys.getsizeof(keys) + sum(sys.getsizeof(k) for k in keys)
+        packed = array("I")
+        packed.fromlist(toks)  # as the lifecycle packs them (fromlist over-allocates)
+        own += sys.getsizeof(packed)
     return (total - own) / n
 
 
@@ -184,11 +184,11 @@ def main() -> int:
     else:
         print(f"lifecycle of one request (P+D, {PROMPT_TOKENS} tokens, {out['blocks_per_request']} blocks, "
               f"TP {SPEC.tp_size}), median of {args.repeats} x {n} requests")
-        print(f"{'variant':<34}{'us/request':>12}{'requests/s':>14}")
-        for label, k in (("kvstate (transitions, LeanMachine)", "kvstate"),
+        print(f"{'variant':<36}{'us/request':>12}{'requests/s':>14}")
+        for label, k in (("kvstate (compiled from transitions)", "kvstate"),
                          ("kvstate on stock transitions", "stock"),
                          ("hand-written dict table", "baseline")):
-            print(f"{label:<34}{med[k]:>12.1f}{1e6 / med[k]:>14.0f}")
+            print(f"{label:<36}{med[k]:>12.1f}{1e6 / med[k]:>14.0f}")
         print(f"ratio kvstate / dict table: {out['ratio_vs_baseline']:.2f}x")
         print(f"bookkeeping per idle request: {bpr:.0f} bytes")
         print(f"this machine: one stock transitions trigger costs {trig:.2f} us")

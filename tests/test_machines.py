@@ -1,60 +1,120 @@
-"""The machine tables, the lean machine's equivalence with stock transitions, diagrams."""
+"""The machine definitions, the compiled machine's equivalence with stock transitions, diagrams."""
 import random
 
 import pytest
 from conftest import Rig
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transitions import Machine, MachineError
 
-from kvstate import Policy
+from kvstate import MACHINES, InvalidTransitionError, Policy
 from kvstate import commands as C
-from kvstate.machines import MACHINES, LeanMachine, mermaid
+from kvstate.machine import CompiledMachine, MachineDef, StockMachine, mermaid, stock_machine
+
+
+def _sources(tr):
+    return [tr["source"]] if isinstance(tr["source"], str) else list(tr["source"])
 
 
 @pytest.mark.parametrize("name", list(MACHINES))
-def test_tables_are_data_and_consistent(name):
-    t = MACHINES[name]
-    states = set(t.STATES)
-    assert t.INITIAL in states and set(t.TERMINAL) <= states
-    for tr in t.TRANSITIONS:
-        srcs = [tr["source"]] if isinstance(tr["source"], str) else tr["source"]
-        assert set(srcs) <= states and tr["dest"] in states
-        assert not set(srcs) & set(t.TERMINAL), "nothing leaves a terminal state"
-    reachable = {t.INITIAL}
-    changed = True
+def test_definitions_are_data_and_consistent(name):
+    d = MACHINES[name]
+    states = set(d.states)
+    assert d.initial in states and set(d.terminal) <= states
+    for tr in d.transitions:
+        assert set(_sources(tr)) <= states and tr["dest"] in states
+        assert not set(_sources(tr)) & set(d.terminal), "nothing leaves a terminal state"
+        if tr["dest"] in ("failed", "done", "aborted"):  # every row that ends a request recycles it
+            after = [tr["after"]] if isinstance(tr["after"], str) else tr["after"]
+            assert after[-1] == "_recycle", tr
+    reachable, changed = {d.initial}, True
     while changed:
         changed = False
-        for tr in t.TRANSITIONS:
-            srcs = [tr["source"]] if isinstance(tr["source"], str) else tr["source"]
-            if set(srcs) & reachable and tr["dest"] not in reachable:
+        for tr in d.transitions:
+            if set(_sources(tr)) & reachable and tr["dest"] not in reachable:
                 reachable.add(tr["dest"])
                 changed = True
     assert reachable == states
-    # abort leaves every live state
-    aborts = [tr for tr in t.TRANSITIONS if tr["trigger"] == "abort"]
-    assert set(aborts[0]["source"]) == states - set(t.TERMINAL)
+    aborts = [tr for tr in d.transitions if tr["trigger"] == "abort"]
+    assert set(aborts[0]["source"]) == states - set(d.terminal) == set(d.live)
 
 
-def test_lifecycles_use_one_machine_each_with_no_models():
-    rig = Rig()
-    assert isinstance(rig.P.machine, LeanMachine) and isinstance(rig.D.machine, LeanMachine)
-    rig.P.admit("a", list(range(9)))
-    rig.P.admit("b", list(range(9)))
-    assert rig.P.machine.models == []
+class _Req:
+    __slots__ = ("id", "state")
+
+    def __init__(self, state):
+        self.id, self.state = "r", state
 
 
-def _trace(lean: bool, seed: int):
+class _Owner:
+    """Every callback the table names: logs its call; a condition answers from ``answers``."""
+
+    def __init__(self, answers, log):
+        self.answers, self.log = answers, log
+
+    def __getattr__(self, name):
+        if not name.startswith("_"):
+            raise AttributeError(name)
+
+        def callback(req, value):
+            self.log.append((name, req.state, value))
+            return self.answers.get((name, req.state), True)
+        return callback
+
+
+def _run(defn: MachineDef, compiled: bool, triggers, answers):
+    log, owner, req = [], None, _Req(defn.initial)
+    owner = _Owner(answers, log)
+    if compiled:
+        m = CompiledMachine(defn, owner)
+
+        def fire(trigger, value):
+            try:
+                return m.fire(req, trigger, value)
+            except InvalidTransitionError:
+                return "invalid"
+    else:
+        events = stock_machine(defn, owner).events
+
+        def fire(trigger, value):
+            try:
+                return events[trigger].trigger(req, req, value)
+            except MachineError:
+                return "invalid"
+    for i, trigger in enumerate(triggers):
+        log.append((trigger, fire(trigger, i), req.state))
+    return log
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), name=st.sampled_from(list(MACHINES)))
+def test_the_compiled_machine_does_what_stock_transitions_does(data, name):
+    """Random trigger sequences, and random answers of every condition per state: the same
+    outcomes, states and callback calls (with their arguments), in the same order."""
+    defn = MACHINES[name]
+    triggers = data.draw(st.lists(st.sampled_from(sorted({t["trigger"] for t in defn.transitions})), max_size=30))
+    conds = sorted({(c, s) for t in defn.transitions for c in ([t.get("conditions")] if isinstance(
+        t.get("conditions"), str) else t.get("conditions") or []) for s in _sources(t)})
+    answers = {k: data.draw(st.booleans()) for k in conds}
+    compiled = _run(defn, True, triggers, answers)
+    assert compiled == _run(defn, False, triggers, answers)
+
+
+def test_only_what_it_can_run_is_compiled():
+    d = MachineDef("x", ("a", "b"), "a", ("b",), (dict(trigger="go", source="a", dest="b", before="_cb"),))
+    with pytest.raises(ValueError, match="only conditions and after"):
+        CompiledMachine(d, _Owner({}, []))
+
+
+def _trace(machine_cls, seed: int):
     """Drive a random P+D workload and record every state each request passes through."""
     rng = random.Random(seed)
-    rig = Rig(policy=Policy(read_failure="recompute", transfer_timeout=8.0, fence_grace=1.0))
-    for lc in (rig.P, rig.D):
-        lc.__init__(lc.spec, 64, lc.policy, clock=rig.clock, lean_machine=lean)
-    rig.pd.lifecycle, rig.dd.lifecycle = rig.P, rig.D
+    rig = Rig(policy=Policy(read_failure="recompute", transfer_timeout=8.0, fence_grace=1.0), machine_cls=machine_cls)
     trace = []
     for i in range(12):
         toks = [rng.randrange(5) for _ in range(rng.randint(2, 14))]
-        rid = f"r{i}"
-        rig.D.reserve(rid, toks)
-        rig.P.admit(rid, toks)
+        rig.D.reserve(f"r{i}", toks)
+        rig.P.admit(f"r{i}", toks)
     for _ in range(400):
         for drv, lc in ((rig.pd, rig.P), (rig.dd, rig.D)):
             drv.pump()
@@ -66,10 +126,8 @@ def _trace(lean: bool, seed: int):
                     rig.D.deliver_first_token(n.request_id, n.token, n.error_code)
                 elif isinstance(n, C.Recompute):
                     rig.D.recompute_done(n.request_id)
-                elif isinstance(n, C.StartDecode) and rng.random() < 0.5:
-                    rig.D.preempt(n.request_id)
                 elif isinstance(n, C.StartDecode):
-                    rig.D.finish(n.request_id)
+                    (rig.D.preempt if rng.random() < 0.5 else rig.D.finish)(n.request_id)
             for _ in range(rng.randint(0, 6)):
                 if drv.pending:
                     key = rng.choice(sorted(drv.pending))
@@ -82,84 +140,25 @@ def _trace(lean: bool, seed: int):
         rig.D.tick()
         trace.append(tuple(sorted((r, lc.state_of(r)) for lc in (rig.P, rig.D) for r in lc.live_requests())))
     states = {s for step in trace for _, s in step}
-    assert {"reading", "running", "preempt_writing", "reloading", "writing"} <= states, states  # the walk got somewhere
+    assert {"reading", "running", "preempt_writing", "reloading", "writing"} <= states, states  # it got somewhere
     return trace
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_lean_machine_behaves_exactly_like_stock_transitions(seed):
-    assert _trace(True, seed) == _trace(False, seed)
+def test_whole_lifecycles_run_the_same_on_compiled_and_stock_machines(seed):
+    assert _trace(CompiledMachine, seed) == _trace(StockMachine, seed)
 
 
-def test_stock_machine_is_plain_transitions():
-    rig = Rig()
-    rig.P.__init__(rig.spec, 8, lean_machine=False)
-    assert type(rig.P.machine) is Machine
+def test_the_stock_machine_is_plain_transitions():
+    m = stock_machine(MACHINES["decode"])
+    assert type(m) is Machine and m.models == []
 
 
 @pytest.mark.parametrize("name", list(MACHINES))
-def test_mermaid_diagram_drawn_from_the_table(name):
+def test_mermaid_diagram_drawn_from_the_definition(name):
     text = mermaid(MACHINES[name])
     assert "stateDiagram-v2" in text
-    for s in MACHINES[name].STATES:
+    for s in MACHINES[name].states:
         assert f'state "{s}"' in text
-    for tr in MACHINES[name].TRANSITIONS:
+    for tr in MACHINES[name].transitions:
         assert tr["trigger"] in text
-
-
-class _Model:
-    """Logs every callback; the state attribute is set by the machine."""
-
-    def __init__(self, log):
-        self.state, self.log, self.flag = "a", log, True
-
-    def __getattr__(self, name):  # callbacks named in the table: log and answer self.flag
-        if name.startswith("cb_"):
-            def cb(*args, **kwargs):
-                self.log.append((name, self.state, tuple(a if isinstance(a, int) else type(a).__name__ for a in args)))
-                return self.flag
-            return cb
-        raise AttributeError(name)
-
-
-_MACHINE_CALLBACKS = {
-    "none": {},
-    "state_change": dict(before_state_change="cb_bsc", after_state_change="cb_asc"),
-    "event": dict(prepare_event="cb_pe", finalize_event="cb_fe", on_final="cb_final"),
-    "send_event": dict(send_event=True),
-}
-
-
-def _every_callback_kind(cls, seed: int, machine_callbacks: str):
-    """Random triggers on a machine using each kind of callback transitions offers."""
-    rng = random.Random(seed)
-    log: list = []
-    extra = _MACHINE_CALLBACKS[machine_callbacks]
-    states = ["a", dict(name="b", on_enter="cb_enter_b", on_exit="cb_exit_b"), "c", dict(name="z", final=True)]
-    m = cls(model=None, states=states, initial="a", auto_transitions=False, **extra, transitions=[
-        dict(trigger="go", source="a", dest="b", conditions="cb_cond", after="cb_after"),
-        dict(trigger="go", source="a", dest="c", unless="cb_unless", after=["cb_after2", "cb_after3"]),
-        dict(trigger="go", source="b", dest="c", prepare="cb_prep", before="cb_before"),
-        dict(trigger="go", source="c", dest="a"),
-        dict(trigger="stay", source=["a", "b", "c"], dest=None, after="cb_internal"),
-        dict(trigger="end", source="c", dest="z", after="cb_end"),
-        dict(trigger="back", source="z", dest="a"),
-    ])
-    model = _Model(log)
-    for _ in range(60):
-        model.flag = rng.random() < 0.5
-        trigger = rng.choice(["go", "go", "stay", "end", "back"])
-        try:
-            ok = m.events[trigger].trigger(model, rng.randrange(3))
-        except MachineError as e:
-            ok = f"error: {e}"
-        log.append((trigger, ok, model.state))
-    return log
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("machine_callbacks", list(_MACHINE_CALLBACKS))
-def test_lean_machine_runs_every_callback_kind_like_stock(seed, machine_callbacks):
-    lean = _every_callback_kind(LeanMachine, seed, machine_callbacks)
-    assert lean == _every_callback_kind(Machine, seed, machine_callbacks)
-    assert {e[0] for e in lean} >= {"cb_cond", "cb_after", "cb_enter_b", "cb_exit_b", "cb_prep", "cb_internal"}

@@ -8,7 +8,7 @@ import os
 from hypothesis.stateful import run_state_machine_as_test
 from protocol_machine import FAULT_CLASSES, INVARIANTS, STATS, Protocol, profile_settings
 
-from kvstate.machines import decode, prefill
+from kvstate import DECODE, PREFILL
 
 
 def test_protocol_machines_hold_every_invariant_under_faults():
@@ -24,11 +24,11 @@ def test_protocol_machines_hold_every_invariant_under_faults():
         assert STATS[f"invariant:{name}"] > 0, name
     # preemption in every decode state, cancel in every state of both sides
     # (per-state counts: benchmarks/protocol.py; each is >= 20 in a typical CI run)
-    missing = [f"preempt:{s}" for s in decode.LIVE if not STATS[f"fault:preempt:{s}"]]
-    missing += [f"cancel:D:{s}" for s in decode.LIVE if not STATS[f"fault:cancel:D:{s}"]]
-    missing += [f"cancel:P:{s}" for s in prefill.LIVE if not STATS[f"fault:cancel:P:{s}"]]
+    missing = [f"preempt:{s}" for s in DECODE.live if not STATS[f"fault:preempt:{s}"]]
+    missing += [f"cancel:D:{s}" for s in DECODE.live if not STATS[f"fault:cancel:D:{s}"]]
+    missing += [f"cancel:P:{s}" for s in PREFILL.live if not STATS[f"fault:cancel:P:{s}"]]
     assert not missing, f"never tried: {missing}"
 
 
 def test_tables_cover_terminal_states():
-    assert set(prefill.TERMINAL) == set(decode.TERMINAL) == {"done", "failed", "aborted"}
+    assert set(PREFILL.terminal) == set(DECODE.terminal) == {"done", "failed", "aborted"}

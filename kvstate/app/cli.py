@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    from ..machines import MACHINES, mermaid
+    from .. import MACHINES
+    from ..machine import mermaid
 
     names = [args.machine] if args.machine else list(MACHINES)
     print("\n\n".join(mermaid(MACHINES[n]) for n in names))

@@ -18,7 +18,8 @@ from .. import commands as C
 from ..backends import FileStore, MemoryStore, ReferenceBackend, StepDriver, Store
 from ..errors import ConfigError, OutOfBlocksError
 from ..keys import block_keys
-from ..lifecycle import DecodeLifecycle, PrefillLifecycle
+from ..decode import DecodeLifecycle
+from ..prefill import PrefillLifecycle
 from ..policy import Policy
 from ..spec import CacheSpec
 from ..testing import fake_block

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from .. import commands as C
 from ..errors import OutOfBlocksError
-from ..lifecycle import DecodeLifecycle
+from ..decode import DecodeLifecycle
 from .instance import Instance
 from .workload import unique_tokens
 

@@ -11,7 +11,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .. import commands as C
-from ..lifecycle import PrefillLifecycle
+from ..prefill import PrefillLifecycle
 from .instance import Instance
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,0 +1,254 @@
+"""The decode (D) side of a request's KV-cache life, preemption included: its machine, then its actions.
+
+Rules:
+
+- When P asks, D reserves blocks for the prompt and the first token, keeping
+  ``Policy.decode_headroom_blocks`` free per running request; it then waits for P's first
+  token at most ``Policy.first_token_timeout`` (504, reason ``first_token_timeout``). A first
+  token that comes with an error ends the request with P's code (reason ``prefill_...``).
+- With the token, D reads the cache into the reserved blocks. A request is runnable only when
+  every block was read on every TP rank; a partial or failed read ends with 502 (policy
+  ``fail``, reason ``read_failed``) or recomputes from the longest prefix every rank read
+  (policy ``recompute``).
+- Decoded tokens grow the request block by block. Preemption from ``running`` writes the cache
+  out first when the policy says ``write`` and frees the blocks only once that write answered
+  (a failed write-back falls back to recomputing); from reading, reloading or recomputing it
+  frees at once (an unanswered read keeps its pins). ``resume`` reloads a stored cache, or
+  recomputes.
+- Every failure row recycles in the same step; ``abort`` leaves every live state. A late first
+  token, recompute result or abort for a request that already ended is dropped and counted.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import commands as C
+from . import events as E
+from .errors import InvalidTransitionError, OutOfBlocksError, ValidationError
+from .keys import keys_of_packed
+from .lifecycle import Lifecycle
+from .machine import MachineDef
+from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, prefill_reason
+from .registry import Request
+from .validate import check_int, check_token, check_tokens, is_int
+
+__all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
+
+ERROR_NO_FIRST_TOKEN = ERROR_TIMEOUT  #: D's wait for P's first token passed its deadline
+
+_LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading")
+
+DECODE = MachineDef(
+    name="decode",
+    states=(*_LIVE, "done", "failed", "aborted"),
+    initial="reserved",
+    terminal=("done", "failed", "aborted"),
+    transitions=(
+        dict(trigger="first_token", source="reserved", dest="reading", conditions="_token_ok", after="_send_read"),
+        dict(trigger="first_token", source="reserved", dest="failed", after=["_note_prefill_error", "_recycle"]),
+        dict(trigger="timed_out", source="reserved", dest="failed", after=["_note_no_token", "_recycle"]),
+        # runnable only when every block was read on every rank
+        dict(trigger="read_done", source=["reading", "reloading"], dest="running", conditions="_read_complete",
+             after="_start_decode"),
+        dict(trigger="read_done", source=["reading", "reloading"], dest="recomputing",
+             conditions="_recompute_on_miss", after="_start_recompute"),
+        dict(trigger="read_done", source=["reading", "reloading"], dest="failed",
+             after=["_note_read_failed", "_recycle"]),
+        dict(trigger="recompute_done", source="recomputing", dest="running", after="_start_decode"),
+        # preemption: write back, free only after the write answered
+        dict(trigger="preempt", source="running", dest="preempt_writing", conditions="_writes_back",
+             after="_send_write_back"),
+        dict(trigger="preempt", source=["running", "recomputing", "reading", "reloading"], dest="preempted",
+             after="_release_blocks"),
+        dict(trigger="written", source="preempt_writing", dest="preempted", conditions="_write_complete",
+             after=["_keep_write_back", "_release_blocks"]),
+        dict(trigger="written", source="preempt_writing", dest="preempt_writing", conditions="_can_retry",
+             after="_retry_write"),
+        dict(trigger="written", source="preempt_writing", dest="preempted", after="_drop_write_back"),
+        dict(trigger="resume", source="preempted", dest="reloading", conditions="_has_stored", after="_send_reload"),
+        dict(trigger="resume", source="preempted", dest="recomputing", after="_start_recompute"),
+        dict(trigger="finish", source="running", dest="done", after="_recycle"),
+        dict(trigger="abort", source=list(_LIVE), dest="aborted", after="_recycle"),
+    ),
+)
+
+
+class DecodeLifecycle(Lifecycle):
+    """The D instance's side (see the module's rules)."""
+
+    DEFINITION = DECODE
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._running: set[str] = set()
+
+    # -- engine API --------------------------------------------------------------------------
+    def can_reserve(self, num_tokens: int) -> bool:
+        """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
+        check_int(num_tokens, "num_tokens", minimum=1)
+        return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
+
+    def reserve(self, request_id: str, token_ids: Sequence[int],
+                extra_keys: Mapping[int, Sequence[str]] | None = None) -> tuple[int, ...]:
+        """P asks for blocks: reserve room for the prompt plus the first token.
+
+        Raises :class:`OutOfBlocksError` (reserving nothing) when the headroom cannot be kept."""
+        req = self._new_request(request_id, token_ids, extra_keys)
+        n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline (hot path)
+        if n > self.pool.num_blocks:
+            self._check_fits(req, n)  # raises
+        try:
+            req.blocks = self.pool.allocate(n, self._headroom())
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
+        req.stored_keys = req.keys
+        self._reqs[request_id] = req
+        self._wait(req, self.policy.first_token_timeout)
+        return tuple(req.blocks)
+
+    def deliver_first_token(self, request_id: str, token: int | None, error_code: int = 200) -> bool:
+        """P's first token arrived (``error_code`` 200), or P reports it has no cache (!= 200).
+
+        Returns False for a request that already ended (D's first-token deadline passed, or
+        it was aborted): the late token is dropped."""
+        if not is_int(error_code):
+            raise ValidationError(f"request {request_id!r}: error_code {error_code!r} is not an int")
+        if error_code == 200:
+            check_token(request_id, token)
+        req = self._late(request_id, "first_token")
+        if req is None:
+            return False
+        self._fire(req, "first_token", (token, error_code))
+        return True
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """Decoded tokens: grow the request, allocating blocks as it crosses block boundaries.
+
+        Returns the blocks newly allocated. Raises :class:`OutOfBlocksError` (appending
+        nothing) when the pool is short: preempt a request and try again."""
+        req = self._requests.get(request_id)
+        if req.state != "running":
+            raise InvalidTransitionError(request_id, req.state, "append_tokens", DECODE.name)
+        new = check_tokens(request_id, token_ids)
+        need = self.spec.blocks_for(len(req.tokens) + len(new)) - len(req.blocks)
+        try:
+            added = self.pool.allocate(max(need, 0))
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot grow by {need} blocks ({e})") from None
+        req.blocks.extend(added)
+        req.tokens.extend(new)
+        req.stored_keys = None  # the store no longer holds the whole cache
+        return tuple(added)
+
+    def preempt(self, request_id: str) -> None:
+        """Take the request's blocks back: write its cache out first if the policy says so."""
+        self._fire(self._requests.get(request_id), "preempt")
+
+    def resume(self, request_id: str) -> tuple[int, ...]:
+        """Give a preempted request blocks again, then reload its cache or recompute it."""
+        req = self._requests.get(request_id)
+        if req.state != "preempted":
+            raise InvalidTransitionError(request_id, req.state, "resume", DECODE.name)
+        n = self.spec.blocks_for(len(req.tokens))
+        try:
+            req.blocks = self.pool.allocate(n)
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks ({e})") from None
+        self._fire(req, "resume")
+        return tuple(req.blocks)
+
+    def recompute_done(self, request_id: str) -> bool:
+        """The engine recomputed the cache a :class:`~kvstate.commands.Recompute` asked for.
+
+        Returns False for a request that already ended (the late result is dropped)."""
+        req = self._late(request_id, "recompute_done")
+        if req is None:
+            return False
+        self._fire(req, "recompute_done")
+        return True
+
+    def finish(self, request_id: str) -> None:
+        """The answer is complete: recycle the request."""
+        self._fire(self._requests.get(request_id), "finish")
+
+    _HANDLERS = {**Lifecycle._HANDLERS,
+                 E.Reserve: lambda s, e: s.reserve(e.request_id, e.token_ids, e.extra_keys),
+                 E.FirstToken: lambda s, e: s.deliver_first_token(e.request_id, e.token, e.error_code),
+                 E.AppendTokens: lambda s, e: s.append_tokens(e.request_id, e.token_ids),
+                 E.Preempt: lambda s, e: s.preempt(e.request_id),
+                 E.Resume: lambda s, e: s.resume(e.request_id),
+                 E.RecomputeDone: lambda s, e: s.recompute_done(e.request_id),
+                 E.Finish: lambda s, e: s.finish(e.request_id)}
+
+    def _headroom(self) -> int:
+        return self.policy.decode_headroom_blocks * len(self._running)
+
+    def _read(self, req: Request) -> None:
+        keys = req.stored_keys
+        assert keys is not None
+        self._transfer(req, C.ReadBlocks, "read_done", keys, req.blocks[:len(keys)])
+
+    # -- actions (named in DECODE) ----------------------------------------------------------------
+    def _token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:
+        return value[1] == 200
+
+    def _send_read(self, req: Request, value: tuple[int, int]) -> None:
+        req.tokens.append(value[0])
+        self._read(req)
+
+    def _send_reload(self, req: Request, value: Any) -> None:
+        self._read(req)
+
+    def _note_prefill_error(self, req: Request, value: tuple[int | None, int]) -> None:
+        req.error_code, req.reason = value[1], prefill_reason(value[1])
+
+    def _note_no_token(self, req: Request, value: Any) -> None:
+        req.error_code, req.reason = ERROR_NO_FIRST_TOKEN, "first_token_timeout"
+
+    def _read_complete(self, req: Request, value: int) -> bool:
+        return value >= len(req.stored_keys or ())
+
+    def _recompute_on_miss(self, req: Request, value: int) -> bool:
+        return self.policy.read_failure == "recompute"
+
+    def _note_read_failed(self, req: Request, value: int) -> None:
+        req.error_code, req.reason = ERROR_READ_FAILED, "read_failed"
+
+    def _start_recompute(self, req: Request, value: int | None) -> None:
+        req.stored_keys = None
+        self._out.append(C.Recompute(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
+
+    def _start_decode(self, req: Request, value: Any) -> None:
+        self._running.add(req.id)
+        self._out.append(C.StartDecode(req.id, tuple(req.blocks)))
+
+    def _writes_back(self, req: Request, value: Any) -> bool:
+        return self.policy.preempt == "write"
+
+    def _send_write_back(self, req: Request, value: Any) -> None:
+        self._running.discard(req.id)
+        # The newest token's cache is computed by the next decode step: store all before it.
+        req.keys = keys_of_packed(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace,
+                                  self.key_cache)
+        req.retries = 0
+        self._write(req, 0)
+
+    def _keep_write_back(self, req: Request, value: int) -> None:
+        req.stored_keys = req.keys  # the write-back answered in full on every rank
+
+    def _release_blocks(self, req: Request, value: Any) -> None:
+        self._running.discard(req.id)
+        self._release(req)
+
+    def _drop_write_back(self, req: Request, value: Any) -> None:
+        req.stored_keys = None
+        self._running.discard(req.id)
+        self._release(req)
+
+    def _has_stored(self, req: Request, value: Any) -> bool:
+        return req.stored_keys is not None
+
+    def _recycle(self, req: Request, value: Any = None) -> None:
+        self._running.discard(req.id)
+        super()._recycle(req, value)

@@ -1,0 +1,153 @@
+"""The prefill (P) side of a request's KV-cache life: its machine, then its actions.
+
+Rules:
+
+- A prompt is admitted, then waits (FIFO) for blocks for its whole cache; it waits at most
+  ``Policy.queue_timeout``, then fails (504, reason ``queue_timeout``) and its first token
+  carries the error, so D ends it at once instead of at its own deadline.
+- With blocks, P reads the longest stored prefix of full blocks (leaving at least one token to
+  compute), when the policy says so; the read answers how many leading blocks it found, so a
+  lookup costs no round trip of its own. Then P prefills from there.
+- P writes the cache, skipping the leading blocks already stored (a write first asks the store
+  which leading keys it holds: keys are content hashes, so a stored key holds these bytes). A
+  failed or partial write is retried ``Policy.write_retries`` times from where it stopped.
+- Only a cache stored whole sends the first token (200); P's blocks are then recycled. A write
+  that keeps failing sends the first token with 503 and recycles (reason ``write_failed``).
+- ``abort`` leaves every live state; blocks a transfer still touches stay pinned until it
+  answers or its fence passes. A result that comes after the request ended is dropped.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import commands as C
+from . import events as E
+from .lifecycle import Lifecycle
+from .machine import MachineDef
+from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED
+from .registry import Request
+from .validate import check_token
+
+__all__ = ["PREFILL", "PrefillLifecycle"]
+
+_LIVE = ("waiting", "reading_prefix", "prefilling", "writing")
+
+PREFILL = MachineDef(
+    name="prefill",
+    states=(*_LIVE, "done", "failed", "aborted"),
+    initial="waiting",
+    terminal=("done", "failed", "aborted"),
+    # Conditions are tried in table order; the first transition whose conditions hold fires.
+    transitions=(
+        # blocks allocated: read the longest stored prefix, or go straight to prefill
+        dict(trigger="start", source="waiting", dest="reading_prefix", conditions="_wants_prefix",
+             after="_send_prefix_read"),
+        dict(trigger="start", source="waiting", dest="prefilling", after="_start_prefill"),
+        dict(trigger="timed_out", source="waiting", dest="failed", after=["_send_queue_timeout", "_recycle"]),
+        dict(trigger="prefix_read", source="reading_prefix", dest="prefilling", after="_start_prefill"),
+        # prefill computed: write what is not stored yet (a full hit writes nothing and answers in full)
+        dict(trigger="prefill_done", source="prefilling", dest="writing", after="_send_write"),
+        dict(trigger="written", source="writing", dest="done", conditions="_write_complete",
+             after=["_send_first_token", "_recycle"]),
+        dict(trigger="written", source="writing", dest="writing", conditions="_can_retry", after="_retry_write"),
+        dict(trigger="written", source="writing", dest="failed", after=["_send_write_error", "_recycle"]),
+        dict(trigger="abort", source=list(_LIVE), dest="aborted", after="_recycle"),
+    ),
+)
+
+
+class PrefillLifecycle(Lifecycle):
+    """The P instance's side (see the module's rules)."""
+
+    DEFINITION = PREFILL
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._waiting: deque[Request] = deque()
+
+    # -- engine API --------------------------------------------------------------------------
+    def admit(self, request_id: str, token_ids: Sequence[int],
+              extra_keys: Mapping[int, Sequence[str]] | None = None) -> str:
+        """Admit a prompt; blocks are allocated now or, FIFO, as soon as enough are free.
+
+        Returns the request's state (``"waiting"`` when it queues for blocks)."""
+        req = self._new_request(request_id, token_ids, extra_keys)
+        self._check_fits(req, len(req.keys))
+        self._reqs[request_id] = req
+        self._waiting.append(req)
+        self._start_waiting()
+        if req.state == PREFILL.initial:  # queued for blocks: until Policy.queue_timeout at most
+            self._wait(req, self.policy.queue_timeout)
+        return req.state
+
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests still queued for blocks."""
+        return len(self._waiting)
+
+    def prefill_done(self, request_id: str, first_token: int) -> bool:
+        """The prompt's cache is computed and ``first_token`` sampled: store it, then send.
+
+        Returns False for a request that already ended (aborted while it computed): the
+        late result is dropped."""
+        check_token(request_id, first_token)
+        req = self._late(request_id, "prefill_done")
+        if req is None:
+            return False
+        self._fire(req, "prefill_done", first_token)
+        return True
+
+    _HANDLERS = {**Lifecycle._HANDLERS,
+                 E.Admit: lambda s, e: s.admit(e.request_id, e.token_ids, e.extra_keys),
+                 E.PrefillDone: lambda s, e: s.prefill_done(e.request_id, e.first_token)}
+
+    # -- waiting for blocks ----------------------------------------------------------------------
+    def _start_waiting(self) -> None:
+        waiting, pool = self._waiting, self.pool
+        while waiting:
+            req = waiting[0]
+            if req.state != PREFILL.initial:  # it ended while it waited
+                waiting.popleft()
+                continue
+            n = len(req.keys)
+            if pool.num_free < n:
+                return
+            waiting.popleft()
+            req.blocks = pool.allocate(n)
+            self._fire(req, "start")
+
+    def _blocks_freed(self) -> None:
+        if self._waiting:
+            self._start_waiting()
+
+    def _prefix_limit(self, req: Request) -> int:
+        # Reuse full blocks only, and leave at least one token to compute the first token from.
+        return (len(req.tokens) - 1) // self.spec.block_size
+
+    # -- actions (named in PREFILL) ---------------------------------------------------------------
+    def _wants_prefix(self, req: Request, value: Any) -> bool:
+        return self.policy.read_prefix and self._prefix_limit(req) > 0
+
+    def _send_prefix_read(self, req: Request, value: Any) -> None:
+        n = self._prefix_limit(req)
+        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[:n], req.blocks[:n])
+
+    def _start_prefill(self, req: Request, value: int | None) -> None:
+        self._out.append(C.StartPrefill(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
+
+    def _send_write(self, req: Request, value: int) -> None:
+        req.token = value
+        self._write(req, 0)
+
+    def _send_first_token(self, req: Request, value: Any) -> None:
+        self._out.append(C.SendFirstToken(req.id, req.token, 200))
+
+    def _send_write_error(self, req: Request, value: Any) -> None:
+        req.error_code, req.reason = ERROR_WRITE_FAILED, "write_failed"
+        self._out.append(C.SendFirstToken(req.id, None, ERROR_WRITE_FAILED))
+
+    def _send_queue_timeout(self, req: Request, value: Any) -> None:
+        req.error_code, req.reason = ERROR_TIMEOUT, "queue_timeout"
+        self._out.append(C.SendFirstToken(req.id, None, ERROR_TIMEOUT))

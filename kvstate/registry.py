@@ -1,0 +1,92 @@
+"""Requests: the live ones, as cheap records, and the memory of those that recently ended.
+
+A request is a slotted record (no per-request ``Machine``): its state, tokens, keys, blocks
+and the transfer it waits for. The registry answers "which request is this id", and for an
+id it no longer has, whether it ended recently (an event for it is late, not a bug) or was
+never seen (a caller's bug): the last ``memory`` ended ids are kept for that.
+"""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import DuplicateRequestError, UnknownRequestError, ValidationError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pins import Transfer
+
+__all__ = ["Request", "Registry", "ENDED_MEMORY"]
+
+ENDED_MEMORY = 4096  #: ended ids remembered, so late events for them are told from unknown ids
+
+
+class Request:
+    """A live request's record."""
+
+    __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base", "retries",
+                 "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight")
+
+    def __init__(self, request_id: str, state: str, tokens: array, keys: list[str],
+                 extra_keys: Mapping[int, Sequence[str]] | None) -> None:
+        self.id = request_id
+        self.state = state
+        self.tokens = tokens
+        self.keys = keys
+        self.extra_keys = extra_keys
+        self.blocks: list[int] = []
+        self.cmd = 0  #: the command whose answer the request waits for (0: none)
+        self.base = 0  #: the first key of its current write
+        self.retries = 0
+        self.error_code = 200
+        self.reason = ""  #: why it ended, set by the action that fails it (else its end state)
+        self.token: int | None = None  #: P: the first token, sent once the cache is stored
+        self.stored_keys: list[str] | None = None  #: D: the keys a read brings back
+        self.wait_seq = 0  #: identifies its current wait timer (0: none)
+        self.inflight: list[Transfer] = []  #: its transfers not yet retired
+
+
+class Registry:
+    """Live requests by id, and the states of the last :data:`ENDED_MEMORY` ended ones."""
+
+    __slots__ = ("live", "side", "_ended")
+
+    def __init__(self, side: str) -> None:
+        self.live: dict[str, Request] = {}  #: read directly on hot paths
+        self.side = side
+        self._ended: dict[str, str] = {}  # insertion-ordered: the oldest goes first
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def check_new(self, request_id: str) -> None:
+        """Raise :class:`DuplicateRequestError` if ``request_id`` is live."""
+        live = self.live.get(request_id)
+        if live is not None:
+            raise DuplicateRequestError(f"request {request_id!r} is already live on the {self.side} side "
+                                        f"(state {live.state!r})")
+
+    def get(self, request_id: Any) -> Request:
+        """The live request, or an error saying whether the id ended or was never seen."""
+        req = self.live.get(request_id) if request_id.__class__ is str else None
+        if req is not None:
+            return req
+        if not isinstance(request_id, str):
+            raise ValidationError(f"request id must be a str, got {type(request_id).__name__} {request_id!r}")
+        ended = self._ended.get(request_id)
+        if ended:
+            raise UnknownRequestError(f"request {request_id!r} already ended ({ended}) and was recycled on the "
+                                      f"{self.side} side: no further events are accepted for it")
+        raise UnknownRequestError(f"request {request_id!r} is unknown on the {self.side} side")
+
+    def ended(self, request_id: Any) -> str | None:
+        """The terminal state of a recently ended request (None: live, forgotten or never seen)."""
+        return self._ended.get(request_id) if request_id.__class__ is str else None
+
+    def end(self, req: Request) -> None:
+        """Forget the live request, remembering how it ended."""
+        del self.live[req.id]
+        ended = self._ended
+        ended[req.id] = req.state
+        if len(ended) > ENDED_MEMORY:
+            del ended[next(iter(ended))]

@@ -1,0 +1,69 @@
+"""Argument checks shared by every public entry point, so each rule is written once.
+
+Each check raises the error class its caller documents (a :class:`ValidationError` unless
+told otherwise) with a message that names the argument and the rule, and returns the checked
+value. ``bool`` is never an int here: ``True`` would pass for rank, block or command 1.
+"""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import KVStateError, ValidationError
+from .keys import TOKEN_TYPECODE, pack_tokens
+
+__all__ = ["is_int", "check_int", "check_request_id", "check_tokens", "check_token", "TOKEN_LIMIT"]
+
+TOKEN_LIMIT = 2**32  #: token ids are packed as uint32
+
+
+def is_int(x: Any) -> bool:
+    """An int or a numpy integer scalar; never a bool."""
+    if isinstance(x, int):
+        return not isinstance(x, bool)
+    return getattr(getattr(x, "dtype", None), "kind", None) in ("i", "u") and getattr(x, "ndim", None) == 0
+
+
+def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None,
+              error: type[KVStateError] = ValidationError) -> int:
+    """``value`` as an int within ``minimum..maximum`` (inclusive), else ``error``."""
+    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else " > 0" if minimum == 1 else f" >= {minimum}"
+        hi = "" if maximum is None else f" <= {maximum}"
+        rule = f"an int{lo}{' and' if lo and hi else ''}{hi}"
+        raise error(f"{name} must be {rule}, got {value!r}")
+    return int(value)
+
+
+def check_request_id(request_id: Any) -> str:
+    if request_id.__class__ is not str or not request_id:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValidationError(f"request id must be a non-empty str, got {request_id!r}")
+    return request_id
+
+
+def check_tokens(request_id: str, token_ids: Any) -> array:
+    """Validated token ids as our own uint32 array: the caller's list is never mutated."""
+    if token_ids.__class__ is list and token_ids:  # the hot case: the packing is the check
+        packed = array(TOKEN_TYPECODE)
+        try:
+            packed.fromlist(token_ids)
+            return packed
+        except (TypeError, OverflowError):
+            pass  # the checks below raise with the rule broken
+    if token_ids.__class__ is not list and (isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence)):
+        raise ValidationError(f"request {request_id!r}: token_ids must be a sequence of ints")
+    if not token_ids:
+        raise ValidationError(f"request {request_id!r}: token_ids is empty")
+    try:
+        return pack_tokens(token_ids)
+    except ValidationError as e:
+        raise ValidationError(f"request {request_id!r}: {e}") from None
+
+
+def check_token(request_id: str, token: Any) -> int:
+    if token.__class__ is not int or not 0 <= token < TOKEN_LIMIT:
+        if not is_int(token) or not 0 <= token < TOKEN_LIMIT:
+            raise ValidationError(f"request {request_id!r}: token {token!r} is not an int in 0..2**32-1")
+    return int(token)

@@ -1,0 +1,107 @@
+"""Every protocol invariant can fail: each test plants one bug in the library and checks that the
+protocol machine reports it under that invariant's name."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+from protocol_machine import INVARIANTS, Protocol
+
+from kvstate import pool as pool_mod
+from kvstate.decode import DecodeLifecycle
+from kvstate.pins import Transfers
+from kvstate.registry import Registry
+from kvstate.timers import TRANSFER, Timers
+
+HUNT = settings(max_examples=400, stateful_step_count=40, deadline=None, database=None, phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck))
+
+
+def fires(name: str) -> None:
+    """Run the protocol machine with every invariant but ``name`` turned off: it must fail, and
+    say ``name``."""
+    others = {n: (lambda self: None) for n in INVARIANTS if n != name and hasattr(Protocol, n)}
+    cls = type(f"Only_{name}", (Protocol,), {**others, "CHECK_DRAINED": name == "drained_all_terminal_and_empty"})
+    with pytest.raises(AssertionError) as e:
+        run_state_machine_as_test(cls, settings=HUNT)
+    assert name in str(e.value), str(e.value)[:500]
+
+
+def test_block_owned_by_one_request(monkeypatch):
+    real = pool_mod.BlockPool.allocate
+
+    def hands_out_a_held_block(self, n, headroom=0):
+        ids = real(self, n, headroom)
+        held = [b for b, r in enumerate(self.refcounts()) if r and b not in ids]
+        if ids and held:
+            self.release(ids[:1])
+            ids[0] = held[0]  # a block another request owns
+        return ids
+    monkeypatch.setattr(pool_mod.BlockPool, "allocate", hands_out_a_held_block)
+    fires("block_owned_by_one_request")
+
+
+def test_refcount_equals_owners_plus_pins(monkeypatch):
+    def pins_without_a_reference(self, req):
+        for t in req.inflight:
+            t.pinned = True
+    monkeypatch.setattr(Transfers, "pin", pins_without_a_reference)
+    fires("refcount_equals_owners_plus_pins")
+
+
+def test_free_list_holds_exactly_the_unheld_blocks(monkeypatch):
+    real = pool_mod.BlockPool.release
+
+    def loses_a_freed_block(self, ids):
+        freed = real(self, ids)
+        if freed and len(ids) > 1:
+            if ids[0] in self._free:  # the planted bug, inside the pool's own method
+                self._free.remove(ids[0])
+        return freed
+    monkeypatch.setattr(pool_mod.BlockPool, "release", loses_a_freed_block)
+    fires("free_list_holds_exactly_the_unheld_blocks")
+
+
+def test_pool_counts_match_its_blocks(monkeypatch):
+    real = pool_mod.BlockPool.stats
+    monkeypatch.setattr(pool_mod.BlockPool, "stats", lambda self: dataclasses.replace(real(self), peak_used=0))
+    fires("pool_counts_match_its_blocks")
+
+
+def test_every_transfer_has_a_timer_due_by_its_fence(monkeypatch):
+    real = Timers.push
+
+    def drops_transfer_deadlines(self, kind, when, ident):
+        if kind != TRANSFER:
+            real(self, kind, when, ident)
+    monkeypatch.setattr(Timers, "push", drops_transfer_deadlines)
+    fires("every_transfer_has_a_timer_due_by_its_fence")
+
+
+def test_live_request_in_legal_state(monkeypatch):
+    def keeps_ended_requests_live(self, req):
+        self._ended[req.id] = req.state  # noqa: SLF001 - the planted bug: never leaves `live`
+    monkeypatch.setattr(Registry, "end", keeps_ended_requests_live)
+    fires("live_request_in_legal_state")
+
+
+def test_transfer_blocks_held_by_their_request_or_pinned(monkeypatch):
+    monkeypatch.setattr(Transfers, "pin", lambda self, req: None)
+    fires("transfer_blocks_held_by_their_request_or_pinned")
+
+
+def test_runnable_only_after_full_read_on_every_rank(monkeypatch):
+    monkeypatch.setattr(DecodeLifecycle, "_read_complete", lambda self, req, value: True)
+    fires("runnable_only_after_full_read_on_every_rank_with_p_bytes")
+
+
+def test_drained_all_terminal_and_empty(monkeypatch):
+    real = Transfers.retire
+
+    def keeps_pins(self, t):
+        t.pinned = False  # its blocks stay referenced after it retires: a leak
+        return real(self, t)
+    monkeypatch.setattr(Transfers, "retire", keeps_pins)
+    fires("drained_all_terminal_and_empty")
