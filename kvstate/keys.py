@@ -16,16 +16,13 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from .errors import ValidationError
+from .validate import TOKEN_TYPECODE, check_int, pack_tokens
 
-__all__ = ["block_keys", "pack_tokens", "keys_of_packed", "rank_key", "KeyCache", "KEY_PREFIX_SEP",
-           "TOKEN_TYPECODE"]
+__all__ = ["block_keys", "keys_of_packed", "rank_key", "KeyCache", "KEY_PREFIX_SEP"]
 
 KEY_PREFIX_SEP = "/"
-TOKEN_TYPECODE = "I"  #: the array typecode of packed token ids: uint32
 _sha256 = hashlib.sha256
 _BIG_ENDIAN = sys.byteorder == "big"
-if array(TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - no mainstream platform
-    raise ImportError("kvstate needs a 4-byte array('I')")
 
 
 def block_keys(
@@ -40,24 +37,8 @@ def block_keys(
     the chain, every later one). ``namespace`` (e.g. a model name) prefixes every key so
     two models sharing one pool never collide.
     """
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise ValidationError(f"block_keys: block_size must be a positive int, got {block_size!r}")
+    check_int(block_size, "block_keys: block_size", minimum=1)
     return keys_of_packed(pack_tokens(token_ids), block_size, extra_keys, namespace)
-
-
-def pack_tokens(token_ids: Sequence[int]) -> array:
-    """Token ids as a uint32 array; raises :class:`ValidationError` for anything but ints in 0..2**32-1."""
-    if isinstance(token_ids, (str, bytes)):
-        raise ValidationError("token ids must be a sequence of ints, not a string")
-    try:
-        # unsigned 32-bit: negative, too large and non-int ids are rejected by the conversion itself
-        if token_ids.__class__ is list:
-            packed = array(TOKEN_TYPECODE)
-            packed.fromlist(token_ids)  # faster than array("I", list) for the common case
-            return packed
-        return array(TOKEN_TYPECODE, token_ids)
-    except (TypeError, OverflowError) as e:
-        raise ValidationError(f"token ids must be ints in 0..2**32-1 ({e})") from None
 
 
 class KeyCache:

@@ -5,17 +5,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dtypes import DTYPES
 from .errors import ConfigError
+from .validate import check_int
 
-__all__ = ["CacheSpec", "DTYPES", "CACHE_KINDS", "SCALE_DTYPE"]
+__all__ = ["CacheSpec", "CACHE_KINDS", "SCALE_DTYPE"]
 
-#: Supported cache dtypes -> numpy storage dtype of the same width. numpy has no bfloat16,
-#: and kvstate only moves bytes, so bfloat16 is held as uint16 of the same size.
-DTYPES: dict[str, np.dtype] = {
-    "bfloat16": np.dtype(np.uint16),
-    "float16": np.dtype(np.float16),
-    "uint8": np.dtype(np.uint8),  # fp8 (e4m3/e5m2) caches are moved as raw bytes
-}
 #: Block-wise fp8 scales: one float32 per (head, token) of a block.
 SCALE_DTYPE = np.dtype(np.float32)
 CACHE_KINDS = ("key", "value", "key_scale", "value_scale")
@@ -41,11 +36,8 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"CacheSpec.{name} must be a positive int, got {v!r}")
-        if not isinstance(self.extra_layers, int) or isinstance(self.extra_layers, bool) or self.extra_layers < 0:
-            raise ConfigError(f"CacheSpec.extra_layers must be an int >= 0, got {self.extra_layers!r}")
+            check_int(getattr(self, name), f"CacheSpec.{name}", minimum=1, error=ConfigError)
+        check_int(self.extra_layers, "CacheSpec.extra_layers", minimum=0, error=ConfigError)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"CacheSpec.dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
         if not isinstance(self.fp8_scales, bool) or not isinstance(self.has_value, bool):

@@ -1,19 +1,48 @@
 """Helpers for tests and integrators: deterministic stand-in KV bytes, written and checked.
 
 A block's stand-in bytes are fixed by (storage key, rank, kind), so whoever reads a block back
--- D after the handoff, a reload after preemption, a request sharing a stored prefix -- can
-check every byte against what the writer put there.
+(D after the handoff, a reload after preemption, a request sharing a stored prefix) can check
+every byte against what the writer put there. The helpers work on any backend with
+``fill_block(rank, kind, block_id, data)`` and ``block_bytes(rank, kind, block_id)`` (the
+reference and CUDA backends).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["fake_block"]
+__all__ = ["fake_block", "fill_blocks", "mismatched_blocks"]
 
 
+@functools.lru_cache(maxsize=1024)  # a block is written once and checked several times
 def fake_block(key: str, rank: int, kind: str, nbytes: int) -> bytes:
     """``nbytes`` stand-in bytes of one block: a pattern fixed by (key, rank, kind)."""
     seed = int.from_bytes(hashlib.sha256(f"{key}|{rank}|{kind}".encode()).digest()[:8], "little")
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def fill_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int], start: int = 0) -> None:
+    """Write block ``block_ids[i]``'s stand-in bytes for ``keys[i]``, ``i >= start``, on every
+    rank and kind: what "computing" those blocks means in a test."""
+    spec = backend.spec
+    for i in range(start, len(keys)):
+        for r in range(spec.tp_size):
+            for kind in spec.kinds:
+                backend.fill_block(r, kind, block_ids[i], fake_block(keys[i], r, kind, spec.block_bytes(kind)))
+
+
+def mismatched_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int],
+                      upto: int | None = None) -> list[tuple[int, int, str]]:
+    """``(i, rank, kind)`` of every block among the first ``upto`` (default all) whose bytes
+    differ from ``keys[i]``'s stand-in: empty when they all hold what was written."""
+    spec, bad = backend.spec, []
+    for i in range(len(keys) if upto is None else upto):
+        for r in range(spec.tp_size):
+            for kind in spec.kinds:
+                if backend.block_bytes(r, kind, block_ids[i]) != fake_block(keys[i], r, kind, spec.block_bytes(kind)):
+                    bad.append((i, r, kind))
+    return bad

@@ -11,11 +11,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import KVStateError, ValidationError
-from .keys import TOKEN_TYPECODE, pack_tokens
 
-__all__ = ["is_int", "check_int", "check_request_id", "check_tokens", "check_token", "TOKEN_LIMIT"]
+__all__ = ["is_int", "check_int", "check_request_id", "pack_tokens", "check_tokens", "check_token", "TOKEN_LIMIT",
+           "TOKEN_TYPECODE"]
 
 TOKEN_LIMIT = 2**32  #: token ids are packed as uint32
+TOKEN_TYPECODE = "I"  #: the array typecode of packed token ids: uint32
+if array(TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - no mainstream platform
+    raise ImportError("kvstate needs a 4-byte array('I')")
 
 
 def is_int(x: Any) -> bool:
@@ -41,6 +44,21 @@ def check_request_id(request_id: Any) -> str:
         if not isinstance(request_id, str) or not request_id:
             raise ValidationError(f"request id must be a non-empty str, got {request_id!r}")
     return request_id
+
+
+def pack_tokens(token_ids: Sequence[int]) -> array:
+    """Token ids as a uint32 array; raises :class:`ValidationError` for anything but ints in 0..2**32-1."""
+    if isinstance(token_ids, (str, bytes)):
+        raise ValidationError("token ids must be a sequence of ints, not a string")
+    try:
+        # unsigned 32-bit: negative, too large and non-int ids are rejected by the conversion itself
+        if token_ids.__class__ is list:
+            packed = array(TOKEN_TYPECODE)
+            packed.fromlist(token_ids)  # faster than array("I", list) for the common case
+            return packed
+        return array(TOKEN_TYPECODE, token_ids)
+    except (TypeError, OverflowError) as e:
+        raise ValidationError(f"token ids must be ints in 0..2**32-1 ({e})") from None
 
 
 def check_tokens(request_id: str, token_ids: Any) -> array:

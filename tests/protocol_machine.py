@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstate import InvalidTransitionError, KVStateError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
-from kvstate.testing import fake_block
+from kvstate.testing import fill_blocks, mismatched_blocks
 from kvstate.backends.stores import Store
 from kvstate.errors import StoreError
 from kvstate.keys import block_keys
@@ -114,12 +114,7 @@ class Protocol(RuleBasedStateMachine):
 
     # -- helpers -----------------------------------------------------------------------------
     def _fill(self, backend, toks, blocks, start):
-        spec = self.rig.spec
-        keys = block_keys(toks, BS)
-        for i in range(start, len(keys)):
-            for r in range(spec.tp_size):
-                for kind in spec.kinds:
-                    backend.fill_block(r, kind, blocks[i], fake_block(keys[i], r, kind, spec.block_bytes(kind)))
+        fill_blocks(backend, block_keys(toks, BS), blocks, start)
 
     def _admit(self, rid, toks):
         """D reserves, P admits, the harness records the prompt; then the notices run."""
@@ -188,15 +183,10 @@ class Protocol(RuleBasedStateMachine):
             # D is runnable only with every needed block read on every rank, byte-equal to P's
             toks = self.tokens[rid][:-1]
             keys = block_keys(toks, BS)
-            spec = rig.spec
             if keys:
                 STATS["invariant:runnable_only_after_full_read_on_every_rank_with_p_bytes"] += 1
-            for i, k in enumerate(keys):
-                for r in range(spec.tp_size):
-                    for kind in spec.kinds:
-                        assert rig.db.block_bytes(r, kind, n.block_ids[i]) == fake_block(
-                            k, r, kind, spec.block_bytes(kind)), \
-                            f"runnable_only_after_full_read_on_every_rank_with_p_bytes: {rid} block {i} rank {r} {kind}"
+            bad = mismatched_blocks(rig.db, keys, n.block_ids)
+            assert not bad, f"runnable_only_after_full_read_on_every_rank_with_p_bytes: {rid} (block, rank, kind) {bad[:3]}"
         elif isinstance(n, C.Recompute):
             self.recomputes.append(n)  # the engine computes it later (rule recompute)
         elif isinstance(n, C.RequestEnded) and drv is rig.dd:

@@ -9,7 +9,7 @@ from kvstate import DecodeLifecycle, DriverError, Policy, PrefillLifecycle, Vali
 from kvstate.events import Completion
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
-from kvstate.testing import fake_block
+from kvstate.testing import fill_blocks, mismatched_blocks
 from kvstate.keys import block_keys
 
 
@@ -37,10 +37,7 @@ def test_step_driver_answer_after_the_fence_moves_no_bytes(rig):
         for key in list(rig.pd.pending):
             rig.pd.complete(*key)
         for n in rig.notices(rig.pd, C.StartPrefill):
-            for i, k in enumerate(block_keys(toks, 4)):
-                for r in range(2):
-                    for kind in rig.spec.kinds:
-                        rig.pb.fill_block(r, kind, n.block_ids[i], fake_block(k, r, kind, rig.spec.block_bytes(kind)))
+            fill_blocks(rig.pb, block_keys(toks, 4), n.block_ids)
             rig.P.prefill_done("a", 1)
         rig.pd.pump()
     assert rig.P.counters["done"] == 1
@@ -144,11 +141,7 @@ def _engine_loop(P, D, pdrv, ddrv, pb, db, prompts, stop, errors, outcome, spec)
             for lc, drv, be in ((P, pdrv, pb), (D, ddrv, db)):
                 for n in drv.submit_all(lc.poll_commands()):
                     if isinstance(n, C.StartPrefill):
-                        keys = block_keys(prompts[n.request_id], spec.block_size)
-                        for i, k in enumerate(keys):
-                            for r in range(spec.tp_size):
-                                for kind in spec.kinds:
-                                    be.fill_block(r, kind, n.block_ids[i], fake_block(k, r, kind, spec.block_bytes(kind)))
+                        fill_blocks(be, block_keys(prompts[n.request_id], spec.block_size), n.block_ids)
                         P.prefill_done(n.request_id, 11)
                     elif isinstance(n, C.SendFirstToken):
                         D.deliver_first_token(n.request_id, n.token, n.error_code)
@@ -163,12 +156,8 @@ def _engine_loop(P, D, pdrv, ddrv, pb, db, prompts, stop, errors, outcome, spec)
             if len(outcome) == len(prompts):
                 # check what D read against what P computed, block by block
                 for rid, blocks in decoded.items():
-                    keys = block_keys(prompts[rid], spec.block_size)
-                    for i, k in enumerate(keys):
-                        for r in range(spec.tp_size):
-                            for kind in spec.kinds:
-                                if db.block_bytes(r, kind, blocks[i]) != fake_block(k, r, kind, spec.block_bytes(kind)):
-                                    errors.append((rid, i, r, kind))
+                    errors += [(rid, *bad) for bad in mismatched_blocks(db, block_keys(prompts[rid], spec.block_size),
+                                                                         blocks)]
                 return
             time.sleep(0.0005)
     except Exception as e:  # surfaced by the test

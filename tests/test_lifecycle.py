@@ -10,6 +10,7 @@ from kvstate import commands as C
 from kvstate.backends import MemoryStore
 from kvstate.events import Completion
 from kvstate.keys import block_keys
+from kvstate.testing import fill_blocks, mismatched_blocks
 
 TOKS = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial one
 
@@ -26,23 +27,12 @@ def handoff(rig: Rig, rid: str, toks=TOKS, first=7):
     return rig.notices(rig.pd)
 
 
-def pattern(key, rank, kind, nbytes):
-    from kvstate.testing import fake_block
-    return fake_block(key, rank, kind, nbytes)
-
-
 def fill_p(rig, rid, toks, blocks, start=0):
-    keys = block_keys(toks, rig.spec.block_size)
-    for i in range(start, len(keys)):
-        for r in range(rig.spec.tp_size):
-            for kind in rig.spec.kinds:
-                rig.pb.fill_block(r, kind, blocks[i], pattern(keys[i], r, kind, rig.spec.block_bytes(kind)))
+    fill_blocks(rig.pb, block_keys(toks, rig.spec.block_size), blocks, start)
 
 
 def d_matches(rig, toks, blocks):
-    keys = block_keys(toks, rig.spec.block_size)
-    return all(rig.db.block_bytes(r, kind, blocks[i]) == pattern(keys[i], r, kind, rig.spec.block_bytes(kind))
-               for i in range(len(keys)) for r in range(rig.spec.tp_size) for kind in rig.spec.kinds)
+    return not mismatched_blocks(rig.db, block_keys(toks, rig.spec.block_size), blocks)
 
 
 def serve(rig, rid, toks=TOKS):
@@ -103,9 +93,7 @@ def test_prefix_read_reports_cached_tokens(rig):
     rig.pd.run_until_idle()
     [sp] = rig.notices(rig.pd, C.StartPrefill)
     assert sp.num_cached_tokens == 8
-    keys = block_keys(toks, 4)
-    assert all(rig.pb.block_bytes(r, "key", sp.block_ids[i]) == pattern(keys[i], r, "key", rig.spec.block_bytes("key"))
-               for i in range(2) for r in range(2))
+    assert not mismatched_blocks(rig.pb, block_keys(toks, 4), sp.block_ids, upto=2)  # read, not computed
 
 
 # -- TP: completion needs every rank, effective count is the minimum -----------------------------
@@ -340,11 +328,7 @@ def test_preempt_writes_back_then_frees_then_reloads_same_bytes(rig):
     rig.D.append_tokens("r", [1, 2, 3])
     toks = TOKS + [7, 1, 2, 3]
     blocks = rig.D.blocks_of("r")
-    keys = block_keys(toks[:-1], 4)
-    for i, k in enumerate(keys):
-        for r in range(2):
-            for kind in rig.spec.kinds:
-                rig.db.fill_block(r, kind, blocks[i], pattern(k, r, kind, rig.spec.block_bytes(kind)))
+    fill_blocks(rig.db, block_keys(toks[:-1], 4), blocks)
     rig.D.preempt("r")
     assert rig.D.state_of("r") == "preempt_writing"
     assert rig.D.pool.num_used == len(blocks)  # not freed before the write answered

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(_MISSING is not None, rea
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    from kvstate.backends.mooncake import MooncakeMaster
+    from kvstate.backends.mooncake_master import MooncakeMaster
 
     with MooncakeMaster(log_path=tmp_path_factory.mktemp("mc") / "master.log") as m:
         pid = m.proc.pid
@@ -85,7 +85,7 @@ def test_exists_and_skip_already_stored(master):
 def evicting_master(tmp_path):
     """A master of its own that evicts early and much (its default 95 % watermark mostly
     rejects puts for lack of space instead of evicting)."""
-    from kvstate.backends.mooncake import MooncakeMaster
+    from kvstate.backends.mooncake_master import MooncakeMaster
 
     with MooncakeMaster(log_path=tmp_path / "master.log",
                         extra_args=["--eviction_high_watermark_ratio=0.6", "--eviction_ratio=0.3"]) as m:
@@ -166,7 +166,7 @@ def _drive_to_end(rig, deadline_s=60.0):
 
 
 def test_master_killed_mid_run_then_restarted(tmp_path):
-    from kvstate.backends.mooncake import MooncakeMaster
+    from kvstate.backends.mooncake_master import MooncakeMaster
 
     m = MooncakeMaster(log_path=tmp_path / "m.log").start()
     store = mstore(m)
@@ -206,7 +206,7 @@ def test_master_dies_with_a_crashed_owner():
 
     root = str(Path(__file__).resolve().parents[1])
     code = (f"import os, sys; sys.path.insert(0, {root!r})\n"
-            "from kvstate.backends.mooncake import MooncakeMaster\n"
+            "from kvstate.backends.mooncake_master import MooncakeMaster\n"
             "m = MooncakeMaster().start(); print(m.proc.pid, flush=True); os._exit(1)  # a crash")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     pid = int(out.stdout.split()[0])

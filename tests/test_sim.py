@@ -93,7 +93,7 @@ def write_trace(path: Path, records: list) -> Path:
 @pytest.mark.parametrize("records, needle", [
     ([{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": []},
       {"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": []}], ":2: timestamp 4 goes back in time"),
-    ([{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": []}], ":1: output_length must be >= 1"),
+    ([{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": []}], ":1: output_length must be an int > 0"),
     ([{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2, 3]}],
      ":1: 3 hash_ids but input_length 600 allows at most 2 blocks of 512"),
     ([{"timestamp": 0, "input_length": 10, "output_length": 1}, "{oops"], ":2: not JSON"),

@@ -22,7 +22,7 @@ from ..decode import DecodeLifecycle
 from ..prefill import PrefillLifecycle
 from ..policy import Policy
 from ..spec import CacheSpec
-from ..testing import fake_block
+from ..testing import fill_blocks, mismatched_blocks
 
 __all__ = ["DemoConfig", "run_demo", "format_summary"]
 
@@ -104,7 +104,6 @@ class _Demo:
         self.outcome: dict[str, tuple[str, int]] = {}
         self.checked = self.mismatched = 0
         self.preemptions = self.prefix_blocks_read = 0
-        self._fake: dict[tuple[str, int, str], bytes] = {}
 
     def _backend(self, nb: int) -> Any:
         if self.cfg.backend == "cuda":
@@ -138,26 +137,9 @@ class _Demo:
         return plans
 
     # -- fake compute and checks ----------------------------------------------------------------
-    def _expected(self, key: str, rank: int, kind: str) -> bytes:
-        k = (key, rank, kind)
-        data = self._fake.get(k)
-        if data is None:
-            data = self._fake[k] = fake_block(key, rank, kind, self.spec.block_bytes(kind))
-        return data
-
-    def _fill(self, backend: ReferenceBackend, keys: list[str], blocks: tuple[int, ...], start: int) -> None:
-        for i in range(start, len(keys)):
-            for r in range(self.spec.tp_size):
-                for kind in self.spec.kinds:
-                    backend.fill_block(r, kind, blocks[i], self._expected(keys[i], r, kind))
-
-    def _check(self, backend: ReferenceBackend, keys: list[str], blocks: tuple[int, ...], upto: int) -> None:
-        for i in range(upto):
-            for r in range(self.spec.tp_size):
-                for kind in self.spec.kinds:
-                    self.checked += 1
-                    if backend.block_bytes(r, kind, blocks[i]) != self._expected(keys[i], r, kind):
-                        self.mismatched += 1
+    def _check(self, backend: Any, keys: list[str], blocks: tuple[int, ...], upto: int) -> None:
+        self.checked += upto * self.spec.tp_size * len(self.spec.kinds)
+        self.mismatched += len(mismatched_blocks(backend, keys, blocks, upto))
 
     # -- notices ----------------------------------------------------------------------------
     def on_prefill_notice(self, cmd: C.Command) -> None:
@@ -171,7 +153,7 @@ class _Demo:
                 self.P.abort(plan.rid)
                 self.D.abort(plan.rid)
                 return
-            self._fill(self.pb, keys, cmd.block_ids, cached)
+            fill_blocks(self.pb, keys, cmd.block_ids, cached)
             self.P.prefill_done(plan.rid, self.rng.randrange(50_000))
         elif isinstance(cmd, C.SendFirstToken):
             if plan.rid in self.D.live_requests():
@@ -194,7 +176,7 @@ class _Demo:
             plan.running = True
         elif isinstance(cmd, C.Recompute):
             keys = block_keys(plan.tokens[:-1], self.cfg.block_size)
-            self._fill(self.db, keys, cmd.block_ids, cmd.from_token // self.cfg.block_size)
+            fill_blocks(self.db, keys, cmd.block_ids, cmd.from_token // self.cfg.block_size)
             self.D.recompute_done(plan.rid)
         elif isinstance(cmd, C.RequestEnded):
             plan.running = False
@@ -228,7 +210,7 @@ class _Demo:
                 plan.preempt_at = None
                 # materialize the cache D computed so far, then preempt (write-back, free)
                 keys = block_keys(plan.tokens[:-1], self.cfg.block_size)
-                self._fill(self.db, keys, self.D.blocks_of(plan.rid), 0)
+                fill_blocks(self.db, keys, self.D.blocks_of(plan.rid), 0)
                 plan.running = False
                 plan.preempted = True
                 self.preemptions += 1

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     master = None
     try:
         if args.store == "mooncake":
-            from ..backends.mooncake import MooncakeConfig, MooncakeMaster, MooncakeStore
+            from ..backends.mooncake import MooncakeConfig, MooncakeStore
+            from ..backends.mooncake_master import MooncakeMaster
 
             if args.start_master:
                 master = MooncakeMaster().start()

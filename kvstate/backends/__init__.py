@@ -1,7 +1,13 @@
-"""Backends at the edge of the sans-I/O core: stores, the reference backend, drivers."""
-from .drivers import StepDriver, ThreadedDriver, execute
-from .reference import ReferenceBackend, TransferBackend, leading
-from .stores import MISSING, FileStore, MemoryStore, Store
+"""Backends at the edge of the sans-I/O core: interfaces, stores, the reference backend, drivers.
 
-__all__ = ["Store", "MemoryStore", "FileStore", "MISSING", "TransferBackend", "ReferenceBackend",
-           "leading", "StepDriver", "ThreadedDriver", "execute"]
+:mod:`~kvstate.backends.cuda` (GPU caches), :mod:`~kvstate.backends.mooncake` (the Mooncake
+store client) and :mod:`~kvstate.backends.mooncake_master` (a local master) are imported on
+demand: their packages are optional.
+"""
+from .base import MISSING, Guard, Store, StoreBackend, TransferBackend, check_fence, leading
+from .drivers import StepDriver, ThreadedDriver, execute
+from .reference import ReferenceBackend
+from .stores import FileStore, MemoryStore
+
+__all__ = ["Store", "MemoryStore", "FileStore", "MISSING", "TransferBackend", "StoreBackend", "ReferenceBackend",
+           "Guard", "check_fence", "leading", "StepDriver", "ThreadedDriver", "execute"]

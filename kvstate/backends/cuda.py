@@ -22,8 +22,7 @@ import numpy as np
 from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
-from .reference import _NO_IDS, Guard, StoreBackend, check_fence
-from .stores import Store, as_bytes_view
+from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
 
 __all__ = ["CudaBackend"]
 
@@ -91,12 +90,14 @@ class CudaBackend(StoreBackend):
 
     def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
         """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
-        self._check(rank, ())
+        self._check_open()
+        self._check_keys(rank, ())
         self._check_block(block_id)
         return b"".join(v[block_id].get().tobytes() for v in self._layers[rank][kind].views)
 
     def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:
         """Overwrite one block of ``kind`` on ``rank`` (block-major bytes, as stored)."""
+        self._check_open()
         self._check_fill(rank, kind, block_id, data)
         views = self._layers[rank][kind].views
         chunk = views[0][block_id].nbytes
@@ -105,10 +106,9 @@ class CudaBackend(StoreBackend):
             v[block_id] = self.cp.asarray(part.reshape(v.shape[1:]))
 
     # -- TransferBackend -----------------------------------------------------------------------
-    def _check(self, rank: int, keys: Sequence[str], block_ids: Any = _NO_IDS) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise ValidationError("CudaBackend is closed")
-        super()._check(rank, keys, block_ids)
 
     def _views(self, slot: dict[str, np.ndarray], m: int) -> list[memoryview]:
         return [as_bytes_view(slot[kind][i]) for i in range(m) for kind in self.spec.kinds]
@@ -125,7 +125,8 @@ class CudaBackend(StoreBackend):
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
               guard: Guard | None = None) -> int:
-        self._check(rank, keys, block_ids)
+        self._check_open()
+        self._check_transfer(rank, keys, block_ids)
         n, m, sw = len(keys), self.per_slot, self._swappers[rank]
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
         count = 0
@@ -138,7 +139,7 @@ class CudaBackend(StoreBackend):
                     if k + 1 < len(pieces):  # gather the next piece while this one is stored
                         a2, b2 = pieces[k + 1]
                         events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard)
-                    sw._wait(events[k % 2])
+                    sw.wait(events[k % 2])
                     status = self.store.batch_put_from(self._names(rank, keys[a:b]),
                                                        self._views(self._slots[rank][k % 2], b - a))
                     done = self._whole([st == 0 for st in status], b - a)
@@ -148,13 +149,14 @@ class CudaBackend(StoreBackend):
             finally:
                 for ev in events:  # nothing may still write a slot when we leave
                     if ev is not None:
-                        sw._wait(ev)
+                        sw.wait(ev)
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None) -> int:
-        self._check(rank, keys, block_ids)
+        self._check_open()
+        self._check_transfer(rank, keys, block_ids)
         n, m, sw = len(keys), self.per_slot, self._swappers[rank]
         count = 0
         with self._locks[rank]:
@@ -163,7 +165,7 @@ class CudaBackend(StoreBackend):
                 for k, a in enumerate(range(0, n, m)):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
-                        sw._wait(events[slot])
+                        sw.wait(events[slot])
                     views = self._views(self._slots[rank][slot], b - a)
                     got = self.store.batch_get_into(self._names(rank, keys[a:b]), views)
                     # a short read is a miss: a block counts only if every kind arrived whole
@@ -176,7 +178,7 @@ class CudaBackend(StoreBackend):
             finally:
                 for ev in events:
                     if ev is not None:
-                        sw._wait(ev)
+                        sw.wait(ev)
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 

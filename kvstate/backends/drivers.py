@@ -21,7 +21,8 @@ from typing import Any
 from .. import commands as C
 from ..errors import DriverError, KVStateError, ValidationError
 from ..events import Completion
-from .reference import TransferBackend
+from ..validate import check_int, is_int
+from .base import TransferBackend
 
 __all__ = ["execute", "StepDriver", "ThreadedDriver"]
 
@@ -93,8 +94,7 @@ class StepDriver:
         cmd = self.pending.get(key)
         if cmd is None:
             raise ValidationError(f"no pending command {command_id} for rank {rank}")
-        if outcome is not None and outcome != "fail" and not (
-                isinstance(outcome, int) and not isinstance(outcome, bool) and 0 <= outcome <= len(cmd.keys)):
+        if outcome is not None and outcome != "fail" and not (is_int(outcome) and 0 <= outcome <= len(cmd.keys)):
             raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
         del self.pending[key]
         return self._answer(cmd, rank, outcome)
@@ -147,8 +147,7 @@ class ThreadedDriver:
 
     def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not isinstance(workers, int) or workers <= 0:
-            raise ValidationError(f"ThreadedDriver: workers must be an int > 0, got {workers!r}")
+        check_int(workers, "ThreadedDriver: workers", minimum=1)
         if not callable(clock):
             raise ValidationError("ThreadedDriver: clock must be callable (the lifecycle's clock)")
         self.backend = backend

@@ -1,4 +1,6 @@
-"""The Mooncake store backend: kvstate's :class:`Store` over ``MooncakeDistributedStore``.
+"""The Mooncake store client: kvstate's :class:`~kvstate.backends.base.Store` over ``MooncakeDistributedStore``.
+
+A local master for tests and the demo: :mod:`kvstate.backends.mooncake_master`.
 
 Version: ``mooncake-transfer-engine`` 0.3.12 and newer need the NVIDIA driver library
 (``libcuda``) just to import, so they cannot run on a CPU-only host; kvstate pins
@@ -17,27 +19,21 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-import random
-import shutil
-import signal
 import socket
-import sys
-import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, StoreError, ValidationError
-from .stores import _NO_BUFFERS, MISSING, Store, _check_batch
+from .base import MISSING, Store, check_batch, check_keys
 
-__all__ = ["MooncakeConfig", "MooncakeStore", "MooncakeMaster", "load_mooncake", "INSTALL_HINT"]
+__all__ = ["MooncakeConfig", "MooncakeStore", "load_mooncake", "probe", "host_port", "INSTALL_HINT"]
 
 INSTALL_HINT = ("pip install 'kvstate[mooncake]' (mooncake-transfer-engine==0.3.10.post2 and "
                 "nvidia-cuda-runtime-cu12) and apt-get install libibverbs1 ibverbs-providers")
@@ -62,7 +58,8 @@ def load_mooncake() -> Any:
     return store
 
 
-def _host_port(value: str, setting: str) -> tuple[str, int]:
+def host_port(value: str, setting: str) -> tuple[str, int]:
+    """``HOST:PORT`` split and checked, or a ConfigError naming ``setting``."""
     host, sep, port = str(value).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{setting} must be HOST:PORT, got {value!r}")
@@ -90,7 +87,7 @@ class MooncakeConfig:
     connect_timeout: float = 5.0
 
     def validate(self) -> None:
-        _host_port(self.master, "master")
+        host_port(self.master, "master")
         if not str(self.metadata).startswith(("http://", "etcd://", "P2PHANDSHAKE")):
             raise ConfigError(f"metadata must be an http:// URL (e.g. http://127.0.0.1:8080/metadata), "
                               f"got {self.metadata!r}")
@@ -108,8 +105,9 @@ class MooncakeConfig:
             raise ConfigError("connect_timeout must be > 0")
 
 
-def _probe(cfg: MooncakeConfig) -> None:
-    host, port = _host_port(cfg.master, "master")
+def probe(cfg: MooncakeConfig) -> None:
+    """Check the master's RPC port and the metadata server answer, or raise StoreError saying how to fix it."""
+    host, port = host_port(cfg.master, "master")
     try:
         with socket.create_connection((host, port), timeout=cfg.connect_timeout):
             pass
@@ -131,7 +129,7 @@ class MooncakeStore(Store):
 
     def __init__(self, config: MooncakeConfig) -> None:
         config.validate()
-        _probe(config)
+        probe(config)
         self._mc = load_mooncake()
         self.config = config
         self._lock = threading.Lock()
@@ -170,7 +168,7 @@ class MooncakeStore(Store):
         now = time.monotonic()
         if self._up and now - self._checked < self.LIVENESS_INTERVAL:
             return
-        host, port = _host_port(self.config.master, "master")
+        host, port = host_port(self.config.master, "master")
         try:
             with socket.create_connection((host, port), timeout=0.2):
                 alive = True
@@ -205,15 +203,18 @@ class MooncakeStore(Store):
         groups.append((start, len(views)))
         return groups
 
-    def _check(self, keys: Sequence[str], buffers: Sequence[Any], op: str) -> list[memoryview]:
+    def _check_keys(self, keys: Sequence[str], op: str) -> None:
         if self._closed:
             raise StoreError(f"MooncakeStore.{op}: the store is closed")
-        views = _check_batch(keys, buffers, f"MooncakeStore.{op}")
+        check_keys(keys, f"MooncakeStore.{op}")
         for k in keys:
             if len(k) > MAX_MOONCAKE_KEY:
                 raise ValidationError(f"MooncakeStore.{op}: key {k[:40]!r}... is {len(k)} chars, "
                                       f"over Mooncake's {MAX_MOONCAKE_KEY}")
-        return views
+
+    def _check_batch(self, keys: Sequence[str], buffers: Sequence[Any], op: str) -> list[memoryview]:
+        self._check_keys(keys, op)
+        return check_batch(keys, f"MooncakeStore.{op}", buffers)
 
     @staticmethod
     def _offsets(views: Sequence[memoryview]) -> list[int]:
@@ -225,7 +226,7 @@ class MooncakeStore(Store):
         return offs
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = self._check(keys, buffers, "batch_put_from")
+        views = self._check_batch(keys, buffers, "batch_put_from")
         out: list[int] = []
         with self._lock:
             self._ensure_master()
@@ -240,7 +241,7 @@ class MooncakeStore(Store):
         return out
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = self._check(keys, buffers, "batch_get_into")
+        views = self._check_batch(keys, buffers, "batch_get_into")
         out: list[int] = []
         with self._lock:
             self._ensure_master()
@@ -256,14 +257,14 @@ class MooncakeStore(Store):
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        self._check(keys, _NO_BUFFERS, "batch_is_exist")
+        self._check_keys(keys, "batch_is_exist")
         with self._lock:
             self._ensure_master()
             return [1 if r == 1 else 0 for r in self._store.batch_is_exist(list(keys))]
 
     def evict(self, keys: Sequence[str]) -> int:
         """Remove keys now (tests: a pool that evicted them)."""
-        self._check(keys, _NO_BUFFERS, "evict")
+        self._check_keys(keys, "evict")
         with self._lock:
             self._ensure_master()
             return sum(1 for rc in self._store.batch_remove(list(keys), True) if rc == 0)
@@ -277,140 +278,3 @@ class MooncakeStore(Store):
                 self._store.unregister_buffer(self._base)
             finally:
                 self._store.close()
-
-
-def _free_port() -> int:
-    """A port below the ephemeral range that binds on every interface (the master's HTTP
-    servers bind 0.0.0.0, and Mooncake's tcp transport leaves many ephemeral ports in
-    TIME_WAIT, where a port the kernel just handed out can still collide)."""
-    lo, hi = 20000, 32000
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo_eph = int(f.read().split()[0])
-        hi = min(hi, lo_eph)
-    except (OSError, ValueError, IndexError):
-        pass
-    for _ in range(200):
-        port = random.randrange(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-                return port
-            except OSError:
-                continue
-    raise StoreError("no free port found for mooncake_master")
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the kernel sends SIGKILL to the master if its owner dies, even by a crash."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _master_binary() -> str:
-    """The real ``mooncake_master`` binary shipped in the package (the console script of the
-    same name is a Python wrapper that spawns it, so its PID is not the server's)."""
-    try:
-        import mooncake  # type: ignore[import-not-found]
-        cand = Path(mooncake.__file__).parent / "mooncake_master"
-        if cand.exists():
-            return str(cand)
-    except ImportError:
-        pass
-    found = shutil.which("mooncake_master")
-    if found:
-        return found
-    raise StoreError(f"mooncake_master was not found in the mooncake package or on PATH: {INSTALL_HINT}")
-
-
-class MooncakeMaster:
-    """A local ``mooncake_master`` with its HTTP metadata server, on free loopback ports.
-
-    ``start()`` waits until both ports answer; ``stop()`` ends the process by its PID (TERM,
-    then KILL). Use it as a context manager so the server never outlives its owner.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", rpc_port: int | None = None, http_port: int | None = None,
-                 log_path: str | os.PathLike[str] | None = None, extra_args: Sequence[str] = ()) -> None:
-        self.host = host
-        self._fixed_ports = bool(rpc_port or http_port)
-        self.rpc_port = rpc_port or _free_port()
-        self.http_port = http_port or _free_port()
-        self.metrics_port = _free_port()
-        self.log_path = log_path
-        self.extra_args = list(extra_args)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.rpc_port}"
-
-    @property
-    def metadata_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}/metadata"
-
-    def config(self, **overrides: Any) -> MooncakeConfig:
-        return MooncakeConfig(master=self.address, metadata=self.metadata_url, local_hostname=self.host, **overrides)
-
-    def start(self, timeout: float = 30.0, attempts: int = 3) -> MooncakeMaster:
-        """Start the server and wait until it answers; on a port clash retry on fresh ports
-        (only for ports this object chose itself)."""
-        for attempt in range(attempts):
-            try:
-                return self._start_once(timeout)
-            except StoreError:
-                if attempt == attempts - 1 or self._fixed_ports:
-                    raise
-                self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
-        raise AssertionError("unreachable")
-
-    def _start_once(self, timeout: float) -> MooncakeMaster:
-        cmd = [_master_binary(), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
-               "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
-               f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
-               *self.extra_args]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        if log is not subprocess.DEVNULL:
-            log.close()
-        deadline = time.monotonic() + timeout
-        cfg = MooncakeConfig(master=self.address, metadata=self.metadata_url, connect_timeout=0.5)
-        while True:
-            if self.proc.poll() is not None:
-                raise StoreError(f"mooncake_master exited with code {self.proc.returncode} at start "
-                                 f"(ports {self.rpc_port}/{self.http_port})")
-            try:
-                _probe(cfg)
-                return self
-            except StoreError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise StoreError(f"mooncake_master did not answer within {timeout}s") from None
-                time.sleep(0.1)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
-            return
-        os.killpg(p.pid, signal.SIGTERM)  # its own session: the server and anything it spawned
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout)
-
-    def kill(self) -> None:
-        """Kill -9 (a crash), for failure tests."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
-
-    def __enter__(self) -> MooncakeMaster:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

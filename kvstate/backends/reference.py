@@ -7,139 +7,21 @@ puts one object per (block, kind, rank); a read gets the objects into the host b
 scatters the blocks that arrived whole (``"h2d"``). The backend knows nothing of request
 states: it answers how many *leading* blocks it stored, read or found.
 
-A ``guard`` (given by the drivers from the command's fence) is asked just before blocks are
-gathered or scattered: once it says no, the transfer raises
-:class:`~kvstate.errors.FenceError` and touches no block, since the lifecycle may already
-have recycled them. Only the slow store operation runs between the check and the end of
-the command; the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
+The ``guard`` (see :mod:`kvstate.backends.base`) is asked just before blocks are gathered or
+scattered. Only the slow store operation runs between the check and the end of the command;
+the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import FenceError, ValidationError
 from ..kernels.reference import swap_cache_layout
-from ..keys import rank_key
 from ..spec import CacheSpec
-from .stores import Store, as_bytes_view
+from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
 
-__all__ = ["TransferBackend", "StoreBackend", "ReferenceBackend", "leading", "Guard", "check_fence"]
-
-#: asked just before a transfer touches blocks: True while the command's fence has not passed
-Guard = Callable[[], bool]
-
-
-def leading(flags: Sequence[bool]) -> int:
-    """How many leading entries are true."""
-    n = 0
-    for f in flags:
-        if not f:
-            break
-        n += 1
-    return n
-
-
-def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[int]) -> None:
-    """Raise :class:`FenceError` when ``guard`` says the blocks may no longer be touched."""
-    if guard is not None and not guard():
-        raise FenceError(f"rank {rank}: the command's fence passed before it could {what} "
-                         f"blocks {list(block_ids)}: none touched")
-
-
-_NO_IDS: Any = object()  # the op takes keys only
-
-
-class TransferBackend:
-    """What a driver needs from a backend: per-rank query (how many leading keys are stored;
-    :func:`~kvstate.backends.drivers.execute` asks it before a write, to skip them), write and
-    read of blocks.
-
-    ``write`` and ``read`` ask ``guard`` (when given) right before they gather or scatter
-    blocks, and raise :class:`FenceError` without touching any once it returns False.
-    """
-
-    spec: CacheSpec
-
-    def query(self, rank: int, keys: Sequence[str]) -> int:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-              guard: Guard | None = None) -> int:  # pragma: no cover
-        raise NotImplementedError
-
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-             guard: Guard | None = None) -> int:  # pragma: no cover
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release buffers and devices (idempotent)."""
-
-
-class StoreBackend(TransferBackend):
-    """What backends keeping one object per (block, kind, rank) in a Store share: argument
-    checks, object names, the existence query and counting whole blocks."""
-
-    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
-        name = type(self).__name__
-        if not isinstance(spec, CacheSpec):
-            raise ValidationError(f"{name}: spec must be a CacheSpec")
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValidationError(f"{name}: num_blocks must be an int > 0, got {num_blocks!r}")
-        if not isinstance(store, Store):
-            raise ValidationError(f"{name}: store must be a kvstate Store")
-        self.spec, self.num_blocks, self.store = spec, num_blocks, store
-        self.bytes_moved = 0  #: payload bytes written to and read from the store
-
-    def _check(self, rank: int, keys: Sequence[str], block_ids: Any = _NO_IDS) -> None:
-        """Rank in range; keys a sequence of non-empty str; block ids (unless the op takes
-        none) one per key, ints in range and distinct. Raises before anything is touched."""
-        name = type(self).__name__
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.spec.tp_size:
-            raise ValidationError(f"{name}: rank {rank!r} outside 0..{self.spec.tp_size - 1}")
-        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) \
-                or not all(isinstance(k, str) and k for k in keys):
-            raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
-        if block_ids is _NO_IDS:
-            return
-        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
-            raise ValidationError(f"{name}: block ids must be a sequence of ints, got {block_ids!r}")
-        if len(block_ids) != len(keys):
-            raise ValidationError(f"{name}: {len(keys)} keys but {len(block_ids)} block ids")
-        for b in block_ids:
-            self._check_block(b)
-        if len(set(block_ids)) != len(block_ids):
-            raise ValidationError(f"{name}: block ids {list(block_ids)} name a block twice")
-
-    def _check_block(self, b: Any) -> None:
-        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
-            raise ValidationError(f"{type(self).__name__}: block {b!r} outside 0..{self.num_blocks - 1}")
-
-    def _check_fill(self, rank: int, kind: str, block_id: int, data: Any) -> None:
-        """Checks of ``fill_block``: rank, kind, block id, and data of exactly one block."""
-        self._check(rank, ())
-        if kind not in self.spec.kinds:
-            raise ValidationError(f"{type(self).__name__}.fill_block: kind {kind!r} is not one of {self.spec.kinds}")
-        self._check_block(block_id)
-        need = self.spec.block_bytes(kind)
-        if not isinstance(data, (bytes, bytearray, memoryview)) or memoryview(data).nbytes != need:
-            got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
-            raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
-
-    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
-        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
-
-    def _whole(self, ok: Sequence[bool], n: int) -> int:
-        """Leading blocks of ``n`` whose every kind's object is ``ok`` (one flag per object)."""
-        nk = len(self.spec.kinds)
-        return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
-
-    def query(self, rank: int, keys: Sequence[str]) -> int:
-        self._check(rank, keys)
-        found = self.store.batch_is_exist(self._names(rank, keys))
-        return self._whole([f == 1 for f in found], len(keys))
+__all__ = ["ReferenceBackend"]
 
 
 class ReferenceBackend(StoreBackend):
@@ -156,7 +38,7 @@ class ReferenceBackend(StoreBackend):
     # -- block access (tests, the demo's fake compute) -----------------------------------------
     def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
         """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
-        self._check(rank, ())
+        self._check_keys(rank, ())
         self._check_block(block_id)
         return b"".join(layer[block_id].tobytes() for layer in self.caches[rank][kind])
 
@@ -176,7 +58,7 @@ class ReferenceBackend(StoreBackend):
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
               guard: Guard | None = None) -> int:
-        self._check(rank, keys, block_ids)
+        self._check_transfer(rank, keys, block_ids)
         n = len(keys)
         host = self._host(n)
         check_fence(guard, rank, "gather", block_ids)
@@ -191,7 +73,7 @@ class ReferenceBackend(StoreBackend):
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None) -> int:
-        self._check(rank, keys, block_ids)
+        self._check_transfer(rank, keys, block_ids)
         n = len(keys)
         host = self._host(n)
         kinds = self.spec.kinds

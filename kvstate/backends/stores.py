@@ -1,9 +1,8 @@
-"""Storage pools behind one batch interface shaped like Mooncake's store API.
+"""Embedded storage pools (the :class:`~kvstate.backends.base.Store` interface): in memory and in files.
 
-``batch_put_from`` writes whole objects from buffers, ``batch_get_into`` reads objects into
-buffers and returns the bytes read per key (negative: missing or failed), and
-``batch_is_exist`` answers 1 / 0 per key. A full :class:`MemoryStore` evicts its least
-recently used objects silently, as a full Mooncake pool does, so later reads can miss.
+A full :class:`MemoryStore` evicts its least recently used objects silently, as a full
+Mooncake pool does, so later reads can miss. A :class:`FileStore` keeps one file per object
+and survives a restart.
 """
 from __future__ import annotations
 
@@ -11,82 +10,23 @@ import hashlib
 import os
 import tempfile
 import threading
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from ..errors import StoreError
+from ..validate import check_int
+from .base import MISSING, Store, check_batch, check_keys
 
-from ..errors import StoreError, ValidationError
-
-__all__ = ["Store", "MemoryStore", "FileStore", "MISSING", "MAX_KEY_LEN"]
-
-MISSING = -1  #: ``batch_get_into`` / ``batch_put_from`` code for a missing key or failed op
-MAX_KEY_LEN = 512
-
-
-_NO_BUFFERS: Any = object()  # the op takes keys only
-
-
-def _check_batch(keys: Sequence[str], buffers: Sequence[Any], op: str) -> list[memoryview]:
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-        raise ValidationError(f"{op}: keys must be a sequence of str")
-    for k in keys:
-        if not isinstance(k, str) or not k:
-            raise ValidationError(f"{op}: key {k!r} is not a non-empty str")
-        if len(k) > MAX_KEY_LEN:
-            raise ValidationError(f"{op}: key {k[:40]!r}... is {len(k)} chars, over {MAX_KEY_LEN}")
-    if buffers is _NO_BUFFERS:
-        return []
-    if isinstance(buffers, (str, bytes, bytearray, memoryview)) or not isinstance(buffers, Sequence):
-        raise ValidationError(f"{op}: buffers must be a sequence (one per key), got {type(buffers).__name__}")
-    if len(buffers) != len(keys):
-        raise ValidationError(f"{op}: {len(keys)} keys but {len(buffers)} buffers")
-    views = []
-    for k, b in zip(keys, buffers):
-        try:
-            v = memoryview(b)
-        except TypeError:
-            raise ValidationError(f"{op}: buffer for key {k!r} does not expose the buffer protocol") from None
-        if not v.contiguous:
-            raise ValidationError(f"{op}: buffer for key {k!r} is not contiguous")
-        views.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
-    return views
-
-
-class Store(ABC):
-    """A KV storage pool. Implementations must be safe to call from several threads."""
-
-    @abstractmethod
-    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        """Store each buffer's bytes under its key; per key 0 on success, negative on failure."""
-
-    @abstractmethod
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        """Fill each buffer with its key's object; per key the bytes read, negative if missing."""
-
-    @abstractmethod
-    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        """Per key 1 if stored, 0 if not."""
-
-    def close(self) -> None:
-        """Release the store's resources (idempotent)."""
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+__all__ = ["MemoryStore", "FileStore"]
 
 
 class MemoryStore(Store):
     """An in-process pool with a byte capacity and silent LRU eviction."""
 
     def __init__(self, capacity_bytes: int = 1 << 30) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValidationError(f"MemoryStore: capacity_bytes must be an int > 0, got {capacity_bytes!r}")
+        check_int(capacity_bytes, "MemoryStore: capacity_bytes", minimum=1)
         self.capacity_bytes = capacity_bytes
         self._data: OrderedDict[str, bytes] = OrderedDict()
         self._used = 0
@@ -103,7 +43,7 @@ class MemoryStore(Store):
         return len(self._data)
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = _check_batch(keys, buffers, "MemoryStore.batch_put_from")
+        views = check_batch(keys, "MemoryStore.batch_put_from", buffers)
         out = []
         with self._lock:
             for k, v in zip(keys, views):
@@ -125,7 +65,7 @@ class MemoryStore(Store):
         return out
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = _check_batch(keys, buffers, "MemoryStore.batch_get_into")
+        views = check_batch(keys, "MemoryStore.batch_get_into", buffers)
         out = []
         with self._lock:
             for k, v in zip(keys, views):
@@ -140,13 +80,13 @@ class MemoryStore(Store):
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        _check_batch(keys, _NO_BUFFERS, "MemoryStore.batch_is_exist")
+        check_keys(keys, "MemoryStore.batch_is_exist")
         with self._lock:
             return [1 if k in self._data else 0 for k in keys]
 
     def evict(self, keys: Sequence[str]) -> int:
         """Drop these keys now (as a full pool would); returns how many existed."""
-        _check_batch(keys, _NO_BUFFERS, "MemoryStore.evict")
+        check_keys(keys, "MemoryStore.evict")
         n = 0
         with self._lock:
             for k in keys:
@@ -185,7 +125,7 @@ class FileStore(Store):
         return self.root / h[:2] / h
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = _check_batch(keys, buffers, "FileStore.batch_put_from")
+        views = check_batch(keys, "FileStore.batch_put_from", buffers)
         out = []
         for k, v in zip(keys, views):
             path = self._path(k)
@@ -205,7 +145,7 @@ class FileStore(Store):
         return out
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = _check_batch(keys, buffers, "FileStore.batch_get_into")
+        views = check_batch(keys, "FileStore.batch_get_into", buffers)
         out = []
         for k, v in zip(keys, views):
             try:
@@ -220,11 +160,11 @@ class FileStore(Store):
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        _check_batch(keys, _NO_BUFFERS, "FileStore.batch_is_exist")
+        check_keys(keys, "FileStore.batch_is_exist")
         return [1 if self._path(k).is_file() else 0 for k in keys]
 
     def evict(self, keys: Sequence[str]) -> int:
-        _check_batch(keys, _NO_BUFFERS, "FileStore.evict")
+        check_keys(keys, "FileStore.evict")
         n = 0
         for k in keys:
             try:
@@ -233,8 +173,3 @@ class FileStore(Store):
             except FileNotFoundError:
                 pass
         return n
-
-
-def as_bytes_view(a: np.ndarray) -> memoryview:
-    """A flat byte view of a contiguous array (what the stores read and write)."""
-    return memoryview(a).cast("B")

@@ -38,9 +38,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, DriverError, ValidationError
+from ..validate import check_int
 from .cuda_src import INLINE_IDS, KERNEL_SOURCE, SPAN_PIECE
 from .plan import LayerSet, TransferPlan, plan_all_layers, plan_layout, plan_per_layer
-from .reference import _bf16_as_uint16, as_numpy
+from ..dtypes import as_16bit_ints, numpy_dtype
+from .reference import as_numpy
 
 __all__ = ["STRATEGIES", "AUTO", "CudaSwapper", "DeviceLayers", "cuda_available", "load_cupy",
            "choose_strategy"]
@@ -256,8 +258,7 @@ class CudaSwapper:
             raise ValidationError(f"CudaSwapper: strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not timeout > 0:
             raise ValidationError(f"CudaSwapper: timeout must be > 0, got {timeout!r}")
-        if not isinstance(inline_ids, int) or isinstance(inline_ids, bool) or not 0 <= inline_ids <= INLINE_IDS:
-            raise ValidationError(f"CudaSwapper: inline_ids must be an int in 0..{INLINE_IDS}, got {inline_ids!r}")
+        check_int(inline_ids, "CudaSwapper: inline_ids", minimum=0, maximum=INLINE_IDS)
         self.inline_ids = inline_ids
         self.cp, self.device, self.strategy, self.timeout = cp, device, strategy, float(timeout)
         self.staging_bytes, self.max_bound = staging_bytes, max_bound
@@ -336,7 +337,7 @@ class CudaSwapper:
     def pinned(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
         """A page-locked host array owned by this swapper (freed on :meth:`close`)."""
         self._check_open()
-        dt = np.dtype("uint16" if str(dtype).rsplit(".", 1)[-1] == "bfloat16" else dtype)
+        dt = numpy_dtype(dtype)
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValidationError(f"pinned: negative dimension in {shape}")
@@ -385,10 +386,8 @@ class CudaSwapper:
             if int(kind) != _DL_CUDA:
                 raise ValidationError(f"{name} is in host memory (DLPack device {int(kind)}): "
                                       "the CUDA op needs a GPU tensor here")
-            if "bfloat16" in str(getattr(x, "dtype", "")):
-                x = _bf16_as_uint16(x)
             try:
-                x = cp.from_dlpack(x)
+                x = cp.from_dlpack(as_16bit_ints(x))
             except Exception as e:  # noqa: BLE001 - framework-specific export errors
                 raise ValidationError(f"{name} cannot be viewed through DLPack: {e}") from None
         if x.device.id != self.device:
@@ -519,7 +518,7 @@ class CudaSwapper:
             if switch:
                 cp.cuda.runtime.setDevice(prev)
         if sptr is None:
-            self._wait(ev)
+            self.wait(ev)
         return ev
 
     def _geometry(self, plan: TransferPlan) -> tuple[int, int, int]:
@@ -534,7 +533,7 @@ class CudaSwapper:
         if need > self._param_slot_bytes:
             for used, ev in zip(self._param_used, self._param_events):
                 if used:
-                    self._wait(ev)
+                    self.wait(ev)
             self._release(self._param_host)
             self._release(self._param_dev)
             slot = max(64 << 10, 1 << (need - 1).bit_length())
@@ -547,7 +546,7 @@ class CudaSwapper:
         self._param_next = (s + 1) % _PARAM_SLOTS
         ev = self._param_events[s]
         if self._param_used[s]:
-            self._wait(ev)  # the slot's previous upload must have left the pinned buffer
+            self.wait(ev)  # the slot's previous upload must have left the pinned buffer
         base = s * self._param_slot_bytes
         host = self._param_view[base // 8: (base + self._param_slot_bytes) // 8]
         ptrs, off = [], 0
@@ -709,8 +708,9 @@ class CudaSwapper:
                     rt.memcpyAsync(dp, hp, (b - a) * span, _H2D, copy.ptr)
 
     # -- waiting -------------------------------------------------------------------------------
-    def _wait(self, ev: Any) -> None:
-        """Wait for ``ev`` (spin briefly, then back off) within ``timeout``."""
+    def wait(self, ev: Any) -> None:
+        """Wait for the CUDA event ``ev`` (spin briefly, then back off) within ``timeout``;
+        a :class:`~kvstate.errors.DriverError` past it."""
         deadline = time.monotonic() + self.timeout
         spins = 0
         while not ev.done:
@@ -725,4 +725,4 @@ class CudaSwapper:
             return
         ev = self.cp.cuda.Event(block=False, disable_timing=True)
         ev.record(stream)
-        self._wait(ev)
+        self.wait(ev)

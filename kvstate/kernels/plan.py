@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import dtype_name
 from ..errors import BlockError, ValidationError
 
-__all__ = ["DIRECTIONS", "TransferPlan", "LayerSet", "coalesce_runs", "check_ids", "dtype_name",
+__all__ = ["DIRECTIONS", "TransferPlan", "LayerSet", "coalesce_runs", "check_ids",
            "plan_layout", "plan_per_layer", "plan_all_layers"]
 
 DIRECTIONS = ("d2h", "h2d")
@@ -137,27 +138,6 @@ def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
                 raise BlockError(f"{name}: block {int(np.argmax(counts > 1))} appears twice "
                                  f"(a destination block may be written once)")
     return arr
-
-
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
-def dtype_name(dtype: Any) -> str:
-    """A framework-neutral dtype name: ``torch.float16`` and numpy's ``float16`` are both
-    ``float16``; ``bfloat16`` is ``uint16`` (numpy has no bfloat16, so a bfloat16 cache is moved
-    as its 16-bit patterns, and a uint16 host buffer holds it)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):  # first sight, or an unhashable dtype-like
-        pass
-    name = str(dtype).rsplit(".", 1)[-1]
-    name = "uint16" if name == "bfloat16" else name
-    try:
-        if len(_DTYPE_NAMES) < 256:
-            _DTYPE_NAMES[dtype] = name
-    except TypeError:
-        pass
-    return name
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import as_16bit_ints
 from ..errors import ValidationError
 from .plan import TransferPlan, plan_all_layers, plan_layout, plan_per_layer
 
@@ -30,25 +31,10 @@ def as_numpy(x: Any, name: str = "array") -> np.ndarray:
     if int(dev()[0]) not in _DLPACK_CPU:
         raise ValidationError(f"{name} lives on device {dev()}, the numpy ops need CPU memory: "
                               "use the CUDA implementation for GPU tensors")
-    if "bfloat16" in str(getattr(x, "dtype", "")):
-        x = _bf16_as_uint16(x)
     try:
-        return np.from_dlpack(x)
+        return np.from_dlpack(as_16bit_ints(x))
     except (BufferError, TypeError, RuntimeError) as e:
         raise ValidationError(f"{name} cannot be viewed through DLPack: {e}") from None
-
-
-def _bf16_as_uint16(x: Any) -> Any:
-    """numpy has no bfloat16: reinterpret the tensor's bytes as uint16 (no copy)."""
-    view = getattr(x, "view", None)
-    for dt in ("uint16", "int16"):
-        try:
-            mod = type(x).__module__.split(".")[0]
-            target = getattr(__import__(mod), dt)
-            return view(target)
-        except Exception:  # noqa: BLE001 - try the next spelling
-            continue
-    raise ValidationError("a bfloat16 tensor could not be reinterpreted as 16-bit integers")
 
 
 def _np_list(arrays: Sequence[Any], name: str) -> list[np.ndarray]:

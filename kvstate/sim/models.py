@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..validate import check_int
 from .scenario import ModelSpec
 
 __all__ = ["MODELS", "resolve_model", "model_from_hf_config", "params_from_hf_config"]
@@ -36,10 +37,7 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp
 
 
 def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"{where}: {key} must be a positive integer, got {v!r}")
-    return v
+    return check_int(cfg.get(key, default), f"{where}: {key}", minimum=1, error=ConfigError)
 
 
 def params_from_hf_config(cfg: dict[str, Any], where: str = "<config>") -> float:

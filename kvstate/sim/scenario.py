@@ -17,7 +17,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, Policy
-from ..spec import DTYPES, CacheSpec
+from ..dtypes import DTYPES
+from ..spec import CacheSpec
 from .tp import PROTOCOLS
 
 __all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "StorageSpec", "NetworkSpec", "TpSpec",

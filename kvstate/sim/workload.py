@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from ..validate import check_int, is_int
 from .scenario import WorkloadSpec
 
 __all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals", "unique_start", "unique_tokens"]
@@ -74,12 +75,7 @@ class TraceRecord:
 
 
 def _int_field(rec: dict, name: str, where: str, minimum: int) -> int:
-    v = rec.get(name)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{where}: {name} must be an integer, got {v!r}")
-    if v < minimum:
-        raise ConfigError(f"{where}: {name} must be >= {minimum}, got {v}")
-    return v
+    return check_int(rec.get(name), f"{where}: {name}", minimum=minimum, error=ConfigError)
 
 
 def load_trace(path: str | Path, hash_block_size: int = 512) -> list[TraceRecord]:
@@ -87,8 +83,7 @@ def load_trace(path: str | Path, hash_block_size: int = 512) -> list[TraceRecord
     ``hash_ids``); errors name the file, the line and the rule. Nothing is returned on any error."""
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"trace path must be a str or a path, got {type(path).__name__}")
-    if isinstance(hash_block_size, bool) or not isinstance(hash_block_size, int) or hash_block_size <= 0:
-        raise ConfigError(f"hash_block_size must be an int > 0, got {hash_block_size!r}")
+    check_int(hash_block_size, "hash_block_size", minimum=1, error=ConfigError)
     p = Path(path)
     try:
         return _read_trace(p, hash_block_size)
@@ -128,7 +123,7 @@ def _read_trace(p: Path, hash_block_size: int) -> list[TraceRecord]:
             n_in = _int_field(rec, "input_length", where, 1)
             n_out = _int_field(rec, "output_length", where, 1)
             hids = rec.get("hash_ids", [])
-            if not isinstance(hids, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hids):
+            if not isinstance(hids, list) or any(not is_int(h) or h < 0 for h in hids):
                 raise ConfigError(f"{where}: hash_ids must be a list of integers >= 0")
             allowed = -(-n_in // hash_block_size)
             if len(hids) > allowed:

@@ -1,0 +1,204 @@
+"""The interfaces at the core's edge: a storage pool (:class:`Store`) and what a driver asks of a
+backend (:class:`TransferBackend`), with the checks and names every implementation shares.
+
+- A :class:`Store` is a batch key/object interface shaped like Mooncake's store API:
+  ``batch_put_from`` writes whole objects from buffers, ``batch_get_into`` reads objects into
+  buffers and returns the bytes read per key (negative: missing or failed), ``batch_is_exist``
+  answers 1 / 0 per key. Implementations: :mod:`~kvstate.backends.stores` (memory, files),
+  :mod:`~kvstate.backends.mooncake`.
+- A :class:`TransferBackend` answers, per TP rank, how many *leading* keys are stored
+  (``query``), and writes or reads blocks to or from them, answering how many leading blocks
+  it moved whole. It knows nothing of request states.
+- A ``guard`` (the drivers build it from a command's fence) is asked right before blocks are
+  gathered or scattered; once it says no, the transfer raises
+  :class:`~kvstate.errors.FenceError` and touches no block, since the lifecycle may already
+  have recycled them.
+- :class:`StoreBackend` is what backends keeping one object per (block, kind, rank) in a
+  Store share: argument checks, object names, the existence query, counting whole blocks.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import FenceError, ValidationError
+from ..keys import rank_key
+from ..spec import CacheSpec
+from ..validate import is_int
+
+__all__ = ["Store", "TransferBackend", "StoreBackend", "Guard", "check_fence", "check_batch", "leading",
+           "check_keys", "as_bytes_view", "MISSING", "MAX_KEY_LEN"]
+
+MISSING = -1  #: ``batch_get_into`` / ``batch_put_from`` code for a missing key or a failed operation
+MAX_KEY_LEN = 512
+
+#: asked just before a transfer touches blocks: True while the command's fence has not passed
+Guard = Callable[[], bool]
+
+
+def leading(flags: Iterable[bool]) -> int:
+    """How many leading entries are true."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[int]) -> None:
+    """Raise :class:`FenceError` when ``guard`` says the blocks may no longer be touched."""
+    if guard is not None and not guard():
+        raise FenceError(f"rank {rank}: the command's fence passed before it could {what} "
+                         f"blocks {list(block_ids)}: none touched")
+
+
+def as_bytes_view(a: np.ndarray) -> memoryview:
+    """A flat byte view of a contiguous array (what the stores read and write)."""
+    return memoryview(a).cast("B")
+
+
+def check_keys(keys: Sequence[str], op: str) -> None:
+    """A store operation's keys: a sequence of non-empty str of at most :data:`MAX_KEY_LEN`."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise ValidationError(f"{op}: keys must be a sequence of str")
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise ValidationError(f"{op}: key {k!r} is not a non-empty str")
+        if len(k) > MAX_KEY_LEN:
+            raise ValidationError(f"{op}: key {k[:40]!r}... is {len(k)} chars, over {MAX_KEY_LEN}")
+
+
+def check_batch(keys: Sequence[str], op: str, buffers: Sequence[Any]) -> list[memoryview]:
+    """A store operation's keys, and one contiguous buffer per key: the buffers as flat byte views."""
+    check_keys(keys, op)
+    if isinstance(buffers, (str, bytes, bytearray, memoryview)) or not isinstance(buffers, Sequence):
+        raise ValidationError(f"{op}: buffers must be a sequence (one per key), got {type(buffers).__name__}")
+    if len(buffers) != len(keys):
+        raise ValidationError(f"{op}: {len(keys)} keys but {len(buffers)} buffers")
+    views = []
+    for k, b in zip(keys, buffers):
+        try:
+            v = memoryview(b)
+        except TypeError:
+            raise ValidationError(f"{op}: buffer for key {k!r} does not expose the buffer protocol") from None
+        if not v.contiguous:
+            raise ValidationError(f"{op}: buffer for key {k!r} is not contiguous")
+        views.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
+    return views
+
+
+class Store(ABC):
+    """A KV storage pool. Implementations must be safe to call from several threads."""
+
+    @abstractmethod
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Store each buffer's bytes under its key; per key 0 on success, negative on failure."""
+
+    @abstractmethod
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Fill each buffer with its key's object; per key the bytes read, negative if missing."""
+
+    @abstractmethod
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """Per key 1 if stored, 0 if not."""
+
+    def close(self) -> None:
+        """Release the store's resources (idempotent)."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TransferBackend(ABC):
+    """What a driver needs from a backend, per rank: ``query`` (how many leading keys are
+    stored; asked before a write, to skip them), ``write`` and ``read`` of blocks. ``write`` and
+    ``read`` ask ``guard`` right before they gather or scatter blocks."""
+
+    spec: CacheSpec
+
+    @abstractmethod
+    def query(self, rank: int, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are stored whole for ``rank``."""
+
+    @abstractmethod
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None) -> int:
+        """Store block ``block_ids[i]`` under ``keys[i]``; how many leading blocks were stored."""
+
+    @abstractmethod
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None) -> int:
+        """Read ``keys[i]`` into block ``block_ids[i]``; how many leading blocks arrived whole."""
+
+    def close(self) -> None:
+        """Release buffers and devices (idempotent)."""
+
+
+class StoreBackend(TransferBackend):
+    """One object per (block, kind, rank) in a :class:`Store`: checks, names, query, whole blocks."""
+
+    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
+        name = type(self).__name__
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError(f"{name}: spec must be a CacheSpec")
+        if not is_int(num_blocks) or num_blocks <= 0:
+            raise ValidationError(f"{name}: num_blocks must be an int > 0, got {num_blocks!r}")
+        if not isinstance(store, Store):
+            raise ValidationError(f"{name}: store must be a kvstate Store")
+        self.spec, self.num_blocks, self.store = spec, num_blocks, store
+        self.bytes_moved = 0  #: payload bytes written to and read from the store
+
+    def _check_keys(self, rank: int, keys: Sequence[str]) -> None:
+        """Rank in range; keys a sequence of non-empty str. Raises before anything is touched."""
+        name = type(self).__name__
+        if not is_int(rank) or not 0 <= rank < self.spec.tp_size:
+            raise ValidationError(f"{name}: rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) \
+                or not all(isinstance(k, str) and k for k in keys):
+            raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
+
+    def _check_transfer(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> None:
+        """As :meth:`_check_keys`, and block ids one per key, ints in range and distinct."""
+        self._check_keys(rank, keys)
+        name = type(self).__name__
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
+            raise ValidationError(f"{name}: block ids must be a sequence of ints, got {block_ids!r}")
+        if len(block_ids) != len(keys):
+            raise ValidationError(f"{name}: {len(keys)} keys but {len(block_ids)} block ids")
+        for b in block_ids:
+            self._check_block(b)
+        if len(set(block_ids)) != len(block_ids):
+            raise ValidationError(f"{name}: block ids {list(block_ids)} name a block twice")
+
+    def _check_block(self, b: Any) -> None:
+        if not is_int(b) or not 0 <= b < self.num_blocks:
+            raise ValidationError(f"{type(self).__name__}: block {b!r} outside 0..{self.num_blocks - 1}")
+
+    def _check_fill(self, rank: int, kind: str, block_id: int, data: Any) -> None:
+        """Checks of ``fill_block``: rank, kind, block id, and data of exactly one block."""
+        self._check_keys(rank, ())
+        if kind not in self.spec.kinds:
+            raise ValidationError(f"{type(self).__name__}.fill_block: kind {kind!r} is not one of {self.spec.kinds}")
+        self._check_block(block_id)
+        need = self.spec.block_bytes(kind)
+        if not isinstance(data, (bytes, bytearray, memoryview)) or memoryview(data).nbytes != need:
+            got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
+            raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
+
+    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
+        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
+
+    def _whole(self, ok: Sequence[bool], n: int) -> int:
+        """Leading blocks of ``n`` whose every kind's object is ``ok`` (one flag per object)."""
+        nk = len(self.spec.kinds)
+        return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
+
+    def query(self, rank: int, keys: Sequence[str]) -> int:
+        self._check_keys(rank, keys)
+        found = self.store.batch_is_exist(self._names(rank, keys))
+        return self._whole([f == 1 for f in found], len(keys))
