@@ -53,7 +53,8 @@ def main() -> int:
         nmax = max(FIT_BLOCKS + HELD_BLOCKS)
         for chunk, shape in SHAPES.items():
             N = 4 * nmax
-            caches = [cp.random.randint(0, 65535, (N,) + shape, dtype=cp.int64).astype(cp.uint16) for _ in range(LAYERS)]
+            caches = [cp.random.randint(0, 65535, (N,) + shape, dtype=cp.int64).astype(cp.uint16)
+                      for _ in range(LAYERS)]
             layers = sw.bind(caches)
             hostbuf = sw.pinned((nmax, LAYERS) + shape, np.uint16)
             ids = {n: rng.choice(N, n, replace=False).astype(np.int64) for n in sorted(set(FIT_BLOCKS + HELD_BLOCKS))}
@@ -62,8 +63,9 @@ def main() -> int:
                 for n, gids in ids.items():
                     hids = np.arange(n, dtype=np.int64)
                     for direction in ("d2h", "h2d"):
-                        t = median_time(lambda: sw.swap_cache_layout(layers, hostbuf, gids, hids, direction),
-                                        lambda: None, args.reps)
+                        def call(layers=layers, hostbuf=hostbuf, gids=gids, hids=hids, direction=direction):
+                            return sw.swap_cache_layout(layers, hostbuf, gids, hids, direction)
+                        t = median_time(call, lambda: None, args.reps)
                         best[(n, direction)] = min(t, best.get((n, direction), t))
             for (n, direction), t in sorted(best.items()):
                 fit = chunk not in BETWEEN_SIZES and n in FIT_BLOCKS
@@ -71,7 +73,6 @@ def main() -> int:
                                 "chunks": n * LAYERS, "seconds": t, "fit": fit})
                 print(json.dumps(samples[-1]), flush=True)
             caches = layers = hostbuf = None
-            sw._bound.clear()
             cp.get_default_memory_pool().free_all_blocks()
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     model = fit_cost_model([s for s in samples if s["fit"]], lim, gpu=gpu,
@@ -94,7 +95,8 @@ def main() -> int:
               f"{r['seconds'] * 1e3:12.4f} {r['predicted'] * 1e3:10.4f} {r['error_pct']:7.2f}")
     print(json.dumps(fidelity))
     with open(args.out, "w") as f:
-        json.dump({"model": model.to_dict(), "limits_Bps": lim, "measurements": rows, "fidelity": fidelity}, f, indent=1)
+        record = {"model": model.to_dict(), "limits_Bps": lim, "measurements": rows, "fidelity": fidelity}
+        json.dump(record, f, indent=1)
     return 0
 
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-from array import array
 import json
 import platform
 import statistics
 import sys
 import time
 import tracemalloc
+from array import array
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

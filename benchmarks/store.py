@@ -30,7 +30,8 @@ SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=16, help="payload per round (MiB); the run keeps 2 x 5 x repeats rounds in a 768 MiB pool")
+    ap.add_argument("--mib", type=int, default=16,
+                    help="payload per round (MiB); the run keeps 2 x 5 x repeats rounds in a 768 MiB pool")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

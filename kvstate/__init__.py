@@ -10,9 +10,19 @@ from __future__ import annotations
 
 from . import commands, events
 from .decode import DECODE, DecodeLifecycle
-from .errors import (BlockError, ConfigError, DriverError, DuplicateRequestError, FenceError,
-                     InvalidTransitionError, KVStateError, OutOfBlocksError, StoreError, UnknownRequestError,
-                     ValidationError)
+from .errors import (
+    BlockError,
+    ConfigError,
+    DriverError,
+    DuplicateRequestError,
+    FenceError,
+    InvalidTransitionError,
+    KVStateError,
+    OutOfBlocksError,
+    StoreError,
+    UnknownRequestError,
+    ValidationError,
+)
 from .keys import KeyCache, block_keys, rank_key
 from .lifecycle import Lifecycle
 from .machine import MachineDef

@@ -3,13 +3,14 @@
 Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dataclass
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
-Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`) carry a ``command_id``, the TP ``ranks`` that must each answer with
-a :class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's
-clock, and a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the
-lifecycle may recycle the blocks, so no driver or backend may touch them after it (they
-check it just before gathering or scattering blocks). Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`, :class:`Recompute`,
-:class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`, :class:`LateEvent`) need no
-answer.
+Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`) carry a ``command_id``, the TP
+``ranks`` that must each answer with a :class:`~kvstate.events.Completion`, an absolute
+``deadline`` on the lifecycle's clock, and a ``fence`` (the deadline plus
+``Policy.fence_grace``): from the fence on the lifecycle may recycle the blocks, so no driver
+or backend may touch them after it (they check it just before gathering or scattering
+blocks). Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`,
+:class:`Recompute`, :class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`,
+:class:`LateEvent`) need no answer.
 """
 from __future__ import annotations
 

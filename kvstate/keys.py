@@ -11,8 +11,8 @@ Token ids are hashed as little-endian uint32 (every tokenizer's vocabulary is fa
 from __future__ import annotations
 
 import hashlib
-from array import array
 import sys
+from array import array
 from collections.abc import Mapping, Sequence
 
 from .errors import ValidationError

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "ERROR_READ_FAILED", "ERROR_WRITE_FAILED", "ERROR_ABORTED", "ERROR_TIMEOUT",
-           "REASONS", "prefill_reason"]
+__all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "ERROR_READ_FAILED", "ERROR_WRITE_FAILED",
+           "ERROR_ABORTED", "ERROR_TIMEOUT", "REASONS", "prefill_reason"]
 
 READ_FAILURE_MODES = ("fail", "recompute")  #: ``Policy.read_failure``
 PREEMPT_MODES = ("write", "recompute")  #: ``Policy.preempt``

@@ -100,8 +100,7 @@ class BlockPool:
             refs[b] = 1
         self._allocs += n
         used = self.num_blocks - len(free)
-        if used > self._peak:
-            self._peak = used
+        self._peak = max(self._peak, used)
         return ids
 
     def share(self, block_ids: Sequence[int]) -> None:

@@ -40,9 +40,8 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
 
 
 def check_request_id(request_id: Any) -> str:
-    if request_id.__class__ is not str or not request_id:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValidationError(f"request id must be a non-empty str, got {request_id!r}")
+    if (request_id.__class__ is not str or not request_id) and (not isinstance(request_id, str) or not request_id):
+        raise ValidationError(f"request id must be a non-empty str, got {request_id!r}")
     return request_id
 
 
@@ -81,7 +80,7 @@ def check_tokens(request_id: str, token_ids: Any) -> array:
 
 
 def check_token(request_id: str, token: Any) -> int:
-    if token.__class__ is not int or not 0 <= token < TOKEN_LIMIT:
-        if not is_int(token) or not 0 <= token < TOKEN_LIMIT:
-            raise ValidationError(f"request {request_id!r}: token {token!r} is not an int in 0..2**32-1")
+    fast_ok = token.__class__ is int and 0 <= token < TOKEN_LIMIT
+    if not fast_ok and (not is_int(token) or not 0 <= token < TOKEN_LIMIT):
+        raise ValidationError(f"request {request_id!r}: token {token!r} is not an int in 0..2**32-1")
     return int(token)

@@ -13,17 +13,16 @@ from pathlib import Path
 
 from conftest import Rig
 from hypothesis import HealthCheck, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstate import InvalidTransitionError, KVStateError, OutOfBlocksError, Policy, UnknownRequestError
+from kvstate import DECODE, PREFILL, InvalidTransitionError, KVStateError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
-from kvstate.testing import fill_blocks, mismatched_blocks
 from kvstate.backends.stores import Store
 from kvstate.errors import StoreError
 from kvstate.keys import block_keys
-from kvstate import DECODE, PREFILL
+from kvstate.testing import fill_blocks, mismatched_blocks
 
 BS = 4
 
@@ -186,7 +185,8 @@ class Protocol(RuleBasedStateMachine):
             if keys:
                 STATS["invariant:runnable_only_after_full_read_on_every_rank_with_p_bytes"] += 1
             bad = mismatched_blocks(rig.db, keys, n.block_ids)
-            assert not bad, f"runnable_only_after_full_read_on_every_rank_with_p_bytes: {rid} (block, rank, kind) {bad[:3]}"
+            assert not bad, \
+                f"runnable_only_after_full_read_on_every_rank_with_p_bytes: {rid} (block, rank, kind) {bad[:3]}"
         elif isinstance(n, C.Recompute):
             self.recomputes.append(n)  # the engine computes it later (rule recompute)
         elif isinstance(n, C.RequestEnded) and drv is rig.dd:
@@ -305,11 +305,7 @@ class Protocol(RuleBasedStateMachine):
     def recompute(self, data):
         """The engine finished a recompute it was asked for (if the request still wants it)."""
         n = self.recomputes.pop(data.draw(st.integers(0, len(self.recomputes) - 1)))
-        rig, rid = self.rig, n.request_id
-        if rid in rig.D.live_requests() and rig.D.state_of(rid) == "recomputing" \
-                and rig.D.blocks_of(rid) == n.block_ids:
-            self._fill(rig.db, self.tokens[rid][:-1], n.block_ids, n.from_token // BS)
-            rig.D.recompute_done(rid)
+        if self._run_recompute(n):
             self._process_notices()
 
     @precondition(lambda self: self.rig.pd.pending or self.rig.dd.pending)
@@ -532,41 +528,52 @@ class Protocol(RuleBasedStateMachine):
                     assert (pinned or held) and all(refs[b] >= 1 for b in blocks), \
                         f"transfer_blocks_held_by_their_request_or_pinned: command {cmd.command_id}"
 
+    def _run_recompute(self, n) -> bool:
+        """The engine's recompute, if the request still wants it (as the command said)."""
+        rig, rid = self.rig, n.request_id
+        wanted = rid in rig.D.live_requests() and rig.D.state_of(rid) == "recomputing"
+        if wanted and rig.D.blocks_of(rid) == n.block_ids:
+            self._fill(rig.db, self.tokens[rid][:-1], n.block_ids, n.from_token // BS)
+            rig.D.recompute_done(rid)
+            return True
+        return False
+
+    def _drain_round(self) -> bool:
+        """Answer everything, run the engine's work, end what it owns, tick past the deadlines;
+        True once nothing is left."""
+        rig = self.rig
+        for drv in (rig.pd, rig.dd):
+            drv.pump()
+            for key in list(drv.pending):
+                drv.complete(*key)
+        self._process_notices()
+        while self.prefills:
+            self._run_prefill(self.prefills.pop())
+        while self.recomputes:
+            self._run_recompute(self.recomputes.pop())
+        self._process_notices()
+        for rid in rig.D.live_requests():
+            state = rig.D.state_of(rid)
+            if state == "running":
+                rig.D.finish(rid)
+            elif state in ("preempted", "recomputing", "reserved"):
+                rig.D.abort(rid)
+        for rid in rig.P.live_requests():
+            if rig.P.state_of(rid) in ("prefilling", "waiting"):
+                rig.P.abort(rid)
+        rig.clock.advance(20.0)
+        rig.P.tick()
+        rig.D.tick()
+        self._process_notices()
+        return not (rig.P.live_requests() or rig.D.live_requests() or rig.pd.pending or rig.dd.pending)
+
     def teardown(self):
         if not hasattr(self, "rig"):
             return
-        rig = self.rig
-        # drain: answer everything, tick past every deadline, end what the engine owns
         for _ in range(200):
-            for drv in (rig.pd, rig.dd):
-                drv.pump()
-                for key in list(drv.pending):
-                    drv.complete(*key)
-            self._process_notices()
-            while self.prefills:
-                self._run_prefill(self.prefills.pop())
-            while self.recomputes:
-                n = self.recomputes.pop()
-                if n.request_id in rig.D.live_requests() and rig.D.state_of(n.request_id) == "recomputing" \
-                        and rig.D.blocks_of(n.request_id) == n.block_ids:
-                    self._fill(rig.db, self.tokens[n.request_id][:-1], n.block_ids, n.from_token // BS)
-                    rig.D.recompute_done(n.request_id)
-            self._process_notices()
-            for rid in rig.D.live_requests():
-                if rig.D.state_of(rid) == "running":
-                    rig.D.finish(rid)
-                elif rig.D.state_of(rid) in ("preempted", "recomputing", "reserved"):
-                    rig.D.abort(rid)
-            for rid in rig.P.live_requests():
-                if rig.P.state_of(rid) in ("prefilling", "waiting"):
-                    rig.P.abort(rid)
-            rig.clock.advance(20.0)
-            rig.P.tick()
-            rig.D.tick()
-            self._process_notices()
-            if not (rig.P.live_requests() or rig.D.live_requests() or rig.pd.pending or rig.dd.pending):
+            if self._drain_round():
                 break
-        for lc in (rig.P, rig.D) if self.CHECK_DRAINED else ():
+        for lc in (self.rig.P, self.rig.D) if self.CHECK_DRAINED else ():
             left = (lc.live_requests(), lc.pool.num_used, lc.pending_commands())
             assert left == ([], 0, []), f"drained_all_terminal_and_empty: {lc.DEFINITION.name} left {left}"
         STATS["invariant:drained_all_terminal_and_empty"] += 1

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from protocol_machine import snapshot
 
 from kvstate import KVStateError
+from kvstate.backends import MemoryStore
 from kvstate.events import Completion
 
 junk = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
-                 st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+                 st.lists(st.integers(-5, 5), max_size=3),
+                 st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
                  st.integers(max_value=-1), st.binary(max_size=3))
 bad_tokens = st.one_of(st.just([]), st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
                        st.lists(st.text(max_size=2), min_size=1, max_size=2), st.text(max_size=3), st.none(),
@@ -215,7 +217,8 @@ def _scenario(overrides):
 
 
 # (for the pool, blocks 0..2 are held and 5 is free; for the backend 5 is out of range)
-bad_scalars = st.one_of(st.none(), st.booleans(), st.floats(), st.text(max_size=3), st.integers(), st.binary(max_size=3),
+bad_scalars = st.one_of(st.none(), st.booleans(), st.floats(), st.text(max_size=3), st.integers(),
+                        st.binary(max_size=3),
                         st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
 bad_block_lists = st.one_of(bad_scalars, st.lists(st.integers(8, 20), min_size=1, max_size=2),
                             st.lists(st.integers(max_value=-1), min_size=1, max_size=2),
@@ -225,7 +228,8 @@ bad_gpu_ids = st.one_of(bad_scalars, st.just([5, 0]), st.just([-1, 0]), st.just(
                         st.just(["a", "b"]), st.just([0.0, 1.0]))
 bad_counts = st.one_of(st.integers(max_value=-1), st.integers(9, 100), st.booleans(), st.none(), st.floats(),
                        st.text(max_size=2))
-bad_key_lists = st.one_of(st.none(), st.integers(), st.text(max_size=3), st.lists(st.integers(), min_size=1, max_size=2),
+bad_key_lists = st.one_of(st.none(), st.integers(), st.text(max_size=3),
+                          st.lists(st.integers(), min_size=1, max_size=2),
                           st.lists(st.none(), min_size=1, max_size=2), st.binary(max_size=2))
 bad_ranks = st.one_of(st.integers(max_value=-1), st.integers(2, 50), st.none(), st.booleans(), st.text(max_size=2),
                       st.floats())
@@ -235,8 +239,9 @@ def _step_snap(rig):
 
 
 def _threaded(workers):
-    from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
     from conftest import small_spec
+
+    from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
     ThreadedDriver(ReferenceBackend(small_spec(), 4, MemoryStore(1 << 20)), workers=workers).close()
 
 
@@ -290,13 +295,15 @@ COMPONENTS = {
     "block_keys(block_size)": (_nothing, _nothing, lambda o, x: __import__("kvstate").block_keys([1, 2], x),
                                st.one_of(st.integers(max_value=0), st.none(), st.floats(), st.booleans())),
     "CacheSpec(num_layers)": (_nothing, _nothing, lambda o, x: _spec(num_layers=x),
-                              st.one_of(st.integers(max_value=0), st.none(), st.booleans(), st.floats(), st.text(max_size=2))),
+                              st.one_of(st.integers(max_value=0), st.none(), st.booleans(), st.floats(),
+                                        st.text(max_size=2))),
     "CacheSpec(dtype)": (_nothing, _nothing, lambda o, x: _spec(dtype=x), junk),
     "CacheSpec(tp_size)": (_nothing, _nothing, lambda o, x: _spec(tp_size=x),
                            st.one_of(st.integers(max_value=0), st.none(), st.floats(), st.text(max_size=2))),
     "Policy(read_failure)": (_nothing, _nothing, lambda o, x: _policy(read_failure=x), junk),
     "Policy(transfer_timeout)": (_nothing, _nothing, lambda o, x: _policy(transfer_timeout=x),
-                                 st.one_of(st.floats(max_value=0), st.none(), st.text(max_size=2), st.just(float("nan")))),
+                                 st.one_of(st.floats(max_value=0), st.none(), st.text(max_size=2),
+                                           st.just(float("nan")))),
     "with_overrides(field)": (_nothing, _nothing, lambda o, x: _scenario(x),
                               st.one_of(st.dictionaries(st.text(max_size=6), st.integers(), min_size=1, max_size=2),
                                         st.just({"cluster.num_prefill": -1}), st.just({"slo.ttft_ms": "x"}),
@@ -310,7 +317,7 @@ COMPONENTS = {
                                      st.one_of(st.integers(10**6, 10**7), st.none(), st.text(max_size=2))),
     "ThreadedDriver(workers)": (_nothing, _nothing, lambda o, x: _threaded(x),
                                 st.one_of(st.integers(max_value=0), st.none(), st.floats(), st.text(max_size=2))),
-    "MemoryStore(capacity)": (_nothing, _nothing, lambda o, x: __import__("kvstate.backends", fromlist=["x"]).MemoryStore(x),
+    "MemoryStore(capacity)": (_nothing, _nothing, lambda o, x: MemoryStore(x),
                               st.one_of(st.integers(max_value=0), st.none(), st.floats(), st.text(max_size=2))),
     "Policy(preempt)": (_nothing, _nothing, lambda o, x: _policy(preempt=x), junk),
     "Policy(write_retries)": (_nothing, _nothing, lambda o, x: _policy(write_retries=x),

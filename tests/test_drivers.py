@@ -6,11 +6,11 @@ import pytest
 from conftest import small_spec
 
 from kvstate import DecodeLifecycle, DriverError, Policy, PrefillLifecycle, ValidationError
-from kvstate.events import Completion
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
-from kvstate.testing import fill_blocks, mismatched_blocks
+from kvstate.events import Completion
 from kvstate.keys import block_keys
+from kvstate.testing import fill_blocks, mismatched_blocks
 
 
 def test_step_driver_partial_and_fail_outcomes(rig):
@@ -128,6 +128,20 @@ def test_threaded_driver_answers_cancelled_commands_with_zero():
         assert {(c.command_id, c.error) for c in got} == {(1, None), (2, "cancelled")}
 
 
+def _on_notice(n, lc, be, P, D, prompts, spec, decoded, outcome):
+    """The scheduler's answer to one notice: compute a prefill, pass a token on, decode."""
+    if isinstance(n, C.StartPrefill):
+        fill_blocks(be, block_keys(prompts[n.request_id], spec.block_size), n.block_ids)
+        P.prefill_done(n.request_id, 11)
+    elif isinstance(n, C.SendFirstToken):
+        D.deliver_first_token(n.request_id, n.token, n.error_code)
+    elif isinstance(n, C.StartDecode):
+        decoded[n.request_id] = n.block_ids
+        D.finish(n.request_id)
+    elif isinstance(n, C.RequestEnded) and lc is D:
+        outcome[n.request_id] = n.state
+
+
 def _engine_loop(P, D, pdrv, ddrv, pb, db, prompts, stop, errors, outcome, spec):
     """A scheduler thread: route commands to transfer workers, run 'compute', poll completions."""
     try:
@@ -140,16 +154,7 @@ def _engine_loop(P, D, pdrv, ddrv, pb, db, prompts, stop, errors, outcome, spec)
                 P.admit(rid, toks)
             for lc, drv, be in ((P, pdrv, pb), (D, ddrv, db)):
                 for n in drv.submit_all(lc.poll_commands()):
-                    if isinstance(n, C.StartPrefill):
-                        fill_blocks(be, block_keys(prompts[n.request_id], spec.block_size), n.block_ids)
-                        P.prefill_done(n.request_id, 11)
-                    elif isinstance(n, C.SendFirstToken):
-                        D.deliver_first_token(n.request_id, n.token, n.error_code)
-                    elif isinstance(n, C.StartDecode):
-                        decoded[n.request_id] = n.block_ids
-                        D.finish(n.request_id)
-                    elif isinstance(n, C.RequestEnded) and lc is D:
-                        outcome[n.request_id] = n.state
+                    _on_notice(n, lc, be, P, D, prompts, spec, decoded, outcome)
                 for c in drv.poll():
                     lc.complete(c)
                 lc.tick()

@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 from conftest import Rig, small_spec
 
-from kvstate import (DecodeLifecycle, DuplicateRequestError, InvalidTransitionError, OutOfBlocksError, Policy,
-                     UnknownRequestError, ValidationError)
+from kvstate import (
+    DecodeLifecycle,
+    DuplicateRequestError,
+    InvalidTransitionError,
+    OutOfBlocksError,
+    Policy,
+    UnknownRequestError,
+    ValidationError,
+)
 from kvstate import commands as C
 from kvstate.backends import MemoryStore
 from kvstate.events import Completion
@@ -177,7 +184,7 @@ def test_prefix_read_of_a_missing_prefix_reads_nothing_and_prefills_everything(r
 # -- D failures ------------------------------------------------------------------------------
 def test_read_miss_fails_with_502_and_recycles(rig):
     notes = handoff(rig, "r")
-    rig.store.evict([k for k in rig.store.keys() if "_value_1" in k][:1])
+    rig.store.evict([k for k in rig.store.keys() if "_value_1" in k][:1])  # noqa: SIM118 - Store.keys() is a method
     deliver(rig, notes)
     rig.dd.run_until_idle()
     [end] = rig.notices(rig.dd, C.RequestEnded)

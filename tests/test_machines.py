@@ -106,6 +106,18 @@ def test_only_what_it_can_run_is_compiled():
         CompiledMachine(d, _Owner({}, []))
 
 
+def _engine_acts(rig, lc, n, rng) -> None:
+    """What the engine does on a notice: compute, pass the token on, decode or preempt."""
+    if isinstance(n, C.StartPrefill):
+        lc.prefill_done(n.request_id, 1)
+    elif isinstance(n, C.SendFirstToken) and n.request_id in rig.D.live_requests():
+        rig.D.deliver_first_token(n.request_id, n.token, n.error_code)
+    elif isinstance(n, C.Recompute):
+        rig.D.recompute_done(n.request_id)
+    elif isinstance(n, C.StartDecode):
+        (rig.D.preempt if rng.random() < 0.5 else rig.D.finish)(n.request_id)
+
+
 def _trace(machine_cls, seed: int):
     """Drive a random P+D workload and record every state each request passes through."""
     rng = random.Random(seed)
@@ -120,14 +132,7 @@ def _trace(machine_cls, seed: int):
             drv.pump()
             for n in list(drv.notices):
                 drv.notices.remove(n)
-                if isinstance(n, C.StartPrefill):
-                    lc.prefill_done(n.request_id, 1)
-                elif isinstance(n, C.SendFirstToken) and n.request_id in rig.D.live_requests():
-                    rig.D.deliver_first_token(n.request_id, n.token, n.error_code)
-                elif isinstance(n, C.Recompute):
-                    rig.D.recompute_done(n.request_id)
-                elif isinstance(n, C.StartDecode):
-                    (rig.D.preempt if rng.random() < 0.5 else rig.D.finish)(n.request_id)
+                _engine_acts(rig, lc, n, rng)
             for _ in range(rng.randint(0, 6)):
                 if drv.pending:
                     key = rng.choice(sorted(drv.pending))

@@ -12,6 +12,7 @@ from test_lifecycle import TOKS, assert_clean, d_matches, deliver, handoff
 from kvstate import ConfigError, Policy, StoreError, ValidationError, block_keys
 from kvstate import commands as C
 
+
 def _mooncake_missing() -> str | None:
     if not has_module("mooncake"):
         return "mooncake-transfer-engine is not installed (pip install '.[mooncake]')"

@@ -56,9 +56,8 @@ def test_free_list_holds_exactly_the_unheld_blocks(monkeypatch):
 
     def loses_a_freed_block(self, ids):
         freed = real(self, ids)
-        if freed and len(ids) > 1:
-            if ids[0] in self._free:  # the planted bug, inside the pool's own method
-                self._free.remove(ids[0])
+        if freed and len(ids) > 1 and ids[0] in self._free:  # the planted bug, inside the pool's own method
+            self._free.remove(ids[0])
         return freed
     monkeypatch.setattr(pool_mod.BlockPool, "release", loses_a_freed_block)
     fires("free_list_holds_exactly_the_unheld_blocks")

@@ -11,8 +11,16 @@ from kvstate.app.cli import main
 from kvstate.errors import ConfigError, KVStateError, ValidationError
 from kvstate.kernels.cost import TransferCostModel, fit_cost_model
 from kvstate.kernels.plan import plan_layout
-from kvstate.sim import Cluster, Scenario, load_scenario, scenario_from_dict, search_deadlocks, with_overrides
-from kvstate.sim import simulate, to_json
+from kvstate.sim import (
+    Cluster,
+    Scenario,
+    load_scenario,
+    scenario_from_dict,
+    search_deadlocks,
+    simulate,
+    to_json,
+    with_overrides,
+)
 from kvstate.sim.metrics import summarize
 from kvstate.sim.tp import TaskSchedule, run_schedule
 from kvstate.sim.workload import load_trace
@@ -93,7 +101,8 @@ def write_trace(path: Path, records: list) -> Path:
 @pytest.mark.parametrize("records, needle", [
     ([{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": []},
       {"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": []}], ":2: timestamp 4 goes back in time"),
-    ([{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": []}], ":1: output_length must be an int > 0"),
+    ([{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": []}],
+     ":1: output_length must be an int > 0"),
     ([{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2, 3]}],
      ":1: 3 hash_ids but input_length 600 allows at most 2 blocks of 512"),
     ([{"timestamp": 0, "input_length": 10, "output_length": 1}, "{oops"], ":2: not JSON"),
@@ -124,8 +133,8 @@ def test_trace_prefix_reuse_flows_through_storage(tmp_path):
     A hash block size other than 512 works (the same format, different block size)."""
     shared = [{"timestamp": 100 * i, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8, 9, 10 + i]}
               for i in range(20)]
-    unique = [{"timestamp": 100 * i, "input_length": 1000, "output_length": 4, "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]}
-              for i in range(20)]
+    unique = [{"timestamp": 100 * i, "input_length": 1000, "output_length": 4,
+               "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]} for i in range(20)]
     out = {}
     for name, recs in (("shared", shared), ("unique", unique)):
         f = write_trace(tmp_path / f"{name}.jsonl", recs)

@@ -88,7 +88,8 @@ def overloaded(draw) -> dict:
     }
 
 
-@settings(max_examples=int(os.environ.get("KVSTATE_SIM_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("KVSTATE_SIM_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(overloaded())
 def test_random_overloaded_clusters_end_every_request_and_leak_nothing(data):
     cl, r = run(data)

@@ -6,6 +6,7 @@ anything runs; see :data:`EXIT_CODES`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ def _number(kind: Callable[[str], float], low: float, inclusive: bool, what: str
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not (v >= low if inclusive else v > low) or v != v or v in (float("inf"), float("-inf")):
+        if not math.isfinite(v) or not (v >= low if inclusive else v > low):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return v
     return parse

@@ -16,11 +16,11 @@ from typing import Any
 
 from .. import commands as C
 from ..backends import FileStore, MemoryStore, ReferenceBackend, StepDriver, Store
+from ..decode import DecodeLifecycle
 from ..errors import ConfigError, OutOfBlocksError
 from ..keys import block_keys
-from ..decode import DecodeLifecycle
-from ..prefill import PrefillLifecycle
 from ..policy import Policy
+from ..prefill import PrefillLifecycle
 from ..spec import CacheSpec
 from ..testing import fill_blocks, mismatched_blocks
 

@@ -33,10 +33,8 @@ def _set_value(text: str) -> Any:
 def build_scenario(args: argparse.Namespace) -> Scenario:
     """The scenario file or preset, then --trace, --model, the shortcuts, --set, --seed."""
     name = args.scenario
-    if name is not None and not Path(name).exists() and name in PRESETS:
-        sc = preset(name)
-    else:
-        sc = load_scenario(name)
+    is_preset = name is not None and not Path(name).exists() and name in PRESETS
+    sc = preset(name) if is_preset else load_scenario(name)
     over: dict[str, Any] = {}
     if args.trace:
         over.update({"workload.arrival": "trace", "workload.trace": args.trace})
@@ -113,7 +111,8 @@ def simulate(args: argparse.Namespace) -> int:
 
 
 def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
-    lines = [f"target {res['rate']:g} req/s; SLOs TTFT {res['slo']['ttft_ms']:g} ms, TPOT {res['slo']['tpot_ms']:g} ms, "
+    slo = res["slo"]
+    lines = [f"target {res['rate']:g} req/s; SLOs TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
              f"each met by >= {100 * res['attainment']:.0f} % of requests, goodput >= that x offered",
              "".join(f"{n.split('.')[-1]:>14}" for n in names) + f"{'GPUs':>6}{'offered':>9}{'goodput':>9}"
              f"{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}  verdict"]

@@ -106,7 +106,7 @@ class Store(ABC):
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 if stored, 0 if not."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default, not an abstract method: most stores hold nothing
         """Release the store's resources (idempotent)."""
 
     def __enter__(self) -> Store:
@@ -135,7 +135,7 @@ class TransferBackend(ABC):
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None) -> int:
         """Read ``keys[i]`` into block ``block_ids[i]``; how many leading blocks arrived whole."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default, not an abstract method: the reference backend holds nothing
         """Release buffers and devices (idempotent)."""
 
 

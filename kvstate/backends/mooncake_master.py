@@ -118,11 +118,9 @@ class MooncakeMaster:
                "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
                f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
                *self.extra_args]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        if log is not subprocess.DEVNULL:
-            log.close()
+        with open(self.log_path or os.devnull, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         deadline = time.monotonic() + timeout
         cfg = MooncakeConfig(master=self.address, metadata=self.metadata_url, connect_timeout=0.5)
         while True:

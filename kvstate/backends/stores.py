@@ -115,8 +115,8 @@ class FileStore(Store):
         try:
             self.root = Path(directory)
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe-", delete=True)
-            probe.close()
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe-", delete=True):
+                pass
         except OSError as e:
             raise StoreError(f"FileStore: directory {str(directory)!r} is not writable ({e})") from None
 

@@ -13,8 +13,8 @@
 - :mod:`~kvstate.sim.metrics` — metrics; :mod:`~kvstate.sim.report` — text and JSON;
   :mod:`~kvstate.sim.capacity` — capacity planning; :mod:`~kvstate.sim.plot` — PNG charts.
 """
-from .cluster import Cluster
 from .capacity import plan
+from .cluster import Cluster
 from .report import format_report, to_json
 from .run import simulate
 from .scenario import Scenario

@@ -212,7 +212,8 @@ class Cluster:
                 "reason": ("event queue empty" if stalled else
                            f"time limit {limit}s passed" if not drained else "barrier waits timed out"),
                 "stuck_ranks": stuck,
-                "live_requests": {rid: {"prefill": _state(self.reqs[rid].p, rid), "decode": _state(self.reqs[rid].d, rid)}
+                "live_requests": {rid: {"prefill": _state(self.reqs[rid].p, rid),
+                                        "decode": _state(self.reqs[rid].d, rid)}
                                   for rid in sorted(self.live, key=lambda r: int(r[1:]))[:50]},
                 "live_count": len(self.live),
             }

@@ -20,8 +20,8 @@ import itertools
 from typing import TYPE_CHECKING
 
 from .. import commands as C
-from ..errors import OutOfBlocksError
 from ..decode import DecodeLifecycle
+from ..errors import OutOfBlocksError
 from .instance import Instance
 from .workload import unique_tokens
 

@@ -90,8 +90,7 @@ class Instance:
         if link is None:
             link = self._link_cost[(direction, n)] = cl.link_seconds(direction, n)
         start = self.link_free[rank]
-        if start < now:
-            start = now
+        start = max(start, now)
         self.link_free[rank] = link_end = start + link
         nbytes = n * cl.shard_bytes
         s_start, s_end = cl.store.occupy(now, nbytes)

@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, Policy
-from ..dtypes import DTYPES
 from ..spec import CacheSpec
 from .tp import PROTOCOLS
 

@@ -105,8 +105,7 @@ class SimStore:
         self.used += new * self.shard_bytes
         if self.used > self.capacity:
             self._evict()
-        if self.used > self.peak:
-            self.peak = self.used
+        self.peak = max(self.peak, self.used)
         return len(keys)
 
     def _evict(self) -> None:
