@@ -80,7 +80,8 @@ def layout_rows(cp, sw, lim: dict, reps: int, quick: bool) -> list[dict]:
                 for strat in ("zero_copy", "staged", "dma", "auto"):
                     if strat == "dma" and pattern == "random" and chunk < 16384:
                         continue  # 8192 single-chunk DMAs: the per-chunk baseline, measured by the anchor
-                    fn = lambda: sw.swap_cache_layout(layers, host, gids, hids, direction, strategy=strat)  # noqa: E731
+                    def fn(layers=layers, host=host, gids=gids, hids=hids, direction=direction, strat=strat):
+                        return sw.swap_cache_layout(layers, host, gids, hids, direction, strategy=strat)
                     r[strat] = nbytes / median_time(fn, lambda: None, reps) / 1e9
                     r[f"{strat}_pipelined"] = nbytes / pipelined_time(cp, sw, layers, host, gids, hids, direction,
                                                                      strat) / 1e9
@@ -92,7 +93,6 @@ def layout_rows(cp, sw, lim: dict, reps: int, quick: bool) -> list[dict]:
                 rows.append(r)
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         caches = layers = None
-        sw._bound.clear()
         cp.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -149,7 +149,7 @@ def overhead(cp, sw) -> dict:
 
     out = {
         "plan_us": per_call(lambda: plan_layout(layers, host, gids, hids, "d2h")),
-        "host_check_us": per_call(lambda: sw._host_ptr(host, "host")),
+        "host_check_us": per_call(lambda: sw.host_pointer(host, "host")),
         "sync_call_us": per_call(lambda: sw.swap_cache_layout(layers, host, gids, hids, "d2h", strategy="zero_copy")),
         "list_call_us": per_call(lambda: sw.swap_cache_layout(caches, host, gids, hids, "d2h", strategy="zero_copy")),
     }
@@ -174,8 +174,46 @@ def overhead(cp, sw) -> dict:
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
     out["profile"] = buf.getvalue()
-    sw._bound.clear()
     return out
+
+
+def engine_rows(cp, sw, lim: dict, reps: int, calls: int = 40) -> list[dict]:
+    """Calls as an engine makes them: 32 layers x 256 random blocks of 4096, the ids a different
+    Python list object each call (its block table's), synchronous and pipelined (async calls
+    back to back between two events), both directions, every chunk size; checked byte for byte."""
+    L, N, n = 32, 4096, 256
+    rng = np.random.default_rng(5)
+    rows = []
+    for chunk, shape, dt in CHUNKS:
+        caches = [cp.random.randint(0, 255, (N,) + shape).astype(dt) for _ in range(L)]
+        host = sw.pinned((n, L) + shape, dt)
+        ring = [(rng.choice(N, n, replace=False).tolist(), list(range(n))) for _ in range(calls + 2)]
+        for direction in ("d2h", "h2d"):
+            nbytes = n * L * chunk
+            k = iter(ring * (reps + 4) * 4)
+            def call(caches=caches, host=host, k=k, direction=direction):
+                return sw.swap_cache_layout(caches, host, *next(k), direction)
+            sync = median_time(call, lambda: None, reps * 4)
+            sw.swap_cache_layout(caches, host, *ring[0], direction)
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(sw.stream)
+            for ids in ring[:calls]:
+                sw.swap_cache_layout_async(caches, host, *ids, direction)
+            end.record(sw.stream)
+            end.synchronize()
+            pipe = cp.cuda.get_elapsed_time(start, end) / 1e3 / calls
+            gids = np.asarray(ring[-1][0])
+            ok = check(cp, sw, caches, caches, host, gids, np.arange(n), direction)
+            limit = lim[f"{direction}_GBps"]
+            r = {"chunk": chunk, "direction": direction, "ids": "list", "sync_GBps": nbytes / sync / 1e9,
+                 "pipelined_GBps": nbytes / pipe / 1e9, "sync_us": sync * 1e6, "correct": ok}
+            r["sync_pct_of_limit"] = 100 * r["sync_GBps"] / limit
+            r["pipelined_pct_of_limit"] = 100 * r["pipelined_GBps"] / limit
+            rows.append(r)
+            print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v for k2, v in r.items()}), flush=True)
+        caches = None
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
 
 
 def handoff(cp, reps: int) -> dict:
@@ -246,6 +284,8 @@ def handoff(cp, reps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--sections", default="limits,overhead,engine,layout,handoff",
+                    help="comma-separated: limits (always run), overhead, engine, layout, handoff")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--json", action="store_true", help="print the JSON object last")
     args = ap.parse_args(argv)
@@ -253,16 +293,52 @@ def main(argv: list[str] | None = None) -> int:
     reps = 3 if args.quick else 5
     props = cp.cuda.runtime.getDeviceProperties(0)
     out = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d")}
+    sections = set(args.sections.split(","))
     with CudaSwapper() as sw:
         out["limits"] = limits(cp, sw, reps)
         print(json.dumps(out["limits"]), flush=True)
-        out["overhead"] = overhead(cp, sw)
-        print(out["overhead"].pop("profile") if not args.json else "", flush=True)
-        print(json.dumps(out["overhead"]), flush=True)
-        out["layout"] = layout_rows(cp, sw, out["limits"], reps, args.quick)
-    out["handoff"] = handoff(cp, 5)
-    print(json.dumps(out["handoff"]), flush=True)
-    print(f"\n{out['gpu']}: PCIe limit d2h {out['limits']['d2h_GBps']:.1f} GB/s, h2d {out['limits']['h2d_GBps']:.1f} GB/s")
+        if "overhead" in sections:
+            out["overhead"] = overhead(cp, sw)
+            print(out["overhead"].pop("profile") if not args.json else "", flush=True)
+            print(json.dumps(out["overhead"]), flush=True)
+        if "engine" in sections:
+            out["engine"] = engine_rows(cp, sw, out["limits"], reps)
+        if "layout" in sections:
+            out["layout"] = layout_rows(cp, sw, out["limits"], reps, args.quick)
+    if "handoff" in sections:
+        out["handoff"] = handoff(cp, 5)
+        print(json.dumps(out["handoff"]), flush=True)
+    report(out)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+def report(out: dict) -> None:
+    """The tables of whatever sections ran."""
+    lim = out["limits"]
+    print(f"\n{out['gpu']}: PCIe limit d2h {lim['d2h_GBps']:.1f} GB/s, h2d {lim['h2d_GBps']:.1f} GB/s")
+    if "engine" in out:
+        print("engine calls (32 layers x 256 random blocks, ids a fresh Python list each call):")
+        print(f"{'chunk':>7} {'dir':>4} {'sync GB/s':>10} {'%limit':>7} {'sync us':>8} "
+              f"{'pipelined':>10} {'%limit':>7}  ok")
+        for r in out["engine"]:
+            print(f"{r['chunk']:>7} {r['direction']:>4} {r['sync_GBps']:10.1f} {r['sync_pct_of_limit']:7.1f} "
+                  f"{r['sync_us']:8.1f} {r['pipelined_GBps']:10.1f} {r['pipelined_pct_of_limit']:7.1f}  {r['correct']}")
+    if "layout" in out:
+        layout_report(out)
+    if "handoff" in out:
+        h = out["handoff"]
+        print(f"handoff 8k tokens ({h['bytes'] / 2**20:.0f} MiB): {h['handoff_ms']:.1f} ms; "
+              f"alone: d2h {h['d2h_ms']:.1f}, "
+              f"store {h['store_copy_ms']:.1f}, h2d {h['h2d_ms']:.1f} ms -> {h['ratio_to_slowest_stage']:.2f}x "
+              f"slowest; pinned {h['pinned_staging_bytes'] / 2**20:.0f} MiB; correct {h['correct']}")
+
+
+def layout_report(out: dict) -> None:
     print(f"{'chunk':>7} {'ids':>6} {'dir':>4} {'zero_copy':>9} {'staged':>7} {'dma':>6} {'auto':>6} {'%limit':>6} "
           f"{'%anchor':>7} {'pipelined':>9} auto_is  ok")
     for r in out["layout"]:
@@ -277,16 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         pct = 100 * r["auto_pipelined"] / out["limits"][f"{r['direction']}_GBps"]
         print(f"{r['chunk']:>7} {r['pattern']:>6} {r['direction']:>4} {r['zero_copy_pipelined']:9.1f} "
               f"{r['staged_pipelined']:7.1f} {dma} {r['auto_pipelined']:6.1f} {pct:6.1f}")
-    h = out["handoff"]
-    print(f"handoff 8k tokens ({h['bytes'] / 2**20:.0f} MiB): {h['handoff_ms']:.1f} ms; alone: d2h {h['d2h_ms']:.1f}, "
-          f"store {h['store_copy_ms']:.1f}, h2d {h['h2d_ms']:.1f} ms -> {h['ratio_to_slowest_stage']:.2f}x slowest; "
-          f"pinned {h['pinned_staging_bytes'] / 2**20:.0f} MiB; correct {h['correct']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    if args.json:
-        print(json.dumps(out))
-    return 0
 
 
 if __name__ == "__main__":

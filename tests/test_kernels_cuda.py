@@ -265,19 +265,16 @@ def test_ids_inline_up_to_the_limit_then_uploaded(sw, monkeypatch, chunk, strate
     rng = np.random.default_rng(7)
     L, N = 3, 1200
     caches = [cp.asarray(rng.integers(0, 255, (N,) + chunk).astype(np.uint8)) for _ in range(L)]
-    uploads = []
-    real = sw._params
-    monkeypatch.setattr(sw, "_params", lambda arrays, stream: uploads.append(len(arrays)) or real(arrays, stream))
     for n in (sw.inline_ids or 5, 700):
         gids = rng.choice(N, n, replace=False)
         hids = rng.permutation(n)
         host = sw.pinned((n, L) + chunk, np.uint8)
-        uploads.clear()
+        before = sw.id_uploads
         sw.swap_cache_layout(caches, host, gids, hids, "d2h", strategy=strategy)
         want = np.zeros_like(host)
         reference.swap_cache_layout([cp.asnumpy(c) for c in caches], want, gids, hids, "d2h")
         assert np.array_equal(host, want)
-        assert bool(uploads) == (n > sw.inline_ids), (n, sw.inline_ids, uploads)
+        assert (sw.id_uploads > before) == (n > sw.inline_ids), (n, sw.inline_ids, sw.id_uploads - before)
         host[...] = rng.integers(0, 255, host.shape).astype(np.uint8)
         sw.swap_cache_layout(caches, host, gids, hids, "h2d", strategy=strategy)
         for i, c in enumerate(caches):
@@ -431,3 +428,26 @@ def test_auto_keeps_strided_dma_for_big_calls_only():
     assert choose_strategy(plan(4)) == "zero_copy"  # 16 MiB: 32 DMA calls of 512 KiB, or one launch
     assert choose_strategy(plan(64, np.arange(64) * 2)) == "staged"  # 256 MiB, 2,048 runs x layers
     assert choose_strategy(plan(1)) == "zero_copy"
+
+
+@gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_a_cache_list_bound_on_use_is_not_kept_alive(sw, lib):
+    """Lists passed to an op are remembered weakly: once the engine drops them, their memory
+    goes; a new list that happens to reuse their ids is bound afresh and moves its own bytes."""
+    import weakref
+
+    import cupy as cp
+    if lib == "torch":
+        torch = pytest.importorskip("torch", reason="needs PyTorch")
+    rng = np.random.default_rng(3)
+    host = sw.pinned((4, 2, 2, 4, 8), np.float16)
+    for rep in range(3):
+        data = rng.standard_normal((2, 16, 2, 4, 8)).astype(np.float16)
+        caches = [cp.asarray(d) for d in data] if lib == "cupy" else [torch.as_tensor(d).cuda() for d in data]
+        sw.swap_cache_layout(caches, host, [5, 1, 9, 3], [0, 1, 2, 3], "d2h")
+        assert np.array_equal(host, data[:, [5, 1, 9, 3]].swapaxes(0, 1)), rep  # its own bytes, not a stale list's
+        refs = [weakref.ref(c) for c in caches]
+        del caches
+        gc.collect()
+        assert all(r() is None for r in refs), "the swapper kept a dropped cache alive"

@@ -155,3 +155,112 @@ def test_run_counts_match_the_runs(gids, data):
     caches = [np.zeros((31, 1, 1, 2), np.uint8)]
     plan = plan_layout(caches, np.zeros((max(1, len(gids)), 1, 1, 1, 2), np.uint8), gids, hids, "d2h")
     assert plan.num_runs == len(plan.runs) and plan.num_host_runs == len(plan.host_runs)
+
+
+# -- block ids in every form an engine holds them -------------------------------------------------
+@pytest.fixture(params=["compiled", "python"], autouse=False)
+def packer(request, monkeypatch):
+    """Block id lists packed by the compiled packer, and by the pure-Python fallback."""
+    from kvstate.kernels import plan
+    if request.param == "compiled" and plan.id_packer is None:
+        pytest.skip("the compiled id packer was not built here (no C compiler at install)")
+    if request.param == "python":
+        monkeypatch.setattr(plan, "id_packer", None)
+    return request.param
+
+
+def _forms(ids):
+    from array import array
+    yield "list", list(ids)
+    yield "tuple", tuple(ids)
+    yield "numpy ints in a list", [np.int32(i) for i in ids]
+    yield "range", range(ids[0], ids[0] + len(ids)) if ids == list(range(ids[0], ids[0] + len(ids))) else list(ids)
+    yield "array.array", array("i", ids)
+    for dt in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"):
+        if max(ids) < np.iinfo(dt).max:
+            yield dt, np.asarray(ids, dtype=dt)
+
+
+@pytest.mark.parametrize("ids", [[5, 1, 9, 3], [0, 1, 2], [7]])
+def test_ids_in_any_integer_form_move_the_same_bytes(ids, packer):
+    from kvstate.kernels.plan import as_ids
+    caches = [np.arange(16 * 2 * 3, dtype=np.float16).reshape(16, 1, 2, 3) + layer for layer in range(2)]
+    want = np.zeros((len(ids), 2, 1, 2, 3), np.float16)
+    swap_cache_layout(caches, want, list(ids), list(range(len(ids))), "d2h")
+    for form, value in _forms(ids):
+        assert as_ids(value).tolist() == list(ids), form
+        host = np.zeros_like(want)
+        swap_cache_layout(caches, host, value, list(range(len(ids))), "d2h")
+        assert np.array_equal(host, want), form
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ([2, True, 5], "block id True is not an int"),  # a bool hides as 1 among ints: still refused
+    ([0, False], "block id False is not an int"),
+    ([1, 2.0], "block id 2.0 is not an int"),
+    ([1, "2"], "block id '2' is not an int"),
+    ([1, None], "block id None is not an int"),
+    ([1, 2**70], "out of the int64 range"),
+    (np.array([True, False]), "must hold integers, got dtype bool"),
+    (np.array([1.0, 2.0]), "must hold integers, got dtype float64"),
+    (np.array([2**64 - 1], dtype=np.uint64), "out of the int64 range"),
+    (np.array([[1, 2]]), "must be one-dimensional"),
+    ("12", "must be a sequence of ints"),
+    (7, "must be a sequence of ints"),
+])
+def test_ids_that_are_not_integers_are_refused_before_anything_moves(bad, msg, packer):
+    caches = [np.zeros((4, 1, 2, 2), np.float16)]
+    host = np.ones((2, 1, 1, 2, 2), np.float16)
+    with pytest.raises(ValidationError, match=msg):
+        swap_cache_layout(caches, host, bad, [0, 1][:len(bad) if hasattr(bad, "__len__") else 1], "h2d")
+    assert not caches[0].any()
+
+
+def test_duplicates_are_found_at_any_pool_size():
+    """Uniqueness is checked by sorting the ids, not by counting over the pool."""
+    from kvstate.kernels.plan import check_ids
+    for limit in (1 << 10, 1 << 20, 1 << 40):
+        ids = [limit - 1, 3, 77, limit - 1]
+        with pytest.raises(BlockError, match=f"block {limit - 1} appears twice"):
+            check_ids(ids, limit, "ids", unique=True)
+        assert check_ids(ids, limit, "ids", unique=False).tolist() == ids
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(-3, 40) | st.booleans() | st.floats(0, 40), max_size=12),
+       limit=st.sampled_from([8, 40, 1 << 30]), unique=st.booleans())
+def test_list_and_array_ids_are_judged_alike(ids, limit, unique):
+    from kvstate.kernels import plan
+    for packer in (plan.id_packer, None):  # the compiled packer (if built) and the fallback
+        _judged_alike(ids, limit, unique, packer)
+
+
+def _judged_alike(ids, limit, unique, packer):
+    """A list is accepted exactly when its ints are, as an int64 array, with the same ids."""
+    from unittest import mock
+
+    from kvstate.kernels import plan
+    ints = all(type(i) is int for i in ids)
+    try:
+        with mock.patch.object(plan, "id_packer", packer):
+            got = plan.check_ids(ids, limit, "ids", unique).tolist()
+    except BlockError:
+        got = None
+    if not ints:
+        assert got is None
+        return
+    try:
+        want = plan.check_ids(np.asarray(ids, dtype=np.int64), limit, "ids", unique).tolist()
+    except BlockError:
+        want = None
+    assert got == want
+
+
+@pytest.mark.skipif(not has_module("paddle"), reason="needs paddlepaddle")
+def test_paddle_int_tensors_as_ids():
+    import paddle
+
+    from kvstate.kernels.plan import as_ids
+    assert as_ids(paddle.to_tensor([4, 0, 2], dtype="int32")).tolist() == [4, 0, 2]
+    with pytest.raises(BlockError, match="got dtype bool"):
+        as_ids(paddle.to_tensor([True, False]))

@@ -1,0 +1,203 @@
+"""How the CUDA ops move a planned transfer: the ``auto`` choice and the three ways.
+
+- ``zero_copy``: one kernel reads the GPU blocks and writes the pinned host buffer directly
+  (or the reverse), 16 bytes per access on the host side;
+- ``staged``: the same kernel gathers into device staging and DMA engines move it, in pieces
+  on a second stream, so gathering piece *k+1* overlaps the DMA of piece *k*;
+- ``dma``: strided DMA, one ``cudaMemcpy2DAsync`` per layer and run of consecutive ids.
+
+:data:`AUTO` holds the thresholds :func:`choose_strategy` uses, measured on an H100 (figures in
+docs/benchmarks.md). A :class:`Mover` runs a plan one way, on resources its swapper owns.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from .cuda_launch import D2H, H2D, Buffer, Kernels, ParamRing
+from .plan import TransferPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cuda import DeviceLayers
+
+__all__ = ["STRATEGIES", "AUTO", "choose_strategy", "Mover"]
+
+STRATEGIES = ("auto", "zero_copy", "staged", "dma")
+
+#: How ``auto`` picks: strided DMA when few calls move big chunks (53-54 GB/s at 128 KiB,
+#: contiguous ids) and each call moves enough to hide its host cost (a CudaBackend piece of 4
+#: blocks would issue 64 DMAs for 32 MiB); staging + pipelined DMA for large transfers whose
+#: host side is in few runs (53 GB/s at 128 KiB random, 48 at 16 KiB); the zero-copy kernel
+#: below that (it wins at 1 KiB and at odd sizes, where a call is short).
+AUTO = {
+    "dma_min_chunk": 64 * 1024,     # chunk bytes at or above which strided DMA is considered
+    "dma_max_calls": 64,            # at most this many DMA calls (runs x layers) ...
+    "dma_min_call_bytes": 4 << 20,  # ... each moving at least this much: issuing one costs ~10 us
+                                    # of host time, which a small call (a backend's piece) can't hide
+    "staged_min_bytes": 32 << 20,   # transfers at least this big go through staging (its pieces'
+                                    # events cost ~0.1 ms of host per call) ...
+    "staged_max_runs": 16,          # ... when the host side is in at most this many runs
+}
+
+_STAGING_SLOTS = 4
+
+
+def choose_strategy(plan: TransferPlan) -> str:
+    """The ``auto`` choice for ``plan`` (see :data:`AUTO`)."""
+    if plan.chunk_bytes >= AUTO["dma_min_chunk"]:
+        calls = plan.num_runs * plan.layers
+        if calls <= AUTO["dma_max_calls"] and plan.bytes >= calls * AUTO["dma_min_call_bytes"]:
+            return "dma"
+    if plan.bytes >= AUTO["staged_min_bytes"] and plan.num_host_runs <= AUTO["staged_max_runs"]:
+        return "staged"
+    return "zero_copy"
+
+
+def _geometry(plan: TransferPlan) -> tuple[int, int, int]:
+    """(groups, span, layers per span) of the flat (host-side) layout."""
+    if plan.host_block_contiguous:
+        return 1, plan.layers * plan.chunk_bytes, plan.layers
+    return plan.layers, plan.chunk_bytes, 1
+
+
+class Mover:
+    """Moves plans on one device with its swapper's kernels, parameter ring, copy stream and
+    staging (allocated through ``alloc`` on first staged use)."""
+
+    def __init__(self, cp: Any, kernels: Kernels, params: ParamRing, copy_stream: Any, staging_bytes: int,
+                 alloc: Callable[[int, bool], Buffer]) -> None:
+        self.cp, self.kernels, self.params, self.copy = cp, kernels, params, copy_stream
+        self.staging_bytes, self.alloc = staging_bytes, alloc
+        self.staging: Buffer | None = None
+
+    def run(self, strategy: str, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...],
+            stream: Any, inline: bool) -> None:
+        """Enqueue ``plan`` on ``stream`` the way ``strategy`` names (not ``auto``)."""
+        if not plan.blocks:
+            return
+        if strategy == "dma":
+            self.dma(plan, layers, host_ptrs, stream)
+        elif strategy == "staged":
+            self.staged(plan, layers, host_ptrs, stream, inline)
+        else:
+            self.zero_copy(plan, layers, host_ptrs, stream, inline)
+
+    def zero_copy(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
+                  inline: bool) -> None:
+        geometry = _geometry(plan)
+        aligned = geometry[1] % 16 == 0 and all(p % 16 == 0 for p in host_ptrs)
+        vectors = aligned and layers.aligned and plan.chunk_bytes % 16 == 0
+        d2h = plan.direction == "d2h"
+        if inline and len(host_ptrs) == 1:  # one launch, ids inline
+            self.kernels.launch(stream, layers.ptr_array.data.ptr, 0, host_ptrs[0], 0, plan.gpu_ids, plan.host_ids,
+                                plan.blocks, geometry, plan.chunk_bytes, d2h, vectors)
+            return
+        gptr, fptr, hptr = self.params.upload([plan.gpu_ids, plan.host_ids, np.asarray(host_ptrs, np.int64)], stream)
+        self.kernels.launch(stream, layers.ptr_array.data.ptr, hptr, 0, 0, gptr, fptr, plan.blocks, geometry,
+                            plan.chunk_bytes, d2h, vectors)
+
+    def dma(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any) -> None:
+        rt = self.cp.cuda.runtime
+        c, L = plan.chunk_bytes, plan.layers
+        d2h = plan.direction == "d2h"
+        for g0, h0, n in plan.runs:
+            for layer in range(L):
+                gp = layers.ptrs[layer] + g0 * c
+                if plan.host_block_contiguous:
+                    hp = host_ptrs[0] + h0 * L * c + layer * c
+                    if d2h:
+                        rt.memcpy2DAsync(hp, L * c, gp, c, c, n, D2H, stream.ptr)
+                    else:
+                        rt.memcpy2DAsync(gp, c, hp, L * c, c, n, H2D, stream.ptr)
+                else:
+                    hp = host_ptrs[layer] + h0 * c
+                    if d2h:
+                        rt.memcpyAsync(hp, gp, n * c, D2H, stream.ptr)
+                    else:
+                        rt.memcpyAsync(gp, hp, n * c, H2D, stream.ptr)
+
+    def _pieces(self, plan: TransferPlan, per_block: int) -> tuple[int, int]:
+        """(blocks per piece, bytes per staging slot) for a staged transfer."""
+        if self.staging is None:
+            self.staging = self.alloc(self.staging_bytes, False)
+        slot_bytes = (self.staging_bytes // _STAGING_SLOTS) & ~255
+        per_piece = max(1, slot_bytes // per_block)
+        if per_piece * per_block > slot_bytes:
+            raise ValidationError(f"staging_bytes {self.staging_bytes} cannot hold one block ({per_block} bytes "
+                                  f"per block in {_STAGING_SLOTS} slots): raise staging_bytes")
+        n = plan.blocks
+        if n * per_block >= (8 << 20):  # few, large pieces for big transfers, at least 4 to overlap
+            per_piece = min(per_piece, max(1, -(-n // 4)))
+        return per_piece, slot_bytes
+
+    def _event(self, stream: Any) -> Any:
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def staged(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
+               inline: bool) -> None:
+        """Kernel ⇄ device staging, DMA ⇄ host, in pieces over a ring of staging slots."""
+        geometry = _geometry(plan)
+        groups, span, _ = geometry
+        per_piece, slot_bytes = self._pieces(plan, span * groups)
+        gptr = 0 if inline else self.params.upload([plan.gpu_ids], stream)[0]
+        d2h = plan.direction == "d2h"
+        vectors = layers.aligned and plan.chunk_bytes % 16 == 0
+        self.copy.wait_event(self._event(stream))
+        slot_free: list[Any] = [None] * _STAGING_SLOTS
+        assert self.staging is not None
+        for k, e0 in enumerate(range(0, plan.blocks, per_piece)):
+            e1 = min(plan.blocks, e0 + per_piece)
+            slot = k % _STAGING_SLOTS
+            sp = self.staging.ptr + slot * slot_bytes
+            ids = (plan.gpu_ids[e0:e1], None) if inline else (gptr + e0 * 8, 0)
+            kernel = (layers.ptr_array.data.ptr, sp, (e1 - e0) * span, ids, geometry, vectors)
+            piece = (plan.host_runs, e0, e1, sp, (e1 - e0) * span, span, host_ptrs, groups)
+            if d2h:
+                slot_free[slot] = self._gather_piece(stream, slot_free[slot], kernel, plan, piece)
+            else:
+                slot_free[slot] = self._scatter_piece(stream, slot_free[slot], kernel, plan, piece)
+        if d2h:  # the caller's stream continues after the last DMA
+            stream.wait_event(self._event(self.copy))
+
+    def _gather_piece(self, stream: Any, free: Any, kernel: tuple, plan: TransferPlan, piece: tuple) -> Any:
+        """One d2h piece: the kernel gathers into the slot, then the copy stream DMAs it out."""
+        layer_ptrs, sp, stride, (gids, fids), geometry, vectors = kernel
+        if free is not None:
+            stream.wait_event(free)
+        self.kernels.launch(stream, layer_ptrs, 0, sp, stride, gids, fids, piece[2] - piece[1], geometry,
+                            plan.chunk_bytes, True, vectors)
+        self.copy.wait_event(self._event(stream))
+        self._dma_runs(*piece, D2H)
+        return self._event(self.copy)
+
+    def _scatter_piece(self, stream: Any, free: Any, kernel: tuple, plan: TransferPlan, piece: tuple) -> Any:
+        """One h2d piece: the copy stream DMAs into the slot, then the kernel scatters it."""
+        layer_ptrs, sp, stride, (gids, fids), geometry, vectors = kernel
+        if free is not None:
+            self.copy.wait_event(free)
+        self._dma_runs(*piece, H2D)
+        stream.wait_event(self._event(self.copy))
+        self.kernels.launch(stream, layer_ptrs, 0, sp, stride, gids, fids, piece[2] - piece[1], geometry,
+                            plan.chunk_bytes, False, vectors)
+        return self._event(stream)
+
+    def _dma_runs(self, host_runs: tuple[tuple[int, int, int], ...], e0: int, e1: int, sp: int, stride: int,
+                  span: int, host_ptrs: tuple[int, ...], groups: int, kind: int) -> None:
+        """DMA the host runs that fall in entries ``[e0, e1)`` between a staging slot and host."""
+        rt, copy = self.cp.cuda.runtime, self.copy
+        for pos, h0, length in host_runs:
+            a, b = max(pos, e0), min(pos + length, e1)
+            if a >= b:
+                continue
+            for g in range(groups):
+                hp = host_ptrs[g] + (h0 + a - pos) * span
+                dp = sp + g * stride + (a - e0) * span
+                if kind == D2H:
+                    rt.memcpyAsync(hp, dp, (b - a) * span, D2H, copy.ptr)
+                else:
+                    rt.memcpyAsync(dp, hp, (b - a) * span, H2D, copy.ptr)
