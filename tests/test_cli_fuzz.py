@@ -6,6 +6,7 @@ checks, so an example takes milliseconds; a Mooncake master is never started.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -94,7 +95,8 @@ def test_random_argv_over_random_files_never_escapes(quick, tmp_path_factory, da
     if "--out" not in argv and argv[0] == "plan":
         argv += ["--out", str(d / "plan.json")]
     try:
-        rc = main(argv)
+        with contextlib.chdir(d):  # a relative --out lands in the example's own folder
+            rc = main(argv)
     except SystemExit as e:  # argparse: usage errors (2), --help and --version (0)
         rc = e.code
     assert rc in EXIT_CODES, (argv, rc)
