@@ -193,15 +193,10 @@ def engine_rows(cp, sw, lim: dict, reps: int, calls: int = 40) -> list[dict]:
             k = iter(ring * (reps + 4) * 4)
             def call(caches=caches, host=host, k=k, direction=direction):
                 return sw.swap_cache_layout(caches, host, *next(k), direction)
-            sync = median_time(call, lambda: None, reps * 4)
+            sync = median_time(call, lambda: None, reps * (4 if chunk >= 16384 else 40))
             sw.swap_cache_layout(caches, host, *ring[0], direction)
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(sw.stream)
-            for ids in ring[:calls]:
-                sw.swap_cache_layout_async(caches, host, *ids, direction)
-            end.record(sw.stream)
-            end.synchronize()
-            pipe = cp.cuda.get_elapsed_time(start, end) / 1e3 / calls
+            pipe = float(np.median([_pipelined_round(cp, sw, caches, host, ring[:calls], direction)
+                                    for _ in range(reps)]))
             gids = np.asarray(ring[-1][0])
             ok = check(cp, sw, caches, caches, host, gids, np.arange(n), direction)
             limit = lim[f"{direction}_GBps"]
@@ -214,6 +209,17 @@ def engine_rows(cp, sw, lim: dict, reps: int, calls: int = 40) -> list[dict]:
         caches = None
         cp.get_default_memory_pool().free_all_blocks()
     return rows
+
+
+def _pipelined_round(cp, sw, caches, host, ring, direction) -> float:
+    """Seconds per call of async calls enqueued back to back, between two events."""
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(sw.stream)
+    for ids in ring:
+        sw.swap_cache_layout_async(caches, host, *ids, direction)
+    end.record(sw.stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / len(ring)
 
 
 def handoff(cp, reps: int) -> dict:
@@ -292,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     cp = load_cupy()
     reps = 3 if args.quick else 5
     props = cp.cuda.runtime.getDeviceProperties(0)
-    out = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d")}
+    from kvstate.kernels import plan
+
+    out = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d"),
+           "id_packer": "compiled" if plan.id_packer is not None else "python"}
     sections = set(args.sections.split(","))
     with CudaSwapper() as sw:
         out["limits"] = limits(cp, sw, reps)
@@ -320,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(out: dict) -> None:
     """The tables of whatever sections ran."""
     lim = out["limits"]
-    print(f"\n{out['gpu']}: PCIe limit d2h {lim['d2h_GBps']:.1f} GB/s, h2d {lim['h2d_GBps']:.1f} GB/s")
+    print(f"\n{out['gpu']} (id packer: {out.get('id_packer')}): "
+          f"PCIe limit d2h {lim['d2h_GBps']:.1f} GB/s, h2d {lim['h2d_GBps']:.1f} GB/s")
     if "engine" in out:
         print("engine calls (32 layers x 256 random blocks, ids a fresh Python list each call):")
         print(f"{'chunk':>7} {'dir':>4} {'sync GB/s':>10} {'%limit':>7} {'sync us':>8} "

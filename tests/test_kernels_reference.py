@@ -160,12 +160,13 @@ def test_run_counts_match_the_runs(gids, data):
 # -- block ids in every form an engine holds them -------------------------------------------------
 @pytest.fixture(params=["compiled", "python"], autouse=False)
 def packer(request, monkeypatch):
-    """Block id lists packed by the compiled packer, and by the pure-Python fallback."""
+    """Block ids packed and checked by the compiled helpers, and by the pure-Python fallback."""
     from kvstate.kernels import plan
     if request.param == "compiled" and plan.id_packer is None:
         pytest.skip("the compiled id packer was not built here (no C compiler at install)")
     if request.param == "python":
         monkeypatch.setattr(plan, "id_packer", None)
+        monkeypatch.setattr(plan, "id_checker", None)
     return request.param
 
 
@@ -216,8 +217,8 @@ def test_ids_that_are_not_integers_are_refused_before_anything_moves(bad, msg, p
     assert not caches[0].any()
 
 
-def test_duplicates_are_found_at_any_pool_size():
-    """Uniqueness is checked by sorting the ids, not by counting over the pool."""
+def test_duplicates_are_found_at_any_pool_size(packer):
+    """Uniqueness costs O(n log n) or O(n) in the ids, nothing in the pool's size."""
     from kvstate.kernels.plan import check_ids
     for limit in (1 << 10, 1 << 20, 1 << 40):
         ids = [limit - 1, 3, 77, limit - 1]
@@ -256,6 +257,29 @@ def _judged_alike(ids, limit, unique, packer):
     assert got == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(-2**63, 2**63 - 1) | st.integers(-3, 3000), max_size=3000),
+       limit=st.sampled_from([1, 8, 3000, 1 << 40, 2**63 - 1]), unique=st.booleans(), step=st.sampled_from([1, 2]))
+def test_compiled_checker_agrees_with_numpy(ids, limit, unique, step):
+    """The compiled check accepts exactly what numpy's does (and passes strided arrays to it)."""
+    from unittest import mock
+
+    from kvstate.kernels import plan
+    if plan.id_checker is None:
+        pytest.skip("the compiled id checker was not built here (no C compiler at install)")
+    arr = np.asarray(ids, dtype=np.int64)[::step]
+    verdicts = []
+    for checker in (plan.id_checker, None):
+        try:
+            with mock.patch.object(plan, "id_checker", checker):
+                verdicts.append(plan.check_ids(arr, limit, "ids", unique).tolist())
+        except BlockError as e:
+            verdicts.append(str(e))
+    assert verdicts[0] == verdicts[1]
+    fits = all(0 <= i < limit for i in arr.tolist()) and not (unique and len(set(arr.tolist())) < arr.size)
+    assert plan.id_checker(np.ascontiguousarray(arr), limit, unique) is fits
+
+
 @pytest.mark.skipif(not has_module("paddle"), reason="needs paddlepaddle")
 def test_paddle_int_tensors_as_ids():
     import paddle
@@ -264,3 +288,25 @@ def test_paddle_int_tensors_as_ids():
     assert as_ids(paddle.to_tensor([4, 0, 2], dtype="int32")).tolist() == [4, 0, 2]
     with pytest.raises(BlockError, match="got dtype bool"):
         as_ids(paddle.to_tensor([True, False]))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_identity_key_names_exactly_these_objects(compiled, monkeypatch):
+    """The key a swapper remembers a cache list by: equal for the same objects in the same
+    order, different for any other object or order, and holding no reference to them."""
+    import gc
+    import weakref
+
+    from kvstate.kernels import plan
+    if compiled and plan.id_packer is None:
+        pytest.skip("the compiled helpers were not built here (no C compiler at install)")
+    if not compiled:
+        monkeypatch.setattr(plan, "_identity", None)
+    a, b, c = (np.zeros(2) for _ in range(3))
+    key = plan.identity_key([a, b])
+    assert key == plan.identity_key((a, b)) and hash(key) == hash(plan.identity_key([a, b]))
+    assert key != plan.identity_key([b, a]) and key != plan.identity_key([a, c]) and key != plan.identity_key([a])
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None, "the key kept its object alive"

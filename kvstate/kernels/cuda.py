@@ -37,7 +37,7 @@ from ..validate import check_int
 from .cuda_launch import Buffer, Kernels, ParamRing, cuda_available, external_stream, load_cupy, stream_ptr
 from .cuda_src import INLINE_IDS
 from .cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
-from .plan import LayerSet, TransferPlan, plan_all_layers, plan_layout, plan_per_layer
+from .plan import LayerSet, TransferPlan, identity_key, plan_all_layers, plan_layout, plan_per_layer
 from .reference import as_numpy
 
 __all__ = ["CudaSwapper", "DeviceLayers", "STRATEGIES", "AUTO", "choose_strategy", "cuda_available", "load_cupy"]
@@ -88,8 +88,9 @@ class CudaSwapper:
             self._kernels = Kernels(cp)
         self._params = ParamRing(cp, self._event, self._alloc, self._release, self.wait)
         self._mover = Mover(cp, self._kernels, self._params, self._copy_stream, staging_bytes, self._alloc)
-        # lists bound on use: ids -> (weak references to the tensors, their pointer-only layers)
-        self._bound: OrderedDict[tuple[int, ...], tuple[tuple[Any, ...], DeviceLayers]] = OrderedDict()
+        # lists bound on use: ids -> (weak references to the tensors, their pointer-only layers);
+        # a tensor's death removes its entries (see _bound_layers)
+        self._bound: OrderedDict[Any, tuple[tuple[Any, ...], DeviceLayers]] = OrderedDict()
         # host arrays already found page-locked: id -> (weak reference, device pointer); an
         # array's memory cannot change under it, so a live array seen before is not re-asked
         self._pinned_seen: dict[int, tuple[Any, int]] = {}
@@ -177,24 +178,28 @@ class CudaSwapper:
                             all(p % 16 == 0 for p in ptrs))
 
     def _bound_layers(self, caches: Any, name: str) -> DeviceLayers:
-        """``caches`` bound: a remembered binding if these very tensors were bound before."""
-        if isinstance(caches, DeviceLayers) or not isinstance(caches, (list, tuple)) or not caches:
+        """``caches`` bound: a remembered binding if these very tensors were bound before.
+
+        An entry is keyed by its tensors' ids and dropped by a weak-reference callback the
+        moment any of them is freed (before its id can be reused), so a hit needs no check."""
+        if caches.__class__ is not list and caches.__class__ is not tuple or not caches:
             return self.bind(caches, name)
-        key = tuple(map(id, caches))
+        key = identity_key(caches)
         hit = self._bound.get(key)
         if hit is not None:
-            refs, layers = hit
-            if all(r() is c for r, c in zip(refs, caches)):
-                self._bound.move_to_end(key)
-                return layers
-            del self._bound[key]  # another list now has those ids: the old tensors are gone
+            self._bound.move_to_end(key)
+            return hit[1]
         full = self.bind(caches, name)
+        table = weakref.ref(self._bound)
+
+        def forget(_: Any, key: Any = key) -> None:
+            live = table()
+            if live is not None:
+                live.pop(key, None)
         try:
-            refs = tuple(weakref.ref(c) for c in caches)
+            refs = tuple(weakref.ref(c, forget) for c in caches)
         except TypeError:
             return full  # cannot be referenced weakly: bound again on each call
-        for k in [k for k, (rs, _) in self._bound.items() if any(r() is None for r in rs)]:
-            del self._bound[k]  # lists the engine dropped
         self._bound[key] = (refs, dataclasses.replace(full, arrays=(), views=()))
         while len(self._bound) > self.max_bound:
             self._bound.popitem(last=False)

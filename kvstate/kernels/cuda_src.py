@@ -31,7 +31,7 @@ __all__ = ["KERNEL_SOURCE", "KERNEL_NAMES", "SPAN_PIECE", "INLINE_IDS"]
 KERNEL_NAMES = ("kv_chunks", "kv_chunks_i", "kv_span", "kv_span_i")
 
 #: bytes of a span one ``kv_span`` CTA moves through shared memory (plus 16 for alignment)
-SPAN_PIECE = 16384
+SPAN_PIECE = 1024
 
 #: most block ids an ``_i`` kernel takes in its parameters (keeps them under 4 KiB)
 INLINE_IDS = 480

@@ -88,7 +88,8 @@ class Mover:
     def zero_copy(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
                   inline: bool) -> None:
         geometry = _geometry(plan)
-        aligned = geometry[1] % 16 == 0 and all(p % 16 == 0 for p in host_ptrs)
+        aligned = geometry[1] % 16 == 0 and (host_ptrs[0] % 16 == 0 if len(host_ptrs) == 1
+                                              else all(p % 16 == 0 for p in host_ptrs))
         vectors = aligned and layers.aligned and plan.chunk_bytes % 16 == 0
         d2h = plan.direction == "d2h"
         if inline and len(host_ptrs) == 1:  # one launch, ids inline

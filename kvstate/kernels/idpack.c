@@ -1,16 +1,29 @@
-/* Block ids from a Python list or tuple into int64 bytes, at C speed.
+/* The transfer ops' host path at C speed: block ids packed and checked, identity keys.
  *
  * pack(seq) -> bytes of len(seq) native int64 values. Each item must be an int or an object
  * with __index__ (numpy integers), never a bool: a bool raises TypeError, as do floats,
- * strings and None; an int beyond int64 raises OverflowError. The pure-Python path in
- * kvstate.kernels.plan does the same when this module was not built.
+ * strings and None; an int beyond int64 raises OverflowError.
+ *
+ * valid(ids, limit, unique) -> True when every id of the C-contiguous int64 buffer `ids` lies
+ * in 0..limit-1 and, if `unique`, no id repeats; False otherwise (the caller then finds and
+ * names the offending id); None when `ids` is not such a buffer. Uniqueness uses an open
+ * addressing table of about 2n slots: O(n) in the ids, never in `limit`.
+ *
+ * pack_valid(seq, limit, unique) -> pack(seq) when its ids pass valid(), else None.
+ *
+ * identity(seq) -> bytes of the items' addresses (their id()s): a key naming exactly these
+ * objects, built without allocating an int per item.
+ *
+ * kvstate.kernels.plan and kvstate.kernels.cuda do the same in Python where this module was
+ * not built.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-static PyObject *pack(PyObject *self, PyObject *seq) {
+static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *seq) {
     PyObject *fast = PySequence_Fast(seq, "block ids must be a list or tuple");
     if (fast == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -43,8 +56,96 @@ fail:
     return NULL;
 }
 
+/* Whether n ids (all already in range, so non-negative) are distinct. */
+static int distinct(const int64_t *ids, Py_ssize_t n) {
+    enum { STACK_SLOTS = 2048 };
+    uint64_t stack[STACK_SLOTS];
+    size_t slots = 4;
+    unsigned bits = 2;
+    while (slots < (size_t)n * 2) { slots <<= 1; bits++; }
+    uint64_t *table = slots <= STACK_SLOTS ? stack : malloc(slots * sizeof(uint64_t));
+    if (table == NULL) return -1;
+    memset(table, 0, slots * sizeof(uint64_t));
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        uint64_t key = (uint64_t)ids[i] + 1;  /* 0 marks an empty slot */
+        size_t h = (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+        while (table[h] != 0) {
+            if (table[h] == key) { ok = 0; break; }
+            h = (h + 1) & (slots - 1);
+        }
+        table[h] = key;
+    }
+    if (table != stack) free(table);
+    return ok;
+}
+
+/* 1 when all n ids lie in 0..limit-1 (and are distinct, if unique), 0 if not, -1 on no memory. */
+static int fits(const int64_t *ids, Py_ssize_t n, long long limit, int unique) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((uint64_t)ids[i] >= (uint64_t)limit) return 0;  /* negatives wrap high */
+    }
+    return unique && n > 1 ? distinct(ids, n) : 1;
+}
+
+static PyObject *pack_valid(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    long long limit;
+    int unique;
+    if (!PyArg_ParseTuple(args, "OLp", &seq, &limit, &unique)) return NULL;
+    PyObject *out = pack(self, seq);
+    if (out == NULL) return NULL;
+    int ok = fits((const int64_t *)PyBytes_AS_STRING(out), PyBytes_GET_SIZE(out) / 8, limit, unique);
+    if (ok == 1) return out;
+    Py_DECREF(out);
+    if (ok < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* Whether a buffer format names native int64 ("l" or "q", optionally "@", "=", or "<" where
+ * this machine is little-endian). */
+static int int64_format(const char *f) {
+    if (f == NULL) return 0;
+    if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && PY_LITTLE_ENDIAN)) f++;
+    return (f[0] == 'l' || f[0] == 'q') && f[1] == '\0';
+}
+
+static PyObject *valid(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *obj;
+    long long limit;
+    int unique;
+    if (!PyArg_ParseTuple(args, "OLp", &obj, &limit, &unique)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (view.itemsize != 8 || !int64_format(view.format)) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    int ok = fits((const int64_t *)view.buf, view.len / 8, limit, unique);
+    PyBuffer_Release(&view);
+    if (ok < 0) return PyErr_NoMemory();
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *identity(PyObject *Py_UNUSED(self), PyObject *seq) {
+    PyObject *fast = PySequence_Fast(seq, "identity() needs a list or tuple");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(void *));
+    if (out != NULL) memcpy(PyBytes_AS_STRING(out), items, n * sizeof(void *));
+    Py_DECREF(fast);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"pack", pack, METH_O, "pack(seq) -> bytes: block ids as native int64, refusing non-integers and bools."},
+    {"valid", valid, METH_VARARGS, "valid(ids, limit, unique) -> bool or None: ids in range (and distinct)."},
+    {"pack_valid", pack_valid, METH_VARARGS, "pack_valid(seq, limit, unique) -> bytes or None: pack, then valid."},
+    {"identity", identity, METH_O, "identity(seq) -> bytes: the items' addresses, a key for exactly these objects."},
     {NULL, NULL, 0, NULL},
 };
 

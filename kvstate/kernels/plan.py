@@ -1,6 +1,7 @@
 """The transfer ops' shared semantics: validation, layout math and coalesced copy runs.
 
-Every implementation (numpy here, CUDA in a later module) validates through
+Every implementation (numpy in :mod:`~kvstate.kernels.reference`, CUDA in
+:mod:`~kvstate.kernels.cuda`) validates through
 :func:`plan_layout`, :func:`plan_per_layer` or :func:`plan_all_layers` *before* a byte
 moves, so bad arguments fail with the same :class:`~kvstate.errors.ValidationError`
 everywhere. The resulting :class:`TransferPlan` is also what a cost model reads: bytes
@@ -28,22 +29,25 @@ from ..dtypes import dtype_name
 from ..errors import BlockError, ValidationError
 
 __all__ = ["DIRECTIONS", "TransferPlan", "LayerSet", "coalesce_runs", "check_ids", "as_ids", "id_packer",
-           "plan_layout", "plan_per_layer", "plan_all_layers"]
+           "id_checker", "identity_key", "plan_layout", "plan_per_layer", "plan_all_layers"]
 
 DIRECTIONS = ("d2h", "h2d")
 
 
-@dataclass(frozen=True)
 class TransferPlan:
-    """A validated transfer: what moves, in which runs, how many bytes."""
+    """A validated transfer: what moves, in which runs, how many bytes. Treated as immutable
+    (a plain class: a frozen dataclass costs a microsecond more per call on the hot path)."""
 
-    op: str
-    direction: str
-    layers: int
-    chunk_bytes: int  #: bytes of one (layer, block) chunk
-    gpu_ids: np.ndarray
-    host_ids: np.ndarray
-    host_block_contiguous: bool  #: one host block holds all layers back to back (layout op)
+    def __init__(self, op: str, direction: str, layers: int, chunk_bytes: int, gpu_ids: np.ndarray,
+                 host_ids: np.ndarray, host_block_contiguous: bool) -> None:
+        self.op, self.direction, self.layers, self.chunk_bytes = op, direction, layers, chunk_bytes
+        self.gpu_ids, self.host_ids = gpu_ids, host_ids
+        self.host_block_contiguous = host_block_contiguous  #: one host block holds all layers back to back
+        self.blocks = gpu_ids.size  #: blocks moved
+
+    def __repr__(self) -> str:
+        return (f"TransferPlan({self.op}, {self.direction}, {self.blocks} blocks x {self.layers} layers "
+                f"x {self.chunk_bytes} B)")
 
     @cached_property
     def runs(self) -> tuple[tuple[int, int, int], ...]:
@@ -65,10 +69,6 @@ class TransferPlan:
     def num_host_runs(self) -> int:
         """``len(host_runs)``, counted without building the runs."""
         return 0 if self.host_ids.size == 0 else 1 + int(_breaks(self.host_ids).size)
-
-    @property
-    def blocks(self) -> int:
-        return int(self.gpu_ids.size)
 
     @property
     def chunks(self) -> int:
@@ -103,13 +103,27 @@ def coalesce_runs(gpu_ids: np.ndarray, host_ids: np.ndarray) -> tuple[tuple[int,
                  for s, e in _run_bounds(_breaks(gpu_ids, host_ids), int(gpu_ids.size)))
 
 
-#: The compiled packer of block id lists (``kvstate.kernels.idpack``, built by setup.py where a
-#: C compiler is found), or None: lists are then packed in Python, with the same results.
+#: The compiled packer of block id lists and checker of int64 ids (``kvstate.kernels.idpack``,
+#: built by setup.py where a C compiler is found), or None: numpy then does the same, slower.
 id_packer: Callable[[Sequence[Any]], bytes] | None
+id_checker: Callable[[np.ndarray, int, bool], bool | None] | None
+_identity: Callable[[Sequence[Any]], bytes] | None
+_pack_valid: Callable[[Sequence[Any], int, bool], bytes | None] | None
 try:
+    from .idpack import identity as _identity
     from .idpack import pack as id_packer
+    from .idpack import pack_valid as _pack_valid
+    from .idpack import valid as id_checker
 except ImportError:  # pragma: no cover - where no C compiler was found at install
-    id_packer = None
+    id_packer = id_checker = _identity = _pack_valid = None
+
+
+def identity_key(objects: list | tuple) -> Any:
+    """A hashable key naming exactly these objects (by identity, in order), holding no
+    reference to them: valid while they all live."""
+    if _identity is not None:
+        return _identity(objects)
+    return tuple(map(id, objects))
 
 _EMPTY = np.empty(0, np.int64)
 _DL_HOST = (1, 3)  # kDLCPU, kDLCUDAHost
@@ -197,7 +211,16 @@ def as_ids(ids: Any, name: str = "block ids") -> np.ndarray:
 def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
     """Validated block ids: integers in ``0..limit-1``, distinct when ``unique``. The cost is
     O(n log n) in the ids, never in ``limit`` (a pool may hold millions of blocks)."""
+    if (ids.__class__ is list or ids.__class__ is tuple) and id_packer is not None and _pack_valid is not None:
+        try:  # the engine's usual call: a list, packed and checked in one pass
+            packed = _pack_valid(ids, limit, unique)
+        except (TypeError, OverflowError):
+            raise _not_ints(ids, name) from None
+        if packed is not None:
+            return np.frombuffer(packed, np.int64)
     arr = as_ids(ids, name)
+    if id_checker is not None and id_checker(arr, limit, unique):
+        return arr  # all good; otherwise numpy finds (and names) the offending id
     if arr.size:
         # one reduction catches both ends: a negative id viewed as uint64 is huge
         if int(_MAX(arr.view(np.uint64))) >= limit:
@@ -302,8 +325,16 @@ def _finish(op: str, direction: str, layers: int, chunk: tuple[int, ...], dtype:
     h = check_ids(host_ids, num_host, "host_block_ids", unique=direction == "d2h")
     if g.size != h.size:
         raise ValidationError(f"gpu_block_ids has {g.size} ids, host_block_ids has {h.size}: lengths must match")
-    chunk_bytes = math.prod(chunk) * _itemsize(dtype)
+    key = (chunk, dtype)
+    chunk_bytes = _chunk_bytes.get(key)
+    if chunk_bytes is None:
+        if len(_chunk_bytes) >= 256:
+            _chunk_bytes.clear()
+        chunk_bytes = _chunk_bytes[key] = math.prod(chunk) * _itemsize(dtype)
     return TransferPlan(op, direction, layers, chunk_bytes, g, h, host_contig)
+
+
+_chunk_bytes: dict[tuple[tuple[int, ...], Any], int] = {}  # (chunk shape, dtype) -> bytes: a cache
 
 
 def plan_layout(caches: Sequence[Any], host: Any, gpu_block_ids: Any, host_block_ids: Any,
