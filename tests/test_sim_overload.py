@@ -115,3 +115,27 @@ def test_the_lazy_decode_batch_keeps_exact_books(data):
         DecodeInstance._run_events = real
     assert not errors, errors[:5]
     assert_every_request_ended_clean(cl, r)
+
+
+def test_resumed_requests_have_room_to_grow():
+    """Three prompts that each fill a third of D's blocks exactly: resumed into just their old
+    blocks, each would be preempted again at its next token, forever (a livelock found by the
+    random search above). A preempted request resumes only with room for its next token."""
+    shape = {
+        "seed": 3165, "time_limit_s": 5000.0,
+        "model": {"name": "tiny", "params_b": 1.0, "num_layers": 8, "hidden": 1024, "kv_heads": 4,
+                  "head_dim": 64, "block_size": 64},
+        "cluster": {"n_prefill": 2, "n_decode": 1, "tp": 1, "gpu_blocks": 39, "decode_max_batch": 4,
+                    "prefill_token_budget": 512},
+        "storage": {"capacity_gib": 0.2, "bandwidth_gbps": 1.0},
+        "policy": {"preempt": "recompute", "read_failure": "fail", "write_retries": 1, "transfer_timeout_s": 30.0,
+                   "queue_timeout_s": 0.5, "first_token_timeout_s": 5.0, "decode_headroom_blocks": 0},
+        "tp": {"skew_ms": [50.0]},
+        "workload": {"arrival": "gamma", "cv": 3.0, "rate": 2000.0, "num_requests": 54, "input_mean": 737.0,
+                     "input_max": 831, "output_mean": 17.0, "output_max": 400, "prefix_groups": 3,
+                     "prefix_tokens": 226},
+    }
+    cl, r = run(shape)
+    assert_every_request_ended_clean(cl, r)
+    assert r["reasons"] == {"done": 54}
+    assert r["preemptions"] < 100  # a handful, not a livelock's hundreds of thousands

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .. import commands as C
 from ..decode import DecodeLifecycle
@@ -68,7 +68,7 @@ class DecodeInstance(Instance):
         t = cmd.__class__
         if t is C.StartDecode:
             req = cl.reqs[cmd.request_id]
-            req.cap = len(cmd.block_ids) * cl.block_size
+            req.cap = len(cast(C.StartDecode, cmd).block_ids) * cl.block_size
             if req.generated >= req.out:
                 self.finishing.append(req)  # one-token answers: nothing left to decode
             else:
@@ -76,10 +76,11 @@ class DecodeInstance(Instance):
             self.wake_up()
         elif t is C.Recompute:
             req = cl.reqs[cmd.request_id]
-            self.recompute.append((req, req.synced - cmd.from_token, cmd.from_token))
+            start = cast(C.Recompute, cmd).from_token
+            self.recompute.append((req, req.synced - start, start))
             self.wake_up()
         elif t is C.RequestEnded:
-            cl.ended(cl.reqs[cmd.request_id], cmd)
+            cl.ended(cl.reqs[cmd.request_id], cast(C.RequestEnded, cmd))
         elif t is C.FreeBlocks:
             self.wake_up()  # a write-back answered: a preempted request may resume
 
@@ -271,7 +272,9 @@ class DecodeInstance(Instance):
                 continue
             if state != "preempted":
                 return  # in arrival order: its write-back is still running
-            need = self.cluster.cache_spec.blocks_for(req.synced)
+            # its cache and its next token, as at reservation: resuming into exactly its old
+            # blocks would leave it no room to grow, and it would be preempted again at once
+            need = self.cluster.cache_spec.blocks_for(req.synced + 1)
             if self.running:  # room for the running requests to grow, as at reservation
                 need += lc.policy.decode_headroom_blocks
             if lc.pool.num_free < need:
