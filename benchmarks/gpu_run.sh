@@ -12,7 +12,7 @@ python3 -c 'import subprocess, sysconfig as s; c = ["gcc", "-O2", "-shared", "-f
   "kvstate/kernels/idpack.c", "-o", "kvstate/kernels/idpack" + s.get_config_var("EXT_SUFFIX")]; print(*c, "->", subprocess.run(c).returncode)' 2>&1 | tee "$OUT/idpack.log"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
 date -u | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu tests/test_kernels_cuda.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -m gpu tests/ ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
 python3 benchmarks/kernels.py ${BENCH_ARGS:-} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 if [ -f .dev/swap_small.py ] && [ -z "${NO_ANCHOR:-}" ]; then
   (cd "$OUT" && OUT=. python3 "$OLDPWD/.dev/swap_small.py") 2>&1 | tee "$OUT/anchor.log"

@@ -222,6 +222,42 @@ def _pipelined_round(cp, sw, caches, host, ring, direction) -> float:
     return cp.cuda.get_elapsed_time(start, end) / 1e3 / len(ring)
 
 
+def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int) -> tuple[float, ...]:
+    """Median seconds of the handoff and of each stage alone (over whole-request pinned
+    buffers), interleaved rep by rep so that drift on a shared machine hits all four alike."""
+    nblocks = len(src)
+    with CudaSwapper() as sw:
+        bufs = {k: sw.pinned((nblocks, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
+        hids = np.arange(nblocks)
+        names = [f"stage:{k}:{i}" for i in range(nblocks) for k in spec.kinds]
+        views = [memoryview(bufs[k][i]).cast("B") for i in range(nblocks) for k in spec.kinds]
+
+        def d2h() -> None:
+            for k in spec.kinds:
+                sw.swap_cache_layout(p.caches(0, k), bufs[k], src, hids, "d2h")
+
+        def h2d() -> None:
+            for k in spec.kinds:
+                sw.swap_cache_layout(d.caches(0, k), bufs[k], dst, hids, "h2d")
+
+        def copy() -> None:
+            store.batch_put_from(names, views)
+            store.batch_get_into(names, views)
+
+        stages = {"handoff": run, "d2h": d2h, "store": copy, "h2d": h2d}
+        times: dict[str, list[float]] = {k: [] for k in stages}
+        for fn in stages.values():  # warm-up
+            fn()
+        for _ in range(reps):
+            for name, fn in stages.items():
+                cp.cuda.runtime.deviceSynchronize()
+                t = time.perf_counter()
+                fn()
+                cp.cuda.runtime.deviceSynchronize()
+                times[name].append(time.perf_counter() - t)
+    return tuple(float(np.median(times[k])) for k in stages)
+
+
 def handoff(cp, reps: int) -> dict:
     from kvstate import CacheSpec
     from kvstate.backends import MemoryStore
@@ -244,37 +280,7 @@ def handoff(cp, reps: int) -> dict:
             assert p.write(0, keys, src) == nblocks
             assert d.read(0, keys, dst) == nblocks
 
-        # the handoff and each stage alone (over whole-request pinned buffers), interleaved rep
-        # by rep so that drift on a shared machine hits all four alike; medians
-        with CudaSwapper() as sw:
-            bufs = {k: sw.pinned((nblocks, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
-            hids = np.arange(nblocks)
-            names = [f"stage:{k}:{i}" for i in range(nblocks) for k in spec.kinds]
-            views = [memoryview(bufs[k][i]).cast("B") for i in range(nblocks) for k in spec.kinds]
-
-            def d2h() -> None:
-                for k in spec.kinds:
-                    sw.swap_cache_layout(p.caches(0, k), bufs[k], src, hids, "d2h")
-
-            def h2d() -> None:
-                for k in spec.kinds:
-                    sw.swap_cache_layout(d.caches(0, k), bufs[k], dst, hids, "h2d")
-
-            def copy() -> None:
-                store.batch_put_from(names, views)
-                store.batch_get_into(names, views)
-
-            times: dict[str, list[float]] = {"handoff": [], "d2h": [], "store": [], "h2d": []}
-            for fn in (run, d2h, copy, h2d):  # warm-up
-                fn()
-            for _ in range(reps):
-                for name, fn in (("handoff", run), ("d2h", d2h), ("store", copy), ("h2d", h2d)):
-                    cp.cuda.runtime.deviceSynchronize()
-                    t = time.perf_counter()
-                    fn()
-                    cp.cuda.runtime.deviceSynchronize()
-                    times[name].append(time.perf_counter() - t)
-            t_handoff, t_d2h, t_store, t_h2d = (float(np.median(times[k])) for k in ("handoff", "d2h", "store", "h2d"))
+        t_handoff, t_d2h, t_store, t_h2d = _stage_times(cp, spec, p, d, store, run, src, dst, reps)
         ok = all(bool((pv[cp.asarray(src)] == dv[cp.asarray(dst)]).all())
                  for kind in spec.kinds
                  for pv, dv in zip(p.caches(0, kind).views, d.caches(0, kind).views))

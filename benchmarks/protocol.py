@@ -21,7 +21,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
-from protocol_machine import FAULT_CLASSES, INVARIANTS, STATS, Protocol, profile_settings  # noqa: E402
+from protocol_machine import Protocol  # noqa: E402
+from protocol_support import FAULT_CLASSES, INVARIANTS, STATS, profile_settings  # noqa: E402
 
 from kvstate.sim import search_deadlocks  # noqa: E402
 

@@ -31,9 +31,13 @@ class Command:
 
 @dataclass(slots=True)
 class TransferCommand(Command):
+    """Moves ``block_ids[i]`` under ``keys[i]`` (see :class:`ReadBlocks`, :class:`WriteBlocks`)."""
+
     command_id: int
     ranks: tuple[int, ...]
     deadline: float
+    keys: tuple[str, ...]
+    block_ids: tuple[int, ...]
     fence: float = field(default=math.inf, kw_only=True)
 
 
@@ -43,9 +47,6 @@ class ReadBlocks(TransferCommand):
 
     A key the store lacks ends the count, so a read is also how P looks for a stored prefix."""
 
-    keys: tuple[str, ...]
-    block_ids: tuple[int, ...]
-
 
 @dataclass(slots=True)
 class WriteBlocks(TransferCommand):
@@ -54,9 +55,6 @@ class WriteBlocks(TransferCommand):
     Keys are content hashes, so a key already stored holds these very bytes: a rank first
     asks the store how many leading keys it holds and gathers and writes only the rest
     (a full hit moves nothing)."""
-
-    keys: tuple[str, ...]
-    block_ids: tuple[int, ...]
 
 
 @dataclass(slots=True)

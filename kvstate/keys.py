@@ -61,7 +61,7 @@ class KeyCache:
         self._last: tuple[bytes, int, str, list[str]] | None = None  # token bytes, block size, namespace, keys
 
 
-def keys_of_packed(packed: array, block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
+def keys_of_packed(packed: array[int], block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
                    namespace: str, cache: KeyCache | None = None) -> list[str]:
     """:func:`block_keys` over already validated, packed token ids (``cache``: see :class:`KeyCache`;
     it serves prompts without extra keys)."""

@@ -249,6 +249,7 @@ class Lifecycle:
         ended = self._requests.ended(request_id)
         if ended is None:
             self._requests.get(request_id)  # raises: not a str, or never admitted here
+            raise AssertionError("unreachable: get() raised")
         self.counters["late_events"] += 1
         self._out.append(C.LateEvent(request_id, event, ended))
         return None

@@ -127,7 +127,8 @@ class StockMachine:
 
 
 def _bind(func: Any, owner: object) -> Callable[..., Any]:
-    return getattr(owner, func) if isinstance(func, str) else func
+    bound: Callable[..., Any] = getattr(owner, func) if isinstance(func, str) else func
+    return bound
 
 
 def mermaid(defn: MachineDef) -> str:
@@ -135,7 +136,7 @@ def mermaid(defn: MachineDef) -> str:
     from transitions.extensions import GraphMachine
 
     class _Model:
-        pass
+        get_graph: Callable[[], Any]  # added by GraphMachine.add_model
 
     rows = [dict(t) for t in defn.transitions]
     m = GraphMachine(model=None, states=list(defn.states), transitions=rows, initial=defn.initial,

@@ -27,7 +27,7 @@ class Request:
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base", "retries",
                  "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight")
 
-    def __init__(self, request_id: str, state: str, tokens: array, keys: list[str],
+    def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
         self.id = request_id
         self.state = state

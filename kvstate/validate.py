@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import KVStateError, ValidationError
 
@@ -21,7 +21,7 @@ if array(TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - no mainstream plat
     raise ImportError("kvstate needs a 4-byte array('I')")
 
 
-def is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
     """An int or a numpy integer scalar; never a bool."""
     if isinstance(x, int):
         return not isinstance(x, bool)
@@ -45,7 +45,7 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
-def pack_tokens(token_ids: Sequence[int]) -> array:
+def pack_tokens(token_ids: Sequence[int]) -> array[int]:
     """Token ids as a uint32 array; raises :class:`ValidationError` for anything but ints in 0..2**32-1."""
     if isinstance(token_ids, (str, bytes)):
         raise ValidationError("token ids must be a sequence of ints, not a string")
@@ -60,7 +60,7 @@ def pack_tokens(token_ids: Sequence[int]) -> array:
         raise ValidationError(f"token ids must be ints in 0..2**32-1 ({e})") from None
 
 
-def check_tokens(request_id: str, token_ids: Any) -> array:
+def check_tokens(request_id: str, token_ids: Any) -> array[int]:
     """Validated token ids as our own uint32 array: the caller's list is never mutated."""
     if token_ids.__class__ is list and token_ids:  # the hot case: the packing is the check
         packed = array(TOKEN_TYPECODE)

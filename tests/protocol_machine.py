@@ -3,92 +3,26 @@ faults, preemptions, aborts and clock ticks, and checks the invariants after eve
 
 Shared by ``tests/test_protocol.py`` (the CI profile, with fault quotas) and
 ``benchmarks/protocol.py`` (the report; ``KVSTATE_PROTOCOL_PROFILE=deep`` for the deep run).
-Every run adds to :data:`STATS`: examples, steps, injected faults per class, invariant checks.
+Every run adds to :data:`~protocol_support.STATS`: examples, steps, injected faults per class,
+invariant checks (the pool's in :mod:`protocol_invariants`, the drained state at teardown).
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
-from pathlib import Path
 
 from conftest import Rig
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.database import DirectoryBasedExampleDatabase
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from protocol_invariants import DrainedAtTeardown, PoolInvariants
+from protocol_support import BS, STATS, StoreSwitch, snapshot
 
-from kvstate import DECODE, PREFILL, InvalidTransitionError, KVStateError, OutOfBlocksError, Policy, UnknownRequestError
+from kvstate import InvalidTransitionError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
-from kvstate.backends.stores import Store
-from kvstate.errors import StoreError
 from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks, mismatched_blocks
 
-BS = 4
 
-#: the fault classes of the issue; each must be injected >= 100 times per CI run
-FAULT_CLASSES = (
-    "write_fail", "write_partial", "evict_between_write_and_read", "read_fail", "read_partial",
-    "rank_never_answers", "rank_answers_late", "store_unavailable", "cancel", "cancel_mid_transfer",
-    "preempt", "duplicate_first_token", "late_first_token", "recycled_event", "tick",
-    "answer_after_fence",
-)
-INVARIANTS = (
-    "block_owned_by_one_request", "refcount_equals_owners_plus_pins", "free_list_holds_exactly_the_unheld_blocks",
-    "pool_counts_match_its_blocks", "every_transfer_has_a_timer_due_by_its_fence", "live_request_in_legal_state",
-    "transfer_blocks_held_by_their_request_or_pinned",
-    "runnable_only_after_full_read_on_every_rank_with_p_bytes", "drained_all_terminal_and_empty",
-)
-STATS: Counter[str] = Counter()
-CORPUS = Path(__file__).with_name("protocol_corpus")
-
-PROFILES = {  # examples, steps per example
-    "ci": (800, 60),
-    "deep": (2500, 60),
-    "quick": (60, 40),
-}
-
-
-def profile_settings(profile: str | None = None) -> settings:
-    name = profile or os.environ.get("KVSTATE_PROTOCOL_PROFILE", "ci")
-    if name not in PROFILES:
-        raise ValueError(f"KVSTATE_PROTOCOL_PROFILE must be one of {sorted(PROFILES)}, got {name!r}")
-    examples, steps = PROFILES[name]
-    # failures hypothesis finds are saved in tests/protocol_corpus/ (committed) and replayed first
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                    database=DirectoryBasedExampleDatabase(str(CORPUS)),
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-
-
-class StoreSwitch(Store):
-    """Wraps the shared store: while ``down`` every operation raises (store unavailable)."""
-
-    def __init__(self, store) -> None:
-        self._store = store
-        self.down = False
-
-    def _up(self):
-        if self.down:
-            raise StoreError("store unavailable (injected)")
-        return self._store
-
-    def batch_put_from(self, keys, buffers):
-        return self._up().batch_put_from(keys, buffers)
-
-    def batch_get_into(self, keys, buffers):
-        return self._up().batch_get_into(keys, buffers)
-
-    def batch_is_exist(self, keys):
-        return self._up().batch_is_exist(keys)
-
-    def __getattr__(self, name):  # evict, keys, ...: the wrapped store's own
-        return getattr(self._store, name)
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-
-class Protocol(RuleBasedStateMachine):
+class Protocol(PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
     CHECK_DRAINED = True  #: teardown checks the drained state (tests of single invariants turn it off)
 
     @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
@@ -452,141 +386,5 @@ class Protocol(RuleBasedStateMachine):
             assert call() is False
         assert snapshot(self.rig.D)[:4] == before[:4]
 
-    # -- invariants: each is counted only when it checked something, and names itself ----------
-    def _sides(self):
-        return (self.rig.P, self.rig.D) if hasattr(self, "rig") else ()
 
-    @invariant()
-    def block_owned_by_one_request(self):
-        STATS["steps"] += hasattr(self, "rig")
-        for lc in self._sides():
-            owners = Counter(b for blocks in lc.owned_blocks().values() for b in blocks)
-            if owners:
-                STATS["invariant:block_owned_by_one_request"] += 1
-                twice = [b for b, c in owners.items() if c > 1]
-                assert not twice, f"block_owned_by_one_request: blocks {twice} owned twice"
-
-    @invariant()
-    def refcount_equals_owners_plus_pins(self):
-        for lc in self._sides():
-            refs = lc.pool.refcounts()
-            if any(refs):
-                STATS["invariant:refcount_equals_owners_plus_pins"] += 1
-                owners = Counter(b for blocks in lc.owned_blocks().values() for b in blocks)
-                pins = lc.pinned_blocks()
-                bad = [b for b, r in enumerate(refs) if r != owners.get(b, 0) + pins.get(b, 0)]
-                assert not bad, f"refcount_equals_owners_plus_pins: block {bad[0]} has {refs[bad[0]]}"
-
-    @invariant()
-    def free_list_holds_exactly_the_unheld_blocks(self):
-        for lc in self._sides():
-            refs, free = lc.pool.refcounts(), lc.pool.free_ids()
-            if any(refs) and free:  # both kinds present: a mix-up between them would show
-                STATS["invariant:free_list_holds_exactly_the_unheld_blocks"] += 1
-                assert sorted(free) == [b for b, r in enumerate(refs) if r == 0], \
-                    "free_list_holds_exactly_the_unheld_blocks: the free list and the refcounts disagree"
-
-    @invariant()
-    def pool_counts_match_its_blocks(self):
-        for lc in self._sides():
-            refs, st_ = lc.pool.refcounts(), lc.pool.stats()
-            if any(refs):
-                STATS["invariant:pool_counts_match_its_blocks"] += 1
-                held = sum(1 for r in refs if r)
-                assert (st_.used, st_.free) == (held, len(refs) - held) and st_.peak_used >= held, \
-                    f"pool_counts_match_its_blocks: stats {st_} against {held} blocks held"
-
-    @invariant()
-    def every_transfer_has_a_timer_due_by_its_fence(self):
-        for lc in self._sides():
-            cmds = lc.pending_commands()
-            if cmds:  # a transfer no timer covers could hold its blocks forever
-                STATS["invariant:every_transfer_has_a_timer_due_by_its_fence"] += 1
-                due = lc.next_deadline()
-                assert due is not None and due <= min(c.fence for c in cmds), \
-                    f"every_transfer_has_a_timer_due_by_its_fence: next tick {due}, fences {[c.fence for c in cmds]}"
-
-    @invariant()
-    def live_request_in_legal_state(self):
-        for lc in self._sides():
-            live = lc.live_requests()
-            if live:
-                STATS["invariant:live_request_in_legal_state"] += 1
-                bad = [(r, lc.state_of(r)) for r in live if lc.state_of(r) not in lc.DEFINITION.live]
-                assert not bad, f"live_request_in_legal_state: {bad}"
-
-    @invariant()
-    def transfer_blocks_held_by_their_request_or_pinned(self):
-        """A transfer's blocks stay held: by its request, which has not let go of the block list
-        the transfer was cut from, or by the transfer's own pin."""
-        for lc in self._sides():
-            views = lc.transfers()
-            if views:
-                STATS["invariant:transfer_blocks_held_by_their_request_or_pinned"] += 1
-                refs = lc.pool.refcounts()
-                for cmd, blocks, pinned, held in views:
-                    assert (pinned or held) and all(refs[b] >= 1 for b in blocks), \
-                        f"transfer_blocks_held_by_their_request_or_pinned: command {cmd.command_id}"
-
-    def _run_recompute(self, n) -> bool:
-        """The engine's recompute, if the request still wants it (as the command said)."""
-        rig, rid = self.rig, n.request_id
-        wanted = rid in rig.D.live_requests() and rig.D.state_of(rid) == "recomputing"
-        if wanted and rig.D.blocks_of(rid) == n.block_ids:
-            self._fill(rig.db, self.tokens[rid][:-1], n.block_ids, n.from_token // BS)
-            rig.D.recompute_done(rid)
-            return True
-        return False
-
-    def _drain_round(self) -> bool:
-        """Answer everything, run the engine's work, end what it owns, tick past the deadlines;
-        True once nothing is left."""
-        rig = self.rig
-        for drv in (rig.pd, rig.dd):
-            drv.pump()
-            for key in list(drv.pending):
-                drv.complete(*key)
-        self._process_notices()
-        while self.prefills:
-            self._run_prefill(self.prefills.pop())
-        while self.recomputes:
-            self._run_recompute(self.recomputes.pop())
-        self._process_notices()
-        for rid in rig.D.live_requests():
-            state = rig.D.state_of(rid)
-            if state == "running":
-                rig.D.finish(rid)
-            elif state in ("preempted", "recomputing", "reserved"):
-                rig.D.abort(rid)
-        for rid in rig.P.live_requests():
-            if rig.P.state_of(rid) in ("prefilling", "waiting"):
-                rig.P.abort(rid)
-        rig.clock.advance(20.0)
-        rig.P.tick()
-        rig.D.tick()
-        self._process_notices()
-        return not (rig.P.live_requests() or rig.D.live_requests() or rig.pd.pending or rig.dd.pending)
-
-    def teardown(self):
-        if not hasattr(self, "rig"):
-            return
-        for _ in range(200):
-            if self._drain_round():
-                break
-        for lc in (self.rig.P, self.rig.D) if self.CHECK_DRAINED else ():
-            left = (lc.live_requests(), lc.pool.num_used, lc.pending_commands())
-            assert left == ([], 0, []), f"drained_all_terminal_and_empty: {lc.DEFINITION.name} left {left}"
-        STATS["invariant:drained_all_terminal_and_empty"] += 1
-        STATS.update({f"fault:{k}": v for k, v in self.faults.items()})
-
-
-def snapshot(lc) -> tuple:
-    """Everything observable of a lifecycle: requests, states, blocks, pins, pool, queued commands."""
-    return (tuple(sorted((rid, lc.state_of(rid), lc.blocks_of(rid)) for rid in lc.live_requests())),
-            tuple(sorted(lc.pinned_blocks().items())), lc.pool.stats(),
-            tuple(c.command_id for c in lc.pending_commands()), lc.queued_commands(),
-            tuple(sorted(lc.counters.items())))
-
-
-__all__ = ["Protocol", "STATS", "FAULT_CLASSES", "INVARIANTS", "profile_settings", "snapshot",
-           "KVStateError", "PREFILL", "DECODE"]
+__all__ = ["Protocol"]

@@ -7,7 +7,7 @@ import tempfile
 from conftest import Rig
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from protocol_machine import snapshot
+from protocol_support import snapshot
 
 from kvstate import KVStateError
 from kvstate.backends import MemoryStore

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from hypothesis.stateful import run_state_machine_as_test
-from protocol_machine import FAULT_CLASSES, INVARIANTS, STATS, Protocol, profile_settings
+from protocol_machine import Protocol
+from protocol_support import FAULT_CLASSES, INVARIANTS, STATS, profile_settings
 
 from kvstate import DECODE, PREFILL
 

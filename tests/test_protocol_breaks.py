@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
-from protocol_machine import INVARIANTS, Protocol
+from protocol_machine import Protocol
+from protocol_support import INVARIANTS
 
 from kvstate import pool as pool_mod
 from kvstate.decode import DecodeLifecycle

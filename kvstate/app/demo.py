@@ -91,7 +91,8 @@ class _Demo:
         nb = cfg.blocks_per_instance
         self.P = PrefillLifecycle(self.spec, nb, policy, clock=clock)
         self.D = DecodeLifecycle(self.spec, nb, policy, clock=clock)
-        self.pb = self.db = None
+        self.pb: Any = None  # set just below; None only while a failed start closes
+        self.db: Any = None
         try:
             self.pb = self._backend(nb)
             self.db = self._backend(nb)
@@ -120,7 +121,8 @@ class _Demo:
 
     # -- workload -------------------------------------------------------------------------
     def make_plans(self) -> list[_Plan]:
-        rng, bs, plans = self.rng, self.cfg.block_size, []
+        rng, bs = self.rng, self.cfg.block_size
+        plans: list[_Plan] = []
         for i in range(self.cfg.requests):
             n = rng.randint(bs + 1, 12 * bs)
             if rng.random() < 0.25:
@@ -158,7 +160,7 @@ class _Demo:
         elif isinstance(cmd, C.SendFirstToken):
             if plan.rid in self.D.live_requests():
                 self.D.deliver_first_token(plan.rid, cmd.token, cmd.error_code)
-                if cmd.error_code == 200:
+                if cmd.error_code == 200 and cmd.token is not None:
                     plan.tokens = plan.prompt + [cmd.token]
                 if plan.abort_at == "reading":
                     self.D.abort(plan.rid)  # mid-transfer: the read still pins its blocks

@@ -58,7 +58,7 @@ def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[i
 
 def as_bytes_view(a: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (what the stores read and write)."""
-    return memoryview(a).cast("B")
+    return a.data.cast("B")
 
 
 def check_keys(keys: Sequence[str], op: str) -> None:

@@ -97,15 +97,17 @@ class StepDriver:
         if outcome is not None and outcome != "fail" and not (is_int(outcome) and 0 <= outcome <= len(cmd.keys)):
             raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
         del self.pending[key]
-        return self._answer(cmd, rank, outcome)
-
-    def _answer(self, cmd: C.TransferCommand, rank: int, outcome: int | str | None) -> Completion:
         if outcome == "fail":
+            return self._answer(cmd, rank, None, fail=True)
+        return self._answer(cmd, rank, None if outcome is None else int(outcome))
+
+    def _answer(self, cmd: C.TransferCommand, rank: int, limit: int | None, fail: bool = False) -> Completion:
+        if fail:
             c = Completion(cmd.command_id, rank, 0, error="injected failure")
         elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)
-            c = execute(self.backend, cmd, rank, outcome, self.lifecycle.clock)
-        elif outcome is not None:
-            c = Completion(cmd.command_id, rank, outcome)
+            c = execute(self.backend, cmd, rank, limit, self.lifecycle.clock)
+        elif limit is not None:
+            c = Completion(cmd.command_id, rank, limit)
         else:  # without a backend every read and write succeeds in full
             c = Completion(cmd.command_id, rank, len(cmd.keys))
         self.lifecycle.complete(c)

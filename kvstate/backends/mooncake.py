@@ -43,7 +43,7 @@ MAX_MOONCAKE_KEY = 256
 def load_mooncake() -> Any:
     """Import ``mooncake.store`` after loading libcudart from the pip package; clear errors."""
     try:
-        import nvidia.cuda_runtime as cr  # type: ignore[import-not-found]
+        import nvidia.cuda_runtime as cr
         libs = sorted(glob.glob(os.path.join(list(cr.__path__)[0], "lib", "libcudart.so*")))
         if not libs:
             raise ImportError("libcudart.so.12 not found in nvidia-cuda-runtime-cu12")
@@ -51,7 +51,7 @@ def load_mooncake() -> Any:
     except ImportError as e:
         raise StoreError(f"the Mooncake store needs libcudart.so.12 ({e}): {INSTALL_HINT}") from None
     try:
-        from mooncake import store  # type: ignore[import-not-found]
+        from mooncake import store
     except ImportError as e:
         hint = "apt-get install libibverbs1 ibverbs-providers" if "ibverbs" in str(e) else INSTALL_HINT
         raise StoreError(f"cannot import mooncake.store ({e}): {hint}") from None
@@ -252,7 +252,7 @@ class MooncakeStore(Store):
                                                  [v.nbytes for v in group])
                 for v, o, n in zip(group, offs, got):
                     if n > 0:
-                        v[:n] = memoryview(self._staging)[o:o + n]
+                        v[:n] = self._staging.data[o:o + n]
                     out.append(n)
         return out
 

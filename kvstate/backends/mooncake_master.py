@@ -60,7 +60,7 @@ def _master_binary() -> str:
     """The real ``mooncake_master`` binary shipped in the package (the console script of the
     same name is a Python wrapper that spawns it, so its PID is not the server's)."""
     try:
-        import mooncake  # type: ignore[import-not-found]
+        import mooncake
         cand = Path(mooncake.__file__).parent / "mooncake_master"
         if cand.exists():
             return str(cand)

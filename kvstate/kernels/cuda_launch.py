@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class Buffer:
 
     def host_array(self, dtype: Any, count: int | None = None) -> np.ndarray:
         raw = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
-        return np.frombuffer(raw, dtype=dtype, count=-1 if count is None else count)
+        return np.frombuffer(memoryview(raw), dtype=dtype, count=-1 if count is None else count)
 
     def free(self) -> None:
         if self.ptr:
@@ -157,7 +157,7 @@ class _Kernel:
         self.pptr = ctypes.addressof(self.params)
 
     def __call__(self, grid: tuple[int, int, int], threads: int, shared: int, stream_ptr: int,
-                 values: Sequence[int], gids: np.ndarray | None = None, fids: np.ndarray | None = None) -> None:
+                 values: list[Any], gids: np.ndarray | None = None, fids: np.ndarray | None = None) -> None:
         self.vals[:len(values)] = values
         if gids is not None:
             ids, n = self.ids, len(gids)
@@ -195,17 +195,19 @@ class Kernels:
         if n == 0:
             return
         groups, span, lps = geometry
-        inline = isinstance(gids, np.ndarray)
+        inline = isinstance(gids, np.ndarray)  # else device pointers (ints)
+        g, f = cast(np.ndarray, gids), cast("np.ndarray | None", fids)
+        gp, fp = cast(int, gids), cast(int, fids)
         if vectors and groups * lps <= 65535:
             units = chunk // 16
             threads = min(_THREADS, max(32, -(-units // 32) * 32))
             grid = (n, groups * lps, 1)
             if inline:  # every parameter of the kernels is 64-bit: plain ints are passed as such
-                self.chunks_i(grid, threads, 0, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride,
-                                                           span, chunk, lps, int(gather)), gids, fids)
+                self.chunks_i(grid, threads, 0, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride,
+                                                           span, chunk, lps, int(gather)], g, f)
             else:
-                self.chunks(grid, threads, 0, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride,
-                                                         gids, fids, span, chunk, lps, int(gather)))
+                self.chunks(grid, threads, 0, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride,
+                                                         gp, fp, span, chunk, lps, int(gather)])
             return
         # any chunk size: pieces of a span through shared memory
         pieces = -(-span // SPAN_PIECE)
@@ -214,11 +216,11 @@ class Kernels:
                                   "kernels' grid (spans under 1 GiB, at most 65,535 layers)")
         grid, shared = (n, groups, pieces), SPAN_PIECE + 16
         if inline:
-            self.span_i(grid, _THREADS, shared, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride,
-                                                             span, chunk, lps, SPAN_PIECE, int(gather)), gids, fids)
+            self.span_i(grid, _THREADS, shared, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride,
+                                                             span, chunk, lps, SPAN_PIECE, int(gather)], g, f)
         else:
-            self.span(grid, _THREADS, shared, stream.ptr, (layer_ptrs, flat_ptrs, flat_base, group_stride, gids,
-                                                           fids, span, chunk, lps, SPAN_PIECE, int(gather)))
+            self.span(grid, _THREADS, shared, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride, gp,
+                                                           fp, span, chunk, lps, SPAN_PIECE, int(gather)])
 
 
 class ParamRing:

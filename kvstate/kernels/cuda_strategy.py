@@ -12,7 +12,7 @@ docs/benchmarks.md). A :class:`Mover` runs a plan one way, on resources its swap
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -61,6 +61,17 @@ def _geometry(plan: TransferPlan) -> tuple[int, int, int]:
     if plan.host_block_contiguous:
         return 1, plan.layers * plan.chunk_bytes, plan.layers
     return plan.layers, plan.chunk_bytes, 1
+
+
+class _Piece(NamedTuple):
+    """Entries ``[e0, e1)`` of a staged transfer, through the staging slot at ``slot_ptr``
+    (``stride`` bytes per group); ``ids``: the kernel's (gpu ids, flat ids) for them."""
+
+    e0: int
+    e1: int
+    slot_ptr: int
+    stride: int
+    ids: tuple[Any, Any]
 
 
 class Mover:
@@ -142,12 +153,10 @@ class Mover:
     def staged(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
                inline: bool) -> None:
         """Kernel ⇄ device staging, DMA ⇄ host, in pieces over a ring of staging slots."""
-        geometry = _geometry(plan)
-        groups, span, _ = geometry
+        groups, span, _ = _geometry(plan)
         per_piece, slot_bytes = self._pieces(plan, span * groups)
         gptr = 0 if inline else self.params.upload([plan.gpu_ids], stream)[0]
         d2h = plan.direction == "d2h"
-        vectors = layers.aligned and plan.chunk_bytes % 16 == 0
         self.copy.wait_event(self._event(stream))
         slot_free: list[Any] = [None] * _STAGING_SLOTS
         assert self.staging is not None
@@ -155,50 +164,54 @@ class Mover:
             e1 = min(plan.blocks, e0 + per_piece)
             slot = k % _STAGING_SLOTS
             sp = self.staging.ptr + slot * slot_bytes
-            ids = (plan.gpu_ids[e0:e1], None) if inline else (gptr + e0 * 8, 0)
-            kernel = (layers.ptr_array.data.ptr, sp, (e1 - e0) * span, ids, geometry, vectors)
-            piece = (plan.host_runs, e0, e1, sp, (e1 - e0) * span, span, host_ptrs, groups)
+            ids: tuple[Any, Any] = (plan.gpu_ids[e0:e1], None) if inline else (gptr + e0 * 8, 0)
+            piece = _Piece(e0, e1, sp, (e1 - e0) * span, ids)
             if d2h:
-                slot_free[slot] = self._gather_piece(stream, slot_free[slot], kernel, plan, piece)
+                slot_free[slot] = self._gather_piece(stream, slot_free[slot], plan, layers, host_ptrs, piece)
             else:
-                slot_free[slot] = self._scatter_piece(stream, slot_free[slot], kernel, plan, piece)
+                slot_free[slot] = self._scatter_piece(stream, slot_free[slot], plan, layers, host_ptrs, piece)
         if d2h:  # the caller's stream continues after the last DMA
             stream.wait_event(self._event(self.copy))
 
-    def _gather_piece(self, stream: Any, free: Any, kernel: tuple, plan: TransferPlan, piece: tuple) -> Any:
+    def _launch(self, stream: Any, plan: TransferPlan, layers: DeviceLayers, p: _Piece) -> None:
+        """The kernel between the piece's staging slot and the GPU blocks."""
+        vectors = layers.aligned and plan.chunk_bytes % 16 == 0
+        self.kernels.launch(stream, layers.ptr_array.data.ptr, 0, p.slot_ptr, p.stride, p.ids[0], p.ids[1],
+                            p.e1 - p.e0, _geometry(plan), plan.chunk_bytes, plan.direction == "d2h", vectors)
+
+    def _gather_piece(self, stream: Any, free: Any, plan: TransferPlan, layers: DeviceLayers,
+                      host_ptrs: tuple[int, ...], p: _Piece) -> Any:
         """One d2h piece: the kernel gathers into the slot, then the copy stream DMAs it out."""
-        layer_ptrs, sp, stride, (gids, fids), geometry, vectors = kernel
         if free is not None:
             stream.wait_event(free)
-        self.kernels.launch(stream, layer_ptrs, 0, sp, stride, gids, fids, piece[2] - piece[1], geometry,
-                            plan.chunk_bytes, True, vectors)
+        self._launch(stream, plan, layers, p)
         self.copy.wait_event(self._event(stream))
-        self._dma_runs(*piece, D2H)
+        self._dma_runs(plan, host_ptrs, p)
         return self._event(self.copy)
 
-    def _scatter_piece(self, stream: Any, free: Any, kernel: tuple, plan: TransferPlan, piece: tuple) -> Any:
+    def _scatter_piece(self, stream: Any, free: Any, plan: TransferPlan, layers: DeviceLayers,
+                       host_ptrs: tuple[int, ...], p: _Piece) -> Any:
         """One h2d piece: the copy stream DMAs into the slot, then the kernel scatters it."""
-        layer_ptrs, sp, stride, (gids, fids), geometry, vectors = kernel
         if free is not None:
             self.copy.wait_event(free)
-        self._dma_runs(*piece, H2D)
+        self._dma_runs(plan, host_ptrs, p)
         stream.wait_event(self._event(self.copy))
-        self.kernels.launch(stream, layer_ptrs, 0, sp, stride, gids, fids, piece[2] - piece[1], geometry,
-                            plan.chunk_bytes, False, vectors)
+        self._launch(stream, plan, layers, p)
         return self._event(stream)
 
-    def _dma_runs(self, host_runs: tuple[tuple[int, int, int], ...], e0: int, e1: int, sp: int, stride: int,
-                  span: int, host_ptrs: tuple[int, ...], groups: int, kind: int) -> None:
-        """DMA the host runs that fall in entries ``[e0, e1)`` between a staging slot and host."""
+    def _dma_runs(self, plan: TransferPlan, host_ptrs: tuple[int, ...], p: _Piece) -> None:
+        """DMA the host runs that fall in the piece's entries between its staging slot and host."""
         rt, copy = self.cp.cuda.runtime, self.copy
-        for pos, h0, length in host_runs:
-            a, b = max(pos, e0), min(pos + length, e1)
+        groups, span, _ = _geometry(plan)
+        d2h = plan.direction == "d2h"
+        for pos, h0, length in plan.host_runs:
+            a, b = max(pos, p.e0), min(pos + length, p.e1)
             if a >= b:
                 continue
             for g in range(groups):
                 hp = host_ptrs[g] + (h0 + a - pos) * span
-                dp = sp + g * stride + (a - e0) * span
-                if kind == D2H:
+                dp = p.slot_ptr + g * p.stride + (a - p.e0) * span
+                if d2h:
                     rt.memcpyAsync(hp, dp, (b - a) * span, D2H, copy.ptr)
                 else:
                     rt.memcpyAsync(dp, hp, (b - a) * span, H2D, copy.ptr)

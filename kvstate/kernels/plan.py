@@ -105,17 +105,19 @@ def coalesce_runs(gpu_ids: np.ndarray, host_ids: np.ndarray) -> tuple[tuple[int,
 
 #: The compiled packer of block id lists and checker of int64 ids (``kvstate.kernels.idpack``,
 #: built by setup.py where a C compiler is found), or None: numpy then does the same, slower.
-id_packer: Callable[[Sequence[Any]], bytes] | None
-id_checker: Callable[[np.ndarray, int, bool], bool | None] | None
-_identity: Callable[[Sequence[Any]], bytes] | None
-_pack_valid: Callable[[Sequence[Any], int, bool], bytes | None] | None
-try:
-    from .idpack import identity as _identity
-    from .idpack import pack as id_packer
-    from .idpack import pack_valid as _pack_valid
-    from .idpack import valid as id_checker
-except ImportError:  # pragma: no cover - where no C compiler was found at install
-    id_packer = id_checker = _identity = _pack_valid = None
+def _compiled() -> Any:
+    try:
+        from . import idpack
+    except ImportError:  # pragma: no cover - where no C compiler was found at install
+        return None
+    return idpack
+
+
+_c = _compiled()
+id_packer: Callable[[Sequence[Any]], bytes] | None = _c and _c.pack
+id_checker: Callable[[np.ndarray, int, bool], bool | None] | None = _c and _c.valid
+_identity: Callable[[Sequence[Any]], bytes] | None = _c and _c.identity
+_pack_valid: Callable[[Sequence[Any], int, bool], bytes | None] | None = _c and _c.pack_valid
 
 
 def identity_key(objects: list | tuple) -> Any:
@@ -337,7 +339,7 @@ def _finish(op: str, direction: str, layers: int, chunk: tuple[int, ...], dtype:
 _chunk_bytes: dict[tuple[tuple[int, ...], Any], int] = {}  # (chunk shape, dtype) -> bytes: a cache
 
 
-def plan_layout(caches: Sequence[Any], host: Any, gpu_block_ids: Any, host_block_ids: Any,
+def plan_layout(caches: Sequence[Any] | LayerSet, host: Any, gpu_block_ids: Any, host_block_ids: Any,
                 direction: str) -> TransferPlan:
     """Validate a ``swap_cache_layout`` call and plan it."""
     _check_direction(direction)
@@ -362,7 +364,7 @@ def plan_per_layer(cache: Any, host_layer: Any, gpu_block_ids: Any, host_block_i
                            op="swap_cache_per_layer")
 
 
-def plan_all_layers(caches: Sequence[Any], host_layers: Sequence[Any], gpu_block_ids: Any,
+def plan_all_layers(caches: Sequence[Any] | LayerSet, host_layers: Sequence[Any], gpu_block_ids: Any,
                     host_block_ids: Any, direction: str, op: str = "swap_cache_all_layers") -> TransferPlan:
     """Validate a ``swap_cache_all_layers`` call and plan it."""
     _check_direction(direction)

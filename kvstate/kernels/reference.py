@@ -8,7 +8,7 @@ per run of consecutive ids instead of one per block.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -49,15 +49,12 @@ def _run_copies(plan: TransferPlan, gpu: list[np.ndarray], host: list[np.ndarray
     for g0, h0, n in plan.runs:
         gs, hs = slice(g0, g0 + n), slice(h0, h0 + n)
         for layer, cache in enumerate(gpu):
-            if layout:
-                if d2h:
-                    host[hs, layer] = cache[gs]
-                else:
-                    cache[gs] = host[hs, layer]
-            elif d2h:
-                host[layer][hs] = cache[gs]
+            # the layout op's host is one [M, L, ...] array; the others' a list of [M, ...] layers
+            dst = cast(np.ndarray, host)[hs, layer] if layout else cast(list, host)[layer][hs]
+            if d2h:
+                dst[...] = cache[gs]
             else:
-                cache[gs] = host[layer][hs]
+                cache[gs] = dst
 
 
 def swap_cache_layout(caches: Sequence[Any], host: Any, gpu_block_ids: Any, host_block_ids: Any,

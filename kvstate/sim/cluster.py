@@ -162,7 +162,7 @@ class Cluster:
             return
         self._armed[inst.name] = when
         ev = self.env.timeout(max(0.0, when - self.env.now))
-        ev.callbacks.append(lambda _e, i=inst, w=when: self._on_timer(i, w))
+        ev.callbacks.append(lambda _e: self._on_timer(inst, when))
 
     def _on_timer(self, inst: Instance, when: float) -> None:
         if self._armed.get(inst.name) != when:

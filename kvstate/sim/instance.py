@@ -13,7 +13,7 @@ production. Notices go to the role's :meth:`Instance.notice`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import simpy
 
@@ -128,18 +128,18 @@ class Instance:
             return
         timed = False  # a transfer brings a deadline: the next tick may have to come sooner
         for cmd in cmds:
-            t = cmd.__class__
-            if t is C.WriteBlocks:
-                self.write_pool.submit(Transfer(self, cmd, True), cmd.ranks)
-                timed = True
-            elif t is C.ReadBlocks:
-                self.read_pool.submit(Transfer(self, cmd, False), cmd.ranks)
+            t = cmd.__class__  # dispatch on the exact class: cheaper than isinstance chains
+            if t is C.WriteBlocks or t is C.ReadBlocks:
+                tc = cast(C.TransferCommand, cmd)
+                write = t is C.WriteBlocks
+                (self.write_pool if write else self.read_pool).submit(Transfer(self, tc, write), tc.ranks)
                 timed = True
             elif t is C.CancelCommand:
-                self.cancelled.add(cmd.command_id)
+                self.cancelled.add(cast(C.CancelCommand, cmd).command_id)
             elif t is C.LateEvent:
+                name = f"late_{cast(C.LateEvent, cmd).event}"
                 counters = self.cluster.counters
-                counters[f"late_{cmd.event}"] = counters.get(f"late_{cmd.event}", 0) + 1
+                counters[name] = counters.get(name, 0) + 1
             else:
                 self.notice(cmd)
         self.note_blocks()

@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -70,11 +70,41 @@ def steady_window(reqs: list[SimRequest]) -> tuple[float, float, bool]:
     return first, last_end, False
 
 
-def _attainment(s: Any, reqs: list[SimRequest], ok: list[SimRequest]) -> dict[str, Any]:
+class _Done(NamedTuple):
+    """A request that completed: the timestamps every latency is taken from."""
+
+    rid: str
+    arrival: float
+    first: float  # first token
+    finish: float
+    out: int
+    generated: int
+    input_len: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first (requests of more than one token)."""
+        return (self.finish - self.first) / (self.out - 1)
+
+    @property
+    def e2e(self) -> float:
+        return self.finish - self.arrival
+
+
+def _completed(reqs: list[SimRequest]) -> list[_Done]:
+    return [_Done(r.rid, r.arrival, r.first_token, r.finish, r.out, r.generated, r.input_len)
+            for r in reqs if r.state == "done" and r.first_token is not None and r.finish is not None]
+
+
+def _attainment(s: Any, reqs: list[SimRequest], ok: list[_Done]) -> dict[str, Any]:
     slo_t, slo_p = s.slo.ttft_ms / 1000.0, s.slo.tpot_ms / 1000.0
     n = len(reqs) or 1
-    ttft_ok = {r.rid for r in ok if r.first_token - r.arrival <= slo_t}
-    tpot_ok = {r.rid for r in ok if r.out <= 1 or (r.finish - r.first_token) / (r.out - 1) <= slo_p}
+    ttft_ok = {r.rid for r in ok if r.ttft <= slo_t}
+    tpot_ok = {r.rid for r in ok if r.out <= 1 or r.tpot <= slo_p}
     return {"ttft_ms": s.slo.ttft_ms, "tpot_ms": s.slo.tpot_ms, "target": s.slo.attainment,
             "ttft_attainment": round(len(ttft_ok) / n, 4), "tpot_attainment": round(len(tpot_ok) / n, 4),
             "attainment": round(len(ttft_ok & tpot_ok) / n, 4), "_good": ttft_ok & tpot_ok}
@@ -91,7 +121,7 @@ def _offered(reqs: list[SimRequest], start: float, end: float, steady: bool) -> 
     return len(reqs) / (end - start) if end > start else 0.0
 
 
-def _rates(reqs: list[SimRequest], ok: list[SimRequest], good: set[str]) -> dict[str, Any]:
+def _rates(reqs: list[SimRequest], ok: list[_Done], good: set[str]) -> dict[str, Any]:
     start, end, steady = steady_window(reqs)
     span = end - start
     inside = [r for r in ok if start <= r.finish <= end]
@@ -157,7 +187,7 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
     """Every metric of a run as plain data (deterministic for a given scenario and seed)."""
     s = cl.scenario
     reqs = sorted(cl.done, key=lambda r: r.index)
-    ok = [r for r in reqs if r.state == "done"]
+    ok = _completed(reqs)
     end = max(raw["end_time"], 1e-9)
     itl: dict[float, int] = {}
     for d in cl.decode:
@@ -172,10 +202,10 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
         "drained": raw["drained"], "deadlock": raw["deadlock"], "duration_s": round(raw["end_time"], 6),
         "configured_rate_rps": s.workload.rate if s.workload.arrival != "trace" else None,
         **rates,
-        "ttft_ms": latency_stats([r.first_token - r.arrival for r in ok]),
-        "tpot_ms": latency_stats([(r.finish - r.first_token) / (r.out - 1) for r in ok if r.out > 1]),
+        "ttft_ms": latency_stats([r.ttft for r in ok]),
+        "tpot_ms": latency_stats([r.tpot for r in ok if r.out > 1]),
         "itl_ms": weighted_stats(itl),
-        "e2e_ms": latency_stats([r.finish - r.arrival for r in ok]),
+        "e2e_ms": latency_stats([r.e2e for r in ok]),
         "slo": {**slo, "meets": not why, "unmet": why},
         "prefix_hit_rate": round(sum(r.cached_tokens for r in reqs) / prompt, 4) if prompt else 0.0,
         "storage": _storage(cl, end),
@@ -188,9 +218,9 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
         "instances": _instances(cl, end),
         "peaks": _peaks(cl.series),
         "series": cl.series,
-        "_latencies_ms": {"TTFT": [1000 * (r.first_token - r.arrival) for r in ok],
-                          "TPOT": [1000 * (r.finish - r.first_token) / (r.out - 1) for r in ok if r.out > 1],
-                          "E2E": [1000 * (r.finish - r.arrival) for r in ok]},
+        "_latencies_ms": {"TTFT": [1000 * r.ttft for r in ok],
+                          "TPOT": [1000 * r.tpot for r in ok if r.out > 1],
+                          "E2E": [1000 * r.e2e for r in ok]},
     }
 
 

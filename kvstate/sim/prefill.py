@@ -8,7 +8,7 @@ forward finishes. ``SendFirstToken`` reaches D after the network latency.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .. import commands as C
 from ..prefill import PrefillLifecycle
@@ -46,15 +46,17 @@ class PrefillInstance(Instance):
         cl = self.cluster
         t = cmd.__class__
         if t is C.StartPrefill:
+            cached = cast(C.StartPrefill, cmd).num_cached_tokens
             req = cl.reqs[cmd.request_id]
-            req.cached_tokens = cmd.num_cached_tokens
-            new = req.input_len - cmd.num_cached_tokens
-            self.queue.append((req, new, cmd.num_cached_tokens))
+            req.cached_tokens = cached
+            new = req.input_len - cached
+            self.queue.append((req, new, cached))
             self.queued_tokens += new
             self.wake_up()
         elif t is C.SendFirstToken:
             ev = self.env.timeout(cl.net_latency)
-            ev.callbacks.append(lambda _e, c=cmd: cl.first_token(c))
+            first = cast(C.SendFirstToken, cmd)
+            ev.callbacks.append(lambda _e: cl.first_token(first))
         # RequestEnded, FreeBlocks: the pool took the blocks back; D's end is the request's end
 
     def _loop(self):

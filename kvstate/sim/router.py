@@ -50,7 +50,9 @@ class Router:
                 best = d
         if best is None:
             return False
-        best.lc.reserve(req.rid, req.tokens)
+        tokens = req.tokens
+        assert tokens is not None, "a request is routed once"
+        best.lc.reserve(req.rid, tokens)
         best.note_blocks()
         cl.arm_timer(best)  # its first-token deadline
         req.d = best
@@ -58,7 +60,7 @@ class Router:
         p.assigned += 1
         req.p = p
         req.state = "prefill"
-        p.lc.admit(req.rid, req.tokens)
+        p.lc.admit(req.rid, tokens)
         req.tokens = None  # the lifecycles hold their own copies
         p.pump()
         cl.arm_timer(p)  # a prompt waiting for P's blocks has a deadline too

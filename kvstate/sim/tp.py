@@ -238,7 +238,7 @@ def search_deadlocks(protocols: Iterable[str] = (SHARED_BARRIER, INDEPENDENT),
     n = 0
     for proto, sem in itertools.product(protocols, semantics):
         reset_bys = ("rank0", "all") if proto == SHARED_BARRIER else ("rank0",)
-        summary = {"cases": 0, "deadlocks": 0, "unsynchronized_cases": 0, "minimal": None}
+        summary: dict[str, Any] = {"cases": 0, "deadlocks": 0, "unsynchronized_cases": 0, "minimal": None}
         best_key = None
         for reset_by, tp, w, k, sp, sk, slow in itertools.product(
                 reset_bys, tps, workers, tasks, spacings, skews, ("last", "rank0")):

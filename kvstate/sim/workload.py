@@ -137,9 +137,9 @@ def _read_trace(p: Path, hash_block_size: int) -> list[TraceRecord]:
 
 def _tokens(prefix: np.ndarray | None, n: int, start: int) -> array:
     """``n`` token ids: the shared uint32 ``prefix`` (truncated to ``n``), then the request's own run."""
-    k = 0 if prefix is None else min(len(prefix), n)
     a = array("I")
-    if k:
+    k = 0
+    if prefix is not None and (k := min(len(prefix), n)):
         a.frombytes(prefix[:k].tobytes())  # uint32 already
     a.extend(unique_tokens(start, 0, n - k))
     return a

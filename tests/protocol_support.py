@@ -1,0 +1,87 @@
+"""What the protocol tests share: the fault classes and invariants they count, the hypothesis
+profiles, a store that can go down, and a snapshot of everything a lifecycle shows."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from kvstate.backends.stores import Store
+from kvstate.errors import StoreError
+
+__all__ = ["BS", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings", "StoreSwitch",
+           "snapshot"]
+
+BS = 4
+
+#: the fault classes of the issue; each must be injected >= 100 times per CI run
+FAULT_CLASSES = (
+    "write_fail", "write_partial", "evict_between_write_and_read", "read_fail", "read_partial",
+    "rank_never_answers", "rank_answers_late", "store_unavailable", "cancel", "cancel_mid_transfer",
+    "preempt", "duplicate_first_token", "late_first_token", "recycled_event", "tick",
+    "answer_after_fence",
+)
+INVARIANTS = (
+    "block_owned_by_one_request", "refcount_equals_owners_plus_pins", "free_list_holds_exactly_the_unheld_blocks",
+    "pool_counts_match_its_blocks", "every_transfer_has_a_timer_due_by_its_fence", "live_request_in_legal_state",
+    "transfer_blocks_held_by_their_request_or_pinned",
+    "runnable_only_after_full_read_on_every_rank_with_p_bytes", "drained_all_terminal_and_empty",
+)
+STATS: Counter[str] = Counter()
+CORPUS = Path(__file__).with_name("protocol_corpus")
+
+PROFILES = {  # examples, steps per example
+    "ci": (800, 60),
+    "deep": (2500, 60),
+    "quick": (60, 40),
+}
+
+
+def profile_settings(profile: str | None = None) -> settings:
+    name = profile or os.environ.get("KVSTATE_PROTOCOL_PROFILE", "ci")
+    if name not in PROFILES:
+        raise ValueError(f"KVSTATE_PROTOCOL_PROFILE must be one of {sorted(PROFILES)}, got {name!r}")
+    examples, steps = PROFILES[name]
+    # failures hypothesis finds are saved in tests/protocol_corpus/ (committed) and replayed first
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                    database=DirectoryBasedExampleDatabase(str(CORPUS)),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class StoreSwitch(Store):
+    """Wraps the shared store: while ``down`` every operation raises (store unavailable)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.down = False
+
+    def _up(self):
+        if self.down:
+            raise StoreError("store unavailable (injected)")
+        return self._store
+
+    def batch_put_from(self, keys, buffers):
+        return self._up().batch_put_from(keys, buffers)
+
+    def batch_get_into(self, keys, buffers):
+        return self._up().batch_get_into(keys, buffers)
+
+    def batch_is_exist(self, keys):
+        return self._up().batch_is_exist(keys)
+
+    def __getattr__(self, name):  # evict, keys, ...: the wrapped store's own
+        return getattr(self._store, name)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+def snapshot(lc) -> tuple:
+    """Everything observable of a lifecycle: requests, states, blocks, pins, pool, queued commands."""
+    return (tuple(sorted((rid, lc.state_of(rid), lc.blocks_of(rid)) for rid in lc.live_requests())),
+            tuple(sorted(lc.pinned_blocks().items())), lc.pool.stats(),
+            tuple(c.command_id for c in lc.pending_commands()), lc.queued_commands(),
+            tuple(sorted(lc.counters.items())))

@@ -1,0 +1,79 @@
+"""The CUDA backend on the GPU: the demo end to end, and a handoff over an engine's PyTorch
+caches (pipelined pieces, a short read, the fence).
+
+Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing, run for real on
+the GPU machine (docs/benchmarks.md records the run).
+"""
+import pytest
+from conftest import has_module
+
+from kvstate.kernels.cuda import cuda_available
+
+GPU = has_module("cupy") and cuda_available()
+gpu = pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+pytestmark = pytest.mark.gpu
+
+
+@gpu
+def test_demo_end_to_end_on_the_gpu():
+    from kvstate.app.demo import DemoConfig, run_demo
+
+    s = run_demo(DemoConfig(requests=48, backend="cuda"))
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["blocks_checked"] > 0
+    assert s["preemptions"] > 0 and s["aborted"] > 0
+
+
+@gpu
+@pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch")
+def test_backend_over_engine_torch_caches_pipelined_and_short_read():
+    import torch
+
+    from kvstate import CacheSpec, FenceError
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+
+    spec = CacheSpec(num_layers=3, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
+    n = 32
+
+    def torch_caches():
+        return [{k: [torch.randint(-999, 999, (n,) + spec.block_shape(k), dtype=torch.int16, device="cuda")
+                     .view(torch.bfloat16) for _ in range(spec.layers)] for k in spec.kinds}
+                for _ in range(spec.tp_size)]
+
+    store = MemoryStore(1 << 28)
+    small = 3 * spec.bytes_per_block_per_rank * 2  # three blocks a slot: a 20-block write is 7 pieces
+    p = CudaBackend(spec, n, store, caches=torch_caches(), staging_bytes=small)
+    d = CudaBackend(spec, n, store, caches=torch_caches(), staging_bytes=small)
+    try:
+        keys = [f"k{i}" for i in range(20)]
+        src, dst = list(range(5, 25)), list(range(31, 11, -1))
+        for r in range(2):
+            assert p.write(r, keys, src) == 20
+        assert p.query(0, keys) == 20
+        for r in range(2):
+            assert d.read(r, keys, dst) == 20
+        for r in range(2):
+            for kind in spec.kinds:
+                for s_id, d_id in zip(src, dst):
+                    assert p.block_bytes(r, kind, s_id) == d.block_bytes(r, kind, d_id)
+        store.evict(["k7_value_0"])  # block 7 lost on rank 0: the read stops there
+        assert d.read(0, keys, list(range(20))) == 7
+        assert d.block_bytes(0, "key", 6) == p.block_bytes(0, "key", src[6])
+        assert d.read(1, keys, list(range(20))) == 20
+        # past the command's fence nothing is gathered or scattered
+        before = [d.block_bytes(0, "key", b) for b in range(n)]
+        with pytest.raises(FenceError):
+            d.read(0, keys, dst, guard=lambda: False)
+        assert [d.block_bytes(0, "key", b) for b in range(n)] == before
+        with pytest.raises(FenceError):
+            p.write(0, [f"x{i}" for i in range(20)], src, guard=lambda: False)
+        assert p.query(0, ["x0"]) == 0
+        # a guard that turns mid-way stops the pipelined write at a piece boundary
+        calls = iter([True, True])
+        with pytest.raises(FenceError):
+            p.write(1, [f"y{i}" for i in range(20)], src, guard=lambda: next(calls, False))
+        assert p.query(1, [f"y{i}" for i in range(20)]) < 20
+        assert p.pinned_bytes <= 2 * small * spec.tp_size
+    finally:
+        p.close()
+        d.close()
