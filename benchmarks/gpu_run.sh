@@ -14,6 +14,8 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 date -u | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -m gpu tests/ ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
 python3 benchmarks/kernels.py ${BENCH_ARGS:-} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+ANCHOR_ARG=""; [ -f .dev/swap_small.py ] && ANCHOR_ARG="--anchor .dev/swap_small.py"
+python3 benchmarks/engine.py $ANCHOR_ARG ${ENGINE_ARGS:-} --out "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log"
 if [ -f .dev/swap_small.py ] && [ -z "${NO_ANCHOR:-}" ]; then
   (cd "$OUT" && OUT=. python3 "$OLDPWD/.dev/swap_small.py") 2>&1 | tee "$OUT/anchor.log"
 fi

@@ -1,15 +1,18 @@
 """CUDA transfer ops and backend handoff on the GPU machine: prints a table, writes JSON.
 
-    python benchmarks/kernels.py [--quick] [--out FILE] [--json]
+    python benchmarks/kernels.py [--quick] [--sections ...] [--out FILE] [--json]
 
 1. PCIe limits: one 1 GiB pinned copy each way.
-2. ``swap_cache_layout``, 32 layers, 256 of 4096 blocks, contiguous and random GPU ids, both
+2. ``overhead``: where the host time of one small call goes (105-byte chunks; a profile).
+3. ``layout``: ``swap_cache_layout``, 32 layers, 256 of 4096 blocks, contiguous and random GPU ids, both
    directions, chunk sizes 128 KiB, 16 KiB, 4 KiB, 1 KiB and 105 B, for each strategy and
    ``auto``; GB/s of payload = bytes / median wall time of a synchronous call (the same
    method as ../shared/anchors/swap_small.py, which the device run executes alongside);
    every ``auto`` result is checked byte for byte.
-3. The CUDA backend's handoff of one 8k-token request (Llama-3-8B-like cache, TP 1) P GPU →
+4. ``handoff``: the CUDA backend's handoff of one 8k-token request (Llama-3-8B-like cache, TP 1) P GPU →
    MemoryStore → D GPU, against each stage alone (D2H, the store's put+get copy, H2D).
+
+Calls as an engine makes them (Python-list ids, both directions, rounds): benchmarks/engine.py.
 """
 from __future__ import annotations
 
@@ -177,51 +180,6 @@ def overhead(cp, sw) -> dict:
     return out
 
 
-def engine_rows(cp, sw, lim: dict, reps: int, calls: int = 40) -> list[dict]:
-    """Calls as an engine makes them: 32 layers x 256 random blocks of 4096, the ids a different
-    Python list object each call (its block table's), synchronous and pipelined (async calls
-    back to back between two events), both directions, every chunk size; checked byte for byte."""
-    L, N, n = 32, 4096, 256
-    rng = np.random.default_rng(5)
-    rows = []
-    for chunk, shape, dt in CHUNKS:
-        caches = [cp.random.randint(0, 255, (N,) + shape).astype(dt) for _ in range(L)]
-        host = sw.pinned((n, L) + shape, dt)
-        ring = [(rng.choice(N, n, replace=False).tolist(), list(range(n))) for _ in range(calls + 2)]
-        for direction in ("d2h", "h2d"):
-            nbytes = n * L * chunk
-            k = iter(ring * (reps + 4) * 4)
-            def call(caches=caches, host=host, k=k, direction=direction):
-                return sw.swap_cache_layout(caches, host, *next(k), direction)
-            sync = median_time(call, lambda: None, reps * (4 if chunk >= 16384 else 40))
-            sw.swap_cache_layout(caches, host, *ring[0], direction)
-            pipe = float(np.median([_pipelined_round(cp, sw, caches, host, ring[:calls], direction)
-                                    for _ in range(reps)]))
-            gids = np.asarray(ring[-1][0])
-            ok = check(cp, sw, caches, caches, host, gids, np.arange(n), direction)
-            limit = lim[f"{direction}_GBps"]
-            r = {"chunk": chunk, "direction": direction, "ids": "list", "sync_GBps": nbytes / sync / 1e9,
-                 "pipelined_GBps": nbytes / pipe / 1e9, "sync_us": sync * 1e6, "correct": ok}
-            r["sync_pct_of_limit"] = 100 * r["sync_GBps"] / limit
-            r["pipelined_pct_of_limit"] = 100 * r["pipelined_GBps"] / limit
-            rows.append(r)
-            print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v for k2, v in r.items()}), flush=True)
-        caches = None
-        cp.get_default_memory_pool().free_all_blocks()
-    return rows
-
-
-def _pipelined_round(cp, sw, caches, host, ring, direction) -> float:
-    """Seconds per call of async calls enqueued back to back, between two events."""
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(sw.stream)
-    for ids in ring:
-        sw.swap_cache_layout_async(caches, host, *ids, direction)
-    end.record(sw.stream)
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / 1e3 / len(ring)
-
-
 def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int) -> tuple[float, ...]:
     """Median seconds of the handoff and of each stage alone (over whole-request pinned
     buffers), interleaved rep by rep so that drift on a shared machine hits all four alike."""
@@ -296,8 +254,8 @@ def handoff(cp, reps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    ap.add_argument("--sections", default="limits,overhead,engine,layout,handoff",
-                    help="comma-separated: limits (always run), overhead, engine, layout, handoff")
+    ap.add_argument("--sections", default="limits,overhead,layout,handoff",
+                    help="comma-separated: limits (always run), overhead, layout, handoff")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--json", action="store_true", help="print the JSON object last")
     args = ap.parse_args(argv)
@@ -316,8 +274,6 @@ def main(argv: list[str] | None = None) -> int:
             out["overhead"] = overhead(cp, sw)
             print(out["overhead"].pop("profile") if not args.json else "", flush=True)
             print(json.dumps(out["overhead"]), flush=True)
-        if "engine" in sections:
-            out["engine"] = engine_rows(cp, sw, out["limits"], reps)
         if "layout" in sections:
             out["layout"] = layout_rows(cp, sw, out["limits"], reps, args.quick)
     if "handoff" in sections:
@@ -337,13 +293,6 @@ def report(out: dict) -> None:
     lim = out["limits"]
     print(f"\n{out['gpu']} (id packer: {out.get('id_packer')}): "
           f"PCIe limit d2h {lim['d2h_GBps']:.1f} GB/s, h2d {lim['h2d_GBps']:.1f} GB/s")
-    if "engine" in out:
-        print("engine calls (32 layers x 256 random blocks, ids a fresh Python list each call):")
-        print(f"{'chunk':>7} {'dir':>4} {'sync GB/s':>10} {'%limit':>7} {'sync us':>8} "
-              f"{'pipelined':>10} {'%limit':>7}  ok")
-        for r in out["engine"]:
-            print(f"{r['chunk']:>7} {r['direction']:>4} {r['sync_GBps']:10.1f} {r['sync_pct_of_limit']:7.1f} "
-                  f"{r['sync_us']:8.1f} {r['pipelined_GBps']:10.1f} {r['pipelined_pct_of_limit']:7.1f}  {r['correct']}")
     if "layout" in out:
         layout_report(out)
     if "handoff" in out:

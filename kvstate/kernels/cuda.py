@@ -94,7 +94,6 @@ class CudaSwapper:
         # host arrays already found page-locked: id -> (weak reference, device pointer); an
         # array's memory cannot change under it, so a live array seen before is not re-asked
         self._pinned_seen: dict[int, tuple[Any, int]] = {}
-        self._done = self._event()  # recorded after each synchronous op
         self.calls = {s: 0 for s in STRATEGIES if s != "auto"}  #: transfers run per strategy
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -293,8 +292,11 @@ class CudaSwapper:
 
     def _layout(self, caches: Any, host: Any, gids: Any, hids: Any, direction: str,
                 strategy: str | None, sptr: int | None) -> tuple[TransferPlan, Any]:
-        self._check_open()
-        strategy = self._strategy(strategy)
+        if self._closed or strategy is not None:
+            self._check_open()
+            strategy = self._strategy(strategy)
+        else:  # the hot call: open, the swapper's own (validated) strategy
+            strategy = self.strategy
         layers = self._bound_layers(caches, "caches")
         host_np, hptr = self.host_pointer(host, "host")
         plan = plan_layout(layers, host_np, gids, hids, direction)
@@ -330,21 +332,23 @@ class CudaSwapper:
         prev = cp.cuda.runtime.getDevice()
         if prev != self.device:
             cp.cuda.runtime.setDevice(self.device)
+        ev = None
         try:
             self._mover.run(strategy, plan, layers, host_ptrs, stream, inline)
-            ev = self._done if sptr is None else cp.cuda.Event(block=False, disable_timing=True)
-            ev.record(stream)
+            if sptr is not None:
+                ev = cp.cuda.Event(block=False, disable_timing=True)
+                ev.record(stream)
         finally:
             if prev != self.device:
                 cp.cuda.runtime.setDevice(prev)
-        if sptr is None:
-            self.wait(ev)
+        if sptr is None:  # the swapper's own stream holds only its calls: its end is this one's
+            self.wait(stream)
         return ev
 
     # -- waiting -------------------------------------------------------------------------------
     def wait(self, ev: Any) -> None:
-        """Wait for the CUDA event ``ev`` (spin briefly, then back off) within ``timeout``;
-        a :class:`~kvstate.errors.DriverError` past it."""
+        """Wait for the CUDA event (or stream) ``ev`` (spin briefly, then back off) within
+        ``timeout``; a :class:`~kvstate.errors.DriverError` past it."""
         deadline = time.monotonic() + self.timeout
         spins = 0
         while not ev.done:
