@@ -1,7 +1,7 @@
 """Events: what the outside world tells the lifecycle.
 
-Every engine-facing method of :class:`~kvstate.lifecycle.PrefillLifecycle` and
-:class:`~kvstate.lifecycle.DecodeLifecycle` has a typed event here, so a driver, a test or
+Every engine-facing method of :class:`~kvstate.prefill.PrefillLifecycle` and
+:class:`~kvstate.decode.DecodeLifecycle` has a typed event here, so a driver, a test or
 a log replay can feed the machines through one entry point, ``lifecycle.handle(event)``.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ class Event:
 class Completion(Event):
     """One rank's answer to a transfer command.
 
-    ``count`` is the number of leading items done (blocks stored / read / written; 1 for a
-    sent first token); ``error`` is a short reason when the rank failed.
+    ``count`` is the number of leading blocks done (a write: stored, whether this rank wrote
+    them or found them stored; a read: read whole); ``error`` is a short reason when the rank
+    failed.
     """
 
     command_id: int

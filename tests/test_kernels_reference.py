@@ -228,7 +228,7 @@ def test_duplicates_are_found_at_any_pool_size(packer):
 
 
 @settings(max_examples=200, deadline=None)
-@given(ids=st.lists(st.integers(-3, 40) | st.booleans() | st.floats(0, 40), max_size=12),
+@given(ids=st.lists(st.integers(-3, 40) | st.integers(-2**64, 2**64) | st.booleans() | st.floats(0, 40), max_size=12),
        limit=st.sampled_from([8, 40, 1 << 30]), unique=st.booleans())
 def test_list_and_array_ids_are_judged_alike(ids, limit, unique):
     from kvstate.kernels import plan
@@ -241,7 +241,7 @@ def _judged_alike(ids, limit, unique, packer):
     from unittest import mock
 
     from kvstate.kernels import plan
-    ints = all(type(i) is int for i in ids)
+    ints = all(type(i) is int and -2**63 <= i < 2**63 for i in ids)
     try:
         with mock.patch.object(plan, "id_packer", packer):
             got = plan.check_ids(ids, limit, "ids", unique).tolist()
@@ -310,3 +310,22 @@ def test_identity_key_names_exactly_these_objects(compiled, monkeypatch):
     del a
     gc.collect()
     assert ref() is None, "the key kept its object alive"
+
+
+@settings(max_examples=300, deadline=None)
+@given(g=st.lists(st.integers(-2, 9), max_size=6), h=st.lists(st.integers(-2, 9), max_size=6),
+       direction=st.sampled_from(["d2h", "h2d"]))
+def test_a_call_with_list_ids_is_judged_as_with_arrays(g, h, direction):
+    """Both ids as lists (packed and checked together in one compiled pass) against both as
+    int64 arrays: the same ids, or the same error."""
+    from kvstate.kernels.plan import plan_layout
+    caches = [np.zeros((8, 1, 1, 2), np.uint8)]
+    host = np.zeros((8, 1, 1, 1, 2), np.uint8)
+    outcomes = []
+    for gi, hi in ((g, h), (np.asarray(g, np.int64), np.asarray(h, np.int64))):
+        try:
+            p = plan_layout(caches, host, gi, hi, direction)
+            outcomes.append((p.gpu_ids.tolist(), p.host_ids.tolist()))
+        except ValidationError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1]

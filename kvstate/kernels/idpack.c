@@ -11,6 +11,10 @@
  *
  * pack_valid(seq, limit, unique) -> pack(seq) when its ids pass valid(), else None.
  *
+ * pack_pair(a, b, limit_a, limit_b, unique_a, unique_b) -> pack(a) + pack(b), one bytes
+ * object, when both pass valid() with their own limits and len(a) == len(b), else None: a
+ * transfer's GPU and host ids in one call.
+ *
  * identity(seq) -> bytes of the items' addresses (their id()s): a key naming exactly these
  * objects, built without allocating an int per item.
  *
@@ -22,6 +26,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* An exact int's value when it is small (one digit, as every block id is), without a call;
+ * 0 when it is not small (the caller then takes the general path). */
+static inline int small_int(PyObject *x, long long *v) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)x)) return 0;
+    *v = (long long)PyUnstable_Long_CompactValue((PyLongObject *)x);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(x);
+    if (size < -1 || size > 1) return 0;
+    *v = size * (long long)((PyLongObject *)x)->ob_digit[0];
+    return 1;
+#endif
+}
 
 static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *seq) {
     PyObject *fast = PySequence_Fast(seq, "block ids must be a list or tuple");
@@ -35,6 +54,10 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *seq) {
         PyObject *x = items[i];
         long long v;
         if (PyLong_CheckExact(x)) {
+            if (small_int(x, &v)) {
+                dst[i] = (int64_t)v;
+                continue;
+            }
             v = PyLong_AsLongLong(x);
         } else if (PyBool_Check(x) || PyFloat_Check(x)) {
             PyErr_Format(PyExc_TypeError, "block id %zd is a %s", i, Py_TYPE(x)->tp_name);
@@ -102,6 +125,36 @@ static PyObject *pack_valid(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *pack_pair(PyObject *self, PyObject *args) {
+    PyObject *a, *b;
+    long long lim_a, lim_b;
+    int uniq_a, uniq_b;
+    if (!PyArg_ParseTuple(args, "OOLLpp", &a, &b, &lim_a, &lim_b, &uniq_a, &uniq_b)) return NULL;
+    Py_ssize_t na = PySequence_Size(a), nb = PySequence_Size(b);
+    if (na < 0 || nb < 0) return NULL;
+    if (na != nb) Py_RETURN_NONE;
+    PyObject *pa = pack(self, a);
+    if (pa == NULL) return NULL;
+    PyObject *pb = pack(self, b);
+    if (pb == NULL) { Py_DECREF(pa); return NULL; }
+    const int64_t *ia = (const int64_t *)PyBytes_AS_STRING(pa), *ib = (const int64_t *)PyBytes_AS_STRING(pb);
+    int ok = fits(ia, na, lim_a, uniq_a);
+    if (ok == 1) ok = fits(ib, nb, lim_b, uniq_b);
+    PyObject *out = NULL;
+    if (ok == 1) {
+        out = PyBytes_FromStringAndSize(NULL, (na + nb) * (Py_ssize_t)sizeof(int64_t));
+        if (out != NULL) {
+            memcpy(PyBytes_AS_STRING(out), ia, na * sizeof(int64_t));
+            memcpy(PyBytes_AS_STRING(out) + na * sizeof(int64_t), ib, nb * sizeof(int64_t));
+        }
+    }
+    Py_DECREF(pa);
+    Py_DECREF(pb);
+    if (ok < 0) return PyErr_NoMemory();
+    if (ok == 0) Py_RETURN_NONE;
+    return out;
+}
+
 /* Whether a buffer format names native int64 ("l" or "q", optionally "@", "=", or "<" where
  * this machine is little-endian). */
 static int int64_format(const char *f) {
@@ -145,6 +198,7 @@ static PyMethodDef methods[] = {
     {"pack", pack, METH_O, "pack(seq) -> bytes: block ids as native int64, refusing non-integers and bools."},
     {"valid", valid, METH_VARARGS, "valid(ids, limit, unique) -> bool or None: ids in range (and distinct)."},
     {"pack_valid", pack_valid, METH_VARARGS, "pack_valid(seq, limit, unique) -> bytes or None: pack, then valid."},
+    {"pack_pair", pack_pair, METH_VARARGS, "pack_pair(a, b, limit_a, limit_b, unique_a, unique_b) -> bytes or None."},
     {"identity", identity, METH_O, "identity(seq) -> bytes: the items' addresses, a key for exactly these objects."},
     {NULL, NULL, 0, NULL},
 };

@@ -118,6 +118,7 @@ id_packer: Callable[[Sequence[Any]], bytes] | None = _c and _c.pack
 id_checker: Callable[[np.ndarray, int, bool], bool | None] | None = _c and _c.valid
 _identity: Callable[[Sequence[Any]], bytes] | None = _c and _c.identity
 _pack_valid: Callable[[Sequence[Any], int, bool], bytes | None] | None = _c and _c.pack_valid
+_pack_pair: Callable[..., bytes | None] | None = _c and _c.pack_pair
 
 
 def identity_key(objects: list | tuple) -> Any:
@@ -323,17 +324,40 @@ def _itemsize(dtype: Any) -> int:
 
 def _finish(op: str, direction: str, layers: int, chunk: tuple[int, ...], dtype: Any,
             gpu_ids: Any, host_ids: Any, num_gpu: int, num_host: int, host_contig: bool) -> TransferPlan:
-    g = check_ids(gpu_ids, num_gpu, "gpu_block_ids", unique=direction == "h2d")
-    h = check_ids(host_ids, num_host, "host_block_ids", unique=direction == "d2h")
+    h2d = direction == "h2d"
+    if gpu_ids.__class__ is list and host_ids.__class__ is list and id_packer is not None and _pack_pair:
+        # an engine's usual call: both lists, packed and checked in one pass
+        packed = _pair(gpu_ids, host_ids, num_gpu, num_host, h2d)
+        if packed is not None:
+            n = len(gpu_ids)
+            return TransferPlan(op, direction, layers, _chunk_size(chunk, dtype), packed[:n], packed[n:], host_contig)
+    g = check_ids(gpu_ids, num_gpu, "gpu_block_ids", unique=h2d)
+    h = check_ids(host_ids, num_host, "host_block_ids", unique=not h2d)
     if g.size != h.size:
         raise ValidationError(f"gpu_block_ids has {g.size} ids, host_block_ids has {h.size}: lengths must match")
+    return TransferPlan(op, direction, layers, _chunk_size(chunk, dtype), g, h, host_contig)
+
+
+def _pair(gpu_ids: list[Any], host_ids: list[Any], num_gpu: int, num_host: int, h2d: bool) -> np.ndarray | None:
+    """Both id lists packed and checked by one compiled call (None: let check_ids find and
+    name what is wrong)."""
+    assert _pack_pair is not None
+    try:
+        packed = _pack_pair(gpu_ids, host_ids, num_gpu, num_host, h2d, not h2d)
+    except (TypeError, OverflowError):
+        return None
+    return None if packed is None else np.frombuffer(packed, np.int64)
+
+
+def _chunk_size(chunk: tuple[int, ...], dtype: Any) -> int:
+    """Bytes of one (layer, block) chunk, cached by (shape, dtype)."""
     key = (chunk, dtype)
-    chunk_bytes = _chunk_bytes.get(key)
-    if chunk_bytes is None:
+    size = _chunk_bytes.get(key)
+    if size is None:
         if len(_chunk_bytes) >= 256:
             _chunk_bytes.clear()
-        chunk_bytes = _chunk_bytes[key] = math.prod(chunk) * _itemsize(dtype)
-    return TransferPlan(op, direction, layers, chunk_bytes, g, h, host_contig)
+        size = _chunk_bytes[key] = math.prod(chunk) * _itemsize(dtype)
+    return size
 
 
 _chunk_bytes: dict[tuple[tuple[int, ...], Any], int] = {}  # (chunk shape, dtype) -> bytes: a cache

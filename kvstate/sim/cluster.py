@@ -1,7 +1,7 @@
 """The simulated cluster: P and D instances running the production lifecycle machines under SimPy.
 
-Each instance holds a :class:`~kvstate.lifecycle.PrefillLifecycle` or
-:class:`~kvstate.lifecycle.DecodeLifecycle` on the simulation clock — the very machines an
+Each instance holds a :class:`~kvstate.prefill.PrefillLifecycle` or
+:class:`~kvstate.decode.DecodeLifecycle` on the simulation clock — the very machines an
 engine runs. This module wires one run together: the cache geometry and policy from the
 scenario, the cost models, the shared storage pool, the instances
 (:mod:`~kvstate.sim.prefill`, :mod:`~kvstate.sim.decode`), the router

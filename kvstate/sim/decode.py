@@ -3,7 +3,8 @@
 Batching: at most ``decode_max_batch`` running requests decode together, oldest in the batch
 first; the rest wait for a slot. A request that needs a block when none is free preempts the
 running request that arrived last (possibly itself), by write-back or recompute per policy;
-preempted requests resume in arrival order once their blocks fit. Ordering victims and
+preempted requests resume in arrival order once their blocks and their next token's fit (into
+exactly its old blocks a request would be preempted again at once). Ordering victims and
 resumes by arrival guarantees progress: the oldest request is never the victim of a newer one.
 
 The batch is simulated lazily. A request in it produces one token per step without being
