@@ -161,12 +161,12 @@ def test_run_counts_match_the_runs(gids, data):
 @pytest.fixture(params=["compiled", "python"], autouse=False)
 def packer(request, monkeypatch):
     """Block ids packed and checked by the compiled helpers, and by the pure-Python fallback."""
-    from kvstate.kernels import plan
-    if request.param == "compiled" and plan.id_packer is None:
+    from kvstate.kernels import ids as id_mod
+    if request.param == "compiled" and id_mod.id_packer is None:
         pytest.skip("the compiled id packer was not built here (no C compiler at install)")
     if request.param == "python":
-        monkeypatch.setattr(plan, "id_packer", None)
-        monkeypatch.setattr(plan, "id_checker", None)
+        monkeypatch.setattr(id_mod, "id_packer", None)
+        monkeypatch.setattr(id_mod, "id_checker", None)
     return request.param
 
 
@@ -184,7 +184,7 @@ def _forms(ids):
 
 @pytest.mark.parametrize("ids", [[5, 1, 9, 3], [0, 1, 2], [7]])
 def test_ids_in_any_integer_form_move_the_same_bytes(ids, packer):
-    from kvstate.kernels.plan import as_ids
+    from kvstate.kernels.ids import as_ids
     caches = [np.arange(16 * 2 * 3, dtype=np.float16).reshape(16, 1, 2, 3) + layer for layer in range(2)]
     want = np.zeros((len(ids), 2, 1, 2, 3), np.float16)
     swap_cache_layout(caches, want, list(ids), list(range(len(ids))), "d2h")
@@ -219,7 +219,7 @@ def test_ids_that_are_not_integers_are_refused_before_anything_moves(bad, msg, p
 
 def test_duplicates_are_found_at_any_pool_size(packer):
     """Uniqueness costs O(n log n) or O(n) in the ids, nothing in the pool's size."""
-    from kvstate.kernels.plan import check_ids
+    from kvstate.kernels.ids import check_ids
     for limit in (1 << 10, 1 << 20, 1 << 40):
         ids = [limit - 1, 3, 77, limit - 1]
         with pytest.raises(BlockError, match=f"block {limit - 1} appears twice"):
@@ -231,8 +231,8 @@ def test_duplicates_are_found_at_any_pool_size(packer):
 @given(ids=st.lists(st.integers(-3, 40) | st.integers(-2**64, 2**64) | st.booleans() | st.floats(0, 40), max_size=12),
        limit=st.sampled_from([8, 40, 1 << 30]), unique=st.booleans())
 def test_list_and_array_ids_are_judged_alike(ids, limit, unique):
-    from kvstate.kernels import plan
-    for packer in (plan.id_packer, None):  # the compiled packer (if built) and the fallback
+    from kvstate.kernels import ids as id_mod
+    for packer in (id_mod.id_packer, None):  # the compiled packer (if built) and the fallback
         _judged_alike(ids, limit, unique, packer)
 
 
@@ -240,18 +240,18 @@ def _judged_alike(ids, limit, unique, packer):
     """A list is accepted exactly when its ints are, as an int64 array, with the same ids."""
     from unittest import mock
 
-    from kvstate.kernels import plan
+    from kvstate.kernels import ids as id_mod
     ints = all(type(i) is int and -2**63 <= i < 2**63 for i in ids)
     try:
-        with mock.patch.object(plan, "id_packer", packer):
-            got = plan.check_ids(ids, limit, "ids", unique).tolist()
+        with mock.patch.object(id_mod, "id_packer", packer):
+            got = id_mod.check_ids(ids, limit, "ids", unique).tolist()
     except BlockError:
         got = None
     if not ints:
         assert got is None
         return
     try:
-        want = plan.check_ids(np.asarray(ids, dtype=np.int64), limit, "ids", unique).tolist()
+        want = id_mod.check_ids(np.asarray(ids, dtype=np.int64), limit, "ids", unique).tolist()
     except BlockError:
         want = None
     assert got == want
@@ -264,27 +264,27 @@ def test_compiled_checker_agrees_with_numpy(ids, limit, unique, step):
     """The compiled check accepts exactly what numpy's does (and passes strided arrays to it)."""
     from unittest import mock
 
-    from kvstate.kernels import plan
-    if plan.id_checker is None:
+    from kvstate.kernels import ids as id_mod
+    if id_mod.id_checker is None:
         pytest.skip("the compiled id checker was not built here (no C compiler at install)")
     arr = np.asarray(ids, dtype=np.int64)[::step]
     verdicts = []
-    for checker in (plan.id_checker, None):
+    for checker in (id_mod.id_checker, None):
         try:
-            with mock.patch.object(plan, "id_checker", checker):
-                verdicts.append(plan.check_ids(arr, limit, "ids", unique).tolist())
+            with mock.patch.object(id_mod, "id_checker", checker):
+                verdicts.append(id_mod.check_ids(arr, limit, "ids", unique).tolist())
         except BlockError as e:
             verdicts.append(str(e))
     assert verdicts[0] == verdicts[1]
     fits = all(0 <= i < limit for i in arr.tolist()) and not (unique and len(set(arr.tolist())) < arr.size)
-    assert plan.id_checker(np.ascontiguousarray(arr), limit, unique) is fits
+    assert id_mod.id_checker(np.ascontiguousarray(arr), limit, unique) is fits
 
 
 @pytest.mark.skipif(not has_module("paddle"), reason="needs paddlepaddle")
 def test_paddle_int_tensors_as_ids():
     import paddle
 
-    from kvstate.kernels.plan import as_ids
+    from kvstate.kernels.ids import as_ids
     assert as_ids(paddle.to_tensor([4, 0, 2], dtype="int32")).tolist() == [4, 0, 2]
     with pytest.raises(BlockError, match="got dtype bool"):
         as_ids(paddle.to_tensor([True, False]))
@@ -297,15 +297,15 @@ def test_identity_key_names_exactly_these_objects(compiled, monkeypatch):
     import gc
     import weakref
 
-    from kvstate.kernels import plan
-    if compiled and plan.id_packer is None:
+    from kvstate.kernels import ids as id_mod
+    if compiled and id_mod.id_packer is None:
         pytest.skip("the compiled helpers were not built here (no C compiler at install)")
     if not compiled:
-        monkeypatch.setattr(plan, "_identity", None)
+        monkeypatch.setattr(id_mod, "_identity", None)
     a, b, c = (np.zeros(2) for _ in range(3))
-    key = plan.identity_key([a, b])
-    assert key == plan.identity_key((a, b)) and hash(key) == hash(plan.identity_key([a, b]))
-    assert key != plan.identity_key([b, a]) and key != plan.identity_key([a, c]) and key != plan.identity_key([a])
+    key = id_mod.identity_key([a, b])
+    assert key == id_mod.identity_key((a, b)) and hash(key) == hash(id_mod.identity_key([a, b]))
+    assert key != id_mod.identity_key([b, a]) and key != id_mod.identity_key([a, c]) and key != id_mod.identity_key([a])
     ref = weakref.ref(a)
     del a
     gc.collect()

@@ -37,7 +37,8 @@ from ..validate import check_int
 from .cuda_launch import Buffer, Kernels, ParamRing, cuda_available, external_stream, load_cupy, stream_ptr
 from .cuda_src import INLINE_IDS
 from .cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
-from .plan import LayerSet, TransferPlan, identity_key, plan_all_layers, plan_layout, plan_per_layer
+from .ids import identity_key
+from .plan import LayerSet, TransferPlan, plan_all_layers, plan_layout, plan_per_layer
 from .reference import as_numpy
 
 __all__ = ["CudaSwapper", "DeviceLayers", "STRATEGIES", "AUTO", "choose_strategy", "cuda_available", "load_cupy"]
