@@ -201,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the JSON here")
     args = ap.parse_args(argv)
     cp = load_cupy()
-    from kvstate.kernels import plan
+    from kvstate.kernels import ids
 
     out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "date": time.strftime("%Y-%m-%d"),
-           "id_packer": "compiled" if plan.id_packer is not None else "python", "rounds": args.rounds}
+           "id_packer": "compiled" if ids.id_packer is not None else "python", "rounds": args.rounds}
     with CudaSwapper() as sw:
         out["engine"], out["limits"] = engine_rows(cp, sw, args.rounds)
         cp.get_default_memory_pool().free_all_blocks()

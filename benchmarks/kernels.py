@@ -262,10 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     cp = load_cupy()
     reps = 3 if args.quick else 5
     props = cp.cuda.runtime.getDeviceProperties(0)
-    from kvstate.kernels import plan
+    from kvstate.kernels import ids
 
     out = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d"),
-           "id_packer": "compiled" if plan.id_packer is not None else "python"}
+           "id_packer": "compiled" if ids.id_packer is not None else "python"}
     sections = set(args.sections.split(","))
     with CudaSwapper() as sw:
         out["limits"] = limits(cp, sw, reps)
