@@ -12,7 +12,7 @@ import pytest
 from conftest import has_module
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("kvstate", "tests", "benchmarks")
+CODE = ("kvstate", "tests", "benchmarks", "examples")
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_SUBJECT = 400, 60, 72
 #: the subject rule applies to the commits after this one (older history predates it)
 SUBJECTS_FROM = "e08c45c"

@@ -1,0 +1,236 @@
+"""A minimal PD serving loop on PyTorch through kvstate's public API.
+
+P admits a prompt, reads any stored prefix, prefills the rest in block-sized chunks and writes
+the cache through ``CudaBackend`` to a store, then sends the first token; D reserves blocks,
+reads the cache back and decodes greedily, one request per step. Preemption writes D's cache
+back and reloads it; a failed read recomputes (policy ``recompute``) or ends the request
+(policy ``fail``); an abort ends both sides.
+
+Why chunks of one block and decode steps of one request: a chunk's arithmetic then depends only
+on its tokens, positions and cached bytes, so a handoff, a prefix read from the store, a reload
+or a recompute reproduces a monolithic run (:func:`monolithic`) bit for bit.
+
+The transfers run in this thread through a ``StepDriver`` (answered in order, or with an
+injected fault); an engine with a transfer thread uses ``ThreadedDriver`` the same way.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from model import PagedCache, TinyLlama
+
+from kvstate import CacheSpec, Policy
+from kvstate import commands as C
+from kvstate.backends import StepDriver, Store
+from kvstate.backends.cuda import CudaBackend
+from kvstate.decode import DecodeLifecycle
+from kvstate.prefill import PrefillLifecycle
+
+__all__ = ["Request", "PDEngine", "monolithic"]
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    max_new: int
+    preempt_after: int | None = None  #: preempt once this many tokens were generated
+    abort_in: str | None = None  #: abort once P or D reaches this state
+    read_fault: int | str | None = None  #: the answer to D's first read: a count or "fail"
+    tokens: list[int] = field(default_factory=list)  #: generated tokens, the first from P
+    logits: list[torch.Tensor] = field(default_factory=list)  #: one per generated token
+    cached_tokens: int = 0  #: prompt tokens P read from the store instead of computing
+    ended: tuple[str, int, str] | None = None  #: D's (state, error code, reason)
+    running: bool = False
+
+
+def prefill_chunks(model: TinyLlama, cache: PagedCache, table: list[int], tokens: list[int],
+                   start: int, stop: int) -> torch.Tensor | None:
+    """Compute positions ``start..stop-1`` in chunks that end on block boundaries (so every
+    run cuts a prompt the same way); the last chunk's logits."""
+    bs, out = cache.block_size, None
+    while start < stop:
+        end = min(stop, (start // bs + 1) * bs)
+        out = model.forward(tokens[start:end], start, cache, table)
+        start = end
+    return out
+
+
+def monolithic(model: TinyLlama, requests: list[Request], block_size: int) -> dict[str, tuple[list[int], list]]:
+    """The reference: each request prefilled and decoded in place, no handoff."""
+    out = {}
+    for r in requests:
+        need = -(-(len(r.prompt) + r.max_new) // block_size)
+        cache = PagedCache(model.cfg, need, block_size)
+        table = list(range(need))
+        logits = [prefill_chunks(model, cache, table, r.prompt, 0, len(r.prompt))]
+        tokens = [int(torch.argmax(logits[0]))]
+        while len(tokens) < r.max_new:
+            logits.append(model.forward(tokens[-1:], len(r.prompt) + len(tokens) - 1, cache, table))
+            tokens.append(int(torch.argmax(logits[-1])))
+        out[r.rid] = (tokens, logits)
+    return out
+
+
+class PDEngine:
+    """One P and one D instance (``tp`` ranks each) on one GPU, sharing ``store``."""
+
+    def __init__(self, model: TinyLlama, store: Store, *, block_size: int = 16, num_blocks: int = 512,
+                 tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
+                 p_blocks: int | None = None) -> None:
+        cfg = model.cfg
+        self.model, self.store, self.now = model, store, 0.0
+        self.spec = CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // tp, block_size=block_size,
+                              head_dim=cfg.head_dim, dtype="bfloat16", tp_size=tp)
+        policy = policy or Policy()
+        clock: Callable[[], float] = lambda: self.now  # noqa: E731
+        p_blocks = p_blocks or num_blocks  # P's pool (smaller: prompts wait at P for blocks)
+        self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock)
+        self.D = DecodeLifecycle(self.spec, num_blocks, policy, clock=clock)
+        self.p_cache = PagedCache(cfg, p_blocks, block_size, tp)
+        self.d_cache = PagedCache(cfg, num_blocks, block_size, tp)
+        self.backends = [CudaBackend(self.spec, n, store, caches=c.caches, staging_bytes=staging_bytes)
+                         for n, c in ((p_blocks, self.p_cache), (num_blocks, self.d_cache))]
+        self.p_drv = StepDriver(self.P, self.backends[0], on_notice=self._on_prefill)
+        self.d_drv = StepDriver(self.D, self.backends[1], on_notice=self._on_decode)
+        self.reqs: dict[str, Request] = {}
+        self.queue: list[Request] = []  #: not admitted yet (D had no room)
+        self.work: list[tuple[Callable[[Request, Any], None], Request, Any]] = []
+        self.p_ended: dict[str, str] = {}
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+
+    # -- notices ---------------------------------------------------------------------------
+    def _on_prefill(self, cmd: C.Command) -> None:
+        r = self.reqs[cmd.request_id]
+        if isinstance(cmd, C.StartPrefill):
+            self.work.append((self._prefill, r, cmd))  # computed in the loop, as an engine's step
+        elif isinstance(cmd, C.SendFirstToken):
+            if self.D.deliver_first_token(r.rid, cmd.token, cmd.error_code) and cmd.error_code == 200:
+                r.tokens.append(int(cmd.token))  # type: ignore[arg-type]
+        elif isinstance(cmd, C.RequestEnded):
+            self.p_ended[r.rid] = cmd.state
+
+    def _on_decode(self, cmd: C.Command) -> None:
+        r = self.reqs[cmd.request_id]
+        if isinstance(cmd, C.StartDecode):
+            r.running = True
+        elif isinstance(cmd, C.Recompute):
+            self.work.append((self._recompute, r, cmd))
+        elif isinstance(cmd, C.RequestEnded):
+            r.running = False
+            r.ended = (cmd.state, cmd.error_code, cmd.reason)
+
+    # -- compute ---------------------------------------------------------------------------
+    def _prefill(self, r: Request, cmd: C.StartPrefill) -> None:
+        if not (self.P.is_live(r.rid) and self.P.state_of(r.rid) == "prefilling"):
+            return  # aborted meanwhile
+        logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt,
+                                cmd.num_cached_tokens, len(r.prompt))
+        assert logits is not None  # the lifecycle leaves at least one token to compute
+        torch.cuda.synchronize()  # the cache is complete before the write reads it
+        r.logits.append(logits)
+        r.cached_tokens = cmd.num_cached_tokens
+        self.P.prefill_done(r.rid, int(torch.argmax(logits)))
+
+    def _recompute(self, r: Request, cmd: C.Recompute) -> None:
+        if not (self.D.is_live(r.rid) and self.D.state_of(r.rid) == "recomputing"):
+            return
+        # the prompt in P's chunks, generated tokens one at a time: as they were computed
+        table, n, known = list(cmd.block_ids), len(r.prompt), r.prompt + r.tokens[:-1]
+        prefill_chunks(self.model, self.d_cache, table, known, cmd.from_token, n)
+        for pos in range(max(n, cmd.from_token), len(known)):
+            self.model.forward(known[pos:pos + 1], pos, self.d_cache, table)
+        torch.cuda.synchronize()
+        self.D.recompute_done(r.rid)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _abort_due(self) -> None:
+        for r in self.reqs.values():
+            if r.abort_in is None:
+                continue
+            states = {lc.state_of(r.rid) for lc in (self.P, self.D) if lc.is_live(r.rid)}
+            if r.abort_in in states:
+                r.abort_in = None
+                for lc in (self.P, self.D):  # as a router does: both sides
+                    lc.abort(r.rid)
+
+    def _answer_transfers(self) -> None:
+        for drv in (self.p_drv, self.d_drv):
+            drv.pump()
+            self._abort_due()
+            while drv.pending:
+                (cid, rank), cmd = next(iter(drv.pending.items()))
+                r = self.reqs.get(cmd.request_id)
+                outcome = None
+                if drv is self.d_drv and isinstance(cmd, C.ReadBlocks) and r and r.read_fault is not None:
+                    outcome = r.read_fault
+                    if rank == cmd.ranks[-1]:
+                        r.read_fault = None
+                drv.complete(cid, rank, outcome)
+                drv.pump()
+                self._abort_due()
+
+    def _decode_step(self, r: Request) -> None:
+        table, pos = list(self.D.blocks_of(r.rid)), len(r.prompt) + len(r.tokens) - 1
+        logits = self.model.forward(r.tokens[-1:], pos, self.d_cache, table)
+        r.logits.append(logits)
+        tok = int(torch.argmax(logits))
+        r.tokens.append(tok)
+        if len(r.tokens) >= r.max_new:
+            r.running = False
+            self.D.finish(r.rid)
+            return
+        self.D.append_tokens(r.rid, [tok])
+        if r.preempt_after is not None and len(r.tokens) >= r.preempt_after:
+            r.preempt_after, r.running = None, False
+            torch.cuda.synchronize()  # the cache is complete before the write-back reads it
+            self.D.preempt(r.rid)
+
+    def _admit(self) -> None:
+        while self.queue and self.D.can_reserve(len(self.queue[0].prompt)):
+            r = self.queue.pop(0)
+            self.D.reserve(r.rid, r.prompt)
+            self.P.admit(r.rid, r.prompt)
+
+    def step(self) -> None:
+        """One loop: admit, answer transfers, compute queued prefills and recomputes, one
+        decode step per running request, resume the preempted, tick."""
+        self._admit()
+        self._answer_transfers()
+        work, self.work = self.work, []
+        for fn, r, cmd in work:
+            fn(r, cmd)
+        self._answer_transfers()
+        for r in list(self.reqs.values()):
+            if r.running and self.D.is_live(r.rid):
+                self._decode_step(r)
+            elif self.D.is_live(r.rid) and self.D.state_of(r.rid) == "preempted":
+                self.D.resume(r.rid)
+        self._abort_due()
+        self.now += 0.001
+        self.P.tick()
+        self.D.tick()
+
+    def run(self, requests: list[Request], max_loops: int = 100_000) -> dict[str, Request]:
+        """Serve ``requests`` to the end; returns them by id."""
+        for r in requests:
+            self.reqs[r.rid] = r
+        self.queue.extend(requests)
+        for _ in range(max_loops):
+            self.step()
+            if not (self.queue or self.work or self.P.live_requests() or self.D.live_requests()
+                    or self.p_drv.pending or self.d_drv.pending):
+                self._answer_transfers()  # the last notices
+                return self.reqs
+        raise RuntimeError(f"the engine did not finish within {max_loops} loops")
+
+    def leaks(self) -> dict[str, Any]:
+        """Blocks still held after a run (all zero when nothing leaked)."""
+        return {"P": self.P.pool.num_used, "D": self.D.pool.num_used,
+                "pinned": len(self.P.pinned_blocks()) + len(self.D.pinned_blocks())}

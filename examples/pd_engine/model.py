@@ -1,0 +1,122 @@
+"""A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU) whose KV cache is kvstate's pages.
+
+Per TP rank, layer and kind the cache is ``[num_blocks, kv_heads_per_rank, block_size,
+head_dim]`` — the layout kvstate moves — and a request's block table lists its blocks in token
+order. Attention gathers a request's pages through the table: slow, but exact, and the
+arithmetic of a chunk depends only on its tokens, its positions and the cached bytes, never on
+which physical blocks hold them. That is what lets a handoff (P computes, D reads the bytes
+back into other blocks) reproduce a monolithic run bit for bit.
+
+Weights are random from a fixed seed; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LlamaConfig", "PagedCache", "TinyLlama"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int = 512
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 32
+    ffn: int = 512
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+class PagedCache:
+    """Key and value pages of every layer, split by KV head over ``tp`` ranks.
+
+    ``caches[rank]["key" | "value"]`` is the per-layer list kvstate's ``CudaBackend`` binds.
+    """
+
+    def __init__(self, cfg: LlamaConfig, num_blocks: int, block_size: int, tp: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> None:
+        if cfg.kv_heads % tp:
+            raise ValueError(f"kv_heads {cfg.kv_heads} do not split over {tp} ranks")
+        self.block_size, self.tp, self.heads_per_rank = block_size, tp, cfg.kv_heads // tp
+        shape = (num_blocks, self.heads_per_rank, block_size, cfg.head_dim)
+        self.caches = [{kind: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.layers)]
+                        for kind in ("key", "value")} for _ in range(tp)]
+
+    def put(self, layer: int, kind: str, table: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
+        """Store ``x`` ``[m, kv_heads, head_dim]`` for positions ``pos`` of the request."""
+        blk, off = table[pos // self.block_size], pos % self.block_size
+        h = self.heads_per_rank
+        for r, by_kind in enumerate(self.caches):
+            by_kind[kind][layer][blk, :, off, :] = x[:, r * h:(r + 1) * h].to(by_kind[kind][layer].dtype)
+
+    def get(self, layer: int, kind: str, table: torch.Tensor, length: int) -> torch.Tensor:
+        """The request's first ``length`` positions, ``[kv_heads, length, head_dim]`` in float32."""
+        nblk = -(-length // self.block_size)
+        parts = []
+        for by_kind in self.caches:
+            pages = by_kind[kind][layer][table[:nblk]]  # [nblk, h, bs, d]
+            parts.append(pages.permute(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, :length])
+        return torch.cat(parts, 0).float()
+
+
+class TinyLlama:
+    """The model's forward over one chunk of a request's tokens (a prefill chunk, a decode step)."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0, device: str = "cuda") -> None:
+        self.cfg = cfg
+        g = torch.Generator(device="cpu").manual_seed(seed)
+
+        def w(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) / math.sqrt(shape[0])).to(device)
+
+        c = cfg
+        self.embed = torch.randn(c.vocab, c.hidden, generator=g).to(device)
+        self.layers = [dict(norm1=1 + 0.1 * torch.randn(c.hidden, generator=g).to(device),
+                            wq=w(c.hidden, c.heads * c.head_dim), wk=w(c.hidden, c.kv_heads * c.head_dim),
+                            wv=w(c.hidden, c.kv_heads * c.head_dim), wo=w(c.heads * c.head_dim, c.hidden),
+                            norm2=1 + 0.1 * torch.randn(c.hidden, generator=g).to(device),
+                            wg=w(c.hidden, c.ffn), wu=w(c.hidden, c.ffn), wd=w(c.ffn, c.hidden))
+                       for _ in range(c.layers)]
+        self.norm = torch.ones(c.hidden, device=device)
+        self.lm_head = w(c.hidden, c.vocab)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.inv_freq = inv.to(device)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps) * weight
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ang = pos.float()[:, None] * self.inv_freq[None, :]  # [m, d/2]
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+    @torch.no_grad()
+    def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int]) -> torch.Tensor:
+        """Run ``tokens`` at positions ``start..``, writing their keys and values into the
+        request's pages (``table``), attending to every position before them; returns the
+        logits of the last token (float32)."""
+        c, dev = self.cfg, self.embed.device
+        m, length = len(tokens), start + len(tokens)
+        pos = torch.arange(start, length, device=dev)
+        tab = torch.tensor(table, dtype=torch.long, device=dev)
+        causal = pos[:, None] >= torch.arange(length, device=dev)[None, :]  # [m, length]
+        x = self.embed[torch.tensor(tokens, device=dev)]
+        for i, p in enumerate(self.layers):
+            h = self._rms(x, p["norm1"])
+            q = self._rope((h @ p["wq"]).view(m, c.heads, c.head_dim), pos)
+            cache.put(i, "key", tab, pos, self._rope((h @ p["wk"]).view(m, c.kv_heads, c.head_dim), pos))
+            cache.put(i, "value", tab, pos, (h @ p["wv"]).view(m, c.kv_heads, c.head_dim))
+            k = cache.get(i, "key", tab, length).repeat_interleave(c.heads // c.kv_heads, 0)
+            v = cache.get(i, "value", tab, length).repeat_interleave(c.heads // c.kv_heads, 0)
+            s = torch.einsum("mhd,hld->hml", q, k) / math.sqrt(c.head_dim)
+            a = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+            x = x + torch.einsum("hml,hld->mhd", a, v).reshape(m, -1) @ p["wo"]
+            h = self._rms(x, p["norm2"])
+            x = x + (torch.nn.functional.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
+        return self._rms(x[-1:], self.norm)[0] @ self.lm_head

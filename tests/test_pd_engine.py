@@ -1,0 +1,167 @@
+"""A real transformer's KV cache through kvstate on the GPU (examples/pd_engine/).
+
+A Llama-architecture model with random weights runs PD: P prefills and writes through
+``CudaBackend`` to a store, D reads back and decodes greedily. Each test compares D's tokens and
+logits with a monolithic run of the same model — bit for bit — and checks that no block leaks.
+
+Marked ``gpu``: skipped with a reason where CuPy, PyTorch or a CUDA device is missing.
+"""
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import has_module
+
+from kvstate.kernels.cuda import cuda_available
+
+GPU = has_module("cupy") and has_module("torch") and cuda_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy, PyTorch and a CUDA device")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "pd_engine"))
+
+BS = 32
+LENGTHS = [1, 2, 31, 32, 33, 64, 95, 257, 500, 1000, 1024, 1500, 2048, 3000, 4000, 4096]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from model import LlamaConfig, TinyLlama
+
+    return TinyLlama(LlamaConfig(), seed=0)
+
+
+def workload(n: int = 16, max_new: int = 6, per_request: dict | None = None, seed: int = 1):
+    """Prompts of every length in LENGTHS (partial last blocks among them); some share a
+    prefix with an earlier prompt, so P reads it from the store."""
+    from engine import Request
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = LENGTHS[i % len(LENGTHS)]
+        prompt = [rng.randrange(512) for _ in range(length)]
+        if out and i % 3 == 0:
+            donor = max(out, key=lambda r: len(r.prompt)).prompt
+            k = min(len(donor), length - 1) // BS * BS
+            prompt[:k] = donor[:k]
+        out.append(Request(f"r{i:02d}", prompt, max_new, **(per_request or {}).get(i, {})))
+    return out
+
+
+def serve(model, reqs, store=None, **kw):
+    from engine import PDEngine
+
+    from kvstate.backends import MemoryStore
+
+    store = store if store is not None else MemoryStore(1 << 30)  # an empty store is falsy
+    eng = PDEngine(model, store, block_size=BS, num_blocks=kw.pop("num_blocks", 1024), **kw)
+    try:
+        eng.run(reqs)
+        return eng, eng.leaks()
+    finally:
+        eng.close()
+
+
+def assert_exact(model, reqs, skip=()):
+    from engine import monolithic
+
+    ref = monolithic(model, [r for r in reqs if r.rid not in skip], BS)
+    for rid, (tokens, logits) in ref.items():
+        r = next(x for x in reqs if x.rid == rid)
+        assert r.ended is not None and r.ended[0] == "done", (rid, r.ended)
+        assert r.tokens == tokens, rid
+        assert len(r.logits) == len(logits)
+        for i, (a, b) in enumerate(zip(r.logits, logits)):
+            assert (a == b).all().item(), f"{rid}: logits of token {i} differ"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("store", ["memory", "file"])
+def test_token_exact_handoff(model, tp, store, tmp_path):
+    from kvstate.backends import FileStore
+
+    reqs = workload()
+    eng, leaks = serve(model, reqs, FileStore(str(tmp_path)) if store == "file" else None, tp=tp)
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(model, reqs)
+
+
+def test_prefix_read_from_the_store_is_exact(model):
+    """Requests run one after another, so every shared prefix is stored before it is wanted."""
+    from kvstate.backends import MemoryStore
+
+    store = MemoryStore(1 << 30)
+    reqs = workload(8)
+    for r in reqs:
+        eng, leaks = serve(model, [r], store)
+        assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(model, reqs)
+    # P read every full block an earlier prompt had stored (leaving one token to compute)
+    shared = {}
+    for i, r in enumerate(reqs):
+        common = max((_common(r.prompt, d.prompt) for d in reqs[:i]), default=0)
+        shared[r.rid] = min(common, len(r.prompt) - 1) // BS * BS
+    assert {r.rid: r.cached_tokens for r in reqs} == shared and any(shared.values())
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("preemption", ["write", "recompute"])
+def test_preemption_mid_decode_is_exact(model, preemption):
+    from kvstate import Policy
+
+    reqs = workload(8, max_new=10, per_request={i: {"preempt_after": 3 + i % 4} for i in range(0, 8, 2)})
+    _, leaks = serve(model, reqs, policy=Policy(preempt=preemption))
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(model, reqs)
+
+
+@pytest.mark.parametrize("fault", [0, 1, "fail"])
+def test_failed_or_partial_read_recompute_is_exact(model, fault):
+    from kvstate import Policy
+
+    reqs = workload(8, per_request={i: {"read_fault": fault} for i in (4, 5, 7)})  # prompts of 64..257 tokens
+    _, leaks = serve(model, reqs, policy=Policy(read_failure="recompute"))
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(model, reqs)
+
+
+def test_failed_read_under_fail_policy_ends_with_its_error(model):
+    from kvstate import Policy
+
+    reqs = workload(8, per_request={5: {"read_fault": "fail"}})
+    _, leaks = serve(model, reqs, policy=Policy(read_failure="fail"))
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    bad = next(r for r in reqs if r.rid == "r05")
+    assert bad.ended is not None and bad.ended[0] == "failed" and bad.ended[1] == 502
+    assert_exact(model, reqs, skip=("r05",))
+
+
+STATES = ["waiting", "reading_prefix", "prefilling", "writing",  # P
+          "reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading"]  # D
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_abort_in_every_state_leaks_nothing(model, state):
+    from kvstate import Policy
+
+    target = 6  # shares a prefix with an earlier prompt: P reads it
+    extra = {"abort_in": state}
+    if state in ("preempt_writing", "preempted", "reloading"):
+        extra["preempt_after"] = 2
+    if state == "recomputing":
+        extra["read_fault"] = "fail"
+    reqs = workload(8, max_new=6, per_request={target: extra})
+    # a small P pool makes requests wait for blocks at P
+    kw = {"p_blocks": 10} if state == "waiting" else {}
+    eng, leaks = serve(model, reqs, policy=Policy(read_failure="recompute"), **kw)
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    r = reqs[target]
+    assert r.abort_in is None, f"the run never reached {state}"
+    assert r.ended is not None and r.ended[0] == "aborted", r.ended
+    assert_exact(model, reqs, skip=(r.rid,))
