@@ -132,7 +132,7 @@ def _pool():
 
 
 def _pool_snap(p):
-    return (tuple(p._refs), tuple(sorted(p._free)), p.stats())
+    return (tuple(p.refcounts()), tuple(p.free_ids()), p.stats())
 
 
 _TMP = tempfile.TemporaryDirectory(prefix="kvstate-fuzz-")  # removed when the session ends
