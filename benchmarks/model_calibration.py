@@ -78,24 +78,23 @@ def measure(torch, model, quick: bool) -> list[dict]:
     return rows
 
 
+def sim_times(rows: list[dict], figures: dict) -> np.ndarray:
+    """The simulator's times (ms) for ``rows`` on one GPU with these ``gpu.*`` figures."""
+    cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1, **figures}))
+    return np.array([1e3 * (cm.prefill_time([(r["tokens"], 0)]) if r["kind"] == "prefill"
+                            else cm.decode_step_time(r["batch"], r["batch"] * r["context"])) for r in rows])
+
+
 def terms(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """Per point, the roofline's compute time at ``mfu`` 1 and its memory time at ``mbu`` 1
-    (ms), from :class:`ComputeModel` with the other resource made free."""
-    def times(over: dict) -> np.ndarray:
-        cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1, "gpu.mfu": 1.0, "gpu.mbu": 1.0,
-                                                      "gpu.step_overhead_ms": 0.0, **over}))
-        return np.array([1e3 * (cm.prefill_time([(r["tokens"], 0)]) if r["kind"] == "prefill"
-                                else cm.decode_step_time(r["batch"], r["batch"] * r["context"])) for r in rows])
-    return times({"gpu.hbm_gbps": 1e12}), times({"gpu.tflops": 1e12})
+    (ms): the model with the other resource made free."""
+    ideal = {"gpu.mfu": 1.0, "gpu.mbu": 1.0, "gpu.step_overhead_ms": 0.0}
+    return sim_times(rows, {**ideal, "gpu.hbm_gbps": 1e12}), sim_times(rows, {**ideal, "gpu.tflops": 1e12})
 
 
 def predict(rows: list[dict], mfu: float, mbu: float, overhead_ms: float) -> np.ndarray:
-    """The simulator's times (ms) for ``rows`` with these figures."""
-    s = with_overrides(Scenario(), {"cluster.tp": 1, "gpu.mfu": mfu, "gpu.mbu": mbu,
-                                    "gpu.step_overhead_ms": overhead_ms})
-    cm = ComputeModel(s)
-    return np.array([1e3 * (cm.prefill_time([(r["tokens"], 0)]) if r["kind"] == "prefill"
-                            else cm.decode_step_time(r["batch"], r["batch"] * r["context"])) for r in rows])
+    """The simulator's times (ms) for ``rows`` with the fitted figures."""
+    return sim_times(rows, {"gpu.mfu": mfu, "gpu.mbu": mbu, "gpu.step_overhead_ms": overhead_ms})
 
 
 def fit(rows: list[dict]) -> tuple[tuple[float, float, float], float]:
