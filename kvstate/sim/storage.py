@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import takewhile
 
 from .scenario import StorageSpec
 
@@ -32,8 +33,11 @@ class SimStore:
         self._blocks: OrderedDict[str, int] = OrderedDict()  # LRU order: key -> bitmask of ranks stored
         self._ranks: list[set[str]] = [set() for _ in range(tp)]  # the keys each rank's shard is stored under
         self._holders = [[self._ranks[r] for r in range(tp) if m >> r & 1] for m in range(1 << tp)]  # by mask
+        self._width = [len(h) for h in self._holders]  # ranks stored, by mask
         self.used = 0
         self.peak = 0
+        self._lru_moves = 0  # LRU reorderings so far (reads, writes)
+        self._last_read: tuple[Sequence[str], int, int] | None = None  # keys, count, reordering after it
         self.busy_until = 0.0
         self.stats = dict.fromkeys(("puts", "gets", "queries", "bytes_written", "bytes_read",
                                     "evicted_blocks", "hits", "misses"), 0)
@@ -54,12 +58,11 @@ class SimStore:
     def leading(self, rank: int, keys: Sequence[str], known: int = 0) -> int:
         """How many leading ``keys`` hold ``rank``'s shard (a look that counts no query).
         ``known``: so many leading keys were seen stored with no eviction since."""
-        stored, n = self._ranks[rank], known
-        for k in keys[known:] if known else keys:
-            if k not in stored:
-                break
-            n += 1
-        return n
+        stored = self._ranks[rank]
+        rest = keys[known:] if known else keys
+        if stored.issuperset(rest):  # the common answer, found in C
+            return known + len(rest)
+        return known + len(list(takewhile(stored.__contains__, rest)))
 
     def query(self, rank: int, keys: Sequence[str], known: int = 0) -> int:
         self.stats["queries"] += 1
@@ -81,28 +84,30 @@ class SimStore:
         stats["bytes_read"] += n * self.shard_bytes
         stats["hits"] += n
         stats["misses"] += len(keys) - n
-        touch = self._blocks.move_to_end
-        for k in keys[:n]:
-            touch(k)
+        if self._last_read != (keys, n, self._lru_moves):  # else: another rank's read of the same
+            touch = self._blocks.move_to_end                # keys just put them at the end, in order
+            for k in keys[:n]:
+                touch(k)
+            self._lru_moves += 1
+            self._last_read = (keys, n, self._lru_moves)
         return n
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None) -> int:
-        stored, blocks, bit, new = self._ranks[rank], self._blocks, 1 << rank, 0
+        stored, blocks = self._ranks[rank], self._blocks
         self.stats["puts"] += 1
         self.stats["bytes_written"] += len(keys) * self.shard_bytes
-        for k in keys:
-            if k in stored:
-                blocks.move_to_end(k)
-                continue
-            stored.add(k)
-            new += 1
-            m = blocks.get(k)
+        self._lru_moves += 1
+        before = len(stored)
+        stored.update(keys)
+        self.used += (len(stored) - before) * self.shard_bytes
+        get, touch, bit = blocks.get, blocks.move_to_end, 1 << rank
+        for k in keys:  # this rank's bit on every key, each to the LRU end in write order
+            m = get(k)
             if m is None:
                 blocks[k] = bit
             else:
                 blocks[k] = m | bit
-                blocks.move_to_end(k)
-        self.used += new * self.shard_bytes
+                touch(k)
         if self.used > self.capacity:
             self._evict()
         self.peak = max(self.peak, self.used)
@@ -110,15 +115,23 @@ class SimStore:
 
     def _evict(self) -> None:
         blocks, shard, holders = self._blocks, self.shard_bytes, self._holders
-        n = 0
-        while self.used > self.capacity and blocks:
+        width = self._width
+        gone: dict[int, list[str]] = {}  # rank mask -> keys evicted: one set update per rank
+        excess, n = self.used - self.capacity, 0
+        while excess > 0 and blocks:
             k, m = blocks.popitem(last=False)
-            sets = holders[m]
-            for stored in sets:
-                stored.discard(k)
-            self.used -= shard * len(sets)
+            keys = gone.get(m)
+            if keys is None:
+                gone[m] = keys = []
+            keys.append(k)
+            excess -= shard * width[m]
             n += 1
+        for m, keys in gone.items():
+            for stored in holders[m]:
+                stored.difference_update(keys)
+        self.used = self.capacity + excess
         self.stats["evicted_blocks"] += n
 
     def __len__(self) -> int:
         return len(self._blocks)
+
