@@ -12,7 +12,9 @@ touched: its progress is the number of steps since ``s0``. It is visited only at
 *event* — the step that ends its answer, the step whose token needs a new block, or its first
 step after joining or stalling (that token's gap is not one step). A step costs O(1) plus
 its events, not O(batch); the batch's total context, the step time's input, is a running sum
-kept exact through every join, event and preemption.
+kept exact through every join, event and preemption. The steps between two events are slept
+through in one wait (:mod:`kvstate.sim.span`), cut short by anything that must see the batch
+between steps; the report is the same, bit for bit, as with a wake-up per step.
 """
 from __future__ import annotations
 
@@ -20,10 +22,13 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING, cast
 
+import simpy
+
 from .. import commands as C
 from ..decode import DecodeLifecycle
 from ..errors import OutOfBlocksError
 from .instance import Instance
+from .span import StepSpan, delay_to
 from .workload import unique_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,6 +43,9 @@ class DecodeInstance(Instance):
 
     role = "decode"
     lifecycle_cls = DecodeLifecycle
+    #: sleep through runs of event-free steps in one wait (kvstate.sim.span); off, every step
+    #: wakes the loop. Both give the same report, bit for bit: a test holds them to it.
+    sleep_quiet_steps = True
 
     def __init__(self, cluster: Cluster, idx: int) -> None:
         super().__init__(cluster, idx)
@@ -58,7 +66,11 @@ class DecodeInstance(Instance):
         self._skipped = 0  # batch members preempted before their event of this step ran
         self._step_len = 0.0  # the duration of the step whose events run
         self._stepping = False  # a step is running (its batch is fixed)
-        self.env.process(self._loop())
+        self._span: StepSpan | None = None  # quiet steps being slept through
+        self._span_base = (0.0, 0.0)  # busy and slot seconds before the span
+        self._free_seen = 0  # free blocks at the last pump
+        self.spans = self.cuts = 0  #: spans slept through, and those cut short
+        self._proc = self.env.process(self._loop())
 
     @property
     def running(self) -> int:
@@ -67,6 +79,8 @@ class DecodeInstance(Instance):
     def notice(self, cmd: C.Command) -> None:
         cl = self.cluster
         t = cmd.__class__
+        if t is not C.RequestEnded:
+            self._cut()  # the batch changes, or the loop has work: it must see the step's end
         if t is C.StartDecode:
             req = cl.reqs[cmd.request_id]
             req.cap = len(cast(C.StartDecode, cmd).block_ids) * cl.block_size
@@ -100,14 +114,18 @@ class DecodeInstance(Instance):
             if not b and not work:
                 yield self.idle()
                 continue
-            t = cl.compute.decode_step_time(b, self.context) if b else 0.0
-            if work:
-                t += cl.compute.prefill_time((n, c) for _, n, c in work)
-            self.busy_time += t
-            self.slot_seconds += t * b
-            self._stepping = True
-            yield env.timeout(t)
-            self._stepping = False
+            quiet = 0 if work or not self.sleep_quiet_steps else self._steps_to_event()
+            if quiet > 1:  # steps with no event before the next one: one wait for all of them
+                t = yield from self._sleep_span(b, quiet)
+            else:
+                t = cl.compute.decode_step_time(b, self.context) if b else 0.0
+                if work:
+                    t += cl.compute.prefill_time((n, c) for _, n, c in work)
+                self.busy_time += t
+                self.slot_seconds += t * b
+                self._stepping = True
+                yield env.timeout(t)
+                self._stepping = False
             self.steps += 1
             self.context += b  # every member made one token, until its event says otherwise
             for req, _, _ in work:
@@ -117,6 +135,75 @@ class DecodeInstance(Instance):
             self._run_events(b, t)
             self.pump()
             cl.router.retry_backlog()
+
+    # -- quiet steps slept through as one span (kvstate.sim.span) ---------------------------------
+    def _steps_to_event(self) -> int:
+        """Steps until the batch's next event step, that one included."""
+        events = self._events
+        while events and events[0][3] != events[0][2].ver:
+            heapq.heappop(events)  # stale: it left the batch since
+        return events[0][0] - self.steps if events else 1
+
+    def _sleep_span(self, b: int, count: int):
+        """Sleep through ``count`` steps of batch ``b`` (fewer if cut); account for all but the
+        last, which the loop ends as any step. Returns the last step's seconds."""
+        env = self.env
+        span = StepSpan(env.now, b, self.context, count, self.cluster.compute.decode_step_time)
+        self._span, self._span_base = span, (self.busy_time, self.slot_seconds)
+        self.spans += 1
+        self._count_busy(span)
+        self._stepping = True
+        while True:
+            try:
+                yield env.timeout(delay_to(env.now, span.ends[span.last]))
+                break
+            except simpy.Interrupt:
+                pass  # cut: the span now ends with the step that was running
+        self._span = None
+        self._stepping = False
+        self._advance(span, span.last)
+        return span.lens[span.last]
+
+    def _count_busy(self, span: StepSpan) -> None:
+        """Busy and slot time of the span's steps, added one step at a time as a step adds them."""
+        busy, slots = self._span_base
+        b = span.batch
+        for d in span.lens[:span.last + 1]:
+            busy += d
+            slots += d * b
+        self.busy_time, self.slot_seconds = busy, slots
+
+    def _advance(self, span: StepSpan, upto: int) -> None:
+        """Account for the span's steps before ``upto``: no event fell on them."""
+        n = upto - span.done
+        if n <= 0:
+            return
+        b, itl = span.batch, self.itl
+        for d in span.lens[span.done:upto]:
+            itl[d] = itl.get(d, 0) + b
+        self.steps += n
+        self.context += b * n
+        span.done = upto
+
+    def _cut(self) -> None:
+        """Something must see the batch between steps: end the span with the running step."""
+        span = self._span
+        if span is None:
+            return
+        now = self.env.now
+        self._advance(span, span.over_at(now))
+        if span.cut(now):
+            self.cuts += 1
+            self._count_busy(span)
+            self._proc.interrupt()
+
+    def pump(self) -> None:
+        super().pump()
+        free = self.lc.pool.num_free
+        if free > self._free_seen:  # blocks came free: the backlog is retried at each D's step end
+            for d in self.cluster.decode:
+                d._cut()
+        self._free_seen = free
 
     def _run_events(self, b: int, d: float) -> None:
         """Visit the requests whose event falls on this step; the rest made a token ``d`` apart."""

@@ -1,0 +1,98 @@
+"""The D loop's fast path: event-free decode steps slept through in one wait.
+
+It must change nothing: every report is compared, byte for byte, with the loop that wakes
+at every step, on scenarios that cut spans in every way (joins, preemption, write-back,
+evictions, faults, deadlines, skewed TP ranks)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstate.sim import Cluster, Scenario, to_json, with_overrides
+from kvstate.sim.decode import DecodeInstance
+from kvstate.sim.metrics import summarize
+from kvstate.sim.span import StepSpan, delay_to
+
+
+def step_time(batch: int, context: int) -> float:
+    return 1e-3 + 1e-7 * context + 1e-5 * batch
+
+
+def test_a_span_sums_its_steps_as_the_clock_does():
+    span = StepSpan(0.1, 4, 1000, 5, step_time)
+    t, ctx = 0.1, 1000
+    for i in range(5):
+        t = t + step_time(4, ctx)
+        ctx += 4
+        assert span.ends[i] == t
+    assert span.last == 4 and span.done == 0
+
+
+def test_a_cut_ends_the_span_with_the_running_step_and_never_lengthens_it():
+    span = StepSpan(0.0, 2, 10, 6, step_time)
+    assert span.over_at(span.ends[1]) == 2  # a step ending exactly now is over
+    assert span.cut((span.ends[1] + span.ends[2]) / 2)
+    assert span.last == 2
+    assert not span.cut(span.ends[2])  # the step it now ends with is never counted over
+    assert span.over_at(1e9) == 2
+
+
+@pytest.mark.parametrize("now,when", [(0.0, 0.1), (1234.567, 1234.6000000000001), (0.3, 0.30000000000000004),
+                                      (1e6 / 3, 1e6 / 3 + 1e-9)])
+def test_delay_to_lands_on_the_exact_float(now, when):
+    d = delay_to(now, when)
+    assert now + d == when and math.isclose(d, when - now, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def report(s: Scenario, sleep: bool, monkeypatch) -> tuple[str, list[DecodeInstance]]:
+    monkeypatch.setattr(DecodeInstance, "sleep_quiet_steps", sleep)
+    cl = Cluster(s)
+    return to_json(summarize(cl, cl.run())), cl.decode
+
+
+SMALL = {"workload.num_requests": 150, "workload.input_mean": 600.0, "workload.input_max": 4096,
+         "workload.output_mean": 60.0, "workload.output_max": 400, "workload.prefix_tokens": 256}
+CASES = {
+    "plain": {},
+    "preempt_write": {"cluster.gpu_blocks": 160, "workload.output_mean": 300.0, "workload.output_max": 600,
+                      "workload.rate": 100.0, "policy.preempt": "write"},
+    "preempt_recompute": {"cluster.gpu_blocks": 160, "workload.output_mean": 300.0, "workload.output_max": 600,
+                          "workload.rate": 100.0, "policy.preempt": "recompute"},
+    "evictions_recompute": {"storage.capacity_gib": 0.25, "workload.rate": 200.0, "workload.prefix_groups": 0,
+                            "policy.read_failure": "recompute"},
+    "faults": {"faults.read_fail": 0.1, "faults.write_fail": 0.1},
+    "tp4_skew": {"cluster.tp": 4, "tp.skew_ms": [0, 1, 2, 3]},
+    "overload_deadlines": {"workload.rate": 400.0, "workload.input_mean": 3000.0,
+                           "policy.first_token_timeout_s": 2.0, "policy.queue_timeout_s": 1.0},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sleeping_through_quiet_steps_changes_no_bit_of_the_report(case, monkeypatch):
+    s = with_overrides(Scenario(), {**SMALL, **CASES[case]})
+    fast, decode = report(s, True, monkeypatch)
+    slow, _ = report(s, False, monkeypatch)
+    assert sum(d.spans for d in decode) > 0  # the fast path ran
+    assert fast == slow
+    if case == "overload_deadlines":  # deadlines fired while spans ran
+        assert '"first_token_timeout"' in fast and '"done"' in fast
+
+
+def test_joins_cut_spans_and_the_report_still_matches(monkeypatch):
+    s = with_overrides(Scenario(), {**SMALL, "workload.rate": 50.0, "workload.output_mean": 200.0})
+    fast, decode = report(s, True, monkeypatch)
+    assert sum(d.cuts for d in decode) > 0
+    assert fast == report(s, False, monkeypatch)[0]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rate=st.floats(5.0, 400.0), blocks=st.integers(120, 2000), out=st.floats(2.0, 300.0),
+       batch=st.integers(1, 64), seed=st.integers(0, 2**16), preempt=st.sampled_from(["write", "recompute"]))
+def test_random_scenarios_match_with_and_without_spans(rate, blocks, out, batch, seed, preempt, monkeypatch):
+    s = with_overrides(Scenario(), {**SMALL, "workload.num_requests": 60, "workload.rate": rate,
+                                    "cluster.gpu_blocks": blocks, "workload.output_mean": out,
+                                    "cluster.decode_max_batch": batch, "seed": seed, "policy.preempt": preempt})
+    assert report(s, True, monkeypatch)[0] == report(s, False, monkeypatch)[0]
