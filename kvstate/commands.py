@@ -3,11 +3,11 @@
 Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dataclass
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
-Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`) carry a ``command_id``, the TP
-``ranks`` that must each answer with a :class:`~kvstate.events.Completion`, an absolute
-``deadline`` on the lifecycle's clock, and a ``fence`` (the deadline plus
-``Policy.fence_grace``): from the fence on the lifecycle may recycle the blocks, so no driver
-or backend may touch them after it (they check it just before gathering or scattering
+Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`, :class:`SwapOut`,
+:class:`SwapIn`) carry a ``command_id``, the TP ``ranks`` that must each answer with a
+:class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's clock, and
+a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the lifecycle may
+recycle the blocks, so no driver or backend may touch them after it (they check it just before gathering or scattering
 blocks). Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`,
 :class:`Recompute`, :class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`,
 :class:`LateEvent`) need no answer.
@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SendFirstToken",
+    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SwapOut", "SwapIn", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
     "LateEvent",
 ]
@@ -55,6 +55,23 @@ class WriteBlocks(TransferCommand):
     Keys are content hashes, so a key already stored holds these very bytes: a rank first
     asks the store how many leading keys it holds and gathers and writes only the rest
     (a full hit moves nothing)."""
+
+
+@dataclass(slots=True)
+class SwapOut(TransferCommand):
+    """Copy GPU block ``block_ids[i]`` into host tier slot ``host_slots[i]`` (the slot
+    granted to ``keys[i]``); answer the leading count copied. Keys already in the host tier
+    are not in the command: their bytes are there."""
+
+    host_slots: tuple[int, ...] = field(default=(), kw_only=True)
+
+
+@dataclass(slots=True)
+class SwapIn(TransferCommand):
+    """Copy host tier slot ``host_slots[i]`` (holding ``keys[i]``) into GPU block
+    ``block_ids[i]``; answer the leading count copied."""
+
+    host_slots: tuple[int, ...] = field(default=(), kw_only=True)
 
 
 @dataclass(slots=True)

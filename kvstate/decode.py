@@ -15,6 +15,14 @@ Rules:
   (a failed write-back falls back to recomputing); from reading, reloading or recomputing it
   frees at once (an unanswered read keeps its pins). ``resume`` reloads a stored cache, or
   recomputes.
+- With a host tier (``host_blocks``) and ``Policy.preempt == "swap"``, preemption from
+  ``running`` copies the cache into host slots (keys already there are shared, not copied)
+  and frees the GPU blocks once every rank answered; ``resume`` copies the ready prefix back
+  and recomputes the rest. A host tier too full to take the cache, or a failed swap-out,
+  falls back per ``Policy.swap_fallback`` (write to the store, or recompute). A swapped
+  request keeps its host entries referenced until it swaps in, ends, or waits past
+  ``Policy.swapped_timeout`` (then it lets them go and recomputes on resume). Preempting a
+  request that is swapping in returns it to ``swapped``.
 - Every failure row recycles in the same step; ``abort`` leaves every live state. A late first
   token, recompute result or abort for a request that already ended is dropped and counted.
 """
@@ -25,7 +33,8 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
-from .errors import InvalidTransitionError, OutOfBlocksError, ValidationError
+from .errors import ConfigError, InvalidTransitionError, OutOfBlocksError, ValidationError
+from .hostpool import HostBlockPool
 from .keys import keys_of_packed
 from .lifecycle import Lifecycle
 from .machine import MachineDef
@@ -37,7 +46,8 @@ __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
 
 ERROR_NO_FIRST_TOKEN = ERROR_TIMEOUT  #: D's wait for P's first token passed its deadline
 
-_LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading")
+_LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading",
+         "swapping_out", "swapped", "swapping_in")
 
 DECODE = MachineDef(
     name="decode",
@@ -56,11 +66,24 @@ DECODE = MachineDef(
         dict(trigger="read_done", source=["reading", "reloading"], dest="failed",
              after=["_note_read_failed", "_recycle"]),
         dict(trigger="recompute_done", source="recomputing", dest="running", after="_start_decode"),
-        # preemption: write back, free only after the write answered
+        # preemption: swap out or write back, free only after the copy answered
+        dict(trigger="preempt", source="running", dest="swapping_out", conditions="_swaps_out",
+             after="_send_swap_out"),
         dict(trigger="preempt", source="running", dest="preempt_writing", conditions="_writes_back",
              after="_send_write_back"),
+        dict(trigger="preempt", source="swapping_in", dest="swapped", after=["_release_blocks", "_park"]),
         dict(trigger="preempt", source=["running", "recomputing", "reading", "reloading"], dest="preempted",
              after="_release_blocks"),
+        dict(trigger="swapped_out", source="swapping_out", dest="swapped", conditions="_swap_complete",
+             after=["_keep_swap", "_release_blocks", "_park"]),
+        dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_falls_back_to_write",
+             after=["_drop_swap", "_send_write_back"]),
+        dict(trigger="swapped_out", source="swapping_out", dest="preempted", after=["_drop_swap", "_drop_write_back"]),
+        dict(trigger="timed_out", source="swapped", dest="preempted", after="_drop_swap"),
+        dict(trigger="resume", source="swapped", dest="swapping_in", after="_send_swap_in"),
+        dict(trigger="swapped_in", source="swapping_in", dest="running", conditions="_swap_in_complete",
+             after=["_drop_swap", "_start_decode"]),
+        dict(trigger="swapped_in", source="swapping_in", dest="recomputing", after=["_drop_swap", "_start_recompute"]),
         dict(trigger="written", source="preempt_writing", dest="preempted", conditions="_write_complete",
              after=["_keep_write_back", "_release_blocks"]),
         dict(trigger="written", source="preempt_writing", dest="preempt_writing", conditions="_can_retry",
@@ -78,12 +101,23 @@ class DecodeLifecycle(Lifecycle):
     """The D instance's side (see the module's rules)."""
 
     DEFINITION = DECODE
+    TIMED_WAITS = ("swapped",)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, host_blocks: int = 0, **kwargs: Any) -> None:
+        """``host_blocks``: slots of the host tier (0: none); the rest as :class:`Lifecycle`."""
+        check_int(host_blocks, "host_blocks", minimum=0)
         super().__init__(*args, **kwargs)
+        if self.policy.preempt == "swap" and not host_blocks:
+            raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
+        self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
+        self._transfers.host = self.host
         self._running: set[str] = set()
 
     # -- engine API --------------------------------------------------------------------------
+    def host_holdings(self) -> dict[str, tuple[str, ...]]:
+        """Request id -> the host tier keys it references (swapping out, swapped, swapping in)."""
+        return {rid: tuple(r.host_keys) for rid, r in self._reqs.items() if r.host_keys is not None}
+
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
         check_int(num_tokens, "num_tokens", minimum=1)
@@ -148,7 +182,7 @@ class DecodeLifecycle(Lifecycle):
     def resume(self, request_id: str) -> tuple[int, ...]:
         """Give a preempted request blocks again, then reload its cache or recompute it."""
         req = self._requests.get(request_id)
-        if req.state != "preempted":
+        if req.state != "preempted" and req.state != "swapped":
             raise InvalidTransitionError(request_id, req.state, "resume", DECODE.name)
         n = self.spec.blocks_for(len(req.tokens))
         try:
@@ -224,7 +258,56 @@ class DecodeLifecycle(Lifecycle):
         self._out.append(C.StartDecode(req.id, tuple(req.blocks)))
 
     def _writes_back(self, req: Request, value: Any) -> bool:
-        return self.policy.preempt == "write"
+        p = self.policy
+        return p.preempt == "write" or (p.preempt == "swap" and p.swap_fallback == "write")
+
+    def _swap_keys(self, req: Request) -> list[str]:
+        # The newest token's cache is computed by the next decode step: copy all before it.
+        return keys_of_packed(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace,
+                              self.key_cache)
+
+    def _swaps_out(self, req: Request, value: Any) -> bool:
+        return self.policy.preempt == "swap" and self.host is not None and self.host.can_acquire(self._swap_keys(req))
+
+    def _send_swap_out(self, req: Request, value: Any) -> None:
+        assert self.host is not None
+        self._running.discard(req.id)
+        keys = req.keys = self._swap_keys(req)
+        slots, fresh = self.host.acquire(keys)
+        req.host_keys, req.host_fresh = keys, [keys[i] for i in fresh]
+        self._transfer(req, C.SwapOut, "swapped_out", req.host_fresh, [req.blocks[i] for i in fresh],
+                       [slots[i] for i in fresh])
+
+    def _swap_complete(self, req: Request, value: int) -> bool:
+        return value >= len(req.host_fresh)
+
+    def _keep_swap(self, req: Request, value: int) -> None:
+        assert self.host is not None
+        self.host.commit(req.host_fresh)
+        req.host_fresh = []
+
+    def _park(self, req: Request, value: Any) -> None:
+        self._wait(req, self.policy.swapped_timeout)  # its host entries are held until resume or then
+
+    def _falls_back_to_write(self, req: Request, value: int) -> bool:
+        return self.policy.swap_fallback == "write"
+
+    def _drop_swap(self, req: Request, value: Any = None) -> None:
+        """Let go of the request's host entries (uncommitted ones go once no copy holds them)."""
+        if req.host_keys is not None:
+            assert self.host is not None
+            self.host.release(req.host_keys)
+            req.host_keys, req.host_fresh = None, []
+        req.stored_keys = None
+
+    def _send_swap_in(self, req: Request, value: Any) -> None:
+        assert self.host is not None and req.host_keys is not None
+        keys = req.host_keys
+        n = self.host.ready_prefix(keys)  # entries a failed fill left unready are recomputed
+        self._transfer(req, C.SwapIn, "swapped_in", keys[:n], req.blocks[:n], self.host.slots(keys[:n]))
+
+    def _swap_in_complete(self, req: Request, value: int) -> bool:
+        return req.host_keys is not None and value >= len(req.host_keys)
 
     def _send_write_back(self, req: Request, value: Any) -> None:
         self._running.discard(req.id)
@@ -251,4 +334,5 @@ class DecodeLifecycle(Lifecycle):
 
     def _recycle(self, req: Request, value: Any = None) -> None:
         self._running.discard(req.id)
+        self._drop_swap(req)
         super()._recycle(req, value)

@@ -10,6 +10,7 @@ __all__ = [
     "ValidationError",
     "BlockError",
     "OutOfBlocksError",
+    "HostTierFullError",
     "UnknownRequestError",
     "DuplicateRequestError",
     "InvalidTransitionError",
@@ -34,6 +35,11 @@ class BlockError(ValidationError):
 
 class OutOfBlocksError(KVStateError):
     """The block pool cannot satisfy an allocation (nothing was allocated)."""
+
+
+class HostTierFullError(OutOfBlocksError):
+    """The host tier cannot give every key a slot: each unreferenced entry is already
+    evictable and still too few (nothing was acquired)."""
 
 
 class UnknownRequestError(KVStateError, LookupError):

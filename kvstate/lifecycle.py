@@ -50,6 +50,8 @@ class Lifecycle:
     """The pool, requests, transfers and deadlines one role's machine drives."""
 
     DEFINITION: MachineDef
+    #: states besides the initial one whose wait has a deadline (``_wait``; fires ``timed_out``)
+    TIMED_WAITS: tuple[str, ...] = ()
 
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
@@ -259,7 +261,8 @@ class Lifecycle:
         retired), or its request still waiting in the initial state it was set in."""
         if kind == WAIT:
             req = self._reqs.get(ident[0])
-            return req is not None and req.wait_seq == ident[1] and req.state == self.DEFINITION.initial
+            return req is not None and req.wait_seq == ident[1] and \
+                (req.state == self.DEFINITION.initial or req.state in self.TIMED_WAITS)
         t = self._pending.get(ident)
         return t is not None and (kind == FENCE or not t.resolved)
 
@@ -269,13 +272,20 @@ class Lifecycle:
         self._timers.push(WAIT, self.clock() + timeout, (req.id, req.wait_seq))
 
     # -- transfers -------------------------------------------------------------------------------
-    def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int]) -> None:
-        """Send a read or write of ``keys`` into / from ``blocks``; ``trigger`` takes its answer."""
+    def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
+                  host_slots: Sequence[int] | None = None) -> None:
+        """Send a transfer of ``keys`` into / from ``blocks`` (and, for a swap, host tier
+        ``host_slots``, whose entries it references until it retires); ``trigger`` takes its answer."""
         cid = next(self._ids)
         deadline = self.clock() + self.policy.transfer_timeout
         ids = tuple(blocks)
-        cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=deadline + self.policy.fence_grace)
-        self._transfers.open(cmd, req, trigger, ids)
+        fence = deadline + self.policy.fence_grace
+        if host_slots is None:
+            cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence)
+            self._transfers.open(cmd, req, trigger, ids)
+        else:
+            cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, host_slots=tuple(host_slots))
+            self._transfers.open(cmd, req, trigger, ids, cmd.keys)
         self._timers.push(TRANSFER, deadline, cid)
         req.cmd = cid
         self._out.append(cmd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .hostpool import HostBlockPool
 from .pool import BlockPool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,9 +27,10 @@ class Transfer:
     """One outstanding transfer command: its per-rank answers and the blocks it touches."""
 
     __slots__ = ("cmd", "req", "trigger", "blocks", "counts", "left", "limit", "resolved", "pinned",
-                 "held", "inflight")
+                 "held", "inflight", "host_keys")
 
-    def __init__(self, cmd: TransferCommand, req: Request, trigger: str, blocks: Sequence[int]) -> None:
+    def __init__(self, cmd: TransferCommand, req: Request, trigger: str, blocks: Sequence[int],
+                 host_keys: Sequence[str] = ()) -> None:
         self.cmd = cmd
         self.req: Request | None = req  #: None once the request stopped waiting for it
         self.trigger = trigger  #: fired on the request with the answered count
@@ -40,20 +42,28 @@ class Transfer:
         self.pinned = False  #: it holds a reference to each of its blocks (its request let go)
         self.held = req.blocks  #: the request's block list it was cut from (replaced on release)
         self.inflight = req.inflight
+        self.host_keys = host_keys  #: host tier entries it references until it retires
         req.inflight.append(self)
 
 
 class Transfers:
     """The outstanding transfers of one lifecycle, by command id."""
 
-    __slots__ = ("pending", "_pool")
+    __slots__ = ("pending", "_pool", "host")
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host: HostBlockPool | None = None) -> None:
         self.pending: dict[int, Transfer] = {}  #: read directly on hot paths
         self._pool = pool
+        self.host = host  #: the host tier, whose entries swap transfers reference
 
-    def open(self, cmd: TransferCommand, req: Request, trigger: str, blocks: Sequence[int]) -> Transfer:
-        t = self.pending[cmd.command_id] = Transfer(cmd, req, trigger, blocks)
+    def open(self, cmd: TransferCommand, req: Request, trigger: str, blocks: Sequence[int],
+             host_keys: Sequence[str] = ()) -> Transfer:
+        """List a new transfer; one touching host tier entries references them until it retires
+        (so no slot is reused under a copy that may still run, even past its deadline)."""
+        if host_keys:
+            assert self.host is not None
+            self.host.retain(host_keys)
+        t = self.pending[cmd.command_id] = Transfer(cmd, req, trigger, blocks, host_keys)
         return t
 
     def pin(self, req: Request) -> None:
@@ -68,6 +78,9 @@ class Transfers:
         """Forget ``t`` (answered, or its fence passed); returns how many blocks its unpinning freed."""
         del self.pending[t.cmd.command_id]
         t.inflight.remove(t)
+        if t.host_keys:
+            assert self.host is not None
+            self.host.release(t.host_keys)
         return self._pool.release(t.blocks) if t.pinned else 0
 
     def pinned_blocks(self) -> dict[int, int]:

@@ -5,11 +5,12 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "ERROR_READ_FAILED", "ERROR_WRITE_FAILED",
+__all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "SWAP_FALLBACKS", "ERROR_READ_FAILED", "ERROR_WRITE_FAILED",
            "ERROR_ABORTED", "ERROR_TIMEOUT", "REASONS", "prefill_reason"]
 
 READ_FAILURE_MODES = ("fail", "recompute")  #: ``Policy.read_failure``
-PREEMPT_MODES = ("write", "recompute")  #: ``Policy.preempt``
+PREEMPT_MODES = ("write", "recompute", "swap")  #: ``Policy.preempt``
+SWAP_FALLBACKS = ("write", "recompute")  #: ``Policy.swap_fallback``
 
 ERROR_READ_FAILED = 502  #: D could not read the cache P wrote
 ERROR_WRITE_FAILED = 503  #: P could not write the cache; its first token carries this code
@@ -41,7 +42,15 @@ class Policy:
     - ``read_failure``: ``"fail"`` (end with 502 and recycle) or ``"recompute"`` (recompute
       from the longest prefix that was read on every rank).
     - ``preempt``: ``"write"`` (write the cache out, free after it completed, reload on
-      resume) or ``"recompute"`` (free at once, recompute on resume).
+      resume), ``"recompute"`` (free at once, recompute on resume) or ``"swap"`` (copy the
+      cache into the host tier, free after it completed, copy it back on resume; D needs a
+      host tier).
+    - ``swap_fallback``: when the host tier cannot take a cache (full) or its swap-out
+      fails: ``"write"`` (write it to the store as ``preempt="write"`` does) or
+      ``"recompute"``.
+    - ``swapped_timeout``: how long a swapped-out request may wait for ``resume`` before its
+      host copy is let go (it then recomputes on resume), so an engine that forgets a
+      request cannot hold the host tier forever.
     - ``transfer_timeout``: deadline of every outstanding command.
     - ``first_token_timeout``: how long D waits, from reserving blocks, for P's first token;
       past it the request fails (reason ``first_token_timeout``, 504) and its blocks are free.
@@ -60,6 +69,8 @@ class Policy:
     write_retries: int = 1
     read_failure: str = "fail"
     preempt: str = "write"
+    swap_fallback: str = "write"
+    swapped_timeout: float = 600.0
     transfer_timeout: float = 30.0
     first_token_timeout: float = 60.0
     queue_timeout: float = 30.0
@@ -70,13 +81,15 @@ class Policy:
         if self.read_failure not in READ_FAILURE_MODES:
             raise ConfigError(f"Policy.read_failure must be 'fail' or 'recompute', got {self.read_failure!r}")
         if self.preempt not in PREEMPT_MODES:
-            raise ConfigError(f"Policy.preempt must be 'write' or 'recompute', got {self.preempt!r}")
+            raise ConfigError(f"Policy.preempt must be one of {PREEMPT_MODES}, got {self.preempt!r}")
+        if self.swap_fallback not in SWAP_FALLBACKS:
+            raise ConfigError(f"Policy.swap_fallback must be one of {SWAP_FALLBACKS}, got {self.swap_fallback!r}")
         if not isinstance(self.write_retries, int) or self.write_retries < 0:
             raise ConfigError(f"Policy.write_retries must be an int >= 0, got {self.write_retries!r}")
         if not isinstance(self.decode_headroom_blocks, int) or self.decode_headroom_blocks < 0:
             raise ConfigError(
                 f"Policy.decode_headroom_blocks must be an int >= 0, got {self.decode_headroom_blocks!r}")
-        for name in ("transfer_timeout", "first_token_timeout", "queue_timeout", "fence_grace"):
+        for name in ("transfer_timeout", "first_token_timeout", "queue_timeout", "fence_grace", "swapped_timeout"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"Policy.{name} must be a number > 0, got {v!r}")

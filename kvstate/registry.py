@@ -25,7 +25,7 @@ class Request:
     """A live request's record."""
 
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base", "retries",
-                 "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight")
+                 "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight", "host_keys", "host_fresh")
 
     def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
@@ -44,6 +44,8 @@ class Request:
         self.stored_keys: list[str] | None = None  #: D: the keys a read brings back
         self.wait_seq = 0  #: identifies its current wait timer (0: none)
         self.inflight: list[Transfer] = []  #: its transfers not yet retired
+        self.host_keys: list[str] | None = None  #: D: keys it references in the host tier (swapped out)
+        self.host_fresh: list[str] = []  #: D: the keys its swap-out fills
 
 
 class Registry:

@@ -14,7 +14,8 @@ from conftest import Rig
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from protocol_invariants import DrainedAtTeardown, PoolInvariants
-from protocol_support import BS, STATS, StoreSwitch, snapshot
+from protocol_support import BS, KIND, STATS, StoreSwitch, snapshot
+from protocol_swaps import SwapRules
 
 from kvstate import InvalidTransitionError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
@@ -22,20 +23,23 @@ from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 
-class Protocol(PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
+class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
     CHECK_DRAINED = True  #: teardown checks the drained state (tests of single invariants turn it off)
 
     @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
-                preempt=st.sampled_from(["write", "recompute"]), retries=st.integers(0, 2),
-                capacity=st.sampled_from([1 << 26, 6000]), p_blocks=st.sampled_from([24, 6]))
-    def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks):
+                preempt=st.sampled_from(["write", "recompute", "swap", "swap", "swap"]), retries=st.integers(0, 2),
+                capacity=st.sampled_from([1 << 26, 6000]), p_blocks=st.sampled_from([24, 6]),
+                host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]))
+    def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback):
         from kvstate.backends import MemoryStore
         STATS["examples"] += 1
         self.switch = StoreSwitch(MemoryStore(capacity))
         # a small P pool makes admitted requests queue for blocks (P's "waiting" state)
-        self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch,
+        # a 3-slot host tier is too small for most caches: the swap fallback runs
+        self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
-                                     transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0),
+                                     transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
+                                     swap_fallback=swap_fallback, swapped_timeout=15.0),
                        first_token_timeout=12.0)
         self.tokens: dict[str, list[int]] = {}
         self.plen: dict[str, int] = {}  # prompt length per request
@@ -167,7 +171,7 @@ class Protocol(PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
         keys = [k for k in sorted(drv.pending) if k[0] == cid] if whole else [(cid, rank)]
         for key in keys:
             cmd = drv.pending[key]
-            kind = {"WriteBlocks": "write", "ReadBlocks": "read"}[type(cmd).__name__]
+            kind = KIND[type(cmd)]
             outcome = data.draw(st.sampled_from(["ok"] * 4 + ["fail", "partial", "never", "store_down"]))
             if outcome == "never":
                 self.faults["rank_never_answers"] += 1
@@ -203,20 +207,19 @@ class Protocol(PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
         self._process_notices()
 
     def _io_pending(self):
-        return [(drv, key) for drv in (self.rig.pd, self.rig.dd) for key, cmd in sorted(drv.pending.items())
-                if isinstance(cmd, (C.WriteBlocks, C.ReadBlocks))]
+        return [(drv, key) for drv in (self.rig.pd, self.rig.dd) for key, cmd in sorted(drv.pending.items())]
 
     @precondition(lambda self: self._io_pending())
     @rule(data=st.data(), how=st.sampled_from(["fail", "partial"]))
     def fault_io(self, data, how):
         """A write or read fails on one rank, or moves only its leading blocks there."""
         pending = self._io_pending()
-        reads = [(d, k) for d, k in pending if isinstance(d.pending[k], C.ReadBlocks)]
-        if reads:  # reads are rarer (they need a write first): fault them whenever there is one
-            pending = reads
+        rare = [(d, k) for d, k in pending if not isinstance(d.pending[k], C.WriteBlocks)]
+        if rare:  # reads and swaps are rarer (they need a write or a preemption first): fault them first
+            pending = rare
         drv, key = data.draw(st.sampled_from(pending))
         cmd = drv.pending[key]
-        kind = "write" if isinstance(cmd, C.WriteBlocks) else "read"
+        kind = KIND[type(cmd)]
         self.faults[f"{kind}_{how}"] += 1
         drv.complete(*key, "fail" if how == "fail" else data.draw(st.integers(0, max(0, len(cmd.keys) - 1))))
         self._process_notices()
@@ -315,6 +318,15 @@ class Protocol(PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
     def _running(self) -> list[str]:
         return sorted(r for r in self.rig.D.live_requests() if self.rig.D.state_of(r) == "running")
 
+    def _run_to_running(self) -> bool:
+        """Run the engine a little until some request is running on D; whether one is."""
+        rig = self.rig
+        for _ in range(4):
+            if self._running() or not (self.prefills or rig.pd.pending or rig.dd.pending):
+                break
+            self.progress()
+        return bool(self._running())
+
     @precondition(lambda self: self.rig.D.live_requests())
     @rule(data=st.data(), stage=st.sampled_from([0, 1, 2, 2, 2]), action=st.sampled_from(["cancel", "preempt"]))
     def deep_preempt(self, data, stage, action):
@@ -322,20 +334,16 @@ class Protocol(PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
         (write-back answered, resumed) before a cancel or a second preemption: reaches
         preempt_writing, preempted and reloading, which one-event rules rarely meet."""
         rig = self.rig
-        for _ in range(4):
-            if self._running() or not (self.prefills or rig.pd.pending or rig.dd.pending):
-                break
-            self.progress()
-        if not self._running():
+        if not self._run_to_running():
             return
         rid = data.draw(st.sampled_from(self._running()))
         self.faults["preempt"] += 1
         self.faults["preempt:running"] += 1
         rig.D.preempt(rid)
         self._process_notices()
-        if stage >= 1 and rig.D.state_of(rid) == "preempt_writing":
+        if stage >= 1 and rig.D.state_of(rid) in ("preempt_writing", "swapping_out"):
             self._answer_command("D", rid)
-        if stage >= 2 and rid in rig.D.live_requests() and rig.D.state_of(rid) == "preempted":
+        if stage >= 2 and rid in rig.D.live_requests() and rig.D.state_of(rid) in ("preempted", "swapped"):
             try:
                 rig.D.resume(rid)
             except OutOfBlocksError:
@@ -344,7 +352,7 @@ class Protocol(PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
         if rid not in rig.D.live_requests():
             return
         state = rig.D.state_of(rid)
-        if state == "preempt_writing":  # a second preemption while the write-back runs: rejected
+        if state in ("preempt_writing", "swapping_out"):  # a second preemption while the copy runs: rejected
             self.faults["preempt"] += 1
             self.faults[f"preempt:{state}"] += 1
             snap = snapshot(rig.D)

@@ -9,11 +9,12 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from kvstate import commands as C
 from kvstate.backends.stores import Store
 from kvstate.errors import StoreError
 
-__all__ = ["BS", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings", "StoreSwitch",
-           "snapshot"]
+__all__ = ["BS", "KIND", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings",
+           "StoreSwitch", "snapshot"]
 
 BS = 4
 
@@ -22,15 +23,18 @@ FAULT_CLASSES = (
     "write_fail", "write_partial", "evict_between_write_and_read", "read_fail", "read_partial",
     "rank_never_answers", "rank_answers_late", "store_unavailable", "cancel", "cancel_mid_transfer",
     "preempt", "duplicate_first_token", "late_first_token", "recycled_event", "tick",
-    "answer_after_fence",
+    "answer_after_fence", "swap_out_fail", "swap_out_partial", "swap_in_fail", "swap_in_partial",
 )
 INVARIANTS = (
     "block_owned_by_one_request", "refcount_equals_owners_plus_pins", "free_list_holds_exactly_the_unheld_blocks",
     "pool_counts_match_its_blocks", "every_transfer_has_a_timer_due_by_its_fence", "live_request_in_legal_state",
     "transfer_blocks_held_by_their_request_or_pinned",
-    "runnable_only_after_full_read_on_every_rank_with_p_bytes", "drained_all_terminal_and_empty",
+    "runnable_only_after_full_read_on_every_rank_with_p_bytes", "host_refs_equal_holders_plus_copies",
+    "drained_all_terminal_and_empty",
 )
 STATS: Counter[str] = Counter()
+#: the fault-class stem of each transfer command
+KIND = {C.WriteBlocks: "write", C.ReadBlocks: "read", C.SwapOut: "swap_out", C.SwapIn: "swap_in"}
 CORPUS = Path(__file__).with_name("protocol_corpus")
 
 PROFILES = {  # examples, steps per example

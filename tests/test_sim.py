@@ -230,6 +230,25 @@ def test_block_pressure_preempts_and_every_request_still_finishes(policy):
     assert_clean(cl)
 
 
+@pytest.mark.parametrize("host_blocks", [400, 12])
+def test_preemption_through_the_host_tier_round_trips_and_leaks_no_slot(host_blocks):
+    s = small(**{"cluster.gpu_blocks": 160, "workload.output_mean": 300.0, "workload.output_max": 600,
+                 "workload.rate": 100.0, "policy.preempt": "swap", "cluster.host_blocks": host_blocks})
+    cl, r = run(s)
+    assert r["preemptions"] > 0 and r["states"] == {"done": 120}
+    tier = r["host_tier"]
+    assert tier["swap_outs"] > 0 and tier["swap_ins"] == tier["swap_outs"]  # a small tier evicts, never fails here
+    assert (tier["evictions"] > 0) == (host_blocks == 12)
+    assert r["preemption_round_trip_ms"]["p50"] > 0
+    assert_clean(cl)
+    assert all(d.lc.host.stats().referenced == 0 for d in cl.decode)
+
+
+def test_swap_without_a_host_tier_is_refused():
+    with pytest.raises(ConfigError, match="host_blocks"):
+        small(**{"policy.preempt": "swap"})
+
+
 def test_injected_write_failures_end_requests_with_503_or_retry():
     cl, r = run(small(**{"faults.write_fail": 0.3}))
     assert r["injected_failures"]["write"] > 0

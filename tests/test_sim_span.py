@@ -59,6 +59,8 @@ CASES = {
     "plain": {},
     "preempt_write": {"cluster.gpu_blocks": 160, "workload.output_mean": 300.0, "workload.output_max": 600,
                       "workload.rate": 100.0, "policy.preempt": "write"},
+    "preempt_swap": {"cluster.gpu_blocks": 160, "workload.output_mean": 300.0, "workload.output_max": 600,
+                     "workload.rate": 100.0, "policy.preempt": "swap", "cluster.host_blocks": 40},
     "preempt_recompute": {"cluster.gpu_blocks": 160, "workload.output_mean": 300.0, "workload.output_max": 600,
                           "workload.rate": 100.0, "policy.preempt": "recompute"},
     "evictions_recompute": {"storage.capacity_gib": 0.25, "workload.rate": 200.0, "workload.prefix_groups": 0,

@@ -135,6 +135,18 @@ class TransferBackend(ABC):
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None) -> int:
         """Read ``keys[i]`` into block ``block_ids[i]``; how many leading blocks arrived whole."""
 
+    def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
+                 guard: Guard | None = None) -> int:
+        """Copy GPU block ``block_ids[i]`` into host tier slot ``host_slots[i]``; how many
+        leading blocks were copied. Backends without a host tier raise."""
+        raise ValidationError(f"{type(self).__name__} has no host tier: build it with host_blocks > 0")
+
+    def swap_in(self, rank: int, host_slots: Sequence[int], block_ids: Sequence[int],
+                guard: Guard | None = None) -> int:
+        """Copy host tier slot ``host_slots[i]`` into GPU block ``block_ids[i]``; how many
+        leading blocks were copied."""
+        raise ValidationError(f"{type(self).__name__} has no host tier: build it with host_blocks > 0")
+
     def close(self) -> None:  # noqa: B027 - a default, not an abstract method: the reference backend holds nothing
         """Release buffers and devices (idempotent)."""
 
@@ -174,6 +186,22 @@ class StoreBackend(TransferBackend):
             self._check_block(b)
         if len(set(block_ids)) != len(block_ids):
             raise ValidationError(f"{name}: block ids {list(block_ids)} name a block twice")
+
+    def _check_swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
+        """A swap's rank, block ids (as a transfer's) and host slots: one per block, in range, distinct."""
+        name = type(self).__name__
+        host_blocks = getattr(self, "host_blocks", 0)
+        if not host_blocks:
+            raise ValidationError(f"{name} has no host tier: build it with host_blocks > 0")
+        self._check_transfer(rank, [f"block{b}" for b in range(len(block_ids))], block_ids)
+        if isinstance(host_slots, (str, bytes)) or not isinstance(host_slots, Sequence) \
+                or len(host_slots) != len(block_ids):
+            raise ValidationError(f"{name}: host slots must be a sequence of one int per block ({len(block_ids)})")
+        for h in host_slots:
+            if not is_int(h) or not 0 <= h < host_blocks:
+                raise ValidationError(f"{name}: host slot {h!r} outside 0..{host_blocks - 1}")
+        if len(set(host_slots)) != len(host_slots):
+            raise ValidationError(f"{name}: host slots {list(host_slots)} name a slot twice")
 
     def _check_block(self, b: Any) -> None:
         if not is_int(b) or not 0 <= b < self.num_blocks:

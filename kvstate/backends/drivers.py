@@ -45,6 +45,10 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
                 n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
         elif isinstance(cmd, C.ReadBlocks):
             n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
+        elif isinstance(cmd, C.SwapOut):
+            n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
+        elif isinstance(cmd, C.SwapIn):
+            n = backend.swap_in(rank, cmd.host_slots[:len(keys)], cmd.block_ids[:len(keys)], guard)
         else:
             raise ValidationError(f"cannot execute {type(cmd).__name__}")
     except (KVStateError, OSError) as e:
@@ -134,7 +138,7 @@ class StepDriver:
         return steps
 
 
-_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks))
+_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks, C.SwapOut, C.SwapIn))
 _STOP = object()
 
 

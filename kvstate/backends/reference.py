@@ -19,6 +19,7 @@ import numpy as np
 
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
+from ..validate import check_int
 from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
 
 __all__ = ["ReferenceBackend"]
@@ -27,8 +28,12 @@ __all__ = ["ReferenceBackend"]
 class ReferenceBackend(StoreBackend):
     """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0) -> None:
         self._setup(spec, num_blocks, store)
+        check_int(host_blocks, "ReferenceBackend: host_blocks", minimum=0)
+        self.host_blocks = host_blocks  #: slots of the host tier arena, per rank
+        #: host[rank][kind] -> block-major arena [host_blocks, layers, heads, block_size, dim]
+        self.host = [self._host(host_blocks) for _ in range(spec.tp_size)] if host_blocks else []
         #: caches[rank][kind] -> list of per-layer arrays [num_blocks, heads, block_size, dim]
         self.caches = [
             {kind: [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
@@ -51,7 +56,29 @@ class ReferenceBackend(StoreBackend):
             layer[block_id] = np.frombuffer(data, layer.dtype, offset=i * chunk,
                                             count=layer[block_id].size).reshape(layer.shape[1:])
 
+    def host_slot_bytes(self, rank: int, kind: str, slot: int) -> bytes:
+        """One host tier slot of ``kind`` on ``rank``, in the stored (block-major) layout."""
+        self._check_swap(rank, [0], [slot])
+        return self.host[rank][kind][slot].tobytes()
+
     # -- TransferBackend -----------------------------------------------------------------------
+    def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
+                 guard: Guard | None = None) -> int:
+        return self._swap(rank, block_ids, host_slots, "d2h", guard)
+
+    def swap_in(self, rank: int, host_slots: Sequence[int], block_ids: Sequence[int],
+                guard: Guard | None = None) -> int:
+        return self._swap(rank, block_ids, host_slots, "h2d", guard)
+
+    def _swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int], direction: str,
+              guard: Guard | None) -> int:
+        self._check_swap(rank, block_ids, host_slots)
+        check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", block_ids)
+        if block_ids:
+            for kind, arena in self.host[rank].items():
+                swap_cache_layout(self.caches[rank][kind], arena, list(block_ids), list(host_slots), direction)
+        return len(block_ids)
+
     def _host(self, n: int) -> dict[str, np.ndarray]:
         s = self.spec
         return {k: np.empty((n, s.layers) + s.block_shape(k), s.kind_dtype(k)) for k in s.kinds}

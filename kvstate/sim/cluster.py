@@ -65,7 +65,9 @@ class Cluster:
         self.rng = np.random.default_rng(s.seed + 1)
         self.faults_write, self.faults_read = s.faults.write_fail, s.faults.read_fail
         self.counters = dict.fromkeys(("preemptions", "partial_reads", "injected_write_failures",
-                                       "injected_read_failures", "backlogged", "rejected_too_long"), 0)
+                                       "injected_read_failures", "backlogged", "rejected_too_long", "swap_outs",
+                                       "swap_ins", "blocks_swapped_out", "blocks_swapped_in"), 0)
+        self.round_trips: list[float] = []  #: seconds from each preemption to decoding again
         self.reqs: dict[str, SimRequest] = {}
         self.live: set[str] = set()  #: requests not yet ended
         self.done: list[SimRequest] = []

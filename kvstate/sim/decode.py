@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["DecodeInstance"]
 
+_COPYING_OUT = ("preempt_writing", "swapping_out")  # preempted, blocks freed once the copy answers
+_PARKED = ("preempted", "swapped")  # preempted, blocks freed: may resume
+
 
 class DecodeInstance(Instance):
     """One D instance and its decode loop."""
@@ -72,6 +75,9 @@ class DecodeInstance(Instance):
         self.spans = self.cuts = 0  #: spans slept through, and those cut short
         self._proc = self.env.process(self._loop())
 
+    def lifecycle_options(self, s) -> dict:
+        return {"host_blocks": s.cluster.host_blocks}
+
     @property
     def running(self) -> int:
         return len(self.batch) + len(self.overflow)
@@ -84,6 +90,9 @@ class DecodeInstance(Instance):
         if t is C.StartDecode:
             req = cl.reqs[cmd.request_id]
             req.cap = len(cast(C.StartDecode, cmd).block_ids) * cl.block_size
+            if req.preempted_at is not None:  # back from a preemption: its round trip
+                cl.round_trips.append(self.env.now - req.preempted_at)
+                req.preempted_at = None
             if req.generated >= req.out:
                 self.finishing.append(req)  # one-token answers: nothing left to decode
             else:
@@ -324,7 +333,7 @@ class DecodeInstance(Instance):
 
     def _writing_back(self) -> bool:
         live, lc = self.cluster.live, self.lc
-        return any(r.rid in live and lc.state_of(r.rid) == "preempt_writing" for _, r in self.preempted)
+        return any(r.rid in live and lc.state_of(r.rid) in _COPYING_OUT for _, r in self.preempted)
 
     def _preempt(self, req: SimRequest) -> None:
         if req.rid in self.batch:
@@ -345,6 +354,7 @@ class DecodeInstance(Instance):
         req.explicit = True
         self._sync(req, req.ctx)
         req.preemptions += 1
+        req.preempted_at = self.env.now
         self.cluster.counters["preemptions"] += 1
         self.lc.preempt(req.rid)
         heapq.heappush(self.preempted, (req.index, req))
@@ -355,11 +365,11 @@ class DecodeInstance(Instance):
         while pre:
             req = pre[0][1]
             state = lc.state_of(req.rid) if req.rid in live else "ended"
-            if state not in ("preempted", "preempt_writing"):
+            if state not in _PARKED and state not in _COPYING_OUT:
                 heapq.heappop(pre)
                 continue
-            if state != "preempted":
-                return  # in arrival order: its write-back is still running
+            if state not in _PARKED:
+                return  # in arrival order: its write-back or swap-out is still running
             # its cache and its next token, as at reservation: resuming into exactly its old
             # blocks would leave it no room to grow, and it would be preempted again at once
             need = self.cluster.cache_spec.blocks_for(req.synced + 1)

@@ -25,7 +25,7 @@ from .tp import RankPools
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import Cluster
 
-__all__ = ["Instance", "Transfer"]
+__all__ = ["Instance", "Transfer", "Swap"]
 
 
 class Transfer:
@@ -55,6 +55,27 @@ class Transfer:
         self.inst.answer(self, rank)
 
 
+class Swap:
+    """One swap command (GPU blocks to or from the host tier) as a task of the rank pools."""
+
+    __slots__ = ("inst", "cmd", "label", "out")
+
+    def __init__(self, inst: Instance, cmd: C.TransferCommand, out: bool) -> None:
+        self.inst, self.cmd, self.out, self.label = inst, cmd, out, cmd.command_id
+
+    def start(self, rank: int) -> float:
+        n = len(self.cmd.keys)
+        return self.inst.link_time(rank, "d2h" if self.out else "h2d", n) if n else 0.0
+
+    def finish(self, rank: int) -> None:
+        inst, cmd = self.inst, self.cmd
+        count = 0 if cmd.command_id in inst.cancelled else len(cmd.keys)
+        inst.lc.complete(Completion(cmd.command_id, rank, count, error="cancelled" if not count and cmd.keys else None))
+        inst.pump()
+        if not inst.cluster.live:
+            inst.cluster.check_finished()
+
+
 class Instance:
     """One P or D instance: its lifecycle, rank pools and links (the role adds compute)."""
 
@@ -66,7 +87,8 @@ class Instance:
         self.cluster, self.idx, self.env = cluster, idx, env
         self.name = f"{self.role[0].upper()}{idx}"
         self.lc = self.lifecycle_cls(cluster.cache_spec, cluster.gpu_blocks, cluster.policy,
-                                     clock=lambda: env.now, namespace=s.model.name, key_cache=cluster.key_cache)
+                                     clock=lambda: env.now, namespace=s.model.name, key_cache=cluster.key_cache,
+                                     **self.lifecycle_options(s))
         tp = s.cluster.tp
         self.link_free = [0.0] * tp
         self.cancelled: set[int] = set()
@@ -81,7 +103,22 @@ class Instance:
         self._noted_at, self._noted_used = 0.0, 0  # time and blocks used of the last note
         self._link_cost: dict[tuple[str, int], float] = {}
 
+    def lifecycle_options(self, s: Any) -> dict[str, Any]:
+        """Role-specific keyword arguments of the lifecycle (D's host tier)."""
+        return {}
+
     # -- transfers ---------------------------------------------------------------------------
+    def link_time(self, rank: int, direction: str, n: int) -> float:
+        """Seconds of one rank's PCIe copy of ``n`` blocks starting now, queued on its link
+        (a swap between GPU blocks and the host tier: no storage pool in it)."""
+        now = self.env.now
+        link = self._link_cost.get((direction, n))
+        if link is None:
+            link = self._link_cost[(direction, n)] = self.cluster.link_seconds(direction, n)
+        start = max(self.link_free[rank], now)
+        self.link_free[rank] = end = start + link
+        return end - now
+
     def transfer_time(self, rank: int, direction: str, n: int) -> float:
         """Seconds of one rank's part of a transfer of ``n`` blocks starting now."""
         cl = self.cluster
@@ -133,6 +170,14 @@ class Instance:
                 tc = cast(C.TransferCommand, cmd)
                 write = t is C.WriteBlocks
                 (self.write_pool if write else self.read_pool).submit(Transfer(self, tc, write), tc.ranks)
+                timed = True
+            elif t is C.SwapOut or t is C.SwapIn:
+                tc = cast(C.TransferCommand, cmd)
+                out = t is C.SwapOut
+                counters = self.cluster.counters
+                counters["swap_outs" if out else "swap_ins"] += 1
+                counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
+                (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
                 timed = True
             elif t is C.CancelCommand:
                 self.cancelled.add(cast(C.CancelCommand, cmd).command_id)

@@ -210,6 +210,8 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
         "prefix_hit_rate": round(sum(r.cached_tokens for r in reqs) / prompt, 4) if prompt else 0.0,
         "storage": _storage(cl, end),
         "partial_reads": cl.counters["partial_reads"], "preemptions": cl.counters["preemptions"],
+        "preemption_round_trip_ms": latency_stats(cl.round_trips),
+        "host_tier": _host_tier(cl),
         "backlogged_requests": cl.counters["backlogged"], "rejected_too_long": cl.counters["rejected_too_long"],
         "late_events": {k[5:]: v for k, v in sorted(cl.counters.items()) if k.startswith("late_")},
         "injected_failures": {"write": cl.counters["injected_write_failures"],
@@ -222,6 +224,19 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
                           "TPOT": [1000 * r.tpot for r in ok if r.out > 1],
                           "E2E": [1000 * r.e2e for r in ok]},
     }
+
+
+def _host_tier(cl: Cluster) -> dict[str, Any] | None:
+    """D's host tiers summed: slots, swaps by the lifecycles' counts, reuse and evictions."""
+    tiers = [d.lc.host for d in cl.decode if d.lc.host is not None]
+    if not tiers:
+        return None
+    stats = [t.stats() for t in tiers]
+    return {"slots_per_instance": stats[0].slots, "entries": sum(x.entries for x in stats),
+            "swap_outs": cl.counters["swap_outs"], "swap_ins": cl.counters["swap_ins"],
+            "blocks_swapped_out": cl.counters["blocks_swapped_out"],
+            "blocks_swapped_in": cl.counters["blocks_swapped_in"],
+            "evictions": sum(x.evictions for x in stats)}
 
 
 def _peaks(series: list[dict[str, Any]]) -> dict[str, Any]:

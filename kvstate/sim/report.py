@@ -69,8 +69,17 @@ def _resources(r: dict[str, Any]) -> list[str]:
         f"{r['partial_reads']:,} partial reads",
         f"preemptions {r['preemptions']:,}, backlogged arrivals {r['backlogged_requests']:,}, "
         f"late events {_counts(late) if late else 'none'}",
-        f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):",
     ]
+    if r["preemptions"]:
+        rt = r["preemption_round_trip_ms"]
+        lines.append(f"preemption round trip (preempted to decoding again): p50 {rt['p50']:,.1f} ms, "
+                     f"p99 {rt['p99']:,.1f} ms")
+    tier = r["host_tier"]
+    if tier:
+        lines.append(f"host tier: {tier['slots_per_instance']:,} slots per D, {tier['swap_outs']:,} swap-outs "
+                     f"({tier['blocks_swapped_out']:,} blocks copied), {tier['swap_ins']:,} swap-ins "
+                     f"({tier['blocks_swapped_in']:,} blocks), {tier['evictions']:,} evictions")
+    lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):")
     for name, i in r["instances"].items():
         slots = f", batch slots {_pct(i['batch_slots_used'])}" if "batch_slots_used" in i else ""
         lines.append(f"  {name:<4} compute {_pct(i['compute_busy'])}{slots}, blocks {_pct(i['blocks_used'])} "

@@ -22,7 +22,7 @@ class SimRequest:
 
     __slots__ = ("rid", "index", "arrival", "input_len", "out", "tokens", "d", "p", "first_token",
                  "finish", "last_token", "state", "error", "reason", "generated", "ctx", "synced", "cap",
-                 "base", "preemptions", "cached_tokens", "s0", "ver", "event_step", "explicit")
+                 "base", "preemptions", "cached_tokens", "s0", "ver", "event_step", "explicit", "preempted_at")
 
     def __init__(self, a: Arrival) -> None:
         self.rid = f"r{a.index}"
@@ -45,6 +45,7 @@ class SimRequest:
         self.cap = 0  #: tokens its D blocks can hold
         self.base = unique_start(a.index, salt=1)  #: where the run of its decoded tokens starts
         self.preemptions = 0
+        self.preempted_at: float | None = None  #: when its pending preemption began
         self.cached_tokens = 0  #: prompt tokens P read from storage
         self.s0 = 0  #: the D step its progress is counted from
         self.ver = 0  #: bumped when it leaves a batch: its scheduled event is stale

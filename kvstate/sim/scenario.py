@@ -17,7 +17,7 @@ from typing import Any
 
 from ..dtypes import DTYPES
 from ..errors import ConfigError
-from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, Policy
+from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, SWAP_FALLBACKS, Policy
 from ..spec import CacheSpec
 from .tp import PROTOCOLS
 
@@ -139,11 +139,12 @@ class ClusterSpec(_Section):
     decode_max_batch: int = _f(256, "requests decoded together in one step")
     staging_mib: int = _f(64, "pinned staging per rank (transfers pipeline in pieces of this size)")
     transfer_workers: int = _f(2, "transfer workers per rank and direction (read / write)")
+    host_blocks: int = _f(0, "host tier slots per D instance (pinned host memory, one block each); 0: none")
 
     def check(self) -> None:
         self.positive("n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch", "staging_mib",
                       "transfer_workers")
-        self.non_negative("gpu_blocks")
+        self.non_negative("gpu_blocks", "host_blocks")
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,9 @@ class TpSpec(_Section):
 class PolicySpec(_Section):
     """The lifecycle :class:`~kvstate.policy.Policy` the instances run (times in seconds)."""
 
-    preempt: str = _f("write", f"one of {list(PREEMPT_MODES)}: write the cache out, or recompute it")
+    preempt: str = _f("write", f"one of {list(PREEMPT_MODES)}: write the cache out, recompute it, or swap it "
+                               "to the host tier (needs cluster.host_blocks)")
+    swap_fallback: str = _f("write", f"one of {list(SWAP_FALLBACKS)}: when the host tier is full or a swap fails")
     read_failure: str = _f("recompute", f"one of {list(READ_FAILURE_MODES)}: end with 502, or recompute")
     write_retries: int = _f(1, "extra attempts after a failed or partial write")
     decode_headroom_blocks: int = _f(1, "blocks D keeps free per running request when it reserves")
@@ -205,6 +208,7 @@ class PolicySpec(_Section):
 
     def check(self) -> None:
         self.choice("preempt", PREEMPT_MODES)
+        self.choice("swap_fallback", SWAP_FALLBACKS)
         self.choice("read_failure", READ_FAILURE_MODES)
         self.non_negative("write_retries", "decode_headroom_blocks")
         self.positive("transfer_timeout_s", "first_token_timeout_s", "queue_timeout_s", "fence_grace_s")
@@ -212,7 +216,7 @@ class PolicySpec(_Section):
     def to_policy(self) -> Policy:
         """The lifecycle policy these settings describe (the one place they are mapped)."""
         return Policy(read_prefix=self.read_prefix, write_retries=self.write_retries,
-                      read_failure=self.read_failure, preempt=self.preempt,
+                      read_failure=self.read_failure, preempt=self.preempt, swap_fallback=self.swap_fallback,
                       transfer_timeout=self.transfer_timeout_s, first_token_timeout=self.first_token_timeout_s,
                       queue_timeout=self.queue_timeout_s, fence_grace=self.fence_grace_s,
                       decode_headroom_blocks=self.decode_headroom_blocks)
@@ -313,6 +317,8 @@ class Scenario(_Section):
         if self.model.kv_heads % self.cluster.tp:
             raise ConfigError(f"[cluster] tp: the model's {self.model.kv_heads} KV heads do not split "
                               f"over {self.cluster.tp} ranks")
+        if self.policy.preempt == "swap" and not self.cluster.host_blocks:
+            raise ConfigError("[policy] preempt = \"swap\" needs a host tier: set [cluster] host_blocks > 0")
 
     # -- derived figures -----------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:
