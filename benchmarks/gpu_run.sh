@@ -19,3 +19,4 @@ python3 benchmarks/engine.py $ANCHOR_ARG ${ENGINE_ARGS:-} --out "$OUT/engine.jso
 if [ -f .dev/swap_small.py ] && [ -z "${NO_ANCHOR:-}" ]; then
   (cd "$OUT" && OUT=. python3 "$OLDPWD/.dev/swap_small.py") 2>&1 | tee "$OUT/anchor.log"
 fi
+python3 benchmarks/host_tier.py ${HOST_TIER_ARGS:-} --out "$OUT/host_tier.json" 2>&1 | tee "$OUT/host_tier.log"

@@ -77,3 +77,74 @@ def test_backend_over_engine_torch_caches_pipelined_and_short_read():
     finally:
         p.close()
         d.close()
+
+
+@gpu
+def test_host_tier_swaps_bytes_between_gpu_blocks_and_pinned_slots():
+    from kvstate import CacheSpec, ValidationError
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+
+    spec = CacheSpec(num_layers=3, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
+    b = CudaBackend(spec, 16, MemoryStore(1 << 24), host_blocks=8)
+    try:
+        rng = __import__("numpy").random.default_rng(0)
+        for r in range(2):
+            for kind in spec.kinds:
+                for blk in range(16):
+                    b.fill_block(r, kind, blk, rng.integers(0, 255, spec.block_bytes(kind), dtype="uint8").tobytes())
+        orig = {(r, k, blk): b.block_bytes(r, k, blk) for r in range(2) for k in spec.kinds for blk in range(16)}
+        for r in range(2):
+            assert b.swap_out(r, [3, 9, 14], [7, 0, 4]) == 3
+            assert b.host_slot_bytes(r, "key", 0) == orig[(r, "key", 9)]
+            for kind in spec.kinds:  # the GPU blocks are reused for something else
+                for blk in (3, 9, 14):
+                    b.fill_block(r, kind, blk, bytes(spec.block_bytes(kind)))
+            assert b.swap_in(r, [7, 0, 4], [1, 2, 3]) == 3
+            for kind in spec.kinds:
+                assert [b.block_bytes(r, kind, x) for x in (1, 2, 3)] == [orig[(r, kind, x)] for x in (3, 9, 14)]
+        before = b.host_slot_bytes(0, "value", 7)
+        with pytest.raises(ValidationError):
+            b.swap_out(0, [1, 2], [7, 8])  # slot 8 is past the arena: nothing moves
+        assert b.host_slot_bytes(0, "value", 7) == before
+        assert b.pinned_bytes >= 8 * spec.bytes_per_block_per_rank * 2
+    finally:
+        b.close()
+
+
+@gpu
+def test_a_preempted_request_swaps_through_the_cuda_host_tier_and_back():
+    from kvstate import CacheSpec, DecodeLifecycle, Policy
+    from kvstate.backends import MemoryStore, StepDriver
+    from kvstate.backends.cuda import CudaBackend
+    from kvstate.keys import block_keys
+    from kvstate.testing import fill_blocks, mismatched_blocks
+
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=32, dtype="bfloat16", tp_size=2)
+    lc = DecodeLifecycle(spec, 24, Policy(preempt="swap", read_failure="recompute"), host_blocks=12)
+    b = CudaBackend(spec, 24, MemoryStore(1 << 24), host_blocks=12)
+    drv = StepDriver(lc, b)
+    try:
+        toks = list(range(30))
+        lc.reserve("r", toks)
+        lc.deliver_first_token("r", 5)
+        drv.run_until_idle()  # nothing stored: the read misses and the cache is recomputed
+        lc.recompute_done("r")
+        full = toks + [5]
+        blocks = lc.blocks_of("r")
+        fill_blocks(b, block_keys(full[:-1], 4), blocks)
+        lc.preempt("r")
+        drv.run_until_idle()
+        assert lc.state_of("r") == "swapped" and lc.pool.num_used == 0
+        for blk in blocks:  # the freed blocks are overwritten by other requests
+            for r in range(2):
+                for kind in spec.kinds:
+                    b.fill_block(r, kind, blk, bytes(spec.block_bytes(kind)))
+        new = lc.resume("r")
+        drv.run_until_idle()
+        assert lc.state_of("r") == "running"
+        assert not mismatched_blocks(b, block_keys(full[:-1], 4), new)
+        lc.finish("r")
+        assert lc.host.stats().referenced == 0 and lc.pool.num_used == 0
+    finally:
+        b.close()

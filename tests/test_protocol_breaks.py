@@ -105,3 +105,19 @@ def test_drained_all_terminal_and_empty(monkeypatch):
         return real(self, t)
     monkeypatch.setattr(Transfers, "retire", keeps_pins)
     fires("drained_all_terminal_and_empty")
+
+
+def test_host_refs_equal_holders_plus_copies(monkeypatch):
+    real = Transfers.retire
+
+    def forgets_the_copys_host_reference(self, t):
+        t.host_keys = ()  # a retired swap keeps its host entries referenced: slots never come back
+        return real(self, t)
+    monkeypatch.setattr(Transfers, "retire", forgets_the_copys_host_reference)
+    fires("host_refs_equal_holders_plus_copies")
+
+
+def test_swap_in_of_a_partial_copy_is_caught(monkeypatch):
+    """A swap-in that declares a partial copy complete starts decoding on wrong bytes."""
+    monkeypatch.setattr(DecodeLifecycle, "_swap_in_complete", lambda self, req, value: True)
+    fires("runnable_only_after_full_read_on_every_rank_with_p_bytes")

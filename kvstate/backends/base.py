@@ -164,6 +164,7 @@ class StoreBackend(TransferBackend):
             raise ValidationError(f"{name}: store must be a kvstate Store")
         self.spec, self.num_blocks, self.store = spec, num_blocks, store
         self.bytes_moved = 0  #: payload bytes written to and read from the store
+        self.bytes_swapped = 0  #: payload bytes copied to and from the host tier
 
     def _check_keys(self, rank: int, keys: Sequence[str]) -> None:
         """Rank in range; keys a sequence of non-empty str. Raises before anything is touched."""

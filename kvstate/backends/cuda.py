@@ -8,6 +8,9 @@ while the store copies piece *k* out of the other; a read gets piece *k+1* from 
 while piece *k* is scattered to the GPU. Completion is a CUDA event; the calling (driver)
 thread waits for it with a timeout, so the engine's thread never blocks on a transfer.
 
+With ``host_blocks``, each rank also owns the host tier's pinned block-major arena: a swap
+moves blocks straight between the GPU caches and its slots, one kernel per kind.
+
 Like every backend it knows nothing of request states: it answers how many *leading* blocks
 it stored, read or found.
 """
@@ -22,6 +25,7 @@ import numpy as np
 from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
+from ..validate import check_int
 from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
 
 __all__ = ["CudaBackend"]
@@ -36,8 +40,11 @@ class CudaBackend(StoreBackend):
     """
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
-                 device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0) -> None:
+                 device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
+                 host_blocks: int = 0) -> None:
         self._setup(spec, num_blocks, store)
+        check_int(host_blocks, "CudaBackend: host_blocks", minimum=0)
+        self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
         per_block = spec.bytes_per_block_per_rank
         if not isinstance(staging_bytes, int) or staging_bytes < 2 * per_block:
             raise ValidationError(f"CudaBackend: staging_bytes must hold two blocks ({2 * per_block} bytes "
@@ -57,6 +64,7 @@ class CudaBackend(StoreBackend):
         try:
             self._layers: list[dict[str, DeviceLayers]] = []
             self._slots: list[list[dict[str, np.ndarray]]] = []
+            self._host: list[dict[str, np.ndarray]] = []
             for r in range(spec.tp_size):
                 sw = CudaSwapper(device, timeout=timeout)
                 self._swappers.append(sw)
@@ -78,10 +86,14 @@ class CudaBackend(StoreBackend):
                 self._slots.append([
                     {k: sw.pinned((self.per_slot, spec.layers) + spec.block_shape(k), spec.kind_dtype(k))
                      for k in spec.kinds} for _ in range(2)])
+                if host_blocks:  # the host tier: block-major, slot i at the same place on every rank
+                    self._host.append({k: sw.pinned((host_blocks, spec.layers) + spec.block_shape(k),
+                                                    spec.kind_dtype(k)) for k in spec.kinds})
         except BaseException:
             self.close()
             raise
-        self.pinned_bytes = 2 * self.per_slot * per_block * spec.tp_size  #: pinned staging in all
+        #: pinned host memory in all: staging, and the host tier's arena
+        self.pinned_bytes = (2 * self.per_slot + host_blocks) * per_block * spec.tp_size
 
     # -- block access (tests, the demo's fake compute) -----------------------------------------
     def caches(self, rank: int, kind: str) -> DeviceLayers:
@@ -105,7 +117,39 @@ class CudaBackend(StoreBackend):
             part = np.frombuffer(data, v.dtype, offset=i * chunk, count=v[block_id].size)
             v[block_id] = self.cp.asarray(part.reshape(v.shape[1:]))
 
+    def host_slot_bytes(self, rank: int, kind: str, slot: int) -> bytes:
+        """One host tier slot of ``kind`` on ``rank``, in the stored (block-major) layout."""
+        self._check_open()
+        self._check_swap(rank, [0], [slot])
+        return self._host[rank][kind][slot].tobytes()
+
     # -- TransferBackend -----------------------------------------------------------------------
+    def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
+                 guard: Guard | None = None) -> int:
+        return self._swap(rank, block_ids, host_slots, "d2h", guard)
+
+    def swap_in(self, rank: int, host_slots: Sequence[int], block_ids: Sequence[int],
+                guard: Guard | None = None) -> int:
+        return self._swap(rank, block_ids, host_slots, "h2d", guard)
+
+    def _swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int], direction: str,
+              guard: Guard | None) -> int:
+        """One kernel per kind straight between the GPU caches and the arena's slots (no staging)."""
+        self._check_open()
+        self._check_swap(rank, block_ids, host_slots)
+        if not block_ids:
+            return 0
+        ids, slots = np.asarray(block_ids, np.int64), np.asarray(host_slots, np.int64)
+        sw, ev = self._swappers[rank], None
+        with self._locks[rank]:
+            check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", block_ids)
+            for kind in self.spec.kinds:
+                ev = sw.swap_cache_layout_async(self._layers[rank][kind], self._host[rank][kind], ids, slots,
+                                                direction)
+            sw.wait(ev)
+        self.bytes_swapped += len(block_ids) * self.spec.bytes_per_block_per_rank
+        return len(block_ids)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ValidationError("CudaBackend is closed")
@@ -192,3 +236,4 @@ class CudaBackend(StoreBackend):
         self._swappers.clear()
         self._layers = []
         self._slots = []
+        self._host = []

@@ -7,6 +7,9 @@ puts one object per (block, kind, rank); a read gets the objects into the host b
 scatters the blocks that arrived whole (``"h2d"``). The backend knows nothing of request
 states: it answers how many *leading* blocks it stored, read or found.
 
+With ``host_blocks`` each rank also holds the host tier's block-major arena; a swap moves
+blocks between the caches and its slots with the same op.
+
 The ``guard`` (see :mod:`kvstate.backends.base`) is asked just before blocks are gathered or
 scattered. Only the slow store operation runs between the check and the end of the command;
 the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
@@ -77,6 +80,7 @@ class ReferenceBackend(StoreBackend):
         if block_ids:
             for kind, arena in self.host[rank].items():
                 swap_cache_layout(self.caches[rank][kind], arena, list(block_ids), list(host_slots), direction)
+        self.bytes_swapped += len(block_ids) * self.spec.bytes_per_block_per_rank
         return len(block_ids)
 
     def _host(self, n: int) -> dict[str, np.ndarray]:
