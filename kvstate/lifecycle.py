@@ -31,6 +31,7 @@ from typing import Any
 from . import commands as C
 from . import events as E
 from .errors import ValidationError
+from .hostpool import HostBlockPool
 from .keys import KeyCache, keys_of_packed
 from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
@@ -72,6 +73,7 @@ class Lifecycle:
         self._requests = Registry(self.DEFINITION.name)
         self._reqs = self._requests.live  # the live requests by id (hot paths read it directly)
         self._transfers = Transfers(self.pool)
+        self.host: HostBlockPool | None = None  #: the host tier's slots (a role with one sets it)
         self._pending = self._transfers.pending
         self._timers = Timers()
         self._out: list[C.Command] = []  # swapped out whole by poll_commands
@@ -273,9 +275,11 @@ class Lifecycle:
 
     # -- transfers -------------------------------------------------------------------------------
     def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
-                  host_slots: Sequence[int] | None = None) -> None:
+                  host_slots: Sequence[int] | None = None, awaited: bool = True) -> None:
         """Send a transfer of ``keys`` into / from ``blocks`` (and, for a swap, host tier
-        ``host_slots``, whose entries it references until it retires); ``trigger`` takes its answer."""
+        ``host_slots``, whose entries it references until it retires); ``trigger`` takes its
+        answer, unless the request does not wait for it (``awaited=False``: a copy that only
+        pins its blocks once the request lets go of them)."""
         cid = next(self._ids)
         deadline = self.clock() + self.policy.transfer_timeout
         ids = tuple(blocks)
@@ -287,7 +291,8 @@ class Lifecycle:
             cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, host_slots=tuple(host_slots))
             self._transfers.open(cmd, req, trigger, ids, cmd.keys)
         self._timers.push(TRANSFER, deadline, cid)
-        req.cmd = cid
+        if awaited:
+            req.cmd = cid
         self._out.append(cmd)
 
     def _resolve(self, t: Transfer) -> None:

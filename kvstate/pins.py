@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .commands import SwapOut
 from .hostpool import HostBlockPool
 from .pool import BlockPool
 
@@ -80,6 +81,9 @@ class Transfers:
         t.inflight.remove(t)
         if t.host_keys:
             assert self.host is not None
+            counts = t.counts
+            if t.cmd.__class__ is SwapOut and len(counts) == len(t.cmd.ranks) and min(counts.values()) >= t.limit:
+                self.host.commit(t.host_keys)  # every rank copied every block whole: the entries hold
             self.host.release(t.host_keys)
         return self._pool.release(t.blocks) if t.pinned else 0
 

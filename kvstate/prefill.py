@@ -8,6 +8,15 @@ Rules:
 - With blocks, P reads the longest stored prefix of full blocks (leaving at least one token to
   compute), when the policy says so; the read answers how many leading blocks it found, so a
   lookup costs no round trip of its own. Then P prefills from there.
+- With a host tier (``host_blocks``), the prefix is looked up by tier: the leading blocks ready
+  in host memory are copied in first (``loading_prefix``, a ``SwapIn``), and only the rest is
+  read from the store; a partial copy prefills from where it stopped. Blocks found per tier are
+  counted (``counters['host_prefix_blocks']``, ``counters['store_prefix_blocks']``).
+- Once the cache is stored and the first token sent, P also copies it into its host tier
+  (write-through: the store always holds it, for D), keys already there being shared. The
+  copy is not awaited: the request ends ``done`` at once, the copy pins its blocks until it
+  answers, and its entries become hits only if every rank copied them whole. A full tier
+  skips the copy.
 - P writes the cache, skipping the leading blocks already stored (a write first asks the store
   which leading keys it holds: keys are content hashes, so a stored key holds these bytes). A
   failed or partial write is retried ``Policy.write_retries`` times from where it stopped.
@@ -24,15 +33,16 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
+from .hostpool import HostBlockPool
 from .lifecycle import Lifecycle
 from .machine import MachineDef
 from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED
 from .registry import Request
-from .validate import check_token
+from .validate import check_int, check_token
 
 __all__ = ["PREFILL", "PrefillLifecycle"]
 
-_LIVE = ("waiting", "reading_prefix", "prefilling", "writing")
+_LIVE = ("waiting", "loading_prefix", "reading_prefix", "prefilling", "writing")
 
 PREFILL = MachineDef(
     name="prefill",
@@ -41,16 +51,21 @@ PREFILL = MachineDef(
     terminal=("done", "failed", "aborted"),
     # Conditions are tried in table order; the first transition whose conditions hold fires.
     transitions=(
-        # blocks allocated: read the longest stored prefix, or go straight to prefill
+        # blocks allocated: the longest prefix by tier (host, then store), or straight to prefill
+        dict(trigger="start", source="waiting", dest="loading_prefix", conditions="_host_has_prefix",
+             after="_send_host_prefix"),
         dict(trigger="start", source="waiting", dest="reading_prefix", conditions="_wants_prefix",
              after="_send_prefix_read"),
         dict(trigger="start", source="waiting", dest="prefilling", after="_start_prefill"),
         dict(trigger="timed_out", source="waiting", dest="failed", after=["_send_queue_timeout", "_recycle"]),
+        dict(trigger="host_prefix", source="loading_prefix", dest="reading_prefix", conditions="_store_may_have_more",
+             after="_send_rest_read"),
+        dict(trigger="host_prefix", source="loading_prefix", dest="prefilling", after="_start_prefill_from_host"),
         dict(trigger="prefix_read", source="reading_prefix", dest="prefilling", after="_start_prefill"),
         # prefill computed: write what is not stored yet (a full hit writes nothing and answers in full)
         dict(trigger="prefill_done", source="prefilling", dest="writing", after="_send_write"),
         dict(trigger="written", source="writing", dest="done", conditions="_write_complete",
-             after=["_send_first_token", "_recycle"]),
+             after=["_send_first_token", "_copy_to_host", "_recycle"]),
         dict(trigger="written", source="writing", dest="writing", conditions="_can_retry", after="_retry_write"),
         dict(trigger="written", source="writing", dest="failed", after=["_send_write_error", "_recycle"]),
         dict(trigger="abort", source=list(_LIVE), dest="aborted", after="_recycle"),
@@ -63,8 +78,13 @@ class PrefillLifecycle(Lifecycle):
 
     DEFINITION = PREFILL
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, host_blocks: int = 0, **kwargs: Any) -> None:
+        """``host_blocks``: slots of the host tier (0: none); the rest as :class:`Lifecycle`."""
+        check_int(host_blocks, "host_blocks", minimum=0)
         super().__init__(*args, **kwargs)
+        self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
+        self._transfers.host = self.host
+        self.counters.update(host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()
 
     # -- engine API --------------------------------------------------------------------------
@@ -132,10 +152,53 @@ class PrefillLifecycle(Lifecycle):
 
     def _send_prefix_read(self, req: Request, value: Any) -> None:
         n = self._prefix_limit(req)
+        req.base = 0
         self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[:n], req.blocks[:n])
 
     def _start_prefill(self, req: Request, value: int | None) -> None:
-        self._out.append(C.StartPrefill(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
+        """Prefill after a store read of ``value`` blocks past the ``req.base`` the host tier
+        gave (``None``: no lookup)."""
+        if value:
+            self.counters["store_prefix_blocks"] += value
+        self._prefill_from(req, 0 if value is None else req.base + value)
+
+    def _prefill_from(self, req: Request, blocks: int) -> None:
+        self._out.append(C.StartPrefill(req.id, tuple(req.blocks), blocks * self.spec.block_size))
+
+    # -- the host tier: prefix lookup before the store, write-through after it ----------------
+    def _host_has_prefix(self, req: Request, value: Any) -> bool:
+        return self.host is not None and self._wants_prefix(req, value) and \
+            self.host.ready_prefix(req.keys[:self._prefix_limit(req)]) > 0
+
+    def _send_host_prefix(self, req: Request, value: Any) -> None:
+        assert self.host is not None
+        keys = req.keys[:self._prefix_limit(req)]
+        n = req.base = self.host.lookup(keys)
+        self._transfer(req, C.SwapIn, "host_prefix", keys[:n], req.blocks[:n], self.host.slots(keys[:n]))
+
+    def _store_may_have_more(self, req: Request, value: int) -> bool:
+        return value >= req.base and value < self._prefix_limit(req)  # every host hit came in whole
+
+    def _send_rest_read(self, req: Request, value: int) -> None:
+        self.counters["host_prefix_blocks"] += value
+        n = self._prefix_limit(req)
+        req.base = value
+        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[value:n], req.blocks[value:n])
+
+    def _start_prefill_from_host(self, req: Request, value: int) -> None:
+        self.counters["host_prefix_blocks"] += value
+        self._prefill_from(req, value)
+
+    def _copy_to_host(self, req: Request, value: Any) -> None:
+        host = self.host
+        if host is None or not host.can_acquire(req.keys):
+            return  # no tier, or a full one: the store holds the cache anyway
+        slots, fresh = host.acquire(req.keys)
+        keys = [req.keys[i] for i in fresh]
+        if keys:  # not awaited (req.cmd stays): the copy pins its blocks once the request ends
+            self._transfer(req, C.SwapOut, "", keys, [req.blocks[i] for i in fresh], [slots[i] for i in fresh],
+                           awaited=False)  # its entries are committed when every rank copied them whole
+        host.release(req.keys)  # the copy holds its own references until it retires
 
     def _send_write(self, req: Request, value: int) -> None:
         req.token = value

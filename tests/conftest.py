@@ -39,10 +39,11 @@ class Rig:
                                           first_token_timeout=first_token_timeout)
         self.store = store if store is not None else MemoryStore(1 << 26)
         p_blocks = p_blocks or blocks
-        self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock, **lifecycle_kwargs)
+        self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
+                                  **lifecycle_kwargs)
         self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
                                  **lifecycle_kwargs)
-        self.pb = ReferenceBackend(self.spec, p_blocks, self.store)
+        self.pb = ReferenceBackend(self.spec, p_blocks, self.store, host_blocks=host_blocks)
         self.db = ReferenceBackend(self.spec, blocks, self.store, host_blocks=host_blocks)
         self.pd = StepDriver(self.P, self.pb)
         self.dd = StepDriver(self.D, self.db)

@@ -92,18 +92,21 @@ class PoolInvariants:
 
     @invariant()
     def host_refs_equal_holders_plus_copies(self):
-        """Each host tier entry is referenced once per request holding it and once per swap
-        still in flight over it (so no slot is reused under a copy, even a late one)."""
-        if not hasattr(self, "rig") or self.rig.D.host is None:
-            return
-        lc = self.rig.D
-        want = Counter(k for keys in lc.host_holdings().values() for k in keys)
-        want.update(k for c in lc.pending_commands() if c.__class__.__name__ in ("SwapOut", "SwapIn") for k in c.keys)
-        if want:
-            STATS["invariant:host_refs_equal_holders_plus_copies"] += 1
-        bad = [k for k in want if lc.host.refcount(k) != want[k]]
-        assert not bad, f"host_refs_equal_holders_plus_copies: {bad[0][:12]} has {lc.host.refcount(bad[0])}"
-        assert lc.host.stats().referenced == len(want), "host_refs_equal_holders_plus_copies: extra references"
+        """Each host tier entry is referenced once per request holding it (D's swapped ones)
+        and once per swap still in flight over it (so no slot is reused under a copy, even a
+        late one)."""
+        for lc in self._sides():
+            if lc.host is None:
+                continue
+            holdings = lc.host_holdings() if hasattr(lc, "host_holdings") else {}
+            want = Counter(k for keys in holdings.values() for k in keys)
+            want.update(k for c in lc.pending_commands() if c.__class__.__name__ in ("SwapOut", "SwapIn")
+                        for k in c.keys)
+            if want:
+                STATS["invariant:host_refs_equal_holders_plus_copies"] += 1
+            bad = [k for k in want if lc.host.refcount(k) != want[k]]
+            assert not bad, f"host_refs_equal_holders_plus_copies: {bad[0][:12]} has {lc.host.refcount(bad[0])}"
+            assert lc.host.stats().referenced == len(want), "host_refs_equal_holders_plus_copies: extra references"
 
 
 class DrainedAtTeardown:
@@ -158,8 +161,9 @@ class DrainedAtTeardown:
         for lc in (self.rig.P, self.rig.D) if self.CHECK_DRAINED else ():
             left = (lc.live_requests(), lc.pool.num_used, lc.pending_commands())
             assert left == ([], 0, []), f"drained_all_terminal_and_empty: {lc.DEFINITION.name} left {left}"
-        if self.CHECK_DRAINED and self.rig.D.host is not None:
-            host = self.rig.D.host.stats()
-            assert host.referenced == 0, f"drained_all_terminal_and_empty: host tier still referenced {host}"
+        for lc in (self.rig.P, self.rig.D) if self.CHECK_DRAINED else ():
+            if lc.host is not None:
+                host = lc.host.stats()
+                assert host.referenced == 0, f"drained_all_terminal_and_empty: {lc.DEFINITION.name} host {host}"
         STATS["invariant:drained_all_terminal_and_empty"] += 1
         STATS.update({f"fault:{k}": v for k, v in self.faults.items()})

@@ -206,17 +206,18 @@ class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachi
                     drv.complete(*key)
         self._process_notices()
 
-    def _io_pending(self):
-        return [(drv, key) for drv in (self.rig.pd, self.rig.dd) for key, cmd in sorted(drv.pending.items())]
+    def _io_pending(self):  # store transfers (swaps are faulted by the swap rules and `answer`)
+        return [(drv, key) for drv in (self.rig.pd, self.rig.dd) for key, cmd in sorted(drv.pending.items())
+                if isinstance(cmd, (C.WriteBlocks, C.ReadBlocks))]
 
     @precondition(lambda self: self._io_pending())
     @rule(data=st.data(), how=st.sampled_from(["fail", "partial"]))
     def fault_io(self, data, how):
         """A write or read fails on one rank, or moves only its leading blocks there."""
         pending = self._io_pending()
-        rare = [(d, k) for d, k in pending if not isinstance(d.pending[k], C.WriteBlocks)]
-        if rare:  # reads and swaps are rarer (they need a write or a preemption first): fault them first
-            pending = rare
+        reads = [(d, k) for d, k in pending if isinstance(d.pending[k], C.ReadBlocks)]
+        if reads:  # reads are rarer (they need a write first): fault them whenever there is one
+            pending = reads
         drv, key = data.draw(st.sampled_from(pending))
         cmd = drv.pending[key]
         kind = KIND[type(cmd)]

@@ -38,7 +38,7 @@ KIND = {C.WriteBlocks: "write", C.ReadBlocks: "read", C.SwapOut: "swap_out", C.S
 CORPUS = Path(__file__).with_name("protocol_corpus")
 
 PROFILES = {  # examples, steps per example
-    "ci": (800, 60),
+    "ci": (1000, 60),
     "deep": (2500, 60),
     "quick": (60, 40),
 }

@@ -1,4 +1,4 @@
-"""The protocol machine's host tier rules: a request preempted into the host tier and back,
+"""The protocol machine's host tier rules: requests preempted into the host tier and back,
 with a copy failing or partial on one rank either way (mixed into ``Protocol``)."""
 from __future__ import annotations
 
@@ -30,17 +30,26 @@ class SwapRules:
         self._process_notices()
 
     @precondition(lambda self: self.rig.D.live_requests() and self.rig.policy.preempt == "swap")
-    @rule(data=st.data(), out=st.sampled_from(["ok", "ok", "fail", "partial"]),
-          back=st.sampled_from(["ok", "fail", "fail", "partial", "partial"]), count=st.integers(1, 3))
-    def swap_round_trip(self, data, out, back, count):
-        """Preempt running requests into the host tier and back, a copy failing or partial on
-        one rank either way: swapping_out, swapped and swapping_in, with their fallbacks."""
-        if not self._run_to_running():
-            return
-        for rid in data.draw(st.permutations(self._running()))[:count]:
-            self._swap_out_and_in(rid, out, back, data)
+    @rule(data=st.data(), how=st.sampled_from(["fail", "partial"]), count=st.integers(1, 3))
+    def swap_out_fault(self, data, how, count):
+        """Preempt running requests into the host tier, the swap-out failing or partial on one
+        rank: the fallback (store write-back or recompute) runs, no slot stays referenced."""
+        if self._run_to_running():
+            for rid in data.draw(st.permutations(self._running()))[:count]:
+                self._swap_out_and_in(rid, how, None, data)
+
+    @precondition(lambda self: self.rig.D.live_requests() and self.rig.policy.preempt == "swap")
+    @rule(data=st.data(), back=st.sampled_from(["ok", "fail", "partial"]), count=st.integers(1, 3))
+    def swap_round_trip(self, data, back, count):
+        """Preempt running requests into the host tier and back, the swap-in failing or partial
+        on one rank (the rest is recomputed) or whole."""
+        if self._run_to_running():
+            for rid in data.draw(st.permutations(self._running()))[:count]:
+                self._swap_out_and_in(rid, "ok", back, data)
 
     def _swap_out_and_in(self, rid, out, back, data):
+        """Preempt ``rid``, answer its swap-out with ``out``, then (``back`` not None) resume it
+        and answer its swap-in with ``back``."""
         rig = self.rig
         self.faults["preempt"] += 1
         self.faults["preempt:running"] += 1
@@ -48,7 +57,7 @@ class SwapRules:
         self._process_notices()
         if rig.D.state_of(rid) == "swapping_out":
             self._answer_one_rank_with(rid, out, data)
-        if rid in rig.D.live_requests() and rig.D.state_of(rid) == "swapped":
+        if back is not None and rid in rig.D.live_requests() and rig.D.state_of(rid) == "swapped":
             try:
                 rig.D.resume(rid)
             except OutOfBlocksError:

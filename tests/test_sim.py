@@ -238,10 +238,21 @@ def test_preemption_through_the_host_tier_round_trips_and_leaks_no_slot(host_blo
     assert r["preemptions"] > 0 and r["states"] == {"done": 120}
     tier = r["host_tier"]
     assert tier["swap_outs"] > 0 and tier["swap_ins"] == tier["swap_outs"]  # a small tier evicts, never fails here
-    assert (tier["evictions"] > 0) == (host_blocks == 12)
+    assert (sum(d.lc.host.stats().evictions for d in cl.decode) > 0) == (host_blocks == 12)
     assert r["preemption_round_trip_ms"]["p50"] > 0
     assert_clean(cl)
     assert all(d.lc.host.stats().referenced == 0 for d in cl.decode)
+
+
+def test_p_serves_shared_prefixes_from_its_host_tier_first():
+    cl, r = run(small(**{"cluster.host_blocks": 400}))
+    tier = r["host_tier"]
+    assert r["states"] == {"done": 120}
+    assert tier["prefix_blocks_from_host"] > 0 and tier["prefix_hit_rate_host"] > 0
+    # every prefix block came from one tier or the other
+    assert tier["prefix_hit_rate_host"] + tier["prefix_hit_rate_store"] == pytest.approx(r["prefix_hit_rate"], abs=1e-3)
+    assert_clean(cl)
+    assert all(i.lc.host.stats().referenced == 0 for i in cl.prefill + cl.decode)
 
 
 def test_swap_without_a_host_tier_is_refused():

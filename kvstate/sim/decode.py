@@ -75,9 +75,6 @@ class DecodeInstance(Instance):
         self.spans = self.cuts = 0  #: spans slept through, and those cut short
         self._proc = self.env.process(self._loop())
 
-    def lifecycle_options(self, s) -> dict:
-        return {"host_blocks": s.cluster.host_blocks}
-
     @property
     def running(self) -> int:
         return len(self.batch) + len(self.overflow)

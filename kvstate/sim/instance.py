@@ -104,8 +104,8 @@ class Instance:
         self._link_cost: dict[tuple[str, int], float] = {}
 
     def lifecycle_options(self, s: Any) -> dict[str, Any]:
-        """Role-specific keyword arguments of the lifecycle (D's host tier)."""
-        return {}
+        """Keyword arguments of the lifecycle beyond the common ones: the host tier."""
+        return {"host_blocks": s.cluster.host_blocks}
 
     # -- transfers ---------------------------------------------------------------------------
     def link_time(self, rank: int, direction: str, n: int) -> float:
@@ -174,9 +174,10 @@ class Instance:
             elif t is C.SwapOut or t is C.SwapIn:
                 tc = cast(C.TransferCommand, cmd)
                 out = t is C.SwapOut
-                counters = self.cluster.counters
-                counters["swap_outs" if out else "swap_ins"] += 1
-                counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
+                if self.role == "decode":  # preemption swaps (P's are prefix loads and cache copies)
+                    counters = self.cluster.counters
+                    counters["swap_outs" if out else "swap_ins"] += 1
+                    counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
                 (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
                 timed = True
             elif t is C.CancelCommand:

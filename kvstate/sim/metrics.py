@@ -211,7 +211,7 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
         "storage": _storage(cl, end),
         "partial_reads": cl.counters["partial_reads"], "preemptions": cl.counters["preemptions"],
         "preemption_round_trip_ms": latency_stats(cl.round_trips),
-        "host_tier": _host_tier(cl),
+        "host_tier": _host_tier(cl, prompt),
         "backlogged_requests": cl.counters["backlogged"], "rejected_too_long": cl.counters["rejected_too_long"],
         "late_events": {k[5:]: v for k, v in sorted(cl.counters.items()) if k.startswith("late_")},
         "injected_failures": {"write": cl.counters["injected_write_failures"],
@@ -226,13 +226,18 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _host_tier(cl: Cluster) -> dict[str, Any] | None:
-    """D's host tiers summed: slots, swaps by the lifecycles' counts, reuse and evictions."""
-    tiers = [d.lc.host for d in cl.decode if d.lc.host is not None]
+def _host_tier(cl: Cluster, prompt_tokens: int) -> dict[str, Any] | None:
+    """The host tiers: prefix blocks found per tier at P, swaps at D, entries and evictions."""
+    tiers = [i.lc.host for i in cl.instances if i.lc.host is not None]
     if not tiers:
         return None
     stats = [t.stats() for t in tiers]
+    host = sum(p.lc.counters["host_prefix_blocks"] for p in cl.prefill)
+    store = sum(p.lc.counters["store_prefix_blocks"] for p in cl.prefill)
+    share = (lambda n: round(n * cl.block_size / prompt_tokens, 4)) if prompt_tokens else (lambda n: 0.0)
     return {"slots_per_instance": stats[0].slots, "entries": sum(x.entries for x in stats),
+            "prefix_blocks_from_host": host, "prefix_blocks_from_store": store,
+            "prefix_hit_rate_host": share(host), "prefix_hit_rate_store": share(store),
             "swap_outs": cl.counters["swap_outs"], "swap_ins": cl.counters["swap_ins"],
             "blocks_swapped_out": cl.counters["blocks_swapped_out"],
             "blocks_swapped_in": cl.counters["blocks_swapped_in"],

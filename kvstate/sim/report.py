@@ -76,9 +76,11 @@ def _resources(r: dict[str, Any]) -> list[str]:
                      f"p99 {rt['p99']:,.1f} ms")
     tier = r["host_tier"]
     if tier:
-        lines.append(f"host tier: {tier['slots_per_instance']:,} slots per D, {tier['swap_outs']:,} swap-outs "
+        lines.append(f"host tier: {tier['slots_per_instance']:,} slots per instance; prefix hits "
+                     f"{_pct(tier['prefix_hit_rate_host'])} of prompt tokens from host memory, "
+                     f"{_pct(tier['prefix_hit_rate_store'])} from storage; D: {tier['swap_outs']:,} swap-outs "
                      f"({tier['blocks_swapped_out']:,} blocks copied), {tier['swap_ins']:,} swap-ins "
-                     f"({tier['blocks_swapped_in']:,} blocks), {tier['evictions']:,} evictions")
+                     f"({tier['blocks_swapped_in']:,} blocks); {tier['evictions']:,} evictions")
     lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):")
     for name, i in r["instances"].items():
         slots = f", batch slots {_pct(i['batch_slots_used'])}" if "batch_slots_used" in i else ""

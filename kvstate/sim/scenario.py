@@ -139,7 +139,8 @@ class ClusterSpec(_Section):
     decode_max_batch: int = _f(256, "requests decoded together in one step")
     staging_mib: int = _f(64, "pinned staging per rank (transfers pipeline in pieces of this size)")
     transfer_workers: int = _f(2, "transfer workers per rank and direction (read / write)")
-    host_blocks: int = _f(0, "host tier slots per D instance (pinned host memory, one block each); 0: none")
+    host_blocks: int = _f(0, "host tier slots per instance (pinned host memory, one block each): P looks "
+                             "prefixes up there first, D swaps preempted caches there; 0: none")
 
     def check(self) -> None:
         self.positive("n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch", "staging_mib",
