@@ -22,7 +22,10 @@ Rules:
   falls back per ``Policy.swap_fallback`` (write to the store, or recompute). A swapped
   request keeps its host entries referenced until it swaps in, ends, or waits past
   ``Policy.swapped_timeout`` (then it lets them go and recomputes on resume). Preempting a
-  request that is swapping in returns it to ``swapped``.
+  request that is swapping in returns it to ``swapped``. With ``Policy.swap_write ==
+  "through"`` the cache is also written to the store (from the GPU blocks, still held) before
+  they are freed; a swapped cache the host tier then loses (timeout, partial swap-in) is
+  reloaded from the store instead of recomputed, and a failed store write leaves it swapped.
 - Every failure row recycles in the same step; ``abort`` leaves every live state. A late first
   token, recompute result or abort for a request that already ended is dropped and counted.
 """
@@ -74,20 +77,29 @@ DECODE = MachineDef(
         dict(trigger="preempt", source="swapping_in", dest="swapped", after=["_release_blocks", "_park"]),
         dict(trigger="preempt", source=["running", "recomputing", "reading", "reloading"], dest="preempted",
              after="_release_blocks"),
+        dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_swapped_through",
+             after=["_keep_swap", "_send_write_back"]),
         dict(trigger="swapped_out", source="swapping_out", dest="swapped", conditions="_swap_complete",
              after=["_keep_swap", "_release_blocks", "_park"]),
         dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_falls_back_to_write",
              after=["_drop_swap", "_send_write_back"]),
         dict(trigger="swapped_out", source="swapping_out", dest="preempted", after=["_drop_swap", "_drop_write_back"]),
-        dict(trigger="timed_out", source="swapped", dest="preempted", after="_drop_swap"),
+        dict(trigger="timed_out", source="swapped", dest="preempted", after="_drop_host"),
         dict(trigger="resume", source="swapped", dest="swapping_in", after="_send_swap_in"),
         dict(trigger="swapped_in", source="swapping_in", dest="running", conditions="_swap_in_complete",
              after=["_drop_swap", "_start_decode"]),
+        dict(trigger="swapped_in", source="swapping_in", dest="reloading", conditions="_has_stored",
+             after=["_drop_host", "_send_reload"]),
         dict(trigger="swapped_in", source="swapping_in", dest="recomputing", after=["_drop_swap", "_start_recompute"]),
+        # a write-back answered: to the store alone, or through to it after the host tier's copy
+        dict(trigger="written", source="preempt_writing", dest="swapped", conditions="_stored_with_host",
+             after=["_keep_write_back", "_release_blocks", "_park"]),
         dict(trigger="written", source="preempt_writing", dest="preempted", conditions="_write_complete",
              after=["_keep_write_back", "_release_blocks"]),
         dict(trigger="written", source="preempt_writing", dest="preempt_writing", conditions="_can_retry",
              after="_retry_write"),
+        dict(trigger="written", source="preempt_writing", dest="swapped", conditions="_holds_host",
+             after=["_forget_store", "_release_blocks", "_park"]),
         dict(trigger="written", source="preempt_writing", dest="preempted", after="_drop_write_back"),
         dict(trigger="resume", source="preempted", dest="reloading", conditions="_has_stored", after="_send_reload"),
         dict(trigger="resume", source="preempted", dest="recomputing", after="_start_recompute"),
@@ -281,6 +293,18 @@ class DecodeLifecycle(Lifecycle):
     def _swap_complete(self, req: Request, value: int) -> bool:
         return value >= len(req.host_fresh)
 
+    def _swapped_through(self, req: Request, value: int) -> bool:
+        return self.policy.swap_write == "through" and self._swap_complete(req, value)
+
+    def _stored_with_host(self, req: Request, value: int) -> bool:
+        return req.host_keys is not None and self._write_complete(req, value)
+
+    def _holds_host(self, req: Request, value: int) -> bool:
+        return req.host_keys is not None
+
+    def _forget_store(self, req: Request, value: Any) -> None:
+        req.stored_keys = None  # the write-through failed: only the host tier holds the cache
+
     def _keep_swap(self, req: Request, value: int) -> None:
         assert self.host is not None
         self.host.commit(req.host_fresh)
@@ -293,12 +317,17 @@ class DecodeLifecycle(Lifecycle):
         return self.policy.swap_fallback == "write"
 
     def _drop_swap(self, req: Request, value: Any = None) -> None:
-        """Let go of the request's host entries (uncommitted ones go once no copy holds them)."""
+        """Let go of the request's host entries and of any stored copy's keys."""
+        self._drop_host(req)
+        req.stored_keys = None
+
+    def _drop_host(self, req: Request, value: Any = None) -> None:
+        """Let go of the request's host entries (uncommitted ones go once no copy holds them);
+        a copy written through to the store stays known (``stored_keys``)."""
         if req.host_keys is not None:
             assert self.host is not None
             self.host.release(req.host_keys)
             req.host_keys, req.host_fresh = None, []
-        req.stored_keys = None
 
     def _send_swap_in(self, req: Request, value: Any) -> None:
         assert self.host is not None and req.host_keys is not None

@@ -5,12 +5,13 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "SWAP_FALLBACKS", "ERROR_READ_FAILED", "ERROR_WRITE_FAILED",
-           "ERROR_ABORTED", "ERROR_TIMEOUT", "REASONS", "prefill_reason"]
+__all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "SWAP_FALLBACKS", "SWAP_WRITES", "ERROR_READ_FAILED",
+           "ERROR_WRITE_FAILED", "ERROR_ABORTED", "ERROR_TIMEOUT", "REASONS", "prefill_reason"]
 
 READ_FAILURE_MODES = ("fail", "recompute")  #: ``Policy.read_failure``
 PREEMPT_MODES = ("write", "recompute", "swap")  #: ``Policy.preempt``
 SWAP_FALLBACKS = ("write", "recompute")  #: ``Policy.swap_fallback``
+SWAP_WRITES = ("host", "through")  #: ``Policy.swap_write``
 
 ERROR_READ_FAILED = 502  #: D could not read the cache P wrote
 ERROR_WRITE_FAILED = 503  #: P could not write the cache; its first token carries this code
@@ -48,6 +49,9 @@ class Policy:
     - ``swap_fallback``: when the host tier cannot take a cache (full) or its swap-out
       fails: ``"write"`` (write it to the store as ``preempt="write"`` does) or
       ``"recompute"``.
+    - ``swap_write``: ``"host"`` (a swapped cache lives in host memory only; lost there, it is
+      recomputed) or ``"through"`` (also written to the store before the GPU blocks are freed;
+      lost in host memory, it is reloaded from the store).
     - ``swapped_timeout``: how long a swapped-out request may wait for ``resume`` before its
       host copy is let go (it then recomputes on resume), so an engine that forgets a
       request cannot hold the host tier forever.
@@ -70,6 +74,7 @@ class Policy:
     read_failure: str = "fail"
     preempt: str = "write"
     swap_fallback: str = "write"
+    swap_write: str = "host"
     swapped_timeout: float = 600.0
     transfer_timeout: float = 30.0
     first_token_timeout: float = 60.0
@@ -82,6 +87,8 @@ class Policy:
             raise ConfigError(f"Policy.read_failure must be 'fail' or 'recompute', got {self.read_failure!r}")
         if self.preempt not in PREEMPT_MODES:
             raise ConfigError(f"Policy.preempt must be one of {PREEMPT_MODES}, got {self.preempt!r}")
+        if self.swap_write not in SWAP_WRITES:
+            raise ConfigError(f"Policy.swap_write must be one of {SWAP_WRITES}, got {self.swap_write!r}")
         if self.swap_fallback not in SWAP_FALLBACKS:
             raise ConfigError(f"Policy.swap_fallback must be one of {SWAP_FALLBACKS}, got {self.swap_fallback!r}")
         if not isinstance(self.write_retries, int) or self.write_retries < 0:

@@ -57,6 +57,8 @@ class SwapRules:
         self._process_notices()
         if rig.D.state_of(rid) == "swapping_out":
             self._answer_one_rank_with(rid, out, data)
+        if rid in rig.D.live_requests() and rig.D.state_of(rid) == "preempt_writing" and out == "ok":
+            self._answer_command("D", rid)  # written through to the store as well
         if back is not None and rid in rig.D.live_requests() and rig.D.state_of(rid) == "swapped":
             try:
                 rig.D.resume(rid)

@@ -207,6 +207,57 @@ def test_swap_needs_a_host_tier_and_bad_swaps_change_nothing():
         Rig().db.swap_in(0, [0], [0])
 
 
+# -- write-through: the swapped cache also in the store ------------------------------------------------
+def test_write_through_stores_the_cache_before_freeing_and_reloads_what_the_host_lost():
+    rig = swapping_rig(swap_write="through", swapped_timeout=50.0)
+    blocks = decoding(rig)
+    rig.D.preempt("r")
+    answer_only(rig.dd, C.SwapOut)
+    assert rig.D.state_of("r") == "preempt_writing" and rig.D.pool.num_used == len(blocks)
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "swapped" and rig.D.pool.num_used == 0
+    keys = block_keys(TOKS_NOW[:-1], 4)
+    assert rig.db.query(0, keys) == rig.db.query(1, keys) == 4  # in the store too
+    rig.clock.now += 50.0
+    rig.D.tick()  # the host copy is let go: the store's serves the resume
+    assert rig.D.state_of("r") == "preempted"
+    scribble(rig, blocks)
+    new = rig.D.resume("r")
+    assert rig.D.state_of("r") == "reloading"
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS_NOW[:-1], new)
+
+
+def test_write_through_partial_swap_in_reloads_from_the_store():
+    rig = swapping_rig(swap_write="through")
+    decoding(rig)
+    rig.D.preempt("r")
+    rig.dd.run_until_idle()
+    new = rig.D.resume("r")
+    rig.dd.pump()
+    [cid] = {c for c, _ in rig.dd.pending}
+    rig.dd.complete(cid, 0, 1)
+    rig.dd.complete(cid, 1)
+    assert rig.D.state_of("r") == "reloading"
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS_NOW[:-1], new)
+    host_clean(rig)
+
+
+def test_a_failed_write_through_leaves_the_cache_swapped_in_host_memory():
+    rig = swapping_rig(swap_write="through", write_retries=0)
+    decoding(rig)
+    rig.D.preempt("r")
+    answer_only(rig.dd, C.SwapOut)
+    rig.dd.pump()
+    for key in list(rig.dd.pending):
+        rig.dd.complete(*key, "fail")
+    assert rig.D.state_of("r") == "swapped" and rig.D.pool.num_used == 0
+    new = rig.D.resume("r")
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS_NOW[:-1], new)
+
+
 # -- P: the prefix looked up by tier, the cache copied to the host tier after the store -------------
 LONG = list(range(200, 217))  # 17 tokens: 4 full blocks of 4 and a partial one; a prefix limit of 4
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..dtypes import DTYPES
 from ..errors import ConfigError
-from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, SWAP_FALLBACKS, Policy
+from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, SWAP_FALLBACKS, SWAP_WRITES, Policy
 from ..spec import CacheSpec
 from .tp import PROTOCOLS
 
@@ -198,6 +198,8 @@ class PolicySpec(_Section):
     preempt: str = _f("write", f"one of {list(PREEMPT_MODES)}: write the cache out, recompute it, or swap it "
                                "to the host tier (needs cluster.host_blocks)")
     swap_fallback: str = _f("write", f"one of {list(SWAP_FALLBACKS)}: when the host tier is full or a swap fails")
+    swap_write: str = _f("host", f"one of {list(SWAP_WRITES)}: a swapped cache in host memory only, or also "
+                                 "written through to the store")
     read_failure: str = _f("recompute", f"one of {list(READ_FAILURE_MODES)}: end with 502, or recompute")
     write_retries: int = _f(1, "extra attempts after a failed or partial write")
     decode_headroom_blocks: int = _f(1, "blocks D keeps free per running request when it reserves")
@@ -210,6 +212,7 @@ class PolicySpec(_Section):
     def check(self) -> None:
         self.choice("preempt", PREEMPT_MODES)
         self.choice("swap_fallback", SWAP_FALLBACKS)
+        self.choice("swap_write", SWAP_WRITES)
         self.choice("read_failure", READ_FAILURE_MODES)
         self.non_negative("write_retries", "decode_headroom_blocks")
         self.positive("transfer_timeout_s", "first_token_timeout_s", "queue_timeout_s", "fence_grace_s")
@@ -218,6 +221,7 @@ class PolicySpec(_Section):
         """The lifecycle policy these settings describe (the one place they are mapped)."""
         return Policy(read_prefix=self.read_prefix, write_retries=self.write_retries,
                       read_failure=self.read_failure, preempt=self.preempt, swap_fallback=self.swap_fallback,
+                      swap_write=self.swap_write,
                       transfer_timeout=self.transfer_timeout_s, first_token_timeout=self.first_token_timeout_s,
                       queue_timeout=self.queue_timeout_s, fence_grace=self.fence_grace_s,
                       decode_headroom_blocks=self.decode_headroom_blocks)
