@@ -6,7 +6,9 @@ Rules:
   ``Policy.decode_headroom_blocks`` free per running request; it then waits for P's first
   token at most ``Policy.first_token_timeout`` (504, reason ``first_token_timeout``). A first
   token that comes with an error ends the request with P's code (reason ``prefill_...``).
-- With the token, D reads the cache into the reserved blocks. A request is runnable only when
+- With the token, D reads the cache into the reserved blocks; with a host tier, the leading
+  blocks ready there are copied in first (``loading``, a ``SwapIn``) and the store serves only
+  the rest (counted in ``counters['host_read_blocks']``). A request is runnable only when
   every block was read on every TP rank; a partial or failed read ends with 502 (policy
   ``fail``, reason ``read_failed``) or recomputes from the longest prefix every rank read
   (policy ``recompute``).
@@ -49,7 +51,7 @@ __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
 
 ERROR_NO_FIRST_TOKEN = ERROR_TIMEOUT  #: D's wait for P's first token passed its deadline
 
-_LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading",
+_LIVE = ("reserved", "loading", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading",
          "swapping_out", "swapped", "swapping_in")
 
 DECODE = MachineDef(
@@ -58,14 +60,20 @@ DECODE = MachineDef(
     initial="reserved",
     terminal=("done", "failed", "aborted"),
     transitions=(
+        dict(trigger="first_token", source="reserved", dest="loading", conditions="_token_ok_host_hit",
+             after="_send_host_load"),
         dict(trigger="first_token", source="reserved", dest="reading", conditions="_token_ok", after="_send_read"),
+        # the leading blocks the host tier holds came in; the store serves the rest
+        dict(trigger="host_loaded", source="loading", dest="running", conditions="_read_complete",
+             after="_start_decode"),
+        dict(trigger="host_loaded", source="loading", dest="reading", after="_send_rest_read"),
         dict(trigger="first_token", source="reserved", dest="failed", after=["_note_prefill_error", "_recycle"]),
         dict(trigger="timed_out", source="reserved", dest="failed", after=["_note_no_token", "_recycle"]),
         # runnable only when every block was read on every rank
         dict(trigger="read_done", source=["reading", "reloading"], dest="running", conditions="_read_complete",
              after="_start_decode"),
         dict(trigger="read_done", source=["reading", "reloading"], dest="recomputing",
-             conditions="_recompute_on_miss", after="_start_recompute"),
+             conditions="_recompute_on_miss", after="_recompute_after_read"),
         dict(trigger="read_done", source=["reading", "reloading"], dest="failed",
              after=["_note_read_failed", "_recycle"]),
         dict(trigger="recompute_done", source="recomputing", dest="running", after="_start_decode"),
@@ -75,7 +83,7 @@ DECODE = MachineDef(
         dict(trigger="preempt", source="running", dest="preempt_writing", conditions="_writes_back",
              after="_send_write_back"),
         dict(trigger="preempt", source="swapping_in", dest="swapped", after=["_release_blocks", "_park"]),
-        dict(trigger="preempt", source=["running", "recomputing", "reading", "reloading"], dest="preempted",
+        dict(trigger="preempt", source=["running", "recomputing", "loading", "reading", "reloading"], dest="preempted",
              after="_release_blocks"),
         dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_swapped_through",
              after=["_keep_swap", "_send_write_back"]),
@@ -123,6 +131,7 @@ class DecodeLifecycle(Lifecycle):
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
         self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
         self._transfers.host = self.host
+        self.counters["host_read_blocks"] = 0  # blocks of P's caches found in the host tier
         self._running: set[str] = set()
 
     # -- engine API --------------------------------------------------------------------------
@@ -230,10 +239,11 @@ class DecodeLifecycle(Lifecycle):
     def _headroom(self) -> int:
         return self.policy.decode_headroom_blocks * len(self._running)
 
-    def _read(self, req: Request) -> None:
+    def _read(self, req: Request, start: int = 0) -> None:
         keys = req.stored_keys
         assert keys is not None
-        self._transfer(req, C.ReadBlocks, "read_done", keys, req.blocks[:len(keys)])
+        req.base = start  # blocks already in place (from the host tier)
+        self._transfer(req, C.ReadBlocks, "read_done", keys[start:], req.blocks[start:len(keys)])
 
     # -- actions (named in DECODE) ----------------------------------------------------------------
     def _token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:
@@ -253,7 +263,25 @@ class DecodeLifecycle(Lifecycle):
         req.error_code, req.reason = ERROR_NO_FIRST_TOKEN, "first_token_timeout"
 
     def _read_complete(self, req: Request, value: int) -> bool:
-        return value >= len(req.stored_keys or ())
+        return req.base + value >= len(req.stored_keys or ())
+
+    def _recompute_after_read(self, req: Request, value: int) -> None:
+        self._start_recompute(req, req.base + value)
+
+    def _token_ok_host_hit(self, req: Request, value: tuple[int | None, int]) -> bool:
+        return value[1] == 200 and self.host is not None and req.stored_keys is not None \
+            and self.host.ready_prefix(req.stored_keys) > 0
+
+    def _send_host_load(self, req: Request, value: tuple[int, int]) -> None:
+        assert self.host is not None and req.stored_keys is not None
+        req.tokens.append(value[0])
+        keys = req.stored_keys[:self.host.lookup(req.stored_keys)]
+        req.base = 0
+        self._transfer(req, C.SwapIn, "host_loaded", keys, req.blocks[:len(keys)], self.host.slots(keys))
+
+    def _send_rest_read(self, req: Request, value: int) -> None:
+        self.counters["host_read_blocks"] += value
+        self._read(req, value)
 
     def _recompute_on_miss(self, req: Request, value: int) -> bool:
         return self.policy.read_failure == "recompute"

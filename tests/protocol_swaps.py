@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from protocol_support import KIND
+from protocol_support import BS, KIND
 
 from kvstate import OutOfBlocksError
+from kvstate.keys import block_keys
 
 __all__ = ["SwapRules"]
 
@@ -67,3 +68,41 @@ class SwapRules:
             self._process_notices()
             if rig.D.state_of(rid) == "swapping_in":
                 self._answer_one_rank_with(rid, back, data)
+
+    @precondition(lambda self: self.tokens and self.rig.D.host is not None and self.rig.D.host.stats().entries)
+    @rule(data=st.data(), action=st.sampled_from(["go", "cancel", "preempt"]))
+    def arrive_on_host_prefix(self, data, action):
+        """A prompt equal to an earlier one, whose cache may sit in D's host tier: P serves it,
+        D copies the leading blocks in from host memory (``loading``), then it is cancelled,
+        preempted or left to read the rest from the store."""
+        rig = self.rig
+        held = [r for r in sorted(self.tokens)
+                if rig.D.host.ready_prefix(block_keys(self.tokens[r][:self.plen[r]], BS)[:1])]
+        if not held:
+            return
+        drid = data.draw(st.sampled_from(held))
+        toks = self.tokens[drid][:self.plen[drid]]
+        rid = f"r{self.n}"
+        self.n += 1
+        if -(-len(toks) // BS) > rig.P.pool.num_blocks or not rig.D.can_reserve(len(toks)):
+            return
+        self._admit(rid, toks)
+        for _ in range(6):  # P's side only: prefill, prefix read, write
+            if rid not in rig.P.live_requests():
+                break
+            for n in [n for n in self.prefills if n.request_id == rid]:
+                self.prefills.remove(n)
+                self._run_prefill(n)
+            for key in sorted(rig.pd.pending):
+                if key in rig.pd.pending:
+                    rig.pd.complete(*key)
+            self._process_notices()
+        if rid not in rig.D.live_requests() or rig.D.state_of(rid) != "loading" or action == "go":
+            return
+        if action == "cancel":
+            self._cancel("D", rid)
+        else:
+            self.faults["preempt"] += 1
+            self.faults["preempt:loading"] += 1
+            rig.D.preempt(rid)
+            self._process_notices()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import Rig
-from lifecycle_helpers import TOKS, d_matches, running
+from lifecycle_helpers import TOKS, d_matches, fill_p, running
 
 from kvstate import commands as C
 from kvstate.errors import ConfigError, ValidationError
@@ -205,6 +205,27 @@ def test_swap_needs_a_host_tier_and_bad_swaps_change_nothing():
     assert rig.db.host_slot_bytes(0, "key", 1) == before
     with pytest.raises(ValidationError, match="no host tier"):
         Rig().db.swap_in(0, [0], [0])
+
+
+def test_d_reads_what_its_host_tier_holds_from_there_and_the_rest_from_the_store():
+    rig = swapping_rig()
+    decoding(rig, "a")  # a's cache goes to D's host tier through a preemption
+    rig.D.preempt("a")
+    rig.dd.run_until_idle()
+    rig.D.abort("a")  # its entries stay, idle and ready
+    rig.D.reserve("b", TOKS)  # b's prompt: the same 10 tokens, so a's first two full blocks
+    rig.P.admit("b", TOKS)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    fill_p(rig, "b", TOKS, sp.block_ids, sp.num_cached_tokens // 4)
+    rig.P.prefill_done("b", 7)
+    rig.pd.run_until_idle()
+    for n in rig.notices(rig.pd, C.SendFirstToken):
+        rig.D.deliver_first_token(n.request_id, n.token, n.error_code)
+    assert rig.D.state_of("b") == "loading"
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("b") == "running" and rig.D.counters["host_read_blocks"] == 2
+    assert d_matches(rig, TOKS, rig.D.blocks_of("b"))
 
 
 # -- write-through: the swapped cache also in the store ------------------------------------------------

@@ -174,7 +174,9 @@ class Instance:
             elif t is C.SwapOut or t is C.SwapIn:
                 tc = cast(C.TransferCommand, cmd)
                 out = t is C.SwapOut
-                if self.role == "decode":  # preemption swaps (P's are prefix loads and cache copies)
+                # preemption swaps (P's are prefix loads and cache copies, D's "loading" a read's prefix)
+                rid = tc.request_id
+                if self.role == "decode" and (out or (self.lc.is_live(rid) and self.lc.state_of(rid) == "swapping_in")):
                     counters = self.cluster.counters
                     counters["swap_outs" if out else "swap_ins"] += 1
                     counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
