@@ -4,7 +4,7 @@ Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dat
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
 Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`, :class:`SwapOut`,
-:class:`SwapIn`) carry a ``command_id``, the TP ``ranks`` that must each answer with a
+:class:`SwapIn`, :class:`FlushHost`) carry a ``command_id``, the TP ``ranks`` that must each answer with a
 :class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's clock, and
 a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the lifecycle may
 recycle the blocks, so no driver or backend may touch them after it (they check it just before gathering or scattering
@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SwapOut", "SwapIn", "SendFirstToken",
+    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SwapOut", "SwapIn", "FlushHost", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
     "LateEvent",
 ]
@@ -70,6 +70,15 @@ class SwapOut(TransferCommand):
 class SwapIn(TransferCommand):
     """Copy host tier slot ``host_slots[i]`` (holding ``keys[i]``) into GPU block
     ``block_ids[i]``; answer the leading count copied."""
+
+    host_slots: tuple[int, ...] = field(default=(), kw_only=True)
+
+
+@dataclass(slots=True)
+class FlushHost(TransferCommand):
+    """Store host tier slot ``host_slots[i]`` (holding ``keys[i]``) under ``keys[i]``: a
+    write-back from host memory, the GPU blocks long gone (``block_ids`` is empty). Like a
+    write, a rank first skips the leading keys already stored; answer the leading count stored."""
 
     host_slots: tuple[int, ...] = field(default=(), kw_only=True)
 

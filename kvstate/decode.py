@@ -17,17 +17,8 @@ Rules:
   (a failed write-back falls back to recomputing); from reading, reloading or recomputing it
   frees at once (an unanswered read keeps its pins). ``resume`` reloads a stored cache, or
   recomputes.
-- With a host tier (``host_blocks``) and ``Policy.preempt == "swap"``, preemption from
-  ``running`` copies the cache into host slots (keys already there are shared, not copied)
-  and frees the GPU blocks once every rank answered; ``resume`` copies the ready prefix back
-  and recomputes the rest. A host tier too full to take the cache, or a failed swap-out,
-  falls back per ``Policy.swap_fallback`` (write to the store, or recompute). A swapped
-  request keeps its host entries referenced until it swaps in, ends, or waits past
-  ``Policy.swapped_timeout`` (then it lets them go and recomputes on resume). Preempting a
-  request that is swapping in returns it to ``swapped``. With ``Policy.swap_write ==
-  "through"`` the cache is also written to the store (from the GPU blocks, still held) before
-  they are freed; a swapped cache the host tier then loses (timeout, partial swap-in) is
-  reloaded from the store instead of recomputed, and a failed store write leaves it swapped.
+- With a host tier, preemption can swap the cache to host memory and back: its rules, rows
+  and actions are in :mod:`kvstate.decode_swap`, whose rows come first in the table.
 - Every failure row recycles in the same step; ``abort`` leaves every live state. A late first
   token, recompute result or abort for a request that already ended is dropped and counted.
 """
@@ -38,10 +29,9 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
+from .decode_swap import SWAP_ROWS, SWAP_STATES, SwapActions
 from .errors import ConfigError, InvalidTransitionError, OutOfBlocksError, ValidationError
 from .hostpool import HostBlockPool
-from .keys import keys_of_packed
-from .lifecycle import Lifecycle
 from .machine import MachineDef
 from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, prefill_reason
 from .registry import Request
@@ -51,22 +41,16 @@ __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
 
 ERROR_NO_FIRST_TOKEN = ERROR_TIMEOUT  #: D's wait for P's first token passed its deadline
 
-_LIVE = ("reserved", "loading", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading",
-         "swapping_out", "swapped", "swapping_in")
+_LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading",
+         *SWAP_STATES)
 
 DECODE = MachineDef(
     name="decode",
     states=(*_LIVE, "done", "failed", "aborted"),
     initial="reserved",
     terminal=("done", "failed", "aborted"),
-    transitions=(
-        dict(trigger="first_token", source="reserved", dest="loading", conditions="_token_ok_host_hit",
-             after="_send_host_load"),
+    transitions=SWAP_ROWS + (
         dict(trigger="first_token", source="reserved", dest="reading", conditions="_token_ok", after="_send_read"),
-        # the leading blocks the host tier holds came in; the store serves the rest
-        dict(trigger="host_loaded", source="loading", dest="running", conditions="_read_complete",
-             after="_start_decode"),
-        dict(trigger="host_loaded", source="loading", dest="reading", after="_send_rest_read"),
         dict(trigger="first_token", source="reserved", dest="failed", after=["_note_prefill_error", "_recycle"]),
         dict(trigger="timed_out", source="reserved", dest="failed", after=["_note_no_token", "_recycle"]),
         # runnable only when every block was read on every rank
@@ -77,37 +61,15 @@ DECODE = MachineDef(
         dict(trigger="read_done", source=["reading", "reloading"], dest="failed",
              after=["_note_read_failed", "_recycle"]),
         dict(trigger="recompute_done", source="recomputing", dest="running", after="_start_decode"),
-        # preemption: swap out or write back, free only after the copy answered
-        dict(trigger="preempt", source="running", dest="swapping_out", conditions="_swaps_out",
-             after="_send_swap_out"),
+        # preemption: write back, free only after the write answered
         dict(trigger="preempt", source="running", dest="preempt_writing", conditions="_writes_back",
              after="_send_write_back"),
-        dict(trigger="preempt", source="swapping_in", dest="swapped", after=["_release_blocks", "_park"]),
-        dict(trigger="preempt", source=["running", "recomputing", "loading", "reading", "reloading"], dest="preempted",
+        dict(trigger="preempt", source=["running", "recomputing", "reading", "reloading"], dest="preempted",
              after="_release_blocks"),
-        dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_swapped_through",
-             after=["_keep_swap", "_send_write_back"]),
-        dict(trigger="swapped_out", source="swapping_out", dest="swapped", conditions="_swap_complete",
-             after=["_keep_swap", "_release_blocks", "_park"]),
-        dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_falls_back_to_write",
-             after=["_drop_swap", "_send_write_back"]),
-        dict(trigger="swapped_out", source="swapping_out", dest="preempted", after=["_drop_swap", "_drop_write_back"]),
-        dict(trigger="timed_out", source="swapped", dest="preempted", after="_drop_host"),
-        dict(trigger="resume", source="swapped", dest="swapping_in", after="_send_swap_in"),
-        dict(trigger="swapped_in", source="swapping_in", dest="running", conditions="_swap_in_complete",
-             after=["_drop_swap", "_start_decode"]),
-        dict(trigger="swapped_in", source="swapping_in", dest="reloading", conditions="_has_stored",
-             after=["_drop_host", "_send_reload"]),
-        dict(trigger="swapped_in", source="swapping_in", dest="recomputing", after=["_drop_swap", "_start_recompute"]),
-        # a write-back answered: to the store alone, or through to it after the host tier's copy
-        dict(trigger="written", source="preempt_writing", dest="swapped", conditions="_stored_with_host",
-             after=["_keep_write_back", "_release_blocks", "_park"]),
         dict(trigger="written", source="preempt_writing", dest="preempted", conditions="_write_complete",
              after=["_keep_write_back", "_release_blocks"]),
         dict(trigger="written", source="preempt_writing", dest="preempt_writing", conditions="_can_retry",
              after="_retry_write"),
-        dict(trigger="written", source="preempt_writing", dest="swapped", conditions="_holds_host",
-             after=["_forget_store", "_release_blocks", "_park"]),
         dict(trigger="written", source="preempt_writing", dest="preempted", after="_drop_write_back"),
         dict(trigger="resume", source="preempted", dest="reloading", conditions="_has_stored", after="_send_reload"),
         dict(trigger="resume", source="preempted", dest="recomputing", after="_start_recompute"),
@@ -117,7 +79,7 @@ DECODE = MachineDef(
 )
 
 
-class DecodeLifecycle(Lifecycle):
+class DecodeLifecycle(SwapActions):
     """The D instance's side (see the module's rules)."""
 
     DEFINITION = DECODE
@@ -135,10 +97,6 @@ class DecodeLifecycle(Lifecycle):
         self._running: set[str] = set()
 
     # -- engine API --------------------------------------------------------------------------
-    def host_holdings(self) -> dict[str, tuple[str, ...]]:
-        """Request id -> the host tier keys it references (swapping out, swapped, swapping in)."""
-        return {rid: tuple(r.host_keys) for rid, r in self._reqs.items() if r.host_keys is not None}
-
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
         check_int(num_tokens, "num_tokens", minimum=1)
@@ -227,7 +185,7 @@ class DecodeLifecycle(Lifecycle):
         """The answer is complete: recycle the request."""
         self._fire(self._requests.get(request_id), "finish")
 
-    _HANDLERS = {**Lifecycle._HANDLERS,
+    _HANDLERS = {**SwapActions._HANDLERS,
                  E.Reserve: lambda s, e: s.reserve(e.request_id, e.token_ids, e.extra_keys),
                  E.FirstToken: lambda s, e: s.deliver_first_token(e.request_id, e.token, e.error_code),
                  E.AppendTokens: lambda s, e: s.append_tokens(e.request_id, e.token_ids),
@@ -268,21 +226,6 @@ class DecodeLifecycle(Lifecycle):
     def _recompute_after_read(self, req: Request, value: int) -> None:
         self._start_recompute(req, req.base + value)
 
-    def _token_ok_host_hit(self, req: Request, value: tuple[int | None, int]) -> bool:
-        return value[1] == 200 and self.host is not None and req.stored_keys is not None \
-            and self.host.ready_prefix(req.stored_keys) > 0
-
-    def _send_host_load(self, req: Request, value: tuple[int, int]) -> None:
-        assert self.host is not None and req.stored_keys is not None
-        req.tokens.append(value[0])
-        keys = req.stored_keys[:self.host.lookup(req.stored_keys)]
-        req.base = 0
-        self._transfer(req, C.SwapIn, "host_loaded", keys, req.blocks[:len(keys)], self.host.slots(keys))
-
-    def _send_rest_read(self, req: Request, value: int) -> None:
-        self.counters["host_read_blocks"] += value
-        self._read(req, value)
-
     def _recompute_on_miss(self, req: Request, value: int) -> bool:
         return self.policy.read_failure == "recompute"
 
@@ -290,6 +233,7 @@ class DecodeLifecycle(Lifecycle):
         req.error_code, req.reason = ERROR_READ_FAILED, "read_failed"
 
     def _start_recompute(self, req: Request, value: int | None) -> None:
+        req.cmd = 0  # a write-back from host memory still running no longer answers to it
         req.stored_keys = None
         self._out.append(C.Recompute(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
 
@@ -301,76 +245,9 @@ class DecodeLifecycle(Lifecycle):
         p = self.policy
         return p.preempt == "write" or (p.preempt == "swap" and p.swap_fallback == "write")
 
-    def _swap_keys(self, req: Request) -> list[str]:
-        # The newest token's cache is computed by the next decode step: copy all before it.
-        return keys_of_packed(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace,
-                              self.key_cache)
-
-    def _swaps_out(self, req: Request, value: Any) -> bool:
-        return self.policy.preempt == "swap" and self.host is not None and self.host.can_acquire(self._swap_keys(req))
-
-    def _send_swap_out(self, req: Request, value: Any) -> None:
-        assert self.host is not None
-        self._running.discard(req.id)
-        keys = req.keys = self._swap_keys(req)
-        slots, fresh = self.host.acquire(keys)
-        req.host_keys, req.host_fresh = keys, [keys[i] for i in fresh]
-        self._transfer(req, C.SwapOut, "swapped_out", req.host_fresh, [req.blocks[i] for i in fresh],
-                       [slots[i] for i in fresh])
-
-    def _swap_complete(self, req: Request, value: int) -> bool:
-        return value >= len(req.host_fresh)
-
-    def _swapped_through(self, req: Request, value: int) -> bool:
-        return self.policy.swap_write == "through" and self._swap_complete(req, value)
-
-    def _stored_with_host(self, req: Request, value: int) -> bool:
-        return req.host_keys is not None and self._write_complete(req, value)
-
-    def _holds_host(self, req: Request, value: int) -> bool:
-        return req.host_keys is not None
-
-    def _forget_store(self, req: Request, value: Any) -> None:
-        req.stored_keys = None  # the write-through failed: only the host tier holds the cache
-
-    def _keep_swap(self, req: Request, value: int) -> None:
-        assert self.host is not None
-        self.host.commit(req.host_fresh)
-        req.host_fresh = []
-
-    def _park(self, req: Request, value: Any) -> None:
-        self._wait(req, self.policy.swapped_timeout)  # its host entries are held until resume or then
-
-    def _falls_back_to_write(self, req: Request, value: int) -> bool:
-        return self.policy.swap_fallback == "write"
-
-    def _drop_swap(self, req: Request, value: Any = None) -> None:
-        """Let go of the request's host entries and of any stored copy's keys."""
-        self._drop_host(req)
-        req.stored_keys = None
-
-    def _drop_host(self, req: Request, value: Any = None) -> None:
-        """Let go of the request's host entries (uncommitted ones go once no copy holds them);
-        a copy written through to the store stays known (``stored_keys``)."""
-        if req.host_keys is not None:
-            assert self.host is not None
-            self.host.release(req.host_keys)
-            req.host_keys, req.host_fresh = None, []
-
-    def _send_swap_in(self, req: Request, value: Any) -> None:
-        assert self.host is not None and req.host_keys is not None
-        keys = req.host_keys
-        n = self.host.ready_prefix(keys)  # entries a failed fill left unready are recomputed
-        self._transfer(req, C.SwapIn, "swapped_in", keys[:n], req.blocks[:n], self.host.slots(keys[:n]))
-
-    def _swap_in_complete(self, req: Request, value: int) -> bool:
-        return req.host_keys is not None and value >= len(req.host_keys)
-
     def _send_write_back(self, req: Request, value: Any) -> None:
         self._running.discard(req.id)
-        # The newest token's cache is computed by the next decode step: store all before it.
-        req.keys = keys_of_packed(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace,
-                                  self.key_cache)
+        req.keys = self._cache_keys(req)
         req.retries = 0
         self._write(req, 0)
 

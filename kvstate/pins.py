@@ -38,7 +38,7 @@ class Transfer:
         self.blocks = blocks
         self.counts: dict[int, int] = {}  #: rank -> leading count it answered
         self.left = len(cmd.ranks)  #: ranks still to answer
-        self.limit = len(blocks)  #: the largest count a rank may answer
+        self.limit = len(cmd.keys)  #: the largest count a rank may answer (a flush from host memory has no blocks)
         self.resolved = False  #: its request moved on (all answered, or the deadline passed)
         self.pinned = False  #: it holds a reference to each of its blocks (its request let go)
         self.held = req.blocks  #: the request's block list it was cut from (replaced on release)

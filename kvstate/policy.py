@@ -11,7 +11,7 @@ __all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "SWAP_FALLBACKS", "S
 READ_FAILURE_MODES = ("fail", "recompute")  #: ``Policy.read_failure``
 PREEMPT_MODES = ("write", "recompute", "swap")  #: ``Policy.preempt``
 SWAP_FALLBACKS = ("write", "recompute")  #: ``Policy.swap_fallback``
-SWAP_WRITES = ("host", "through")  #: ``Policy.swap_write``
+SWAP_WRITES = ("host", "through", "back")  #: ``Policy.swap_write``
 
 ERROR_READ_FAILED = 502  #: D could not read the cache P wrote
 ERROR_WRITE_FAILED = 503  #: P could not write the cache; its first token carries this code
@@ -50,8 +50,9 @@ class Policy:
       fails: ``"write"`` (write it to the store as ``preempt="write"`` does) or
       ``"recompute"``.
     - ``swap_write``: ``"host"`` (a swapped cache lives in host memory only; lost there, it is
-      recomputed) or ``"through"`` (also written to the store before the GPU blocks are freed;
-      lost in host memory, it is reloaded from the store).
+      recomputed), ``"through"`` (also written to the store before the GPU blocks are freed)
+      or ``"back"`` (written to the store from host memory after they are freed, while the
+      request waits swapped). A cache in the store that host memory lost is reloaded from it.
     - ``swapped_timeout``: how long a swapped-out request may wait for ``resume`` before its
       host copy is let go (it then recomputes on resume), so an engine that forgets a
       request cannot hold the host tier forever.

@@ -1,13 +1,17 @@
 """Helpers of the lifecycle tests: one request's handoff and checks on real bytes."""
 from __future__ import annotations
 
+import dataclasses
+
 from conftest import Rig
 
 from kvstate import commands as C
 from kvstate.keys import block_keys
+from kvstate.policy import Policy
 from kvstate.testing import fill_blocks, mismatched_blocks
 
-__all__ = ["TOKS", "handoff", "fill_p", "d_matches", "serve", "deliver", "assert_clean", "running"]
+__all__ = ["TOKS", "handoff", "fill_p", "d_matches", "serve", "deliver", "assert_clean", "running", "answer_only",
+           "SWAP", "swapping_rig"]
 
 TOKS = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial one
 
@@ -58,3 +62,18 @@ def running(rig, rid="r"):
     rig.dd.run_until_idle()
     rig.notices(rig.dd)
     assert rig.D.state_of(rid) == "running"
+
+
+def answer_only(drv, cls) -> None:
+    """Answer in full every pending (command, rank) of class ``cls``, nothing else."""
+    drv.pump()
+    for key in [k for k, c in drv.pending.items() if isinstance(c, cls)]:
+        drv.complete(*key)
+
+
+SWAP = Policy(preempt="swap", transfer_timeout=10.0, fence_grace=5.0)  #: preemption into the host tier
+
+
+def swapping_rig(host_blocks: int = 16, **policy) -> Rig:
+    """A rig whose P and D have a host tier of ``host_blocks`` slots, D swapping on preemption."""
+    return Rig(policy=dataclasses.replace(SWAP, **policy), host_blocks=host_blocks)

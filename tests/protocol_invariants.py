@@ -86,8 +86,8 @@ class PoolInvariants:
             if views:
                 STATS["invariant:transfer_blocks_held_by_their_request_or_pinned"] += 1
                 refs = lc.pool.refcounts()
-                for cmd, blocks, pinned, held in views:
-                    assert (pinned or held) and all(refs[b] >= 1 for b in blocks), \
+                for cmd, blocks, pinned, held in views:  # (a flush from host memory touches no GPU block)
+                    assert not blocks or (pinned or held) and all(refs[b] >= 1 for b in blocks), \
                         f"transfer_blocks_held_by_their_request_or_pinned: command {cmd.command_id}"
 
     @invariant()
@@ -100,7 +100,7 @@ class PoolInvariants:
                 continue
             holdings = lc.host_holdings() if hasattr(lc, "host_holdings") else {}
             want = Counter(k for keys in holdings.values() for k in keys)
-            want.update(k for c in lc.pending_commands() if c.__class__.__name__ in ("SwapOut", "SwapIn")
+            want.update(k for c in lc.pending_commands() if c.__class__.__name__ in ("SwapOut", "SwapIn", "FlushHost")
                         for k in c.keys)
             if want:
                 STATS["invariant:host_refs_equal_holders_plus_copies"] += 1

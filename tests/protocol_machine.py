@@ -30,7 +30,7 @@ class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachi
                 preempt=st.sampled_from(["write", "recompute", "swap", "swap", "swap"]), retries=st.integers(0, 2),
                 capacity=st.sampled_from([1 << 26, 6000]), p_blocks=st.sampled_from([24, 6]),
                 host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]),
-                swap_write=st.sampled_from(["host", "through"]))
+                swap_write=st.sampled_from(["host", "through", "back"]))
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write):
         from kvstate.backends import MemoryStore
         STATS["examples"] += 1

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import pytest
 from conftest import Rig
-from lifecycle_helpers import TOKS, d_matches, fill_p, running
+from lifecycle_helpers import SWAP, TOKS, answer_only, d_matches, fill_p, running, swapping_rig
 
 from kvstate import commands as C
 from kvstate.errors import ConfigError, ValidationError
 from kvstate.keys import block_keys
-from kvstate.policy import Policy
 from kvstate.testing import fill_blocks
 
-SWAP = Policy(preempt="swap", transfer_timeout=10.0, fence_grace=5.0)
 TOKS_NOW = TOKS + [7, 1, 2, 3]  # the prompt, the first token, three decoded tokens
-
-
-def swapping_rig(host_blocks: int = 16, **policy) -> Rig:
-    import dataclasses
-    return Rig(policy=dataclasses.replace(SWAP, **policy), host_blocks=host_blocks)
 
 
 def decoding(rig: Rig, rid: str = "r") -> tuple[int, ...]:
@@ -279,98 +272,49 @@ def test_a_failed_write_through_leaves_the_cache_swapped_in_host_memory():
     assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS_NOW[:-1], new)
 
 
-# -- P: the prefix looked up by tier, the cache copied to the host tier after the store -------------
-LONG = list(range(200, 217))  # 17 tokens: 4 full blocks of 4 and a partial one; a prefix limit of 4
+def test_write_back_stores_from_host_memory_after_the_gpu_blocks_are_free():
+    rig = swapping_rig(swap_write="back", swapped_timeout=50.0)
+    blocks = decoding(rig)
+    rig.D.preempt("r")
+    answer_only(rig.dd, C.SwapOut)
+    assert rig.D.state_of("r") == "swapped" and rig.D.pool.num_used == 0  # freed before the store write
+    [flush] = [c for c in rig.D.pending_commands() if isinstance(c, C.FlushHost)]
+    assert flush.block_ids == () and len(flush.host_slots) == 4
+    keys = block_keys(TOKS_NOW[:-1], 4)
+    assert rig.db.query(0, keys) < 4
+    rig.dd.run_until_idle()
+    assert rig.db.query(0, keys) == rig.db.query(1, keys) == 4
+    rig.clock.now += 50.0
+    rig.D.tick()
+    host_clean(rig)
+    scribble(rig, blocks)
+    new = rig.D.resume("r")
+    assert rig.D.state_of("r") == "reloading"  # the store holds it: no recompute
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS_NOW[:-1], new)
 
 
-def p_view(rig: Rig) -> Rig:
-    """``d_matches`` reads ``rig.db``: a view whose D backend is P's."""
-    view = Rig.__new__(Rig)
-    view.db, view.spec = rig.pb, rig.spec
-    return view
-
-
-def answer_only(drv, cls) -> None:
-    """Answer in full every pending (command, rank) of class ``cls``, nothing else."""
-    drv.pump()
-    for key in [k for k, c in drv.pending.items() if isinstance(c, cls)]:
-        drv.complete(*key)
-
-
-def p_served(rig: Rig, rid: str, toks, copy: bool = True) -> C.StartPrefill:
-    """Admit on D and P, look the prefix up, prefill with the true bytes, store the cache (and,
-    with ``copy``, let the host copy answer); returns P's StartPrefill."""
-    from lifecycle_helpers import fill_p
-    rig.D.reserve(rid, toks)
-    rig.P.admit(rid, toks)
-    rig.pd.run_until_idle()
-    [sp] = rig.notices(rig.pd, C.StartPrefill)
-    fill_p(rig, rid, toks, sp.block_ids, sp.num_cached_tokens // rig.spec.block_size)
-    rig.P.prefill_done(rid, 7)
-    answer_only(rig.pd, C.WriteBlocks)
-    if copy:
-        rig.pd.run_until_idle()
-    return sp
-
-
-def test_p_copies_a_stored_cache_to_its_host_tier_without_waiting_for_it():
-    rig = swapping_rig()
-    p_served(rig, "a", LONG, copy=False)
-    assert "a" not in rig.P.live_requests()  # done at once: the first token went out
-    assert rig.notices(rig.pd, C.SendFirstToken)[0].error_code == 200
-    assert rig.P.pool.num_used == 5  # the host copy pins its blocks until it answers
-    rig.pd.run_until_idle()
-    assert rig.P.pool.num_used == 0
-    assert rig.P.host.ready_prefix(block_keys(LONG, 4)) == 5 and rig.P.host.stats().referenced == 0
-
-
-def test_a_prefix_in_the_host_tier_is_copied_in_and_the_store_is_not_asked():
-    rig = swapping_rig()
-    p_served(rig, "a", LONG)
-    rig.store.evict(list(rig.store.keys()))  # the pool lost everything: only host memory has it
-    sp = p_served(rig, "b", LONG[:16] + [9, 9])
-    assert sp.num_cached_tokens == 16
-    assert rig.P.counters["host_prefix_blocks"] == 4 and rig.P.counters["store_prefix_blocks"] == 0
-    assert d_matches(p_view(rig), LONG[:16], sp.block_ids[:4])
-
-
-def test_the_store_serves_what_the_host_tier_lacks():
-    rig = swapping_rig()
-    other = swapping_rig()
-    other.pb.store = rig.pb.store = rig.db.store = rig.store
-    other.store = rig.store
-    p_served(other, "x", LONG)  # another P put all 4 blocks in the shared store
-    p_served(rig, "a", LONG[:9])  # this P's host tier now holds the first 2 (read from the store)
-    host0, store0 = rig.P.counters["host_prefix_blocks"], rig.P.counters["store_prefix_blocks"]
-    sp = p_served(rig, "c", LONG[:16] + [1])
-    assert sp.num_cached_tokens == 16
-    assert rig.P.counters["host_prefix_blocks"] - host0 == 2 and rig.P.counters["store_prefix_blocks"] - store0 == 2
-    assert d_matches(p_view(rig), LONG[:16], sp.block_ids[:4])
-
-
-def test_a_partial_host_copy_prefills_from_where_it_stopped_and_abort_leaks_nothing():
-    rig = swapping_rig()
-    p_served(rig, "a", LONG)
-    rig.store.evict(list(rig.store.keys()))
-    rig.D.reserve("b", LONG)
-    rig.P.admit("b", LONG)
-    assert rig.P.state_of("b") == "loading_prefix"
-    rig.pd.pump()
-    [cid] = {c for c, _ in rig.pd.pending}
-    rig.pd.complete(cid, 0, 1)
-    rig.pd.complete(cid, 1)
-    [sp] = rig.notices(rig.pd, C.StartPrefill)
-    assert sp.num_cached_tokens == 4  # the store was not asked: rank 0 stopped short
-    rig.D.reserve("c", LONG)
-    rig.P.admit("c", LONG)
-    assert rig.P.state_of("c") == "loading_prefix"
-    rig.P.abort("c")  # the copy still answers, then its pins and references go
-    rig.pd.run_until_idle()
-    rig.P.abort("b")
-    assert rig.P.pool.num_used == 0 and rig.P.host.stats().referenced == 0
-
-
-def test_a_full_host_tier_skips_the_copy():
-    rig = swapping_rig(host_blocks=3)
-    p_served(rig, "a", LONG, copy=False)
-    assert rig.P.pool.num_used == 0 and rig.P.host.stats().entries == 0
+@pytest.mark.parametrize("then", ["resume", "abort", "timeout"])
+def test_a_write_back_in_flight_never_blocks_or_leaks(then):
+    rig = swapping_rig(swap_write="back", swapped_timeout=5.0)  # within the flush's 10 s deadline
+    decoding(rig)
+    rig.D.preempt("r")
+    answer_only(rig.dd, C.SwapOut)
+    if then == "resume":
+        new = rig.D.resume("r")
+        answer_only(rig.dd, C.SwapIn)  # the swap-in does not wait for the store write
+        assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS_NOW[:-1], new)
+    elif then == "abort":
+        rig.D.abort("r")
+    else:
+        rig.clock.now += 5.0
+        rig.D.tick()
+        assert rig.D.state_of("r") == "preempted"
+    rig.dd.run_until_idle()  # the store write answers last: it changes no state
+    if then == "timeout":
+        assert rig.D.resume("r") and rig.D.state_of("r") == "reloading"
+        rig.dd.run_until_idle()
+    if "r" in rig.D.live_requests():
+        rig.D.finish("r")
+    assert rig.D.pool.num_used == 0
+    host_clean(rig)

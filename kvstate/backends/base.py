@@ -147,6 +147,11 @@ class TransferBackend(ABC):
         leading blocks were copied."""
         raise ValidationError(f"{type(self).__name__} has no host tier: build it with host_blocks > 0")
 
+    def flush_host(self, rank: int, keys: Sequence[str], host_slots: Sequence[int]) -> int:
+        """Store host tier slot ``host_slots[i]`` under ``keys[i]`` (a write-back from host
+        memory); how many leading keys are stored afterwards."""
+        raise ValidationError(f"{type(self).__name__} has no host tier: build it with host_blocks > 0")
+
     def close(self) -> None:  # noqa: B027 - a default, not an abstract method: the reference backend holds nothing
         """Release buffers and devices (idempotent)."""
 
@@ -190,19 +195,41 @@ class StoreBackend(TransferBackend):
 
     def _check_swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
         """A swap's rank, block ids (as a transfer's) and host slots: one per block, in range, distinct."""
+        self._check_transfer(rank, [f"block{b}" for b in range(len(block_ids))], block_ids)
+        self._check_slots(host_slots, len(block_ids))
+
+    def _check_slots(self, host_slots: Sequence[int], n: int) -> None:
+        """``n`` host tier slots: ints in the arena's range, distinct (and a tier to hold them)."""
         name = type(self).__name__
         host_blocks = getattr(self, "host_blocks", 0)
         if not host_blocks:
             raise ValidationError(f"{name} has no host tier: build it with host_blocks > 0")
-        self._check_transfer(rank, [f"block{b}" for b in range(len(block_ids))], block_ids)
-        if isinstance(host_slots, (str, bytes)) or not isinstance(host_slots, Sequence) \
-                or len(host_slots) != len(block_ids):
-            raise ValidationError(f"{name}: host slots must be a sequence of one int per block ({len(block_ids)})")
+        if isinstance(host_slots, (str, bytes)) or not isinstance(host_slots, Sequence) or len(host_slots) != n:
+            raise ValidationError(f"{name}: host slots must be a sequence of one int per block ({n})")
         for h in host_slots:
             if not is_int(h) or not 0 <= h < host_blocks:
                 raise ValidationError(f"{name}: host slot {h!r} outside 0..{host_blocks - 1}")
         if len(set(host_slots)) != len(host_slots):
             raise ValidationError(f"{name}: host slots {list(host_slots)} name a slot twice")
+
+    def _arena(self, rank: int, kind: str) -> Any:
+        """The host tier's block-major array of ``kind`` on ``rank`` (backends with a tier)."""
+        raise ValidationError(f"{type(self).__name__} has no host tier")
+
+    def flush_host(self, rank: int, keys: Sequence[str], host_slots: Sequence[int]) -> int:
+        """Skip the leading keys already stored, put the rest from their slots (zero-copy views
+        of the arena); how many leading keys are stored."""
+        self._check_keys(rank, keys)
+        self._check_slots(host_slots, len(keys))
+        n = self.query(rank, keys)
+        if n == len(keys):
+            return n
+        kinds = self.spec.kinds
+        views = [as_bytes_view(self._arena(rank, kind)[s]) for s in host_slots[n:] for kind in kinds]
+        status = self.store.batch_put_from(self._names(rank, keys[n:]), views)
+        done = self._whole([st == 0 for st in status], len(keys) - n)
+        self.bytes_moved += done * self.spec.bytes_per_block_per_rank
+        return n + done
 
     def _check_block(self, b: Any) -> None:
         if not is_int(b) or not 0 <= b < self.num_blocks:

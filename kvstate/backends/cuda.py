@@ -117,6 +117,10 @@ class CudaBackend(StoreBackend):
             part = np.frombuffer(data, v.dtype, offset=i * chunk, count=v[block_id].size)
             v[block_id] = self.cp.asarray(part.reshape(v.shape[1:]))
 
+    def _arena(self, rank: int, kind: str) -> np.ndarray:
+        self._check_open()
+        return self._host[rank][kind]
+
     def host_slot_bytes(self, rank: int, kind: str, slot: int) -> bytes:
         """One host tier slot of ``kind`` on ``rank``, in the stored (block-major) layout."""
         self._check_open()

@@ -49,6 +49,8 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
             n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
         elif isinstance(cmd, C.SwapIn):
             n = backend.swap_in(rank, cmd.host_slots[:len(keys)], cmd.block_ids[:len(keys)], guard)
+        elif isinstance(cmd, C.FlushHost):
+            n = backend.flush_host(rank, keys, cmd.host_slots[:len(keys)])
         else:
             raise ValidationError(f"cannot execute {type(cmd).__name__}")
     except (KVStateError, OSError) as e:
@@ -138,7 +140,7 @@ class StepDriver:
         return steps
 
 
-_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks, C.SwapOut, C.SwapIn))
+_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks, C.SwapOut, C.SwapIn, C.FlushHost))
 _STOP = object()
 
 

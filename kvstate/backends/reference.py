@@ -59,6 +59,9 @@ class ReferenceBackend(StoreBackend):
             layer[block_id] = np.frombuffer(data, layer.dtype, offset=i * chunk,
                                             count=layer[block_id].size).reshape(layer.shape[1:])
 
+    def _arena(self, rank: int, kind: str) -> np.ndarray:
+        return self.host[rank][kind]
+
     def host_slot_bytes(self, rank: int, kind: str, slot: int) -> bytes:
         """One host tier slot of ``kind`` on ``rank``, in the stored (block-major) layout."""
         self._check_swap(rank, [0], [slot])

@@ -48,7 +48,12 @@ class Transfer:
         self.seen[rank] = (found, store.evictions)
         if self.write:
             rest = self.n - found
-            return store.query_latency + (inst.transfer_time(rank, "d2h", rest) if rest else 0.0)
+            if not rest:
+                return store.query_latency
+            if self.cmd.__class__ is C.FlushHost:  # from host memory: the pool's bandwidth only
+                nbytes = rest * inst.cluster.shard_bytes
+                return store.query_latency + store.occupy(inst.env.now, nbytes)[1] - inst.env.now
+            return store.query_latency + inst.transfer_time(rank, "d2h", rest)
         return inst.transfer_time(rank, "h2d", found) if found else store.latency
 
     def finish(self, rank: int) -> None:
@@ -166,9 +171,9 @@ class Instance:
         timed = False  # a transfer brings a deadline: the next tick may have to come sooner
         for cmd in cmds:
             t = cmd.__class__  # dispatch on the exact class: cheaper than isinstance chains
-            if t is C.WriteBlocks or t is C.ReadBlocks:
+            if t is C.WriteBlocks or t is C.ReadBlocks or t is C.FlushHost:
                 tc = cast(C.TransferCommand, cmd)
-                write = t is C.WriteBlocks
+                write = t is not C.ReadBlocks
                 (self.write_pool if write else self.read_pool).submit(Transfer(self, tc, write), tc.ranks)
                 timed = True
             elif t is C.SwapOut or t is C.SwapIn:

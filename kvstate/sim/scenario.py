@@ -198,8 +198,8 @@ class PolicySpec(_Section):
     preempt: str = _f("write", f"one of {list(PREEMPT_MODES)}: write the cache out, recompute it, or swap it "
                                "to the host tier (needs cluster.host_blocks)")
     swap_fallback: str = _f("write", f"one of {list(SWAP_FALLBACKS)}: when the host tier is full or a swap fails")
-    swap_write: str = _f("host", f"one of {list(SWAP_WRITES)}: a swapped cache in host memory only, or also "
-                                 "written through to the store")
+    swap_write: str = _f("host", f"one of {list(SWAP_WRITES)}: a swapped cache in host memory only, also "
+                                 "written to the store before (through) or after (back) its GPU blocks go")
     read_failure: str = _f("recompute", f"one of {list(READ_FAILURE_MODES)}: end with 502, or recompute")
     write_retries: int = _f(1, "extra attempts after a failed or partial write")
     decode_headroom_blocks: int = _f(1, "blocks D keeps free per running request when it reserves")
