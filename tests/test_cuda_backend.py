@@ -113,7 +113,8 @@ def test_host_tier_swaps_bytes_between_gpu_blocks_and_pinned_slots():
 
 
 @gpu
-def test_a_preempted_request_swaps_through_the_cuda_host_tier_and_back():
+@pytest.mark.parametrize("swap_write", ["host", "through", "back"])
+def test_a_preempted_request_swaps_through_the_cuda_host_tier_and_back(swap_write):
     from kvstate import CacheSpec, DecodeLifecycle, Policy
     from kvstate.backends import MemoryStore, StepDriver
     from kvstate.backends.cuda import CudaBackend
@@ -121,7 +122,8 @@ def test_a_preempted_request_swaps_through_the_cuda_host_tier_and_back():
     from kvstate.testing import fill_blocks, mismatched_blocks
 
     spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=32, dtype="bfloat16", tp_size=2)
-    lc = DecodeLifecycle(spec, 24, Policy(preempt="swap", read_failure="recompute"), host_blocks=12)
+    lc = DecodeLifecycle(spec, 24, Policy(preempt="swap", read_failure="recompute", swap_write=swap_write),
+                         host_blocks=12)
     b = CudaBackend(spec, 24, MemoryStore(1 << 24), host_blocks=12)
     drv = StepDriver(lc, b)
     try:
@@ -136,6 +138,8 @@ def test_a_preempted_request_swaps_through_the_cuda_host_tier_and_back():
         lc.preempt("r")
         drv.run_until_idle()
         assert lc.state_of("r") == "swapped" and lc.pool.num_used == 0
+        stored = b.query(0, block_keys(full[:-1], 4)) == b.query(1, block_keys(full[:-1], 4)) == 8
+        assert stored == (swap_write != "host")  # written through, or back from the pinned slots
         for blk in blocks:  # the freed blocks are overwritten by other requests
             for r in range(2):
                 for kind in spec.kinds:
