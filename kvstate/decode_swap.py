@@ -148,7 +148,7 @@ class SwapActions(Lifecycle):
     def _keep_swap(self, req: Request, value: int) -> None:
         assert self.host is not None
         self.host.commit(req.host_fresh)
-        req.host_fresh = []
+        req.host_fresh = ()
 
     def _park(self, req: Request, value: Any) -> None:
         self._wait(req, self.policy.swapped_timeout)  # its host entries are held until resume or then
@@ -167,7 +167,7 @@ class SwapActions(Lifecycle):
         if req.host_keys is not None:
             assert self.host is not None
             self.host.release(req.host_keys)
-            req.host_keys, req.host_fresh = None, []
+            req.host_keys, req.host_fresh = None, ()
 
     def _send_swap_in(self, req: Request, value: Any) -> None:
         assert self.host is not None and req.host_keys is not None

@@ -45,7 +45,7 @@ class Request:
         self.wait_seq = 0  #: identifies its current wait timer (0: none)
         self.inflight: list[Transfer] = []  #: its transfers not yet retired
         self.host_keys: list[str] | None = None  #: D: keys it references in the host tier (swapped out)
-        self.host_fresh: list[str] = []  #: D: the keys its swap-out fills
+        self.host_fresh: Sequence[str] = ()  #: D: the keys its swap-out fills
 
 
 class Registry:
