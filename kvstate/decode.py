@@ -31,7 +31,6 @@ from . import commands as C
 from . import events as E
 from .decode_swap import SWAP_ROWS, SWAP_STATES, SwapActions
 from .errors import ConfigError, InvalidTransitionError, OutOfBlocksError, ValidationError
-from .hostpool import HostBlockPool
 from .machine import MachineDef
 from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, prefill_reason
 from .registry import Request
@@ -85,14 +84,10 @@ class DecodeLifecycle(SwapActions):
     DEFINITION = DECODE
     TIMED_WAITS = ("swapped",)
 
-    def __init__(self, *args: Any, host_blocks: int = 0, **kwargs: Any) -> None:
-        """``host_blocks``: slots of the host tier (0: none); the rest as :class:`Lifecycle`."""
-        check_int(host_blocks, "host_blocks", minimum=0)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.policy.preempt == "swap" and not host_blocks:
+        if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
-        self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
-        self._transfers.host = self.host
         self.counters["host_read_blocks"] = 0  # blocks of P's caches found in the host tier
         self._running: set[str] = set()
 

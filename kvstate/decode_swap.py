@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 from . import commands as C
-from .hostpool import HostBlockPool
 from .keys import keys_of_packed
 from .lifecycle import Lifecycle
 from .registry import Request
@@ -73,7 +72,6 @@ SWAP_ROWS: tuple[dict[str, Any], ...] = (
 class SwapActions(Lifecycle):
     """The actions :data:`SWAP_ROWS` name (D's lifecycle inherits them)."""
 
-    host: HostBlockPool | None
     _running: set[str]
 
     def _read(self, req: Request, start: int = 0) -> None:  # D's store read (kvstate.decode)

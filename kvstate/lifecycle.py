@@ -40,7 +40,7 @@ from .pool import BlockPool
 from .registry import Registry, Request
 from .spec import CacheSpec
 from .timers import FENCE, TRANSFER, WAIT, Timers
-from .validate import check_request_id, check_tokens, is_int
+from .validate import check_int, check_request_id, check_tokens, is_int
 
 __all__ = ["Lifecycle", "TransferView"]
 
@@ -56,7 +56,10 @@ class Lifecycle:
 
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
-                 key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine) -> None:
+                 key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
+                 host_blocks: int = 0) -> None:
+        """``host_blocks``: slots of the host memory tier (0: none)."""
+        check_int(host_blocks, "host_blocks", minimum=0)
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
         if policy is not None and not isinstance(policy, Policy):
@@ -72,8 +75,8 @@ class Lifecycle:
         self.clock, self.namespace, self.key_cache = clock, namespace, key_cache
         self._requests = Registry(self.DEFINITION.name)
         self._reqs = self._requests.live  # the live requests by id (hot paths read it directly)
-        self._transfers = Transfers(self.pool)
-        self.host: HostBlockPool | None = None  #: the host tier's slots (a role with one sets it)
+        self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
+        self._transfers = Transfers(self.pool, self.host)
         self._pending = self._transfers.pending
         self._timers = Timers()
         self._out: list[C.Command] = []  # swapped out whole by poll_commands

@@ -33,12 +33,11 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
-from .hostpool import HostBlockPool
 from .lifecycle import Lifecycle
 from .machine import MachineDef
 from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED
 from .registry import Request
-from .validate import check_int, check_token
+from .validate import check_token
 
 __all__ = ["PREFILL", "PrefillLifecycle"]
 
@@ -78,12 +77,8 @@ class PrefillLifecycle(Lifecycle):
 
     DEFINITION = PREFILL
 
-    def __init__(self, *args: Any, host_blocks: int = 0, **kwargs: Any) -> None:
-        """``host_blocks``: slots of the host tier (0: none); the rest as :class:`Lifecycle`."""
-        check_int(host_blocks, "host_blocks", minimum=0)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
-        self._transfers.host = self.host
         self.counters.update(host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()
 

@@ -158,14 +158,20 @@ def test_a_swapped_request_past_its_deadline_lets_the_host_copy_go():
     assert rig.D.state_of("r") == "recomputing"
 
 
-def test_a_timed_out_swap_out_keeps_its_slots_until_the_late_answer():
-    rig = swapping_rig()
+def swap_out_past_its_deadline(rig: Rig) -> int:
+    """Preempt ``r`` (decoding) and let its swap-out's deadline pass unanswered; its command id."""
     decoding(rig)
     rig.D.preempt("r")
     rig.dd.pump()
     [cid] = {c for c, _ in rig.dd.pending}
     rig.clock.now += 10.0
     rig.D.tick()  # the deadline passes: fallback to the store write
+    return cid
+
+
+def test_a_timed_out_swap_out_keeps_its_slots_until_the_late_answer():
+    rig = swapping_rig()
+    cid = swap_out_past_its_deadline(rig)
     assert rig.D.state_of("r") == "preempt_writing"
     assert rig.D.host.stats().referenced == 4  # the unanswered copy still holds its slots
     rig.dd.complete(cid, 0)
@@ -175,12 +181,7 @@ def test_a_timed_out_swap_out_keeps_its_slots_until_the_late_answer():
 
 def test_a_late_swap_out_that_copied_everything_leaves_ready_entries():
     rig = swapping_rig()
-    decoding(rig)
-    rig.D.preempt("r")
-    rig.dd.pump()
-    [cid] = {c for c, _ in rig.dd.pending}
-    rig.clock.now += 10.0
-    rig.D.tick()
+    cid = swap_out_past_its_deadline(rig)
     rig.dd.complete(cid, 0)
     rig.dd.complete(cid, 1)
     stats = rig.D.host.stats()

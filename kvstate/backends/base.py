@@ -216,6 +216,26 @@ class StoreBackend(TransferBackend):
         """The host tier's block-major array of ``kind`` on ``rank`` (backends with a tier)."""
         raise ValidationError(f"{type(self).__name__} has no host tier")
 
+    def _swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int], direction: str,
+              guard: Guard | None) -> int:
+        """Copy blocks between the caches and the arena's slots (``d2h``: into the slots)."""
+        raise ValidationError(f"{type(self).__name__} has no host tier: build it with host_blocks > 0")
+
+    def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
+                 guard: Guard | None = None) -> int:
+        return self._swap(rank, block_ids, host_slots, "d2h", guard)
+
+    def swap_in(self, rank: int, host_slots: Sequence[int], block_ids: Sequence[int],
+                guard: Guard | None = None) -> int:
+        return self._swap(rank, block_ids, host_slots, "h2d", guard)
+
+    def host_slot_bytes(self, rank: int, kind: str, slot: int) -> bytes:
+        """One host tier slot of ``kind`` on ``rank``, in the stored (block-major) layout."""
+        self._check_swap(rank, [0], [slot])
+        if kind not in self.spec.kinds:
+            raise ValidationError(f"{type(self).__name__}: kind {kind!r} is not one of {self.spec.kinds}")
+        return bytes(as_bytes_view(self._arena(rank, kind)[slot]))
+
     def flush_host(self, rank: int, keys: Sequence[str], host_slots: Sequence[int]) -> int:
         """Skip the leading keys already stored, put the rest from their slots (zero-copy views
         of the arena); how many leading keys are stored."""

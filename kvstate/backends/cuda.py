@@ -121,21 +121,7 @@ class CudaBackend(StoreBackend):
         self._check_open()
         return self._host[rank][kind]
 
-    def host_slot_bytes(self, rank: int, kind: str, slot: int) -> bytes:
-        """One host tier slot of ``kind`` on ``rank``, in the stored (block-major) layout."""
-        self._check_open()
-        self._check_swap(rank, [0], [slot])
-        return self._host[rank][kind][slot].tobytes()
-
     # -- TransferBackend -----------------------------------------------------------------------
-    def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
-                 guard: Guard | None = None) -> int:
-        return self._swap(rank, block_ids, host_slots, "d2h", guard)
-
-    def swap_in(self, rank: int, host_slots: Sequence[int], block_ids: Sequence[int],
-                guard: Guard | None = None) -> int:
-        return self._swap(rank, block_ids, host_slots, "h2d", guard)
-
     def _swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int], direction: str,
               guard: Guard | None) -> int:
         """One kernel per kind straight between the GPU caches and the arena's slots (no staging)."""
