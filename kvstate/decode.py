@@ -6,6 +6,10 @@ Rules:
   ``Policy.decode_headroom_blocks`` free per running request; it then waits for P's first
   token at most ``Policy.first_token_timeout`` (504, reason ``first_token_timeout``). A first
   token that comes with an error ends the request with P's code (reason ``prefill_...``).
+- With a GPU prefix cache (``prefix_cache``), ``reserve`` claims, shared, the prompt's leading
+  full blocks the cache holds (``counters['gpu_read_blocks']``); the reads below start after
+  them, and a prompt held whole is runnable with its first token. A request's full blocks are
+  published when it becomes runnable. ``can_reserve`` does not count hits.
 - With the token, D reads the cache into the reserved blocks; with a host tier, the leading
   blocks ready there are copied in first (``loading``, a ``SwapIn``) and the store serves only
   the rest (counted in ``counters['host_read_blocks']``). A request is runnable only when
@@ -31,6 +35,7 @@ from . import commands as C
 from . import events as E
 from .decode_swap import SWAP_ROWS, SWAP_STATES, SwapActions
 from .errors import ConfigError, InvalidTransitionError, OutOfBlocksError, ValidationError
+from .keys import full_blocks
 from .machine import MachineDef
 from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, prefill_reason
 from .registry import Request
@@ -48,7 +53,11 @@ DECODE = MachineDef(
     states=(*_LIVE, "done", "failed", "aborted"),
     initial="reserved",
     terminal=("done", "failed", "aborted"),
-    transitions=SWAP_ROWS + (
+    transitions=(
+        # the GPU prefix cache held every block of the prompt: nothing to read
+        dict(trigger="first_token", source="reserved", dest="running", conditions="_token_ok_all_cached",
+             after=["_take_token", "_start_decode"]),
+    ) + SWAP_ROWS + (
         dict(trigger="first_token", source="reserved", dest="reading", conditions="_token_ok", after="_send_read"),
         dict(trigger="first_token", source="reserved", dest="failed", after=["_note_prefill_error", "_recycle"]),
         dict(trigger="timed_out", source="reserved", dest="failed", after=["_note_no_token", "_recycle"]),
@@ -89,6 +98,7 @@ class DecodeLifecycle(SwapActions):
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
         self.counters["host_read_blocks"] = 0  # blocks of P's caches found in the host tier
+        self.counters["gpu_read_blocks"] = 0  # ... and found on the GPU (prefix cache): not read
         self._running: set[str] = set()
 
     # -- engine API --------------------------------------------------------------------------
@@ -106,10 +116,16 @@ class DecodeLifecycle(SwapActions):
         n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline (hot path)
         if n > self.pool.num_blocks:
             self._check_fits(req, n)  # raises
-        try:
-            req.blocks = self.pool.allocate(n, self._headroom())
-        except OutOfBlocksError as e:
-            raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
+        if self.prefix_cache is None:
+            try:
+                req.blocks = self.pool.allocate(n, self._headroom())
+            except OutOfBlocksError as e:
+                raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
+        elif self._take_blocks(req, n, req.keys[:full_blocks(req.keys)], self._headroom()):
+            self.counters["gpu_read_blocks"] += req.hits
+        else:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks keeping "
+                                   f"{self._headroom()} free: {self.pool.num_free} are free")
         req.stored_keys = req.keys
         self._reqs[request_id] = req
         self._wait(req, self.policy.first_token_timeout)
@@ -204,7 +220,13 @@ class DecodeLifecycle(SwapActions):
 
     def _send_read(self, req: Request, value: tuple[int, int]) -> None:
         req.tokens.append(value[0])
-        self._read(req)
+        self._read(req, req.hits)
+
+    def _token_ok_all_cached(self, req: Request, value: tuple[int | None, int]) -> bool:
+        return value[1] == 200 and req.hits >= len(req.stored_keys or ())
+
+    def _take_token(self, req: Request, value: tuple[int, int]) -> None:
+        req.tokens.append(value[0])
 
     def _send_reload(self, req: Request, value: Any) -> None:
         self._read(req)
@@ -233,6 +255,8 @@ class DecodeLifecycle(SwapActions):
         self._out.append(C.Recompute(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
 
     def _start_decode(self, req: Request, value: Any) -> None:
+        if self.prefix_cache is not None:  # its blocks hold its cache's bytes now
+            self.prefix_cache.publish(req.keys, req.blocks)
         self._running.add(req.id)
         self._out.append(C.StartDecode(req.id, tuple(req.blocks)))
 

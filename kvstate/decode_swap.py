@@ -83,18 +83,19 @@ class SwapActions(Lifecycle):
 
     def _token_ok_host_hit(self, req: Request, value: tuple[int | None, int]) -> bool:
         return value[1] == 200 and self.host is not None and req.stored_keys is not None \
-            and self.host.ready_prefix(req.stored_keys) > 0
+            and self.host.ready_prefix(req.stored_keys[req.hits:]) > 0
 
     def _send_host_load(self, req: Request, value: tuple[int, int]) -> None:
         assert self.host is not None and req.stored_keys is not None
         req.tokens.append(value[0])
-        keys = req.stored_keys[:self.host.lookup(req.stored_keys)]
-        req.base = 0
-        self._transfer(req, C.SwapIn, "host_loaded", keys, req.blocks[:len(keys)], self.host.slots(keys))
+        start = req.base = req.hits  # past the blocks the GPU prefix cache gave
+        keys = req.stored_keys[start:start + self.host.lookup(req.stored_keys[start:])]
+        self._transfer(req, C.SwapIn, "host_loaded", keys, req.blocks[start:start + len(keys)],
+                       self.host.slots(keys))
 
     def _send_rest_read(self, req: Request, value: int) -> None:
         self.counters["host_read_blocks"] += value
-        self._read(req, value)
+        self._read(req, req.base + value)
 
     def _cache_keys(self, req: Request) -> list[str]:
         """The keys of a running request's cache: the newest token's is computed by the next

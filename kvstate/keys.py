@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from .errors import ValidationError
 from .validate import TOKEN_TYPECODE, check_int, pack_tokens
 
-__all__ = ["block_keys", "keys_of_packed", "rank_key", "KeyCache", "KEY_PREFIX_SEP"]
+__all__ = ["block_keys", "keys_of_packed", "full_blocks", "rank_key", "KeyCache", "KEY_PREFIX_SEP"]
 
 KEY_PREFIX_SEP = "/"
 _sha256 = hashlib.sha256
@@ -39,6 +39,11 @@ def block_keys(
     """
     check_int(block_size, "block_keys: block_size", minimum=1)
     return keys_of_packed(pack_tokens(token_ids), block_size, extra_keys, namespace)
+
+
+def full_blocks(keys: Sequence[str]) -> int:
+    """How many of ``keys`` (one request's, in order) are full blocks': all but a partial last."""
+    return len(keys) - 1 if keys and ":partial:" in keys[-1] else len(keys)
 
 
 class KeyCache:

@@ -37,6 +37,7 @@ from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
 from .policy import ERROR_ABORTED, Policy
 from .pool import BlockPool
+from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
 from .timers import FENCE, TRANSFER, WAIT, Timers
@@ -57,9 +58,12 @@ class Lifecycle:
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
-                 host_blocks: int = 0) -> None:
-        """``host_blocks``: slots of the host memory tier (0: none)."""
+                 host_blocks: int = 0, prefix_cache: bool = False) -> None:
+        """``host_blocks``: slots of the host memory tier (0: none). ``prefix_cache``: keep
+        finished prompts' blocks on the GPU, idle, for later prompts (:mod:`kvstate.prefixcache`)."""
         check_int(host_blocks, "host_blocks", minimum=0)
+        if prefix_cache.__class__ is not bool:
+            raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
         if policy is not None and not isinstance(policy, Policy):
@@ -71,7 +75,8 @@ class Lifecycle:
         if key_cache is not None and not isinstance(key_cache, KeyCache):
             raise ValidationError(f"key_cache must be a KeyCache, got {type(key_cache).__name__}")
         self.spec, self.policy = spec, policy or Policy()
-        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCachingPool(num_blocks) if prefix_cache else None  #: the pool, when it caches
+        self.pool: BlockPool = self.prefix_cache or BlockPool(num_blocks)
         self.clock, self.namespace, self.key_cache = clock, namespace, key_cache
         self._requests = Registry(self.DEFINITION.name)
         self._reqs = self._requests.live  # the live requests by id (hot paths read it directly)
@@ -96,6 +101,10 @@ class Lifecycle:
 
     def blocks_of(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._requests.get(request_id).blocks)
+
+    def keys_of(self, request_id: str) -> tuple[str, ...]:
+        """The content keys of the cache the request's leading blocks hold (or will)."""
+        return tuple(self._requests.get(request_id).keys)
 
     def waiting_for(self, request_id: str) -> int:
         """The command whose answer the request waits for (0: none)."""
@@ -345,6 +354,20 @@ class Lifecycle:
         except ValidationError as e:
             raise ValidationError(f"request {request_id!r}: {e}") from None
         return Request(request_id, self.DEFINITION.initial, tokens, keys, extra_keys)
+
+    def _take_blocks(self, req: Request, n: int, lookup: Sequence[str], headroom: int = 0) -> bool:
+        """Give ``req`` ``n`` blocks, the leading ones claimed where ``lookup`` hits the GPU prefix
+        cache (``req.hits``), keeping ``headroom`` free; False, changing nothing, if short."""
+        if self.prefix_cache is not None:
+            got = self.prefix_cache.allocate_after(lookup, n, headroom)
+            if got is None:
+                return False
+            req.blocks, req.hits = got
+        elif self.pool.can_allocate(n, headroom):
+            req.blocks = self.pool.allocate(n, headroom)
+        else:
+            return False
+        return True
 
     def _check_fits(self, req: Request, nblocks: int) -> None:
         if nblocks > self.pool.num_blocks:

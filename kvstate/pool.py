@@ -18,7 +18,8 @@ __all__ = ["BlockPool", "PoolStats"]
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """A snapshot of the pool's accounting (``free + used == total`` always)."""
+    """A snapshot of the pool's accounting (``free + used == total`` always; a prefix cache's
+    idle blocks count as free)."""
 
     total: int
     free: int
@@ -27,6 +28,7 @@ class PoolStats:
     peak_used: int
     allocations: int
     frees: int
+    cached: int = 0  #: blocks published in a GPU prefix cache (:mod:`kvstate.prefixcache`)
 
 
 class BlockPool:

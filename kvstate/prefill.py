@@ -8,6 +8,9 @@ Rules:
 - With blocks, P reads the longest stored prefix of full blocks (leaving at least one token to
   compute), when the policy says so; the read answers how many leading blocks it found, so a
   lookup costs no round trip of its own. Then P prefills from there.
+- With a GPU prefix cache (``prefix_cache``), the leading blocks an earlier prompt left on the
+  GPU are claimed, shared, when blocks are allocated (``counters['gpu_prefix_blocks']``); the
+  lookups below start after them, and their blocks are published once the prefill is done.
 - With a host tier (``host_blocks``), the prefix is looked up by tier: the leading blocks ready
   in host memory are copied in first (``loading_prefix``, a ``SwapIn``), and only the rest is
   read from the store; a partial copy prefills from where it stopped. Blocks found per tier are
@@ -79,7 +82,7 @@ class PrefillLifecycle(Lifecycle):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.counters.update(host_prefix_blocks=0, store_prefix_blocks=0)
+        self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()
 
     # -- engine API --------------------------------------------------------------------------
@@ -127,10 +130,15 @@ class PrefillLifecycle(Lifecycle):
                 waiting.popleft()
                 continue
             n = len(req.keys)
-            if pool.num_free < n:
+            if self.prefix_cache is None:
+                if pool.num_free < n:
+                    return
+                req.blocks = pool.allocate(n)
+            elif self._take_blocks(req, n, req.keys[:self._prefix_limit(req)]):
+                self.counters["gpu_prefix_blocks"] += req.hits
+            else:
                 return
             waiting.popleft()
-            req.blocks = pool.allocate(n)
             self._fire(req, "start")
 
     def _blocks_freed(self) -> None:
@@ -143,19 +151,19 @@ class PrefillLifecycle(Lifecycle):
 
     # -- actions (named in PREFILL) ---------------------------------------------------------------
     def _wants_prefix(self, req: Request, value: Any) -> bool:
-        return self.policy.read_prefix and self._prefix_limit(req) > 0
+        return self.policy.read_prefix and self._prefix_limit(req) > req.hits
 
     def _send_prefix_read(self, req: Request, value: Any) -> None:
         n = self._prefix_limit(req)
-        req.base = 0
-        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[:n], req.blocks[:n])
+        start = req.base = req.hits  # past the blocks the GPU prefix cache gave
+        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n])
 
     def _start_prefill(self, req: Request, value: int | None) -> None:
-        """Prefill after a store read of ``value`` blocks past the ``req.base`` the host tier
-        gave (``None``: no lookup)."""
+        """Prefill after a store read of ``value`` blocks past ``req.base`` (``None``: no
+        lookup, past the GPU prefix cache's hits only)."""
         if value:
             self.counters["store_prefix_blocks"] += value
-        self._prefill_from(req, 0 if value is None else req.base + value)
+        self._prefill_from(req, req.hits if value is None else req.base + value)
 
     def _prefill_from(self, req: Request, blocks: int) -> None:
         self._out.append(C.StartPrefill(req.id, tuple(req.blocks), blocks * self.spec.block_size))
@@ -163,26 +171,28 @@ class PrefillLifecycle(Lifecycle):
     # -- the host tier: prefix lookup before the store, write-through after it ----------------
     def _host_has_prefix(self, req: Request, value: Any) -> bool:
         return self.host is not None and self._wants_prefix(req, value) and \
-            self.host.ready_prefix(req.keys[:self._prefix_limit(req)]) > 0
+            self.host.ready_prefix(req.keys[req.hits:self._prefix_limit(req)]) > 0
 
     def _send_host_prefix(self, req: Request, value: Any) -> None:
         assert self.host is not None
-        keys = req.keys[:self._prefix_limit(req)]
-        n = req.base = self.host.lookup(keys)
-        self._transfer(req, C.SwapIn, "host_prefix", keys[:n], req.blocks[:n], self.host.slots(keys[:n]))
+        start = req.hits  # past the blocks the GPU prefix cache gave
+        n = self.host.lookup(req.keys[start:self._prefix_limit(req)])
+        keys = req.keys[start:start + n]
+        req.base = start + n  # where the store's part starts once every host hit came in
+        self._transfer(req, C.SwapIn, "host_prefix", keys, req.blocks[start:start + n], self.host.slots(keys))
 
     def _store_may_have_more(self, req: Request, value: int) -> bool:
-        return value >= req.base and value < self._prefix_limit(req)  # every host hit came in whole
+        return req.hits + value >= req.base and req.base < self._prefix_limit(req)  # every host hit came in
 
     def _send_rest_read(self, req: Request, value: int) -> None:
         self.counters["host_prefix_blocks"] += value
         n = self._prefix_limit(req)
-        req.base = value
-        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[value:n], req.blocks[value:n])
+        start = req.base = req.hits + value
+        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n])
 
     def _start_prefill_from_host(self, req: Request, value: int) -> None:
         self.counters["host_prefix_blocks"] += value
-        self._prefill_from(req, value)
+        self._prefill_from(req, req.hits + value)
 
     def _copy_to_host(self, req: Request, value: Any) -> None:
         host = self.host
@@ -197,6 +207,8 @@ class PrefillLifecycle(Lifecycle):
 
     def _send_write(self, req: Request, value: int) -> None:
         req.token = value
+        if self.prefix_cache is not None:  # the prefill is done: the blocks hold the prompt's cache
+            self.prefix_cache.publish(req.keys, req.blocks)
         self._write(req, 0)
 
     def _send_first_token(self, req: Request, value: Any) -> None:

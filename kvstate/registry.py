@@ -25,7 +25,8 @@ class Request:
     """A live request's record."""
 
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base", "retries",
-                 "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight", "host_keys", "host_fresh")
+                 "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight", "host_keys",
+                 "host_fresh", "hits")
 
     def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
@@ -46,6 +47,7 @@ class Request:
         self.inflight: list[Transfer] = []  #: its transfers not yet retired
         self.host_keys: list[str] | None = None  #: D: keys it references in the host tier (swapped out)
         self.host_fresh: Sequence[str] = ()  #: D: the keys its swap-out fills
+        self.hits = 0  #: its leading blocks claimed from the GPU prefix cache
 
 
 class Registry:
