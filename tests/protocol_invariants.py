@@ -9,6 +9,8 @@ from collections import Counter
 from hypothesis.stateful import invariant
 from protocol_support import BS, STATS
 
+from kvstate.testing import mismatched_blocks
+
 __all__ = ["PoolInvariants", "DrainedAtTeardown"]
 
 
@@ -19,14 +21,42 @@ class PoolInvariants:
         return (self.rig.P, self.rig.D) if hasattr(self, "rig") else ()
 
     @invariant()
-    def block_owned_by_one_request(self):
+    def block_owned_by_one_request_unless_a_cached_prefix(self):
+        """Only a block published in the GPU prefix cache is shared, and each of its owners
+        reached it through its own prompt's key for that block."""
         STATS["steps"] += hasattr(self, "rig")
         for lc in self._sides():
-            owners = Counter(b for blocks in lc.owned_blocks().values() for b in blocks)
+            owned = lc.owned_blocks()
+            owners = Counter(b for blocks in owned.values() for b in blocks)
             if owners:
-                STATS["invariant:block_owned_by_one_request"] += 1
-                twice = [b for b, c in owners.items() if c > 1]
-                assert not twice, f"block_owned_by_one_request: blocks {twice} owned twice"
+                STATS["invariant:block_owned_by_one_request_unless_a_cached_prefix"] += 1
+                twice = {b for b, c in owners.items() if c > 1}
+                cached = {b: k for k, b in lc.prefix_cache.cached_blocks().items()} if lc.prefix_cache else {}
+                assert twice <= cached.keys(), \
+                    f"block_owned_by_one_request_unless_a_cached_prefix: blocks {twice - cached.keys()} owned twice"
+                for rid, blocks in owned.items():
+                    keys = lc.keys_of(rid)
+                    bad = [i for i, b in enumerate(blocks) if b in twice and (i >= len(keys) or keys[i] != cached[b])]
+                    assert not bad, f"block_owned_by_one_request_unless_a_cached_prefix: {rid} shares block " \
+                                    f"{blocks[bad[0]]} under another key"
+
+    @invariant()
+    def gpu_cached_block_holds_its_keys_bytes(self):
+        """Every block the GPU prefix cache publishes holds its key's bytes on every rank, its
+        index agrees both ways, and exactly its unheld blocks are idle (counted free)."""
+        for lc, backend in ((self.rig.P, self.rig.pb), (self.rig.D, self.rig.db)) if self._sides() else ():
+            cache = lc.prefix_cache
+            if cache is None or not cache.cached_blocks():
+                continue
+            STATS["invariant:gpu_cached_block_holds_its_keys_bytes"] += 1
+            entries = cache.cached_blocks()
+            assert len(set(entries.values())) == len(entries), "gpu_cached_block_holds_its_keys_bytes: a block twice"
+            for key, b in entries.items():
+                bad = mismatched_blocks(backend, [key], [b])
+                assert not bad, f"gpu_cached_block_holds_its_keys_bytes: block {b} (rank, kind) {bad[0][1:]}"
+            refs = cache.refcounts()
+            assert cache.prefix_stats().idle == sum(1 for b in entries.values() if not refs[b]), \
+                "gpu_cached_block_holds_its_keys_bytes: idle count disagrees with the refcounts"
 
     @invariant()
     def refcount_equals_owners_plus_pins(self):
@@ -166,4 +196,7 @@ class DrainedAtTeardown:
                 host = lc.host.stats()
                 assert host.referenced == 0, f"drained_all_terminal_and_empty: {lc.DEFINITION.name} host {host}"
         STATS["invariant:drained_all_terminal_and_empty"] += 1
+        for side, lc in (("P", self.rig.P), ("D", self.rig.D)):  # shared GPU blocks the run produced
+            if lc.prefix_cache is not None:
+                STATS[f"gpu_prefix_hit_blocks:{side}"] += lc.prefix_cache.prefix_stats().hit_blocks
         STATS.update({f"fault:{k}": v for k, v in self.faults.items()})

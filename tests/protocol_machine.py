@@ -30,18 +30,18 @@ class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachi
                 preempt=st.sampled_from(["write", "recompute", "swap", "swap", "swap"]), retries=st.integers(0, 2),
                 capacity=st.sampled_from([1 << 26, 6000]), p_blocks=st.sampled_from([24, 6]),
                 host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]),
-                swap_write=st.sampled_from(["host", "through", "back"]))
-    def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write):
+                swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans())
+    def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
+              prefix_cache):  # a small P pool makes admitted requests queue for blocks (P's "waiting" state)
         from kvstate.backends import MemoryStore
         STATS["examples"] += 1
         self.switch = StoreSwitch(MemoryStore(capacity))
-        # a small P pool makes admitted requests queue for blocks (P's "waiting" state)
         # a 3-slot host tier is too small for most caches: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
                                      transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
                                      swap_fallback=swap_fallback, swap_write=swap_write, swapped_timeout=15.0),
-                       first_token_timeout=12.0)
+                       first_token_timeout=12.0, prefix_cache=prefix_cache)
         self.tokens: dict[str, list[int]] = {}
         self.plen: dict[str, int] = {}  # prompt length per request
         self.n = 0

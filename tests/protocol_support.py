@@ -26,11 +26,12 @@ FAULT_CLASSES = (
     "answer_after_fence", "swap_out_fail", "swap_out_partial", "swap_in_fail", "swap_in_partial",
 )
 INVARIANTS = (
-    "block_owned_by_one_request", "refcount_equals_owners_plus_pins", "free_list_holds_exactly_the_unheld_blocks",
+    "block_owned_by_one_request_unless_a_cached_prefix", "refcount_equals_owners_plus_pins",
+    "free_list_holds_exactly_the_unheld_blocks",
     "pool_counts_match_its_blocks", "every_transfer_has_a_timer_due_by_its_fence", "live_request_in_legal_state",
     "transfer_blocks_held_by_their_request_or_pinned",
     "runnable_only_after_full_read_on_every_rank_with_p_bytes", "host_refs_equal_holders_plus_copies",
-    "drained_all_terminal_and_empty",
+    "gpu_cached_block_holds_its_keys_bytes", "drained_all_terminal_and_empty",
 )
 STATS: Counter[str] = Counter()
 #: the fault-class stem of each transfer command

@@ -29,6 +29,8 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     missing += [f"cancel:D:{s}" for s in DECODE.live if not STATS[f"fault:cancel:D:{s}"]]
     missing += [f"cancel:P:{s}" for s in PREFILL.live if not STATS[f"fault:cancel:P:{s}"]]
     assert not missing, f"never tried: {missing}"
+    # both sides shared blocks through their GPU prefix caches
+    assert STATS["gpu_prefix_hit_blocks:P"] >= 100 and STATS["gpu_prefix_hit_blocks:D"] >= 100, STATS
 
 
 def test_tables_cover_terminal_states():

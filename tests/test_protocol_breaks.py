@@ -13,6 +13,7 @@ from protocol_support import INVARIANTS
 from kvstate import pool as pool_mod
 from kvstate.decode import DecodeLifecycle
 from kvstate.pins import Transfers
+from kvstate.prefixcache import PrefixCachingPool
 from kvstate.registry import Registry
 from kvstate.timers import TRANSFER, Timers
 
@@ -30,7 +31,7 @@ def fires(name: str) -> None:
     assert name in str(e.value), str(e.value)[:500]
 
 
-def test_block_owned_by_one_request(monkeypatch):
+def test_block_owned_by_one_request_unless_a_cached_prefix(monkeypatch):
     real = pool_mod.BlockPool.allocate
 
     def hands_out_a_held_block(self, n, headroom=0):
@@ -41,7 +42,7 @@ def test_block_owned_by_one_request(monkeypatch):
             ids[0] = held[0]  # a block another request owns
         return ids
     monkeypatch.setattr(pool_mod.BlockPool, "allocate", hands_out_a_held_block)
-    fires("block_owned_by_one_request")
+    fires("block_owned_by_one_request_unless_a_cached_prefix")
 
 
 def test_refcount_equals_owners_plus_pins(monkeypatch):
@@ -115,6 +116,15 @@ def test_host_refs_equal_holders_plus_copies(monkeypatch):
         return real(self, t)
     monkeypatch.setattr(Transfers, "retire", forgets_the_copys_host_reference)
     fires("host_refs_equal_holders_plus_copies")
+
+
+def test_gpu_cached_block_holds_its_keys_bytes(monkeypatch):
+    real = PrefixCachingPool.publish
+
+    def publishes_one_block_off(self, keys, blocks):
+        real(self, keys[1:], blocks)  # each block under the next block's key
+    monkeypatch.setattr(PrefixCachingPool, "publish", publishes_one_block_off)
+    fires("gpu_cached_block_holds_its_keys_bytes")
 
 
 def test_swap_in_of_a_partial_copy_is_caught(monkeypatch):
