@@ -1,12 +1,14 @@
-"""The host tier in the simulator: the shared trace with and without it, side by side.
+"""The cache tiers in the simulator: the shared trace with none, the host tier, and both tiers.
 
     python benchmarks/sim_host_tier.py [--json] [--trace PATH] [--fraction 0.25]
 
-Replays the Mooncake synthetic trace (64 % block reuse) twice on the default cluster: with no
-host tier, and with a host tier per instance of ``--fraction`` of the trace's unique blocks
-(its ``hash_ids`` in the model's blocks). P looks prompts' prefixes up in host memory first,
-then in the storage pool, and copies each stored cache into its host tier (write-through).
-Prints the prefix hit rate per tier and TTFT for both, and the TTFT change.
+Replays the Mooncake synthetic trace (64 % block reuse) three times on the default cluster:
+with no cache tier, with a host tier per instance of ``--fraction`` of the trace's unique
+blocks (its ``hash_ids`` in the model's blocks), and with that host tier under a GPU prefix
+cache. P looks prompts' prefixes up on its GPU first, then in host memory, then in the storage
+pool, and copies each stored cache into its host tier (write-through); D reads only what its
+GPU lacks. Prints the prefix hit rate per tier and TTFT for each run, and the TTFT change
+against no tier.
 """
 from __future__ import annotations
 
@@ -34,28 +36,35 @@ def main() -> int:
     hb = base.workload.hash_block_size
     unique = len({h for r in load_trace(args.trace, hb) for h in r.hash_ids}) * hb // base.model.block_size
     slots = max(1, int(unique * args.fraction))
-    runs = {"no host tier": simulate(base),
-            f"host tier {slots:,} blocks": simulate(with_overrides(base, {"cluster.host_blocks": slots}))}
+    tier = with_overrides(base, {"cluster.host_blocks": slots})
+    runs = {"no cache tier": simulate(base), f"host tier {slots:,} blocks": simulate(tier),
+            "GPU cache + host tier": simulate(with_overrides(tier, {"cluster.prefix_cache": True}))}
     rows = {}
     for name, r in runs.items():
-        tier = r["host_tier"] or {}
-        rows[name] = {"host_blocks": tier.get("slots_per_instance", 0),
-                      "prefix_hit_host": tier.get("prefix_hit_rate_host", 0.0),
-                      "prefix_hit_store": tier.get("prefix_hit_rate_store", r["prefix_hit_rate"]),
+        host, gpu = r["host_tier"] or {}, r["gpu_prefix_cache"] or {}
+        rows[name] = {"host_blocks": host.get("slots_per_instance", 0),
+                      "prefix_hit_gpu": gpu.get("prefix_hit_rate_gpu", 0.0),
+                      "prefix_hit_host": host.get("prefix_hit_rate_host", 0.0),
+                      "prefix_hit_store": host.get("prefix_hit_rate_store", r["prefix_hit_rate"]),
+                      "decode_hit_gpu": gpu.get("decode_hit_rate_gpu", 0.0),
                       "ttft_ms": {k: r["ttft_ms"][k] for k in ("mean", "p50", "p90", "p99")},
-                      "reasons": r["reasons"], "evictions": tier.get("evictions", 0)}
-    a, b = rows.values()
-    out = {"trace": os.path.basename(args.trace), "unique_blocks": unique, "fraction": args.fraction,
-           "runs": rows, "ttft_change": {k: round(b["ttft_ms"][k] / a["ttft_ms"][k] - 1, 4) for k in a["ttft_ms"]}}
+                      "reasons": r["reasons"], "evictions": host.get("evictions", 0)}
+    first = rows["no cache tier"]["ttft_ms"]
+    out = {"trace": os.path.basename(args.trace), "unique_blocks": unique, "fraction": args.fraction, "runs": rows,
+           "ttft_change": {name: {k: round(x["ttft_ms"][k] / first[k] - 1, 4) for k in first}
+                           for name, x in rows.items() if x["ttft_ms"] is not first}}
     if args.json:
         print(json.dumps(out, sort_keys=True))
         return 0
-    print(f"{'run':<26}{'host hits':>10}{'store hits':>11}{'TTFT mean':>11}{'p50':>9}{'p90':>9}{'p99':>9}  ended")
+    print(f"{'run':<24}{'GPU hits':>9}{'host hits':>10}{'store hits':>11}{'D not read':>11}{'TTFT mean':>11}"
+          f"{'p50':>9}{'p90':>9}{'p99':>9}  ended")
     for name, x in rows.items():
         t = x["ttft_ms"]
-        print(f"{name:<26}{x['prefix_hit_host']:>10.1%}{x['prefix_hit_store']:>11.1%}{t['mean']:>11.1f}"
-              f"{t['p50']:>9.1f}{t['p90']:>9.1f}{t['p99']:>9.1f}  {x['reasons']}")
-    print("TTFT change with the host tier: " + ", ".join(f"{k} {v:+.1%}" for k, v in out["ttft_change"].items()))
+        print(f"{name:<24}{x['prefix_hit_gpu']:>9.1%}{x['prefix_hit_host']:>10.1%}{x['prefix_hit_store']:>11.1%}"
+              f"{x['decode_hit_gpu']:>11.1%}{t['mean']:>11.1f}{t['p50']:>9.1f}{t['p90']:>9.1f}{t['p99']:>9.1f}"
+              f"  {x['reasons']}")
+    for name, change in out["ttft_change"].items():
+        print(f"TTFT change, {name}: " + ", ".join(f"{k} {v:+.1%}" for k, v in change.items()))
     return 0
 
 

@@ -109,8 +109,8 @@ class Instance:
         self._link_cost: dict[tuple[str, int], float] = {}
 
     def lifecycle_options(self, s: Any) -> dict[str, Any]:
-        """Keyword arguments of the lifecycle beyond the common ones: the host tier."""
-        return {"host_blocks": s.cluster.host_blocks}
+        """Keyword arguments of the lifecycle beyond the common ones: the host tier, the GPU prefix cache."""
+        return {"host_blocks": s.cluster.host_blocks, "prefix_cache": s.cluster.prefix_cache}
 
     # -- transfers ---------------------------------------------------------------------------
     def link_time(self, rank: int, direction: str, n: int) -> float:

@@ -212,6 +212,7 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
         "partial_reads": cl.counters["partial_reads"], "preemptions": cl.counters["preemptions"],
         "preemption_round_trip_ms": latency_stats(cl.round_trips),
         "host_tier": _host_tier(cl, prompt),
+        "gpu_prefix_cache": _prefix_cache(cl, prompt),
         "backlogged_requests": cl.counters["backlogged"], "rejected_too_long": cl.counters["rejected_too_long"],
         "late_events": {k[5:]: v for k, v in sorted(cl.counters.items()) if k.startswith("late_")},
         "injected_failures": {"write": cl.counters["injected_write_failures"],
@@ -242,6 +243,19 @@ def _host_tier(cl: Cluster, prompt_tokens: int) -> dict[str, Any] | None:
             "blocks_swapped_out": cl.counters["blocks_swapped_out"],
             "blocks_swapped_in": cl.counters["blocks_swapped_in"],
             "evictions": sum(x.evictions for x in stats)}
+
+
+def _prefix_cache(cl: Cluster, prompt_tokens: int) -> dict[str, Any] | None:
+    """The GPU prefix caches: prompt blocks P found on its GPU, blocks D did not read."""
+    caches = [i.lc.prefix_cache.prefix_stats() for i in cl.instances if i.lc.prefix_cache is not None]
+    if not caches:
+        return None
+    p_hits = sum(p.lc.counters["gpu_prefix_blocks"] for p in cl.prefill)
+    d_hits = sum(d.lc.counters["gpu_read_blocks"] for d in cl.decode)
+    share = (lambda n: round(n * cl.block_size / prompt_tokens, 4)) if prompt_tokens else (lambda n: 0.0)
+    return {"prefix_blocks_from_gpu": p_hits, "prefix_hit_rate_gpu": share(p_hits),
+            "decode_blocks_not_read": d_hits, "decode_hit_rate_gpu": share(d_hits),
+            "cached_blocks": sum(c.cached for c in caches), "evictions": sum(c.evictions for c in caches)}
 
 
 def _peaks(series: list[dict[str, Any]]) -> dict[str, Any]:

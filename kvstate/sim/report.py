@@ -62,7 +62,7 @@ def _resources(r: dict[str, Any]) -> list[str]:
     st = r["storage"]
     late = r["late_events"]
     lines = [
-        f"prefix hits: {_pct(r['prefix_hit_rate'])} of prompt tokens read from storage",
+        f"prefix hits: {_pct(r['prefix_hit_rate'])} of prompt tokens found cached, not computed",
         f"storage: write {st['write_GBps']:.2f} GB/s, read {st['read_GBps']:.2f} GB/s "
         f"({_pct(st['bandwidth_use'])} of its bandwidth); peak {st['peak_used_bytes'] / 2**30:.1f} GiB "
         f"({_pct(st['peak_use'])} of capacity), {st['evicted_blocks']:,} blocks evicted, "
@@ -81,6 +81,10 @@ def _resources(r: dict[str, Any]) -> list[str]:
                      f"{_pct(tier['prefix_hit_rate_store'])} from storage; D: {tier['swap_outs']:,} swap-outs "
                      f"({tier['blocks_swapped_out']:,} blocks copied), {tier['swap_ins']:,} swap-ins "
                      f"({tier['blocks_swapped_in']:,} blocks); {tier['evictions']:,} evictions")
+    gpu = r["gpu_prefix_cache"]
+    if gpu:
+        lines.append(f"GPU prefix cache: prefix hits {_pct(gpu['prefix_hit_rate_gpu'])} of prompt tokens at P, "
+                     f"{_pct(gpu['decode_hit_rate_gpu'])} not read at D; {gpu['evictions']:,} evictions")
     lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):")
     for name, i in r["instances"].items():
         slots = f", batch slots {_pct(i['batch_slots_used'])}" if "batch_slots_used" in i else ""

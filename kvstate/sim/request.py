@@ -46,7 +46,7 @@ class SimRequest:
         self.base = unique_start(a.index, salt=1)  #: where the run of its decoded tokens starts
         self.preemptions = 0
         self.preempted_at: float | None = None  #: when its pending preemption began
-        self.cached_tokens = 0  #: prompt tokens P read from storage
+        self.cached_tokens = 0  #: prompt tokens P found cached (GPU, host memory or storage)
         self.s0 = 0  #: the D step its progress is counted from
         self.ver = 0  #: bumped when it leaves a batch: its scheduled event is stale
         self.event_step = -1  #: the D step of its next event (-1: none)

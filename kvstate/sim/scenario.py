@@ -141,6 +141,8 @@ class ClusterSpec(_Section):
     transfer_workers: int = _f(2, "transfer workers per rank and direction (read / write)")
     host_blocks: int = _f(0, "host tier slots per instance (pinned host memory, one block each): P looks "
                              "prefixes up there first, D swaps preempted caches there; 0: none")
+    prefix_cache: bool = _f(False, "keep finished prompts' blocks on the GPU, idle, evicted least recently "
+                                   "used: P and D look prefixes up there before the host tier and storage")
 
     def check(self) -> None:
         self.positive("n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch", "staging_mib",
