@@ -97,11 +97,41 @@ def test_prefix_read_from_the_store_is_exact(model):
         assert leaks == {"P": 0, "D": 0, "pinned": 0}
     assert_exact(model, reqs)
     # P read every full block an earlier prompt had stored (leaving one token to compute)
+    shared = _shared_prefixes(reqs)
+    assert {r.rid: r.cached_tokens for r in reqs} == shared and any(shared.values())
+
+
+def test_gpu_prefix_cache_is_exact(model):
+    """One engine serves the requests one after another with its GPU prefix caches on: P
+    computes only past the blocks an earlier prompt left on its GPU, D reads only what its GPU
+    lacks, and tokens and logits stay exact."""
+    from engine import PDEngine
+
+    from kvstate.backends import MemoryStore
+
+    reqs = workload(8)
+    eng = PDEngine(model, MemoryStore(1 << 30), block_size=BS, num_blocks=1024, prefix_cache=True)
+    try:
+        for r in reqs:
+            eng.run([r])
+        leaks, p, d = eng.leaks(), eng.P.stats(), eng.D.stats()
+    finally:
+        eng.close()
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(model, reqs)
+    shared = _shared_prefixes(reqs)
+    assert {r.rid: r.cached_tokens for r in reqs} == shared and any(shared.values())
+    assert p["gpu_prefix_blocks"] * BS == sum(shared.values()) and p["store_prefix_blocks"] == 0
+    assert d["gpu_read_blocks"] >= p["gpu_prefix_blocks"]
+
+
+def _shared_prefixes(reqs) -> dict[str, int]:
+    """Prompt tokens in full blocks each request shares with an earlier one (leaving one to compute)."""
     shared = {}
     for i, r in enumerate(reqs):
         common = max((_common(r.prompt, d.prompt) for d in reqs[:i]), default=0)
         shared[r.rid] = min(common, len(r.prompt) - 1) // BS * BS
-    assert {r.rid: r.cached_tokens for r in reqs} == shared and any(shared.values())
+    return shared
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -80,7 +80,7 @@ class PDEngine:
 
     def __init__(self, model: TinyLlama, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
-                 p_blocks: int | None = None) -> None:
+                 p_blocks: int | None = None, prefix_cache: bool = False) -> None:
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         self.spec = CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // tp, block_size=block_size,
@@ -88,8 +88,8 @@ class PDEngine:
         policy = policy or Policy()
         clock: Callable[[], float] = lambda: self.now  # noqa: E731
         p_blocks = p_blocks or num_blocks  # P's pool (smaller: prompts wait at P for blocks)
-        self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock)
-        self.D = DecodeLifecycle(self.spec, num_blocks, policy, clock=clock)
+        self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock, prefix_cache=prefix_cache)
+        self.D = DecodeLifecycle(self.spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache)
         self.p_cache = PagedCache(cfg, p_blocks, block_size, tp)
         self.d_cache = PagedCache(cfg, num_blocks, block_size, tp)
         self.backends = [CudaBackend(self.spec, n, store, caches=c.caches, staging_bytes=staging_bytes)
