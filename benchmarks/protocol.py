@@ -4,9 +4,10 @@
 
 (``KVSTATE_PROTOCOL_PROFILE`` picks the profile when ``--profile`` is not given.) The object:
 ``examples``, ``steps``, ``faults`` (injections per fault class, and per state for cancel and
-preempt), ``invariants`` (names checked, with how many checks), ``violations`` (a failure's
-message; empty when every invariant held), ``seconds``, and the TP barrier ``deadlock_search``
-of :func:`kvstate.sim.search_deadlocks` (counts per protocol and semantics, minimal cases).
+preempt), ``invariants`` (names checked, with how many checks), ``gpu_prefix_hit_blocks``
+(blocks each side shared through its GPU prefix cache), ``violations`` (a failure's message;
+empty when every invariant held), ``seconds``, and the TP barrier ``deadlock_search`` of
+:func:`kvstate.sim.search_deadlocks` (counts per protocol and semantics, minimal cases).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def main() -> int:
         "faults_by_state": {k[6:]: v for k, v in sorted(STATS.items())
                             if k.startswith(("fault:cancel:", "fault:preempt:"))},
         "invariants": {n: STATS[f"invariant:{n}"] for n in INVARIANTS},
+        "gpu_prefix_hit_blocks": {side: STATS[f"gpu_prefix_hit_blocks:{side}"] for side in ("P", "D")},
         "violations": violations, "seconds": round(seconds, 2),
         "deadlock_search": {k: {"cases": v["cases"], "deadlocks": v["deadlocks"],
                                 "unsynchronized_cases": v["unsynchronized_cases"],
@@ -65,6 +67,8 @@ def main() -> int:
             print(f"  fault {f:<32} {n:>7}")
         for n, c in out["invariants"].items():
             print(f"  invariant {n:<58} {c:>8} checks")
+        print("  blocks shared through the GPU prefix cache: " +
+              ", ".join(f"{k} {v}" for k, v in out["gpu_prefix_hit_blocks"].items()))
         for k, v in out["deadlock_search"].items():
             print(f"  TP barriers {k:<22} {v['cases']:>4} cases, {v['deadlocks']:>3} deadlocks, "
                   f"{v['unsynchronized_cases']:>3} unsynchronized")
