@@ -59,6 +59,7 @@ def overloaded(draw) -> dict:
     tp = draw(st.sampled_from([1, 2, 4]))
     block = draw(st.sampled_from([16, 64]))
     gpu_blocks = draw(st.integers(24, 160))
+    host_blocks = draw(st.sampled_from([0, 0, 16, 400]))  # none, too small for most caches, ample
     input_max = min(2048, (gpu_blocks // 3) * block - 1)
     return {
         "seed": draw(st.integers(0, 2**16)),
@@ -67,10 +68,12 @@ def overloaded(draw) -> dict:
                   "kv_heads": 4, "head_dim": 64, "block_size": block},
         "cluster": {"n_prefill": draw(st.integers(1, 2)), "n_decode": draw(st.integers(1, 2)), "tp": tp,
                     "gpu_blocks": gpu_blocks, "decode_max_batch": draw(st.sampled_from([4, 32, 256])),
-                    "prefill_token_budget": draw(st.sampled_from([512, 4096]))},
+                    "prefill_token_budget": draw(st.sampled_from([512, 4096])), "host_blocks": host_blocks,
+                    "prefix_cache": draw(st.booleans())},
         "storage": {"capacity_gib": draw(st.sampled_from([0.01, 0.2, 64.0])),
                     "bandwidth_gbps": draw(st.sampled_from([1.0, 100.0]))},
-        "policy": {"preempt": draw(st.sampled_from(["write", "recompute"])),
+        "policy": {"preempt": draw(st.sampled_from(["write", "recompute"] + ["swap"] * (host_blocks > 0))),
+                   "swap_write": draw(st.sampled_from(["host", "through", "back"])),
                    "read_failure": draw(st.sampled_from(["fail", "recompute"])),
                    "write_retries": draw(st.integers(0, 2)),
                    "transfer_timeout_s": draw(st.sampled_from([0.05, 1.0, 30.0])),
@@ -139,3 +142,27 @@ def test_resumed_requests_have_room_to_grow():
     assert_every_request_ended_clean(cl, r)
     assert r["reasons"] == {"done": 54}
     assert r["preemptions"] < 100  # a handful, not a livelock's hundreds of thousands
+
+
+def test_preempted_requests_resume_when_a_late_answer_unpins_their_blocks():
+    """Write-backs time out (50 ms) on a slow pool: each preempted request lets go of its blocks
+    while its write still pins them, and the write's late answer frees them with no notice. With
+    no batch running, D must still wake and resume (found by the random search above: five
+    requests waited preempted beside 39 free blocks until the time limit)."""
+    shape = {
+        "seed": 1, "time_limit_s": 5000.0,
+        "model": {"name": "tiny", "params_b": 1.0, "num_layers": 2, "hidden": 1024, "kv_heads": 4,
+                  "head_dim": 64, "block_size": 16},
+        "cluster": {"n_prefill": 1, "n_decode": 1, "tp": 1, "gpu_blocks": 39, "decode_max_batch": 4,
+                    "prefill_token_budget": 512},
+        "storage": {"capacity_gib": 0.01, "bandwidth_gbps": 1.0},
+        "policy": {"preempt": "write", "read_failure": "fail", "write_retries": 0, "transfer_timeout_s": 0.05,
+                   "queue_timeout_s": 0.5, "first_token_timeout_s": 0.5, "decode_headroom_blocks": 0},
+        "tp": {"skew_ms": [0.0]},
+        "workload": {"arrival": "gamma", "cv": 3.0, "rate": 200.0, "num_requests": 49, "input_mean": 194.0,
+                     "input_max": 207, "output_mean": 35.0, "output_max": 400, "prefix_groups": 0,
+                     "prefix_tokens": 0},
+    }
+    cl, r = run(shape)
+    assert_every_request_ended_clean(cl, r)
+    assert r["preemptions"] > 0 and sum(r["reasons"].values()) == 49

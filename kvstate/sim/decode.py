@@ -209,6 +209,8 @@ class DecodeInstance(Instance):
         if free > self._free_seen:  # blocks came free: the backlog is retried at each D's step end
             for d in self.cluster.decode:
                 d._cut()
+            if self.preempted:  # and a preempted request may resume, even with no batch running
+                self.wake_up()
         self._free_seen = free
 
     def _run_events(self, b: int, d: float) -> None:
