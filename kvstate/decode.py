@@ -121,7 +121,7 @@ class DecodeLifecycle(SwapActions):
                 req.blocks = self.pool.allocate(n, self._headroom())
             except OutOfBlocksError as e:
                 raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
-        elif self._take_blocks(req, n, req.keys[:full_blocks(req.keys)], self._headroom()):
+        elif self._take_cached(req, n, req.keys[:full_blocks(req.keys)], self._headroom()):
             self.counters["gpu_read_blocks"] += req.hits
         else:
             raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks keeping "

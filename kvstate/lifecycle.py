@@ -146,8 +146,9 @@ class Lifecycle:
         return len(self._out)
 
     def stats(self) -> dict[str, Any]:
+        cache = self.prefix_cache.prefix_stats() if self.prefix_cache is not None else None
         return {"live": len(self._reqs), "pending_commands": len(self._pending),
-                "pool": self.pool.stats(), **self.counters}
+                "pool": self.pool.stats(), "prefix_cache": cache, **self.counters}
 
     # -- commands out, completions and time in -------------------------------------------------
     def poll_commands(self) -> list[C.Command]:
@@ -355,18 +356,14 @@ class Lifecycle:
             raise ValidationError(f"request {request_id!r}: {e}") from None
         return Request(request_id, self.DEFINITION.initial, tokens, keys, extra_keys)
 
-    def _take_blocks(self, req: Request, n: int, lookup: Sequence[str], headroom: int = 0) -> bool:
-        """Give ``req`` ``n`` blocks, the leading ones claimed where ``lookup`` hits the GPU prefix
-        cache (``req.hits``), keeping ``headroom`` free; False, changing nothing, if short."""
-        if self.prefix_cache is not None:
-            got = self.prefix_cache.allocate_after(lookup, n, headroom)
-            if got is None:
-                return False
-            req.blocks, req.hits = got
-        elif self.pool.can_allocate(n, headroom):
-            req.blocks = self.pool.allocate(n, headroom)
-        else:
+    def _take_cached(self, req: Request, n: int, lookup: Sequence[str], headroom: int = 0) -> bool:
+        """With the GPU prefix cache: give ``req`` ``n`` blocks, the leading ones claimed where
+        ``lookup`` hits (``req.hits``), keeping ``headroom`` free; False, changing nothing, if short."""
+        assert self.prefix_cache is not None
+        got = self.prefix_cache.allocate_after(lookup, n, headroom)
+        if got is None:
             return False
+        req.blocks, req.hits = got
         return True
 
     def _check_fits(self, req: Request, nblocks: int) -> None:

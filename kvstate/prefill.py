@@ -134,7 +134,7 @@ class PrefillLifecycle(Lifecycle):
                 if pool.num_free < n:
                     return
                 req.blocks = pool.allocate(n)
-            elif self._take_blocks(req, n, req.keys[:self._prefix_limit(req)]):
+            elif self._take_cached(req, n, req.keys[:self._prefix_limit(req)]):
                 self.counters["gpu_prefix_blocks"] += req.hits
             else:
                 return

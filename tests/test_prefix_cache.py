@@ -96,6 +96,7 @@ def test_p_prefills_after_the_prefix_left_on_its_gpu_and_asks_no_tier_for_it():
     assert sp.num_cached_tokens == 8 and set(sp.block_ids[:2]) == set(a_blocks.values())
     assert not [c for c in rig.pd.pending.values() if isinstance(c, C.ReadBlocks)]  # the store was not asked
     assert rig.P.stats()["gpu_prefix_blocks"] == 2 and rig.P.stats()["store_prefix_blocks"] == 0
+    assert rig.P.stats()["prefix_cache"].hit_blocks == 2 and Rig().P.stats()["prefix_cache"] is None
 
 
 def test_d_reads_only_what_its_gpu_lacks_and_the_bytes_match():
