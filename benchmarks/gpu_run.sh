@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's run: CUDA tests, the kernels benchmark and the anchor baseline, side by side.
+# The GPU machine's run: CUDA tests, the kernels, engine and host tier benchmarks beside the anchor
+# baseline, and the compute model fitted on a real model.
 # From the repo root, with the wheels of transitions and simpy in .whl/ and a copy of
 # ../shared/anchors/swap_small.py in .dev/ (both git-ignored, carried by the device tool).
 # Results go to $OUT (default ./results).
@@ -20,3 +21,4 @@ if [ -f .dev/swap_small.py ] && [ -z "${NO_ANCHOR:-}" ]; then
   (cd "$OUT" && OUT=. python3 "$OLDPWD/.dev/swap_small.py") 2>&1 | tee "$OUT/anchor.log"
 fi
 python3 benchmarks/host_tier.py ${HOST_TIER_ARGS:-} --out "$OUT/host_tier.json" 2>&1 | tee "$OUT/host_tier.log"
+python3 benchmarks/model_calibration.py ${CALIBRATION_ARGS:-} --out "$OUT/model_calibration.json" 2>&1 | tee "$OUT/model_calibration.log"
