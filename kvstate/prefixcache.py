@@ -12,8 +12,8 @@ Rules:
 - Allocation hands out blocks holding no key first, then evicts idle blocks, the one idle
   longest first (its key is forgotten). Blocks released together turn idle last block first,
   so a prompt's tail is evicted before its head: a lookup matches leading blocks only, and a
-  head without its tail still serves every prompt sharing it. Only idle blocks are evicted: one a request holds or
-  a transfer pins (refcount > 0) never is.
+  head without its tail still serves every prompt sharing it. Only idle blocks are evicted:
+  one a request holds or a transfer pins (refcount > 0) never is.
 - A claimed block is shared: every request holding it has a reference, and none writes to
   it (reads, swap-ins and prefills start after the claimed prefix).
 """
