@@ -9,7 +9,9 @@ Rules:
 - With a GPU prefix cache (``prefix_cache``), ``reserve`` claims, shared, the prompt's leading
   full blocks the cache holds (``counters['gpu_read_blocks']``); the reads below start after
   them, and a prompt held whole is runnable with its first token. A request's full blocks are
-  published when it becomes runnable. ``can_reserve`` does not count hits.
+  published when it becomes runnable and when it is preempted from ``running``; ``resume``
+  claims back those still on the GPU, and the reload, swap-in or recompute starts after them.
+  ``can_reserve`` does not count hits.
 - With the token, D reads the cache into the reserved blocks; with a host tier, the leading
   blocks ready there are copied in first (``loading``, a ``SwapIn``) and the store serves only
   the rest (counted in ``counters['host_read_blocks']``). A request is runnable only when
@@ -166,8 +168,15 @@ class DecodeLifecycle(SwapActions):
         return tuple(added)
 
     def preempt(self, request_id: str) -> None:
-        """Take the request's blocks back: write its cache out first if the policy says so."""
-        self._fire(self._requests.get(request_id), "preempt")
+        """Take the request's blocks back: write its cache out first if the policy says so.
+
+        With the GPU prefix cache, a running request's full blocks are published first, so
+        its resume finds those still idle on the GPU instead of moving them again."""
+        req = self._requests.get(request_id)
+        if self.prefix_cache is not None and req.state == "running":
+            req.keys = self._cache_keys(req)
+            self.prefix_cache.publish(req.keys, req.blocks)
+        self._fire(req, "preempt")
 
     def resume(self, request_id: str) -> tuple[int, ...]:
         """Give a preempted request blocks again, then reload its cache or recompute it."""
@@ -175,10 +184,14 @@ class DecodeLifecycle(SwapActions):
         if req.state != "preempted" and req.state != "swapped":
             raise InvalidTransitionError(request_id, req.state, "resume", DECODE.name)
         n = self.spec.blocks_for(len(req.tokens))
-        try:
-            req.blocks = self.pool.allocate(n)
-        except OutOfBlocksError as e:
-            raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks ({e})") from None
+        if self.prefix_cache is None:
+            try:
+                req.blocks = self.pool.allocate(n)
+            except OutOfBlocksError as e:
+                raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks ({e})") from None
+        elif not self._take_cached(req, n, req.keys[:full_blocks(req.keys)]):
+            raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks: "
+                                   f"{self.pool.num_free} are free")
         self._fire(req, "resume")
         return tuple(req.blocks)
 
@@ -229,7 +242,7 @@ class DecodeLifecycle(SwapActions):
         req.tokens.append(value[0])
 
     def _send_reload(self, req: Request, value: Any) -> None:
-        self._read(req)
+        self._read(req, req.hits)
 
     def _note_prefill_error(self, req: Request, value: tuple[int | None, int]) -> None:
         req.error_code, req.reason = value[1], prefill_reason(value[1])
@@ -250,9 +263,11 @@ class DecodeLifecycle(SwapActions):
         req.error_code, req.reason = ERROR_READ_FAILED, "read_failed"
 
     def _start_recompute(self, req: Request, value: int | None) -> None:
+        """Recompute past ``value`` blocks in place (None: past the GPU prefix cache's hits)."""
         req.cmd = 0  # a write-back from host memory still running no longer answers to it
         req.stored_keys = None
-        self._out.append(C.Recompute(req.id, tuple(req.blocks), (value or 0) * self.spec.block_size))
+        start = req.hits if value is None else value
+        self._out.append(C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size))
 
     def _start_decode(self, req: Request, value: Any) -> None:
         if self.prefix_cache is not None:  # its blocks hold its cache's bytes now

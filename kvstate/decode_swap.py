@@ -65,7 +65,8 @@ SWAP_ROWS: tuple[dict[str, Any], ...] = (
          after=["_drop_swap", "_start_decode"]),
     dict(trigger="swapped_in", source="swapping_in", dest="reloading", conditions="_has_stored",
          after=["_drop_host", "_send_reload"]),
-    dict(trigger="swapped_in", source="swapping_in", dest="recomputing", after=["_drop_swap", "_start_recompute"]),
+    dict(trigger="swapped_in", source="swapping_in", dest="recomputing",
+         after=["_drop_swap", "_recompute_after_swap_in"]),
 )
 
 
@@ -75,6 +76,9 @@ class SwapActions(Lifecycle):
     _running: set[str]
 
     def _read(self, req: Request, start: int = 0) -> None:  # D's store read (kvstate.decode)
+        raise NotImplementedError
+
+    def _start_recompute(self, req: Request, value: int | None) -> None:  # (kvstate.decode)
         raise NotImplementedError
 
     def host_holdings(self) -> dict[str, tuple[str, ...]]:
@@ -169,11 +173,15 @@ class SwapActions(Lifecycle):
             req.host_keys, req.host_fresh = None, ()
 
     def _send_swap_in(self, req: Request, value: Any) -> None:
+        """Copy back the ready entries past the blocks the GPU prefix cache still held."""
         assert self.host is not None and req.host_keys is not None
-        keys = req.host_keys
-        n = self.host.ready_prefix(keys)  # entries a failed fill left unready are recomputed
-        self._transfer(req, C.SwapIn, "swapped_in", keys[:n], req.blocks[:n], self.host.slots(keys[:n]))
+        start = req.base = req.hits
+        keys = req.host_keys[start:max(start, self.host.ready_prefix(req.host_keys))]  # unready: recomputed
+        self._transfer(req, C.SwapIn, "swapped_in", keys, req.blocks[start:start + len(keys)], self.host.slots(keys))
 
     def _swap_in_complete(self, req: Request, value: int) -> bool:
-        return req.host_keys is not None and value >= len(req.host_keys)
+        return req.host_keys is not None and req.base + value >= len(req.host_keys)
+
+    def _recompute_after_swap_in(self, req: Request, value: int) -> None:
+        self._start_recompute(req, req.base + value)
 

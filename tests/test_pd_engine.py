@@ -141,14 +141,19 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True])
 @pytest.mark.parametrize("preemption", ["write", "recompute"])
-def test_preemption_mid_decode_is_exact(model, preemption):
+def test_preemption_mid_decode_is_exact(model, preemption, prefix_cache):
+    """With the GPU prefix cache, a resume claims back the blocks still on the GPU and reloads
+    or recomputes only the rest."""
     from kvstate import Policy
 
     reqs = workload(8, max_new=10, per_request={i: {"preempt_after": 3 + i % 4} for i in range(0, 8, 2)})
-    _, leaks = serve(model, reqs, policy=Policy(preempt=preemption))
+    eng, leaks = serve(model, reqs, policy=Policy(preempt=preemption), prefix_cache=prefix_cache)
     assert leaks == {"P": 0, "D": 0, "pinned": 0}
     assert_exact(model, reqs)
+    if prefix_cache:
+        assert eng.D.stats()["prefix_cache"].hit_blocks > 0
 
 
 @pytest.mark.parametrize("fault", [0, 1, "fail"])

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import Rig, small_spec
-from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, fill_p, handoff, serve
+from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, fill_p, handoff, running, serve
 
 from kvstate import DecodeLifecycle, OutOfBlocksError, Policy, ValidationError
 from kvstate import commands as C
 from kvstate.keys import block_keys
 from kvstate.prefixcache import PrefixCachingPool
-from kvstate.testing import mismatched_blocks
+from kvstate.testing import fill_blocks, mismatched_blocks
 
 KEYS = ["k0", "k1", "k2"]
 
@@ -180,3 +180,69 @@ def test_reserve_short_of_blocks_changes_nothing_with_the_cache_on():
         rig.D.reserve("b", TOKS)  # claiming its two idle hits leaves no block for its third
     assert (rig.D.pool.refcounts(), rig.D.pool.free_ids(), rig.D.pool.cached_blocks()) == before
     assert not rig.D.is_live("b") and rig.D.stats()["gpu_read_blocks"] == 0
+
+
+# -- D's resume: its own blocks, still idle on the GPU ----------------------------------------------
+def preempted_rig(preempt: str, grow: int = 0) -> tuple[Rig, tuple[int, ...], list[int]]:
+    """Request "r" decoding on D (TOKS, its first token and ``grow`` more), then preempted:
+    the rig, its old blocks and its tokens."""
+    rig = caching_rig(policy=Policy(preempt=preempt, transfer_timeout=10.0, fence_grace=5.0))
+    running(rig)
+    toks = TOKS + [7]  # the handoff's first token
+    if grow:
+        more = list(range(50, 50 + grow))
+        rig.D.append_tokens("r", more)  # no longer the stored prompt: a resume cannot reload it
+        toks += more
+        fill_blocks(rig.db, block_keys(toks[:-1], 4), rig.D.blocks_of("r"))  # the decode steps' KV
+    old = rig.D.blocks_of("r")
+    rig.D.preempt("r")
+    rig.dd.run_until_idle()
+    rig.notices(rig.dd)
+    assert rig.D.state_of("r") == "preempted" and rig.D.pool.num_used == 0
+    return rig, old, toks
+
+
+def test_a_resume_recomputes_only_past_its_blocks_still_on_the_gpu():
+    rig, old, toks = preempted_rig("recompute", grow=3)  # 13 tokens cached: 3 full blocks
+    blocks = rig.D.resume("r")
+    assert blocks[:3] == old[:3]  # claimed back
+    [rc] = rig.notices(rig.dd, C.Recompute)
+    assert rc.from_token == 12
+    fill_blocks(rig.db, block_keys(toks[:-1], 4), blocks, 3)  # the engine recomputes the tail
+    rig.D.recompute_done("r")
+    assert rig.D.state_of("r") == "running" and d_matches(rig, toks[:-1], blocks[:4])
+
+
+def test_a_resume_reloads_only_past_its_blocks_still_on_the_gpu():
+    rig, old, toks = preempted_rig("write")
+    blocks = rig.D.resume("r")
+    rig.dd.pump()
+    [read] = {c.command_id: c for c in rig.dd.pending.values()}.values()
+    assert isinstance(read, C.ReadBlocks) and len(read.keys) == 1 and blocks[:2] == old[:2]
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS, blocks[:3])
+
+
+def test_a_resume_after_the_blocks_were_handed_out_moves_them_all():
+    rig, old, toks = preempted_rig("recompute", grow=3)
+    rig.D.reserve("x", list(range(300, 300 + 4 * 63)))  # takes all 64 blocks, evicting the idle ones
+    rig.D.abort("x")
+    rig.dd.run_until_idle()
+    rig.D.resume("r")
+    [rc] = rig.notices(rig.dd, C.Recompute)
+    assert rc.from_token == 0 and rig.D.pool.prefix_stats().evictions >= 3
+
+
+def test_a_swapped_request_swaps_in_only_past_its_blocks_still_on_the_gpu():
+    rig = Rig(policy=SWAP, host_blocks=16, prefix_cache=True)
+    running(rig)
+    old = rig.D.blocks_of("r")
+    rig.D.preempt("r")
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "swapped"
+    blocks = rig.D.resume("r")
+    rig.dd.pump()
+    [swap_in] = {c.command_id: c for c in rig.dd.pending.values()}.values()
+    assert isinstance(swap_in, C.SwapIn) and len(swap_in.keys) == 1 and blocks[:2] == old[:2]
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS, blocks[:3])
