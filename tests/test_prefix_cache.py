@@ -106,7 +106,7 @@ def test_d_reads_only_what_its_gpu_lacks_and_the_bytes_match():
     notices = handoff_p_only(rig, "b")
     deliver(rig, notices)
     rig.dd.pump()
-    [read] = {c.command_id: c for c in rig.dd.pending.values() if isinstance(c, C.ReadBlocks)}.values()
+    [read] = [c for c in rig.D.pending_commands() if isinstance(c, C.ReadBlocks)]
     assert len(read.keys) == 1 and read.keys[0].endswith(":partial:2")  # the full blocks came from the GPU
     rig.dd.run_until_idle()
     [sd] = [n for n in rig.notices(rig.dd, C.StartDecode) if n.request_id == "b"]
@@ -216,8 +216,7 @@ def test_a_resume_recomputes_only_past_its_blocks_still_on_the_gpu():
 def test_a_resume_reloads_only_past_its_blocks_still_on_the_gpu():
     rig, old, toks = preempted_rig("write")
     blocks = rig.D.resume("r")
-    rig.dd.pump()
-    [read] = {c.command_id: c for c in rig.dd.pending.values()}.values()
+    [read] = rig.D.pending_commands()
     assert isinstance(read, C.ReadBlocks) and len(read.keys) == 1 and blocks[:2] == old[:2]
     rig.dd.run_until_idle()
     assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS, blocks[:3])
@@ -241,8 +240,7 @@ def test_a_swapped_request_swaps_in_only_past_its_blocks_still_on_the_gpu():
     rig.dd.run_until_idle()
     assert rig.D.state_of("r") == "swapped"
     blocks = rig.D.resume("r")
-    rig.dd.pump()
-    [swap_in] = {c.command_id: c for c in rig.dd.pending.values()}.values()
+    [swap_in] = rig.D.pending_commands()
     assert isinstance(swap_in, C.SwapIn) and len(swap_in.keys) == 1 and blocks[:2] == old[:2]
     rig.dd.run_until_idle()
     assert rig.D.state_of("r") == "running" and d_matches(rig, TOKS, blocks[:3])
