@@ -128,6 +128,7 @@ def _chain_extra(raw: bytes, step: int, end: int, prev: bytes, extra_keys: Mappi
     return keys
 
 
-def rank_key(key: str, kind: str, rank: int) -> str:
-    """Name of the stored object holding ``kind`` ("key", "value", ...) of one block on ``rank``."""
-    return f"{key}_{kind}_{rank}"
+def rank_key(key: str, kind: str, rank: int, group: int | None = None) -> str:
+    """Name of the stored object holding ``kind`` ("key", "value", ...) of one block on ``rank``;
+    ``group``: which layer group, when a block is stored in several (``CacheSpec.layer_groups``)."""
+    return f"{key}_{kind}_{rank}" if group is None else f"{key}_{kind}_{rank}_g{group}"

@@ -22,6 +22,11 @@ class CacheSpec:
 
     Per layer and kind the cache is ``[num_blocks, kv_heads, block_size, head_dim]``; fp8
     scales, when present, are ``[num_blocks, kv_heads, block_size, 1]`` float32.
+
+    ``layer_groups`` splits a stored block into that many objects per kind, each holding
+    consecutive layers (1: one object of every layer). P and D must agree on it: it is the
+    store's format. More groups let a layer-wise save put a group as soon as its layers are
+    computed, so only the last group's put trails the prefill.
     """
 
     num_layers: int
@@ -33,10 +38,13 @@ class CacheSpec:
     has_value: bool = True
     fp8_scales: bool = False
     tp_size: int = 1
+    layer_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
+        for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size", "layer_groups"):
             check_int(getattr(self, name), f"CacheSpec.{name}", minimum=1, error=ConfigError)
+        if self.layers % self.layer_groups:
+            raise ConfigError(f"CacheSpec.layer_groups {self.layer_groups} must divide the {self.layers} layers")
         check_int(self.extra_layers, "CacheSpec.extra_layers", minimum=0, error=ConfigError)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"CacheSpec.dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
@@ -78,8 +86,18 @@ class CacheSpec:
         return h * b * d * self.kind_dtype(kind).itemsize
 
     def block_bytes(self, kind: str = "key") -> int:
-        """Bytes of one block of ``kind`` across all layers (one stored object)."""
+        """Bytes of one block of ``kind`` across all layers."""
         return self.layers * self.chunk_bytes(kind)
+
+    @property
+    def group_layers(self) -> int:
+        """Layers per stored object (``layers // layer_groups``)."""
+        return self.layers // self.layer_groups
+
+    def group_span(self, group: int) -> tuple[int, int]:
+        """The layers ``[start, end)`` that stored object group ``group`` holds."""
+        n = self.group_layers
+        return group * n, (group + 1) * n
 
     @property
     def bytes_per_block_per_rank(self) -> int:

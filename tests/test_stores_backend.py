@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from conftest import small_spec
 
-from kvstate import FenceError, StoreError, ValidationError
+from kvstate import ConfigError, FenceError, StoreError, ValidationError
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend
 from kvstate.keys import block_keys
 
@@ -89,6 +89,37 @@ def test_backend_roundtrip_two_ranks_and_partial_read():
     assert d.read(0, keys, [4, 6, 7]) == 1  # block 1 is missing: only the leading block is scattered
     assert d.block_bytes(0, "key", 6) == before
     assert d.block_bytes(0, "key", 4) == p.block_bytes(0, "key", 5)
+
+
+def test_layer_groups_store_a_block_as_one_object_per_group():
+    """With layer groups each (block, kind) is several objects of consecutive layers; a block
+    counts as stored only with every group, and its bytes come back whole."""
+    spec = small_spec(tp=1, num_layers=6, layer_groups=3)
+    store = MemoryStore(1 << 22)
+    p, d = ReferenceBackend(spec, 8, store, host_blocks=4), ReferenceBackend(spec, 8, store)
+    rng = np.random.default_rng(2)
+    for kind in spec.kinds:
+        for layer in p.caches[0][kind]:
+            layer[:] = rng.integers(0, 1000, layer.shape)
+    keys = block_keys(list(range(12)), 4)
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    assert len(store) == 3 * len(spec.kinds) * 3
+    assert len(store.batch_get_into([f"{keys[0]}_key_0_g1"], [bytearray(spec.block_bytes() // 3)])) == 1
+    assert store.batch_is_exist([f"{keys[0]}_key_0"]) == [0]  # no whole-block object
+    assert d.read(0, keys, [0, 2, 4]) == 3
+    for kind in spec.kinds:
+        assert d.block_bytes(0, kind, 2) == p.block_bytes(0, kind, 1)
+    store.evict([f"{keys[1]}_value_0_g2"])  # one group of one kind gone: the block is not stored
+    assert d.query(0, keys) == 1
+    assert d.read(0, keys, [5, 6, 7]) == 1
+    assert p.swap_out(0, [1], [2]) == 1 and p.flush_host(0, keys[1:2], [2]) == 1  # put back from host
+    assert d.query(0, keys) == 3
+
+
+@pytest.mark.parametrize("groups", [0, 4, -1])
+def test_layer_groups_must_divide_the_layers(groups):
+    with pytest.raises(ConfigError, match="layer_groups"):
+        small_spec(tp=1, num_layers=6, layer_groups=groups)
 
 
 def test_backend_touches_no_block_once_the_fence_passed():

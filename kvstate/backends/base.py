@@ -13,8 +13,9 @@ backend (:class:`TransferBackend`), with the checks and names every implementati
   gathered or scattered; once it says no, the transfer raises
   :class:`~kvstate.errors.FenceError` and touches no block, since the lifecycle may already
   have recycled them.
-- :class:`StoreBackend` is what backends keeping one object per (block, kind, rank) in a
-  Store share: argument checks, object names, the existence query, counting whole blocks.
+- :class:`StoreBackend` is what backends keeping one object per (block, kind, rank, layer
+  group) in a Store share: argument checks, object names and views, the existence query,
+  counting whole blocks. A block counts as stored only when every one of its objects is.
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ class TransferBackend(ABC):
 
 
 class StoreBackend(TransferBackend):
-    """One object per (block, kind, rank) in a :class:`Store`: checks, names, query, whole blocks."""
+    """One object per (block, kind, rank, layer group) in a :class:`Store`: checks, names,
+    views, query, whole blocks."""
 
     def _setup(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
         name = type(self).__name__
@@ -244,8 +246,8 @@ class StoreBackend(TransferBackend):
         n = self.query(rank, keys)
         if n == len(keys):
             return n
-        kinds = self.spec.kinds
-        views = [as_bytes_view(self._arena(rank, kind)[s]) for s in host_slots[n:] for kind in kinds]
+        arenas = {kind: self._arena(rank, kind) for kind in self.spec.kinds}
+        views = self._object_views(arenas, host_slots[n:])
         status = self.store.batch_put_from(self._names(rank, keys[n:]), views)
         done = self._whole([st == 0 for st in status], len(keys) - n)
         self.bytes_moved += done * self.spec.bytes_per_block_per_rank
@@ -266,12 +268,29 @@ class StoreBackend(TransferBackend):
             got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
             raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
 
-    def _names(self, rank: int, keys: Sequence[str]) -> list[str]:
-        return [rank_key(key, kind, rank) for key in keys for kind in self.spec.kinds]
+    def _names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
+        """Object names of ``keys``' blocks, block by block, then kind, then layer group (all
+        groups, or only ``groups``)."""
+        kinds, spec = self.spec.kinds, self.spec
+        if spec.layer_groups == 1 and groups is None:
+            return [rank_key(key, kind, rank) for key in keys for kind in kinds]
+        gs = range(spec.layer_groups) if groups is None else groups
+        return [rank_key(key, kind, rank, g) for key in keys for kind in kinds for g in gs]
 
-    def _whole(self, ok: Sequence[bool], n: int) -> int:
-        """Leading blocks of ``n`` whose every kind's object is ``ok`` (one flag per object)."""
-        nk = len(self.spec.kinds)
+    def _object_views(self, host: dict[str, Any], rows: Sequence[int],
+                      groups: Sequence[int] | None = None) -> list[memoryview]:
+        """Byte views of the objects held in block-major ``host[kind][row]`` (layers first), in
+        :meth:`_names`' order: each group's layers are contiguous within a row."""
+        spec, kinds = self.spec, self.spec.kinds
+        if spec.layer_groups == 1 and groups is None:
+            return [as_bytes_view(host[kind][i]) for i in rows for kind in kinds]
+        spans = [spec.group_span(g) for g in (range(spec.layer_groups) if groups is None else groups)]
+        return [as_bytes_view(host[kind][i][a:b]) for i in rows for kind in kinds for a, b in spans]
+
+    def _whole(self, ok: Sequence[bool], n: int, groups: int | None = None) -> int:
+        """Leading blocks of ``n`` whose every object is ``ok`` (one flag per object, as in
+        :meth:`_names`; ``groups``: layer groups per block and kind, all by default)."""
+        nk = len(self.spec.kinds) * (self.spec.layer_groups if groups is None else groups)
         return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
 
     def query(self, rank: int, keys: Sequence[str]) -> int:

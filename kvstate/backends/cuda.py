@@ -26,7 +26,7 @@ from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
+from .base import Guard, Store, StoreBackend, check_fence
 
 __all__ = ["CudaBackend"]
 
@@ -145,7 +145,7 @@ class CudaBackend(StoreBackend):
             raise ValidationError("CudaBackend is closed")
 
     def _views(self, slot: dict[str, np.ndarray], m: int) -> list[memoryview]:
-        return [as_bytes_view(slot[kind][i]) for i in range(m) for kind in self.spec.kinds]
+        return self._object_views(slot, range(m))
 
     def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str,
                  guard: Guard | None) -> Any:

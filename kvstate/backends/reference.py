@@ -23,7 +23,7 @@ import numpy as np
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
+from .base import Guard, Store, StoreBackend, check_fence
 
 __all__ = ["ReferenceBackend"]
 
@@ -86,7 +86,7 @@ class ReferenceBackend(StoreBackend):
         slots = list(range(n))
         for kind, buf in host.items():
             swap_cache_layout(self.caches[rank][kind], buf, list(block_ids), slots, "d2h")
-        bufs = [as_bytes_view(host[kind][i]) for i in range(n) for kind in self.spec.kinds]
+        bufs = self._object_views(host, range(n))
         status = self.store.batch_put_from(self._names(rank, keys), bufs)
         count = self._whole([st == 0 for st in status], n)
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
@@ -97,8 +97,7 @@ class ReferenceBackend(StoreBackend):
         self._check_transfer(rank, keys, block_ids)
         n = len(keys)
         host = self._host(n)
-        kinds = self.spec.kinds
-        bufs = [as_bytes_view(host[kind][i]) for i in range(n) for kind in kinds]
+        bufs = self._object_views(host, range(n))
         got = self.store.batch_get_into(self._names(rank, keys), bufs)
         # a short read is a miss: a block counts only if every kind arrived whole
         count = self._whole([g == b.nbytes for g, b in zip(got, bufs)], n)
