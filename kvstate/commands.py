@@ -3,14 +3,14 @@
 Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dataclass
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
-Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`, :class:`SwapOut`,
+Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`, :class:`SaveLayers`, :class:`SwapOut`,
 :class:`SwapIn`, :class:`FlushHost`) carry a ``command_id``, the TP ``ranks`` that must each answer with a
 :class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's clock, and
 a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the lifecycle may
 recycle the blocks, so no driver or backend may touch them after it (they check it just before gathering or scattering
 blocks). Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`,
 :class:`Recompute`, :class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`,
-:class:`LateEvent`) need no answer.
+:class:`LateEvent`, :class:`LayersReady`) need no answer.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SwapOut", "SwapIn", "FlushHost", "SendFirstToken",
+    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SaveLayers", "LayersReady",
+    "SwapOut", "SwapIn", "FlushHost", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
     "LateEvent",
 ]
@@ -55,6 +56,23 @@ class WriteBlocks(TransferCommand):
     Keys are content hashes, so a key already stored holds these very bytes: a rank first
     asks the store how many leading keys it holds and gathers and writes only the rest
     (a full hit moves nothing)."""
+
+
+@dataclass(slots=True)
+class SaveLayers(WriteBlocks):
+    """A layer-wise write, sent as the prefill starts: as :class:`WriteBlocks`, but a rank
+    stores a layer group (``CacheSpec.layer_groups``) only once a :class:`LayersReady` for
+    this command says the prefill computed its layers. Its deadline counts from the
+    prefill's start."""
+
+
+@dataclass(slots=True)
+class LayersReady(Command):
+    """The prefill computed the first ``layers`` layers of :class:`SaveLayers`
+    ``command_id``'s blocks (on the GPU, not only launched): their groups may be stored."""
+
+    command_id: int
+    layers: int
 
 
 @dataclass(slots=True)
@@ -146,8 +164,8 @@ class RequestEnded(Command):
 @dataclass(slots=True)
 class LateEvent(Command):
     """An event arrived for a request that had already ended (``ended``: its terminal state):
-    it was dropped and changed nothing. ``event`` is ``"first_token"``, ``"prefill_done"``,
-    ``"recompute_done"`` or ``"abort"``. A late first token means D gave up waiting: the
+    it was dropped and changed nothing. ``event`` is ``"first_token"``, ``"layers_done"``,
+    ``"prefill_done"``, ``"recompute_done"`` or ``"abort"``. A late first token means D gave up waiting: the
     cache P stored for it is not needed any more."""
 
     event: str

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Event", "Completion", "Admit", "PrefillDone", "Reserve", "FirstToken", "AppendTokens",
+    "Event", "Completion", "Admit", "LayersDone", "PrefillDone", "Reserve", "FirstToken", "AppendTokens",
     "Preempt", "Resume", "RecomputeDone", "Finish", "Abort", "Tick",
 ]
 
@@ -40,6 +40,12 @@ class Admit(Event):
     request_id: str
     token_ids: Sequence[int]
     extra_keys: Mapping[int, Sequence[str]] | None = None
+
+
+@dataclass(slots=True)
+class LayersDone(Event):
+    request_id: str
+    layers: int
 
 
 @dataclass(slots=True)

@@ -391,7 +391,7 @@ class Lifecycle:
         self.counters["retries"] += 1
         self._write(req, req.base + value)
 
-    def _write(self, req: Request, base: int) -> None:
+    def _write(self, req: Request, base: int, cls: type = C.WriteBlocks) -> None:
         req.base = base
         keys = req.keys
-        self._transfer(req, C.WriteBlocks, "written", keys[base:], req.blocks[base:len(keys)])
+        self._transfer(req, cls, "written", keys[base:], req.blocks[base:len(keys)])

@@ -23,6 +23,14 @@ Rules:
 - P writes the cache, skipping the leading blocks already stored (a write first asks the store
   which leading keys it holds: keys are content hashes, so a stored key holds these bytes). A
   failed or partial write is retried ``Policy.write_retries`` times from where it stopped.
+- Layer-wise (``layerwise=True``): the write (a ``SaveLayers``) goes out as the prefill starts,
+  and the engine reports the layers the GPU finished (``layers_done``, in order); each report
+  becomes a ``LayersReady`` for the save, whose ranks store a layer group once its layers are
+  reported, so only the last group's store trails the prefill. ``prefill_done`` reports every
+  layer. A save answering before the prefill is done (a full store hit, a failure, its
+  deadline, which counts from the prefill's start) waits in ``saved`` for ``prefill_done``;
+  it is then judged as a write answering then. Reports after the save answered or the
+  request ended change nothing.
 - Only a cache stored whole sends the first token (200); P's blocks are then recycled. A write
   that keeps failing sends the first token with 503 and recycles (reason ``write_failed``).
 - ``abort`` leaves every live state; blocks a transfer still touches stay pinned until it
@@ -36,15 +44,16 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
+from .errors import ValidationError
 from .lifecycle import Lifecycle
 from .machine import MachineDef
 from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED
 from .registry import Request
-from .validate import check_token
+from .validate import check_int, check_token
 
 __all__ = ["PREFILL", "PrefillLifecycle"]
 
-_LIVE = ("waiting", "loading_prefix", "reading_prefix", "prefilling", "writing")
+_LIVE = ("waiting", "loading_prefix", "reading_prefix", "prefilling", "saved", "writing")
 
 PREFILL = MachineDef(
     name="prefill",
@@ -65,7 +74,16 @@ PREFILL = MachineDef(
         dict(trigger="host_prefix", source="loading_prefix", dest="prefilling", after="_start_prefill_from_host"),
         dict(trigger="prefix_read", source="reading_prefix", dest="prefilling", after="_start_prefill"),
         # prefill computed: write what is not stored yet (a full hit writes nothing and answers in full)
+        dict(trigger="prefill_done", source="prefilling", dest="writing", conditions="_saving", after="_keep_token"),
         dict(trigger="prefill_done", source="prefilling", dest="writing", after="_send_write"),
+        # layer-wise: the save answered while the prefill still ran; judged once it is done
+        dict(trigger="written", source="prefilling", dest="saved", after="_note_saved"),
+        dict(trigger="prefill_done", source="saved", dest="done", conditions="_saved_whole",
+             after=["_keep_token", "_send_first_token", "_copy_to_host", "_recycle"]),
+        dict(trigger="prefill_done", source="saved", dest="writing", conditions="_can_retry",
+             after=["_keep_token", "_retry_saved"]),
+        dict(trigger="prefill_done", source="saved", dest="failed",
+             after=["_keep_token", "_send_write_error", "_recycle"]),
         dict(trigger="written", source="writing", dest="done", conditions="_write_complete",
              after=["_send_first_token", "_copy_to_host", "_recycle"]),
         dict(trigger="written", source="writing", dest="writing", conditions="_can_retry", after="_retry_write"),
@@ -80,8 +98,12 @@ class PrefillLifecycle(Lifecycle):
 
     DEFINITION = PREFILL
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, layerwise: bool = False, **kwargs: Any) -> None:
+        """``layerwise``: save the cache layer by layer while the prefill runs (see the rules)."""
+        if layerwise.__class__ is not bool:
+            raise ValidationError(f"layerwise must be a bool, got {layerwise!r}")
         super().__init__(*args, **kwargs)
+        self.layerwise = layerwise
         self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()
 
@@ -105,6 +127,29 @@ class PrefillLifecycle(Lifecycle):
         """Admitted requests still queued for blocks."""
         return len(self._waiting)
 
+    def layers_done(self, request_id: str, layers: int) -> bool:
+        """The GPU finished the first ``layers`` layers of the request's prefill (report them in
+        order, each once it has finished, not only been launched): a layer-wise save may
+        store them. Returns False for a request that already ended (the report is dropped)."""
+        check_int(layers, f"request {request_id!r}: layers_done", minimum=1)
+        if layers > self.spec.layers:
+            raise ValidationError(f"request {request_id!r}: layers_done({layers}), but the cache has "
+                                  f"{self.spec.layers} layers")
+        if not self.layerwise:
+            raise ValidationError(f"request {request_id!r}: layers_done needs PrefillLifecycle(layerwise=True)")
+        req = self._late(request_id, "layers_done")
+        if req is None:
+            return False
+        if req.state not in ("prefilling", "saved"):
+            raise ValidationError(f"request {request_id!r} is {req.state}: layers are reported only while it prefills")
+        if layers <= req.layers:
+            raise ValidationError(f"request {request_id!r}: layers_done({layers}) after {req.layers}: "
+                                  f"report layers in order, each once")
+        req.layers = layers
+        if req.cmd:  # the save still runs: its ranks may store these layers
+            self._out.append(C.LayersReady(req.id, req.cmd, layers))
+        return True
+
     def prefill_done(self, request_id: str, first_token: int) -> bool:
         """The prompt's cache is computed and ``first_token`` sampled: store it, then send.
 
@@ -119,6 +164,7 @@ class PrefillLifecycle(Lifecycle):
 
     _HANDLERS = {**Lifecycle._HANDLERS,
                  E.Admit: lambda s, e: s.admit(e.request_id, e.token_ids, e.extra_keys),
+                 E.LayersDone: lambda s, e: s.layers_done(e.request_id, e.layers),
                  E.PrefillDone: lambda s, e: s.prefill_done(e.request_id, e.first_token)}
 
     # -- waiting for blocks ----------------------------------------------------------------------
@@ -167,6 +213,8 @@ class PrefillLifecycle(Lifecycle):
 
     def _prefill_from(self, req: Request, blocks: int) -> None:
         self._out.append(C.StartPrefill(req.id, tuple(req.blocks), blocks * self.spec.block_size))
+        if self.layerwise:  # the save goes out now; its ranks wait for LayersReady
+            self._write(req, 0, C.SaveLayers)
 
     # -- the host tier: prefix lookup before the store, write-through after it ----------------
     def _host_has_prefix(self, req: Request, value: Any) -> bool:
@@ -206,10 +254,30 @@ class PrefillLifecycle(Lifecycle):
         host.release(req.keys)  # the copy holds its own references until it retires
 
     def _send_write(self, req: Request, value: int) -> None:
-        req.token = value
-        if self.prefix_cache is not None:  # the prefill is done: the blocks hold the prompt's cache
-            self.prefix_cache.publish(req.keys, req.blocks)
+        self._keep_token(req, value)
         self._write(req, 0)
+
+    def _keep_token(self, req: Request, value: int) -> None:
+        """The prefill is done: keep its first token; the blocks hold the prompt's cache."""
+        req.token = value
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(req.keys, req.blocks)
+        if req.cmd and req.layers < self.spec.layers:  # the layer-wise save may store every layer
+            req.layers = self.spec.layers
+            self._out.append(C.LayersReady(req.id, req.cmd, req.layers))
+
+    # -- layer-wise save -------------------------------------------------------------------------
+    def _saving(self, req: Request, value: Any) -> bool:
+        return req.cmd != 0  # in prefilling, only a layer-wise save is awaited
+
+    def _note_saved(self, req: Request, value: int) -> None:
+        req.saved = value
+
+    def _saved_whole(self, req: Request, value: Any) -> bool:
+        return self._write_complete(req, req.saved)
+
+    def _retry_saved(self, req: Request, value: Any) -> None:
+        self._retry_write(req, req.saved)
 
     def _send_first_token(self, req: Request, value: Any) -> None:
         self._out.append(C.SendFirstToken(req.id, req.token, 200))

@@ -129,8 +129,13 @@ class TransferBackend(ABC):
         """How many leading ``keys`` are stored whole for ``rank``."""
 
     @abstractmethod
-    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None) -> int:
-        """Store block ``block_ids[i]`` under ``keys[i]``; how many leading blocks were stored."""
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
+              layers: Callable[[int], bool] | None = None) -> int:
+        """Store block ``block_ids[i]`` under ``keys[i]``; how many leading blocks were stored.
+
+        ``layers`` (a layer-wise save): store layer group by group, each only once
+        ``layers(end)`` says its layers ``[0, end)`` are computed; if it says they never
+        will be, stop (blocks missing a group are not stored whole)."""
 
     @abstractmethod
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None) -> int:
@@ -286,6 +291,18 @@ class StoreBackend(TransferBackend):
             return [as_bytes_view(host[kind][i]) for i in rows for kind in kinds]
         spans = [spec.group_span(g) for g in (range(spec.layer_groups) if groups is None else groups)]
         return [as_bytes_view(host[kind][i][a:b]) for i in rows for kind in kinds for a, b in spans]
+
+    def _by_group(self, n: int, layers: Callable[[int], bool], put: Callable[[int, int], int]) -> int:
+        """A layer-wise write of ``n`` blocks: ``put(group, m)`` stores one group of the first
+        ``m`` blocks once its layers are computed and answers how many leading ones it stored."""
+        count = n
+        for g in range(self.spec.layer_groups):
+            if not layers(self.spec.group_span(g)[1]):
+                return 0
+            count = min(count, put(g, count))
+            if not count:
+                break
+        return count
 
     def _whole(self, ok: Sequence[bool], n: int, groups: int | None = None) -> int:
         """Leading blocks of ``n`` whose every object is ``ok`` (one flag per object, as in

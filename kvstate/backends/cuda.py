@@ -17,7 +17,7 @@ it stored, read or found.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, check_fence
+from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
 
 __all__ = ["CudaBackend"]
 
@@ -55,7 +55,7 @@ class CudaBackend(StoreBackend):
             for r, by_kind in enumerate(caches):
                 if not isinstance(by_kind, dict) or set(by_kind) != set(spec.kinds):
                     raise ValidationError(f"CudaBackend: caches[{r}] must map exactly the kinds {spec.kinds}")
-        self.cp = cp = load_cupy()
+        self.cp = load_cupy()
         self.device = device
         self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
         self._swappers: list[CudaSwapper] = []
@@ -65,24 +65,12 @@ class CudaBackend(StoreBackend):
             self._layers: list[dict[str, DeviceLayers]] = []
             self._slots: list[list[dict[str, np.ndarray]]] = []
             self._host: list[dict[str, np.ndarray]] = []
+            self._groups: list[dict[str, list[DeviceLayers]]] = [{} for _ in range(spec.tp_size)]
             for r in range(spec.tp_size):
                 sw = CudaSwapper(device, timeout=timeout)
                 self._swappers.append(sw)
-                by_kind = {}
-                for kind in spec.kinds:
-                    if caches is None:
-                        with cp.cuda.Device(device):
-                            layers = [cp.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
-                                      for _ in range(spec.layers)]
-                    else:
-                        layers = list(caches[r][kind])
-                    bound = sw.bind(layers, f"caches[{r}][{kind!r}]")
-                    want = (num_blocks,) + spec.block_shape(kind)
-                    if bound.shape != want or len(bound) != spec.layers:
-                        raise ValidationError(f"CudaBackend: caches[{r}][{kind!r}] must be {spec.layers} layers "
-                                              f"of {want}, got {len(bound)} of {bound.shape}")
-                    by_kind[kind] = bound
-                self._layers.append(by_kind)
+                self._layers.append({kind: self._bind(r, kind, sw, None if caches is None else caches[r][kind])
+                                     for kind in spec.kinds})
                 self._slots.append([
                     {k: sw.pinned((self.per_slot, spec.layers) + spec.block_shape(k), spec.kind_dtype(k))
                      for k in spec.kinds} for _ in range(2)])
@@ -94,6 +82,24 @@ class CudaBackend(StoreBackend):
             raise
         #: pinned host memory in all: staging, and the host tier's arena
         self.pinned_bytes = (2 * self.per_slot + host_blocks) * per_block * spec.tp_size
+
+    def _bind(self, r: int, kind: str, sw: CudaSwapper, layers: Any) -> DeviceLayers:
+        """Bind rank ``r``'s caches of ``kind`` (zeroed ones allocated when ``layers`` is None),
+        and each layer group's, which a layer-wise save gathers alone."""
+        spec, cp = self.spec, self.cp
+        if layers is None:
+            with cp.cuda.Device(self.device):
+                layers = [cp.zeros((self.num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
+                          for _ in range(spec.layers)]
+        bound = sw.bind(list(layers), f"caches[{r}][{kind!r}]")
+        want = (self.num_blocks,) + spec.block_shape(kind)
+        if bound.shape != want or len(bound) != spec.layers:
+            raise ValidationError(f"CudaBackend: caches[{r}][{kind!r}] must be {spec.layers} layers "
+                                  f"of {want}, got {len(bound)} of {bound.shape}")
+        if spec.layer_groups > 1:
+            self._groups[r][kind] = [sw.bind(bound.views[a:b], f"caches[{r}][{kind!r}][{a}:{b}]")
+                                     for a, b in map(spec.group_span, range(spec.layer_groups))]
+        return bound
 
     # -- block access (tests, the demo's fake compute) -----------------------------------------
     def caches(self, rank: int, kind: str) -> DeviceLayers:
@@ -144,39 +150,66 @@ class CudaBackend(StoreBackend):
         if self._closed:
             raise ValidationError("CudaBackend is closed")
 
-    def _views(self, slot: dict[str, np.ndarray], m: int) -> list[memoryview]:
-        return self._object_views(slot, range(m))
+    def _slot(self, rank: int, slot: int, kind: str, m: int, group: int | None) -> np.ndarray:
+        """Staging slot ``slot`` of ``kind`` holding ``m`` blocks: every layer, or (a layer
+        group) the same memory read as ``[m, group_layers, ...]``, one object per row."""
+        arr = self._slots[rank][slot][kind]
+        if group is None:
+            return arr[:m]
+        spec = self.spec
+        shape = (m, spec.group_layers) + spec.block_shape(kind)
+        return arr.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
     def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str,
-                 guard: Guard | None) -> Any:
+                 guard: Guard | None, group: int | None = None) -> Any:
         check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
         sw, ev = self._swappers[rank], None
         m = len(ids)
         for kind in self.spec.kinds:
-            ev = sw.swap_cache_layout_async(self._layers[rank][kind], self._slots[rank][slot][kind][:m],
+            layers = self._layers[rank][kind] if group is None else self._groups[rank][kind][group]
+            ev = sw.swap_cache_layout_async(layers, self._slot(rank, slot, kind, m, group),
                                             np.asarray(ids, np.int64), np.arange(m, dtype=np.int64), direction)
         return ev  # one stream: the last event covers every kind
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-              guard: Guard | None = None) -> int:
+              guard: Guard | None = None, layers: Callable[[int], bool] | None = None) -> int:
         self._check_open()
         self._check_transfer(rank, keys, block_ids)
-        n, m, sw = len(keys), self.per_slot, self._swappers[rank]
+        if layers is None:
+            count = self._put(rank, keys, block_ids, guard, None)
+        else:  # group by group, each once its layers are computed; the lock is free between groups
+            count = self._by_group(len(keys), layers,
+                                   lambda g, m: self._put(rank, keys[:m], block_ids[:m], guard, g))
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _put(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+             group: int | None) -> int:
+        """Gather the blocks (every layer, or one layer group) piece by piece through the two
+        staging slots, storing a piece while the next is gathered; leading blocks stored."""
+        spec, sw = self.spec, self._swappers[rank]
+        n = len(keys)
+        m = self.per_slot if group is None else self.per_slot * spec.layer_groups
+        groups, per = (None, None) if group is None else ([group], 1)
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
         count = 0
         with self._locks[rank]:
             events: list[Any] = [None, None]
             if pieces:
-                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard)
+                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard, group)
             try:
                 for k, (a, b) in enumerate(pieces):
                     if k + 1 < len(pieces):  # gather the next piece while this one is stored
                         a2, b2 = pieces[k + 1]
-                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard)
+                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard, group)
                     sw.wait(events[k % 2])
-                    status = self.store.batch_put_from(self._names(rank, keys[a:b]),
-                                                       self._views(self._slots[rank][k % 2], b - a))
-                    done = self._whole([st == 0 for st in status], b - a)
+                    if group is None:
+                        views = self._object_views(self._slots[rank][k % 2], range(b - a))
+                    else:
+                        rows = {kind: self._slot(rank, k % 2, kind, b - a, group) for kind in spec.kinds}
+                        views = [as_bytes_view(rows[kind][i]) for i in range(b - a) for kind in spec.kinds]
+                    status = self.store.batch_put_from(self._names(rank, keys[a:b], groups), views)
+                    done = self._whole([st == 0 for st in status], b - a, per)
                     count += done
                     if done < b - a:
                         break
@@ -184,7 +217,6 @@ class CudaBackend(StoreBackend):
                 for ev in events:  # nothing may still write a slot when we leave
                     if ev is not None:
                         sw.wait(ev)
-        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
@@ -200,7 +232,7 @@ class CudaBackend(StoreBackend):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
-                    views = self._views(self._slots[rank][slot], b - a)
+                    views = self._object_views(self._slots[rank][slot], range(b - a))
                     got = self.store.batch_get_into(self._names(rank, keys[a:b]), views)
                     # a short read is a miss: a block counts only if every kind arrived whole
                     done = self._whole([g == v.nbytes for g, v in zip(got, views)], b - a)

@@ -7,7 +7,9 @@
   within a deadline.
 
 A driver knows nothing of request states; notices (first token, start prefill, ...) are
-handed back to the caller, which owns compute and messaging.
+handed back to the caller, which owns compute and messaging, except
+:class:`~kvstate.commands.LayersReady`, which the driver consumes: it lets a layer-wise save
+(:class:`~kvstate.commands.SaveLayers`) store the layers it names (:mod:`~kvstate.backends.gate`).
 """
 from __future__ import annotations
 
@@ -23,22 +25,30 @@ from ..errors import DriverError, KVStateError, ValidationError
 from ..events import Completion
 from ..validate import check_int, is_int
 from .base import TransferBackend
+from .gate import LayerGate
 
 __all__ = ["execute", "StepDriver", "ThreadedDriver"]
 
 
 def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None,
-            clock: Callable[[], float] | None = None) -> Completion:
+            clock: Callable[[], float] | None = None, layers: Callable[[int], bool] | None = None) -> Completion:
     """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given).
 
     With ``clock`` (the lifecycle's), blocks are touched only while ``clock() < cmd.fence``:
     past the fence the answer is an error (:class:`~kvstate.errors.FenceError`) and no block
-    was gathered or scattered."""
+    was gathered or scattered. A :class:`~kvstate.commands.SaveLayers` needs ``layers``
+    (``layers(n)``: whether the first ``n`` layers are computed, after waiting for them)."""
     keys = cmd.keys if limit is None else cmd.keys[:limit]
     fence = cmd.fence
     guard = None if clock is None or fence == math.inf else (lambda: clock() < fence)
+    if cmd.__class__ is C.SaveLayers and layers is None:
+        raise ValidationError(f"command {cmd.command_id}: a SaveLayers needs a layer gate (layers=)")
     try:
-        if isinstance(cmd, C.WriteBlocks):
+        if cmd.__class__ is C.SaveLayers:
+            n = backend.query(rank, keys)  # a full hit answers at once, computed or not
+            if n < len(keys):
+                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard, layers=layers)
+        elif isinstance(cmd, C.WriteBlocks):
             # skip the leading keys already stored (same key, same bytes), write the rest
             n = backend.query(rank, keys)
             if n < len(keys):
@@ -69,6 +79,8 @@ class StepDriver:
         #: (command, rank) pairs waiting for an answer, oldest first
         self.pending: dict[tuple[int, int], C.TransferCommand] = {}
         self.notices: list[C.Command] = []
+        #: layers reported computed per SaveLayers command (its LayersReady notices)
+        self.layers: dict[int, int] = {}
 
     def pump(self) -> int:
         """Move newly queued commands in; returns how many arrived."""
@@ -83,6 +95,8 @@ class StepDriver:
                     pending[(cid, r)] = cmd
             elif cmd.__class__ is C.CancelCommand:
                 notices.append(cmd)  # its (command, rank) answers are still owed: pins release on them
+            elif cmd.__class__ is C.LayersReady:
+                self.layers[cmd.command_id] = max(cmd.layers, self.layers.get(cmd.command_id, 0))
             elif on_notice is not None:
                 on_notice(cmd)
             else:
@@ -108,10 +122,13 @@ class StepDriver:
         return self._answer(cmd, rank, None if outcome is None else int(outcome))
 
     def _answer(self, cmd: C.TransferCommand, rank: int, limit: int | None, fail: bool = False) -> Completion:
+        ready = self.layers.get(cmd.command_id, 0)
         if fail:
             c = Completion(cmd.command_id, rank, 0, error="injected failure")
         elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)
-            c = execute(self.backend, cmd, rank, limit, self.lifecycle.clock)
+            c = execute(self.backend, cmd, rank, limit, self.lifecycle.clock, layers=lambda n: n <= ready)
+        elif cmd.__class__ is C.SaveLayers and ready < self.lifecycle.spec.layers:
+            c = Completion(cmd.command_id, rank, 0)  # as a backend would: layers not computed, not stored
         elif limit is not None:
             c = Completion(cmd.command_id, rank, limit)
         else:  # without a backend every read and write succeeds in full
@@ -140,7 +157,7 @@ class StepDriver:
         return steps
 
 
-_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks, C.SwapOut, C.SwapIn, C.FlushHost))
+_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks, C.SaveLayers, C.SwapOut, C.SwapIn, C.FlushHost))
 _STOP = object()
 
 
@@ -150,7 +167,9 @@ class ThreadedDriver:
     ``submit`` never blocks on a transfer. A command cancelled before a worker reaches it
     is answered with count 0 (its blocks unpin); one already running finishes its store
     operation, but touches blocks only before the command's fence on ``clock`` (which must
-    be the lifecycle's clock).
+    be the lifecycle's clock). A :class:`~kvstate.commands.SaveLayers` holds a worker per rank
+    while its prefill runs, waiting on its :class:`~kvstate.backends.gate.LayerGate`; a cancel
+    closes the gate.
     """
 
     def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate",
@@ -163,6 +182,7 @@ class ThreadedDriver:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[Completion] = queue.Queue()
         self._cancelled: set[int] = set()
+        self._gates: dict[int, list[Any]] = {}  # SaveLayers command id -> [gate, ranks yet to answer]
         self._lock = threading.Lock()
         self._inflight = 0
         self._closed = False
@@ -175,14 +195,22 @@ class ThreadedDriver:
         """Queue a transfer command (True), note a cancel (True), or ignore a notice (False)."""
         if self._closed:
             raise DriverError("ThreadedDriver: submit after close")
-        if isinstance(cmd, C.CancelCommand):
+        if isinstance(cmd, (C.CancelCommand, C.LayersReady)):
             with self._lock:
-                self._cancelled.add(cmd.command_id)
+                entry = self._gates.get(cmd.command_id)
+                if cmd.__class__ is C.CancelCommand:
+                    self._cancelled.add(cmd.command_id)
+            if entry is not None and isinstance(cmd, C.LayersReady):
+                entry[0].advance(cmd.layers)
+            elif entry is not None:
+                entry[0].close()
             return True
         if not isinstance(cmd, C.TransferCommand):
             return False
         with self._lock:
             self._inflight += len(cmd.ranks)
+            if cmd.__class__ is C.SaveLayers:
+                self._gates[cmd.command_id] = [LayerGate(cmd.fence, self.clock), len(cmd.ranks)]
         for r in cmd.ranks:
             self._jobs.put((cmd, r))
         return True
@@ -218,12 +246,19 @@ class ThreadedDriver:
             if cancelled:
                 c = Completion(cmd.command_id, rank, 0, error="cancelled")
             else:
+                with self._lock:
+                    entry = self._gates.get(cmd.command_id)
                 try:
-                    c = execute(self.backend, cmd, rank, None, self.clock)
+                    c = execute(self.backend, cmd, rank, None, self.clock, None if entry is None else entry[0].ready)
                 except Exception as e:  # noqa: BLE001 - a worker must always answer
                     c = Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
             with self._lock:
                 self._inflight -= 1
+                entry = self._gates.get(cmd.command_id)
+                if entry is not None:
+                    entry[1] -= 1
+                    if not entry[1]:
+                        del self._gates[cmd.command_id]
             self._done.put(c)
 
     def close(self, timeout: float = 30.0) -> None:

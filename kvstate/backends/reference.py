@@ -16,14 +16,14 @@ the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, check_fence
+from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
 
 __all__ = ["ReferenceBackend"]
 
@@ -78,19 +78,34 @@ class ReferenceBackend(StoreBackend):
         return {k: np.empty((n, s.layers) + s.block_shape(k), s.kind_dtype(k)) for k in s.kinds}
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-              guard: Guard | None = None) -> int:
+              guard: Guard | None = None, layers: Callable[[int], bool] | None = None) -> int:
         self._check_transfer(rank, keys, block_ids)
         n = len(keys)
-        host = self._host(n)
-        check_fence(guard, rank, "gather", block_ids)
-        slots = list(range(n))
-        for kind, buf in host.items():
-            swap_cache_layout(self.caches[rank][kind], buf, list(block_ids), slots, "d2h")
-        bufs = self._object_views(host, range(n))
-        status = self.store.batch_put_from(self._names(rank, keys), bufs)
-        count = self._whole([st == 0 for st in status], n)
+        if layers is not None:
+            count = self._by_group(n, layers, lambda g, m: self._put_group(rank, keys, block_ids, guard, g, m))
+        else:
+            host = self._host(n)
+            check_fence(guard, rank, "gather", block_ids)
+            slots = list(range(n))
+            for kind, buf in host.items():
+                swap_cache_layout(self.caches[rank][kind], buf, list(block_ids), slots, "d2h")
+            status = self.store.batch_put_from(self._names(rank, keys), self._object_views(host, range(n)))
+            count = self._whole([st == 0 for st in status], n)
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
+
+    def _put_group(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+                   group: int, m: int) -> int:
+        """Gather and store layer group ``group`` of the first ``m`` blocks."""
+        spec = self.spec
+        a, b = spec.group_span(group)
+        check_fence(guard, rank, "gather", block_ids[:m])
+        host = {k: np.empty((m, b - a) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
+        for kind, buf in host.items():
+            swap_cache_layout(self.caches[rank][kind][a:b], buf, list(block_ids[:m]), list(range(m)), "d2h")
+        views = [as_bytes_view(host[kind][i]) for i in range(m) for kind in spec.kinds]
+        status = self.store.batch_put_from(self._names(rank, keys[:m], [group]), views)
+        return self._whole([st == 0 for st in status], m, groups=1)
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None) -> int:

@@ -1,0 +1,57 @@
+"""Layer gates: how far a layer-wise save may go.
+
+A :class:`~kvstate.commands.SaveLayers` is sent as the prefill starts, so a rank running it
+must not store a layer group before the prefill computed its layers. The lifecycle says how
+many are computed in :class:`~kvstate.commands.LayersReady` notices; the driver advances the
+command's :class:`LayerGate` with them, and the backend asks the gate, before each group,
+to wait until its layers are ready.
+
+Every wait ends: when the layers are ready (True), when the gate is closed because the
+command was cancelled (False), or when the command's fence passes on the lifecycle's clock
+(False). A backend that gets False stops and answers what it stored whole so far.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["LayerGate"]
+
+_SLICE = 0.05  # seconds between fence checks while waiting (the clock may not be wall time)
+
+
+class LayerGate:
+    """The computed-layer count of one :class:`~kvstate.commands.SaveLayers`, thread-safe."""
+
+    __slots__ = ("_cond", "layers", "closed", "fence", "clock")
+
+    def __init__(self, fence: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cond = threading.Condition()
+        self.layers = 0  #: layers reported computed so far
+        self.closed = False  #: cancelled: waits answer False at once
+        self.fence, self.clock = fence, clock
+
+    def advance(self, layers: int) -> None:
+        """The first ``layers`` layers are computed (a smaller count than before is ignored)."""
+        with self._cond:
+            if layers > self.layers:
+                self.layers = layers
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """The command was cancelled: every wait, now or later, answers False."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def ready(self, layers: int, block: bool = True) -> bool:
+        """Whether the first ``layers`` layers are computed, waiting for them when ``block``
+        (until they are, the gate closes, or the fence passes)."""
+        with self._cond:
+            while not self.closed and self.layers < layers:
+                if not block or self.clock() >= self.fence:
+                    return False
+                self._cond.wait(_SLICE)
+            return not self.closed

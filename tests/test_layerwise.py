@@ -1,0 +1,250 @@
+"""Layer-wise save on P: the save goes out with the prefill, stores a layer group only once the
+engine reported its layers, and stays cancel-safe (abort, deadline) with nothing leaked."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import Clock, small_spec
+
+from kvstate import KVStateError, Policy, PrefillLifecycle, ValidationError
+from kvstate import commands as C
+from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver, ThreadedDriver
+from kvstate.backends.gate import LayerGate
+from kvstate.testing import fake_block, mismatched_blocks
+
+SPEC = small_spec(tp=2, num_layers=4, layer_groups=2)
+PROMPT = list(range(1, 15))  # 14 tokens: 3 full blocks of 4 and a partial one
+
+
+def compute_layers(backend, keys, block_ids, a: int, b: int) -> None:
+    """"Compute" layers [a, b) of every block: write those layers of its stand-in bytes."""
+    spec = backend.spec
+    for i, key in enumerate(keys):
+        for r in range(spec.tp_size):
+            for kind in spec.kinds:
+                whole = np.frombuffer(fake_block(key, r, kind, spec.block_bytes(kind)), spec.kind_dtype(kind))
+                whole = whole.reshape((spec.layers,) + spec.block_shape(kind))
+                for layer in range(a, b):
+                    backend.caches[r][kind][layer][block_ids[i]] = whole[layer]
+
+
+def stored(store: MemoryStore, suffix: str) -> int:
+    """Objects in ``store`` whose name ends with ``suffix``."""
+    return sum(name.endswith(suffix) for name in store.keys())  # noqa: SIM118 - a store, not a dict
+
+
+def rig(policy: Policy | None = None, **kw):
+    clock = Clock()
+    store = MemoryStore(1 << 24)
+    lc = PrefillLifecycle(SPEC, 16, policy or Policy(read_prefix=False, transfer_timeout=10.0, fence_grace=5.0),
+                          clock=clock, layerwise=True, **kw)
+    return clock, store, lc, ReferenceBackend(SPEC, 16, store)
+
+
+def start(lc, rid="r", drv: StepDriver | None = None):
+    """Admit ``rid``; its StartPrefill and SaveLayers go out together (into ``drv`` if given)."""
+    lc.admit(rid, PROMPT)
+    if drv is None:
+        cmds = lc.poll_commands()
+    else:
+        n = len(drv.notices)
+        drv.pump()
+        cmds = drv.notices[n:] + list({c.command_id: c for c in drv.pending.values()}.values())
+    assert [type(c) for c in cmds] == [C.StartPrefill, C.SaveLayers]  # the save goes out with the prefill
+    return cmds[1]
+
+
+def test_the_save_stores_a_group_only_once_its_layers_are_reported():
+    clock, store, lc, be = rig()
+    drv = StepDriver(lc, be)
+    save = start(lc, drv=drv)
+    keys, ids = lc.keys_of("r"), lc.blocks_of("r")
+    compute_layers(be, keys, ids, 0, 2)
+    assert lc.layers_done("r", 2)
+    drv.pump()
+    assert drv.layers[save.command_id] == 2
+    drv.complete(save.command_id, 0)  # layers 2..4 not reported: group 1 is not stored, no block whole
+    assert stored(store, "_0_g0") and not stored(store, "_g1")
+    drv.complete(save.command_id, 1)
+    assert lc.state_of("r") == "saved"  # answered 0 while the prefill still runs
+    compute_layers(be, keys, ids, 2, 4)
+    lc.prefill_done("r", 7)  # judged now: a retry writes it all
+    assert lc.state_of("r") == "writing" and lc.stats()["retries"] == 1
+    drv.run_until_idle()
+    assert lc.stats()["done"] == 1
+    first = [n for n in drv.notices if isinstance(n, C.SendFirstToken)]
+    assert first == [C.SendFirstToken("r", 7, 200)]
+    d = ReferenceBackend(SPEC, 16, store)
+    for r in range(2):
+        assert d.read(r, keys, list(range(len(keys)))) == len(keys)
+    assert mismatched_blocks(d, keys, list(range(len(keys)))) == []
+
+
+def test_a_save_finishing_after_prefill_done_sends_the_first_token():
+    clock, store, lc, be = rig()
+    drv = StepDriver(lc, be)
+    save = start(lc, drv=drv)
+    keys, ids = lc.keys_of("r"), lc.blocks_of("r")
+    for n in (1, 2, 3):
+        compute_layers(be, keys, ids, n - 1, n)
+        lc.layers_done("r", n)
+    compute_layers(be, keys, ids, 3, 4)
+    lc.prefill_done("r", 5)  # reports the last layer itself
+    assert [c.layers for c in lc.poll_commands() if isinstance(c, C.LayersReady)] == [1, 2, 3, 4]
+    drv.layers[save.command_id] = 4
+    drv.complete(save.command_id, 0)
+    drv.complete(save.command_id, 1)
+    assert lc.stats()["done"] == 1 and lc.stats()["retries"] == 0
+    assert store.puts == 2 * len(keys) * len(SPEC.kinds) * 2  # ranks x blocks x kinds x groups, once
+
+
+def test_a_full_store_hit_answers_before_any_layer():
+    clock, store, lc, be = rig()
+    drv = StepDriver(lc, be)
+    start(lc, "a", drv)
+    compute_layers(be, lc.keys_of("a"), lc.blocks_of("a"), 0, 4)
+    lc.prefill_done("a", 1)
+    drv.run_until_idle()
+    save = start(lc, "b", drv)  # the same prompt: every key is stored already
+    drv.pump()
+    for r in (0, 1):
+        assert drv.complete(save.command_id, r).count == len(lc.keys_of("b"))
+    assert lc.state_of("b") == "saved"
+    lc.prefill_done("b", 1)
+    assert lc.stats()["done"] == 2
+
+
+def test_abort_mid_prefill_closes_the_gate_and_leaks_nothing():
+    clock, store, lc, be = rig()
+    with ThreadedDriver(be, workers=2, clock=clock) as drv:
+        save = start(lc)
+        drv.submit(save)
+        compute_layers(be, lc.keys_of("r"), lc.blocks_of("r"), 0, 2)
+        lc.layers_done("r", 2)
+        lc.abort("r")
+        notices = drv.submit_all(lc.poll_commands())
+        assert any(isinstance(c, C.RequestEnded) for c in notices)
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += drv.poll(0.1)
+        assert len(got) == 2 and all(c.count == 0 for c in got)
+        for c in got:
+            lc.complete(c)
+    assert lc.pinned_blocks() == {} and lc.pool.num_free == 16
+    assert not stored(store, "_g1")  # group 1 was never computed
+
+
+def test_threaded_save_overlaps_the_prefill_and_is_exact():
+    clock, store, lc, be = rig()
+    with ThreadedDriver(be, workers=2, clock=clock) as drv:
+        save = start(lc)
+        drv.submit(save)
+        keys, ids = lc.keys_of("r"), lc.blocks_of("r")
+        compute_layers(be, keys, ids, 0, 2)
+        lc.layers_done("r", 2)
+        drv.submit_all(lc.poll_commands())
+        deadline = time.monotonic() + 10  # group 0 is stored while layers 2..4 are still to come
+        while stored(store, "_g0") < 2 * len(keys) * 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not stored(store, "_g1")
+        compute_layers(be, keys, ids, 2, 4)
+        lc.prefill_done("r", 3)
+        drv.submit_all(lc.poll_commands())
+        got = []
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += drv.poll(0.1)
+        for c in got:
+            lc.complete(c)
+    assert lc.stats()["done"] == 1
+    d = ReferenceBackend(SPEC, 16, store)
+    for r in range(2):
+        assert d.read(r, keys, list(range(len(keys)))) == len(keys)
+    assert mismatched_blocks(d, keys, list(range(len(keys)))) == []
+
+
+def test_a_save_past_its_deadline_is_retried_after_the_prefill():
+    clock, store, lc, be = rig()
+    drv = StepDriver(lc, be)
+    save = start(lc, drv=drv)
+    clock.advance(11)  # the prefill outlived the save's deadline
+    lc.tick()
+    assert lc.state_of("r") == "saved"
+    assert any(isinstance(c, C.CancelCommand) for c in lc.poll_commands())
+    lc.layers_done("r", 2)  # no save waits any more: nothing to send
+    assert not [c for c in lc.poll_commands() if isinstance(c, C.LayersReady)]
+    compute_layers(be, lc.keys_of("r"), lc.blocks_of("r"), 0, 4)
+    lc.prefill_done("r", 9)
+    drv.run_until_idle()  # the expired save answers late (nothing stored); the retry stores it
+    assert lc.stats()["done"] == 1 and lc.stats()["expired"] == 1
+    assert lc.pinned_blocks() == {} and lc.pool.num_free == 16
+    assert drv.pending == {} and save.command_id not in {c for c, _ in drv.pending}
+
+
+def test_a_failed_save_with_no_retries_left_fails_with_503():
+    clock, store, lc, be = rig(Policy(read_prefix=False, write_retries=0))
+    drv = StepDriver(lc, be)
+    save = start(lc, drv=drv)
+    drv.pump()
+    drv.complete(save.command_id, 0, "fail")
+    drv.complete(save.command_id, 1)
+    lc.prefill_done("r", 4)
+    assert not lc.is_live("r") and lc.stats()["failed"] == 1
+    drv.pump()
+    assert C.SendFirstToken("r", None, 503) in drv.notices
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda lc: lc.layers_done("r", 0), "layers_done"),
+    (lambda lc: lc.layers_done("r", 5), "4 layers"),
+    (lambda lc: lc.layers_done("r", True), "layers_done"),
+    (lambda lc: lc.layers_done("nobody", 1), "nobody"),
+])
+def test_bad_layer_reports_raise_and_change_nothing(call, match):
+    clock, store, lc, be = rig()
+    start(lc)
+    lc.layers_done("r", 2)
+    lc.poll_commands()
+    with pytest.raises(KVStateError, match=match):
+        call(lc)
+    with pytest.raises(ValidationError, match="in order"):
+        lc.layers_done("r", 2)
+    assert lc.poll_commands() == [] and lc.state_of("r") == "prefilling"
+
+
+def test_layer_reports_need_a_layerwise_prefill_and_a_live_one():
+    plain = PrefillLifecycle(SPEC, 16)
+    plain.admit("r", PROMPT)
+    with pytest.raises(ValidationError, match="layerwise=True"):
+        plain.layers_done("r", 1)
+    with pytest.raises(ValidationError, match="must be a bool"):
+        PrefillLifecycle(SPEC, 16, layerwise=1)
+    clock, store, lc, be = rig()
+    lc.admit("big", list(range(60)))  # 15 blocks: waits behind nothing, takes the pool
+    lc.admit("w", PROMPT)  # waits for blocks: not prefilling
+    with pytest.raises(ValidationError, match="only while it prefills"):
+        lc.layers_done("w", 1)
+    lc.abort("w")
+    lc.poll_commands()
+    assert lc.layers_done("w", 1) is False  # it ended: a late report is dropped
+    assert isinstance(lc.poll_commands()[-1], C.LateEvent)
+
+
+def test_a_save_needs_a_gate_and_a_gate_wait_always_ends():
+    clock, store, lc, be = rig()
+    save = start(lc)
+    from kvstate.backends.drivers import execute
+    with pytest.raises(ValidationError, match="layer gate"):
+        execute(be, save, 0)
+    gate = LayerGate(fence=1.0, clock=clock)
+    assert gate.ready(2, block=False) is False
+    gate.advance(3)
+    gate.advance(1)  # smaller: ignored
+    assert gate.ready(3) and gate.layers == 3
+    clock.advance(2)  # past the fence: a wait for more gives up at once
+    assert gate.ready(4) is False
+    gate = LayerGate()
+    gate.close()
+    assert gate.ready(1) is False
