@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["fake_block", "fill_blocks", "mismatched_blocks"]
+__all__ = ["fake_block", "fill_blocks", "fill_layers", "mismatched_blocks"]
 
 
 @functools.lru_cache(maxsize=1024)  # a block is written once and checked several times
@@ -33,6 +33,21 @@ def fill_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int], sta
         for r in range(spec.tp_size):
             for kind in spec.kinds:
                 backend.fill_block(r, kind, block_ids[i], fake_block(keys[i], r, kind, spec.block_bytes(kind)))
+
+
+def fill_layers(backend: Any, keys: Sequence[str], block_ids: Sequence[int], layers: tuple[int, int],
+                start: int = 0) -> None:
+    """As :func:`fill_blocks`, but only layers ``[a, b)`` of each block get their stand-in
+    bytes (the others keep theirs): what computing those layers means in a layer-wise test."""
+    spec, (a, b) = backend.spec, layers
+    for i in range(start, len(keys)):
+        for r in range(spec.tp_size):
+            for kind in spec.kinds:
+                chunk = spec.chunk_bytes(kind)
+                want = fake_block(keys[i], r, kind, spec.block_bytes(kind))
+                have = backend.block_bytes(r, kind, block_ids[i])
+                mixed = have[:a * chunk] + want[a * chunk:b * chunk] + have[b * chunk:]
+                backend.fill_block(r, kind, block_ids[i], mixed)
 
 
 def mismatched_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int],

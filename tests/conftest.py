@@ -32,7 +32,7 @@ class Rig:
 
     def __init__(self, tp: int = 2, blocks: int = 64, policy: Policy | None = None, spec=None,
                  store=None, first_token_timeout: float = 100.0, p_blocks: int | None = None,
-                 host_blocks: int = 0, **lifecycle_kwargs) -> None:
+                 host_blocks: int = 0, layerwise: bool = False, **lifecycle_kwargs) -> None:
         self.clock = Clock()
         self.spec = spec or small_spec(tp)
         self.policy = dataclasses.replace(policy or Policy(transfer_timeout=10.0, fence_grace=5.0),
@@ -40,7 +40,7 @@ class Rig:
         self.store = store if store is not None else MemoryStore(1 << 26)
         p_blocks = p_blocks or blocks
         self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
-                                  **lifecycle_kwargs)
+                                  layerwise=layerwise, **lifecycle_kwargs)
         self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
                                  **lifecycle_kwargs)
         self.pb = ReferenceBackend(self.spec, p_blocks, self.store, host_blocks=host_blocks)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hypothesis.stateful import invariant
-from protocol_support import BS, STATS
+from protocol_support import BS, STATS, fill
 
 from kvstate.testing import mismatched_blocks
 
@@ -148,7 +148,7 @@ class DrainedAtTeardown:
         rig, rid = self.rig, n.request_id
         wanted = rid in rig.D.live_requests() and rig.D.state_of(rid) == "recomputing"
         if wanted and rig.D.blocks_of(rid) == n.block_ids:
-            self._fill(rig.db, self.tokens[rid][:-1], n.block_ids, n.from_token // BS)
+            fill(rig.db, self.tokens[rid][:-1], n.block_ids, n.from_token // BS)
             rig.D.recompute_done(rid)
             return True
         return False
@@ -174,7 +174,7 @@ class DrainedAtTeardown:
             elif state in ("preempted", "recomputing", "reserved", "swapped"):
                 rig.D.abort(rid)
         for rid in rig.P.live_requests():
-            if rig.P.state_of(rid) in ("prefilling", "waiting"):
+            if rig.P.state_of(rid) in ("prefilling", "saved", "waiting"):
                 rig.P.abort(rid)
         rig.clock.advance(20.0)
         rig.P.tick()

@@ -10,38 +10,41 @@ from __future__ import annotations
 
 from collections import Counter
 
-from conftest import Rig
+from conftest import Rig, small_spec
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from protocol_invariants import DrainedAtTeardown, PoolInvariants
-from protocol_support import BS, KIND, STATS, StoreSwitch, snapshot
+from protocol_layers import LayerRules
+from protocol_support import BS, KIND, STATS, StoreSwitch, fill, snapshot
 from protocol_swaps import SwapRules
 
 from kvstate import InvalidTransitionError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
+from kvstate.backends import MemoryStore
 from kvstate.keys import block_keys
-from kvstate.testing import fill_blocks, mismatched_blocks
+from kvstate.testing import mismatched_blocks
 
 
-class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
+class Protocol(SwapRules, LayerRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
     CHECK_DRAINED = True  #: teardown checks the drained state (tests of single invariants turn it off)
 
     @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
                 preempt=st.sampled_from(["write", "recompute", "swap", "swap", "swap"]), retries=st.integers(0, 2),
                 capacity=st.sampled_from([1 << 26, 6000]), p_blocks=st.sampled_from([24, 6]),
                 host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]),
-                swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans())
+                swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans(),
+                layerwise=st.booleans(), groups=st.sampled_from([1, 2]))
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
-              prefix_cache):  # a small P pool makes admitted requests queue for blocks (P's "waiting" state)
-        from kvstate.backends import MemoryStore
+              prefix_cache, layerwise, groups):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1
-        self.switch = StoreSwitch(MemoryStore(capacity))
-        # a 3-slot host tier is too small for most caches: the swap fallback runs
+        self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
                                      transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
                                      swap_fallback=swap_fallback, swap_write=swap_write, swapped_timeout=15.0),
-                       first_token_timeout=12.0, prefix_cache=prefix_cache)
+                       first_token_timeout=12.0, prefix_cache=prefix_cache, layerwise=layerwise,
+                       spec=small_spec(tp, layer_groups=groups))
+        self.reported: dict[str, int] = {}  # layers each layer-wise prefill reported
         self.tokens: dict[str, list[int]] = {}
         self.plen: dict[str, int] = {}  # prompt length per request
         self.n = 0
@@ -51,9 +54,6 @@ class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachi
         self.prefills: list = []
 
     # -- helpers -----------------------------------------------------------------------------
-    def _fill(self, backend, toks, blocks, start):
-        fill_blocks(backend, block_keys(toks, BS), blocks, start)
-
     def _admit(self, rid, toks):
         """D reserves, P admits, the harness records the prompt; then the notices run."""
         self.rig.D.reserve(rid, toks)
@@ -228,8 +228,8 @@ class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachi
 
     def _run_prefill(self, n) -> None:
         rig, rid = self.rig, n.request_id
-        if rid in rig.P.live_requests() and rig.P.state_of(rid) == "prefilling":
-            self._fill(rig.pb, self.tokens[rid][:self.plen[rid]], n.block_ids, n.num_cached_tokens // BS)
+        if rid in rig.P.live_requests() and rig.P.state_of(rid) in ("prefilling", "saved"):
+            fill(rig.pb, self.tokens[rid][:self.plen[rid]], n.block_ids, n.num_cached_tokens // BS)
             rig.P.prefill_done(rid, 1)
 
     @precondition(lambda self: self.prefills)
@@ -306,7 +306,7 @@ class Protocol(SwapRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachi
                 # the decode step that produced ``tok`` computed the cache of the token before it
                 # (keys of every block but the newest token's change with it): as an engine would
                 toks = self.tokens[rid][:-1]
-                self._fill(rig.db, toks, rig.D.blocks_of(rid), (len(toks) - 1) // BS)
+                fill(rig.db, toks, rig.D.blocks_of(rid), (len(toks) - 1) // BS)
             elif action == "finish":
                 rig.D.finish(rid)
             else:

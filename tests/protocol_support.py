@@ -12,11 +12,18 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from kvstate import commands as C
 from kvstate.backends.stores import Store
 from kvstate.errors import StoreError
+from kvstate.keys import block_keys
+from kvstate.testing import fill_blocks
 
 __all__ = ["BS", "KIND", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings",
-           "StoreSwitch", "snapshot"]
+           "StoreSwitch", "fill", "snapshot"]
 
 BS = 4
+
+
+def fill(backend, toks, blocks, start):
+    """Compute the blocks of prompt ``toks`` from block ``start`` on: their stand-in bytes."""
+    fill_blocks(backend, block_keys(toks, BS), blocks, start)
 
 #: the fault classes of the issue; each must be injected >= 100 times per CI run
 FAULT_CLASSES = (
@@ -35,7 +42,7 @@ INVARIANTS = (
 )
 STATS: Counter[str] = Counter()
 #: the fault-class stem of each transfer command
-KIND = {C.WriteBlocks: "write", C.ReadBlocks: "read", C.SwapOut: "swap_out", C.SwapIn: "swap_in",
+KIND = {C.WriteBlocks: "write", C.SaveLayers: "write", C.ReadBlocks: "read", C.SwapOut: "swap_out", C.SwapIn: "swap_in",
         C.FlushHost: "flush"}
 CORPUS = Path(__file__).with_name("protocol_corpus")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 from conftest import Clock, small_spec
 
@@ -12,7 +11,7 @@ from kvstate import KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver, ThreadedDriver
 from kvstate.backends.gate import LayerGate
-from kvstate.testing import fake_block, mismatched_blocks
+from kvstate.testing import fill_layers, mismatched_blocks
 
 SPEC = small_spec(tp=2, num_layers=4, layer_groups=2)
 PROMPT = list(range(1, 15))  # 14 tokens: 3 full blocks of 4 and a partial one
@@ -20,14 +19,7 @@ PROMPT = list(range(1, 15))  # 14 tokens: 3 full blocks of 4 and a partial one
 
 def compute_layers(backend, keys, block_ids, a: int, b: int) -> None:
     """"Compute" layers [a, b) of every block: write those layers of its stand-in bytes."""
-    spec = backend.spec
-    for i, key in enumerate(keys):
-        for r in range(spec.tp_size):
-            for kind in spec.kinds:
-                whole = np.frombuffer(fake_block(key, r, kind, spec.block_bytes(kind)), spec.kind_dtype(kind))
-                whole = whole.reshape((spec.layers,) + spec.block_shape(kind))
-                for layer in range(a, b):
-                    backend.caches[r][kind][layer][block_ids[i]] = whole[layer]
+    fill_layers(backend, keys, block_ids, (a, b))
 
 
 def stored(store: MemoryStore, suffix: str) -> int:

@@ -31,6 +31,8 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     assert not missing, f"never tried: {missing}"
     # both sides shared blocks through their GPU prefix caches
     assert STATS["gpu_prefix_hit_blocks:P"] >= 100 and STATS["gpu_prefix_hit_blocks:D"] >= 100, STATS
+    # layer-wise prefills reported their layers (their saves are faulted as writes; P's "saved" was cancelled)
+    assert STATS["layer_reports"] >= 100, STATS
 
 
 def test_tables_cover_terminal_states():
