@@ -57,17 +57,20 @@ class FastLlama:
         k = k.view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2)
         return self._rope(q, pos), self._rope(k, pos), v.view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2)
 
-    def prefill(self, ids: Any, kv: list | None = None) -> Any:
+    def prefill(self, ids: Any, kv: list | None = None, on_layer: Any = None) -> Any:
         """One prompt ``[1, T]``: the last token's logits (flash attention over the prompt); each
-        layer's K and V are appended to ``kv`` when given."""
+        layer's K and V ``[1, KV_HEADS, T, HEAD_DIM]`` are appended to ``kv`` when given, and
+        handed to ``on_layer(i, k, v)`` once layer ``i`` is launched (an engine's paged write)."""
         x, t, rep = self.emb[ids], ids.shape[1], HEADS // KV_HEADS
-        for lw in self.layers:
+        for i, lw in enumerate(self.layers):
             q, k, v = self._qkv(x, lw, slice(0, t))
             if kv is not None:
                 kv.append((k, v))
             a = self.F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                     is_causal=True)
             x = self._mlp(x + a.transpose(1, 2).reshape(1, t, HEADS * HEAD_DIM) @ lw["o"], lw)
+            if on_layer is not None:
+                on_layer(i, k, v)
         return self.F.rms_norm(x[:, -1:], (HIDDEN,), self.norm, 1e-5) @ self.head
 
     def decode_caches(self, batch: int, context: int) -> list[tuple[Any, Any]]:

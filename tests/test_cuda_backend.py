@@ -4,6 +4,8 @@ caches (pipelined pieces, a short read, the fence).
 Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing, run for real on
 the GPU machine (docs/benchmarks.md records the run).
 """
+import threading
+
 import pytest
 from conftest import has_module
 
@@ -152,3 +154,38 @@ def test_a_preempted_request_swaps_through_the_cuda_host_tier_and_back(swap_writ
         assert lc.host.stats().referenced == 0 and lc.pool.num_used == 0
     finally:
         b.close()
+
+
+@gpu
+def test_a_layerwise_save_through_the_cuda_backend_stores_each_group_once_computed():
+    """Layer groups in one-object-per-group format: a gate short of the last group stores only
+    the first (no block whole); with every layer reported the bytes read back equal P's."""
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+    from kvstate.keys import block_keys
+    from kvstate.testing import fill_blocks, mismatched_blocks
+
+    spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=32, dtype="bfloat16", tp_size=1,
+                     layer_groups=2)
+    store = MemoryStore(1 << 24)
+    keys, blocks = block_keys(list(range(26)), 4), [9, 3, 0, 7, 5, 1, 11]
+    # a staging slot of 2 blocks: group writes of 7 blocks run in several pieces
+    p = CudaBackend(spec, 12, store, staging_bytes=4 * spec.bytes_per_block_per_rank)
+    d = CudaBackend(spec, 12, store)
+    try:
+        fill_blocks(p, keys, blocks)
+        asked = []
+        assert p.write(0, keys, blocks, layers=lambda n: asked.append(n) or n <= 2) == 0
+        assert asked == [2, 4] and len(store) == len(keys) * len(spec.kinds)  # group 0 only
+        assert all(name.endswith("_g0") for name in store)
+        got: list[int] = []  # from a thread with no current device, as a driver's worker
+        worker = threading.Thread(target=lambda: got.append(p.write(0, keys, blocks, layers=lambda n: True)))
+        worker.start()
+        worker.join(60)
+        assert got == [len(keys)]
+        assert d.read(0, keys, list(range(len(keys)))) == len(keys)
+        assert not mismatched_blocks(d, keys, list(range(len(keys))))
+    finally:
+        p.close()
+        d.close()

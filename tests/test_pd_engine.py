@@ -86,6 +86,17 @@ def test_token_exact_handoff(model, tp, store, tmp_path):
     assert_exact(model, reqs)
 
 
+def test_layerwise_save_is_exact(model):
+    """P saves each layer as the GPU finishes it, one stored object per layer: no retry, and D's
+    tokens and logits are the monolithic run's."""
+    reqs = workload()
+    eng, leaks = serve(model, reqs, layerwise=True)
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert eng.P.stats()["retries"] == 0 and eng.P.layerwise
+    assert all(name.rsplit("_", 1)[1].startswith("g") for name in eng.store)
+    assert_exact(model, reqs)
+
+
 def test_prefix_read_from_the_store_is_exact(model):
     """Requests run one after another, so every shared prefix is stored before it is wanted."""
     from kvstate.backends import MemoryStore

@@ -50,6 +50,54 @@ def test_memory_store_lru_eviction_is_silent():
         MemoryStore(0)
 
 
+def test_memory_store_recycles_dropped_objects_without_mixing_bytes():
+    """Under churn of mixed sizes (evictions, overwrites, explicit evicts) every get returns
+    the bytes last put under its key, and nothing exceeds the capacity."""
+    rng = np.random.default_rng(3)
+    store = MemoryStore(10_000)
+    model: dict[str, bytes] = {}
+    for step in range(400):
+        key, size = f"k{rng.integers(0, 12)}", int(rng.choice([500, 1000, 1500]))
+        if step % 7 == 0:
+            store.evict([key])
+            model.pop(key, None)
+            continue
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert store.batch_put_from([key], [data]) == [0]
+        model[key] = data
+        assert store.used_bytes <= 10_000
+    stored = set(store)
+    assert stored <= set(model) and stored
+    for key in stored:
+        buf = bytearray(len(model[key]))
+        assert store.batch_get_into([key], [buf]) == [len(buf)] and bytes(buf) == model[key]
+
+
+def test_memory_store_copies_large_puts_on_threads_and_stops_them_on_close():
+    """A 16 MiB batch is copied on the store's threads, while another thread puts too: every
+    object holds its own bytes; close() stops the threads."""
+    import threading
+
+    store = MemoryStore(64 << 20, copy_threads=4)
+    rng = np.random.default_rng(4)
+    batches = {t: [rng.integers(0, 256, 1 << 20, dtype=np.uint8) for _ in range(16)] for t in "ab"}
+    workers = [threading.Thread(target=store.batch_put_from, args=([f"{t}{i}" for i in range(16)], objs))
+               for t, objs in batches.items()]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert len(store) == 32 and store.puts == 32
+    for t, objs in batches.items():
+        for i, obj in enumerate(objs):
+            buf = bytearray(obj.nbytes)
+            assert store.batch_get_into([f"{t}{i}"], [buf]) == [obj.nbytes] and bytes(buf) == obj.tobytes()
+    assert any(th.name.startswith("kvstate-memorystore") for th in threading.enumerate())
+    store.close()
+    assert not any(th.name.startswith("kvstate-memorystore") for th in threading.enumerate())
+    assert store.batch_put_from(["big"], [bytes(65 << 20)]) == [-1]  # over the capacity: refused
+
+
 def test_file_store_survives_restart_and_writes_atomically(tmp_path):
     s = FileStore(tmp_path)
     s.batch_put_from(["k:partial:3"], [b"hello"])

@@ -48,13 +48,14 @@ class Request:
 
 
 def prefill_chunks(model: TinyLlama, cache: PagedCache, table: list[int], tokens: list[int],
-                   start: int, stop: int) -> torch.Tensor | None:
+                   start: int, stop: int, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
     """Compute positions ``start..stop-1`` in chunks that end on block boundaries (so every
-    run cuts a prompt the same way); the last chunk's logits."""
+    run cuts a prompt the same way); the last chunk's logits. ``on_layer(i)`` runs as the
+    last chunk launches layer ``i``: a layer is complete only once every chunk computed it."""
     bs, out = cache.block_size, None
     while start < stop:
         end = min(stop, (start // bs + 1) * bs)
-        out = model.forward(tokens[start:end], start, cache, table)
+        out = model.forward(tokens[start:end], start, cache, table, on_layer if end == stop else None)
         start = end
     return out
 
@@ -80,15 +81,18 @@ class PDEngine:
 
     def __init__(self, model: TinyLlama, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
-                 p_blocks: int | None = None, prefix_cache: bool = False) -> None:
+                 p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False) -> None:
+        """``layerwise``: P saves each layer as it is computed, in one stored object per layer."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         self.spec = CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // tp, block_size=block_size,
-                              head_dim=cfg.head_dim, dtype="bfloat16", tp_size=tp)
+                              head_dim=cfg.head_dim, dtype="bfloat16", tp_size=tp,
+                              layer_groups=cfg.layers if layerwise else 1)
         policy = policy or Policy()
         clock: Callable[[], float] = lambda: self.now  # noqa: E731
         p_blocks = p_blocks or num_blocks  # P's pool (smaller: prompts wait at P for blocks)
-        self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock, prefix_cache=prefix_cache)
+        self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock, prefix_cache=prefix_cache,
+                                  layerwise=layerwise)
         self.D = DecodeLifecycle(self.spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache)
         self.p_cache = PagedCache(cfg, p_blocks, block_size, tp)
         self.d_cache = PagedCache(cfg, num_blocks, block_size, tp)
@@ -130,8 +134,12 @@ class PDEngine:
     def _prefill(self, r: Request, cmd: C.StartPrefill) -> None:
         if not (self.P.is_live(r.rid) and self.P.state_of(r.rid) == "prefilling"):
             return  # aborted meanwhile
+        def done(i: int) -> None:  # a layer-wise P reports each layer once the GPU finished it
+            torch.cuda.synchronize()
+            self.P.layers_done(r.rid, i + 1)
+
         logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt,
-                                cmd.num_cached_tokens, len(r.prompt))
+                                cmd.num_cached_tokens, len(r.prompt), done if self.P.layerwise else None)
         assert logits is not None  # the lifecycle leaves at least one token to compute
         torch.cuda.synchronize()  # the cache is complete before the write reads it
         r.logits.append(logits)
@@ -164,8 +172,8 @@ class PDEngine:
         for drv in (self.p_drv, self.d_drv):
             drv.pump()
             self._abort_due()
-            while drv.pending:
-                (cid, rank), cmd = next(iter(drv.pending.items()))
+            while ready := [k for k, c in drv.pending.items() if self._answerable(drv, c)]:
+                (cid, rank), cmd = ready[0], drv.pending[ready[0]]
                 r = self.reqs.get(cmd.request_id)
                 outcome = None
                 if drv is self.d_drv and isinstance(cmd, C.ReadBlocks) and r and r.read_fault is not None:
@@ -175,6 +183,13 @@ class PDEngine:
                 drv.complete(cid, rank, outcome)
                 drv.pump()
                 self._abort_due()
+
+    def _answerable(self, drv: StepDriver, cmd: C.TransferCommand) -> bool:
+        """Every pending answer, but a layer-wise save's only once its layers are all reported
+        (a threaded driver's worker would wait for them) or its request ended."""
+        if cmd.__class__ is not C.SaveLayers or drv.layers.get(cmd.command_id, 0) == self.spec.layers:
+            return True
+        return not self.P.is_live(cmd.request_id) or self.P.waiting_for(cmd.request_id) != cmd.command_id
 
     def _decode_step(self, r: Request) -> None:
         table, pos = list(self.D.blocks_of(r.rid)), len(r.prompt) + len(r.tokens) - 1

@@ -12,6 +12,7 @@ Weights are random from a fixed seed; nothing is downloaded.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,10 +98,11 @@ class TinyLlama:
         return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
 
     @torch.no_grad()
-    def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int]) -> torch.Tensor:
+    def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..``, writing their keys and values into the
         request's pages (``table``), attending to every position before them; returns the
-        logits of the last token (float32)."""
+        logits of the last token (float32). ``on_layer(i)`` runs once layer ``i`` is launched."""
         c, dev = self.cfg, self.embed.device
         m, length = len(tokens), start + len(tokens)
         pos = torch.arange(start, length, device=dev)
@@ -119,4 +121,6 @@ class TinyLlama:
             x = x + torch.einsum("hml,hld->mhd", a, v).reshape(m, -1) @ p["wo"]
             h = self._rms(x, p["norm2"])
             x = x + (torch.nn.functional.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
+            if on_layer is not None:
+                on_layer(i)
         return self._rms(x[-1:], self.norm)[0] @ self.lm_head

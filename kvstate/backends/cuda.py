@@ -16,8 +16,9 @@ it stored, read or found.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,7 +138,7 @@ class CudaBackend(StoreBackend):
             return 0
         ids, slots = np.asarray(block_ids, np.int64), np.asarray(host_slots, np.int64)
         sw, ev = self._swappers[rank], None
-        with self._locks[rank]:
+        with self._on(rank):
             check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", block_ids)
             for kind in self.spec.kinds:
                 ev = sw.swap_cache_layout_async(self._layers[rank][kind], self._host[rank][kind], ids, slots,
@@ -145,6 +146,14 @@ class CudaBackend(StoreBackend):
             sw.wait(ev)
         self.bytes_swapped += len(block_ids) * self.spec.bytes_per_block_per_rank
         return len(block_ids)
+
+    @contextlib.contextmanager
+    def _on(self, rank: int) -> Iterator[None]:
+        """Hold rank ``rank``'s lock with this backend's device current in the calling thread
+        (a driver's worker thread has no current device until one is set)."""
+        self._swappers[rank].bind_thread()
+        with self._locks[rank], self.cp.cuda.Device(self.device):
+            yield
 
     def _check_open(self) -> None:
         if self._closed:
@@ -193,7 +202,7 @@ class CudaBackend(StoreBackend):
         groups, per = (None, None) if group is None else ([group], 1)
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
         count = 0
-        with self._locks[rank]:
+        with self._on(rank):
             events: list[Any] = [None, None]
             if pieces:
                 events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard, group)
@@ -225,7 +234,7 @@ class CudaBackend(StoreBackend):
         self._check_transfer(rank, keys, block_ids)
         n, m, sw = len(keys), self.per_slot, self._swappers[rank]
         count = 0
-        with self._locks[rank]:
+        with self._on(rank):
             events: list[Any] = [None, None]
             try:
                 for k, a in enumerate(range(0, n, m)):

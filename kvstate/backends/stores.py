@@ -11,9 +11,12 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..errors import StoreError
 from ..validate import check_int
@@ -23,13 +26,27 @@ __all__ = ["MemoryStore", "FileStore"]
 
 
 class MemoryStore(Store):
-    """An in-process pool with a byte capacity and silent LRU eviction."""
+    """An in-process pool with a byte capacity and silent LRU eviction.
 
-    def __init__(self, capacity_bytes: int = 1 << 30) -> None:
+    Objects are numpy byte arrays: their copies in and out release the GIL, so a transfer
+    thread storing a cache does not stall the engine thread launching the model, and a large
+    put copies its objects on several threads, outside the pool's lock. The arrays
+    of evicted or overwritten objects are kept as spares for later puts of the same size, so
+    a full pool in steady state allocates (and page-faults) nothing; stored and spare bytes
+    together stay within ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int = 1 << 30, copy_threads: int = 4) -> None:
+        """``copy_threads``: threads copying a large put's objects in parallel (1: the caller's
+        thread only); they start on first use and stop on :meth:`close`."""
         check_int(capacity_bytes, "MemoryStore: capacity_bytes", minimum=1)
+        check_int(copy_threads, "MemoryStore: copy_threads", minimum=1)
         self.capacity_bytes = capacity_bytes
-        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._pool = ThreadPoolExecutor(copy_threads, "kvstate-memorystore") if copy_threads > 1 else None
+        self._threads = copy_threads
+        self._data: OrderedDict[str, np.ndarray] = OrderedDict()
         self._used = 0
+        self._spare: dict[int, list[np.ndarray]] = {}  # size -> arrays of dropped objects
+        self._spare_bytes = 0
         self._lock = threading.Lock()
         self.evictions = 0
         self.puts = 0
@@ -44,8 +61,8 @@ class MemoryStore(Store):
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = check_batch(keys, "MemoryStore.batch_put_from", buffers)
-        out = []
-        with self._lock:
+        out, plan = [], []
+        with self._lock:  # make room and take arrays; the bytes are copied after the lock
             for k, v in zip(keys, views):
                 size = v.nbytes
                 if size > self.capacity_bytes:
@@ -53,16 +70,39 @@ class MemoryStore(Store):
                     continue
                 old = self._data.pop(k, None)
                 if old is not None:
-                    self._used -= len(old)
-                while self._used + size > self.capacity_bytes:
-                    _, ev = self._data.popitem(last=False)
-                    self._used -= len(ev)
+                    self._drop(old)
+                while self._used + size > self.capacity_bytes and self._data:
+                    self._drop(self._data.popitem(last=False)[1])
                     self.evictions += 1
-                self._data[k] = v.tobytes()
+                if self._used + size > self.capacity_bytes:  # other puts' copies hold the room
+                    out.append(MISSING)
+                    continue
                 self._used += size
-                self.puts += 1
+                plan.append((k, self._array(size), v))
                 out.append(0)
+        self._copy(plan)
+        with self._lock:
+            for k, arr, _ in plan:
+                old = self._data.pop(k, None)  # another put of this key landed meanwhile
+                if old is not None:
+                    self._drop(old)
+                self._data[k] = arr
+            self.puts += len(plan)
         return out
+
+    def _copy(self, plan: list[tuple[str, np.ndarray, memoryview]]) -> None:
+        """Copy each planned object's bytes into its array; a batch of 8 MiB or more is split
+        over the copy threads (numpy copies release the GIL)."""
+        def run(part: list[tuple[str, np.ndarray, memoryview]]) -> None:
+            for _, arr, v in part:
+                np.copyto(arr, np.frombuffer(v, np.uint8))
+
+        n = self._threads
+        if self._pool is None or len(plan) < 2 or sum(len(a) for _, a, _ in plan) < (8 << 20):
+            run(plan)
+            return
+        for f in [self._pool.submit(run, plan[i::n]) for i in range(n)]:
+            f.result()
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = check_batch(keys, "MemoryStore.batch_get_into", buffers)
@@ -74,7 +114,7 @@ class MemoryStore(Store):
                     out.append(MISSING)
                     continue
                 self._data.move_to_end(k)
-                v[:len(data)] = data
+                np.copyto(np.frombuffer(v, np.uint8, count=len(data)), data)
                 self.gets += 1
                 out.append(len(data))
         return out
@@ -92,18 +132,47 @@ class MemoryStore(Store):
             for k in keys:
                 data = self._data.pop(k, None)
                 if data is not None:
-                    self._used -= len(data)
+                    self._drop(data)
                     self.evictions += 1
                     n += 1
         return n
+
+    def _drop(self, arr: np.ndarray) -> None:
+        """An object left the pool: keep its array as a spare while the capacity allows."""
+        self._used -= len(arr)
+        if self._used + self._spare_bytes + len(arr) <= self.capacity_bytes:
+            self._spare.setdefault(len(arr), []).append(arr)
+            self._spare_bytes += len(arr)
+
+    def _array(self, size: int) -> np.ndarray:
+        """An array for a new object of ``size`` bytes: a spare of that size, else a new one
+        (spares of other sizes are let go first if the capacity needs their room)."""
+        spares = self._spare.get(size)
+        if spares:
+            self._spare_bytes -= size
+            return spares.pop()
+        while self._spare_bytes and self._used + self._spare_bytes + size > self.capacity_bytes:
+            other = next(s for s, arrs in self._spare.items() if arrs)
+            self._spare[other].pop()
+            self._spare_bytes -= other
+        return np.empty(size, np.uint8)
 
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._data)
 
+    def __iter__(self) -> Iterator[str]:
+        """The names stored now (a snapshot: safe while other threads put)."""
+        return iter(self.keys())
+
     def close(self) -> None:
+        if self._pool is not None:  # later puts copy in their own thread
+            self._pool.shutdown(wait=True)
+            self._pool = None
         with self._lock:
             self._data.clear()
+            self._spare.clear()
+            self._spare_bytes = 0
             self._used = 0
 
 

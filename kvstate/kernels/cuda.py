@@ -22,6 +22,7 @@ referenced are bound on every call instead.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -96,6 +97,16 @@ class CudaSwapper:
         # array's memory cannot change under it, so a live array seen before is not re-asked
         self._pinned_seen: dict[int, tuple[Any, int]] = {}
         self.calls = {s: 0 for s in STRATEGIES if s != "auto"}  #: transfers run per strategy
+        self._threads = threading.local()  # .bound: this thread has the device's context current
+
+    def bind_thread(self) -> None:
+        """Make this swapper's device current in the calling thread; call it first in any
+        thread other than the creator's (a driver's worker). Until then a fresh thread has no
+        CUDA context bound, and the runtime cannot even tell pinned host memory apart."""
+        if not getattr(self._threads, "bound", False):
+            self.cp.cuda.runtime.setDevice(self.device)
+            self.cp.cuda.runtime.free(0)  # binds the device's primary context to this thread
+            self._threads.bound = True
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,186 @@
+"""P's layer-wise save on the GPU: prefill plus cache write, against the prefill alone.
+
+    python3 benchmarks/layerwise.py [--tokens 8192] [--reps 5] [--lag 2] [--out results/layerwise.json]
+
+A Llama-3-8B-shaped model (``benchmarks/fast_llama.py``: 32 layers, hidden 4096, 8 KV heads,
+bf16, seeded random weights) prefills one ``--tokens`` prompt and writes each layer's keys and
+values into a paged cache (blocks of 64 tokens) as it goes. Through the public API only
+(``PrefillLifecycle``, ``ThreadedDriver``, ``CudaBackend`` over a ``MemoryStore``, one stored
+object per layer), each repetition runs a fresh prompt, from ``admit`` to P's first token:
+
+- ``prefill``: the prefill with its paged writes, nothing stored (the bar's baseline);
+- ``serial``: the prefill, then ``prefill_done`` sends the write (``layerwise=False``);
+- ``layerwise``: the save goes out with the prefill; after launching layer ``i`` the engine
+  waits for layer ``i - lag`` to finish on the GPU and reports it (``layers_done``), so the
+  transfer thread stores it while later layers compute.
+
+Medians over ``--reps`` after a warm-up, all in one run (the ratios are side by side). The
+store holds two requests, so from the first measured repetition on it is full and recycles
+evicted objects' memory (a steady-state pool). The bytes stored by the last layer-wise save
+are read back through a second backend and compared with P's cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fast_llama import HEAD_DIM, KV_HEADS, FastLlama  # noqa: E402
+
+from kvstate import CacheSpec, Policy, PrefillLifecycle  # noqa: E402
+from kvstate import commands as C  # noqa: E402
+from kvstate.backends import MemoryStore, ThreadedDriver  # noqa: E402
+from kvstate.backends.cuda import CudaBackend  # noqa: E402
+
+BLOCK = 64
+
+
+class Rig:
+    """The model, P's paged cache, and P's lifecycle, backend and driver."""
+
+    def __init__(self, torch: Any, tokens: int, layers: int = 32) -> None:
+        self.torch, self.tokens = torch, tokens
+        self.model = FastLlama(torch, layers)
+        self.spec = CacheSpec(num_layers=layers, kv_heads=KV_HEADS, block_size=BLOCK, head_dim=HEAD_DIM,
+                              dtype="bfloat16", layer_groups=layers)
+        self.nblocks = self.spec.blocks_for(tokens) + 8
+        shape = (self.nblocks, KV_HEADS, BLOCK, HEAD_DIM)
+        self.cache = {k: [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+                      for k in ("key", "value")}
+        per_request = self.spec.blocks_for(tokens) * self.spec.bytes_per_block_per_rank
+        # room for two requests: after the warm-up the pool is full, as a serving pool is, and
+        # each put reuses an evicted object's memory instead of page-faulting fresh memory
+        self.store = MemoryStore(2 * per_request + (64 << 20))
+        self.backend = CudaBackend(self.spec, self.nblocks, self.store, caches=[self.cache])
+        self.driver = ThreadedDriver(self.backend, workers=2)
+        self.n = 0
+        self.last: tuple[list[int], list[int]] = ([], [])  #: the last served prompt and its blocks
+
+    def close(self) -> None:
+        self.driver.close()
+        self.backend.close()
+
+    def prompt(self) -> list[int]:
+        self.n += 1  # a fresh prompt: nothing of it is stored yet
+        return [(self.n * 7919 + i * 31) % 128000 for i in range(self.tokens)]
+
+    def prefill(self, toks: list[int], table: list[int], report: Any = None, lag: int = 2) -> int:
+        """The prefill with its paged writes; ``report(n)`` once the GPU finished ``n`` layers."""
+        torch = self.torch
+        tab = torch.tensor(table[:self.spec.blocks_for(len(toks))], device="cuda")
+        nb, events = len(tab), []
+
+        def on_layer(i: int, k: Any, v: Any) -> None:
+            for kind, x in (("key", k), ("value", v)):  # [1, H, T, D] -> [blocks, H, BLOCK, D]
+                self.cache[kind][i][tab] = x[0].view(KV_HEADS, nb, BLOCK, HEAD_DIM).transpose(0, 1)
+            if report is not None:
+                events.append(torch.cuda.Event())
+                events[-1].record()
+                if i >= lag:
+                    events[i - lag].synchronize()
+                    report(i - lag + 1)
+
+        with torch.no_grad():
+            logits = self.model.prefill(torch.tensor([toks], device="cuda"), on_layer=on_layer)
+        return int(torch.argmax(logits))  # waits for the whole prefill
+
+    def serve(self, layerwise: bool, lag: int) -> float:
+        """Seconds from admit to the first token, one fresh prompt."""
+        lc = PrefillLifecycle(self.spec, self.nblocks, Policy(read_prefix=False, transfer_timeout=120.0),
+                              layerwise=layerwise)
+        drv, toks, sent = self.driver, self.prompt(), []
+        self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+
+        def pump() -> None:
+            sent.extend(c for c in drv.submit_all(lc.poll_commands()) if isinstance(c, C.SendFirstToken))
+
+        lc.admit("r", toks)
+        table = list(lc.blocks_of("r"))
+        pump()
+        report = (lambda n: (lc.layers_done("r", n), pump())) if layerwise else None
+        tok = self.prefill(toks, table, report, lag)
+        lc.prefill_done("r", tok)
+        pump()
+        errors = []
+        while not sent:
+            for c in drv.poll(0.01):
+                errors += [c.error] if c.error else []
+                lc.complete(c)
+            pump()
+        t1 = time.perf_counter()
+        assert sent[0].error_code == 200 and lc.stats()["retries"] == 0, (sent, errors)
+        self.last = (toks, table)
+        return t1 - t0
+
+    def alone(self) -> float:
+        toks = self.prompt()
+        self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.prefill(toks, list(range(self.nblocks)))
+        return time.perf_counter() - t0
+
+
+def bytes_ok(rig: Rig, keys: list[str], table: list[int]) -> bool:
+    """Read the stored cache back into a second backend and compare it with P's blocks."""
+    torch = rig.torch
+    n = len(keys)
+    other = {k: [torch.zeros_like(x) for x in xs] for k, xs in rig.cache.items()}
+    d = CudaBackend(rig.spec, rig.nblocks, rig.store, caches=[other])
+    try:
+        got = d.read(0, keys, list(range(n)))
+    finally:
+        d.close()
+    src = torch.tensor(table[:n], device="cuda")
+    return got == n and all(bool((other[k][i][:n] == rig.cache[k][i][src]).all())
+                            for k in other for i in range(rig.spec.layers))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--lag", type=int, default=2, help="layers the GPU runs ahead of the reports")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    import torch
+
+    from kvstate.keys import block_keys
+    rig = Rig(torch, args.tokens)
+    times: dict[str, list[float]] = {"prefill": [], "serial": [], "layerwise": []}
+    try:
+        for rep in range(args.reps + 1):  # the first is a warm-up; the three interleave
+            t = {"prefill": rig.alone(), "serial": rig.serve(False, args.lag),
+                 "layerwise": rig.serve(True, args.lag)}
+            if rep:
+                for k, v in t.items():
+                    times[k].append(v)
+        toks, table = rig.last  # the last layer-wise save's
+        ok = bytes_ok(rig, block_keys(toks, BLOCK), table)
+    finally:
+        rig.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    res = {"gpu": torch.cuda.get_device_name(0), "tokens": args.tokens, "lag": args.lag, "layer_groups": 32,
+           "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
+           "serial_vs_prefill": med["serial"] / med["prefill"],
+           "layerwise_vs_prefill": med["layerwise"] / med["prefill"], "bytes_ok": ok}
+    print(f"{'path':<11}{'median ms':>11}{'min ms':>9}{'x prefill':>11}")
+    for k in times:
+        print(f"{k:<11}{med[k] * 1e3:>11.1f}{min(times[k]) * 1e3:>9.1f}{med[k] / med['prefill']:>11.3f}")
+    print(f"layer-wise save: {res['layerwise_vs_prefill']:.3f} x the prefill alone (bar 1.10); "
+          f"serial: {res['serial_vs_prefill']:.3f} x; bytes read back equal: {ok}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
