@@ -3,14 +3,16 @@
 Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dataclass
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
-Transfer commands (:class:`ReadBlocks`, :class:`WriteBlocks`, :class:`SaveLayers`, :class:`SwapOut`,
-:class:`SwapIn`, :class:`FlushHost`) carry a ``command_id``, the TP ``ranks`` that must each answer with a
-:class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's clock, and
-a ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the lifecycle may
-recycle the blocks, so no driver or backend may touch them after it (they check it just before gathering or scattering
-blocks). Notices (:class:`SendFirstToken`, :class:`StartPrefill`, :class:`StartDecode`,
-:class:`Recompute`, :class:`FreeBlocks`, :class:`CancelCommand`, :class:`RequestEnded`,
-:class:`LateEvent`, :class:`LayersReady`) need no answer.
+Transfer commands (:class:`ReadBlocks`, :class:`LoadLayers`, :class:`WriteBlocks`,
+:class:`SaveLayers`, :class:`SwapOut`, :class:`SwapIn`, :class:`FlushHost`) carry a
+``command_id``, the TP ``ranks`` that must each answer with a
+:class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's clock, and a
+``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the lifecycle may
+recycle the blocks, so no driver or backend may touch them after it (they check it just
+before gathering or scattering blocks). Notices (:class:`SendFirstToken`,
+:class:`StartPrefill`, :class:`StartDecode`, :class:`Recompute`, :class:`FreeBlocks`,
+:class:`CancelCommand`, :class:`RequestEnded`, :class:`LateEvent`, :class:`LayersReady`)
+need no answer.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Command", "TransferCommand", "ReadBlocks", "WriteBlocks", "SaveLayers", "LayersReady",
+    "Command", "TransferCommand", "ReadBlocks", "LoadLayers", "WriteBlocks", "SaveLayers", "LayersReady",
     "SwapOut", "SwapIn", "FlushHost", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
     "LateEvent",
@@ -47,6 +49,14 @@ class ReadBlocks(TransferCommand):
     """Read ``keys[i]`` into GPU block ``block_ids[i]``; answer the leading count read whole.
 
     A key the store lacks ends the count, so a read is also how P looks for a stored prefix."""
+
+
+@dataclass(slots=True)
+class LoadLayers(ReadBlocks):
+    """A layer-wise read: as :class:`ReadBlocks`, but a rank reads and scatters one layer group
+    (``CacheSpec.layer_groups``) at a time and signals each group's arrival to the engine
+    (the driver's ``arrivals(command_id, rank)``), which may run the request's next decode
+    step meanwhile, waiting per layer. The step counts only once ``StartDecode`` follows."""
 
 
 @dataclass(slots=True)

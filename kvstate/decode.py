@@ -18,6 +18,12 @@ Rules:
   every block was read on every TP rank; a partial or failed read ends with 502 (policy
   ``fail``, reason ``read_failed``) or recomputes from the longest prefix every rank read
   (policy ``recompute``).
+- Layer-wise (``layerwise=True``): D's store reads are ``LoadLayers``: a rank reads and scatters
+  one layer group at a time and signals each group's arrival to the engine, which may start
+  the request's next decode step as soon as the load goes out, waiting per layer before its
+  attention. The request is runnable, and that step's token counts, only once ``StartDecode``
+  follows; a load that stops short recomputes or fails as a read does, and the engine drops
+  the step.
 - Decoded tokens grow the request block by block. Preemption from ``running`` writes the cache
   out first when the policy says ``write`` and frees the blocks only once that write answered
   (a failed write-back falls back to recomputing); from reading, reloading or recomputing it
@@ -95,8 +101,12 @@ class DecodeLifecycle(SwapActions):
     DEFINITION = DECODE
     TIMED_WAITS = ("swapped",)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, layerwise: bool = False, **kwargs: Any) -> None:
+        """``layerwise``: read the cache layer group by group (see the rules)."""
+        if layerwise.__class__ is not bool:
+            raise ValidationError(f"layerwise must be a bool, got {layerwise!r}")
         super().__init__(*args, **kwargs)
+        self.layerwise = layerwise
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
         self.counters["host_read_blocks"] = 0  # blocks of P's caches found in the host tier
@@ -225,7 +235,8 @@ class DecodeLifecycle(SwapActions):
         keys = req.stored_keys
         assert keys is not None
         req.base = start  # blocks already in place (from the host tier)
-        self._transfer(req, C.ReadBlocks, "read_done", keys[start:], req.blocks[start:len(keys)])
+        cls = C.LoadLayers if self.layerwise else C.ReadBlocks
+        self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:len(keys)])
 
     # -- actions (named in DECODE) ----------------------------------------------------------------
     def _token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:

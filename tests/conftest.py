@@ -42,7 +42,7 @@ class Rig:
         self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
                                   layerwise=layerwise, **lifecycle_kwargs)
         self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
-                                 **lifecycle_kwargs)
+                                 layerwise=layerwise, **lifecycle_kwargs)
         self.pb = ReferenceBackend(self.spec, p_blocks, self.store, host_blocks=host_blocks)
         self.db = ReferenceBackend(self.spec, blocks, self.store, host_blocks=host_blocks)
         self.pd = StepDriver(self.P, self.pb)

@@ -42,8 +42,8 @@ INVARIANTS = (
 )
 STATS: Counter[str] = Counter()
 #: the fault-class stem of each transfer command
-KIND = {C.WriteBlocks: "write", C.SaveLayers: "write", C.ReadBlocks: "read", C.SwapOut: "swap_out", C.SwapIn: "swap_in",
-        C.FlushHost: "flush"}
+KIND = {C.WriteBlocks: "write", C.SaveLayers: "write", C.ReadBlocks: "read", C.LoadLayers: "read",
+        C.SwapOut: "swap_out", C.SwapIn: "swap_in", C.FlushHost: "flush"}
 CORPUS = Path(__file__).with_name("protocol_corpus")
 
 PROFILES = {  # examples, steps per example

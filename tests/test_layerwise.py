@@ -240,3 +240,78 @@ def test_a_save_needs_a_gate_and_a_gate_wait_always_ends():
     gate = LayerGate()
     gate.close()
     assert gate.ready(1) is False
+
+
+def _stored_by_p(store: MemoryStore, groups_missing: tuple[str, ...] = ()):
+    """P's cache of PROMPT stored (every layer computed), some objects then evicted."""
+    clock, _, lc, be = rig()
+    be.store = store
+    drv = StepDriver(lc, be)
+    start(lc, "p", drv)
+    keys, ids = lc.keys_of("p"), lc.blocks_of("p")
+    compute_layers(be, keys, ids, 0, 4)
+    lc.prefill_done("p", 1)
+    drv.run_until_idle()
+    store.evict(list(groups_missing))
+    return keys
+
+
+def _load(store: MemoryStore, policy: Policy):
+    from kvstate import DecodeLifecycle
+    d = DecodeLifecycle(SPEC, 16, policy, layerwise=True)
+    be = ReferenceBackend(SPEC, 16, store)
+    d.reserve("r", PROMPT)
+    d.deliver_first_token("r", 1)
+    (load,) = d.poll_commands()
+    assert isinstance(load, C.LoadLayers)
+    with ThreadedDriver(be, workers=2) as drv:
+        drv.submit(load)
+        arrivals = [drv.arrivals(load.command_id, r) for r in load.ranks]
+        waited = [a.wait(n, timeout=10)[0] for a in arrivals for n in (2, 4)]  # a decode step's waits
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < len(load.ranks) and time.monotonic() < deadline:
+            got += drv.poll(0.05)
+        assert drv.arrivals(load.command_id) is None  # let go once its completion was polled
+    for c in got:
+        d.complete(c)
+    return d, be, waited
+
+
+def test_a_layerwise_load_reports_each_group_and_the_request_runs_once_whole():
+    store = MemoryStore(1 << 24)
+    keys = _stored_by_p(store)
+    d, be, waited = _load(store, Policy())
+    assert waited == [True, True, True, True]
+    assert d.state_of("r") == "running"
+    assert mismatched_blocks(be, keys, d.blocks_of("r")) == []
+
+
+def test_a_load_missing_a_group_stops_there_and_recomputes():
+    store = MemoryStore(1 << 24)
+    keys = _stored_by_p(store)
+    store.evict([f"{keys[1]}_key_1_g1"])  # rank 1 lacks layers 2..4 of block 1
+    d, be, waited = _load(store, Policy(read_failure="recompute"))
+    assert waited == [True, True, True, False]  # rank 1: group 0 arrived, group 1 never did
+    assert d.state_of("r") == "recomputing"
+    rec = [c for c in d.poll_commands() if isinstance(c, C.Recompute)]
+    assert rec and rec[0].from_token == 4  # block 0 arrived whole on every rank: recompute after it
+
+
+def test_a_layerwise_decode_lifecycle_needs_a_bool():
+    from kvstate import DecodeLifecycle
+    with pytest.raises(ValidationError, match="must be a bool"):
+        DecodeLifecycle(SPEC, 16, layerwise="yes")
+
+
+def test_a_short_first_group_still_reads_every_group_of_the_blocks_it_counts():
+    """Group 0 of block 1 is missing: the load counts block 0 only, so block 0 must hold every
+    group's layers (not group 0 alone), and no group is reported as arrived."""
+    store = MemoryStore(1 << 24)
+    keys = _stored_by_p(store)
+    store.evict([f"{keys[1]}_key_0_g0"])
+    d = ReferenceBackend(SPEC, 16, store)
+    reported = []
+    assert d.read(0, keys, [4, 5, 6, 7], arrived=lambda n, ev: reported.append(n)) == 1
+    assert reported == []
+    assert [b for b in mismatched_blocks(d, keys[:1], [4]) if b[1] == 0] == []

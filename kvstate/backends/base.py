@@ -138,8 +138,14 @@ class TransferBackend(ABC):
         will be, stop (blocks missing a group are not stored whole)."""
 
     @abstractmethod
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None) -> int:
-        """Read ``keys[i]`` into block ``block_ids[i]``; how many leading blocks arrived whole."""
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
+             arrived: Callable[[int, Any], None] | None = None) -> int:
+        """Read ``keys[i]`` into block ``block_ids[i]``; how many leading blocks arrived whole.
+
+        ``arrived`` (a layer-wise load): read layer group by group, calling ``arrived(end,
+        event)`` once layers ``[0, end)`` of every block are scattered (``event``: a device
+        event marking it, or None when they are already in place); stop at a group that
+        does not arrive whole."""
 
     def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
                  guard: Guard | None = None) -> int:
@@ -300,6 +306,20 @@ class StoreBackend(TransferBackend):
             if not layers(self.spec.group_span(g)[1]):
                 return 0
             count = min(count, put(g, count))
+            if not count:
+                break
+        return count
+
+    def _load_by_group(self, n: int, arrived: Callable[[int, Any], None],
+                       get: Callable[[int, int], tuple[int, Any]]) -> int:
+        """A layer-wise read of ``n`` blocks: ``get(group, m)`` reads and scatters one group of
+        the first ``m`` blocks, answering (leading blocks scattered, device event or None)."""
+        count = n
+        for g in range(self.spec.layer_groups):
+            got, event = get(g, count)  # later groups only for blocks every earlier one reached
+            count = min(count, got)
+            if count == n:  # a group short of a block is never reported: the load will not be whole
+                arrived(self.spec.group_span(g)[1], event)
             if not count:
                 break
         return count

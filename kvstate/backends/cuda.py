@@ -229,10 +229,25 @@ class CudaBackend(StoreBackend):
         return count
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-             guard: Guard | None = None) -> int:
+             guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
         self._check_open()
         self._check_transfer(rank, keys, block_ids)
-        n, m, sw = len(keys), self.per_slot, self._swappers[rank]
+        if arrived is None:
+            count = self._get(rank, keys, block_ids, guard, None)
+        else:  # group by group; each is in place (synchronised) when it is reported
+            count = self._load_by_group(len(keys), arrived,
+                                        lambda g, m: (self._get(rank, keys[:m], block_ids[:m], guard, g), None))
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _get(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+             group: int | None) -> int:
+        """Read the blocks (every layer, or one layer group) piece by piece into the two
+        staging slots, scattering a piece while the next is read; leading blocks scattered."""
+        spec, sw = self.spec, self._swappers[rank]
+        n = len(keys)
+        m = self.per_slot if group is None else self.per_slot * spec.layer_groups
+        groups, per = (None, None) if group is None else ([group], 1)
         count = 0
         with self._on(rank):
             events: list[Any] = [None, None]
@@ -241,12 +256,16 @@ class CudaBackend(StoreBackend):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
-                    views = self._object_views(self._slots[rank][slot], range(b - a))
-                    got = self.store.batch_get_into(self._names(rank, keys[a:b]), views)
-                    # a short read is a miss: a block counts only if every kind arrived whole
-                    done = self._whole([g == v.nbytes for g, v in zip(got, views)], b - a)
+                    if group is None:
+                        views = self._object_views(self._slots[rank][slot], range(b - a))
+                    else:
+                        rows = {kind: self._slot(rank, slot, kind, b - a, group) for kind in spec.kinds}
+                        views = [as_bytes_view(rows[kind][i]) for i in range(b - a) for kind in spec.kinds]
+                    got = self.store.batch_get_into(self._names(rank, keys[a:b], groups), views)
+                    # a short read is a miss: a block counts only if every object arrived whole
+                    done = self._whole([g == v.nbytes for g, v in zip(got, views)], b - a, per)
                     if done:
-                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d", guard)
+                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d", guard, group)
                     count += done
                     if done < b - a:
                         break
@@ -254,7 +273,6 @@ class CudaBackend(StoreBackend):
                 for ev in events:
                     if ev is not None:
                         sw.wait(ev)
-        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
     def close(self) -> None:

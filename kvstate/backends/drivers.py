@@ -25,19 +25,21 @@ from ..errors import DriverError, KVStateError, ValidationError
 from ..events import Completion
 from ..validate import check_int, is_int
 from .base import TransferBackend
-from .gate import LayerGate
+from .gate import LayerArrivals, LayerGate
 
 __all__ = ["execute", "StepDriver", "ThreadedDriver"]
 
 
 def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None,
-            clock: Callable[[], float] | None = None, layers: Callable[[int], bool] | None = None) -> Completion:
+            clock: Callable[[], float] | None = None, layers: Callable[[int], bool] | None = None,
+            arrived: Callable[[int, Any], None] | None = None) -> Completion:
     """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given).
 
     With ``clock`` (the lifecycle's), blocks are touched only while ``clock() < cmd.fence``:
     past the fence the answer is an error (:class:`~kvstate.errors.FenceError`) and no block
     was gathered or scattered. A :class:`~kvstate.commands.SaveLayers` needs ``layers``
-    (``layers(n)``: whether the first ``n`` layers are computed, after waiting for them)."""
+    (``layers(n)``: whether the first ``n`` layers are computed, after waiting for them); a
+    :class:`~kvstate.commands.LoadLayers` reports each group it scattered to ``arrived(n, event)``."""
     keys = cmd.keys if limit is None else cmd.keys[:limit]
     fence = cmd.fence
     guard = None if clock is None or fence == math.inf else (lambda: clock() < fence)
@@ -53,6 +55,8 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
             n = backend.query(rank, keys)
             if n < len(keys):
                 n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
+        elif cmd.__class__ is C.LoadLayers:
+            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, arrived=arrived or _ignore)
         elif isinstance(cmd, C.ReadBlocks):
             n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
         elif isinstance(cmd, C.SwapOut):
@@ -66,6 +70,10 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
     except (KVStateError, OSError) as e:
         return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
     return Completion(cmd.command_id, rank, n)
+
+
+def _ignore(layers: int, event: Any) -> None:
+    """Arrivals nobody waits for."""
 
 
 class StepDriver:
@@ -157,7 +165,7 @@ class StepDriver:
         return steps
 
 
-_TRANSFERS = frozenset((C.ReadBlocks, C.WriteBlocks, C.SaveLayers, C.SwapOut, C.SwapIn, C.FlushHost))
+_TRANSFERS = frozenset((C.ReadBlocks, C.LoadLayers, C.WriteBlocks, C.SaveLayers, C.SwapOut, C.SwapIn, C.FlushHost))
 _STOP = object()
 
 
@@ -169,7 +177,9 @@ class ThreadedDriver:
     operation, but touches blocks only before the command's fence on ``clock`` (which must
     be the lifecycle's clock). A :class:`~kvstate.commands.SaveLayers` holds a worker per rank
     while its prefill runs, waiting on its :class:`~kvstate.backends.gate.LayerGate`; a cancel
-    closes the gate.
+    closes the gate. A :class:`~kvstate.commands.LoadLayers` reports into a
+    :class:`~kvstate.backends.gate.LayerArrivals` per rank (``arrivals``), kept until its
+    completion is polled.
     """
 
     def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate",
@@ -183,6 +193,7 @@ class ThreadedDriver:
         self._done: queue.Queue[Completion] = queue.Queue()
         self._cancelled: set[int] = set()
         self._gates: dict[int, list[Any]] = {}  # SaveLayers command id -> [gate, ranks yet to answer]
+        self._arrivals: dict[tuple[int, int], LayerArrivals] = {}  # LoadLayers (command id, rank)
         self._lock = threading.Lock()
         self._inflight = 0
         self._closed = False
@@ -211,6 +222,9 @@ class ThreadedDriver:
             self._inflight += len(cmd.ranks)
             if cmd.__class__ is C.SaveLayers:
                 self._gates[cmd.command_id] = [LayerGate(cmd.fence, self.clock), len(cmd.ranks)]
+            elif cmd.__class__ is C.LoadLayers:
+                for r in cmd.ranks:
+                    self._arrivals[(cmd.command_id, r)] = LayerArrivals()
         for r in cmd.ranks:
             self._jobs.put((cmd, r))
         return True
@@ -228,7 +242,16 @@ class ThreadedDriver:
                 out.append(self._done.get_nowait())
         except queue.Empty:
             pass
+        with self._lock:
+            for c in out:
+                self._arrivals.pop((c.command_id, c.rank), None)
         return out
+
+    def arrivals(self, command_id: int, rank: int = 0) -> LayerArrivals | None:
+        """The layer arrivals of a submitted :class:`~kvstate.commands.LoadLayers` on ``rank``
+        (None once its completion was polled, or for another command)."""
+        with self._lock:
+            return self._arrivals.get((command_id, rank))
 
     @property
     def inflight(self) -> int:
@@ -245,13 +268,21 @@ class ThreadedDriver:
                 cancelled = cmd.command_id in self._cancelled
             if cancelled:
                 c = Completion(cmd.command_id, rank, 0, error="cancelled")
+                with self._lock:
+                    arrivals = self._arrivals.get((cmd.command_id, rank))
+                if arrivals is not None:
+                    arrivals.close()
             else:
                 with self._lock:
                     entry = self._gates.get(cmd.command_id)
+                    arrivals = self._arrivals.get((cmd.command_id, rank))
                 try:
-                    c = execute(self.backend, cmd, rank, None, self.clock, None if entry is None else entry[0].ready)
+                    c = execute(self.backend, cmd, rank, None, self.clock, None if entry is None else entry[0].ready,
+                                None if arrivals is None else arrivals.arrive)
                 except Exception as e:  # noqa: BLE001 - a worker must always answer
                     c = Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
+                if arrivals is not None:
+                    arrivals.close()
             with self._lock:
                 self._inflight -= 1
                 entry = self._gates.get(cmd.command_id)

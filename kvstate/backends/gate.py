@@ -1,4 +1,4 @@
-"""Layer gates: how far a layer-wise save may go.
+"""Layer gates: how far a layer-wise save may go, and how far a layer-wise load has come.
 
 A :class:`~kvstate.commands.SaveLayers` is sent as the prefill starts, so a rank running it
 must not store a layer group before the prefill computed its layers. The lifecycle says how
@@ -9,6 +9,10 @@ to wait until its layers are ready.
 Every wait ends: when the layers are ready (True), when the gate is closed because the
 command was cancelled (False), or when the command's fence passes on the lifecycle's clock
 (False). A backend that gets False stops and answers what it stored whole so far.
+
+A :class:`~kvstate.commands.LoadLayers` runs the other way: the backend reports each layer
+group it has scattered (with the event that marks it on the device) into the command's
+:class:`LayerArrivals`, which the engine's decode step waits on before each layer.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["LayerGate"]
+__all__ = ["LayerGate", "LayerArrivals"]
 
 _SLICE = 0.05  # seconds between fence checks while waiting (the clock may not be wall time)
 
@@ -55,3 +60,39 @@ class LayerGate:
                     return False
                 self._cond.wait(_SLICE)
             return not self.closed
+
+
+class LayerArrivals:
+    """The layers of one rank's :class:`~kvstate.commands.LoadLayers` that arrived, thread-safe."""
+
+    __slots__ = ("_cond", "layers", "closed", "_events")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.layers = 0  #: leading layers scattered so far (enqueued on the device)
+        self.closed = False  #: the load ended: no more layers will come
+        self._events: list[tuple[int, Any]] = []  # (layers, the device event after their scatter)
+
+    def arrive(self, layers: int, event: Any = None) -> None:
+        """The first ``layers`` layers are scattered; ``event`` (a device event, when the
+        backend has one) completes once they are in place on the device."""
+        with self._cond:
+            self._events.append((layers, event))
+            self.layers = max(self.layers, layers)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The load ended (answered, failed or cancelled): waits for missing layers give up."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def wait(self, layers: int, timeout: float) -> tuple[bool, Any]:
+        """Wait until the first ``layers`` layers arrived: ``(True, event)``, the event to make
+        the device wait on before using them (None: already in place); ``(False, None)`` if
+        the load ended without them or ``timeout`` seconds passed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.layers >= layers or self.closed, timeout) \
+                    or self.layers < layers:
+                return False, None
+            return True, next(ev for n, ev in self._events if n >= layers)

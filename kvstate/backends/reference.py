@@ -17,6 +17,7 @@ the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -108,18 +109,38 @@ class ReferenceBackend(StoreBackend):
         return self._whole([st == 0 for st in status], m, groups=1)
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-             guard: Guard | None = None) -> int:
+             guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
         self._check_transfer(rank, keys, block_ids)
         n = len(keys)
-        host = self._host(n)
-        bufs = self._object_views(host, range(n))
-        got = self.store.batch_get_into(self._names(rank, keys), bufs)
-        # a short read is a miss: a block counts only if every kind arrived whole
-        count = self._whole([g == b.nbytes for g, b in zip(got, bufs)], n)
+        if arrived is not None:
+            count = self._load_by_group(n, arrived, lambda g, m: (self._get_group(rank, keys, block_ids, guard, g, m),
+                                                                  None))
+        else:
+            host = self._host(n)
+            bufs = self._object_views(host, range(n))
+            got = self.store.batch_get_into(self._names(rank, keys), bufs)
+            # a short read is a miss: a block counts only if every kind arrived whole
+            count = self._whole([g == b.nbytes for g, b in zip(got, bufs)], n)
+            if count:
+                check_fence(guard, rank, "scatter into", block_ids[:count])
+                for kind, buf in host.items():
+                    swap_cache_layout(self.caches[rank][kind], buf, list(block_ids[:count]),
+                                      list(range(count)), "h2d")
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _get_group(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+                   group: int, m: int) -> int:
+        """Read layer group ``group`` of the first ``m`` blocks and scatter the leading whole ones."""
+        spec = self.spec
+        a, b = spec.group_span(group)
+        host = {k: np.empty((m, b - a) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
+        bufs = [as_bytes_view(host[kind][i]) for i in range(m) for kind in spec.kinds]
+        got = self.store.batch_get_into(self._names(rank, keys[:m], [group]), bufs)
+        count = self._whole([g == v.nbytes for g, v in zip(got, bufs)], m, groups=1)
         if count:
             check_fence(guard, rank, "scatter into", block_ids[:count])
             for kind, buf in host.items():
-                swap_cache_layout(self.caches[rank][kind], buf, list(block_ids[:count]),
-                                  list(range(count)), "h2d")
-        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+                swap_cache_layout(self.caches[rank][kind][a:b], buf, list(block_ids[:count]), list(range(count)),
+                                  "h2d")
         return count
