@@ -79,11 +79,14 @@ class FastLlama:
         return [(self.torch.randn(shape, device="cuda", dtype=self.torch.bfloat16),
                  self.torch.randn(shape, device="cuda", dtype=self.torch.bfloat16)) for _ in self.layers]
 
-    def decode(self, tok: Any, caches: list[tuple[Any, Any]]) -> Any:
-        """One step for ``tok`` ``[B, 1]`` at position ``context`` of ``caches``: logits."""
+    def decode(self, tok: Any, caches: list[tuple[Any, Any]], before_layer: Any = None) -> Any:
+        """One step for ``tok`` ``[B, 1]`` at position ``context`` of ``caches``: logits.
+        ``before_layer(i)`` runs before layer ``i`` is launched (an engine filling its caches)."""
         b, c = tok.shape[0], caches[0][0].shape[2] - 1
         x = self.emb[tok]
-        for lw, (kc, vc) in zip(self.layers, caches):
+        for i, (lw, (kc, vc)) in enumerate(zip(self.layers, caches)):
+            if before_layer is not None:
+                before_layer(i)
             q, k, v = self._qkv(x, lw, slice(c, c + 1))
             kc[:, :, c:] = k
             vc[:, :, c:] = v

@@ -1,4 +1,5 @@
-"""P's layer-wise save on the GPU: prefill plus cache write, against the prefill alone.
+"""Layer-wise save and load on the GPU: P's prefill plus cache write against the prefill alone,
+and D's first decode step after the handoff against the slower of its read and its step.
 
     python3 benchmarks/layerwise.py [--tokens 8192] [--reps 5] [--lag 2] [--out results/layerwise.json]
 
@@ -13,6 +14,14 @@ object per layer), each repetition runs a fresh prompt, from ``admit`` to P's fi
 - ``layerwise``: the save goes out with the prefill; after launching layer ``i`` the engine
   waits for layer ``i - lag`` to finish on the GPU and reports it (``layers_done``), so the
   transfer thread stores it while later layers compute.
+
+Then D, over the same store, for the last prompt P saved (a decode step of batch 1 gathers
+each layer's pages into contiguous caches before its attention):
+
+- ``read`` alone (first token to runnable), ``step`` alone (cache in place);
+- ``serial``: the read, then the step;
+- ``layerwise``: a ``LoadLayers``; the step starts at once and waits, before each layer, for
+  the group holding it to arrive (``ThreadedDriver.arrivals``).
 
 Medians over ``--reps`` after a warm-up, all in one run (the ratios are side by side). The
 store holds two requests, so from the first measured repetition on it is full and recycles
@@ -34,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fast_llama import HEAD_DIM, KV_HEADS, FastLlama  # noqa: E402
 
-from kvstate import CacheSpec, Policy, PrefillLifecycle  # noqa: E402
+from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle  # noqa: E402
 from kvstate import commands as C  # noqa: E402
 from kvstate.backends import MemoryStore, ThreadedDriver  # noqa: E402
 from kvstate.backends.cuda import CudaBackend  # noqa: E402
@@ -143,6 +152,114 @@ def bytes_ok(rig: Rig, keys: list[str], table: list[int]) -> bool:
                             for k in other for i in range(rig.spec.layers))
 
 
+class DRig:
+    """D over the same store: its paged cache, lifecycle, backend, driver and decode caches."""
+
+    def __init__(self, p: Rig) -> None:
+        torch, self.p, self.torch = p.torch, p, p.torch
+        self.nblocks = p.spec.blocks_for(p.tokens + 1) + 8
+        shape = (self.nblocks, KV_HEADS, BLOCK, HEAD_DIM)
+        self.cache = {k: [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(p.spec.layers)]
+                      for k in ("key", "value")}
+        self.backend = CudaBackend(p.spec, self.nblocks, p.store, caches=[self.cache])
+        self.driver = ThreadedDriver(self.backend, workers=2)
+        self.static = p.model.decode_caches(1, p.tokens)  # the step's contiguous K and V per layer
+
+    def close(self) -> None:
+        self.driver.close()
+        self.backend.close()
+
+    def step(self, table: list[int], tok: int, wait: Any = None) -> None:
+        """One decode step: before layer ``i``, ``wait(i)`` (the load's arrival), then that
+        layer's pages gathered into the step's caches."""
+        torch, n = self.torch, self.p.spec.blocks_for(self.p.tokens)
+        tab = torch.tensor(table[:n], device="cuda")
+
+        def before(i: int) -> None:
+            if wait is not None:
+                wait(i)
+            for j, kind in enumerate(("key", "value")):
+                pages = self.cache[kind][i][tab].transpose(0, 1).reshape(1, KV_HEADS, n * BLOCK, HEAD_DIM)
+                self.static[i][j][:, :, :n * BLOCK] = pages
+
+        with torch.no_grad():
+            self.p.model.decode(torch.tensor([[tok]], device="cuda"), self.static, before)
+        torch.cuda.synchronize()
+
+    def serve(self, toks: list[int], layerwise: bool) -> float:
+        """Seconds from P's first token to the end of D's first decode step (and the request
+        running), ``toks`` already stored."""
+        lc = DecodeLifecycle(self.p.spec, self.nblocks, Policy(transfer_timeout=120.0), layerwise=layerwise)
+        drv, started = self.driver, []
+        lc.reserve("r", toks)
+        table = list(lc.blocks_of("r"))
+        self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+
+        def pump(block: float = 0.0) -> None:
+            for c in drv.poll(block):
+                lc.complete(c)
+            started.extend(c for c in drv.submit_all(lc.poll_commands()) if isinstance(c, C.StartDecode))
+
+        lc.deliver_first_token("r", 1)
+        cmds = lc.poll_commands()
+        drv.submit_all(cmds)
+        if layerwise:  # the step starts now, each layer waiting for its group to arrive
+            arrivals = drv.arrivals(cmds[0].command_id)
+            assert arrivals is not None
+
+            def wait(i: int) -> None:
+                ok, _ = arrivals.wait(i + 1, timeout=60.0)  # groups are in place once reported
+                assert ok, f"layer {i} never arrived"
+
+            self.step(table, 1, wait)
+        while not started:
+            pump(0.01)
+        if not layerwise:
+            self.step(table, 1)
+        t1 = time.perf_counter()
+        lc.finish("r")
+        return t1 - t0
+
+    def read_alone(self, toks: list[int]) -> float:
+        lc = DecodeLifecycle(self.p.spec, self.nblocks, Policy(transfer_timeout=120.0))
+        lc.reserve("r", toks)
+        t0 = time.perf_counter()
+        lc.deliver_first_token("r", 1)
+        self.driver.submit_all(lc.poll_commands())
+        while lc.state_of("r") != "running":
+            for c in self.driver.poll(0.01):
+                lc.complete(c)
+        t1 = time.perf_counter()
+        lc.finish("r")
+        return t1 - t0
+
+    def step_alone(self) -> float:
+        t0 = time.perf_counter()
+        self.step(list(range(self.nblocks)), 1)
+        return time.perf_counter() - t0
+
+
+def decode_side(rig: Rig, reps: int) -> dict[str, Any]:
+    """D's first step after the handoff: serial read then step, against the layer-wise load."""
+    toks = rig.last[0]  # stored by P's last layer-wise save
+    d = DRig(rig)
+    times: dict[str, list[float]] = {"read": [], "step": [], "serial": [], "layerwise": []}
+    try:
+        for rep in range(reps + 1):
+            t = {"read": d.read_alone(toks), "step": d.step_alone(), "serial": d.serve(toks, False),
+                 "layerwise": d.serve(toks, True)}
+            if rep:
+                for k, v in t.items():
+                    times[k].append(v)
+    finally:
+        d.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    slower = max(med["read"], med["step"])
+    return {"median_s": med, "min_s": {k: min(v) for k, v in times.items()},
+            "serial_vs_slower": med["serial"] / slower, "layerwise_vs_slower": med["layerwise"] / slower}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -164,18 +281,24 @@ def main() -> int:
                     times[k].append(v)
         toks, table = rig.last  # the last layer-wise save's
         ok = bytes_ok(rig, block_keys(toks, BLOCK), table)
+        dside = decode_side(rig, args.reps)
     finally:
         rig.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"gpu": torch.cuda.get_device_name(0), "tokens": args.tokens, "lag": args.lag, "layer_groups": 32,
            "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
            "serial_vs_prefill": med["serial"] / med["prefill"],
-           "layerwise_vs_prefill": med["layerwise"] / med["prefill"], "bytes_ok": ok}
+           "layerwise_vs_prefill": med["layerwise"] / med["prefill"], "bytes_ok": ok, "decode": dside}
     print(f"{'path':<11}{'median ms':>11}{'min ms':>9}{'x prefill':>11}")
     for k in times:
         print(f"{k:<11}{med[k] * 1e3:>11.1f}{min(times[k]) * 1e3:>9.1f}{med[k] / med['prefill']:>11.3f}")
     print(f"layer-wise save: {res['layerwise_vs_prefill']:.3f} x the prefill alone (bar 1.10); "
           f"serial: {res['serial_vs_prefill']:.3f} x; bytes read back equal: {ok}")
+    print(f"\n{'D path':<11}{'median ms':>11}{'min ms':>9}")
+    for k, v in dside["median_s"].items():
+        print(f"{k:<11}{v * 1e3:>11.1f}{dside['min_s'][k] * 1e3:>9.1f}")
+    print(f"D: first token to the end of the first step, layer-wise load: {dside['layerwise_vs_slower']:.3f} x "
+          f"the slower of (read, step) (bar 1.10); serial: {dside['serial_vs_slower']:.3f} x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -98,6 +98,44 @@ def test_memory_store_copies_large_puts_on_threads_and_stops_them_on_close():
     assert store.batch_put_from(["big"], [bytes(65 << 20)]) == [-1]  # over the capacity: refused
 
 
+def test_memory_store_gets_never_see_a_recycled_array_torn():
+    """One thread keeps putting (evicting, recycling arrays) while another gets large batches
+    on the copy threads: every object a get returns holds its key's bytes."""
+    import threading
+    import time
+
+    store = MemoryStore(20 << 20, copy_threads=4)
+    content = {f"k{i}": np.full(1 << 20, i, np.uint8) for i in range(40)}
+    stop, bad = threading.Event(), []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            names = [f"k{(i + j) % 40}" for j in range(10)]
+            store.batch_put_from(names, [content[n] for n in names])
+            i += 7
+
+    def reader():
+        i = 0
+        while not stop.is_set():
+            names = [f"k{(i + j) % 40}" for j in range(10)]
+            bufs = [np.zeros(1 << 20, np.uint8) for _ in names]
+            for n, got, buf in zip(names, store.batch_get_into(names, bufs), bufs):
+                if got == buf.nbytes and not (buf == content[n]).all():
+                    bad.append(n)
+            i += 3
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    store.close()
+    assert store.gets > 0 and bad == []
+
+
 def test_file_store_survives_restart_and_writes_atomically(tmp_path):
     s = FileStore(tmp_path)
     s.batch_put_from(["k:partial:3"], [b"hello"])

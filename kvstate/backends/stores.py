@@ -30,10 +30,11 @@ class MemoryStore(Store):
 
     Objects are numpy byte arrays: their copies in and out release the GIL, so a transfer
     thread storing a cache does not stall the engine thread launching the model, and a large
-    put copies its objects on several threads, outside the pool's lock. The arrays
+    put or get copies its objects on several threads, outside the pool's lock. The arrays
     of evicted or overwritten objects are kept as spares for later puts of the same size, so
     a full pool in steady state allocates (and page-faults) nothing; stored and spare bytes
-    together stay within ``capacity_bytes``."""
+    together stay within ``capacity_bytes``; an array a get is still copying out is never
+    reused."""
 
     def __init__(self, capacity_bytes: int = 1 << 30, copy_threads: int = 4) -> None:
         """``copy_threads``: threads copying a large put's objects in parallel (1: the caller's
@@ -47,6 +48,7 @@ class MemoryStore(Store):
         self._used = 0
         self._spare: dict[int, list[np.ndarray]] = {}  # size -> arrays of dropped objects
         self._spare_bytes = 0
+        self._reading: dict[int, int] = {}  # id of an array being copied out -> gets copying it
         self._lock = threading.Lock()
         self.evictions = 0
         self.puts = 0
@@ -90,12 +92,16 @@ class MemoryStore(Store):
             self.puts += len(plan)
         return out
 
-    def _copy(self, plan: list[tuple[str, np.ndarray, memoryview]]) -> None:
-        """Copy each planned object's bytes into its array; a batch of 8 MiB or more is split
-        over the copy threads (numpy copies release the GIL)."""
+    def _copy(self, plan: list[tuple[str, np.ndarray, memoryview]], out: bool = False) -> None:
+        """Copy each planned object's bytes into its array (``out``: from its array into the
+        buffer); a batch of 8 MiB or more is split over the copy threads (numpy copies
+        release the GIL)."""
         def run(part: list[tuple[str, np.ndarray, memoryview]]) -> None:
             for _, arr, v in part:
-                np.copyto(arr, np.frombuffer(v, np.uint8))
+                if out:
+                    np.copyto(np.frombuffer(v, np.uint8, count=len(arr)), arr)
+                else:
+                    np.copyto(arr, np.frombuffer(v, np.uint8))
 
         n = self._threads
         if self._pool is None or len(plan) < 2 or sum(len(a) for _, a, _ in plan) < (8 << 20):
@@ -106,17 +112,26 @@ class MemoryStore(Store):
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = check_batch(keys, "MemoryStore.batch_get_into", buffers)
-        out = []
-        with self._lock:
+        out, plan = [], []
+        with self._lock:  # find the objects and keep their arrays from reuse; copy after the lock
             for k, v in zip(keys, views):
                 data = self._data.get(k)
                 if data is None or len(data) > v.nbytes:
                     out.append(MISSING)
                     continue
                 self._data.move_to_end(k)
-                np.copyto(np.frombuffer(v, np.uint8, count=len(data)), data)
-                self.gets += 1
+                self._reading[id(data)] = self._reading.get(id(data), 0) + 1
+                plan.append((k, data, v))
                 out.append(len(data))
+            self.gets += len(plan)
+        try:
+            self._copy(plan, out=True)
+        finally:
+            with self._lock:
+                for _, data, _ in plan:
+                    left = self._reading.pop(id(data)) - 1
+                    if left:
+                        self._reading[id(data)] = left
         return out
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
@@ -140,7 +155,7 @@ class MemoryStore(Store):
     def _drop(self, arr: np.ndarray) -> None:
         """An object left the pool: keep its array as a spare while the capacity allows."""
         self._used -= len(arr)
-        if self._used + self._spare_bytes + len(arr) <= self.capacity_bytes:
+        if id(arr) not in self._reading and self._used + self._spare_bytes + len(arr) <= self.capacity_bytes:
             self._spare.setdefault(len(arr), []).append(arr)
             self._spare_bytes += len(arr)
 
