@@ -1,13 +1,13 @@
 """Layer-wise save and load on the GPU: P's prefill plus cache write against the prefill alone,
 and D's first decode step after the handoff against the slower of its read and its step.
 
-    python3 benchmarks/layerwise.py [--tokens 8192] [--reps 5] [--lag 2] [--out results/layerwise.json]
+    python3 benchmarks/layerwise.py [--tokens 8192] [--reps 5] [--lag 2] [--groups 32] [--out FILE]
 
 A Llama-3-8B-shaped model (``benchmarks/fast_llama.py``: 32 layers, hidden 4096, 8 KV heads,
 bf16, seeded random weights) prefills one ``--tokens`` prompt and writes each layer's keys and
 values into a paged cache (blocks of 64 tokens) as it goes. Through the public API only
-(``PrefillLifecycle``, ``ThreadedDriver``, ``CudaBackend`` over a ``MemoryStore``, one stored
-object per layer), each repetition runs a fresh prompt, from ``admit`` to P's first token:
+(``PrefillLifecycle``, ``ThreadedDriver``, ``CudaBackend`` over a ``MemoryStore``, ``--groups``
+stored objects per block and kind), each repetition runs a fresh prompt, from ``admit`` to P's first token:
 
 - ``prefill``: the prefill with its paged writes, nothing stored (the bar's baseline);
 - ``serial``: the prefill, then ``prefill_done`` sends the write (``layerwise=False``);
@@ -21,7 +21,8 @@ each layer's pages into contiguous caches before its attention):
 - ``read`` alone (first token to runnable), ``step`` alone (cache in place);
 - ``serial``: the read, then the step;
 - ``layerwise``: a ``LoadLayers``; the step starts at once and waits, before each layer, for
-  the group holding it to arrive (``ThreadedDriver.arrivals``).
+  the group holding it to arrive (``ThreadedDriver.arrivals``);
+- ``load``: the ``LoadLayers`` alone, no step meanwhile (what the load costs by itself).
 
 Medians over ``--reps`` after a warm-up, all in one run (the ratios are side by side). The
 store holds two requests, so from the first measured repetition on it is full and recycles
@@ -54,11 +55,11 @@ BLOCK = 64
 class Rig:
     """The model, P's paged cache, and P's lifecycle, backend and driver."""
 
-    def __init__(self, torch: Any, tokens: int, layers: int = 32) -> None:
+    def __init__(self, torch: Any, tokens: int, groups: int = 32, layers: int = 32) -> None:
         self.torch, self.tokens = torch, tokens
         self.model = FastLlama(torch, layers)
         self.spec = CacheSpec(num_layers=layers, kv_heads=KV_HEADS, block_size=BLOCK, head_dim=HEAD_DIM,
-                              dtype="bfloat16", layer_groups=layers)
+                              dtype="bfloat16", layer_groups=groups)
         self.nblocks = self.spec.blocks_for(tokens) + 8
         shape = (self.nblocks, KV_HEADS, BLOCK, HEAD_DIM)
         self.cache = {k: [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
@@ -164,6 +165,8 @@ class DRig:
         self.backend = CudaBackend(p.spec, self.nblocks, p.store, caches=[self.cache])
         self.driver = ThreadedDriver(self.backend, workers=2)
         self.static = p.model.decode_caches(1, p.tokens)  # the step's contiguous K and V per layer
+        import cupy
+        self.cp = cupy
 
     def close(self) -> None:
         self.driver.close()
@@ -208,9 +211,11 @@ class DRig:
             arrivals = drv.arrivals(cmds[0].command_id)
             assert arrivals is not None
 
-            def wait(i: int) -> None:
-                ok, _ = arrivals.wait(i + 1, timeout=60.0)  # groups are in place once reported
+            def wait(i: int) -> None:  # the host waits for the group's report, the GPU for its scatter
+                ok, event = arrivals.wait(i + 1, timeout=60.0)
                 assert ok, f"layer {i} never arrived"
+                if event is not None:
+                    self.cp.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream).wait_event(event)
 
             self.step(table, 1, wait)
         while not started:
@@ -221,8 +226,8 @@ class DRig:
         lc.finish("r")
         return t1 - t0
 
-    def read_alone(self, toks: list[int]) -> float:
-        lc = DecodeLifecycle(self.p.spec, self.nblocks, Policy(transfer_timeout=120.0))
+    def read_alone(self, toks: list[int], layerwise: bool = False) -> float:
+        lc = DecodeLifecycle(self.p.spec, self.nblocks, Policy(transfer_timeout=120.0), layerwise=layerwise)
         lc.reserve("r", toks)
         t0 = time.perf_counter()
         lc.deliver_first_token("r", 1)
@@ -244,11 +249,11 @@ def decode_side(rig: Rig, reps: int) -> dict[str, Any]:
     """D's first step after the handoff: serial read then step, against the layer-wise load."""
     toks = rig.last[0]  # stored by P's last layer-wise save
     d = DRig(rig)
-    times: dict[str, list[float]] = {"read": [], "step": [], "serial": [], "layerwise": []}
+    times: dict[str, list[float]] = {"read": [], "step": [], "serial": [], "layerwise": [], "load": []}
     try:
         for rep in range(reps + 1):
             t = {"read": d.read_alone(toks), "step": d.step_alone(), "serial": d.serve(toks, False),
-                 "layerwise": d.serve(toks, True)}
+                 "layerwise": d.serve(toks, True), "load": d.read_alone(toks, True)}
             if rep:
                 for k, v in t.items():
                     times[k].append(v)
@@ -265,12 +270,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lag", type=int, default=2, help="layers the GPU runs ahead of the reports")
+    ap.add_argument("--groups", type=int, default=32, help="stored objects per block and kind (layer groups)")
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="Python's GIL switch interval for the run (0: the default, 5 ms)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.switch_ms > 0:
+        sys.setswitchinterval(args.switch_ms / 1000)
     import torch
 
     from kvstate.keys import block_keys
-    rig = Rig(torch, args.tokens)
+    rig = Rig(torch, args.tokens, args.groups)
     times: dict[str, list[float]] = {"prefill": [], "serial": [], "layerwise": []}
     try:
         for rep in range(args.reps + 1):  # the first is a warm-up; the three interleave
@@ -285,7 +295,7 @@ def main() -> int:
     finally:
         rig.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    res = {"gpu": torch.cuda.get_device_name(0), "tokens": args.tokens, "lag": args.lag, "layer_groups": 32,
+    res = {"gpu": torch.cuda.get_device_name(0), "tokens": args.tokens, "lag": args.lag, "layer_groups": args.groups,
            "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
            "serial_vs_prefill": med["serial"] / med["prefill"],
            "layerwise_vs_prefill": med["layerwise"] / med["prefill"], "bytes_ok": ok, "decode": dside}

@@ -186,6 +186,23 @@ def test_a_layerwise_save_through_the_cuda_backend_stores_each_group_once_comput
         assert got == [len(keys)]
         assert d.read(0, keys, list(range(len(keys)))) == len(keys)
         assert not mismatched_blocks(d, keys, list(range(len(keys))))
+        for staging in (4, 64):  # pieces per group, or a whole group per slot (pipelined)
+            e = CudaBackend(spec, 12, store, staging_bytes=staging * spec.bytes_per_block_per_rank)
+            try:
+                reports: list = []
+                assert e.read(0, keys, blocks, arrived=lambda n, ev, add=reports.append: add((n, ev))) == len(keys)
+                assert [n for n, _ in reports] == [2, 4]
+                for _, ev in reports:
+                    if ev is not None:
+                        ev.synchronize()
+                assert not mismatched_blocks(e, keys, blocks)
+                store.evict([f"{keys[3]}_value_0_g0"])  # block 3's first group is gone
+                reports.clear()
+                assert e.read(0, keys, list(range(len(keys))), arrived=lambda n, ev, add=reports.append: add(n)) == 3
+                assert reports == [] and not mismatched_blocks(e, keys[:3], [0, 1, 2])
+                assert p.write(0, keys[3:4], blocks[3:4]) == 1  # put it back
+            finally:
+                e.close()
     finally:
         p.close()
         d.close()

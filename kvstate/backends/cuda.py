@@ -234,10 +234,50 @@ class CudaBackend(StoreBackend):
         self._check_transfer(rank, keys, block_ids)
         if arrived is None:
             count = self._get(rank, keys, block_ids, guard, None)
-        else:  # group by group; each is in place (synchronised) when it is reported
+        elif len(keys) <= self.per_slot * self.spec.layer_groups:  # a group fits a slot: pipelined
+            count = self._load_groups(rank, keys, block_ids, guard, arrived)
+        else:  # group by group, piece by piece; each is in place (synchronised) when it is reported
             count = self._load_by_group(len(keys), arrived,
                                         lambda g, m: (self._get(rank, keys[:m], block_ids[:m], guard, g), None))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _load_groups(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+                     arrived: Callable[[int, Any], None]) -> int:
+        """A layer-wise read whose groups each fit a staging slot: group g + 1 is read while
+        group g is scattered, and each group is reported with its scatter's event. A group
+        short of a block ends the pipeline; later groups are then read only for the blocks it
+        reached (so the count is of blocks with every layer in place)."""
+        spec, sw, n = self.spec, self._swappers[rank], len(keys)
+        short = None
+        with self._on(rank):
+            events: list[Any] = [None, None]
+            try:
+                for g in range(spec.layer_groups):
+                    slot = g % 2
+                    if events[slot] is not None:  # the slot's previous scatter must have read it
+                        sw.wait(events[slot])
+                    rows = {kind: self._slot(rank, slot, kind, n, g) for kind in spec.kinds}
+                    views = [as_bytes_view(rows[kind][i]) for i in range(n) for kind in spec.kinds]
+                    got = self.store.batch_get_into(self._names(rank, keys, [g]), views)
+                    done = self._whole([x == v.nbytes for x, v in zip(got, views)], n, 1)
+                    if done:
+                        events[slot] = self._enqueue(rank, slot, block_ids[:done], "h2d", guard, g)
+                    if done < n:
+                        short = (g, done)
+                        break
+                    arrived(spec.group_span(g)[1], events[slot])
+            finally:
+                for ev in events:
+                    if ev is not None:
+                        sw.wait(ev)
+        if short is None:
+            return n
+        count = short[1]
+        for g in range(short[0] + 1, spec.layer_groups):
+            if not count:
+                break
+            count = min(count, self._get(rank, keys[:count], block_ids[:count], guard, g))
         return count
 
     def _get(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
