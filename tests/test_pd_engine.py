@@ -87,12 +87,12 @@ def test_token_exact_handoff(model, tp, store, tmp_path):
 
 
 def test_layerwise_save_is_exact(model):
-    """P saves each layer as the GPU finishes it, one stored object per layer: no retry, and D's
-    tokens and logits are the monolithic run's."""
+    """P saves each layer as the GPU finishes it, one stored object per layer, and D loads them
+    layer group by group: no retry, and D's tokens and logits are the monolithic run's."""
     reqs = workload()
     eng, leaks = serve(model, reqs, layerwise=True)
     assert leaks == {"P": 0, "D": 0, "pinned": 0}
-    assert eng.P.stats()["retries"] == 0 and eng.P.layerwise
+    assert eng.P.stats()["retries"] == 0 and eng.P.layerwise and eng.D.layerwise
     assert all(name.rsplit("_", 1)[1].startswith("g") for name in eng.store)
     assert_exact(model, reqs)
 

@@ -82,7 +82,8 @@ class PDEngine:
     def __init__(self, model: TinyLlama, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
                  p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False) -> None:
-        """``layerwise``: P saves each layer as it is computed, in one stored object per layer."""
+        """``layerwise``: P saves each layer as it is computed, in one stored object per layer,
+        and D loads layer by layer (here in this thread, so a step starts after the load)."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         self.spec = CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // tp, block_size=block_size,
@@ -93,7 +94,8 @@ class PDEngine:
         p_blocks = p_blocks or num_blocks  # P's pool (smaller: prompts wait at P for blocks)
         self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock, prefix_cache=prefix_cache,
                                   layerwise=layerwise)
-        self.D = DecodeLifecycle(self.spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache)
+        self.D = DecodeLifecycle(self.spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache,
+                                 layerwise=layerwise)
         self.p_cache = PagedCache(cfg, p_blocks, block_size, tp)
         self.d_cache = PagedCache(cfg, num_blocks, block_size, tp)
         self.backends = [CudaBackend(self.spec, n, store, caches=c.caches, staging_bytes=staging_bytes)
