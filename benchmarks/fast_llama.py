@@ -82,19 +82,24 @@ class FastLlama:
     def decode(self, tok: Any, caches: list[tuple[Any, Any]], before_layer: Any = None) -> Any:
         """One step for ``tok`` ``[B, 1]`` at position ``context`` of ``caches``: logits.
         ``before_layer(i)`` runs before layer ``i`` is launched (an engine filling its caches)."""
-        b, c = tok.shape[0], caches[0][0].shape[2] - 1
         x = self.emb[tok]
-        for i, (lw, (kc, vc)) in enumerate(zip(self.layers, caches)):
+        for i, (kc, vc) in enumerate(caches):
             if before_layer is not None:
                 before_layer(i)
-            q, k, v = self._qkv(x, lw, slice(c, c + 1))
-            kc[:, :, c:] = k
-            vc[:, :, c:] = v
-            # a KV head's query group as that many query rows (no mask): each KV head is read
-            # once for its group, as a decode kernel does
-            a = self._decode_attention(q.reshape(b, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), kc, vc)
-            x = self._mlp(x + a.reshape(b, 1, HEADS * HEAD_DIM) @ lw["o"], lw)
+            x = self.decode_layer(i, x, kc, vc)
         return self.F.rms_norm(x, (HIDDEN,), self.norm, 1e-5) @ self.head
+
+    def decode_layer(self, i: int, x: Any, kc: Any, vc: Any) -> Any:
+        """Layer ``i`` of a step: ``x`` ``[B, 1, HIDDEN]`` at position ``context`` of its static
+        caches ``kc``, ``vc`` (whose last slot takes the new key and value); the layer's output."""
+        lw, b, c = self.layers[i], x.shape[0], kc.shape[2] - 1
+        q, k, v = self._qkv(x, lw, slice(c, c + 1))
+        kc[:, :, c:] = k
+        vc[:, :, c:] = v
+        # a KV head's query group as that many query rows (no mask): each KV head is read
+        # once for its group, as a decode kernel does
+        a = self._decode_attention(q.reshape(b, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), kc, vc)
+        return self._mlp(x + a.reshape(b, 1, HEADS * HEAD_DIM) @ lw["o"], lw)
 
     def _decode_attention(self, q: Any, k: Any, v: Any) -> Any:
         """Flash attention, which splits a long context over the SMs, when the batch's KV heads

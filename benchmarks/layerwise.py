@@ -15,8 +15,8 @@ stored objects per block and kind), each repetition runs a fresh prompt, from ``
   waits for layer ``i - lag`` to finish on the GPU and reports it (``layers_done``), so the
   transfer thread stores it while later layers compute.
 
-Then D, over the same store, for the last prompt P saved (a decode step of batch 1 gathers
-each layer's pages into contiguous caches before its attention):
+Then D, over the same store, for the last prompt P saved (a decode step of batch 1, each layer
+a CUDA graph that gathers its pages into contiguous caches, then runs the layer):
 
 - ``read`` alone (first token to runnable), ``step`` alone (cache in place);
 - ``serial``: the read, then the step;
@@ -167,26 +167,37 @@ class DRig:
         self.static = p.model.decode_caches(1, p.tokens)  # the step's contiguous K and V per layer
         import cupy
         self.cp = cupy
+        self.replays = self._graphs()
 
     def close(self) -> None:
         self.driver.close()
         self.backend.close()
 
-    def step(self, table: list[int], tok: int, wait: Any = None) -> None:
-        """One decode step: before layer ``i``, ``wait(i)`` (the load's arrival), then that
-        layer's pages gathered into the step's caches."""
-        torch, n = self.torch, self.p.spec.blocks_for(self.p.tokens)
-        tab = torch.tensor(table[:n], device="cuda")
+    def _graphs(self) -> list[Any]:
+        """Each layer of a step captured in a CUDA graph, as a serving engine runs decode: the
+        layer's pages gathered (through the static table ``self.tab``) into the step's caches,
+        then the layer, in place on the static hidden state ``self.x``."""
+        torch, model, n = self.torch, self.p.model, self.p.spec.blocks_for(self.p.tokens)
+        self.tab = torch.arange(n, device="cuda")
+        self.x = model.emb[torch.tensor([[1]], device="cuda")].clone()
 
-        def before(i: int) -> None:
+        def layer(i: int) -> None:
+            for j, kind in enumerate(("key", "value")):
+                pages = self.cache[kind][i][self.tab].transpose(0, 1).reshape(1, KV_HEADS, n * BLOCK, HEAD_DIM)
+                self.static[i][j][:, :, :n * BLOCK] = pages
+            self.x.copy_(model.decode_layer(i, self.x, *self.static[i]))
+
+        return [model.graphed(layer, i) for i in range(self.p.spec.layers)]
+
+    def step(self, table: list[int], wait: Any = None) -> None:
+        """One decode step, layer graph by layer graph; before layer ``i``, ``wait(i)`` (the
+        load's arrival)."""
+        torch, n = self.torch, self.p.spec.blocks_for(self.p.tokens)
+        self.tab.copy_(torch.tensor(table[:n]))
+        for i, replay in enumerate(self.replays):
             if wait is not None:
                 wait(i)
-            for j, kind in enumerate(("key", "value")):
-                pages = self.cache[kind][i][tab].transpose(0, 1).reshape(1, KV_HEADS, n * BLOCK, HEAD_DIM)
-                self.static[i][j][:, :, :n * BLOCK] = pages
-
-        with torch.no_grad():
-            self.p.model.decode(torch.tensor([[tok]], device="cuda"), self.static, before)
+            replay()
         torch.cuda.synchronize()
 
     def serve(self, toks: list[int], layerwise: bool) -> float:
@@ -217,11 +228,11 @@ class DRig:
                 if event is not None:
                     self.cp.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream).wait_event(event)
 
-            self.step(table, 1, wait)
+            self.step(table, wait)
         while not started:
             pump(0.01)
         if not layerwise:
-            self.step(table, 1)
+            self.step(table)
         t1 = time.perf_counter()
         lc.finish("r")
         return t1 - t0
@@ -241,7 +252,7 @@ class DRig:
 
     def step_alone(self) -> float:
         t0 = time.perf_counter()
-        self.step(list(range(self.nblocks)), 1)
+        self.step(list(range(self.nblocks)))
         return time.perf_counter() - t0
 
 
