@@ -69,7 +69,7 @@ def overloaded(draw) -> dict:
         "cluster": {"n_prefill": draw(st.integers(1, 2)), "n_decode": draw(st.integers(1, 2)), "tp": tp,
                     "gpu_blocks": gpu_blocks, "decode_max_batch": draw(st.sampled_from([4, 32, 256])),
                     "prefill_token_budget": draw(st.sampled_from([512, 4096])), "host_blocks": host_blocks,
-                    "prefix_cache": draw(st.booleans())},
+                    "prefix_cache": draw(st.booleans()), "layerwise": draw(st.booleans())},
         "storage": {"capacity_gib": draw(st.sampled_from([0.01, 0.2, 64.0])),
                     "bandwidth_gbps": draw(st.sampled_from([1.0, 100.0]))},
         "policy": {"preempt": draw(st.sampled_from(["write", "recompute"] + ["swap"] * (host_blocks > 0))),

@@ -134,7 +134,7 @@ class PDEngine:
 
     # -- compute ---------------------------------------------------------------------------
     def _prefill(self, r: Request, cmd: C.StartPrefill) -> None:
-        if not (self.P.is_live(r.rid) and self.P.state_of(r.rid) == "prefilling"):
+        if not (self.P.is_live(r.rid) and self.P.state_of(r.rid) in ("prefilling", "saved")):
             return  # aborted meanwhile
         def done(i: int) -> None:  # a layer-wise P reports each layer once the GPU finished it
             torch.cuda.synchronize()

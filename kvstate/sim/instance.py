@@ -25,7 +25,7 @@ from .tp import RankPools
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import Cluster
 
-__all__ = ["Instance", "Transfer", "Swap"]
+__all__ = ["Instance", "Transfer", "LayerSave", "Swap"]
 
 
 class Transfer:
@@ -58,6 +58,28 @@ class Transfer:
 
     def finish(self, rank: int) -> None:
         self.inst.answer(self, rank)
+
+
+class LayerSave(Transfer):
+    """A layer-wise save (``SaveLayers``), submitted when its prompt's prefill forward starts:
+    it moves its bytes as a write does, but cannot end before the forward has, plus the last
+    layer's share of the bytes (stored after the forward computed it)."""
+
+    __slots__ = ("forward_left", "submitted")
+
+    def __init__(self, inst: Instance, cmd: C.TransferCommand, forward_left: float) -> None:
+        super().__init__(inst, cmd, True)
+        self.forward_left = forward_left  #: seconds of the forward still to run at submission
+        self.submitted = inst.env.now
+
+    def start(self, rank: int) -> float:
+        store = self.inst.cluster.store
+        moving = super().start(rank)
+        if self.seen[rank][0] == self.n:  # every key stored already: answered at once
+            return moving
+        left = self.forward_left - (self.inst.env.now - self.submitted)
+        tail = (moving - store.query_latency) / self.inst.cluster.cache_spec.layers
+        return max(moving, left + tail)
 
 
 class Swap:
@@ -109,8 +131,10 @@ class Instance:
         self._link_cost: dict[tuple[str, int], float] = {}
 
     def lifecycle_options(self, s: Any) -> dict[str, Any]:
-        """Keyword arguments of the lifecycle beyond the common ones: the host tier, the GPU prefix cache."""
-        return {"host_blocks": s.cluster.host_blocks, "prefix_cache": s.cluster.prefix_cache}
+        """Keyword arguments of the lifecycle beyond the common ones: the host tier, the GPU
+        prefix cache, layer-wise transfers."""
+        return {"host_blocks": s.cluster.host_blocks, "prefix_cache": s.cluster.prefix_cache,
+                "layerwise": s.cluster.layerwise}
 
     # -- transfers ---------------------------------------------------------------------------
     def link_time(self, rank: int, direction: str, n: int) -> float:
@@ -171,9 +195,9 @@ class Instance:
         timed = False  # a transfer brings a deadline: the next tick may have to come sooner
         for cmd in cmds:
             t = cmd.__class__  # dispatch on the exact class: cheaper than isinstance chains
-            if t is C.WriteBlocks or t is C.ReadBlocks or t is C.FlushHost:
+            if t is C.WriteBlocks or t is C.ReadBlocks or t is C.FlushHost or t is C.LoadLayers:
                 tc = cast(C.TransferCommand, cmd)
-                write = t is not C.ReadBlocks
+                write = t is not C.ReadBlocks and t is not C.LoadLayers
                 (self.write_pool if write else self.read_pool).submit(Transfer(self, tc, write), tc.ranks)
                 timed = True
             elif t is C.SwapOut or t is C.SwapIn:
@@ -186,6 +210,9 @@ class Instance:
                     counters["swap_outs" if out else "swap_ins"] += 1
                     counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
                 (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
+                timed = True
+            elif t is C.SaveLayers:  # the role starts it with its prefill; its deadline runs from now
+                self.notice(cmd)
                 timed = True
             elif t is C.CancelCommand:
                 self.cancelled.add(cast(C.CancelCommand, cmd).command_id)

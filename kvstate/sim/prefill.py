@@ -4,6 +4,12 @@
 which runs one forward over as many queued prompts as fit the token budget. A prompt whose
 request ended meanwhile (D gave up, and the router aborted it here) is skipped when its
 forward finishes. ``SendFirstToken`` reaches D after the network latency.
+
+Layer-wise (``cluster.layerwise``), the ``SaveLayers`` sent with ``StartPrefill`` waits until
+its prompt's forward starts (a real save waits on its layer gate), then runs as a
+:class:`~kvstate.sim.instance.LayerSave`. Its deadline counts from ``StartPrefill``, as the
+lifecycle sets it: a prompt queued longer than ``policy.transfer_timeout_s`` sees its save
+expire and is written after its forward instead.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 from .. import commands as C
 from ..prefill import PrefillLifecycle
-from .instance import Instance
+from .instance import Instance, LayerSave
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import Cluster
@@ -34,6 +40,7 @@ class PrefillInstance(Instance):
         self.lc: PrefillLifecycle
         self.queue: deque[tuple[SimRequest, int, int]] = deque()  # (request, new tokens, cached)
         self.queued_tokens = 0  #: new tokens waiting in ``queue``
+        self.saves: dict[str, C.TransferCommand] = {}  #: layer-wise saves waiting for their forward
         self.assigned = 0  #: requests the router sent here
         self.env.process(self._loop())
 
@@ -53,6 +60,8 @@ class PrefillInstance(Instance):
             self.queue.append((req, new, cached))
             self.queued_tokens += new
             self.wake_up()
+        elif t is C.SaveLayers:
+            self.saves[cmd.request_id] = cast(C.TransferCommand, cmd)
         elif t is C.SendFirstToken:
             ev = self.env.timeout(cl.net_latency)
             first = cast(C.SendFirstToken, cmd)
@@ -74,8 +83,19 @@ class PrefillInstance(Instance):
             self.queued_tokens -= tokens
             t = cl.compute.prefill_time((n, c) for _, n, c in batch)
             self.busy_time += t
+            if self.saves:
+                self._start_saves(batch, t)
             yield env.timeout(t)
             for req, _, _ in batch:
-                if lc.is_live(req.rid) and lc.state_of(req.rid) == "prefilling":
+                if lc.is_live(req.rid) and lc.state_of(req.rid) in ("prefilling", "saved"):
                     lc.prefill_done(req.rid, FIRST_TOKEN)
             self.pump()
+
+    def _start_saves(self, batch: list[tuple[SimRequest, int, int]], forward: float) -> None:
+        """The forward of ``batch`` starts: its prompts' layer-wise saves start with it."""
+        for req, _, _ in batch:
+            cmd = self.saves.pop(req.rid, None)
+            if cmd is not None and cmd.command_id not in self.cancelled:
+                self.write_pool.submit(LayerSave(self, cmd, forward), cmd.ranks)
+            elif cmd is not None:  # expired or aborted: its ranks answer at once
+                self.write_pool.submit(LayerSave(self, cmd, 0.0), cmd.ranks)

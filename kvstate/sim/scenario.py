@@ -143,6 +143,8 @@ class ClusterSpec(_Section):
                              "prefixes up there first, D swaps preempted caches there; 0: none")
     prefix_cache: bool = _f(False, "keep finished prompts' blocks on the GPU, idle, evicted least recently "
                                    "used: P and D look prefixes up there before the host tier and storage")
+    layerwise: bool = _f(False, "P stores each layer of the cache as its prefill computes it, so only the last "
+                                "layer's share trails the prefill; D reads layer by layer (timed as a read)")
 
     def check(self) -> None:
         self.positive("n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch", "staging_mib",
