@@ -5,7 +5,8 @@
 (``KVSTATE_PROTOCOL_PROFILE`` picks the profile when ``--profile`` is not given.) The object:
 ``examples``, ``steps``, ``faults`` (injections per fault class, and per state for cancel and
 preempt), ``invariants`` (names checked, with how many checks), ``gpu_prefix_hit_blocks``
-(blocks each side shared through its GPU prefix cache), ``violations`` (a failure's message;
+(blocks each side shared through its GPU prefix cache), ``layer_reports`` (layer counts
+layer-wise prefills reported), ``violations`` (a failure's message;
 empty when every invariant held), ``seconds``, and the TP barrier ``deadlock_search`` of
 :func:`kvstate.sim.search_deadlocks` (counts per protocol and semantics, minimal cases).
 """
@@ -50,6 +51,7 @@ def main() -> int:
                             if k.startswith(("fault:cancel:", "fault:preempt:"))},
         "invariants": {n: STATS[f"invariant:{n}"] for n in INVARIANTS},
         "gpu_prefix_hit_blocks": {side: STATS[f"gpu_prefix_hit_blocks:{side}"] for side in ("P", "D")},
+        "layer_reports": STATS["layer_reports"],
         "violations": violations, "seconds": round(seconds, 2),
         "deadlock_search": {k: {"cases": v["cases"], "deadlocks": v["deadlocks"],
                                 "unsynchronized_cases": v["unsynchronized_cases"],
@@ -69,6 +71,7 @@ def main() -> int:
             print(f"  invariant {n:<58} {c:>8} checks")
         print("  blocks shared through the GPU prefix cache: " +
               ", ".join(f"{k} {v}" for k, v in out["gpu_prefix_hit_blocks"].items()))
+        print(f"  layer counts reported by layer-wise prefills: {out['layer_reports']}")
         for k, v in out["deadlock_search"].items():
             print(f"  TP barriers {k:<22} {v['cases']:>4} cases, {v['deadlocks']:>3} deadlocks, "
                   f"{v['unsynchronized_cases']:>3} unsynchronized")
