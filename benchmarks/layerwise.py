@@ -55,7 +55,7 @@ BLOCK = 64
 class Rig:
     """The model, P's paged cache, and P's lifecycle, backend and driver."""
 
-    def __init__(self, torch: Any, tokens: int, groups: int = 32, layers: int = 32) -> None:
+    def __init__(self, torch: Any, tokens: int, groups: int = 32, copy_threads: int = 4, layers: int = 32) -> None:
         self.torch, self.tokens = torch, tokens
         self.model = FastLlama(torch, layers)
         self.spec = CacheSpec(num_layers=layers, kv_heads=KV_HEADS, block_size=BLOCK, head_dim=HEAD_DIM,
@@ -67,7 +67,7 @@ class Rig:
         per_request = self.spec.blocks_for(tokens) * self.spec.bytes_per_block_per_rank
         # room for two requests: after the warm-up the pool is full, as a serving pool is, and
         # each put reuses an evicted object's memory instead of page-faulting fresh memory
-        self.store = MemoryStore(2 * per_request + (64 << 20))
+        self.store = MemoryStore(2 * per_request + (64 << 20), copy_threads=copy_threads)
         self.backend = CudaBackend(self.spec, self.nblocks, self.store, caches=[self.cache])
         self.driver = ThreadedDriver(self.backend, workers=2)
         self.n = 0
@@ -284,6 +284,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lag", type=int, default=2, help="layers the GPU runs ahead of the reports")
     ap.add_argument("--groups", type=int, default=32, help="stored objects per block and kind (layer groups)")
+    ap.add_argument("--copy-threads", type=int, default=4, help="MemoryStore's copy threads")
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="Python's GIL switch interval for the run (0: the default, 5 ms)")
     ap.add_argument("--out", default="")
@@ -293,7 +294,7 @@ def main() -> int:
     import torch
 
     from kvstate.keys import block_keys
-    rig = Rig(torch, args.tokens, args.groups)
+    rig = Rig(torch, args.tokens, args.groups, args.copy_threads)
     times: dict[str, list[float]] = {"prefill": [], "serial": [], "layerwise": []}
     try:
         for rep in range(args.reps + 1):  # the first is a warm-up; the three interleave
