@@ -1,7 +1,7 @@
 """Layer-wise save and load on the GPU: P's prefill plus cache write against the prefill alone,
 and D's first decode step after the handoff against the slower of its read and its step.
 
-    python3 benchmarks/layerwise.py [--tokens 8192] [--reps 5] [--lag 2] [--groups 32] [--out FILE]
+    python3 benchmarks/layerwise.py [--tokens 8192] [--reps 5] [--lag 2] [--groups 32] [--copy-threads 4] [--out FILE]
 
 A Llama-3-8B-shaped model (``benchmarks/fast_llama.py``: 32 layers, hidden 4096, 8 KV heads,
 bf16, seeded random weights) prefills one ``--tokens`` prompt and writes each layer's keys and

@@ -176,8 +176,9 @@ class ThreadedDriver:
     is answered with count 0 (its blocks unpin); one already running finishes its store
     operation, but touches blocks only before the command's fence on ``clock`` (which must
     be the lifecycle's clock). A :class:`~kvstate.commands.SaveLayers` holds a worker per rank
-    while its prefill runs, waiting on its :class:`~kvstate.backends.gate.LayerGate`; a cancel
-    closes the gate. A :class:`~kvstate.commands.LoadLayers` reports into a
+    while its prefill runs, waiting on its :class:`~kvstate.backends.gate.LayerGate` (give it
+    more workers than the saves' ranks in flight at once, or other transfers wait behind
+    them); a cancel closes the gate. A :class:`~kvstate.commands.LoadLayers` reports into a
     :class:`~kvstate.backends.gate.LayerArrivals` per rank (``arrivals``), kept until its
     completion is polled.
     """
