@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, the kernels, engine and host tier benchmarks beside the anchor
-# baseline, and the compute model fitted on a real model.
+# baseline, the compute model fitted on a real model, and the layer-wise save and load.
 # From the repo root, with the wheels of transitions and simpy in .whl/ and a copy of
 # ../shared/anchors/swap_small.py in .dev/ (both git-ignored, carried by the device tool).
 # Results go to $OUT (default ./results).
@@ -22,3 +22,5 @@ if [ -f .dev/swap_small.py ] && [ -z "${NO_ANCHOR:-}" ]; then
 fi
 python3 benchmarks/host_tier.py ${HOST_TIER_ARGS:-} --out "$OUT/host_tier.json" 2>&1 | tee "$OUT/host_tier.log"
 python3 benchmarks/model_calibration.py ${CALIBRATION_ARGS:-} --out "$OUT/model_calibration.json" 2>&1 | tee "$OUT/model_calibration.log"
+python3 benchmarks/layerwise.py ${LAYERWISE_ARGS:-} --out "$OUT/layerwise.json" 2>&1 | tee "$OUT/layerwise.log"
+python3 benchmarks/memory_store.py --json > "$OUT/memory_store.json"
