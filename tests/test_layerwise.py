@@ -27,6 +27,24 @@ def stored(store: MemoryStore, suffix: str) -> int:
     return sum(name.endswith(suffix) for name in store)
 
 
+def completions(drv: ThreadedDriver, n: int, timeout: float = 10.0) -> list:
+    """The next ``n`` completions the threaded driver delivers (fewer if ``timeout`` passes)."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += drv.poll(0.05)
+    return got
+
+
+def assert_read_back_whole(store: MemoryStore, keys) -> None:
+    """Every rank reads ``keys`` back from ``store`` whole, with the bytes P computed."""
+    d = ReferenceBackend(SPEC, 16, store)
+    blocks = list(range(len(keys)))
+    for r in range(SPEC.tp_size):
+        assert d.read(r, keys, blocks) == len(keys)
+    assert mismatched_blocks(d, keys, blocks) == []
+
+
 def rig(policy: Policy | None = None, **kw):
     clock = Clock()
     store = MemoryStore(1 << 24)
@@ -68,10 +86,7 @@ def test_the_save_stores_a_group_only_once_its_layers_are_reported():
     assert lc.stats()["done"] == 1
     first = [n for n in drv.notices if isinstance(n, C.SendFirstToken)]
     assert first == [C.SendFirstToken("r", 7, 200)]
-    d = ReferenceBackend(SPEC, 16, store)
-    for r in range(2):
-        assert d.read(r, keys, list(range(len(keys)))) == len(keys)
-    assert mismatched_blocks(d, keys, list(range(len(keys)))) == []
+    assert_read_back_whole(store, keys)
 
 
 def test_a_save_finishing_after_prefill_done_sends_the_first_token():
@@ -118,10 +133,7 @@ def test_abort_mid_prefill_closes_the_gate_and_leaks_nothing():
         lc.abort("r")
         notices = drv.submit_all(lc.poll_commands())
         assert any(isinstance(c, C.RequestEnded) for c in notices)
-        got = []
-        deadline = time.monotonic() + 10
-        while len(got) < 2 and time.monotonic() < deadline:
-            got += drv.poll(0.1)
+        got = completions(drv, 2)
         assert len(got) == 2 and all(c.count == 0 for c in got)
         for c in got:
             lc.complete(c)
@@ -145,16 +157,10 @@ def test_threaded_save_overlaps_the_prefill_and_is_exact():
         compute_layers(be, keys, ids, 2, 4)
         lc.prefill_done("r", 3)
         drv.submit_all(lc.poll_commands())
-        got = []
-        while len(got) < 2 and time.monotonic() < deadline:
-            got += drv.poll(0.1)
-        for c in got:
+        for c in completions(drv, 2):
             lc.complete(c)
     assert lc.stats()["done"] == 1
-    d = ReferenceBackend(SPEC, 16, store)
-    for r in range(2):
-        assert d.read(r, keys, list(range(len(keys)))) == len(keys)
-    assert mismatched_blocks(d, keys, list(range(len(keys)))) == []
+    assert_read_back_whole(store, keys)
 
 
 def test_a_save_past_its_deadline_is_retried_after_the_prefill():
@@ -268,10 +274,7 @@ def _load(store: MemoryStore, policy: Policy):
         drv.submit(load)
         arrivals = [drv.arrivals(load.command_id, r) for r in load.ranks]
         waited = [a.wait(n, timeout=10)[0] for a in arrivals for n in (2, 4)]  # a decode step's waits
-        got = []
-        deadline = time.monotonic() + 10
-        while len(got) < len(load.ranks) and time.monotonic() < deadline:
-            got += drv.poll(0.05)
+        got = completions(drv, len(load.ranks))
         assert drv.arrivals(load.command_id) is None  # let go once its completion was polled
     for c in got:
         d.complete(c)

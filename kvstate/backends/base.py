@@ -298,6 +298,14 @@ class StoreBackend(TransferBackend):
         spans = [spec.group_span(g) for g in (range(spec.layer_groups) if groups is None else groups)]
         return [as_bytes_view(host[kind][i][a:b]) for i in rows for kind in kinds for a, b in spans]
 
+    def _group_views(self, host: dict[str, Any], m: int, group: int | None) -> list[memoryview]:
+        """Byte views of the objects of ``m`` blocks held in rows of ``host[kind]``, in
+        :meth:`_names`' order: rows of every layer hold every group's objects (``group``
+        None); rows of one group's layers hold one object each."""
+        if group is None:
+            return self._object_views(host, range(m))
+        return [as_bytes_view(host[kind][i]) for i in range(m) for kind in self.spec.kinds]
+
     def _by_group(self, n: int, layers: Callable[[int], bool], put: Callable[[int, int], int]) -> int:
         """A layer-wise write of ``n`` blocks: ``put(group, m)`` stores one group of the first
         ``m`` blocks once its layers are computed and answers how many leading ones it stored."""

@@ -27,7 +27,7 @@ from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
+from .base import Guard, Store, StoreBackend, check_fence
 
 __all__ = ["CudaBackend"]
 
@@ -169,6 +169,18 @@ class CudaBackend(StoreBackend):
         shape = (m, spec.group_layers) + spec.block_shape(kind)
         return arr.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
+    def _piece_views(self, rank: int, slot: int, m: int, group: int | None) -> list[memoryview]:
+        """Byte views of the objects of ``m`` blocks in staging slot ``slot``, in the order of
+        their names: every group's, or one layer group's."""
+        return self._group_views({kind: self._slot(rank, slot, kind, m, group) for kind in self.spec.kinds}, m, group)
+
+    @staticmethod
+    def _wait_all(sw: CudaSwapper, events: list[Any]) -> None:
+        """Wait for every transfer still enqueued on the staging slots."""
+        for ev in events:
+            if ev is not None:
+                sw.wait(ev)
+
     def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str,
                  guard: Guard | None, group: int | None = None) -> Any:
         check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
@@ -212,20 +224,14 @@ class CudaBackend(StoreBackend):
                         a2, b2 = pieces[k + 1]
                         events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard, group)
                     sw.wait(events[k % 2])
-                    if group is None:
-                        views = self._object_views(self._slots[rank][k % 2], range(b - a))
-                    else:
-                        rows = {kind: self._slot(rank, k % 2, kind, b - a, group) for kind in spec.kinds}
-                        views = [as_bytes_view(rows[kind][i]) for i in range(b - a) for kind in spec.kinds]
+                    views = self._piece_views(rank, k % 2, b - a, group)
                     status = self.store.batch_put_from(self._names(rank, keys[a:b], groups), views)
                     done = self._whole([st == 0 for st in status], b - a, per)
                     count += done
                     if done < b - a:
                         break
-            finally:
-                for ev in events:  # nothing may still write a slot when we leave
-                    if ev is not None:
-                        sw.wait(ev)
+            finally:  # nothing may still write a slot when we leave
+                self._wait_all(sw, events)
         return count
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
@@ -257,8 +263,7 @@ class CudaBackend(StoreBackend):
                     slot = g % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
-                    rows = {kind: self._slot(rank, slot, kind, n, g) for kind in spec.kinds}
-                    views = [as_bytes_view(rows[kind][i]) for i in range(n) for kind in spec.kinds]
+                    views = self._piece_views(rank, slot, n, g)
                     got = self.store.batch_get_into(self._names(rank, keys, [g]), views)
                     done = self._whole([x == v.nbytes for x, v in zip(got, views)], n, 1)
                     if done:
@@ -267,10 +272,8 @@ class CudaBackend(StoreBackend):
                         short = (g, done)
                         break
                     arrived(spec.group_span(g)[1], events[slot])
-            finally:
-                for ev in events:
-                    if ev is not None:
-                        sw.wait(ev)
+            finally:  # nor read one
+                self._wait_all(sw, events)
         if short is None:
             return n
         count = short[1]
@@ -296,11 +299,7 @@ class CudaBackend(StoreBackend):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
-                    if group is None:
-                        views = self._object_views(self._slots[rank][slot], range(b - a))
-                    else:
-                        rows = {kind: self._slot(rank, slot, kind, b - a, group) for kind in spec.kinds}
-                        views = [as_bytes_view(rows[kind][i]) for i in range(b - a) for kind in spec.kinds]
+                    views = self._piece_views(rank, slot, b - a, group)
                     got = self.store.batch_get_into(self._names(rank, keys[a:b], groups), views)
                     # a short read is a miss: a block counts only if every object arrived whole
                     done = self._whole([g == v.nbytes for g, v in zip(got, views)], b - a, per)
@@ -309,10 +308,8 @@ class CudaBackend(StoreBackend):
                     count += done
                     if done < b - a:
                         break
-            finally:
-                for ev in events:
-                    if ev is not None:
-                        sw.wait(ev)
+            finally:  # nor read one
+                self._wait_all(sw, events)
         return count
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, as_bytes_view, check_fence
+from .base import Guard, Store, StoreBackend, check_fence
 
 __all__ = ["ReferenceBackend"]
 
@@ -75,72 +75,60 @@ class ReferenceBackend(StoreBackend):
         return len(block_ids)
 
     def _host(self, n: int) -> dict[str, np.ndarray]:
-        s = self.spec
-        return {k: np.empty((n, s.layers) + s.block_shape(k), s.kind_dtype(k)) for k in s.kinds}
+        return self._buffers(n, None)[0]
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
               guard: Guard | None = None, layers: Callable[[int], bool] | None = None) -> int:
         self._check_transfer(rank, keys, block_ids)
         n = len(keys)
-        if layers is not None:
-            count = self._by_group(n, layers, lambda g, m: self._put_group(rank, keys, block_ids, guard, g, m))
+        if layers is None:
+            count = self._put_layers(rank, keys, block_ids, guard, None, n)
         else:
-            host = self._host(n)
-            check_fence(guard, rank, "gather", block_ids)
-            slots = list(range(n))
-            for kind, buf in host.items():
-                swap_cache_layout(self.caches[rank][kind], buf, list(block_ids), slots, "d2h")
-            status = self.store.batch_put_from(self._names(rank, keys), self._object_views(host, range(n)))
-            count = self._whole([st == 0 for st in status], n)
+            count = self._by_group(n, layers, lambda g, m: self._put_layers(rank, keys, block_ids, guard, g, m))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def _put_group(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-                   group: int, m: int) -> int:
-        """Gather and store layer group ``group`` of the first ``m`` blocks."""
+    def _buffers(self, m: int, group: int | None) -> tuple[dict[str, np.ndarray], slice]:
+        """Block-major host rows for ``m`` blocks of every layer (``group`` None) or of one layer
+        group, and the slice of layers they hold."""
         spec = self.spec
-        a, b = spec.group_span(group)
+        a, b = (0, spec.layers) if group is None else spec.group_span(group)
+        return {k: np.empty((m, b - a) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}, slice(a, b)
+
+    def _put_layers(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+                    group: int | None, m: int) -> int:
+        """Gather and store the first ``m`` blocks: every layer, or layer group ``group``."""
+        host, span = self._buffers(m, group)
         check_fence(guard, rank, "gather", block_ids[:m])
-        host = {k: np.empty((m, b - a) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
         for kind, buf in host.items():
-            swap_cache_layout(self.caches[rank][kind][a:b], buf, list(block_ids[:m]), list(range(m)), "d2h")
-        views = [as_bytes_view(host[kind][i]) for i in range(m) for kind in spec.kinds]
-        status = self.store.batch_put_from(self._names(rank, keys[:m], [group]), views)
-        return self._whole([st == 0 for st in status], m, groups=1)
+            swap_cache_layout(self.caches[rank][kind][span], buf, list(block_ids[:m]), list(range(m)), "d2h")
+        groups = None if group is None else [group]
+        status = self.store.batch_put_from(self._names(rank, keys[:m], groups), self._group_views(host, m, group))
+        return self._whole([st == 0 for st in status], m, None if group is None else 1)
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
         self._check_transfer(rank, keys, block_ids)
         n = len(keys)
-        if arrived is not None:
-            count = self._load_by_group(n, arrived, lambda g, m: (self._get_group(rank, keys, block_ids, guard, g, m),
-                                                                  None))
+        if arrived is None:
+            count = self._get_layers(rank, keys, block_ids, guard, None, n)
         else:
-            host = self._host(n)
-            bufs = self._object_views(host, range(n))
-            got = self.store.batch_get_into(self._names(rank, keys), bufs)
-            # a short read is a miss: a block counts only if every kind arrived whole
-            count = self._whole([g == b.nbytes for g, b in zip(got, bufs)], n)
-            if count:
-                check_fence(guard, rank, "scatter into", block_ids[:count])
-                for kind, buf in host.items():
-                    swap_cache_layout(self.caches[rank][kind], buf, list(block_ids[:count]),
-                                      list(range(count)), "h2d")
+            count = self._load_by_group(n, arrived, lambda g, m: (self._get_layers(rank, keys, block_ids, guard, g, m),
+                                                                  None))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def _get_group(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-                   group: int, m: int) -> int:
-        """Read layer group ``group`` of the first ``m`` blocks and scatter the leading whole ones."""
-        spec = self.spec
-        a, b = spec.group_span(group)
-        host = {k: np.empty((m, b - a) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
-        bufs = [as_bytes_view(host[kind][i]) for i in range(m) for kind in spec.kinds]
-        got = self.store.batch_get_into(self._names(rank, keys[:m], [group]), bufs)
-        count = self._whole([g == v.nbytes for g, v in zip(got, bufs)], m, groups=1)
+    def _get_layers(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+                    group: int | None, m: int) -> int:
+        """Read the first ``m`` blocks (every layer, or layer group ``group``) and scatter the
+        leading ones that arrived whole (a short read is a miss)."""
+        host, span = self._buffers(m, group)
+        bufs = self._group_views(host, m, group)
+        got = self.store.batch_get_into(self._names(rank, keys[:m], None if group is None else [group]), bufs)
+        count = self._whole([g == v.nbytes for g, v in zip(got, bufs)], m, None if group is None else 1)
         if count:
             check_fence(guard, rank, "scatter into", block_ids[:count])
             for kind, buf in host.items():
-                swap_cache_layout(self.caches[rank][kind][a:b], buf, list(block_ids[:count]), list(range(count)),
+                swap_cache_layout(self.caches[rank][kind][span], buf, list(block_ids[:count]), list(range(count)),
                                   "h2d")
         return count
