@@ -40,22 +40,22 @@ class FastLlama:
         ang = torch.outer(torch.arange(32768, device="cuda").float(), inv)
         self.cos, self.sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
 
-    def _rope(self, x: Any, pos: slice) -> Any:
+    def rope(self, x: Any, pos: slice) -> Any:
         cos, sin, half = self.cos[pos], self.sin[pos], HEAD_DIM // 2
         x1, x2 = x[..., :half], x[..., half:]
         return self.torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
-    def _mlp(self, x: Any, lw: dict) -> Any:
+    def mlp(self, x: Any, lw: dict) -> Any:
         g, u = (self.F.rms_norm(x, (HIDDEN,), lw["ln2"], 1e-5) @ lw["gu"]).chunk(2, -1)
         return x + (self.F.silu(g) * u) @ lw["down"]
 
-    def _qkv(self, x: Any, lw: dict, pos: slice) -> tuple[Any, Any, Any]:
+    def qkv(self, x: Any, lw: dict, pos: slice) -> tuple[Any, Any, Any]:
         b, t = x.shape[:2]
         q, k, v = (self.F.rms_norm(x, (HIDDEN,), lw["ln1"], 1e-5) @ lw["qkv"]).split(
             [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
         q = q.view(b, t, HEADS, HEAD_DIM).transpose(1, 2)
         k = k.view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        return self._rope(q, pos), self._rope(k, pos), v.view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        return self.rope(q, pos), self.rope(k, pos), v.view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2)
 
     def prefill(self, ids: Any, kv: list | None = None, on_layer: Any = None) -> Any:
         """One prompt ``[1, T]``: the last token's logits (flash attention over the prompt); each
@@ -63,12 +63,12 @@ class FastLlama:
         handed to ``on_layer(i, k, v)`` once layer ``i`` is launched (an engine's paged write)."""
         x, t, rep = self.emb[ids], ids.shape[1], HEADS // KV_HEADS
         for i, lw in enumerate(self.layers):
-            q, k, v = self._qkv(x, lw, slice(0, t))
+            q, k, v = self.qkv(x, lw, slice(0, t))
             if kv is not None:
                 kv.append((k, v))
             a = self.F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                     is_causal=True)
-            x = self._mlp(x + a.transpose(1, 2).reshape(1, t, HEADS * HEAD_DIM) @ lw["o"], lw)
+            x = self.mlp(x + a.transpose(1, 2).reshape(1, t, HEADS * HEAD_DIM) @ lw["o"], lw)
             if on_layer is not None:
                 on_layer(i, k, v)
         return self.F.rms_norm(x[:, -1:], (HIDDEN,), self.norm, 1e-5) @ self.head
@@ -93,13 +93,13 @@ class FastLlama:
         """Layer ``i`` of a step: ``x`` ``[B, 1, HIDDEN]`` at position ``context`` of its static
         caches ``kc``, ``vc`` (whose last slot takes the new key and value); the layer's output."""
         lw, b, c = self.layers[i], x.shape[0], kc.shape[2] - 1
-        q, k, v = self._qkv(x, lw, slice(c, c + 1))
+        q, k, v = self.qkv(x, lw, slice(c, c + 1))
         kc[:, :, c:] = k
         vc[:, :, c:] = v
         # a KV head's query group as that many query rows (no mask): each KV head is read
         # once for its group, as a decode kernel does
         a = self._decode_attention(q.reshape(b, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), kc, vc)
-        return self._mlp(x + a.reshape(b, 1, HEADS * HEAD_DIM) @ lw["o"], lw)
+        return self.mlp(x + a.reshape(b, 1, HEADS * HEAD_DIM) @ lw["o"], lw)
 
     def _decode_attention(self, q: Any, k: Any, v: Any) -> Any:
         """Flash attention, which splits a long context over the SMs, when the batch's KV heads

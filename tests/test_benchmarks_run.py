@@ -24,3 +24,23 @@ def test_every_benchmark_script_starts():
     for script in scripts:
         r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "usage" in r.stdout, (script.name, r.stderr[-500:])
+
+
+def test_engine_sim_dry_run_serves_every_request(tmp_path):
+    """The engine-against-simulator harness on a CPU stand-in: every request is served by P's
+    and D's lifecycles and ends done in the simulator, no block leaks, and the fit holds out half."""
+    out = tmp_path / "es.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine_sim.py"), "--dry", "--layers", "2",
+                        "--requests", "4", "--rate", "20", "--prompt", "100:600", "--output", "5",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    eng = res["engine"]
+    assert eng["leaked_blocks"] == {"P": 0, "D": 0}
+    assert eng["ttft_ms_p50"] > 0 and eng["tpot_ms_p50"] > 0
+    assert eng["d_median_ms"]["step"] > 0
+    for sim in res["simulator"].values():
+        assert sim["reasons"] == {"done": 4}
+    points = res["compute_fit"]["points"]
+    held = [p for p in points if p["held_out"]]
+    assert held and len(held) < len(points) and all("model_error" in p for p in held)
