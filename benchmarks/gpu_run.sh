@@ -24,3 +24,6 @@ python3 benchmarks/host_tier.py ${HOST_TIER_ARGS:-} --out "$OUT/host_tier.json" 
 python3 benchmarks/model_calibration.py ${CALIBRATION_ARGS:-} --out "$OUT/model_calibration.json" 2>&1 | tee "$OUT/model_calibration.log"
 python3 benchmarks/layerwise.py ${LAYERWISE_ARGS:-} --out "$OUT/layerwise.json" 2>&1 | tee "$OUT/layerwise.log"
 python3 benchmarks/memory_store.py --json > "$OUT/memory_store.json"
+for rate in 2 4 6 8; do
+  python3 benchmarks/engine_sim.py --rate $rate --out "$OUT/engine_sim_r$rate.json" 2>&1 | tee "$OUT/engine_sim_r$rate.log"
+done
