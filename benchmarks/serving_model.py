@@ -60,6 +60,9 @@ class ServedLlama:
         self.ids, self.tab = z((1, self.max_prompt), **long), z(self.max_prompt // BLOCK, **long)
         self.last, self.tok = z(1, **long), z(1, **long)
         self.dtok, self.dpos, self.dout = z((slots, 1), **long), z(slots, **long), z(slots, **long)
+        #: the last step's logits per slot, and the last prefill's (float32), for checks
+        self.logits = z((slots, self.model.head.shape[1]), dtype=torch.float32, device="cuda")
+        self.prefill_logits = z(self.model.head.shape[1], dtype=torch.float32, device="cuda")
         self.heads = torch.arange(KV_HEADS, device="cuda")[None, :]
         self.rows = torch.arange(slots, device="cuda")[:, None]
         self.positions = torch.arange(self.context, device="cuda")[None, :]
@@ -100,6 +103,7 @@ class ServedLlama:
                                                is_causal=True)
             x = m.mlp(x + a.transpose(1, 2).reshape(1, t, HIDDEN) @ lw["o"], lw)
         logits = F.rms_norm(x.index_select(1, self.last), (HIDDEN,), m.norm, 1e-5) @ m.head
+        self.prefill_logits.copy_(logits.view(-1))
         self.tok.copy_(logits.view(-1).argmax().view(1))
 
     def prefill(self, toks: list[int], table: list[int]) -> int:
@@ -147,6 +151,7 @@ class ServedLlama:
                 a = F.scaled_dot_product_attention(q, kc[:b, :, :c], vc[:b, :, :c], attn_mask=mask)
             x = m.mlp(x + a.reshape(b, 1, HIDDEN) @ lw["o"], lw)
         logits = F.rms_norm(x, (HIDDEN,), m.norm, 1e-5) @ m.head
+        self.logits[:b].copy_(logits[:, 0])
         self.dout[:b].copy_(logits[:, 0].argmax(-1))
 
     def _split_kv(self, q: Any, kc: Any, vc: Any, bias: Any, b: int, c: int) -> Any:
