@@ -16,7 +16,7 @@ if GPU:
     from kvstate.kernels.cuda import cuda_available
     GPU = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs PyTorch, CuPy and a CUDA device")]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 LAYERS, BLOCK = 2, 64
 
@@ -35,7 +35,11 @@ def torch():
 
 
 def served(torch, split_kv: bool = True):
-    from serving_model import ServedLlama
+    sys.path.insert(0, BENCHMARKS)  # only while importing: benchmarks/engine.py must not shadow
+    try:                            # the example engine other tests import as ``engine``
+        from serving_model import ServedLlama
+    finally:
+        sys.path.remove(BENCHMARKS)
 
     return ServedLlama(torch, p_blocks=24, d_blocks=8, slots=4, context=1100, max_prompt=600, layers=LAYERS,
                        split_kv=split_kv)
