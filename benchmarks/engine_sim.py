@@ -22,10 +22,9 @@ in turn, as two GPUs would give them:
 **Simulator**: the same arrivals and lengths as a trace; 1 P + 1 D at TP 1, one prompt per
 prefill forward, the storage bandwidth from the handoff's stages measured first (a write and a
 read of one median prompt, alone), and the compute model's figures either fitted on this
-engine's own forwards measured alone (half the points, in a checkerboard; the rest held out) or
-given
-(``--mfu --mbu --overhead-ms``: ``benchmarks/model_calibration.py``'s fit on the static-cache
-engine).
+engine's own forwards measured alone (half the points, in a checkerboard; the rest held out)
+or given (``--mfu --mbu --overhead-ms``: ``benchmarks/model_calibration.py``'s fit on the
+static-cache engine).
 
 TTFT is arrival to first token, TPOT (finish - first token) / (answer tokens - 1), as
 ``docs/metrics.md`` defines them for the simulator.
