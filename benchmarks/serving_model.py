@@ -227,22 +227,6 @@ class DryModel:
     def move(self, src: int, dst: int, n: int) -> None:
         pass
 
-    def _split_kv(self, q: Any, kc: Any, vc: Any, bias: Any, b: int, c: int) -> Any:
-        """Decode attention split over the context, as flash decoding does: each ``SPLIT``
-        positions of a (slot, KV head) is one head of a strided view of the slot caches (no
-        copy), attended to by the memory-efficient kernel, which also gives each part's
-        log-sum-exp; the parts are then combined. Unsplit, a (slot, head) is one thread block
-        reading its whole context alone: a step took 3 ms longer at 3k tokens than at 512,
-        whatever the batch (H100)."""
-        torch, n, rep = self.torch, c // SPLIT, q.shape[2]
-        shape, strides = (b * KV_HEADS, n, SPLIT, HEAD_DIM), (self.context * HEAD_DIM, SPLIT * HEAD_DIM, HEAD_DIM, 1)
-        k, v = torch.as_strided(kc, shape, strides), torch.as_strided(vc, shape, strides)
-        qq = q.reshape(b * KV_HEADS, 1, rep, HEAD_DIM).expand(b * KV_HEADS, n, rep, HEAD_DIM).contiguous()
-        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qq, k, v, bias, True)[:2]
-        lse = lse[..., :rep]  # [b * heads, parts, rep]; a part past a slot's context weighs ~0
-        w = torch.exp(lse - torch.logsumexp(lse, 1, keepdim=True))
-        return (o.float() * w[..., None]).sum(1).to(q.dtype).view(b, KV_HEADS, rep, HEAD_DIM)
-
     def step(self, toks: list[int], pos: list[int]) -> list[int]:
         time.sleep(0.008 + 2e-8 * sum(pos))
         return [(t + 1) % 1000 for t in toks]
