@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "Command", "TransferCommand", "ReadBlocks", "LoadLayers", "WriteBlocks", "SaveLayers", "LayersReady",
@@ -79,10 +80,13 @@ class SaveLayers(WriteBlocks):
 @dataclass(slots=True)
 class LayersReady(Command):
     """The prefill computed the first ``layers`` layers of :class:`SaveLayers`
-    ``command_id``'s blocks (on the GPU, not only launched): their groups may be stored."""
+    ``command_id``'s blocks: their groups may be stored. ``event`` None: finished on the
+    GPU; otherwise only launched, and ``event`` (a device event recorded after them) is what
+    the save's copies wait for on the device."""
 
     command_id: int
     layers: int
+    event: Any = None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "Event", "Completion", "Admit", "LayersDone", "PrefillDone", "Reserve", "FirstToken", "AppendTokens",
@@ -46,6 +47,7 @@ class Admit(Event):
 class LayersDone(Event):
     request_id: str
     layers: int
+    event: Any = None
 
 
 @dataclass(slots=True)

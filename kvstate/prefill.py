@@ -24,9 +24,11 @@ Rules:
   which leading keys it holds: keys are content hashes, so a stored key holds these bytes). A
   failed or partial write is retried ``Policy.write_retries`` times from where it stopped.
 - Layer-wise (``layerwise=True``): the write (a ``SaveLayers``) goes out as the prefill starts,
-  and the engine reports the layers the GPU finished (``layers_done``, in order); each report
-  becomes a ``LayersReady`` for the save, whose ranks store a layer group once its layers are
-  reported, so only the last group's store trails the prefill. ``prefill_done`` reports every
+  and the engine reports the layers computed (``layers_done``, in order: finished on the
+  GPU, or launched, with the device event after them); each report becomes a
+  ``LayersReady`` for the save, whose ranks store a layer group once its layers are
+  reported (and, given an event, once the device reached it), so only the last group's
+  store trails the prefill. ``prefill_done`` reports every
   layer. A save answering before the prefill is done (a full store hit, a failure, its
   deadline, which counts from the prefill's start) waits in ``saved`` for ``prefill_done``;
   it is then judged as a write answering then. Reports after the save answered or the
@@ -127,11 +129,17 @@ class PrefillLifecycle(Lifecycle):
         """Admitted requests still queued for blocks."""
         return len(self._waiting)
 
-    def layers_done(self, request_id: str, layers: int) -> bool:
-        """The GPU finished the first ``layers`` layers of the request's prefill (report them in
-        order, each once it has finished, not only been launched): a layer-wise save may
-        store them. Returns False for a request that already ended (the report is dropped)."""
+    def layers_done(self, request_id: str, layers: int, event: Any = None) -> bool:
+        """The first ``layers`` layers of the request's prefill are computed: a layer-wise save
+        may store them. Report layers in order, each once: either after the GPU finished
+        them (``event`` None), or as soon as they are launched, with ``event``, a device
+        event (PyTorch or CuPy) recorded after them on the stream computing them. The save's
+        copies then wait for it on the device, so the engine never waits for its GPU.
+        Returns False for a request that already ended (the report is dropped)."""
         check_int(layers, f"request {request_id!r}: layers_done", minimum=1)
+        if isinstance(event, (bool, int, float, str, bytes)):
+            raise ValidationError(f"request {request_id!r}: layers_done's event must be a device event "
+                                  f"(PyTorch or CuPy) or None, got {event!r}")
         if layers > self.spec.layers:
             raise ValidationError(f"request {request_id!r}: layers_done({layers}), but the cache has "
                                   f"{self.spec.layers} layers")
@@ -147,7 +155,7 @@ class PrefillLifecycle(Lifecycle):
                                   f"report layers in order, each once")
         req.layers = layers
         if req.cmd:  # the save still runs: its ranks may store these layers
-            self._out.append(C.LayersReady(req.id, req.cmd, layers))
+            self._out.append(C.LayersReady(req.id, req.cmd, layers, event))
         return True
 
     def prefill_done(self, request_id: str, first_token: int) -> bool:
@@ -164,7 +172,7 @@ class PrefillLifecycle(Lifecycle):
 
     _HANDLERS = {**Lifecycle._HANDLERS,
                  E.Admit: lambda s, e: s.admit(e.request_id, e.token_ids, e.extra_keys),
-                 E.LayersDone: lambda s, e: s.layers_done(e.request_id, e.layers),
+                 E.LayersDone: lambda s, e: s.layers_done(e.request_id, e.layers, e.event),
                  E.PrefillDone: lambda s, e: s.prefill_done(e.request_id, e.first_token)}
 
     # -- waiting for blocks ----------------------------------------------------------------------

@@ -176,11 +176,12 @@ def test_a_layerwise_save_through_the_cuda_backend_stores_each_group_once_comput
     try:
         fill_blocks(p, keys, blocks)
         asked = []
-        assert p.write(0, keys, blocks, layers=lambda n: asked.append(n) or n <= 2) == 0
+        assert p.write(0, keys, blocks, layers=lambda n, block=True: asked.append(n) or n <= 2) == 0
         assert asked == [2, 4] and len(store) == len(keys) * len(spec.kinds)  # group 0 only
         assert all(name.endswith("_g0") for name in store)
         got: list[int] = []  # from a thread with no current device, as a driver's worker
-        worker = threading.Thread(target=lambda: got.append(p.write(0, keys, blocks, layers=lambda n: True)))
+        every = lambda n, block=True: True  # noqa: E731
+        worker = threading.Thread(target=lambda: got.append(p.write(0, keys, blocks, layers=every)))
         worker.start()
         worker.join(60)
         assert got == [len(keys)]
@@ -206,3 +207,56 @@ def test_a_layerwise_save_through_the_cuda_backend_stores_each_group_once_comput
     finally:
         p.close()
         d.close()
+
+
+@gpu
+@pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch")
+def test_a_save_reported_at_launch_waits_for_its_layers_on_the_device():
+    """Layers reported with a device event as soon as they are launched: every group's gather
+    waits for its event on the device, so the save stores what the (slow) layers wrote, not
+    what the cache held before; piece by piece, or pipelined (group g + 1 gathered while g is
+    stored). A pipelined save whose gate stops short stores the first group only."""
+    import torch
+
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+    from kvstate.keys import block_keys
+
+    spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=32, dtype="bfloat16", layer_groups=2)
+    keys, blocks = block_keys(list(range(26)), 4), [9, 3, 0, 7, 5, 1, 11]
+
+    def caches():
+        return [{k: [torch.zeros((12,) + spec.block_shape(k), dtype=torch.bfloat16, device="cuda")
+                     for _ in range(spec.layers)] for k in spec.kinds}]
+
+    p_caches, d_caches, store = caches(), caches(), MemoryStore(1 << 24)
+    for staging in (4, 64):  # a group in pieces of 2 blocks, or a whole group per slot
+        p = CudaBackend(spec, 12, store, caches=p_caches, staging_bytes=staging * spec.bytes_per_block_per_rank)
+        d = CudaBackend(spec, 12, store, caches=d_caches)
+        side, events = torch.cuda.Stream(), []
+        try:
+            with torch.cuda.stream(side):
+                for layer in range(spec.layers):  # each layer ~20 ms late on the device
+                    torch.cuda._sleep(40_000_000)
+                    for kind in spec.kinds:
+                        p_caches[0][kind][layer].fill_(staging + layer)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(side)
+            assert p.write(0, keys, blocks, layers=lambda n, block=True, ev=events: ev[n - 1]) == len(keys)
+            assert d.read(0, keys, list(range(len(keys)))) == len(keys)
+            for kind in spec.kinds:
+                for layer in range(spec.layers):
+                    assert bool((d_caches[0][kind][layer][:len(keys)] == staging + layer).all()), (staging, layer)
+        finally:
+            p.close()
+            d.close()
+    short = MemoryStore(1 << 24)
+    p = CudaBackend(spec, 12, short, caches=p_caches)
+    try:
+        asked: list = []
+        assert p.write(0, keys, blocks, layers=lambda n, block=True: asked.append((n, block)) or n <= 2) == 0
+        assert asked[0] == (2, True) and (4, True) in asked
+        assert len(short) == len(keys) * len(spec.kinds) and all(name.endswith("_g0") for name in short)
+    finally:
+        p.close()

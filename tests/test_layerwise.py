@@ -78,6 +78,7 @@ def test_the_save_stores_a_group_only_once_its_layers_are_reported():
     drv.complete(save.command_id, 0)  # layers 2..4 not reported: group 1 is not stored, no block whole
     assert stored(store, "_0_g0") and not stored(store, "_g1")
     drv.complete(save.command_id, 1)
+    assert save.command_id not in drv.layers  # every rank answered: its reports are let go
     assert lc.state_of("r") == "saved"  # answered 0 while the prefill still runs
     compute_layers(be, keys, ids, 2, 4)
     lc.prefill_done("r", 7)  # judged now: a retry writes it all
@@ -163,6 +164,46 @@ def test_threaded_save_overlaps_the_prefill_and_is_exact():
     assert_read_back_whole(store, keys)
 
 
+class GateSpy(ReferenceBackend):
+    """A backend recording what its layer gate answers for every group of a save."""
+
+    def write(self, rank, keys, block_ids, guard=None, layers=None):
+        if layers is not None:
+            self.answers = [layers(e) for e in (2, 4)]
+        return super().write(rank, keys, block_ids, guard, layers)
+
+
+def test_layers_reported_with_a_device_event_hand_it_to_the_save():
+    event = object()  # stands in for a CUDA event: the core passes it on untouched
+    clock, store, lc, _ = rig()
+    be = GateSpy(SPEC, 16, store)
+    with ThreadedDriver(be, workers=2, clock=clock) as drv:
+        drv.submit(start(lc))
+        keys, ids = lc.keys_of("r"), lc.blocks_of("r")
+        compute_layers(be, keys, ids, 0, 4)
+        assert lc.layers_done("r", 2, event=event)
+        (ready,) = lc.poll_commands()
+        assert isinstance(ready, C.LayersReady) and ready.event is event
+        drv.submit(ready)
+        lc.prefill_done("r", 3)  # the last layers are finished: no event
+        drv.submit_all(lc.poll_commands())
+        for c in completions(drv, 2):
+            lc.complete(c)
+    assert be.answers[0] is event and be.answers[1] is True
+    assert lc.stats()["done"] == 1
+    assert_read_back_whole(store, keys)
+
+
+def test_a_gate_answers_each_group_with_the_event_of_the_report_covering_it():
+    first, second = object(), object()
+    gate = LayerGate()
+    gate.advance(1, first)
+    assert gate.ready(1) is first and gate.ready(2, block=False) is False
+    gate.advance(3, second)
+    gate.advance(4)  # finished, no event
+    assert [gate.ready(n) for n in (1, 2, 3, 4)] == [first, second, second, True]
+
+
 def test_a_save_past_its_deadline_is_retried_after_the_prefill():
     clock, store, lc, be = rig()
     drv = StepDriver(lc, be)
@@ -199,6 +240,7 @@ def test_a_failed_save_with_no_retries_left_fails_with_503():
     (lambda lc: lc.layers_done("r", 5), "4 layers"),
     (lambda lc: lc.layers_done("r", True), "layers_done"),
     (lambda lc: lc.layers_done("nobody", 1), "nobody"),
+    (lambda lc: lc.layers_done("r", 3, event=True), "device event"),
 ])
 def test_bad_layer_reports_raise_and_change_nothing(call, match):
     clock, store, lc, be = rig()

@@ -130,12 +130,14 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
-              layers: Callable[[int], bool] | None = None) -> int:
+              layers: Callable[..., Any] | None = None) -> int:
         """Store block ``block_ids[i]`` under ``keys[i]``; how many leading blocks were stored.
 
-        ``layers`` (a layer-wise save): store layer group by group, each only once
-        ``layers(end)`` says its layers ``[0, end)`` are computed; if it says they never
-        will be, stop (blocks missing a group are not stored whole)."""
+        ``layers`` (a layer-wise save, a :meth:`~kvstate.backends.gate.LayerGate.ready`):
+        store layer group by group, each only once ``layers(end)`` says its layers ``[0,
+        end)`` are computed: True, or a device event the group's copies must wait for (a
+        backend without a device has none to wait on); if it says False, they never will
+        be: stop (blocks missing a group are not stored whole)."""
 
     @abstractmethod
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
@@ -306,14 +308,16 @@ class StoreBackend(TransferBackend):
             return self._object_views(host, range(m))
         return [as_bytes_view(host[kind][i]) for i in range(m) for kind in self.spec.kinds]
 
-    def _by_group(self, n: int, layers: Callable[[int], bool], put: Callable[[int, int], int]) -> int:
-        """A layer-wise write of ``n`` blocks: ``put(group, m)`` stores one group of the first
-        ``m`` blocks once its layers are computed and answers how many leading ones it stored."""
+    def _by_group(self, n: int, layers: Callable[..., Any], put: Callable[[int, int, Any], int]) -> int:
+        """A layer-wise write of ``n`` blocks: ``put(group, m, ready)`` stores one group of the
+        first ``m`` blocks once its layers are computed (``ready``: the gate's True or device
+        event) and answers how many leading ones it stored."""
         count = n
         for g in range(self.spec.layer_groups):
-            if not layers(self.spec.group_span(g)[1]):
+            ready = layers(self.spec.group_span(g)[1])
+            if not ready:
                 return 0
-            count = min(count, put(g, count))
+            count = min(count, put(g, count, ready))
             if not count:
                 break
         return count

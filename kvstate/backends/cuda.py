@@ -193,29 +193,76 @@ class CudaBackend(StoreBackend):
         return ev  # one stream: the last event covers every kind
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-              guard: Guard | None = None, layers: Callable[[int], bool] | None = None) -> int:
+              guard: Guard | None = None, layers: Callable[..., Any] | None = None) -> int:
         self._check_open()
         self._check_transfer(rank, keys, block_ids)
         if layers is None:
             count = self._put(rank, keys, block_ids, guard, None)
+        elif len(keys) <= self.per_slot * self.spec.layer_groups:  # a group fits a slot: pipelined
+            count = self._save_groups(rank, keys, block_ids, guard, layers)
         else:  # group by group, each once its layers are computed; the lock is free between groups
             count = self._by_group(len(keys), layers,
-                                   lambda g, m: self._put(rank, keys[:m], block_ids[:m], guard, g))
+                                   lambda g, m, ready: self._put(rank, keys[:m], block_ids[:m], guard, g, ready))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
+    def _pieces(self, n: int, group: int | None) -> tuple[int, list[int] | None, int | None]:
+        """(blocks a staging slot holds, the groups named, groups per block) for ``n`` blocks'
+        transfer of every layer (``group`` None) or of one layer group."""
+        if group is None:
+            return self.per_slot, None, None
+        return self.per_slot * self.spec.layer_groups, [group], 1
+
+    def _save_groups(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
+                     layers: Callable[..., Any]) -> int:
+        """A layer-wise save whose groups each fit a staging slot: group g + 1, when reported
+        already, is gathered (after its device event) while group g is stored; otherwise the
+        rank's lock is let go while the save waits for it. A group short of a block stores
+        later groups only for the blocks it reached; a gate that says no stores nothing."""
+        spec, sw, n = self.spec, self._swappers[rank], len(keys)
+        count, g = n, 0
+
+        def gather(events: list[Any], g: int, ready: Any) -> None:
+            if ready is not True:
+                sw.wait_on_device(ready)
+            events[g % 2] = self._enqueue(rank, g % 2, block_ids, "d2h", guard, g)
+
+        while g < spec.layer_groups and count:
+            ready = layers(spec.group_span(g)[1])  # waited for with the rank's lock free
+            if not ready:
+                return 0
+            with self._on(rank):
+                events: list[Any] = [None, None]  # the gathers in flight, by slot
+                try:
+                    gather(events, g, ready)
+                    while True:  # under the lock as long as the next group is reported already
+                        ahead = g + 1 < spec.layer_groups and layers(spec.group_span(g + 1)[1], False)
+                        if ahead:
+                            gather(events, g + 1, ahead)
+                        sw.wait(events[g % 2])
+                        status = self.store.batch_put_from(self._names(rank, keys[:count], [g]),
+                                                           self._piece_views(rank, g % 2, count, g))
+                        count = min(count, self._whole([st == 0 for st in status], count, 1))
+                        g += 1
+                        if not (ahead and count):
+                            break
+                finally:  # nothing may still write a slot when we leave
+                    self._wait_all(sw, events)
+        return count
+
     def _put(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-             group: int | None) -> int:
-        """Gather the blocks (every layer, or one layer group) piece by piece through the two
-        staging slots, storing a piece while the next is gathered; leading blocks stored."""
-        spec, sw = self.spec, self._swappers[rank]
-        n = len(keys)
-        m = self.per_slot if group is None else self.per_slot * spec.layer_groups
-        groups, per = (None, None) if group is None else ([group], 1)
+             group: int | None, ready: Any = True) -> int:
+        """Gather the blocks (every layer, or one layer group, after the device event
+        ``ready`` if one is given) piece by piece through the two staging slots, storing a
+        piece while the next is gathered; leading blocks stored."""
+        sw, n = self._swappers[rank], len(keys)
+        m, groups, per = self._pieces(n, group)
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
         count = 0
         with self._on(rank):
             events: list[Any] = [None, None]
+            if ready is not True:
+                sw.wait_on_device(ready)
             if pieces:
                 events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard, group)
             try:
@@ -287,10 +334,8 @@ class CudaBackend(StoreBackend):
              group: int | None) -> int:
         """Read the blocks (every layer, or one layer group) piece by piece into the two
         staging slots, scattering a piece while the next is read; leading blocks scattered."""
-        spec, sw = self.spec, self._swappers[rank]
-        n = len(keys)
-        m = self.per_slot if group is None else self.per_slot * spec.layer_groups
-        groups, per = (None, None) if group is None else ([group], 1)
+        sw, n = self._swappers[rank], len(keys)
+        m, groups, per = self._pieces(n, group)
         count = 0
         with self._on(rank):
             events: list[Any] = [None, None]

@@ -13,6 +13,7 @@ handed back to the caller, which owns compute and messaging, except
 """
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -31,14 +32,15 @@ __all__ = ["execute", "StepDriver", "ThreadedDriver"]
 
 
 def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None,
-            clock: Callable[[], float] | None = None, layers: Callable[[int], bool] | None = None,
+            clock: Callable[[], float] | None = None, layers: Callable[..., Any] | None = None,
             arrived: Callable[[int, Any], None] | None = None) -> Completion:
     """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given).
 
     With ``clock`` (the lifecycle's), blocks are touched only while ``clock() < cmd.fence``:
     past the fence the answer is an error (:class:`~kvstate.errors.FenceError`) and no block
     was gathered or scattered. A :class:`~kvstate.commands.SaveLayers` needs ``layers``
-    (``layers(n)``: whether the first ``n`` layers are computed, after waiting for them); a
+    (``layers(n, block=True)``, a :meth:`~kvstate.backends.gate.LayerGate.ready`: False, or
+    True or a device event once the first ``n`` layers are computed); a
     :class:`~kvstate.commands.LoadLayers` reports each group it scattered to ``arrived(n, event)``."""
     keys = cmd.keys if limit is None else cmd.keys[:limit]
     fence = cmd.fence
@@ -76,6 +78,12 @@ def _ignore(layers: int, event: Any) -> None:
     """Arrivals nobody waits for."""
 
 
+def _reported(ready: int, event: Any, n: int, block: bool = True) -> Any:
+    """A step driver's layer gate: what was reported when it answers is all there is (the
+    last report's event, if any, follows every layer reported)."""
+    return (True if event is None else event) if n <= ready else False
+
+
 class StepDriver:
     """Holds a lifecycle's transfer commands until the caller completes them, one rank at a time."""
 
@@ -89,6 +97,7 @@ class StepDriver:
         self.notices: list[C.Command] = []
         #: layers reported computed per SaveLayers command (its LayersReady notices)
         self.layers: dict[int, int] = {}
+        self._events: dict[int, Any] = {}  # command id -> the device event of its last report (or None)
 
     def pump(self) -> int:
         """Move newly queued commands in; returns how many arrived."""
@@ -104,7 +113,8 @@ class StepDriver:
             elif cmd.__class__ is C.CancelCommand:
                 notices.append(cmd)  # its (command, rank) answers are still owed: pins release on them
             elif cmd.__class__ is C.LayersReady:
-                self.layers[cmd.command_id] = max(cmd.layers, self.layers.get(cmd.command_id, 0))
+                if cmd.layers > self.layers.get(cmd.command_id, 0):
+                    self.layers[cmd.command_id], self._events[cmd.command_id] = cmd.layers, cmd.event
             elif on_notice is not None:
                 on_notice(cmd)
             else:
@@ -130,17 +140,21 @@ class StepDriver:
         return self._answer(cmd, rank, None if outcome is None else int(outcome))
 
     def _answer(self, cmd: C.TransferCommand, rank: int, limit: int | None, fail: bool = False) -> Completion:
-        ready = self.layers.get(cmd.command_id, 0)
+        ready, event = self.layers.get(cmd.command_id, 0), self._events.get(cmd.command_id)
         if fail:
             c = Completion(cmd.command_id, rank, 0, error="injected failure")
         elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)
-            c = execute(self.backend, cmd, rank, limit, self.lifecycle.clock, layers=lambda n: n <= ready)
+            gate = functools.partial(_reported, ready, event)
+            c = execute(self.backend, cmd, rank, limit, self.lifecycle.clock, layers=gate)
         elif cmd.__class__ is C.SaveLayers and ready < self.lifecycle.spec.layers:
             c = Completion(cmd.command_id, rank, 0)  # as a backend would: layers not computed, not stored
         elif limit is not None:
             c = Completion(cmd.command_id, rank, limit)
         else:  # without a backend every read and write succeeds in full
             c = Completion(cmd.command_id, rank, len(cmd.keys))
+        if cmd.__class__ is C.SaveLayers and not any((cmd.command_id, r) in self.pending for r in cmd.ranks):
+            self.layers.pop(cmd.command_id, None)  # its last rank answered: no report is for it now
+            self._events.pop(cmd.command_id, None)
         self.lifecycle.complete(c)
         return c
 
@@ -213,7 +227,7 @@ class ThreadedDriver:
                 if cmd.__class__ is C.CancelCommand:
                     self._cancelled.add(cmd.command_id)
             if entry is not None and isinstance(cmd, C.LayersReady):
-                entry[0].advance(cmd.layers)
+                entry[0].advance(cmd.layers, cmd.event)
             elif entry is not None:
                 entry[0].close()
             return True

@@ -4,7 +4,8 @@ A :class:`~kvstate.commands.SaveLayers` is sent as the prefill starts, so a rank
 must not store a layer group before the prefill computed its layers. The lifecycle says how
 many are computed in :class:`~kvstate.commands.LayersReady` notices; the driver advances the
 command's :class:`LayerGate` with them, and the backend asks the gate, before each group,
-to wait until its layers are ready.
+to wait until its layers are ready. Layers reported as launched come with a device event:
+the gate hands it to the backend, whose copies wait for it on the device.
 
 Every wait ends: when the layers are ready (True), when the gate is closed because the
 command was cancelled (False), or when the command's fence passes on the lifecycle's clock
@@ -30,19 +31,22 @@ _SLICE = 0.05  # seconds between fence checks while waiting (the clock may not b
 class LayerGate:
     """The computed-layer count of one :class:`~kvstate.commands.SaveLayers`, thread-safe."""
 
-    __slots__ = ("_cond", "layers", "closed", "fence", "clock")
+    __slots__ = ("_cond", "layers", "closed", "fence", "clock", "_events")
 
     def __init__(self, fence: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
         self._cond = threading.Condition()
         self.layers = 0  #: layers reported computed so far
         self.closed = False  #: cancelled: waits answer False at once
         self.fence, self.clock = fence, clock
+        self._events: list[tuple[int, Any]] = []  # (layers, device event after them or None) per report
 
-    def advance(self, layers: int) -> None:
-        """The first ``layers`` layers are computed (a smaller count than before is ignored)."""
+    def advance(self, layers: int, event: Any = None) -> None:
+        """The first ``layers`` layers are computed (a smaller count than before is ignored):
+        finished, or launched with ``event`` recorded after them."""
         with self._cond:
             if layers > self.layers:
                 self.layers = layers
+                self._events.append((layers, event))
                 self._cond.notify_all()
 
     def close(self) -> None:
@@ -51,15 +55,19 @@ class LayerGate:
             self.closed = True
             self._cond.notify_all()
 
-    def ready(self, layers: int, block: bool = True) -> bool:
+    def ready(self, layers: int, block: bool = True) -> Any:
         """Whether the first ``layers`` layers are computed, waiting for them when ``block``
-        (until they are, the gate closes, or the fence passes)."""
+        (until they are, the gate closes, or the fence passes): False if not; else True, or
+        the device event of the report that covered them, which the copies must wait for."""
         with self._cond:
             while not self.closed and self.layers < layers:
                 if not block or self.clock() >= self.fence:
                     return False
                 self._cond.wait(_SLICE)
-            return not self.closed
+            if self.closed:
+                return False
+            ev = next((ev for n, ev in self._events if n >= layers), None)  # the first report covering them
+            return True if ev is None else ev
 
 
 class LayerArrivals:

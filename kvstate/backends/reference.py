@@ -78,13 +78,13 @@ class ReferenceBackend(StoreBackend):
         return self._buffers(n, None)[0]
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-              guard: Guard | None = None, layers: Callable[[int], bool] | None = None) -> int:
+              guard: Guard | None = None, layers: Callable[..., Any] | None = None) -> int:
         self._check_transfer(rank, keys, block_ids)
         n = len(keys)
         if layers is None:
             count = self._put_layers(rank, keys, block_ids, guard, None, n)
         else:
-            count = self._by_group(n, layers, lambda g, m: self._put_layers(rank, keys, block_ids, guard, g, m))
+            count = self._by_group(n, layers, lambda g, m, _: self._put_layers(rank, keys, block_ids, guard, g, m))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 

@@ -35,7 +35,7 @@ import numpy as np
 from ..dtypes import as_16bit_ints, numpy_dtype
 from ..errors import DriverError, ValidationError
 from ..validate import check_int
-from .cuda_launch import Buffer, Kernels, ParamRing, cuda_available, external_stream, load_cupy, stream_ptr
+from .cuda_launch import Buffer, Kernels, ParamRing, cuda_available, event_ptr, external_stream, load_cupy, stream_ptr
 from .cuda_src import INLINE_IDS
 from .cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
 from .ids import identity_key
@@ -369,6 +369,12 @@ class CudaSwapper:
                 if time.monotonic() > deadline:
                     raise DriverError(f"a CUDA transfer did not finish within {self.timeout} s")
                 time.sleep(min(1e-3, 1e-6 * spins / 100))
+
+    def wait_on_device(self, event: Any) -> None:
+        """Make work queued on this swapper's own stream from now on wait, on the device, for
+        ``event`` (a CuPy or PyTorch CUDA event of this device); the host does not wait."""
+        self._check_open()
+        self.cp.cuda.runtime.streamWaitEvent(self.stream.ptr, event_ptr(event), 0)
 
     def _wait_stream(self, stream: Any) -> None:
         if stream is None:

@@ -23,8 +23,8 @@ import numpy as np
 from ..errors import ConfigError, DriverError, ValidationError
 from .cuda_src import INLINE_IDS, KERNEL_SOURCE, SPAN_PIECE
 
-__all__ = ["load_cupy", "cuda_available", "stream_ptr", "external_stream", "Buffer", "Kernels", "ParamRing",
-           "H2D", "D2H"]
+__all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "external_stream", "Buffer", "Kernels",
+           "ParamRing", "H2D", "D2H"]
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 _THREADS = 256
@@ -66,6 +66,15 @@ def stream_ptr(stream: Any) -> int:
         if isinstance(p, int):
             return p
     raise ValidationError(f"stream must be a CuPy or PyTorch stream or a raw pointer, got {type(stream).__name__}")
+
+
+def event_ptr(event: Any) -> int:
+    """The raw handle of a CuPy or PyTorch CUDA event (PyTorch creates it when first recorded)."""
+    for attr in ("ptr", "cuda_event"):  # CuPy, PyTorch
+        p = getattr(event, attr, None)
+        if isinstance(p, int) and p:
+            return p
+    raise ValidationError(f"expected a recorded CuPy or PyTorch CUDA event, got {type(event).__name__}")
 
 
 class _ExtStream:
