@@ -136,9 +136,10 @@ class PDEngine:
     def _prefill(self, r: Request, cmd: C.StartPrefill) -> None:
         if not (self.P.is_live(r.rid) and self.P.state_of(r.rid) in ("prefilling", "saved")):
             return  # aborted meanwhile
-        def done(i: int) -> None:  # a layer-wise P reports each layer once the GPU finished it
-            torch.cuda.synchronize()
-            self.P.layers_done(r.rid, i + 1)
+        def done(i: int) -> None:  # a layer-wise P reports each layer as it is launched, with
+            ev = torch.cuda.Event()  # the event after it: the save's copies wait for it on the GPU
+            ev.record()
+            self.P.layers_done(r.rid, i + 1, ev)
 
         logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt,
                                 cmd.num_cached_tokens, len(r.prompt), done if self.P.layerwise else None)
