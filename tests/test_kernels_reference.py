@@ -280,6 +280,30 @@ def test_compiled_checker_agrees_with_numpy(ids, limit, unique, step):
     assert id_mod.id_checker(np.ascontiguousarray(arr), limit, unique) is fits
 
 
+@settings(max_examples=300, deadline=None)
+@given(a=st.lists(st.integers(-2, 60), max_size=40), b=st.lists(st.integers(-2, 60), max_size=40),
+       sort=st.sampled_from(["", "a", "b", "ab"]), limits=st.sampled_from([(50, 50), (61, 8), (1 << 40, 61)]),
+       h2d=st.booleans())
+def test_a_compiled_pair_check_agrees_with_checking_each_list(a, b, sort, limits, h2d):
+    """GPU and host ids packed and checked in one call (increasing lists take a shortcut past
+    the uniqueness table): accepted exactly when each list passes alone, with the same ids."""
+    from kvstate.kernels import ids as id_mod
+    if id_mod.id_packer is None:
+        pytest.skip("the compiled id packer was not built here (no C compiler at install)")
+    a, b = (sorted(a) if "a" in sort else a), (sorted(set(b)) if "b" in sort else b)
+    b = (b * 2)[:len(a)] if len(b) >= 1 else b  # equal lengths mostly; an empty b stays unequal
+    from unittest import mock
+    try:  # the reference: numpy alone, no compiled helper
+        with mock.patch.object(id_mod, "id_packer", None), mock.patch.object(id_mod, "id_checker", None):
+            want = id_mod.check_ids(a, limits[0], "a", unique=h2d).tolist() + \
+                id_mod.check_ids(b, limits[1], "b", unique=not h2d).tolist()
+        want = want if len(a) == len(b) else None
+    except BlockError:
+        want = None
+    got = id_mod.check_pair(a, b, limits[0], limits[1], h2d)
+    assert (None if got is None else got.tolist()) == want
+
+
 @pytest.mark.skipif(not has_module("paddle"), reason="needs paddlepaddle")
 def test_paddle_int_tensors_as_ids():
     import paddle

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -205,8 +205,10 @@ class Kernels:
             return
         groups, span, lps = geometry
         inline = isinstance(gids, np.ndarray)  # else device pointers (ints)
-        g, f = cast(np.ndarray, gids), cast("np.ndarray | None", fids)
-        gp, fp = cast(int, gids), cast(int, fids)
+        g: np.ndarray = gids  # type: ignore[assignment]  # one of the two, by ``inline``
+        f: np.ndarray | None = fids  # type: ignore[assignment]
+        gp: int = gids  # type: ignore[assignment]
+        fp: int = fids  # type: ignore[assignment]
         if vectors and groups * lps <= 65535:
             units = chunk // 16
             threads = min(_THREADS, max(32, -(-units // 32) * 32))

@@ -42,14 +42,11 @@ static inline int small_int(PyObject *x, long long *v) {
 #endif
 }
 
-static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *seq) {
-    PyObject *fast = PySequence_Fast(seq, "block ids must be a list or tuple");
-    if (fast == NULL) return NULL;
+/* Pack the items of `fast` (a PySequence_Fast result) into dst, room for all of them: 0, or
+ * -1 with an exception set. */
+static int pack_into(PyObject *fast, int64_t *dst) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
-    if (out == NULL) { Py_DECREF(fast); return NULL; }
-    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = items[i];
         long long v;
@@ -61,26 +58,33 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *seq) {
             v = PyLong_AsLongLong(x);
         } else if (PyBool_Check(x) || PyFloat_Check(x)) {
             PyErr_Format(PyExc_TypeError, "block id %zd is a %s", i, Py_TYPE(x)->tp_name);
-            goto fail;
+            return -1;
         } else {
             PyObject *idx = PyNumber_Index(x);  /* numpy integers; refuses floats, str, None */
-            if (idx == NULL) goto fail;
+            if (idx == NULL) return -1;
             v = PyLong_AsLongLong(idx);
             Py_DECREF(idx);
         }
-        if (v == -1 && PyErr_Occurred()) goto fail;
+        if (v == -1 && PyErr_Occurred()) return -1;
         dst[i] = (int64_t)v;
     }
+    return 0;
+}
+
+static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *seq) {
+    PyObject *fast = PySequence_Fast(seq, "block ids must be a list or tuple");
+    if (fast == NULL) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, PySequence_Fast_GET_SIZE(fast) * (Py_ssize_t)sizeof(int64_t));
+    if (out != NULL && pack_into(fast, (int64_t *)PyBytes_AS_STRING(out)) < 0) Py_CLEAR(out);
     Py_DECREF(fast);
     return out;
-fail:
-    Py_DECREF(fast);
-    Py_DECREF(out);
-    return NULL;
 }
 
 /* Whether n ids (all already in range, so non-negative) are distinct. */
 static int distinct(const int64_t *ids, Py_ssize_t n) {
+    Py_ssize_t k = 1;
+    while (k < n && ids[k] > ids[k - 1]) k++;
+    if (k == n) return 1;  /* increasing (a run of host slots, say): distinct, no table needed */
     enum { STACK_SLOTS = 2048 };
     uint64_t stack[STACK_SLOTS];
     size_t slots = 4;
@@ -125,34 +129,36 @@ static PyObject *pack_valid(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *pack_pair(PyObject *self, PyObject *args) {
+static PyObject *pack_pair(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *a, *b;
     long long lim_a, lim_b;
     int uniq_a, uniq_b;
     if (!PyArg_ParseTuple(args, "OOLLpp", &a, &b, &lim_a, &lim_b, &uniq_a, &uniq_b)) return NULL;
-    Py_ssize_t na = PySequence_Size(a), nb = PySequence_Size(b);
-    if (na < 0 || nb < 0) return NULL;
-    if (na != nb) Py_RETURN_NONE;
-    PyObject *pa = pack(self, a);
-    if (pa == NULL) return NULL;
-    PyObject *pb = pack(self, b);
-    if (pb == NULL) { Py_DECREF(pa); return NULL; }
-    const int64_t *ia = (const int64_t *)PyBytes_AS_STRING(pa), *ib = (const int64_t *)PyBytes_AS_STRING(pb);
-    int ok = fits(ia, na, lim_a, uniq_a);
-    if (ok == 1) ok = fits(ib, nb, lim_b, uniq_b);
+    PyObject *fa = PySequence_Fast(a, "block ids must be a list or tuple");
+    if (fa == NULL) return NULL;
+    PyObject *fb = PySequence_Fast(b, "block ids must be a list or tuple");
+    if (fb == NULL) { Py_DECREF(fa); return NULL; }
+    Py_ssize_t na = PySequence_Fast_GET_SIZE(fa), nb = PySequence_Fast_GET_SIZE(fb);
     PyObject *out = NULL;
-    if (ok == 1) {
+    int ok = 0;
+    if (na == nb) {  /* both packed in place, one after the other, then checked */
         out = PyBytes_FromStringAndSize(NULL, (na + nb) * (Py_ssize_t)sizeof(int64_t));
-        if (out != NULL) {
-            memcpy(PyBytes_AS_STRING(out), ia, na * sizeof(int64_t));
-            memcpy(PyBytes_AS_STRING(out) + na * sizeof(int64_t), ib, nb * sizeof(int64_t));
+        int64_t *ia = out == NULL ? NULL : (int64_t *)PyBytes_AS_STRING(out);
+        if (out == NULL || pack_into(fa, ia) < 0 || pack_into(fb, ia + na) < 0) {
+            Py_XDECREF(out);
+            Py_DECREF(fa);
+            Py_DECREF(fb);
+            return NULL;
         }
+        ok = fits(ia, na, lim_a, uniq_a);
+        if (ok == 1) ok = fits(ia + na, nb, lim_b, uniq_b);
     }
-    Py_DECREF(pa);
-    Py_DECREF(pb);
+    Py_DECREF(fa);
+    Py_DECREF(fb);
+    if (ok == 1) return out;
+    Py_XDECREF(out);
     if (ok < 0) return PyErr_NoMemory();
-    if (ok == 0) Py_RETURN_NONE;
-    return out;
+    Py_RETURN_NONE;
 }
 
 /* Whether a buffer format names native int64 ("l" or "q", optionally "@", "=", or "<" where
