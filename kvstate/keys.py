@@ -15,6 +15,8 @@ import sys
 from array import array
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from .errors import ValidationError
 from .validate import TOKEN_TYPECODE, check_int, pack_tokens
 
@@ -47,23 +49,70 @@ def full_blocks(keys: Sequence[str]) -> int:
 
 
 class KeyCache:
-    """The last prompt's keys, kept whole: asked for the same tokens again at once, the key
-    function answers with one comparison instead of a hash per block.
+    """Recent prompts' keys. Asked for the last prompt's tokens again at once (P and D of one
+    request in one process: the simulator, a colocated engine), the key function answers with
+    one comparison; asked for a prompt that starts as a recent one did (a shared system
+    prompt, a conversation's earlier turns), it takes the keys of their common full blocks
+    and hashes only the rest. A recent prompt is found by its first block's bytes (``size``
+    first blocks kept, the latest prompt for each), the common part by comparing bytes.
 
-    That is the case when P and D of one request run in one process (the simulator, a
-    colocated engine), each computing the request's keys. Keys are content hashes, so a
-    kept key is the key the function computes: it changes speed, never a key. (A cache of
-    single blocks' keys was measured and cost more than it saved: a hit still hashes the
-    block's bytes to find it, and a miss adds its insertion to the sha256.) Not thread-safe:
-    share one among lifecycles driven by one thread.
+    Keys are content hashes, so a kept key is the key the function computes: it changes
+    speed, never a key. (A cache of single blocks' keys was measured and cost more than it
+    saved: a hit still hashes the block's bytes to find it, and a miss adds its insertion to
+    the sha256.) Not thread-safe: share one among lifecycles driven by one thread.
     """
 
-    __slots__ = ("hits", "misses", "_last")
+    __slots__ = ("hits", "misses", "reused", "size", "_last", "_heads")
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 64) -> None:
+        check_int(size, "KeyCache: size", minimum=1)
         self.hits = 0  #: prompts answered whole
         self.misses = 0  #: prompts hashed
+        self.reused = 0  #: full blocks whose keys a hashed prompt took from a recent one
+        self.size = size
         self._last: tuple[bytes, int, str, list[str]] | None = None  # token bytes, block size, namespace, keys
+        # (first block's bytes, block size, namespace) -> (token bytes, its full blocks' chained keys)
+        self._heads: dict[tuple[bytes, int, str], tuple[bytes, list[str]]] = {}
+
+    def __len__(self) -> int:
+        """Prompts kept for their shared blocks (at most ``size``)."""
+        return len(self._heads)
+
+    def whole(self, raw: bytes, block_size: int, namespace: str) -> list[str] | None:
+        """A copy of the last prompt's keys if ``raw`` is its tokens (a hit), else None."""
+        last = self._last
+        if last is not None and last[0] == raw and last[1] == block_size and last[2] == namespace:
+            self.hits += 1
+            return list(last[3])
+        self.misses += 1
+        return None
+
+    def common(self, raw: bytes, step: int, nfull: int, block_size: int, namespace: str) -> list[str]:
+        """Chained keys (unprefixed) of the leading full blocks ``raw`` shares with the latest
+        kept prompt that starts with the same block."""
+        kept = self._heads.get((raw[:step], block_size, namespace)) if nfull else None
+        if kept is None:
+            return []
+        k = min(nfull, len(kept[1]))
+        if raw[:k * step] != kept[0][:k * step]:  # they part inside: find the first block that differs
+            a = np.frombuffer(raw, np.uint8, count=k * step)
+            k = int(np.flatnonzero(a != np.frombuffer(kept[0], np.uint8, count=k * step))[0]) // step
+        self.reused += k
+        return kept[1][:k]
+
+    def remember(self, raw: bytes, block_size: int, namespace: str, keys: list[str]) -> None:
+        """The prompt just hashed, for :meth:`whole` (``keys`` as returned: kept, not copied)."""
+        self._last = (raw, block_size, namespace, keys)
+
+    def keep(self, raw: bytes, step: int, block_size: int, namespace: str, chain: list[str]) -> None:
+        """Keep a hashed prompt's chained full-block keys, under its first block."""
+        if not chain:
+            return
+        head = (raw[:step], block_size, namespace)
+        heads = self._heads
+        if heads.pop(head, None) is None and len(heads) >= self.size:
+            del heads[next(iter(heads))]  # the longest unused first block goes
+        heads[head] = (raw, chain)
 
 
 def keys_of_packed(packed: array[int], block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
@@ -88,26 +137,30 @@ def keys_of_packed(packed: array[int], block_size: int, extra_keys: Mapping[int,
     if extra_keys:
         keys = _chain_extra(raw, step, end, namespace.encode(), extra_keys, partial)
         return [prefix + k for k in keys] if prefix else keys
-    if cache is not None:
-        last = cache._last
-        if last is not None and last[0] == raw and last[1] == block_size and last[2] == namespace:
-            cache.hits += 1
-            return list(last[3])
-        cache.misses += 1
-    keys = []  # the common case: one sha256 call per block
+    if cache is None:
+        keys = _chain(raw, step, end, [], namespace.encode(), partial)
+        return [prefix + k for k in keys] if prefix else keys
+    kept = cache.whole(raw, block_size, namespace)
+    if kept is not None:
+        return kept
+    keys = _chain(raw, step, end, cache.common(raw, step, nfull, block_size, namespace), namespace.encode(), partial)
+    cache.keep(raw, step, block_size, namespace, keys[:nfull])
+    keys = [prefix + k for k in keys] if prefix else keys
+    cache.remember(raw, block_size, namespace, keys)
+    return list(keys)
+
+
+def _chain(raw: bytes, step: int, end: int, keys: list[str], first: bytes, partial: str) -> list[str]:
+    """Extend ``keys`` (the chain of the leading full blocks, known already) to every block of
+    ``raw``: one sha256 call per block, over the previous key (``first`` for block 0)."""
     append = keys.append
-    prev = namespace.encode()
-    for start in range(0, end, step):
+    prev = keys[-1].encode() if keys else first
+    for start in range(len(keys) * step, end, step):
         key = _sha256(prev + raw[start:start + step]).hexdigest()
         append(key)
         prev = key.encode()
-    if end < n * 4:  # the last, incomplete block
+    if end < len(raw):  # the last, incomplete block
         append(f"{_sha256(prev + raw[end:]).hexdigest()}{partial}")
-    if prefix:
-        keys = [prefix + k for k in keys]
-    if cache is not None:
-        cache._last = (raw, block_size, namespace, keys)
-        return list(keys)
     return keys
 
 

@@ -163,6 +163,38 @@ def test_keys_reject_bad_tokens(toks):
         block_keys(toks, 4)
 
 
+@settings(max_examples=150, deadline=None)
+@given(base=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+       asks=st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(0, 3), max_size=9)), min_size=1, max_size=8),
+       block=st.sampled_from([1, 3, 4]), namespace=st.sampled_from(["", "m"]), size=st.sampled_from([1, 2, 64]))
+def test_a_key_cache_reuses_shared_prefixes_exactly(base, asks, block, namespace, size):
+    """Prompts cut from one base at any point, then going their own way: every key equals the
+    computed one, whatever the cache kept, and it keeps at most ``size`` prompts."""
+    from array import array
+
+    from kvstate.keys import KeyCache, keys_of_packed
+    cache = KeyCache(size)
+    for cut, tail in asks:
+        toks = base[:cut] + tail or [7]
+        assert keys_of_packed(array("I", toks), block, None, namespace, cache) == \
+            block_keys(toks, block, namespace=namespace)
+        assert len(cache) <= size
+
+
+def test_a_key_cache_hashes_only_what_a_recent_prompt_did_not_share():
+    from array import array
+
+    from kvstate.keys import KeyCache, keys_of_packed
+    cache, base = KeyCache(), list(range(32))  # 8 blocks of 4
+    keys_of_packed(array("I", base), 4, None, "m", cache)
+    other = base[:26] + [99, 98]  # blocks 0..5 shared; block 6 differs inside
+    assert keys_of_packed(array("I", other), 4, None, "m", cache) == block_keys(other, 4, namespace="m")
+    assert cache.reused == 6 and cache.misses == 2 and cache.hits == 0
+    assert keys_of_packed(array("I", [5] + base[1:]), 4, None, "m", cache) == \
+        block_keys([5] + base[1:], 4, namespace="m")  # another first block: nothing to take
+    assert cache.reused == 6
+
+
 def test_rank_key():
     assert rank_key("abc", "value", 3) == "abc_value_3"
 
