@@ -15,8 +15,6 @@ import sys
 from array import array
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
 from .errors import ValidationError
 from .validate import TOKEN_TYPECODE, check_int, pack_tokens
 
@@ -94,9 +92,15 @@ class KeyCache:
         if kept is None:
             return []
         k = min(nfull, len(kept[1]))
-        if raw[:k * step] != kept[0][:k * step]:  # they part inside: find the first block that differs
-            a = np.frombuffer(raw, np.uint8, count=k * step)
-            k = int(np.flatnonzero(a != np.frombuffer(kept[0], np.uint8, count=k * step))[0]) // step
+        if raw[:k * step] != kept[0][:k * step]:  # they part inside: bisect for the first block that differs
+            lo, hi, other = 1, k - 1, kept[0]  # blocks [0, lo) are equal; the answer is at most hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if raw[lo * step:mid * step] == other[lo * step:mid * step]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
         self.reused += k
         return kept[1][:k]
 
