@@ -52,7 +52,8 @@ class KeyCache:
     one comparison; asked for a prompt that starts as a recent one did (a shared system
     prompt, a conversation's earlier turns), it takes the keys of their common full blocks
     and hashes only the rest. A recent prompt is found by its first block's bytes (``size``
-    first blocks kept, the latest prompt for each), the common part by comparing bytes.
+    first blocks kept, the latest prompt for each, with its token bytes), the common part by
+    comparing bytes.
 
     Keys are content hashes, so a kept key is the key the function computes: it changes
     speed, never a key. (A cache of single blocks' keys was measured and cost more than it
