@@ -109,11 +109,13 @@ def test_full_pool_evicts_and_partial_read_runs_policy(evicting_master, policy):
         from kvstate.keys import rank_key
 
         # Push other requests' cache through the 16 MiB pool in rounds of ~50 MiB until the
-        # pool evicted a block of the held read (Mooncake evicts asynchronously, and an
-        # existence probe refreshes a key, so only the last block is probed, once a round).
-        probe = [rank_key(block_keys(first, 16)[-1], "key", 0)]
+        # pool evicted an object of the held read (Mooncake evicts asynchronously, and an
+        # existence probe refreshes what it asks about, so each round asks about one object
+        # only, taking the read's six in turn: none is kept alive by the probes).
+        objects = [rank_key(k, kind, 0) for k in block_keys(first, 16) for kind in ("key", "value")]
         n = 0
-        for _ in range(20):  # usually 2-4 rounds; on a loaded machine the eviction thread lags
+        for r in range(20):  # usually 2-4 rounds; on a loaded machine the eviction thread lags
+            probe = [objects[r % len(objects)]]
             for _ in range(100):
                 toks = [1000 + n] + list(range(16 * 4 - 1))
                 rig.P.admit(f"fill{n}", toks)
@@ -126,7 +128,7 @@ def test_full_pool_evicts_and_partial_read_runs_policy(evicting_master, policy):
             time.sleep(0.5)
             if store.batch_is_exist(probe) == [0]:
                 break
-        assert store.batch_is_exist(probe) == [0], "the pool never evicted"
+        assert store.batch_is_exist(probe) == [0], "the pool never evicted an object of the held read"
         counts = [rig.dd.complete(*key).count for key in held]  # the read runs now, comes back short
         assert min(counts) < 3
         notes = rig.notices(rig.dd)
