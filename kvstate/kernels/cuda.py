@@ -89,7 +89,8 @@ class CudaSwapper:
             self._copy_stream = cp.cuda.Stream(non_blocking=True)
             self._kernels = Kernels(cp)
         self._params = ParamRing(cp, self._event, self._alloc, self._release, self.wait)
-        self._mover = Mover(cp, self._kernels, self._params, self._copy_stream, staging_bytes, self._alloc)
+        self._mover = Mover(cp, self._kernels, self._params, self._copy_stream, staging_bytes, self._alloc,
+                            self.stream)
         # lists bound on use: ids -> (weak references to the tensors, their pointer-only layers);
         # a tensor's death removes its entries (see _bound_layers)
         self._bound: OrderedDict[Any, tuple[tuple[Any, ...], DeviceLayers]] = OrderedDict()
@@ -346,15 +347,15 @@ class CudaSwapper:
             cp.cuda.runtime.setDevice(self.device)
         ev = None
         try:
-            self._mover.run(strategy, plan, layers, host_ptrs, stream, inline)
+            end = self._mover.run(strategy, plan, layers, host_ptrs, stream, inline)
             if sptr is not None:
                 ev = cp.cuda.Event(block=False, disable_timing=True)
-                ev.record(stream)
+                ev.record(end)
         finally:
             if prev != self.device:
                 cp.cuda.runtime.setDevice(prev)
-        if sptr is None:  # the swapper's own stream holds only its calls: its end is this one's
-            self.wait(stream)
+        if sptr is None:  # the swapper's streams hold only its calls: their end is this one's
+            self.wait(end)
         return ev
 
     # -- waiting -------------------------------------------------------------------------------
@@ -375,6 +376,7 @@ class CudaSwapper:
         ``event`` (a CuPy or PyTorch CUDA event of this device); the host does not wait."""
         self._check_open()
         self.cp.cuda.runtime.streamWaitEvent(self.stream.ptr, event_ptr(event), 0)
+        self._mover.own_foreign()
 
     def _wait_stream(self, stream: Any) -> None:
         if stream is None:

@@ -8,6 +8,17 @@
 
 :data:`AUTO` holds the thresholds :func:`choose_strategy` uses, measured on an H100 (figures in
 docs/benchmarks.md). A :class:`Mover` runs a plan one way, on resources its swapper owns.
+
+Ordering. A call runs after everything queued before it on its stream. Staged calls also use
+the copy stream C and the staging slots:
+
+- a slot is reused only after the event of its last use (kept across calls and streams);
+- on a caller's stream S, C first waits for S, and a d2h's S waits for its last DMA;
+- on the swapper's own stream, which holds only its calls, those two waits are made only when
+  needed, so back-to-back staged calls keep the DMA engine busy across call boundaries:
+  C waits for S only when S holds work that touched host memory or waited for a foreign event
+  since C last waited; S waits for C (a staged d2h's DMAs) only before work that is not
+  staged. A staged d2h there ends on C: its end event is recorded on C.
 """
 from __future__ import annotations
 
@@ -79,22 +90,38 @@ class Mover:
     staging (allocated through ``alloc`` on first staged use)."""
 
     def __init__(self, cp: Any, kernels: Kernels, params: ParamRing, copy_stream: Any, staging_bytes: int,
-                 alloc: Callable[[int, bool], Buffer]) -> None:
+                 alloc: Callable[[int, bool], Buffer], own_stream: Any) -> None:
         self.cp, self.kernels, self.params, self.copy = cp, kernels, params, copy_stream
         self.staging_bytes, self.alloc = staging_bytes, alloc
         self.staging: Buffer | None = None
+        self.own = own_stream  #: the swapper's own stream: only its calls go there
+        self.slot_free: list[Any] = [None] * _STAGING_SLOTS  # event after each slot's last use
+        self.next_slot = 0
+        self.c_behind = True  # own stream holds work C has not waited for (host memory, foreign events)
+        self.s_behind: Any = None  # event of a staged d2h's last DMA the own stream has not waited for
 
     def run(self, strategy: str, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...],
-            stream: Any, inline: bool) -> None:
-        """Enqueue ``plan`` on ``stream`` the way ``strategy`` names (not ``auto``)."""
+            stream: Any, inline: bool) -> Any:
+        """Enqueue ``plan`` on ``stream`` the way ``strategy`` names (not ``auto``); returns
+        the stream the call ends on (``stream``, or the copy stream: see the module's rules)."""
+        if strategy == "staged" and plan.blocks:
+            return self.staged(plan, layers, host_ptrs, stream, inline)
+        if stream is self.own:
+            self.own_foreign()  # it may touch host memory: a later staged call's C must wait
+            if self.s_behind is not None:
+                stream.wait_event(self.s_behind)
+                self.s_behind = None
         if not plan.blocks:
-            return
+            return stream
         if strategy == "dma":
             self.dma(plan, layers, host_ptrs, stream)
-        elif strategy == "staged":
-            self.staged(plan, layers, host_ptrs, stream, inline)
         else:
             self.zero_copy(plan, layers, host_ptrs, stream, inline)
+        return stream
+
+    def own_foreign(self) -> None:
+        """The own stream got work the copy stream must wait for before its next staged call."""
+        self.c_behind = True
 
     def zero_copy(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
                   inline: bool) -> None:
@@ -151,27 +178,39 @@ class Mover:
         return ev
 
     def staged(self, plan: TransferPlan, layers: DeviceLayers, host_ptrs: tuple[int, ...], stream: Any,
-               inline: bool) -> None:
-        """Kernel ⇄ device staging, DMA ⇄ host, in pieces over a ring of staging slots."""
+               inline: bool) -> Any:
+        """Kernel ⇄ device staging, DMA ⇄ host, in pieces over a ring of staging slots;
+        returns the stream the call ends on."""
         groups, span, _ = _geometry(plan)
         per_piece, slot_bytes = self._pieces(plan, span * groups)
         gptr = 0 if inline else self.params.upload([plan.gpu_ids], stream)[0]
         d2h = plan.direction == "d2h"
-        self.copy.wait_event(self._event(stream))
-        slot_free: list[Any] = [None] * _STAGING_SLOTS
+        own = stream is self.own
+        if not own or self.c_behind:
+            self.copy.wait_event(self._event(stream))
+            self.c_behind = False
         assert self.staging is not None
-        for k, e0 in enumerate(range(0, plan.blocks, per_piece)):
+        for e0 in range(0, plan.blocks, per_piece):
             e1 = min(plan.blocks, e0 + per_piece)
-            slot = k % _STAGING_SLOTS
+            slot = self.next_slot
+            self.next_slot = (slot + 1) % _STAGING_SLOTS
             sp = self.staging.ptr + slot * slot_bytes
             ids: tuple[Any, Any] = (plan.gpu_ids[e0:e1], None) if inline else (gptr + e0 * 8, 0)
             piece = _Piece(e0, e1, sp, (e1 - e0) * span, ids)
             if d2h:
-                slot_free[slot] = self._gather_piece(stream, slot_free[slot], plan, layers, host_ptrs, piece)
+                self.slot_free[slot] = self._gather_piece(stream, self.slot_free[slot], plan, layers, host_ptrs, piece)
             else:
-                slot_free[slot] = self._scatter_piece(stream, slot_free[slot], plan, layers, host_ptrs, piece)
-        if d2h:  # the caller's stream continues after the last DMA
-            stream.wait_event(self._event(self.copy))
+                self.slot_free[slot] = self._scatter_piece(stream, self.slot_free[slot], plan, layers, host_ptrs,
+                                                           piece)
+        if not d2h:
+            if own:
+                self.s_behind = None  # its kernels ran after every DMA queued before
+            return stream
+        if own:  # the own stream goes on without its DMAs; work there that is not staged waits first
+            self.s_behind = self.slot_free[(self.next_slot - 1) % _STAGING_SLOTS]
+            return self.copy
+        stream.wait_event(self._event(self.copy))  # the caller's stream continues after the last DMA
+        return stream
 
     def _launch(self, stream: Any, plan: TransferPlan, layers: DeviceLayers, p: _Piece) -> None:
         """The kernel between the piece's staging slot and the GPU blocks."""
