@@ -206,9 +206,9 @@ class CudaBackend(StoreBackend):
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def _pieces(self, n: int, group: int | None) -> tuple[int, list[int] | None, int | None]:
-        """(blocks a staging slot holds, the groups named, groups per block) for ``n`` blocks'
-        transfer of every layer (``group`` None) or of one layer group."""
+    def _pieces(self, group: int | None) -> tuple[int, list[int] | None, int | None]:
+        """(blocks a staging slot holds, the groups named, groups per block) for a transfer of
+        every layer (``group`` None) or of one layer group."""
         if group is None:
             return self.per_slot, None, None
         return self.per_slot * self.spec.layer_groups, [group], 1
@@ -256,7 +256,7 @@ class CudaBackend(StoreBackend):
         ``ready`` if one is given) piece by piece through the two staging slots, storing a
         piece while the next is gathered; leading blocks stored."""
         sw, n = self._swappers[rank], len(keys)
-        m, groups, per = self._pieces(n, group)
+        m, groups, per = self._pieces(group)
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
         count = 0
         with self._on(rank):
@@ -335,7 +335,7 @@ class CudaBackend(StoreBackend):
         """Read the blocks (every layer, or one layer group) piece by piece into the two
         staging slots, scattering a piece while the next is read; leading blocks scattered."""
         sw, n = self._swappers[rank], len(keys)
-        m, groups, per = self._pieces(n, group)
+        m, groups, per = self._pieces(group)
         count = 0
         with self._on(rank):
             events: list[Any] = [None, None]
