@@ -186,3 +186,38 @@ def test_staged_calls_on_two_streams_share_the_staging_slots_safely(rig):
     sw.wait(sw.swap_cache_layout_async(caches, host, b_gpu, b_host, "h2d", stream=other, strategy="staged"))
     sw.wait(sw.stream)
     _check(rig, want_c, want_h)
+
+
+@gpu
+def test_a_host_buffer_checked_once_is_checked_again_when_its_shape_changes():
+    """A swapper remembers the checks of a binding and host buffer used together, weakly and
+    by their shape: a buffer reshaped in place is refused (nothing moved), a dropped one is
+    not kept alive."""
+    import gc
+    import warnings
+    import weakref
+
+    import cupy as cp
+
+    from kvstate import ValidationError
+    from kvstate.kernels.cuda import CudaSwapper
+
+    with CudaSwapper() as sw:
+        caches = [cp.full((8, 1, 2, 8), 7, cp.uint8) for _ in range(2)]
+        host = sw.pinned((4, 2, 1, 2, 8), np.uint8)
+        host[:] = 0  # page-locked memory comes uninitialised
+        sw.swap_cache_layout(caches, host, [5, 1], [0, 3], "d2h")
+        assert (host[[0, 3]] == 7).all() and not host[[1, 2]].any()
+        host[:] = 0
+        with warnings.catch_warnings():  # setting a shape is deprecated in numpy 2.5, still possible
+            warnings.simplefilter("ignore", DeprecationWarning)
+            host.shape = (2, 4, 1, 2, 8)  # the same memory, now a wrong layout for these caches
+        with pytest.raises(ValidationError, match="host must be"):
+            sw.swap_cache_layout(caches, host, [5, 1], [0, 1], "d2h")
+        assert not host.any()
+        view = host.reshape(4, 2, 1, 2, 8)
+        sw.swap_cache_layout(caches, view, [2], [1], "d2h")
+        gone = weakref.ref(view)
+        del view
+        gc.collect()
+        assert gone() is None and (host.reshape(4, 2, 1, 2, 8)[1] == 7).all()

@@ -301,7 +301,7 @@ def test_a_compiled_pair_check_agrees_with_checking_each_list(a, b, sort, limits
     except BlockError:
         want = None
     got = id_mod.check_pair(a, b, limits[0], limits[1], h2d)
-    assert (None if got is None else got.tolist()) == want
+    assert (None if got is None else np.frombuffer(got, np.int64).tolist()) == want
 
 
 @pytest.mark.skipif(not has_module("paddle"), reason="needs paddlepaddle")
@@ -353,3 +353,33 @@ def test_a_call_with_list_ids_is_judged_as_with_arrays(g, h, direction):
         except ValidationError as e:
             outcomes.append(str(e))
     assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@given(ids=st.lists(st.integers(0, 2**31 - 1), max_size=40), start=st.integers(0, 10))
+def test_packed_ids_narrow_into_int32_as_numpy_would(compiled, ids, start):
+    """How the CUDA launch copies a plan's packed ids into its parameter block: the same int32
+    values from the compiled helper and from numpy; a too-short buffer is refused (compiled)."""
+    from unittest import mock
+
+    from kvstate.kernels import ids as id_mod
+    if compiled and id_mod.id_packer is None:
+        pytest.skip("the compiled id packer was not built here (no C compiler at install)")
+    packed = np.asarray(ids, np.int64).tobytes()
+    start = min(start, len(ids))
+    dst = np.full(48, -1, np.int32)
+    with mock.patch.object(id_mod, "_narrow", id_mod._narrow if compiled else None):
+        id_mod.narrow_into(packed, start, len(ids) - start, dst)
+    assert dst[:len(ids) - start].tolist() == ids[start:] and (dst[len(ids) - start:] == -1).all()
+    if compiled:
+        with pytest.raises(ValueError, match="too short"):
+            id_mod.narrow_into(packed, start, len(ids) - start + 1, dst)
+
+
+def test_a_plan_from_id_lists_keeps_them_packed_and_views_them():
+    caches = [np.zeros((10, 1, 1, 2), np.uint8)] * 3
+    host = np.zeros((6, 3, 1, 1, 2), np.uint8)
+    p = plan_layout(caches, host, [9, 2, 4], [0, 5, 1], "h2d")
+    assert p.blocks == 3 and p.gpu_ids.tolist() == [9, 2, 4] and p.host_ids.tolist() == [0, 5, 1]
+    assert p.packed is None or np.frombuffer(p.packed, np.int64).tolist() == [9, 2, 4, 0, 5, 1]
+    assert plan_layout(caches, host, np.array([9]), np.array([0]), "h2d").packed is None

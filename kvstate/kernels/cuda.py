@@ -39,7 +39,7 @@ from .cuda_launch import Buffer, Kernels, ParamRing, cuda_available, event_ptr, 
 from .cuda_src import INLINE_IDS
 from .cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
 from .ids import identity_key
-from .plan import LayerSet, TransferPlan, plan_all_layers, plan_layout, plan_per_layer
+from .plan import LayerSet, LayoutShape, TransferPlan, layout_shape, plan_all_layers, plan_layout_ids, plan_per_layer
 from .reference import as_numpy
 
 __all__ = ["CudaSwapper", "DeviceLayers", "STRATEGIES", "AUTO", "choose_strategy", "cuda_available", "load_cupy"]
@@ -82,8 +82,7 @@ class CudaSwapper:
         check_int(max_bound, "CudaSwapper: max_bound", minimum=1)
         self.cp, self.device, self.strategy, self.timeout = cp, device, strategy, float(timeout)
         self.staging_bytes, self.max_bound, self.inline_ids = staging_bytes, max_bound, inline_ids
-        self._closed = False
-        self._buffers: list[Buffer] = []  # every raw allocation this swapper made
+        self._closed, self._buffers = False, list[Buffer]()  # every raw allocation this swapper made
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._copy_stream = cp.cuda.Stream(non_blocking=True)
@@ -91,12 +90,12 @@ class CudaSwapper:
         self._params = ParamRing(cp, self._event, self._alloc, self._release, self.wait)
         self._mover = Mover(cp, self._kernels, self._params, self._copy_stream, staging_bytes, self._alloc,
                             self.stream)
-        # lists bound on use: ids -> (weak references to the tensors, their pointer-only layers);
-        # a tensor's death removes its entries (see _bound_layers)
+        # lists bound on use: ids -> (weak references to the tensors, pointer-only layers)
         self._bound: OrderedDict[Any, tuple[tuple[Any, ...], DeviceLayers]] = OrderedDict()
-        # host arrays already found page-locked: id -> (weak reference, device pointer); an
-        # array's memory cannot change under it, so a live array seen before is not re-asked
+        # page-locked host arrays seen (their memory cannot change): id -> (weak ref, device ptr)
         self._pinned_seen: dict[int, tuple[Any, int]] = {}
+        # (id(layers), id(host), host shape) -> weak references to both, their LayoutShape
+        self._shapes: dict[tuple[int, int, Any], tuple[Any, Any, LayoutShape]] = {}
         self.calls = {s: 0 for s in STRATEGIES if s != "auto"}  #: transfers run per strategy
         self._threads = threading.local()  # .bound: this thread has the device's context current
 
@@ -124,6 +123,7 @@ class CudaSwapper:
             self._buffers.clear()
             self._bound.clear()
             self._pinned_seen.clear()
+            self._shapes.clear()
             self._kernels = self._params = self._mover = None  # type: ignore[assignment]
             self.stream = self._copy_stream = None
 
@@ -312,8 +312,21 @@ class CudaSwapper:
             strategy = self.strategy
         layers = self._bound_layers(caches, "caches")
         host_np, hptr = self.host_pointer(host, "host")
-        plan = plan_layout(layers, host_np, gids, hids, direction)
+        plan = plan_layout_ids(self._layout_shape(layers, host_np, host, direction), gids, hids, direction)
         return plan, self._run(plan, layers, (hptr,), strategy, sptr, host_np.shape[0])
+
+    def _layout_shape(self, layers: DeviceLayers, host_np: np.ndarray, given: Any, direction: str) -> LayoutShape:
+        """The arrays' checks, remembered weakly per binding and host numpy array seen together."""
+        key = (id(layers), id(host_np), host_np.shape)  # a numpy array's shape can be set
+        seen = self._shapes.get(key)
+        if seen is not None and seen[0]() is layers and seen[1]() is host_np:
+            return seen[2]
+        shape = layout_shape(layers, host_np, direction)
+        if given.__class__ is np.ndarray:
+            if len(self._shapes) >= self.max_bound:
+                del self._shapes[next(iter(self._shapes))]
+            self._shapes[key] = (weakref.ref(layers), weakref.ref(host_np), shape)
+        return shape
 
     def _layers(self, caches: Any, host_layers: Any, gids: Any, hids: Any, direction: str,
                 strategy: str | None, sptr: int | None, op: str) -> tuple[TransferPlan, Any]:
@@ -360,8 +373,7 @@ class CudaSwapper:
 
     # -- waiting -------------------------------------------------------------------------------
     def wait(self, ev: Any) -> None:
-        """Wait for the CUDA event (or stream) ``ev`` (spin briefly, then back off) within
-        ``timeout``; a :class:`~kvstate.errors.DriverError` past it."""
+        """Wait for the CUDA event (or stream) ``ev`` within ``timeout`` (spin, then back off)."""
         deadline = time.monotonic() + self.timeout
         spins = 0
         while not ev.done:
@@ -380,7 +392,7 @@ class CudaSwapper:
 
     def _wait_stream(self, stream: Any) -> None:
         if stream is None:
-            return
+            return  # closed already
         ev = self.cp.cuda.Event(block=False, disable_timing=True)
         ev.record(stream)
         self.wait(ev)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError, DriverError, ValidationError
 from .cuda_src import INLINE_IDS, KERNEL_SOURCE, SPAN_PIECE
+from .ids import narrow_into
 
 __all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "external_stream", "Buffer", "Kernels",
            "ParamRing", "H2D", "D2H"]
@@ -164,20 +165,31 @@ class _Kernel:
             self.f = np.frombuffer(self.ids.f, dtype=np.int32)
         self.params = (ctypes.c_void_p * len(addrs))(*addrs)
         self.pptr = ctypes.addressof(self.params)
+        self.last: list[Any] = []  # the values in the block now: a call repeating them stores none
 
     def __call__(self, grid: tuple[int, int, int], threads: int, shared: int, stream_ptr: int,
-                 values: list[Any], gids: np.ndarray | None = None, fids: np.ndarray | None = None) -> None:
-        self.vals[:len(values)] = values
+                 values: list[Any], gids: np.ndarray | bytes | None = None, fids: np.ndarray | None = None,
+                 n: int = 0) -> None:
+        """``gids``: the ids inline, an array (and ``fids``, or None), or both sides' ``n``
+        ids packed back to back (:attr:`TransferPlan.packed`)."""
+        if values != self.last:
+            self.vals[:len(values)] = values
+            self.last = values
         if gids is not None:
-            ids, n = self.ids, len(gids)
+            ids = self.ids
             assert ids is not None
-            ids.n = n
-            self.g[:n] = gids
-            if fids is None:
-                ids.has_f = 0
+            if gids.__class__ is bytes:
+                narrow_into(gids, 0, n, self.g)
+                narrow_into(gids, n, n, self.f)
+                ids.n, ids.has_f = n, 1
             else:
-                ids.has_f = 1
-                self.f[:n] = fids
+                ids.n = n = len(gids)
+                self.g[:n] = gids
+                if fids is None:
+                    ids.has_f = 0
+                else:
+                    ids.has_f = 1
+                    self.f[:n] = fids
         self.launch(self.fptr, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream_ptr, self.pptr, 0)
 
 
@@ -194,17 +206,18 @@ class Kernels:
         self.span_i = _Kernel(get("kv_span_i"), 9, True, launch)
 
     def launch(self, stream: Any, layer_ptrs: int, flat_ptrs: int, flat_base: int, group_stride: int,
-               gids: int | np.ndarray, fids: int | np.ndarray | None, n: int, geometry: tuple[int, int, int],
+               gids: int | np.ndarray | bytes, fids: int | np.ndarray | None, n: int, geometry: tuple[int, int, int],
                chunk: int, gather: bool, vectors: bool = False) -> None:
         """Launch the copy of ``n`` entries; ``geometry`` is (groups, span, layers per span);
         ``vectors`` when every chunk is whole aligned 16-byte vectors.
 
         ``gids``/``fids`` are device pointers (``fids`` 0: entry i goes to flat position i), or
-        numpy arrays of at most ``INLINE_IDS`` ids (``fids`` None: position i), passed inline."""
+        numpy arrays of at most ``INLINE_IDS`` ids (``fids`` None: position i) or both sides'
+        ids packed (:attr:`TransferPlan.packed`, ``fids`` None), passed inline."""
         if n == 0:
             return
         groups, span, lps = geometry
-        inline = isinstance(gids, np.ndarray)  # else device pointers (ints)
+        inline = isinstance(gids, (np.ndarray, bytes))  # else device pointers (ints)
         g: np.ndarray = gids  # type: ignore[assignment]  # one of the two, by ``inline``
         f: np.ndarray | None = fids  # type: ignore[assignment]
         gp: int = gids  # type: ignore[assignment]
@@ -215,7 +228,7 @@ class Kernels:
             grid = (n, groups * lps, 1)
             if inline:  # every parameter of the kernels is 64-bit: plain ints are passed as such
                 self.chunks_i(grid, threads, 0, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride,
-                                                           span, chunk, lps, int(gather)], g, f)
+                                                           span, chunk, lps, int(gather)], g, f, n)
             else:
                 self.chunks(grid, threads, 0, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride,
                                                          gp, fp, span, chunk, lps, int(gather)])
@@ -228,7 +241,7 @@ class Kernels:
         grid, shared = (n, groups, pieces), SPAN_PIECE + 16
         if inline:
             self.span_i(grid, _THREADS, shared, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride,
-                                                             span, chunk, lps, SPAN_PIECE, int(gather)], g, f)
+                                                             span, chunk, lps, SPAN_PIECE, int(gather)], g, f, n)
         else:
             self.span(grid, _THREADS, shared, stream.ptr, [layer_ptrs, flat_ptrs, flat_base, group_stride, gp,
                                                            fp, span, chunk, lps, SPAN_PIECE, int(gather)])

@@ -15,6 +15,10 @@
  * object, when both pass valid() with their own limits and len(a) == len(b), else None: a
  * transfer's GPU and host ids in one call.
  *
+ * narrow(src, start, count, dst) copies the int64 values start..start+count-1 of the buffer
+ * `src` into the writable int32 buffer `dst` (the caller knows they fit: ids checked below
+ * 2**31), raising ValueError if either buffer is too short or not of those types.
+ *
  * identity(seq) -> bytes of the items' addresses (their id()s): a key naming exactly these
  * objects, built without allocating an int per item.
  *
@@ -189,6 +193,25 @@ static PyObject *valid(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+static PyObject *narrow(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer src, dst;
+    Py_ssize_t start, count;
+    if (!PyArg_ParseTuple(args, "y*nnw*", &src, &start, &count, &dst)) return NULL;
+    int ok = start >= 0 && count >= 0 && (start + count) * 8 <= src.len && count * 4 <= dst.len;
+    if (ok) {
+        const int64_t *from = (const int64_t *)src.buf + start;
+        int32_t *to = (int32_t *)dst.buf;
+        for (Py_ssize_t i = 0; i < count; i++) to[i] = (int32_t)from[i];
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "narrow: a buffer is too short for the ids asked");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *identity(PyObject *Py_UNUSED(self), PyObject *seq) {
     PyObject *fast = PySequence_Fast(seq, "identity() needs a list or tuple");
     if (fast == NULL) return NULL;
@@ -205,6 +228,7 @@ static PyMethodDef methods[] = {
     {"valid", valid, METH_VARARGS, "valid(ids, limit, unique) -> bool or None: ids in range (and distinct)."},
     {"pack_valid", pack_valid, METH_VARARGS, "pack_valid(seq, limit, unique) -> bytes or None: pack, then valid."},
     {"pack_pair", pack_pair, METH_VARARGS, "pack_pair(a, b, limit_a, limit_b, unique_a, unique_b) -> bytes or None."},
+    {"narrow", narrow, METH_VARARGS, "narrow(src, start, count, dst): int64 ids of src into the int32 buffer dst."},
     {"identity", identity, METH_O, "identity(seq) -> bytes: the items' addresses, a key for exactly these objects."},
     {NULL, NULL, 0, NULL},
 };

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import BlockError, ValidationError
 
-__all__ = ["as_ids", "check_ids", "check_pair", "identity_key", "id_packer", "id_checker"]
+__all__ = ["as_ids", "check_ids", "check_pair", "identity_key", "id_packer", "id_checker", "narrow_into"]
 
 
 def _compiled() -> Any:
@@ -35,6 +35,16 @@ id_checker: Callable[[np.ndarray, int, bool], bool | None] | None = _c and _c.va
 _identity: Callable[[Sequence[Any]], bytes] | None = _c and _c.identity
 _pack_valid: Callable[[Sequence[Any], int, bool], bytes | None] | None = _c and _c.pack_valid
 _pack_pair: Callable[..., bytes | None] | None = _c and _c.pack_pair
+_narrow: Callable[[bytes, int, int, np.ndarray], None] | None = _c and _c.narrow
+
+
+def narrow_into(packed: bytes, start: int, count: int, dst: np.ndarray) -> None:
+    """Copy ids ``start..start+count-1`` of packed native int64 ids (:func:`check_pair`) into
+    the first ``count`` items of the int32 array ``dst`` (ids checked below 2**31)."""
+    if _narrow is not None:
+        _narrow(packed, start, count, dst)
+    else:
+        dst[:count] = np.frombuffer(packed, np.int64, count, start * 8)
 
 
 def identity_key(objects: list | tuple) -> Any:
@@ -156,15 +166,14 @@ def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
     return arr
 
 
-def check_pair(gpu_ids: list[Any], host_ids: list[Any], num_gpu: int, num_host: int,
-               h2d: bool) -> np.ndarray | None:
-    """A transfer's GPU and host id lists packed (one after the other) and checked by one
-    compiled call; None where that cannot answer (no compiled helpers, or something is wrong:
-    :func:`check_ids` then finds and names it)."""
+def check_pair(gpu_ids: list[Any], host_ids: list[Any], num_gpu: int, num_host: int, h2d: bool) -> bytes | None:
+    """A transfer's GPU and host id lists packed as native int64 (one after the other) and
+    checked by one compiled call; None where that cannot answer (no compiled helpers, or
+    something is wrong: :func:`check_ids` then finds and names it)."""
     if id_packer is None or _pack_pair is None:
         return None
     try:
         packed = _pack_pair(gpu_ids, host_ids, num_gpu, num_host, h2d, not h2d)
     except (TypeError, OverflowError):
         return None
-    return None if packed is None else np.frombuffer(packed, np.int64)
+    return packed

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from ..dtypes import dtype_name
 from ..errors import ValidationError
 from .ids import check_ids, check_pair
 
-__all__ = ["DIRECTIONS", "TransferPlan", "LayerSet", "coalesce_runs", "plan_layout", "plan_per_layer",
-           "plan_all_layers"]
+__all__ = ["DIRECTIONS", "TransferPlan", "LayerSet", "LayoutShape", "coalesce_runs", "layout_shape", "plan_layout",
+           "plan_layout_ids", "plan_per_layer", "plan_all_layers"]
 
 DIRECTIONS = ("d2h", "h2d")
 
@@ -38,12 +38,30 @@ class TransferPlan:
     """A validated transfer: what moves, in which runs, how many bytes. Treated as immutable
     (a plain class: a frozen dataclass costs a microsecond more per call on the hot path)."""
 
-    def __init__(self, op: str, direction: str, layers: int, chunk_bytes: int, gpu_ids: np.ndarray,
-                 host_ids: np.ndarray, host_block_contiguous: bool) -> None:
+    def __init__(self, op: str, direction: str, layers: int, chunk_bytes: int, gpu_ids: np.ndarray | None,
+                 host_ids: np.ndarray | None, host_block_contiguous: bool, packed: bytes | None = None) -> None:
         self.op, self.direction, self.layers, self.chunk_bytes = op, direction, layers, chunk_bytes
-        self.gpu_ids, self.host_ids = gpu_ids, host_ids
         self.host_block_contiguous = host_block_contiguous  #: one host block holds all layers back to back
-        self.blocks = gpu_ids.size  #: blocks moved
+        #: the GPU then the host ids as native int64, back to back, where they were packed from
+        #: lists (the id arrays are then views of it, made on first use: a launcher copying the
+        #: ids elsewhere needs no array)
+        self.packed = packed
+        if gpu_ids is None or host_ids is None:
+            assert packed is not None
+            self.blocks = len(packed) // 16  #: blocks moved
+        else:
+            self.gpu_ids, self.host_ids = gpu_ids, host_ids
+            self.blocks = gpu_ids.size
+
+    @cached_property
+    def gpu_ids(self) -> np.ndarray:
+        """The GPU block ids (int64)."""
+        return np.frombuffer(self.packed, np.int64, self.blocks)  # type: ignore[arg-type]
+
+    @cached_property
+    def host_ids(self) -> np.ndarray:
+        """The host block ids (int64), one per GPU id."""
+        return np.frombuffer(self.packed, np.int64, self.blocks, self.blocks * 8)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return (f"TransferPlan({self.op}, {self.direction}, {self.blocks} blocks x {self.layers} layers "
@@ -194,8 +212,7 @@ def _finish(op: str, direction: str, layers: int, chunk: tuple[int, ...], dtype:
         # an engine's usual call: both lists, packed and checked in one pass
         packed = check_pair(gpu_ids, host_ids, num_gpu, num_host, h2d)
         if packed is not None:
-            n = len(gpu_ids)
-            return TransferPlan(op, direction, layers, _chunk_size(chunk, dtype), packed[:n], packed[n:], host_contig)
+            return TransferPlan(op, direction, layers, _chunk_size(chunk, dtype), None, None, host_contig, packed)
     g = check_ids(gpu_ids, num_gpu, "gpu_block_ids", unique=h2d)
     h = check_ids(host_ids, num_host, "host_block_ids", unique=not h2d)
     if g.size != h.size:
@@ -217,9 +234,19 @@ def _chunk_size(chunk: tuple[int, ...], dtype: Any) -> int:
 _chunk_bytes: dict[tuple[tuple[int, ...], Any], int] = {}  # (chunk shape, dtype) -> bytes: a cache
 
 
-def plan_layout(caches: Sequence[Any] | LayerSet, host: Any, gpu_block_ids: Any, host_block_ids: Any,
-                direction: str) -> TransferPlan:
-    """Validate a ``swap_cache_layout`` call and plan it."""
+class LayoutShape(NamedTuple):
+    """What a ``swap_cache_layout`` call's arrays fix, checked once: a caller that passes the
+    same caches and host buffer again may keep it and plan with :func:`plan_layout_ids`."""
+
+    layers: int
+    chunk: tuple[int, ...]  #: one (layer, block) chunk's shape ``[H, B, D]``
+    dtype: Any
+    num_gpu: int  #: blocks of each GPU cache
+    num_host: int  #: blocks of the host buffer
+
+
+def layout_shape(caches: Sequence[Any] | LayerSet, host: Any, direction: str) -> LayoutShape:
+    """Validate the direction and arrays of a ``swap_cache_layout`` call (not its ids)."""
     _check_direction(direction)
     shape, dtype = _check_layers(caches, "caches")
     hshape, hdtype, hcontig = _meta(host, "host")
@@ -231,8 +258,21 @@ def plan_layout(caches: Sequence[Any] | LayerSet, host: Any, gpu_block_ids: Any,
         raise ValidationError(f"host dtype {dtype_name(hdtype)} differs from the caches' {dtype_name(dtype)}")
     if not hcontig:
         raise ValidationError("host is not contiguous")
-    return _finish("swap_cache_layout", direction, len(caches), shape[1:], dtype, gpu_block_ids,
-                   host_block_ids, shape[0], hshape[0], True)
+    return LayoutShape(len(caches), shape[1:], dtype, shape[0], hshape[0])
+
+
+def plan_layout_ids(shape: LayoutShape, gpu_block_ids: Any, host_block_ids: Any, direction: str) -> TransferPlan:
+    """Validate the ids and direction of a ``swap_cache_layout`` call over arrays already
+    checked by :func:`layout_shape`, and plan it."""
+    _check_direction(direction)
+    return _finish("swap_cache_layout", direction, shape.layers, shape.chunk, shape.dtype, gpu_block_ids,
+                   host_block_ids, shape.num_gpu, shape.num_host, True)
+
+
+def plan_layout(caches: Sequence[Any] | LayerSet, host: Any, gpu_block_ids: Any, host_block_ids: Any,
+                direction: str) -> TransferPlan:
+    """Validate a ``swap_cache_layout`` call and plan it."""
+    return plan_layout_ids(layout_shape(caches, host, direction), gpu_block_ids, host_block_ids, direction)
 
 
 def plan_per_layer(cache: Any, host_layer: Any, gpu_block_ids: Any, host_block_ids: Any,
