@@ -16,8 +16,8 @@
  * transfer's GPU and host ids in one call.
  *
  * narrow(src, start, count, dst) copies the int64 values start..start+count-1 of the buffer
- * `src` into the writable int32 buffer `dst` (the caller knows they fit: ids checked below
- * 2**31), raising ValueError if either buffer is too short or not of those types.
+ * `src` into the writable buffer `dst`, read as int32 (the caller knows they fit: ids checked
+ * below 2**31), raising ValueError if either buffer is too short for them.
  *
  * identity(seq) -> bytes of the items' addresses (their id()s): a key naming exactly these
  * objects, built without allocating an int per item.
