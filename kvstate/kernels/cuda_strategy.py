@@ -131,9 +131,8 @@ class Mover:
         vectors = aligned and layers.aligned and plan.chunk_bytes % 16 == 0
         d2h = plan.direction == "d2h"
         if inline and len(host_ptrs) == 1:  # one launch, ids inline (from the packed lists as they are)
-            packed = plan.packed
-            self.kernels.launch(stream, layers.ptr_array.data.ptr, 0, host_ptrs[0], 0,
-                                plan.gpu_ids if packed is None else packed, plan.host_ids if packed is None else None,
+            g, f = (plan.gpu_ids, plan.host_ids) if plan.packed is None else (plan.packed, None)
+            self.kernels.launch(stream, layers.ptr_array.data.ptr, 0, host_ptrs[0], 0, g, f,
                                 plan.blocks, geometry, plan.chunk_bytes, d2h, vectors)
             return
         gptr, fptr, hptr = self.params.upload([plan.gpu_ids, plan.host_ids, np.asarray(host_ptrs, np.int64)], stream)

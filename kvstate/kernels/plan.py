@@ -264,15 +264,19 @@ def layout_shape(caches: Sequence[Any] | LayerSet, host: Any, direction: str) ->
 def plan_layout_ids(shape: LayoutShape, gpu_block_ids: Any, host_block_ids: Any, direction: str) -> TransferPlan:
     """Validate the ids and direction of a ``swap_cache_layout`` call over arrays already
     checked by :func:`layout_shape`, and plan it."""
-    _check_direction(direction)
-    return _finish("swap_cache_layout", direction, shape.layers, shape.chunk, shape.dtype, gpu_block_ids,
-                   host_block_ids, shape.num_gpu, shape.num_host, True)
+    _check_direction(direction)  # the shape may have been checked for another direction
+    return _finish_layout(shape, gpu_block_ids, host_block_ids, direction)
 
 
 def plan_layout(caches: Sequence[Any] | LayerSet, host: Any, gpu_block_ids: Any, host_block_ids: Any,
                 direction: str) -> TransferPlan:
     """Validate a ``swap_cache_layout`` call and plan it."""
-    return plan_layout_ids(layout_shape(caches, host, direction), gpu_block_ids, host_block_ids, direction)
+    return _finish_layout(layout_shape(caches, host, direction), gpu_block_ids, host_block_ids, direction)
+
+
+def _finish_layout(shape: LayoutShape, gpu_block_ids: Any, host_block_ids: Any, direction: str) -> TransferPlan:
+    return _finish("swap_cache_layout", direction, shape.layers, shape.chunk, shape.dtype, gpu_block_ids,
+                   host_block_ids, shape.num_gpu, shape.num_host, True)
 
 
 def plan_per_layer(cache: Any, host_layer: Any, gpu_block_ids: Any, host_block_ids: Any,
