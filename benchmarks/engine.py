@@ -201,7 +201,7 @@ def report(out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="rounds over every case (medians are reported)")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds over every case (medians are reported)")
     ap.add_argument("--anchor", help="the anchor probe swap_small.py, raced at 105 B when given")
     ap.add_argument("--out", help="write the JSON here")
     args = ap.parse_args(argv)
