@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import itertools
 import os
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,45 +217,38 @@ class MooncakeStore(Store):
         self._check_keys(keys, op)
         return check_batch(keys, f"MooncakeStore.{op}", buffers)
 
-    @staticmethod
-    def _offsets(views: Sequence[memoryview]) -> list[int]:
-        """Where each object of a group sits in the staging buffer (back to back)."""
-        offs, off = [], 0
-        for v in views:
-            offs.append(off)
-            off += v.nbytes
-        return offs
+    def _in_groups(self, keys: Sequence[str], views: list[memoryview],
+                   move: Callable[[list[str], list[memoryview], list[int]], list[int]]) -> list[int]:
+        """Call ``move(keys, views, offsets)`` for each run of objects that fits the staging
+        buffer together (placed back to back at ``offsets``), under the lock, with the master
+        up; the per-key results in order."""
+        out: list[int] = []
+        with self._lock:
+            self._ensure_master()
+            for a, b in self._groups(views):
+                group = views[a:b]
+                offs = list(itertools.accumulate((v.nbytes for v in group), initial=0))[:-1]
+                out.extend(move(list(keys[a:b]), group, offs))
+        return out
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = self._check_batch(keys, buffers, "batch_put_from")
-        out: list[int] = []
-        with self._lock:
-            self._ensure_master()
-            for a, b in self._groups(views):
-                group = views[a:b]
-                offs = self._offsets(group)
-                for v, o in zip(group, offs):
-                    self._staging[o:o + v.nbytes] = np.frombuffer(v, np.uint8)
-                rcs = self._store.batch_put_from(list(keys[a:b]), [self._base + o for o in offs],
-                                                 [v.nbytes for v in group])
-                out.extend(0 if rc == 0 else (rc if rc < 0 else MISSING) for rc in rcs)
-        return out
+        def put(ks: list[str], group: list[memoryview], offs: list[int]) -> list[int]:
+            for v, o in zip(group, offs):
+                self._staging[o:o + v.nbytes] = np.frombuffer(v, np.uint8)
+            rcs = self._store.batch_put_from(ks, [self._base + o for o in offs], [v.nbytes for v in group])
+            return [0 if rc == 0 else (rc if rc < 0 else MISSING) for rc in rcs]
+
+        return self._in_groups(keys, self._check_batch(keys, buffers, "batch_put_from"), put)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = self._check_batch(keys, buffers, "batch_get_into")
-        out: list[int] = []
-        with self._lock:
-            self._ensure_master()
-            for a, b in self._groups(views):
-                group = views[a:b]
-                offs = self._offsets(group)
-                got = self._store.batch_get_into(list(keys[a:b]), [self._base + o for o in offs],
-                                                 [v.nbytes for v in group])
-                for v, o, n in zip(group, offs, got):
-                    if n > 0:
-                        v[:n] = self._staging.data[o:o + n]
-                    out.append(n)
-        return out
+        def get(ks: list[str], group: list[memoryview], offs: list[int]) -> list[int]:
+            got = self._store.batch_get_into(ks, [self._base + o for o in offs], [v.nbytes for v in group])
+            for v, o, n in zip(group, offs, got):
+                if n > 0:
+                    v[:n] = self._staging.data[o:o + n]
+            return list(got)
+
+        return self._in_groups(keys, self._check_batch(keys, buffers, "batch_get_into"), get)
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         self._check_keys(keys, "batch_is_exist")
