@@ -120,24 +120,34 @@ def test_the_lazy_decode_batch_keeps_exact_books(data):
     assert_every_request_ended_clean(cl, r)
 
 
+#: what the cases the random search below found share; each overrides what it drew
+TINY = {"time_limit_s": 5000.0,
+        "model": {"name": "tiny", "params_b": 1.0, "hidden": 1024, "kv_heads": 4, "head_dim": 64},
+        "cluster": {"n_decode": 1, "tp": 1, "gpu_blocks": 39, "decode_max_batch": 4, "prefill_token_budget": 512},
+        "storage": {"bandwidth_gbps": 1.0},
+        "policy": {"read_failure": "fail", "queue_timeout_s": 0.5, "decode_headroom_blocks": 0},
+        "workload": {"arrival": "gamma", "cv": 3.0, "output_max": 400}}
+
+
+def found(seed: int, **sections: dict) -> dict:
+    """A case found by the random search: :data:`TINY`, each section updated by its draws."""
+    out: dict = {**TINY, "seed": seed}
+    for name, values in sections.items():
+        out[name] = {**TINY.get(name, {}), **values}
+    return out
+
+
 def test_resumed_requests_have_room_to_grow():
     """Three prompts that each fill a third of D's blocks exactly: resumed into just their old
     blocks, each would be preempted again at its next token, forever (a livelock found by the
     random search above). A preempted request resumes only with room for its next token."""
-    shape = {
-        "seed": 3165, "time_limit_s": 5000.0,
-        "model": {"name": "tiny", "params_b": 1.0, "num_layers": 8, "hidden": 1024, "kv_heads": 4,
-                  "head_dim": 64, "block_size": 64},
-        "cluster": {"n_prefill": 2, "n_decode": 1, "tp": 1, "gpu_blocks": 39, "decode_max_batch": 4,
-                    "prefill_token_budget": 512},
-        "storage": {"capacity_gib": 0.2, "bandwidth_gbps": 1.0},
-        "policy": {"preempt": "recompute", "read_failure": "fail", "write_retries": 1, "transfer_timeout_s": 30.0,
-                   "queue_timeout_s": 0.5, "first_token_timeout_s": 5.0, "decode_headroom_blocks": 0},
-        "tp": {"skew_ms": [50.0]},
-        "workload": {"arrival": "gamma", "cv": 3.0, "rate": 2000.0, "num_requests": 54, "input_mean": 737.0,
-                     "input_max": 831, "output_mean": 17.0, "output_max": 400, "prefix_groups": 3,
-                     "prefix_tokens": 226},
-    }
+    shape = found(seed=3165, model={"num_layers": 8, "block_size": 64}, cluster={"n_prefill": 2},
+                  storage={"capacity_gib": 0.2},
+                  policy={"preempt": "recompute", "write_retries": 1, "transfer_timeout_s": 30.0,
+                          "first_token_timeout_s": 5.0},
+                  tp={"skew_ms": [50.0]},
+                  workload={"rate": 2000.0, "num_requests": 54, "input_mean": 737.0, "input_max": 831,
+                            "output_mean": 17.0, "prefix_groups": 3, "prefix_tokens": 226})
     cl, r = run(shape)
     assert_every_request_ended_clean(cl, r)
     assert r["reasons"] == {"done": 54}
@@ -149,20 +159,13 @@ def test_preempted_requests_resume_when_a_late_answer_unpins_their_blocks():
     while its write still pins them, and the write's late answer frees them with no notice. With
     no batch running, D must still wake and resume (found by the random search above: five
     requests waited preempted beside 39 free blocks until the time limit)."""
-    shape = {
-        "seed": 1, "time_limit_s": 5000.0,
-        "model": {"name": "tiny", "params_b": 1.0, "num_layers": 2, "hidden": 1024, "kv_heads": 4,
-                  "head_dim": 64, "block_size": 16},
-        "cluster": {"n_prefill": 1, "n_decode": 1, "tp": 1, "gpu_blocks": 39, "decode_max_batch": 4,
-                    "prefill_token_budget": 512},
-        "storage": {"capacity_gib": 0.01, "bandwidth_gbps": 1.0},
-        "policy": {"preempt": "write", "read_failure": "fail", "write_retries": 0, "transfer_timeout_s": 0.05,
-                   "queue_timeout_s": 0.5, "first_token_timeout_s": 0.5, "decode_headroom_blocks": 0},
-        "tp": {"skew_ms": [0.0]},
-        "workload": {"arrival": "gamma", "cv": 3.0, "rate": 200.0, "num_requests": 49, "input_mean": 194.0,
-                     "input_max": 207, "output_mean": 35.0, "output_max": 400, "prefix_groups": 0,
-                     "prefix_tokens": 0},
-    }
+    shape = found(seed=1, model={"num_layers": 2, "block_size": 16}, cluster={"n_prefill": 1},
+                  storage={"capacity_gib": 0.01},
+                  policy={"preempt": "write", "write_retries": 0, "transfer_timeout_s": 0.05,
+                          "first_token_timeout_s": 0.5},
+                  tp={"skew_ms": [0.0]},
+                  workload={"rate": 200.0, "num_requests": 49, "input_mean": 194.0, "input_max": 207,
+                            "output_mean": 35.0, "prefix_groups": 0, "prefix_tokens": 0})
     cl, r = run(shape)
     assert_every_request_ended_clean(cl, r)
     assert r["preemptions"] > 0 and sum(r["reasons"].values()) == 49
