@@ -7,8 +7,10 @@ Python list each call (an engine's block table hands them over), the caches the 
 list of per-layer arrays, both directions, chunks of 128 KiB, 16 KiB, 4 KiB, 1 KiB and 105 B:
 
 - *sync*: one call, then wait for it (median of many);
-- *pipelined*: 41 async calls enqueued back to back, the last 40 timed between two CUDA events
-  (steady state: the first call's host time, before any GPU work, is left out).
+- *pipelined*: async calls enqueued back to back, all but the first timed between two CUDA
+  events (steady state: the first call's host time, before any GPU work, is left out): 40
+  timed, or as many as move 4 GiB where that is fewer (at least 8: 8 of 1 GiB at 128 KiB),
+  so that no case's window is much longer than another's and than the limit's copy.
 
 Every case is measured once per round and the rounds go round-robin over all cases, so a burst
 of interference from other tenants of the host spoils one round of a case, not the case: the
@@ -37,7 +39,8 @@ from kvstate.kernels.cuda import CudaSwapper, load_cupy  # noqa: E402
 L, N, n = 32, 4096, 256
 CHUNKS = [(131072, (8, 64, 128), "uint16"), (16384, (1, 64, 128), "uint16"), (4096, (1, 16, 128), "uint16"),
           (1024, (1, 16, 32), "uint16"), (105, (3, 5, 7), "uint8")]
-CALLS = 40  # async calls per pipelined round
+CALLS = 40  # timed async calls per pipelined round ...
+WINDOW = 4 << 30  # ... or as many as move this many bytes, where that is fewer (8 at least)
 
 
 class Case:
@@ -45,6 +48,7 @@ class Case:
 
     def __init__(self, cp, sw, chunk: int, shape: tuple[int, ...], dtype: str, rng) -> None:
         self.chunk = chunk
+        self.calls = max(8, min(CALLS, WINDOW // (n * L * chunk)))  # timed calls per pipelined round
         self.caches = [cp.random.randint(0, 255, (N,) + shape).astype(dtype) for _ in range(L)]
         self.host = sw.pinned((n, L) + shape, dtype)
         # ids a new list object on every call: an engine's block table hands them over
@@ -75,7 +79,7 @@ def pipelined_time(cp, sw, c: Case, direction: str) -> float:
     """Seconds per call in steady state: from the end of the first call's GPU work to the end
     of the last (the GPU idles through the first call's host time, which a transfer thread
     issuing calls back to back hides behind the calls before)."""
-    ids = [c.ids() for _ in range(CALLS + 1)]
+    ids = [c.ids() for _ in range(c.calls + 1)]
     start, end = cp.cuda.Event(), cp.cuda.Event()
     sw.swap_cache_layout_async(c.caches, c.host, *ids[0], direction)
     start.record(sw.stream)
@@ -83,7 +87,7 @@ def pipelined_time(cp, sw, c: Case, direction: str) -> float:
         sw.swap_cache_layout_async(c.caches, c.host, g, h, direction)
     end.record(sw.stream)
     end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / 1e3 / CALLS
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / c.calls
 
 
 def check(cp, sw, c: Case, direction: str) -> bool:
@@ -135,7 +139,7 @@ def engine_rows(cp, sw, rounds: int) -> tuple[list[dict], dict]:
             sync, pipe = float(np.median(c.sync[d])), float(np.median(c.pipe[d]))
             rows.append({"chunk": c.chunk, "direction": d, "sync_us": sync * 1e6, "sync_GBps": nbytes / sync / 1e9,
                          "sync_pct_of_limit": 100 * nbytes / sync / 1e9 / limit[d],
-                         "pipelined_GBps": nbytes / pipe / 1e9,
+                         "pipelined_GBps": nbytes / pipe / 1e9, "pipelined_calls": c.calls,
                          "pipelined_pct_of_limit": 100 * nbytes / pipe / 1e9 / limit[d],
                          "pipelined_rounds_pct": [round(100 * nbytes / p / 1e9 / limit[d], 1) for p in c.pipe[d]],
                          "correct": check(cp, sw, c, d)})
