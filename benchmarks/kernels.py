@@ -1,6 +1,6 @@
 """CUDA transfer ops and backend handoff on the GPU machine: prints a table, writes JSON.
 
-    python benchmarks/kernels.py [--quick] [--sections ...] [--out FILE] [--json]
+    python benchmarks/kernels.py [--quick] [--sections ...] [--anchor PATH] [--out FILE] [--json]
 
 1. PCIe limits: one 1 GiB pinned copy each way.
 2. ``overhead``: where the host time of one small call goes (105-byte chunks; a profile).
@@ -12,7 +12,9 @@
 4. ``handoff``: the CUDA backend's handoff of one 8k-token request (Llama-3-8B-like cache, TP 1) P GPU →
    MemoryStore → D GPU, against each stage alone (D2H, the store's put+get copy, H2D).
 
-Calls as an engine makes them (Python-list ids, both directions, rounds): benchmarks/engine.py.
+5. ``engine``: calls as an engine makes them (a fresh Python list of ids each call, both
+   directions, 128 KiB to 105 B, synchronous and pipelined, rounds; with ``--anchor``, the race
+   against the anchor's bare kernel): the rows of benchmarks/engine.py, which also runs alone.
 """
 from __future__ import annotations
 
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--sections", default="limits,overhead,layout,handoff",
-                    help="comma-separated: limits (always run), overhead, layout, handoff")
+                    help="comma-separated: limits (always run), overhead, layout, handoff, engine")
+    ap.add_argument("--anchor", help="with the engine section: the anchor probe swap_small.py, raced at 105 B")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--json", action="store_true", help="print the JSON object last")
     args = ap.parse_args(argv)
@@ -276,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(out["overhead"]), flush=True)
         if "layout" in sections:
             out["layout"] = layout_rows(cp, sw, out["limits"], reps, args.quick)
+        if "engine" in sections:
+            out["engine"] = engine_section(cp, sw, 3 if args.quick else 9, args.anchor, out)
     if "handoff" in sections:
         out["handoff"] = handoff(cp, 5)
         print(json.dumps(out["handoff"]), flush=True)
@@ -288,6 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def engine_section(cp, sw, rounds: int, anchor: str | None, out: dict) -> dict:
+    """benchmarks/engine.py's rows (and anchor race) on this swapper, as that script reports them."""
+    import engine as engine_mode  # benchmarks/engine.py, beside this script
+
+    res = {"gpu": out["gpu"], "id_packer": out["id_packer"], "rounds": rounds}
+    res["engine"], res["limits"] = engine_mode.engine_rows(cp, sw, rounds)
+    cp.get_default_memory_pool().free_all_blocks()
+    if anchor:
+        res["anchor_race"] = engine_mode.anchor_race(cp, sw, anchor)
+    return res
+
+
 def report(out: dict) -> None:
     """The tables of whatever sections ran."""
     lim = out["limits"]
@@ -295,6 +312,10 @@ def report(out: dict) -> None:
           f"PCIe limit d2h {lim['d2h_GBps']:.1f} GB/s, h2d {lim['h2d_GBps']:.1f} GB/s")
     if "layout" in out:
         layout_report(out)
+    if "engine" in out:
+        import engine as engine_mode
+
+        engine_mode.report(out["engine"])
     if "handoff" in out:
         h = out["handoff"]
         print(f"handoff 8k tokens ({h['bytes'] / 2**20:.0f} MiB): {h['handoff_ms']:.1f} ms; "
