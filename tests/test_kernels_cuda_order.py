@@ -221,3 +221,32 @@ def test_a_host_buffer_checked_once_is_checked_again_when_its_shape_changes():
         del view
         gc.collect()
         assert gone() is None and (host.reshape(4, 2, 1, 2, 8)[1] == 7).all()
+
+
+@gpu
+def test_short_calls_back_to_back_read_what_the_one_before_wrote():
+    """Pairs of short zero-copy calls with no hold and no host wait: an h2d into random GPU
+    blocks, then a d2h of those blocks into other host blocks; then another library's kernel
+    writes a layer on the swapper's stream just before a d2h reads it."""
+    import cupy as cp
+
+    from kvstate.kernels.cuda import CudaSwapper
+
+    rng = np.random.default_rng(6)
+    pairs, n = 24, 16
+    with CudaSwapper() as sw:
+        caches = [cp.zeros((N_GPU,) + CHUNK, cp.uint16) for _ in range(LAYERS)]
+        src = sw.pinned((pairs * n, LAYERS) + CHUNK, np.uint16)
+        src[...] = rng.integers(0, 2**16, src.shape, dtype=np.uint16)
+        out = sw.pinned((pairs * n, LAYERS) + CHUNK, np.uint16)
+        out[...] = 0
+        for k in range(pairs):
+            blocks, slots = rng.choice(N_GPU, n, replace=False).tolist(), list(range(k * n, (k + 1) * n))
+            sw.swap_cache_layout_async(caches, src, blocks, slots, "h2d", strategy="zero_copy")
+            sw.swap_cache_layout_async(caches, out, blocks, slots, "d2h", strategy="zero_copy")
+        sw.wait(sw.stream)
+        assert np.array_equal(out, src)
+        with sw.stream:
+            caches[0].fill(7)  # CuPy's own kernel, on the swapper's stream
+        sw.swap_cache_layout(caches, out, list(range(n)), list(range(n)), "d2h", strategy="zero_copy")
+        assert (out[:n, 0] == 7).all()
