@@ -9,7 +9,13 @@
 - a 12,000-request conversation-style trace (``kvstate.sim.conversation``, seed 0, 37 % block
   reuse), generated into a temporary file: wall seconds.
 One process, one core (SimPy is single-threaded). Wall times on a shared machine vary by
-tens of percent between runs: take the best of several.
+tens of percent between runs, and by more from day to day: take the best of several, and
+compare versions side by side.
+
+``--against TREE`` does that: it runs TREE's own ``benchmarks/sim.py --json`` (another checkout,
+an older commit) and this one's, alternating, ``--repeats`` times each, each in its own
+process, and prints both sides' best figures and the speed-ups (that side's time over this
+side's) of the figures both report.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,12 +46,55 @@ def replay(path: str) -> tuple[float, dict]:
     return timed(with_overrides(Scenario(), {"workload.arrival": "trace", "workload.trace": os.path.abspath(path)}))
 
 
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+#: figures compared by --against: lower is better, except the rate
+WALLS = ("default_wall_s", "trace_wall_s", "conversation_wall_s")
+
+
+def child(tree: str, quick: bool) -> dict:
+    """One run of ``tree``'s own benchmark, in a fresh process on that tree's sources."""
+    cmd = [sys.executable, os.path.join(tree, "benchmarks", "sim.py"), "--json"] + (["--quick"] if quick else [])
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+    if r.returncode not in (0, 1):  # 1: that run was not deterministic, its figures still stand
+        raise SystemExit(f"{tree}: benchmarks/sim.py exited {r.returncode}: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def against(tree: str, repeats: int, quick: bool) -> dict:
+    """This tree's and ``tree``'s figures, alternating runs; the best of each and the speed-ups."""
+    if not os.path.isfile(os.path.join(tree, "benchmarks", "sim.py")):
+        raise SystemExit(f"--against {tree}: no benchmarks/sim.py there (give a kvstate checkout)")
+    runs: dict[str, list[dict]] = {"this": [], "that": []}
+    for _ in range(max(1, repeats)):
+        runs["this"].append(child(ROOT, quick))
+        runs["that"].append(child(tree, quick))
+    best = {}
+    for side, docs in runs.items():
+        keys = set(WALLS + ("sim_requests_per_s",)).intersection(*docs)
+        best[side] = {k: (max if k == "sim_requests_per_s" else min)(d[k] for d in docs) for k in sorted(keys)}
+    common = sorted(set(best["this"]) & set(best["that"]))
+    speedup = {k: round(best["this"][k] / best["that"][k] if k == "sim_requests_per_s"
+                        else best["that"][k] / best["this"][k], 3) for k in common}
+    return {"against": os.path.abspath(tree), "runs": len(runs["this"]), "this": best["this"], "that": best["that"],
+            "speedup": speedup, "this_runs": runs["this"], "that_runs": runs["that"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="500 requests, no traces")
     ap.add_argument("--repeats", type=int, default=3, help="runs of the default scenario (best is reported)")
+    ap.add_argument("--against", metavar="TREE", help="another kvstate checkout to run side by side (see above)")
     args = ap.parse_args()
+    if args.against:
+        out = against(args.against, args.repeats, args.quick)
+        if args.json:
+            print(json.dumps(out, sort_keys=True))
+        else:
+            for k, v in out["speedup"].items():
+                print(f"{k:<20}  this {out['this'][k]:>9}  that {out['that'][k]:>9}  speed-up {v:.3f}x")
+        return 0
     s = Scenario()
     if args.quick:
         s = with_overrides(s, {"workload.num_requests": 500})

@@ -44,3 +44,18 @@ def test_engine_sim_dry_run_serves_every_request(tmp_path):
     points = res["compute_fit"]["points"]
     held = [p for p in points if p["held_out"]]
     assert held and len(held) < len(points) and all("model_error" in p for p in held)
+
+
+def test_sim_benchmark_against_another_tree_reports_speedups():
+    """--against runs both trees' own benchmark in their own processes and compares the figures
+    both report (here the tree against itself; no timing asserted)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--against", str(ROOT), "--quick",
+                        "--repeats", "1", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["runs"] == 1 and set(out["speedup"]) == {"default_wall_s", "sim_requests_per_s"}
+    assert all(v > 0 for v in out["speedup"].values())
+    assert out["this_runs"][0]["default_requests"] == out["that_runs"][0]["default_requests"] == 500
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--against", str(ROOT / "docs")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no benchmarks/sim.py there" in bad.stderr
