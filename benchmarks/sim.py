@@ -28,12 +28,13 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # this checkout
+sys.path.insert(0, ROOT)
 
 from kvstate.sim import Scenario, simulate, to_json, with_overrides  # noqa: E402
 from kvstate.sim.conversation import block_reuse, conversation_trace, write_trace  # noqa: E402
 
-TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "mooncake_synthetic_trace.jsonl")
+TRACE = os.path.join(ROOT, "data", "mooncake_synthetic_trace.jsonl")
 
 
 def timed(s: Scenario) -> tuple[float, dict]:
@@ -46,7 +47,6 @@ def replay(path: str) -> tuple[float, dict]:
     return timed(with_overrides(Scenario(), {"workload.arrival": "trace", "workload.trace": os.path.abspath(path)}))
 
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 #: figures compared by --against: lower is better, except the rate
 WALLS = ("default_wall_s", "trace_wall_s", "conversation_wall_s")
 
