@@ -132,6 +132,11 @@ class SimStore:
         self.used = self.capacity + excess
         self.stats["evicted_blocks"] += n
 
+    def contents(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every stored key with the ranks whose shard it holds, least recently used first
+        (a copy: for checks and reports)."""
+        return [(k, tuple(r for r in range(len(self._ranks)) if m >> r & 1)) for k, m in self._blocks.items()]
+
     def __len__(self) -> int:
         return len(self._blocks)
 

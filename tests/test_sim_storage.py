@@ -1,0 +1,91 @@
+"""The simulated storage pool against a plain reference model of an LRU pool of rank shards.
+
+Any order of writes, reads and queries, by any rank, over overlapping key chains, with a
+capacity small enough to evict often: the pool must answer as the reference does, hold the
+same keys in the same LRU order with the same ranks, count the same bytes and evictions.
+"""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstate.sim.scenario import StorageSpec
+from kvstate.sim.storage import SimStore
+
+SHARD = 1024  # bytes of one rank's shard of a block
+KEYS = [f"k{i}" for i in range(24)]
+
+
+class ReferenceStore:
+    """An LRU pool written for clarity: a list in LRU order, a set of ranks per key."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.order, self.ranks = capacity, [], {}
+        self.used = self.evicted = 0
+
+    def leading(self, rank: int, keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and rank in self.ranks.get(keys[n], ()):
+            n += 1
+        return n
+
+    def _touch(self, key: str) -> None:
+        if key in self.ranks:
+            self.order.remove(key)
+        self.order.append(key)
+
+    def write(self, rank: int, keys: list[str]) -> int:
+        n = self.leading(rank, keys)
+        for k in keys[n:]:
+            if rank not in self.ranks.get(k, ()):
+                self.used += SHARD
+            self._touch(k)
+            self.ranks.setdefault(k, set()).add(rank)
+        while self.used > self.capacity and self.order:
+            k = self.order.pop(0)
+            self.used -= SHARD * len(self.ranks.pop(k))
+            self.evicted += 1
+        return len(keys)
+
+    def read(self, rank: int, keys: list[str]) -> int:
+        n = self.leading(rank, keys)
+        for k in keys[:n]:
+            self._touch(k)
+        return n
+
+
+def chains(draw_keys: list[int]) -> list[str]:
+    return [KEYS[i] for i in dict.fromkeys(draw_keys)]  # distinct, as a command's keys are
+
+
+OPS = st.lists(st.tuples(st.sampled_from(("write", "read", "query")), st.integers(0, 1),
+                         st.lists(st.integers(0, len(KEYS) - 1), min_size=0, max_size=10)),
+               min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, capacity_blocks=st.integers(1, 30), same_keys_twice=st.booleans())
+def test_pool_answers_and_orders_as_the_reference(ops, capacity_blocks, same_keys_twice):
+    spec = StorageSpec(capacity_gib=capacity_blocks * SHARD / 2**30)
+    store, ref = SimStore(spec, SHARD, tp=2), ReferenceStore(capacity_blocks * SHARD)
+    for op, rank, idx in ops:
+        keys = chains(idx)
+        ranks = (rank, 1 - rank) if same_keys_twice else (rank,)  # every rank after the other, as TP does
+        for r in ranks:
+            if op == "query":
+                assert store.query(r, keys) == ref.leading(r, keys)
+            else:
+                assert store.answer(r, keys, op == "write") == getattr(ref, op)(r, keys)
+        assert store.contents() == [(k, tuple(sorted(ref.ranks[k]))) for k in ref.order]
+        assert store.used == ref.used and store.evictions == ref.evicted
+        assert store.used <= store.capacity
+        assert len(store) == len(ref.order)
+
+
+def test_known_leading_keys_skip_the_look_but_not_the_answer():
+    store = SimStore(StorageSpec(capacity_gib=1.0), SHARD, tp=1)
+    store.write(0, ["a", "b", "c"])
+    assert store.leading(0, ["a", "b", "c", "d"]) == 3
+    assert store.leading(0, ["a", "b", "c", "d"], known=2) == 3
+    assert store.read(0, ["a", "x", "c"]) == 1  # a miss ends a read
+    assert [k for k, _ in store.contents()] == ["b", "c", "a"]  # the read moved "a" to the LRU end
