@@ -34,6 +34,8 @@ def assert_every_request_ended_clean(cl: Cluster, r: dict) -> None:
     reasons = r["reasons"]
     assert sum(reasons.values()) == cl.total
     assert set(reasons) <= set(REASONS) | {"rejected_too_long"}, reasons
+    for name, i in r["instances"].items():  # a forward outlasting the run counts until its end
+        assert 0.0 <= i["compute_busy"] <= 1.0, (name, i["compute_busy"])
     for inst in cl.prefill + cl.decode:
         assert inst.lc.live_requests() == [], inst.name
         assert inst.lc.pool.num_used == 0, (inst.name, inst.lc.pool.stats())
@@ -51,6 +53,51 @@ def test_overloaded_70b_cluster_drains_with_reasons(seed):
     assert r["reasons"]["done"] > 0
     p = cl.prefill[0].lc.counters
     assert p["aborted"] == r["reasons"]["first_token_timeout"] - cl.counters.get("late_first_token", 0)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prompts_whose_request_ended_while_queued_are_not_computed(layerwise):
+    """A burst that one P cannot prefill before D's first-token deadline: the prompts still
+    queued when their request ends leave P's queue uncomputed, so P computes exactly the
+    prompts that were not dropped (one prompt a forward, every forward alike). Layer-wise, a
+    dropped prompt's save, which waited for its forward, answers at once."""
+    cl, r = run({**TINY, "seed": 3,
+                 "model": {**TINY["model"], "params_b": 8.0},  # about 70 ms a forward
+                 "storage": {"bandwidth_gbps": 100.0},
+                 "cluster": {"n_prefill": 1, "n_decode": 1, "tp": 1, "gpu_blocks": 4000,
+                             "prefill_token_budget": 2048, "layerwise": layerwise},
+                 "policy": {"first_token_timeout_s": 0.5, "queue_timeout_s": 30.0},
+                 "workload": {"arrival": "poisson", "rate": 5000.0, "num_requests": 40, "prefix_groups": 0,
+                              "input_dist": "fixed", "input_mean": 2048.0, "output_dist": "fixed",
+                              "output_mean": 4.0}})
+    assert_every_request_ended_clean(cl, r)
+    dropped = r["prompts_dropped"]
+    assert 0 < dropped < cl.total and r["reasons"]["first_token_timeout"] >= dropped
+    forward = cl.compute.prefill_time([(2048, 0)])
+    p, = cl.prefill
+    assert p.busy_time == pytest.approx((cl.total - dropped) * forward, rel=1e-9)
+    assert p.queued_tokens == 0 and not p.waiting and not p.saves
+    assert p.lc.counters["forced_releases"] == 0  # every cancelled save answered: none left to the fence
+
+
+@pytest.mark.parametrize("kind", ["write", "read", "swap"])
+def test_a_command_cancelled_before_a_worker_takes_it_costs_no_time(kind):
+    """As the threaded driver does: a worker reaching a cancelled command answers it at once,
+    moving nothing; the same command not cancelled takes its transfer time."""
+    from kvstate import commands as C
+    from kvstate.sim.instance import Swap, Transfer
+    cl = Cluster(scenario_from_dict({"cluster": {"n_prefill": 1, "tp": 2}}))
+    p = cl.prefill[0]
+    keys = tuple(f"k{i}" for i in range(8))
+    if kind == "read":
+        cl.store.write(0, keys)
+    cmd_cls = {"write": C.WriteBlocks, "read": C.ReadBlocks, "swap": C.SwapOut}[kind]
+    cmds = [cmd_cls(f"r{i}", i, (0,), 30.0, keys, tuple(range(8))) for i in (1, 2)]
+    tasks = [Swap(p, c, True) if kind == "swap" else Transfer(p, c, kind == "write") for c in cmds]
+    p.cancelled.add(1)
+    assert tasks[0].start(0) == 0.0
+    assert cl.store.busy_until == 0.0 and p.link_free == [0.0, 0.0]  # nothing reserved
+    assert tasks[1].start(0) > 0.0
 
 
 @st.composite

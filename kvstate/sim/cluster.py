@@ -68,7 +68,7 @@ class Cluster:
         self.faults_write, self.faults_read = s.faults.write_fail, s.faults.read_fail
         self.counters = dict.fromkeys(("preemptions", "partial_reads", "injected_write_failures",
                                        "injected_read_failures", "backlogged", "rejected_too_long", "swap_outs",
-                                       "swap_ins", "blocks_swapped_out", "blocks_swapped_in"), 0)
+                                       "swap_ins", "blocks_swapped_out", "blocks_swapped_in", "prompts_dropped"), 0)
         self.round_trips: list[float] = []  #: seconds from each preemption to decoding again
         self.reqs: dict[str, SimRequest] = {}
         self.live: set[str] = set()  #: requests not yet ended

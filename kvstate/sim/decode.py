@@ -129,6 +129,7 @@ class DecodeInstance(Instance):
                     t += cl.compute.prefill_time((n, c) for _, n, c in work)
                 self.busy_time += t
                 self.slot_seconds += t * b
+                self.computing_until = env.now + t
                 self._stepping = True
                 yield env.timeout(t)
                 self._stepping = False
@@ -178,6 +179,7 @@ class DecodeInstance(Instance):
             busy += d
             slots += d * b
         self.busy_time, self.slot_seconds = busy, slots
+        self.computing_until = span.ends[span.last]
 
     def _advance(self, span: StepSpan, upto: int) -> None:
         """Account for the span's steps before ``upto``: no event fell on them."""

@@ -41,8 +41,11 @@ class Transfer:
 
     def start(self, rank: int) -> float:
         """Seconds of this rank's part: a write first asks which leading keys are stored and
-        moves only the rest; a read moves the leading keys found (a miss ends it)."""
+        moves only the rest; a read moves the leading keys found (a miss ends it). A command
+        cancelled before a worker took it is skipped, as the threaded driver skips it."""
         inst = self.inst
+        if self.cmd.command_id in inst.cancelled:
+            return 0.0  # answered "cancelled" at once
         store = inst.cluster.store
         found = store.leading(rank, self.cmd.keys)
         self.seen[rank] = (found, store.evictions)
@@ -75,7 +78,7 @@ class LayerSave(Transfer):
     def start(self, rank: int) -> float:
         store = self.inst.cluster.store
         moving = super().start(rank)
-        if self.seen[rank][0] == self.n:  # every key stored already: answered at once
+        if rank not in self.seen or self.seen[rank][0] == self.n:  # cancelled, or every key stored: at once
             return moving
         left = self.forward_left - (self.inst.env.now - self.submitted)
         tail = (moving - store.query_latency) / self.inst.cluster.cache_spec.layers
@@ -92,7 +95,9 @@ class Swap:
 
     def start(self, rank: int) -> float:
         n = len(self.cmd.keys)
-        return self.inst.link_time(rank, "d2h" if self.out else "h2d", n) if n else 0.0
+        if not n or self.cmd.command_id in self.inst.cancelled:  # nothing to copy, or skipped
+            return 0.0
+        return self.inst.link_time(rank, "d2h" if self.out else "h2d", n)
 
     def finish(self, rank: int) -> None:
         inst, cmd = self.inst, self.cmd
@@ -125,7 +130,8 @@ class Instance:
         self.write_pool = RankPools(env, f"{self.name}.write_barrier", reset_by="rank0", **kw)
         self.read_pool = RankPools(env, f"{self.name}.read_barrier", reset_by="all", **kw)
         self.wake: simpy.Event | None = None
-        self.busy_time = 0.0  #: seconds the instance computed
+        self.busy_time = 0.0  #: seconds the instance computed (a forward counts when it starts)
+        self.computing_until = 0.0  #: when the forward counted last ends (it may outlast the run)
         self.block_seconds = 0.0  #: integral of blocks used over time
         self._noted_at, self._noted_used = 0.0, 0  # time and blocks used of the last note
         self._link_cost: dict[tuple[str, int], float] = {}

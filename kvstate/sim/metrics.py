@@ -153,7 +153,8 @@ def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any]) -> list[
 def _instances(cl: Cluster, end: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i in cl.instances:
-        d: dict[str, Any] = {"compute_busy": round(i.busy_time / end, 4)}
+        busy = i.busy_time - max(0.0, i.computing_until - end)  # a forward the run's end cut short
+        d: dict[str, Any] = {"compute_busy": round(busy / end, 4)}
         if i.role == "decode":
             d["batch_slots_used"] = round(i.slot_seconds / end / i.max_batch, 4)  # type: ignore[attr-defined]
         d["blocks_used"] = round(i.block_seconds / end / cl.gpu_blocks, 4)
@@ -214,6 +215,7 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
         "host_tier": _host_tier(cl, prompt),
         "gpu_prefix_cache": _prefix_cache(cl, prompt),
         "backlogged_requests": cl.counters["backlogged"], "rejected_too_long": cl.counters["rejected_too_long"],
+        "prompts_dropped": cl.counters["prompts_dropped"],
         "late_events": {k[5:]: v for k, v in sorted(cl.counters.items()) if k.startswith("late_")},
         "injected_failures": {"write": cl.counters["injected_write_failures"],
                               "read": cl.counters["injected_read_failures"]},

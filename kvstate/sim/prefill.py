@@ -2,8 +2,10 @@
 
 ``StartPrefill`` queues the prompt (its tokens past the stored prefix) on the compute loop,
 which runs one forward over as many queued prompts as fit the token budget. A prompt whose
-request ended meanwhile (D gave up, and the router aborted it here) is skipped when its
-forward finishes. ``SendFirstToken`` reaches D after the network latency.
+request ends while it waits (D gave up, and the router aborted it here) leaves the queue
+uncomputed, as an engine's scheduler drops an aborted request; one that ends during its
+forward is skipped when the forward finishes. ``SendFirstToken`` reaches D after the network
+latency.
 
 Layer-wise (``cluster.layerwise``), the ``SaveLayers`` sent with ``StartPrefill`` waits until
 its prompt's forward starts (a real save waits on its layer gate), then runs as a
@@ -40,6 +42,7 @@ class PrefillInstance(Instance):
         self.lc: PrefillLifecycle
         self.queue: deque[tuple[SimRequest, int, int]] = deque()  # (request, new tokens, cached)
         self.queued_tokens = 0  #: new tokens waiting in ``queue``
+        self.waiting: dict[str, int] = {}  #: new tokens of each prompt in ``queue`` still to compute
         self.saves: dict[str, C.TransferCommand] = {}  #: layer-wise saves waiting for their forward
         self.assigned = 0  #: requests the router sent here
         self.env.process(self._loop())
@@ -59,6 +62,7 @@ class PrefillInstance(Instance):
             new = req.input_len - cached
             self.queue.append((req, new, cached))
             self.queued_tokens += new
+            self.waiting[req.rid] = new
             self.wake_up()
         elif t is C.SaveLayers:
             self.saves[cmd.request_id] = cast(C.TransferCommand, cmd)
@@ -66,7 +70,13 @@ class PrefillInstance(Instance):
             ev = self.env.timeout(cl.net_latency)
             first = cast(C.SendFirstToken, cmd)
             ev.callbacks.append(lambda _e: cl.first_token(first))
-        # RequestEnded, FreeBlocks: the pool took the blocks back; D's end is the request's end
+        elif t is C.RequestEnded and cmd.request_id in self.waiting:  # aborted while queued
+            self.queued_tokens -= self.waiting.pop(cmd.request_id)
+            cl.counters["prompts_dropped"] += 1
+            cmd_save = self.saves.pop(cmd.request_id, None)
+            if cmd_save is not None:  # its forward will not run: the save answers at once
+                self.write_pool.submit(LayerSave(self, cmd_save, 0.0), cmd_save.ranks)
+        # otherwise RequestEnded, FreeBlocks: the pool took the blocks back; D's end is the request's end
 
     def _loop(self):
         cl, env, q, lc = self.cluster, self.env, self.queue, self.lc
@@ -75,14 +85,24 @@ class PrefillInstance(Instance):
             if not q:
                 yield self.idle()
                 continue
-            batch, tokens = [], 0
-            while q and (not batch or tokens + q[0][1] <= budget):
-                item = q.popleft()
+            batch, tokens, waiting = [], 0, self.waiting
+            while q:
+                item = q[0]
+                if item[0].rid not in waiting:  # it ended while queued: dropped, not computed
+                    q.popleft()
+                    continue
+                if batch and tokens + item[1] > budget:
+                    break
+                q.popleft()
+                del waiting[item[0].rid]
                 batch.append(item)
                 tokens += item[1]
+            if not batch:
+                continue
             self.queued_tokens -= tokens
             t = cl.compute.prefill_time((n, c) for _, n, c in batch)
             self.busy_time += t
+            self.computing_until = env.now + t
             if self.saves:
                 self._start_saves(batch, t)
             yield env.timeout(t)

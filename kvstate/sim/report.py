@@ -68,7 +68,7 @@ def _resources(r: dict[str, Any]) -> list[str]:
         f"({_pct(st['peak_use'])} of capacity), {st['evicted_blocks']:,} blocks evicted, "
         f"{r['partial_reads']:,} partial reads",
         f"preemptions {r['preemptions']:,}, backlogged arrivals {r['backlogged_requests']:,}, "
-        f"late events {_counts(late) if late else 'none'}",
+        f"prompts dropped at P {r['prompts_dropped']:,}, late events {_counts(late) if late else 'none'}",
     ]
     if r["preemptions"]:
         rt = r["preemption_round_trip_ms"]
