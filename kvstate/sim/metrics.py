@@ -5,11 +5,14 @@
   between consecutive tokens of an answer, preemptions and reads included; nearest rank over
   tokens) and E2E (arrival → last token);
 - the steady window: from the time 10 % of the requests had ended (warm-up) to the last
-  arrival (after it the queues only drain). Throughput, goodput and tokens/s count requests
-  that finished inside it, per second of it, beside the offered rate (arrivals in it per
-  second). A run too short for a window (it would span under 10 % of the run) counts over the
-  whole run instead, and says so; its offered rate is then the arrival rate over the arrivals'
-  span;
+  arrival (after it the queues only drain); the offered rate is its arrivals per second.
+  Throughput, goodput and tokens/s count the requests that finished in the *finish window*,
+  the steady window shifted by the median end-to-end latency of the requests offered in it,
+  per second of it: a request is counted when it finishes, so a cluster that keeps up shows
+  its offered rate even when the window is only a few latencies long and arrivals come in
+  bursts, and one that falls behind shows the rate it sustains. A run too short for a window
+  (it would span under 10 % of the run) counts over the whole run instead, and says so; its
+  offered rate is then the arrival rate over the arrivals' span;
 - SLO attainment: the share of *all* requests that finished meeting the TTFT SLO, the TPOT
   SLO, and both. A run meets the SLOs when it drained, both attainments reach the target
   and goodput reaches target × offered rate;
@@ -27,7 +30,7 @@ from .cluster import Cluster
 from .request import SimRequest
 from .scenario_io import scenario_to_dict
 
-__all__ = ["summarize", "steady_window", "latency_stats", "weighted_stats", "WARMUP_FRACTION"]
+__all__ = ["summarize", "steady_window", "finish_window", "latency_stats", "weighted_stats", "WARMUP_FRACTION"]
 
 WARMUP_FRACTION = 0.1  #: requests that must have ended before the steady window opens
 
@@ -68,6 +71,20 @@ def steady_window(reqs: list[SimRequest]) -> tuple[float, float, bool]:
     if last_arrival - start >= WARMUP_FRACTION * (last_end - first) > 0:
         return start, last_arrival, True
     return first, last_end, False
+
+
+def finish_window(reqs: list[SimRequest], start: float, end: float, steady: bool) -> tuple[float, float]:
+    """Where finishes are counted: the steady window shifted by the median end-to-end latency
+    of the requests that finished of those offered in it, its end clipped to the last finish
+    (the whole run's window unchanged)."""
+    if not steady:
+        return start, end
+    e2e = [r.finish - r.arrival for r in reqs
+           if start <= r.arrival <= end and r.state == "done" and r.finish is not None]
+    lag = float(np.median(e2e)) if e2e else 0.0
+    last = max(r.finish for r in reqs if r.finish is not None)
+    a, b = start + lag, min(end + lag, last)
+    return (a, b) if b > a else (start, end)
 
 
 class _Done(NamedTuple):
@@ -123,11 +140,13 @@ def _offered(reqs: list[SimRequest], start: float, end: float, steady: bool) -> 
 
 def _rates(reqs: list[SimRequest], ok: list[_Done], good: set[str]) -> dict[str, Any]:
     start, end, steady = steady_window(reqs)
-    span = end - start
-    inside = [r for r in ok if start <= r.finish <= end]
+    a, b = finish_window(reqs, start, end, steady)
+    span = b - a
+    inside = [r for r in ok if a <= r.finish <= b]
     per_s = (lambda x: round(x / span, 4)) if span > 0 else (lambda x: 0.0)
     return {
         "window_s": [round(start, 6), round(end, 6)], "window": "steady" if steady else "whole run",
+        "finish_window_s": [round(a, 6), round(b, 6)],
         "offered_rps": round(_offered(reqs, start, end, steady), 4) if reqs else 0.0,
         "throughput_rps": per_s(len(inside)),
         "goodput_rps": per_s(sum(1 for r in inside if r.rid in good)),

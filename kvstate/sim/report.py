@@ -24,6 +24,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _finishes(r: dict[str, Any]) -> str:
+    """Where throughput and goodput were counted, when that is not the window itself."""
+    a, b = r["finish_window_s"]
+    return "" if [a, b] == r["window_s"] else f" (finishes counted over {a:.1f}-{b:.1f} s)"
+
+
 def _header(r: dict[str, Any]) -> list[str]:
     s = r["scenario"]
     c, w = s["cluster"], s["workload"]
@@ -33,7 +39,7 @@ def _header(r: dict[str, Any]) -> list[str]:
         f"kvstate simulate: {s['model']['name']} on {c['n_prefill']} P + {c['n_decode']} D, TP {c['tp']}, "
         f"{s['gpu']['name']}; {load}, seed {s['seed']}",
         f"offered {r['offered_rps']:.2f} req/s over the {r['window']} window "
-        f"{r['window_s'][0]:.1f}-{r['window_s'][1]:.1f} s; run {r['duration_s']:.1f} s simulated{wall}",
+        f"{r['window_s'][0]:.1f}-{r['window_s'][1]:.1f} s{_finishes(r)}; run {r['duration_s']:.1f} s simulated{wall}",
         f"requests {r['requests']:,}, ended: {_counts(r['reasons'])}",
     ]
 
