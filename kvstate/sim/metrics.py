@@ -75,8 +75,8 @@ def steady_window(reqs: list[SimRequest]) -> tuple[float, float, bool]:
 
 def finish_window(reqs: list[SimRequest], start: float, end: float, steady: bool) -> tuple[float, float]:
     """Where finishes are counted: the steady window shifted by the median end-to-end latency
-    of the requests that finished of those offered in it, its end clipped to the last finish
-    (the whole run's window unchanged)."""
+    of its arrivals that finished ``done``, its end clipped to the last finish (a whole-run
+    window stays as it is)."""
     if not steady:
         return start, end
     e2e = [r.finish - r.arrival for r in reqs

@@ -73,9 +73,9 @@ class PrefillInstance(Instance):
         elif t is C.RequestEnded and cmd.request_id in self.waiting:  # aborted while queued
             self.queued_tokens -= self.waiting.pop(cmd.request_id)
             cl.counters["prompts_dropped"] += 1
-            cmd_save = self.saves.pop(cmd.request_id, None)
-            if cmd_save is not None:  # its forward will not run: the save answers at once
-                self.write_pool.submit(LayerSave(self, cmd_save, 0.0), cmd_save.ranks)
+            save = self.saves.pop(cmd.request_id, None)
+            if save is not None:  # its forward will not run: the save answers at once
+                self.write_pool.submit(LayerSave(self, save, 0.0), save.ranks)
         # otherwise RequestEnded, FreeBlocks: the pool took the blocks back; D's end is the request's end
 
     def _loop(self):
