@@ -82,7 +82,7 @@ def finish_window(reqs: list[SimRequest], start: float, end: float, steady: bool
     e2e = [r.finish - r.arrival for r in reqs
            if start <= r.arrival <= end and r.state == "done" and r.finish is not None]
     lag = float(np.median(e2e)) if e2e else 0.0
-    last = max(r.finish for r in reqs if r.finish is not None)
+    last = max((r.finish for r in reqs if r.finish is not None), default=end)
     a, b = start + lag, min(end + lag, last)
     return (a, b) if b > a else (start, end)
 
