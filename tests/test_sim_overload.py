@@ -61,15 +61,14 @@ def test_prompts_whose_request_ended_while_queued_are_not_computed(layerwise):
     queued when their request ends leave P's queue uncomputed, so P computes exactly the
     prompts that were not dropped (one prompt a forward, every forward alike). Layer-wise, a
     dropped prompt's save, which waited for its forward, answers at once."""
-    cl, r = run({**TINY, "seed": 3,
-                 "model": {**TINY["model"], "params_b": 8.0},  # about 70 ms a forward
-                 "storage": {"bandwidth_gbps": 100.0},
-                 "cluster": {"n_prefill": 1, "n_decode": 1, "tp": 1, "gpu_blocks": 4000,
-                             "prefill_token_budget": 2048, "layerwise": layerwise},
-                 "policy": {"first_token_timeout_s": 0.5, "queue_timeout_s": 30.0},
-                 "workload": {"arrival": "poisson", "rate": 5000.0, "num_requests": 40, "prefix_groups": 0,
-                              "input_dist": "fixed", "input_mean": 2048.0, "output_dist": "fixed",
-                              "output_mean": 4.0}})
+    cl, r = run(found(seed=3, model={"params_b": 8.0},  # about 70 ms a forward
+                      storage={"bandwidth_gbps": 100.0},
+                      cluster={"n_prefill": 1, "gpu_blocks": 4000, "prefill_token_budget": 2048,
+                               "layerwise": layerwise},
+                      policy={"first_token_timeout_s": 0.5, "queue_timeout_s": 30.0},
+                      workload={"arrival": "poisson", "rate": 5000.0, "num_requests": 40, "prefix_groups": 0,
+                                "input_dist": "fixed", "input_mean": 2048.0, "output_dist": "fixed",
+                                "output_mean": 4.0}))
     assert_every_request_ended_clean(cl, r)
     dropped = r["prompts_dropped"]
     assert 0 < dropped < cl.total and r["reasons"]["first_token_timeout"] >= dropped
