@@ -3,11 +3,42 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tracked_changes() -> str | None:
+    """``git status`` of the checkout's tracked files (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_TREE] = _tracked_changes()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite leaves the checkout as it found it: a run that changed a tracked file fails."""
+    before, after = session.config.stash.get(_TREE, None), _tracked_changes()
+    if before is not None and after is not None and after != before:
+        changed = sorted(set(after.splitlines()) ^ set(before.splitlines()))
+        print(f"\nthe test run changed tracked files of the checkout: {changed[:10]}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_TREE = pytest.StashKey[str | None]()
 
 
 class Clock:

@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase, ReadOnlyDatabase
 
 from kvstate import commands as C
 from kvstate.backends.stores import Store
@@ -16,6 +16,7 @@ from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks
 
 __all__ = ["BS", "KIND", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings",
+           "corpus_database",
            "StoreSwitch", "fill", "snapshot"]
 
 BS = 4
@@ -45,6 +46,7 @@ STATS: Counter[str] = Counter()
 KIND = {C.WriteBlocks: "write", C.SaveLayers: "write", C.ReadBlocks: "read", C.LoadLayers: "read",
         C.SwapOut: "swap_out", C.SwapIn: "swap_in", C.FlushHost: "flush"}
 CORPUS = Path(__file__).with_name("protocol_corpus")
+LOCAL_FAILURES = Path(__file__).resolve().parents[1] / ".hypothesis" / "protocol"
 
 PROFILES = {  # examples, steps per example
     "ci": (1000, 60),
@@ -53,14 +55,20 @@ PROFILES = {  # examples, steps per example
 }
 
 
+def corpus_database() -> MultiplexedDatabase:
+    """The committed corpus, replayed first and never written (hypothesis prunes a database it
+    may write, which would delete tracked files), beside a git-ignored database under
+    ``.hypothesis/`` where new failures are saved; copy one into tests/protocol_corpus/ to keep it."""
+    return MultiplexedDatabase(ReadOnlyDatabase(DirectoryBasedExampleDatabase(str(CORPUS))),
+                               DirectoryBasedExampleDatabase(str(LOCAL_FAILURES)))
+
+
 def profile_settings(profile: str | None = None) -> settings:
     name = profile or os.environ.get("KVSTATE_PROTOCOL_PROFILE", "ci")
     if name not in PROFILES:
         raise ValueError(f"KVSTATE_PROTOCOL_PROFILE must be one of {sorted(PROFILES)}, got {name!r}")
     examples, steps = PROFILES[name]
-    # failures hypothesis finds are saved in tests/protocol_corpus/ (committed) and replayed first
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                    database=DirectoryBasedExampleDatabase(str(CORPUS)),
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=corpus_database(),
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
