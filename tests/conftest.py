@@ -11,7 +11,6 @@ import pytest
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

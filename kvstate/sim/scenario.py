@@ -10,97 +10,51 @@ and writing TOML lives in :mod:`kvstate.sim.scenario_io`.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, SWAP_FALLBACKS, SWAP_WRITES, Policy
 from ..spec import CacheSpec
+from .fields import Section, doc_of, setting
 from .tp import PROTOCOLS
 
 __all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "StorageSpec", "NetworkSpec", "TpSpec",
-           "PolicySpec", "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "TOP_LEVEL", "doc_of"]
+           "PolicySpec", "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "TOP_LEVEL", "doc_of", "MAX_REQUESTS",
+           "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS"]
 
 DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "exponential")
 ARRIVALS = ("poisson", "gamma", "trace")
+_SYNTHETIC = ("poisson", "gamma")
+#: workload fields that mean something for some kinds of arrival only (the rest: for every kind)
+_WORKLOAD_FIELD_ARRIVALS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("rate", "num_requests", "input_dist", "input_mean", "input_sigma", "input_max", "output_dist",
+                     "output_mean", "output_sigma", "output_max", "prefix_groups", "prefix_tokens"), _SYNTHETIC),
+    "cv": ("gamma",),
+    **dict.fromkeys(("trace", "hash_block_size", "time_scale", "trace_rate", "trace_requests"), ("trace",)),
+}
+#: bounds that keep a run within memory: each is stated in the error that enforces it
+MAX_REQUESTS = 2_000_000
+MAX_INSTANCES = 1024  #: P or D instances (each holds a block pool: ~50 bytes a block)
+MAX_TP = 64
+MAX_BLOCKS = 1 << 26  #: GPU or host blocks over every instance of a run
+MAX_BATCH = 1 << 16  #: decode_max_batch
+MAX_TOKENS = 1 << 24  #: prefill_token_budget, input_max, output_max
 BARRIERS = ("auto", "manual-reset")
 
 
-def _f(default: Any, doc: str) -> Any:
-    """A field with its default and the line ``kvstate scenario`` prints above it."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def doc_of(f: dataclasses.Field) -> str:
-    return f.metadata.get("doc", "")
-
-
-def _type_ok(default: Any, v: Any) -> tuple[bool, Any]:
-    """Whether ``v`` has the type of ``default`` (ints pass for floats, lists for tuples)."""
-    if isinstance(default, bool):
-        return isinstance(v, bool), v
-    if isinstance(default, int):
-        return isinstance(v, int) and not isinstance(v, bool), v
-    if isinstance(default, float):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        return ok, float(v) if ok else v
-    if isinstance(default, str):
-        return isinstance(v, str), v
-    if isinstance(default, tuple):
-        return isinstance(v, (list, tuple)), tuple(v) if isinstance(v, (list, tuple)) else v
-    return True, v
-
-
-class _Section:
-    """What every section does when built: check each field's type, then its own rules."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            v = getattr(self, f.name)
-            ok, v = _type_ok(f.default, v)
-            if not ok:
-                raise ConfigError(f"{f.name}: expected {type(f.default).__name__}, got {v!r}")
-            object.__setattr__(self, f.name, v)
-        self.check()
-
-    def check(self) -> None:
-        """The section's rules (raise ConfigError('field: rule'))."""
-
-    def positive(self, *names: str) -> None:
-        for n in names:
-            if not getattr(self, n) > 0:
-                raise ConfigError(f"{n}: must be > 0, got {getattr(self, n)!r}")
-
-    def non_negative(self, *names: str) -> None:
-        for n in names:
-            if not getattr(self, n) >= 0:
-                raise ConfigError(f"{n}: must be >= 0, got {getattr(self, n)!r}")
-
-    def fraction(self, *names: str) -> None:
-        for n in names:
-            if not 0 <= getattr(self, n) <= 1:
-                raise ConfigError(f"{n}: must be within 0..1, got {getattr(self, n)!r}")
-
-    def choice(self, name: str, options: tuple[str, ...]) -> None:
-        if getattr(self, name) not in options:
-            raise ConfigError(f"{name}: must be one of {list(options)}, got {getattr(self, name)!r}")
-
-
 @dataclass(frozen=True)
-class ModelSpec(_Section):
+class ModelSpec(Section):
     """The served model: its size (for compute) and its KV-cache geometry (for transfers)."""
 
-    name: str = _f("llama-3-8b", "a label; also the namespace of its storage keys")
-    params_b: float = _f(8.03, "parameters, billions (weights held in bf16: 2 bytes each)")
-    num_layers: int = _f(32, "transformer layers (each holds a K and a V cache)")
-    hidden: int = _f(4096, "hidden size (attention FLOPs)")
-    kv_heads: int = _f(8, "KV heads in all (grouped-query attention); TP ranks split them")
-    head_dim: int = _f(128, "dimension of one head")
-    dtype: str = _f("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)}")
-    block_size: int = _f(64, "tokens per KV block")
+    name: str = setting("llama-3-8b", "a label; also the namespace of its storage keys")
+    params_b: float = setting(8.03, "parameters, billions (weights held in bf16: 2 bytes each)")
+    num_layers: int = setting(32, "transformer layers (each holds a K and a V cache)")
+    hidden: int = setting(4096, "hidden size (attention FLOPs)")
+    kv_heads: int = setting(8, "KV heads in all (grouped-query attention); TP ranks split them")
+    head_dim: int = setting(128, "dimension of one head")
+    dtype: str = setting("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)}")
+    block_size: int = setting(64, "tokens per KV block")
 
     def check(self) -> None:
         self.positive("params_b", "num_layers", "hidden", "kv_heads", "head_dim", "block_size")
@@ -108,18 +62,18 @@ class ModelSpec(_Section):
 
 
 @dataclass(frozen=True)
-class GpuSpec(_Section):
+class GpuSpec(Section):
     """One GPU: roofline figures and the memory left for the KV cache."""
 
-    name: str = _f("H100-SXM", "a label")
-    tflops: float = _f(989.0, "dense bf16 peak, TFLOP/s")
-    mfu: float = _f(0.45, "fraction of peak FLOP/s a prefill reaches")
-    hbm_gbps: float = _f(3350.0, "HBM bandwidth, GB/s")
-    mbu: float = _f(0.65, "fraction of HBM bandwidth a decode step reaches")
-    mem_gib: float = _f(80.0, "GPU memory, GiB")
-    mem_util: float = _f(0.9, "fraction of memory for weights + KV cache")
-    step_overhead_ms: float = _f(1.5, "fixed cost of one forward (launches, sampling, scheduling)")
-    calibration: str = _f("h100", "transfer cost calibration: a shipped name or a JSON path")
+    name: str = setting("H100-SXM", "a label")
+    tflops: float = setting(989.0, "dense bf16 peak, TFLOP/s")
+    mfu: float = setting(0.45, "fraction of peak FLOP/s a prefill reaches")
+    hbm_gbps: float = setting(3350.0, "HBM bandwidth, GB/s")
+    mbu: float = setting(0.65, "fraction of HBM bandwidth a decode step reaches")
+    mem_gib: float = setting(80.0, "GPU memory, GiB")
+    mem_util: float = setting(0.9, "fraction of memory for weights + KV cache")
+    step_overhead_ms: float = setting(1.5, "fixed cost of one forward (launches, sampling, scheduling)")
+    calibration: str = setting("h100", "transfer cost calibration: a shipped name or a JSON path")
 
     def check(self) -> None:
         self.positive("tflops", "mfu", "hbm_gbps", "mbu", "mem_gib", "mem_util")
@@ -128,38 +82,45 @@ class GpuSpec(_Section):
 
 
 @dataclass(frozen=True)
-class ClusterSpec(_Section):
+class ClusterSpec(Section):
     """P and D instances, their TP degree and their schedulers' limits."""
 
-    n_prefill: int = _f(2, "prefill (P) instances")
-    n_decode: int = _f(2, "decode (D) instances")
-    tp: int = _f(2, "tensor-parallel GPUs per instance")
-    gpu_blocks: int = _f(0, "KV blocks per instance; 0: what GPU memory leaves after the weights")
-    prefill_token_budget: int = _f(16384, "tokens of new prompts batched into one prefill forward")
-    decode_max_batch: int = _f(256, "requests decoded together in one step")
-    staging_mib: int = _f(64, "pinned staging per rank (transfers pipeline in pieces of this size)")
-    transfer_workers: int = _f(2, "transfer workers per rank and direction (read / write)")
-    host_blocks: int = _f(0, "host tier slots per instance (pinned host memory, one block each): P looks "
+    n_prefill: int = setting(2, "prefill (P) instances")
+    n_decode: int = setting(2, "decode (D) instances")
+    tp: int = setting(2, "tensor-parallel GPUs per instance")
+    gpu_blocks: int = setting(0, "KV blocks per instance; 0: what GPU memory leaves after the weights")
+    prefill_token_budget: int = setting(16384, "tokens of new prompts batched into one prefill forward")
+    decode_max_batch: int = setting(256, "requests decoded together in one step")
+    staging_mib: int = setting(64, "pinned staging per rank (transfers pipeline in pieces of this size)")
+    transfer_workers: int = setting(2, "transfer workers per rank and direction (read / write)")
+    host_blocks: int = setting(0, "host tier slots per instance (pinned host memory, one block each): P looks "
                              "prefixes up there first, D swaps preempted caches there; 0: none")
-    prefix_cache: bool = _f(False, "keep finished prompts' blocks on the GPU, idle, evicted least recently "
+    prefix_cache: bool = setting(False, "keep finished prompts' blocks on the GPU, idle, evicted least recently "
                                    "used: P and D look prefixes up there before the host tier and storage")
-    layerwise: bool = _f(False, "P stores each layer of the cache as its prefill computes it, so only the last "
+    layerwise: bool = setting(False, "P stores each layer of the cache as its prefill computes it, so only the last "
                                 "layer's share trails the prefill; D reads layer by layer (timed as a read)")
 
     def check(self) -> None:
         self.positive("n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch", "staging_mib",
                       "transfer_workers")
         self.non_negative("gpu_blocks", "host_blocks")
+        self.at_most(n_prefill=MAX_INSTANCES, n_decode=MAX_INSTANCES, tp=MAX_TP, decode_max_batch=MAX_BATCH,
+                     prefill_token_budget=MAX_TOKENS, transfer_workers=64, staging_mib=1 << 16)
+        for name in ("gpu_blocks", "host_blocks"):
+            total = getattr(self, name) * (self.n_prefill + self.n_decode)
+            if total > MAX_BLOCKS:
+                raise ConfigError(f"{name}: {getattr(self, name):,} blocks on each of {self.n_prefill + self.n_decode} "
+                                  f"instances is {total:,}; a run holds at most {MAX_BLOCKS:,} (~50 bytes each)")
 
 
 @dataclass(frozen=True)
-class StorageSpec(_Section):
+class StorageSpec(Section):
     """The storage pool (Mooncake-like): aggregate bandwidth, per-op latency, LRU capacity."""
 
-    bandwidth_gbps: float = _f(200.0, "aggregate bandwidth over the pool, GB/s")
-    latency_ms: float = _f(0.3, "per put/get batch")
-    query_latency_ms: float = _f(0.1, "per existence query")
-    capacity_gib: float = _f(256.0, "beyond it the least recently used blocks are evicted")
+    bandwidth_gbps: float = setting(200.0, "aggregate bandwidth over the pool, GB/s")
+    latency_ms: float = setting(0.3, "per put/get batch")
+    query_latency_ms: float = setting(0.1, "per existence query")
+    capacity_gib: float = setting(256.0, "beyond it the least recently used blocks are evicted")
 
     def check(self) -> None:
         self.positive("bandwidth_gbps", "capacity_gib")
@@ -167,24 +128,24 @@ class StorageSpec(_Section):
 
 
 @dataclass(frozen=True)
-class NetworkSpec(_Section):
+class NetworkSpec(Section):
     """The message path between instances."""
 
-    latency_ms: float = _f(0.2, "P -> D first-token message")
+    latency_ms: float = setting(0.2, "P -> D first-token message")
 
     def check(self) -> None:
         self.non_negative("latency_ms")
 
 
 @dataclass(frozen=True)
-class TpSpec(_Section):
+class TpSpec(Section):
     """How the TP ranks of an instance run transfer tasks (see :mod:`kvstate.sim.tp`)."""
 
-    protocol: str = _f("kvstate", f"one of {list(PROTOCOLS)}: ranks answer on their own, or meet at "
+    protocol: str = setting("kvstate", f"one of {list(PROTOCOLS)}: ranks answer on their own, or meet at "
                                   "one shared barrier per kind (FastDeploy's cache transfer manager)")
-    barrier: str = _f("auto", "shared barrier: 'auto' (resets itself) or 'manual-reset' (reset after passing)")
-    skew_ms: tuple[float, ...] = _f((), "extra delay of each rank's part of a transfer (missing: 0)")
-    barrier_timeout_s: float = _f(30.0, "a barrier wait longer than this is reported as a deadlock")
+    barrier: str = setting("auto", "shared barrier: 'auto' (resets itself) or 'manual-reset' (reset after passing)")
+    skew_ms: tuple[float, ...] = setting((), "extra delay of each rank's part of a transfer (missing: 0)")
+    barrier_timeout_s: float = setting(30.0, "a barrier wait longer than this is reported as a deadlock")
 
     def check(self) -> None:
         self.choice("protocol", PROTOCOLS)
@@ -196,22 +157,22 @@ class TpSpec(_Section):
 
 
 @dataclass(frozen=True)
-class PolicySpec(_Section):
+class PolicySpec(Section):
     """The lifecycle :class:`~kvstate.policy.Policy` the instances run (times in seconds)."""
 
-    preempt: str = _f("write", f"one of {list(PREEMPT_MODES)}: write the cache out, recompute it, or swap it "
+    preempt: str = setting("write", f"one of {list(PREEMPT_MODES)}: write the cache out, recompute it, or swap it "
                                "to the host tier (needs cluster.host_blocks)")
-    swap_fallback: str = _f("write", f"one of {list(SWAP_FALLBACKS)}: when the host tier is full or a swap fails")
-    swap_write: str = _f("host", f"one of {list(SWAP_WRITES)}: a swapped cache in host memory only, also "
+    swap_fallback: str = setting("write", f"one of {list(SWAP_FALLBACKS)}: when the host tier is full or a swap fails")
+    swap_write: str = setting("host", f"one of {list(SWAP_WRITES)}: a swapped cache in host memory only, also "
                                  "written to the store before (through) or after (back) its GPU blocks go")
-    read_failure: str = _f("recompute", f"one of {list(READ_FAILURE_MODES)}: end with 502, or recompute")
-    write_retries: int = _f(1, "extra attempts after a failed or partial write")
-    decode_headroom_blocks: int = _f(1, "blocks D keeps free per running request when it reserves")
-    transfer_timeout_s: float = _f(30.0, "deadline of every transfer")
-    first_token_timeout_s: float = _f(60.0, "D's wait for P's first token, from its reservation")
-    queue_timeout_s: float = _f(30.0, "a prompt's wait for P's blocks")
-    fence_grace_s: float = _f(30.0, "how long a timed-out transfer's blocks stay pinned")
-    read_prefix: bool = _f(True, "P reads the longest stored prefix of a prompt before prefill")
+    read_failure: str = setting("recompute", f"one of {list(READ_FAILURE_MODES)}: end with 502, or recompute")
+    write_retries: int = setting(1, "extra attempts after a failed or partial write")
+    decode_headroom_blocks: int = setting(1, "blocks D keeps free per running request when it reserves")
+    transfer_timeout_s: float = setting(30.0, "deadline of every transfer")
+    first_token_timeout_s: float = setting(60.0, "D's wait for P's first token, from its reservation")
+    queue_timeout_s: float = setting(30.0, "a prompt's wait for P's blocks")
+    fence_grace_s: float = setting(30.0, "how long a timed-out transfer's blocks stay pinned")
+    read_prefix: bool = setting(True, "P reads the longest stored prefix of a prompt before prefill")
 
     def check(self) -> None:
         self.choice("preempt", PREEMPT_MODES)
@@ -232,26 +193,29 @@ class PolicySpec(_Section):
 
 
 @dataclass(frozen=True)
-class WorkloadSpec(_Section):
+class WorkloadSpec(Section):
     """Arrivals and lengths; or a Mooncake-format JSONL trace to replay."""
 
-    arrival: str = _f("poisson", f"one of {list(ARRIVALS)}")
-    rate: float = _f(40.0, "requests per second (poisson, gamma)")
-    cv: float = _f(1.0, "gamma: coefficient of variation of inter-arrival times (burstiness)")
-    num_requests: int = _f(2000, "requests in the run (poisson, gamma)")
-    input_dist: str = _f("lognormal", f"prompt lengths: one of {list(DISTRIBUTIONS)}")
-    input_mean: float = _f(2048.0, "mean prompt length, tokens")
-    input_sigma: float = _f(0.6, "lognormal sigma; uniform: half-width as a fraction of the mean")
-    input_max: int = _f(16384, "longest prompt, tokens")
-    output_dist: str = _f("lognormal", f"answer lengths: one of {list(DISTRIBUTIONS)}")
-    output_mean: float = _f(256.0, "mean answer length, tokens (the first, from P, included)")
-    output_sigma: float = _f(0.5, "as input_sigma, for answers")
-    output_max: int = _f(2048, "longest answer, tokens")
-    prefix_groups: int = _f(16, "distinct shared prompt prefixes (0: none)")
-    prefix_tokens: int = _f(1024, "length of each shared prefix (capped below the prompt length)")
-    trace: str = _f("", "JSONL trace (arrival 'trace'); relative to the scenario file")
-    hash_block_size: int = _f(512, "tokens per hash_ids entry of the trace")
-    time_scale: float = _f(1.0, "trace timestamps are multiplied by this (0.5: twice the rate)")
+    arrival: str = setting("poisson", f"one of {list(ARRIVALS)}")
+    rate: float = setting(40.0, "requests per second (poisson, gamma)")
+    cv: float = setting(1.0, "gamma: coefficient of variation of inter-arrival times (burstiness)")
+    num_requests: int = setting(2000, "requests in the run (poisson, gamma)")
+    input_dist: str = setting("lognormal", f"prompt lengths: one of {list(DISTRIBUTIONS)}")
+    input_mean: float = setting(2048.0, "mean prompt length, tokens")
+    input_sigma: float = setting(0.6, "lognormal sigma; uniform: half-width as a fraction of the mean")
+    input_max: int = setting(16384, "longest prompt, tokens")
+    output_dist: str = setting("lognormal", f"answer lengths: one of {list(DISTRIBUTIONS)}")
+    output_mean: float = setting(256.0, "mean answer length, tokens (the first, from P, included)")
+    output_sigma: float = setting(0.5, "as input_sigma, for answers")
+    output_max: int = setting(2048, "longest answer, tokens")
+    prefix_groups: int = setting(16, "distinct shared prompt prefixes (0: none)")
+    prefix_tokens: int = setting(1024, "length of each shared prefix (capped below the prompt length)")
+    trace: str = setting("", "JSONL trace (arrival 'trace'); relative to the scenario file")
+    hash_block_size: int = setting(512, "tokens per hash_ids entry of the trace")
+    time_scale: float = setting(1.0, "trace timestamps are multiplied by this (0.5: twice the rate)")
+    trace_rate: float = setting(0.0, "trace: re-time arrivals to this mean rate, req/s, every gap scaled alike "
+                                "(order and burst shape kept); 0: as recorded")
+    trace_requests: int = setting(0, "trace: replay only its first N requests; 0: all")
 
     def check(self) -> None:
         self.choice("arrival", ARRIVALS)
@@ -259,18 +223,34 @@ class WorkloadSpec(_Section):
         self.choice("output_dist", DISTRIBUTIONS)
         self.positive("rate", "cv", "num_requests", "input_mean", "output_mean", "input_max", "output_max",
                       "hash_block_size", "time_scale")
-        self.non_negative("input_sigma", "output_sigma", "prefix_groups", "prefix_tokens")
+        self.at_most(input_max=MAX_TOKENS, output_max=MAX_TOKENS, prefix_tokens=MAX_TOKENS,
+                     prefix_groups=1 << 20)
+        self.non_negative("input_sigma", "output_sigma", "prefix_groups", "prefix_tokens", "trace_rate",
+                          "trace_requests")
         if self.arrival == "trace" and not self.trace:
             raise ConfigError("trace: arrival 'trace' needs a trace file")
+        if self.trace_rate and self.time_scale != 1.0:
+            raise ConfigError("trace_rate: set either trace_rate (a rate to re-time to) or time_scale (a factor), "
+                              "not both")
+        if self.num_requests > MAX_REQUESTS or self.trace_requests > MAX_REQUESTS:
+            raise ConfigError(f"num_requests: at most {MAX_REQUESTS:,} requests a run (each costs the "
+                              "simulator ~7 KB of memory), got "
+                              f"{max(self.num_requests, self.trace_requests):,}")
+
+    @staticmethod
+    def applies(name: str, arrival: str) -> bool:
+        """Whether field ``name`` means anything for arrivals of kind ``arrival``."""
+        kinds = _WORKLOAD_FIELD_ARRIVALS.get(name)
+        return kinds is None or arrival in kinds
 
 
 @dataclass(frozen=True)
-class SloSpec(_Section):
+class SloSpec(Section):
     """Service-level objectives, and the share of requests that must meet them."""
 
-    ttft_ms: float = _f(1000.0, "time to first token")
-    tpot_ms: float = _f(30.0, "time per output token after the first")
-    attainment: float = _f(0.9, "share of all requests that must meet each SLO (goodput: this x offered)")
+    ttft_ms: float = setting(1000.0, "time to first token")
+    tpot_ms: float = setting(30.0, "time per output token after the first")
+    attainment: float = setting(0.9, "share of all requests that must meet each SLO (goodput: this x offered)")
 
     def check(self) -> None:
         self.positive("ttft_ms", "tpot_ms", "attainment")
@@ -278,11 +258,11 @@ class SloSpec(_Section):
 
 
 @dataclass(frozen=True)
-class FaultSpec(_Section):
+class FaultSpec(Section):
     """Injected transfer faults: probability per (command, rank)."""
 
-    write_fail: float = _f(0.0, "probability a rank's write fails")
-    read_fail: float = _f(0.0, "probability a rank's read fails")
+    write_fail: float = setting(0.0, "probability a rank's write fails")
+    read_fail: float = setting(0.0, "probability a rank's read fails")
 
     def check(self) -> None:
         self.fraction("write_fail", "read_fail")
@@ -297,12 +277,12 @@ SECTIONS: dict[str, type] = {
 
 
 @dataclass(frozen=True)
-class Scenario(_Section):
+class Scenario(Section):
     """A whole run: top-level ``seed``, ``time_limit_s``, ``sample_ms`` and one field per section."""
 
-    seed: int = _f(0, "random seed of arrivals, lengths and faults (>= 0)")
-    time_limit_s: float = _f(36000.0, "simulated seconds after which a run that has not drained is reported")
-    sample_ms: float = _f(500.0, "period of the queue and block-use time series")
+    seed: int = setting(0, "random seed of arrivals, lengths and faults (>= 0)")
+    time_limit_s: float = setting(36000.0, "simulated seconds after which a run that has not drained is reported")
+    sample_ms: float = setting(500.0, "period of the queue and block-use time series")
     model: ModelSpec = field(default_factory=ModelSpec)
     gpu: GpuSpec = field(default_factory=GpuSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
@@ -313,7 +293,7 @@ class Scenario(_Section):
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     slo: SloSpec = field(default_factory=SloSpec)
     faults: FaultSpec = field(default_factory=FaultSpec)
-    source: str = _f("<embedded default>", "where the scenario came from (for messages)")
+    source: str = setting("<embedded default>", "where the scenario came from (for messages)")
 
     def check(self) -> None:
         self.positive("time_limit_s", "sample_ms")
@@ -357,7 +337,13 @@ class Scenario(_Section):
         if free <= 0:
             raise ConfigError(f"{self.source}: [gpu] mem_gib: the weights of {self.model.name} "
                               f"({self.weight_bytes / 2**30:.1f} GiB over TP {self.cluster.tp}) do not fit")
-        return int(free // self.block_bytes_per_rank)
+        blocks = int(free // self.block_bytes_per_rank)
+        instances = self.cluster.n_prefill + self.cluster.n_decode
+        if blocks * instances > MAX_BLOCKS:
+            raise ConfigError(f"{self.source}: [gpu] mem_gib: {self.gpu.mem_gib:g} GiB leaves {blocks:,} KV blocks "
+                              f"on each of {instances} instances; a run holds at most {MAX_BLOCKS:,} (set "
+                              "[cluster] gpu_blocks lower)")
+        return blocks
 
 
 TOP_LEVEL = ("seed", "time_limit_s", "sample_ms")  #: the scenario's own fields (not sections)

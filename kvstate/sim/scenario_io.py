@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .scenario import SECTIONS, TOP_LEVEL, Scenario, doc_of
+from .scenario import SECTIONS, TOP_LEVEL, Scenario, WorkloadSpec, doc_of
 
 __all__ = ["load_scenario", "scenario_from_dict", "scenario_to_dict", "with_overrides", "to_toml",
            "field_names"]
@@ -108,7 +108,26 @@ def with_overrides(s: Scenario, overrides: dict[str, Any]) -> Scenario:
                 or (not sec and name not in TOP_LEVEL):
             raise ConfigError(f"unknown scenario field {dotted!r} (see `kvstate scenario` for the fields)")
         target[name] = v
-    return scenario_from_dict(d, source)
+    out = scenario_from_dict(d, source)
+    _check_applicable(out, overrides)
+    return out
+
+
+#: what a synthetic workload's field is called for a trace, and back
+_TRACE_TWINS = {"rate": "trace_rate", "num_requests": "trace_requests"}
+_TRACE_TWINS.update({v: k for k, v in _TRACE_TWINS.items()})
+
+
+def _check_applicable(s: Scenario, overrides: dict[str, Any]) -> None:
+    """An override of a workload field that means nothing for the scenario's arrivals (a rate
+    for a trace, a trace's rate for Poisson arrivals) is a mistake, not a no-op."""
+    arrival = s.workload.arrival
+    for dotted in overrides:
+        sec, _, name = dotted.rpartition(".")
+        if sec == "workload" and not WorkloadSpec.applies(name, arrival):
+            twin = _TRACE_TWINS.get(name)
+            hint = f" (use workload.{twin})" if twin and WorkloadSpec.applies(twin, arrival) else ""
+            raise ConfigError(f"{s.source}: [workload] {name} does not apply to {arrival!r} arrivals{hint}")
 
 
 def _toml_value(v: Any) -> str:

@@ -20,7 +20,8 @@ from ..errors import ConfigError
 from ..validate import check_int, is_int
 from .scenario import WorkloadSpec
 
-__all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals", "unique_start", "unique_tokens"]
+__all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals", "unique_start", "unique_tokens",
+           "trace_selection", "offered_rate", "from_trace"]
 
 # Token ids are uint32 (kvstate.keys). Shared tokens (prefix groups, trace hash blocks) lie in
 # [0, 2**31), a request's own tokens in [2**31, 2**32): its run starts at a point of that half
@@ -183,8 +184,35 @@ def synthetic(w: WorkloadSpec, seed: int) -> Iterator[Arrival]:
         yield Arrival(i, float(times[i]), n_in, int(outs[i]), _tokens(prefix, n_in, unique_start(i)))
 
 
+def trace_selection(records: list[TraceRecord], w: WorkloadSpec) -> tuple[list[TraceRecord], float]:
+    """(the records replayed, the factor their timestamps are multiplied by): the first
+    ``trace_requests`` (all when 0), re-timed to ``trace_rate`` by scaling every gap alike,
+    as ``vllm bench serve --num-prompts`` takes a dataset's first prompts; else ``time_scale``."""
+    if w.trace_requests:
+        records = records[:w.trace_requests]
+    if not w.trace_rate:
+        return records, w.time_scale
+    span_s = (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000.0
+    if span_s <= 0:
+        raise ConfigError(f"{w.trace}: [workload] trace_rate: the {len(records)} request(s) replayed all arrive at "
+                          "once, so there are no gaps to scale to a rate")
+    return records, (len(records) - 1) / span_s / w.trace_rate
+
+
+def offered_rate(w: WorkloadSpec) -> float:
+    """The mean arrival rate the workload offers, req/s: the configured rate of synthetic
+    arrivals, or (n - 1) over the span of the trace's replayed requests (0 when they all
+    arrive at once)."""
+    if w.arrival != "trace":
+        return w.rate
+    records, scale = trace_selection(load_trace(w.trace, w.hash_block_size), w)
+    span_s = (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000.0 * scale
+    return (len(records) - 1) / span_s if span_s > 0 else 0.0
+
+
 def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]:
     """Replay: equal ``hash_ids`` give equal token ids, block by block (``hash_block_size`` each)."""
+    records, scale = trace_selection(records, w)
     hb = w.hash_block_size
     offsets = np.arange(hb, dtype=np.uint32)[None, :]
     t0 = records[0].timestamp_ms
@@ -196,7 +224,7 @@ def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]
             else:
                 ids = np.asarray(r.hash_ids, dtype=np.uint64)[:, None]
                 prefix = ((ids * np.uint64(hb) + offsets) % np.uint64(_HALF)).astype(np.uint32).ravel()
-        yield Arrival(i, (r.timestamp_ms - t0) / 1000.0 * w.time_scale, r.input_length, r.output_length,
+        yield Arrival(i, (r.timestamp_ms - t0) / 1000.0 * scale, r.input_length, r.output_length,
                       _tokens(prefix, r.input_length, unique_start(i)))
 
 
@@ -205,5 +233,5 @@ def arrivals(w: WorkloadSpec, seed: int) -> tuple[int, Iterator[Arrival]]:
     in full, before the first arrival is handed out."""
     if w.arrival == "trace":
         records = load_trace(w.trace, w.hash_block_size)
-        return len(records), from_trace(records, w)
+        return len(trace_selection(records, w)[0]), from_trace(records, w)
     return w.num_requests, synthetic(w, seed)
