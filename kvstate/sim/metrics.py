@@ -10,12 +10,16 @@
   the steady window shifted by the median end-to-end latency of the requests offered in it,
   per second of it: a request is counted when it finishes, so a cluster that keeps up shows
   its offered rate even when the window is only a few latencies long and arrivals come in
-  bursts, and one that falls behind shows the rate it sustains. A run too short for a window
-  (it would span under 10 % of the run) counts over the whole run instead, and says so; its
-  offered rate is then the arrival rate over the arrivals' span;
+  bursts, and one that falls behind shows the rate it sustains. A run too short for a steady
+  window (it would span under 10 % of the run) uses the arrivals' span the same way, and
+  says so; the offered rate is then (n - 1) over that span;
 - SLO attainment: the share of *all* requests that finished meeting the TTFT SLO, the TPOT
-  SLO, and both. A run meets the SLOs when it drained, both attainments reach the target
-  and goodput reaches target × offered rate;
+  SLO, and both;
+- the verdict: ``meets`` when the run drained, both attainments reach the target and goodput
+  reaches target × offered rate; ``fails`` when one of these does not hold; ``too short``
+  when only goodput falls short, by no more than the counted finishes' own uncertainty
+  (:func:`rate_uncertainty`): the run cannot tell a cluster that keeps up from one that does
+  not, and the verdict says about how many requests would;
 - utilisation over the run: compute busy; on D also the batch slots used (time-weighted
   batch size / ``decode_max_batch``); blocks used (time-weighted / blocks per instance).
 """
@@ -30,7 +34,8 @@ from .cluster import Cluster
 from .request import SimRequest
 from .scenario_io import scenario_to_dict
 
-__all__ = ["summarize", "steady_window", "finish_window", "latency_stats", "weighted_stats", "WARMUP_FRACTION"]
+__all__ = ["summarize", "steady_window", "finish_window", "rate_uncertainty", "verdict_of", "at_target",
+           "latency_stats", "weighted_stats", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
 
 WARMUP_FRACTION = 0.1  #: requests that must have ended before the steady window opens
 
@@ -60,7 +65,8 @@ def weighted_stats(hist: dict[float, int]) -> dict[str, float | None]:
 
 
 def steady_window(reqs: list[SimRequest]) -> tuple[float, float, bool]:
-    """(start, end, steady): the steady window, or the whole run when there is none."""
+    """(start, end, steady): the steady window; without one, the arrivals' span (the whole run
+    when every request arrived at once)."""
     if not reqs:
         return 0.0, 0.0, False
     ends = sorted(r.finish for r in reqs if r.finish is not None)
@@ -70,21 +76,46 @@ def steady_window(reqs: list[SimRequest]) -> tuple[float, float, bool]:
     start = ends[max(0, math.ceil(WARMUP_FRACTION * len(reqs)) - 1)] if ends else first
     if last_arrival - start >= WARMUP_FRACTION * (last_end - first) > 0:
         return start, last_arrival, True
-    return first, last_end, False
+    return (first, last_arrival, False) if last_arrival > first else (first, last_end, False)
+
+
+def _window_latencies(reqs: list[SimRequest], start: float, end: float) -> list[float]:
+    """End-to-end latencies of the window's arrivals that finished ``done``, in arrival order."""
+    return [r.finish - r.arrival for r in sorted(reqs, key=lambda r: r.arrival)
+            if start <= r.arrival <= end and r.state == "done" and r.finish is not None]
 
 
 def finish_window(reqs: list[SimRequest], start: float, end: float, steady: bool) -> tuple[float, float]:
-    """Where finishes are counted: the steady window shifted by the median end-to-end latency
-    of its arrivals that finished ``done``, its end clipped to the last finish (a whole-run
-    window stays as it is)."""
-    if not steady:
-        return start, end
-    e2e = [r.finish - r.arrival for r in reqs
-           if start <= r.arrival <= end and r.state == "done" and r.finish is not None]
+    """Where finishes are counted: the window shifted by the median end-to-end latency of its
+    arrivals that finished ``done``, its end clipped to the last finish."""
+    e2e = _window_latencies(reqs, start, end)
     lag = float(np.median(e2e)) if e2e else 0.0
     last = max((r.finish for r in reqs if r.finish is not None), default=end)
     a, b = start + lag, min(end + lag, last)
     return (a, b) if b > a else (start, end)
+
+
+NEIGHBOURS = 51  #: arrivals a latency is compared with to tell its noise from a trend
+
+
+def rate_uncertainty(reqs: list[SimRequest], start: float, end: float, steady: bool) -> float:
+    """How far finishes counted in the shifted window may fall short of the arrivals for a
+    cluster that keeps up, as a share of them: requests whose latency exceeds the median's
+    finish past the window's end, and nothing arrives after the last arrival to make up for
+    them (a steady window's start is made up for by its warm-up's arrivals; the arrivals'
+    span has no such start). Latency is measured against the running median of its
+    :data:`NEIGHBOURS` neighbours in arrival order, so a cluster falling behind, whose
+    latencies climb across the window, shows its noise here and its shortfall in the rates."""
+    e2e = np.asarray(_window_latencies(reqs, start, end))
+    if end <= start or not e2e.size:
+        return math.inf
+    k = min(NEIGHBOURS, e2e.size)
+    k -= 1 - k % 2  # odd: the median of a window centred on each latency
+    padded = np.pad(e2e, k // 2, mode="edge")
+    local = np.median(np.lib.stride_tricks.sliding_window_view(padded, k), axis=1)
+    d = e2e - local
+    edge = float(np.maximum(d, 0.0).mean()) if steady else float(np.abs(d).mean())
+    return edge / (end - start)
 
 
 class _Done(NamedTuple):
@@ -117,19 +148,35 @@ def _completed(reqs: list[SimRequest]) -> list[_Done]:
             for r in reqs if r.state == "done" and r.first_token is not None and r.finish is not None]
 
 
+def at_target(seconds: list[float], n: int, free: int, target: float) -> float | None:
+    """The smallest SLO, in ms, that ``target`` of the ``n`` requests would meet: ``free`` of
+    them meet any (a one-token answer has no TPOT), the others need their value at or under it;
+    None when too few finished for any SLO to be met by that share."""
+    k = math.ceil(target * n - 1e-9) - free
+    if k <= 0:
+        return 0.0
+    if k > len(seconds):
+        return None
+    return round(1000.0 * float(np.partition(np.asarray(seconds), k - 1)[k - 1]), 3)
+
+
 def _attainment(s: Any, reqs: list[SimRequest], ok: list[_Done]) -> dict[str, Any]:
-    slo_t, slo_p = s.slo.ttft_ms / 1000.0, s.slo.tpot_ms / 1000.0
+    slo_t, slo_p, target = s.slo.ttft_ms / 1000.0, s.slo.tpot_ms / 1000.0, s.slo.attainment
     n = len(reqs) or 1
     ttft_ok = {r.rid for r in ok if r.ttft <= slo_t}
     tpot_ok = {r.rid for r in ok if r.out <= 1 or r.tpot <= slo_p}
-    return {"ttft_ms": s.slo.ttft_ms, "tpot_ms": s.slo.tpot_ms, "target": s.slo.attainment,
+    multi = [r.tpot for r in ok if r.out > 1]
+    return {"ttft_ms": s.slo.ttft_ms, "tpot_ms": s.slo.tpot_ms, "target": target,
             "ttft_attainment": round(len(ttft_ok) / n, 4), "tpot_attainment": round(len(tpot_ok) / n, 4),
-            "attainment": round(len(ttft_ok & tpot_ok) / n, 4), "_good": ttft_ok & tpot_ok}
+            "attainment": round(len(ttft_ok & tpot_ok) / n, 4),
+            "ttft_at_target_ms": at_target([r.ttft for r in ok], len(reqs), 0, target),
+            "tpot_at_target_ms": at_target(multi, len(reqs), len(ok) - len(multi), target),
+            "_good": ttft_ok & tpot_ok}
 
 
 def _offered(reqs: list[SimRequest], start: float, end: float, steady: bool) -> float:
-    """Arrivals per second: in the steady window, else over the arrival span (the whole run's
-    length when everything arrived at once)."""
+    """Arrivals per second of the window: the steady window's, or (n - 1) over the arrivals'
+    span (the gaps between them); the whole run's length when everything arrived at once."""
     if steady:
         return sum(1 for r in reqs if start <= r.arrival <= end) / (end - start)
     first, last = min(r.arrival for r in reqs), max(r.arrival for r in reqs)
@@ -138,15 +185,23 @@ def _offered(reqs: list[SimRequest], start: float, end: float, steady: bool) -> 
     return len(reqs) / (end - start) if end > start else 0.0
 
 
+WINDOW_NAMES = {True: "steady", False: "arrival span"}
+#: how the report names each kind of window
+WINDOW_LABELS = {"steady": "steady window", "arrival span": "arrival span", "whole run": "whole run"}
+
+
 def _rates(reqs: list[SimRequest], ok: list[_Done], good: set[str]) -> dict[str, Any]:
     start, end, steady = steady_window(reqs)
     a, b = finish_window(reqs, start, end, steady)
     span = b - a
     inside = [r for r in ok if a <= r.finish <= b]
     per_s = (lambda x: round(x / span, 4)) if span > 0 else (lambda x: 0.0)
+    at_once = not steady and all(r.arrival == reqs[0].arrival for r in reqs)
     return {
-        "window_s": [round(start, 6), round(end, 6)], "window": "steady" if steady else "whole run",
+        "window_s": [round(start, 6), round(end, 6)],
+        "window": "whole run" if at_once else WINDOW_NAMES[steady],
         "finish_window_s": [round(a, 6), round(b, 6)],
+        "rate_uncertainty": round(min(rate_uncertainty(reqs, start, end, steady), 1e9), 4),
         "offered_rps": round(_offered(reqs, start, end, steady), 4) if reqs else 0.0,
         "throughput_rps": per_s(len(inside)),
         "goodput_rps": per_s(sum(1 for r in inside if r.rid in good)),
@@ -155,8 +210,39 @@ def _rates(reqs: list[SimRequest], ok: list[_Done], good: set[str]) -> dict[str,
     }
 
 
-def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any]) -> list[str]:
-    """Why the run does not meet the SLOs (empty: it meets them)."""
+def _too_short(rates: dict[str, Any], target: float, n: int) -> tuple[str | None, int | None]:
+    """(why the goodput test cannot be judged on this run, about how many requests would), or
+    (None, None) when it can. Edge effects only ever make the counted finishes fall short, by
+    at most ``rate_uncertainty``: goodput at ``target`` x offered passes whatever the
+    uncertainty, goodput short of it by more than the uncertainty fails, and in between the run
+    is too short to tell. The uncertainty shrinks as the window grows with the requests."""
+    u, offered = rates["rate_uncertainty"], rates["offered_rps"]
+    ratio = rates["goodput_rps"] / offered if offered > 0 else 0.0
+    if ratio >= target or ratio < target - u:
+        return None, None
+    if rates["window"] == "whole run":
+        return "too short to judge: every request arrived at once, so no rate was offered to sustain", None
+    a, b = rates["window_s"]
+    allowed = (1.0 - target) / 2
+    more = _round_up(n * u / allowed) if allowed > 0 else None
+    hint = f"; about {more:,} requests would tell" if more else ""
+    return (f"too short to judge: goodput {rates['goodput_rps']:.2f} req/s < {target} x offered {offered:.2f}, "
+            f"but over its {WINDOW_LABELS[rates['window']]} ({b - a:.1f} s) latency spread alone may hide "
+            f"{100 * min(u, 9.99):.1f} % of the finishes{hint}"), more
+
+
+def _round_up(x: float) -> int:
+    """``x`` rounded up to two significant digits (a request count to suggest)."""
+    k = 10 ** max(0, len(str(int(math.ceil(x)))) - 2)
+    return int(math.ceil(x / k) * k)
+
+
+def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any],
+             n: int) -> tuple[list[str], str | None, int | None]:
+    """(why the run does not meet the SLOs, why it cannot be judged, requests that would do):
+    the first two empty when it meets them.
+    A run that misses on drain or attainment fails however short; one that would be judged on
+    goodput alone is too short when its window cannot resolve the test."""
     why, target = [], slo["target"]
     if not drained:
         why.append("the run did not drain")
@@ -164,9 +250,15 @@ def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any]) -> list[
         why.append(f"TTFT attainment {slo['ttft_attainment']:.3f} < {target}")
     if slo["tpot_attainment"] < target:
         why.append(f"TPOT attainment {slo['tpot_attainment']:.3f} < {target}")
-    if rates["goodput_rps"] < target * rates["offered_rps"]:
+    short, more = _too_short(rates, target, n)
+    if short is None and rates["goodput_rps"] < target * rates["offered_rps"]:
         why.append(f"goodput {rates['goodput_rps']:.2f} req/s < {target} x offered {rates['offered_rps']:.2f}")
-    return why
+    return (why, None, None) if why else (why, short, more)
+
+
+def verdict_of(slo: dict[str, Any]) -> str:
+    """``meets``, ``fails`` or ``too short`` (the summary's ``slo`` object)."""
+    return "meets" if slo["meets"] else "too short" if slo["too_short"] else "fails"
 
 
 def _instances(cl: Cluster, end: float) -> dict[str, Any]:
@@ -215,18 +307,20 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
             itl[gap] = itl.get(gap, 0) + n
     slo = _attainment(s, reqs, ok)
     rates = _rates(reqs, ok, slo.pop("_good"))
-    why = _verdict(raw["drained"] and not raw["deadlock"], slo, rates)
+    why, short, more = _verdict(raw["drained"] and not raw["deadlock"], slo, rates, len(reqs))
     prompt = sum(r.input_len for r in reqs)
     return {
         "scenario": scenario_to_dict(s), "requests": len(reqs), **_counts(reqs),
         "drained": raw["drained"], "deadlock": raw["deadlock"], "duration_s": round(raw["end_time"], 6),
-        "configured_rate_rps": s.workload.rate if s.workload.arrival != "trace" else None,
+        "configured_rate_rps": (s.workload.rate if s.workload.arrival != "trace"
+                                else s.workload.trace_rate or None),
         **rates,
         "ttft_ms": latency_stats([r.ttft for r in ok]),
         "tpot_ms": latency_stats([r.tpot for r in ok if r.out > 1]),
         "itl_ms": weighted_stats(itl),
         "e2e_ms": latency_stats([r.e2e for r in ok]),
-        "slo": {**slo, "meets": not why, "unmet": why},
+        "slo": {**slo, "meets": not why and not short, "unmet": why, "too_short": short,
+                "requests_needed": more},
         "prefix_hit_rate": round(sum(r.cached_tokens for r in reqs) / prompt, 4) if prompt else 0.0,
         "storage": _storage(cl, end),
         "partial_reads": cl.counters["partial_reads"], "preemptions": cl.counters["preemptions"],

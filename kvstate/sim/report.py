@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .metrics import WINDOW_LABELS
+
 __all__ = ["format_report", "to_json"]
 
 
@@ -30,15 +32,23 @@ def _finishes(r: dict[str, Any]) -> str:
     return "" if [a, b] == r["window_s"] else f" (finishes counted over {a:.1f}-{b:.1f} s)"
 
 
+def _replay(w: dict[str, Any]) -> str:
+    """How a trace was replayed: which requests, at what pace."""
+    which = f"its first {w['trace_requests']:,} requests" if w["trace_requests"] else "every request"
+    pace = (f"re-timed to {w['trace_rate']:g} req/s" if w["trace_rate"] else
+            f"timestamps x {w['time_scale']:g}" if w["time_scale"] != 1 else "as recorded")
+    return f"trace replay of {which}, {pace}"
+
+
 def _header(r: dict[str, Any]) -> list[str]:
     s = r["scenario"]
     c, w = s["cluster"], s["workload"]
-    load = f"{w['arrival']} arrivals at {w['rate']:g} req/s" if r["configured_rate_rps"] is not None else "trace replay"
+    load = f"{w['arrival']} arrivals at {w['rate']:g} req/s" if w["arrival"] != "trace" else _replay(w)
     wall = f" ({r['wall_s']:.2f} s wall)" if "wall_s" in r else ""
     return [
         f"kvstate simulate: {s['model']['name']} on {c['n_prefill']} P + {c['n_decode']} D, TP {c['tp']}, "
         f"{s['gpu']['name']}; {load}, seed {s['seed']}",
-        f"offered {r['offered_rps']:.2f} req/s over the {r['window']} window "
+        f"offered {r['offered_rps']:.2f} req/s over the {WINDOW_LABELS[r['window']]} "
         f"{r['window_s'][0]:.1f}-{r['window_s'][1]:.1f} s{_finishes(r)}; run {r['duration_s']:.1f} s simulated{wall}",
         f"requests {r['requests']:,}, ended: {_counts(r['reasons'])}",
     ]
@@ -54,7 +64,8 @@ def _latencies(r: dict[str, Any]) -> list[str]:
 
 def _slo(r: dict[str, Any]) -> list[str]:
     slo = r["slo"]
-    verdict = "meets the SLOs" if slo["meets"] else "does not meet the SLOs: " + "; ".join(slo["unmet"])
+    verdict = ("meets the SLOs" if slo["meets"] else slo["too_short"] if slo["too_short"]
+               else "does not meet the SLOs: " + "; ".join(slo["unmet"]))
     return [
         f"throughput {r['throughput_rps']:.2f} req/s, goodput {r['goodput_rps']:.2f} req/s; "
         f"output {r['output_tokens_per_s']:,.0f} tok/s, total {r['total_tokens_per_s']:,.0f} tok/s",
