@@ -24,6 +24,8 @@ EXIT_CODES = {
     1: "plan: no configuration meets the SLOs; demo: a byte differed or a block leaked",
     2: "bad input: an option, a scenario or trace file, an output path",
     3: "simulate: the run did not drain (a deadlock, or its time limit passed)",
+    4: "plan: a configuration at most as cheap as any that meets the SLOs was too short to judge",
+    130: "interrupted (Ctrl-C); plan keeps the rows so far in its --out file",
     141: "stdout was closed early (e.g. piped into head)",
 }
 
@@ -107,7 +109,7 @@ def _diagram(args: argparse.Namespace) -> int:
     from ..machine import mermaid
 
     names = [args.machine] if args.machine else list(MACHINES)
-    print("\n\n".join(mermaid(MACHINES[n]) for n in names))
+    print("\n\n".join(f"```mermaid\n{mermaid(MACHINES[n]).rstrip()}\n```" for n in names))
     return 0
 
 
@@ -125,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStateError as e:
         print(f"kvstate {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except simcmds.Interrupted as e:
+        print(f"kvstate {args.cmd}: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"kvstate {args.cmd}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (`kvstate diagram | head -1`): stop quietly
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -17,10 +17,17 @@ from ..sim.scenario import Scenario
 from ..sim.scenario_io import load_scenario, to_toml, with_overrides
 from .progress import Progress
 
-__all__ = ["simulate", "plan", "scenario", "build_scenario", "check_output_file", "check_output_dir"]
+__all__ = ["simulate", "plan", "scenario", "build_scenario", "check_output_file", "check_output_dir", "write_json",
+           "Interrupted"]
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a command: what it kept is in the message (the CLI prints it, exit 130)."""
 
 _SHORTCUTS = (("rate", "workload.rate"), ("num_prompts", "workload.num_requests"), ("tp", "cluster.tp"),
               ("n_prefill", "cluster.n_prefill"), ("n_decode", "cluster.n_decode"))
+#: with a trace, --rate re-times its arrivals and --num-prompts takes its first requests
+_TRACE_SHORTCUTS = {"rate": "workload.trace_rate", "num_prompts": "workload.trace_requests"}
 
 
 def _set_value(text: str) -> Any:
@@ -40,48 +47,87 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         over.update({"workload.arrival": "trace", "workload.trace": args.trace})
     if args.model:
         over.update({f"model.{k}": v for k, v in dataclasses.asdict(resolve_model(args.model)).items()})
-    over.update({field: getattr(args, opt) for opt, field in _SHORTCUTS if getattr(args, opt) is not None})
+    sets: dict[str, Any] = {}
     for item in args.set:
         field, sep, value = item.partition("=")
         if not sep or not field.strip():
             raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. slo.ttft_ms=500")
-        over[field.strip()] = _set_value(value)
+        sets[field.strip()] = _set_value(value)
+    trace = sets.get("workload.arrival", over.get("workload.arrival", sc.workload.arrival)) == "trace"
+    over.update({_TRACE_SHORTCUTS.get(opt, field) if trace else field: getattr(args, opt)
+                 for opt, field in _SHORTCUTS if getattr(args, opt) is not None})
+    over.update(sets)
     if args.seed is not None:
         over["seed"] = args.seed
     return with_overrides(sc, over) if over else sc
 
 
+def _probe(directory: Path, path: str, option: str) -> None:
+    """Create and remove a file in ``directory``: the only test of writability that root, a
+    read-only mount and a pseudo file system (/sys) all answer truthfully."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvstate-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot write in {str(directory)!r} ({e.strerror or e})") from None
+
+
 def check_output_file(path: str, option: str) -> Path:
-    """An output file whose directory exists and which is not a directory itself."""
+    """An output file whose directory exists and takes files, and which is not a directory."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{option} {path}: is a directory, not a file")
     if not p.parent.is_dir():
         raise ConfigError(f"{option} {path}: directory {str(p.parent)!r} does not exist")
-    if not os.access(p.parent, os.W_OK):
-        raise ConfigError(f"{option} {path}: directory {str(p.parent)!r} is not writable")
+    _probe(p.parent, path, option)
     return p
 
 
 def check_output_dir(path: str, option: str) -> Path:
-    """An output directory that exists, or whose parent does (it is then created when used)."""
+    """An output directory that exists and takes files, or whose parent does (the directory is
+    then created when used; the check makes and removes it)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{option} {path}: is a file, not a directory")
-    if not p.exists() and not p.parent.is_dir():
+    if p.exists():
+        _probe(p, path, option)
+        return p
+    if not p.parent.is_dir():
         raise ConfigError(f"{option} {path}: directory {str(p.parent)!r} does not exist")
+    try:
+        p.mkdir()
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot create it ({e.strerror or e})") from None
+    try:
+        _probe(p, path, option)
+    finally:
+        p.rmdir()
     return p
 
 
-def _write_json(path: Path, data: Any) -> None:
-    """Write atomically: a reader never sees half a file, a crash leaves the previous one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+def _file_mode() -> int:
+    """What ``open()`` would give a new file: 0o666 less the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def write_json(path: Path, data: Any, option: str) -> None:
+    """Write atomically, with the usual permissions: a reader never sees half a file, a crash
+    leaves the previous one; an error names the user's path, not the temporary file."""
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot write ({e.strerror or e})") from None
+    try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise ConfigError(f"{option} {path}: cannot write ({e.strerror or e})") from None
         raise
 
 
@@ -90,6 +136,7 @@ def simulate(args: argparse.Namespace) -> int:
     from ..sim.run import simulate as run
 
     sc = build_scenario(args)
+    sc.gpu_blocks()  # the model fits, within the run's bounds: said before the run
     plot_dir = check_output_dir(args.plot, "--plot") if args.plot else None
     if plot_dir is not None:
         from ..sim.plot import pyplot
@@ -110,9 +157,18 @@ def simulate(args: argparse.Namespace) -> int:
     return 0 if r["drained"] and not r["deadlock"] else 3
 
 
+def _verdict_text(r: dict[str, Any]) -> str:
+    """A plan row's verdict in a table cell."""
+    if r["verdict"] == "too short":
+        more = f"; ~{r['requests_needed']:,} requests would tell" if r["requests_needed"] else ""
+        return f"too short to judge: rates uncertain by {100 * r['rate_uncertainty']:.1f} %{more}"
+    return {"meets": "meets", "fails": "no: " + "; ".join(r["unmet"]),
+            "infeasible": f"infeasible: {r['reason']}"}[r["verdict"]]
+
+
 def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
     slo = res["slo"]
-    lines = [f"target {res['rate']:g} req/s; SLOs TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
+    lines = [f"target {res['rate']:g} req/s offered; SLOs TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
              f"each met by >= {100 * res['attainment']:.0f} % of requests, goodput >= that x offered",
              "".join(f"{n.split('.')[-1]:>14}" for n in names) + f"{'GPUs':>6}{'offered':>9}{'goodput':>9}"
              f"{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}  verdict"]
@@ -121,15 +177,21 @@ def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
         if not r["feasible"] and r["gpus"] is None:
             lines.append(f"{cells}{'-':>6}  infeasible: {r['reason']}")
             continue
-        verdict = "meets" if r["meets_slo"] else ("infeasible: " + r["reason"] if not r["feasible"]
-                                                  else "no: " + "; ".join(r["unmet"]))
+        verdict = _verdict_text(r)
         lines.append(f"{cells}{r['gpus']:>6}{r['offered_rps']:>9.2f}{r['goodput_rps']:>9.2f}"
                      f"{100 * r['ttft_attainment']:>8.1f}%{100 * r['tpot_attainment']:>8.1f}%"
                      f"{r['ttft_p99_ms'] or 0:>10.1f}  {verdict}")
     b = res["best"]
-    lines.append(f"cheapest meeting the SLOs: {', '.join(f'{k}={v}' for k, v in b['config'].items())} "
-                 f"({b['gpus']} GPUs)" if b else "no configuration meets the SLOs")
+    lines.append(f"cheapest meeting the SLOs: {_config(b['config'])} ({b['gpus']} GPUs)" if b
+                 else "no configuration meets the SLOs")
+    if res["undecided"]:
+        lines.append(f"undecided: {len(res['undecided'])} configuration(s) at most as cheap were too short to judge "
+                     f"({'; '.join(_config(c) for c in res['undecided'][:4])}): rerun with more requests")
     return lines
+
+
+def _config(config: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in config.items())
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -148,27 +210,33 @@ def plan(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     bar = Progress("plan", args.quiet)
 
-    def on_row(row: dict[str, Any], done: int, total: int) -> None:  # the file holds every row so far
+    total = [0]
+
+    def on_row(row: dict[str, Any], done: int, n: int) -> None:  # the file holds every row so far
         rows.append(row)
-        _write_json(out, {"complete": False, "rows": rows, "sweep": sweep})
-        bar.update(done, total)
+        total[0] = n
+        write_json(out, {"complete": False, "rows": rows, "sweep": sweep}, "--out")
+        bar.update(done, n)
 
     try:
         res = run_plan(sc, sweep, attainment=args.attainment, workers=args.workers, on_row=on_row)
+    except KeyboardInterrupt:
+        kept = f"the {len(rows)} rows so far are in {out}" if rows else "no configuration had finished"
+        raise Interrupted(f"interrupted after {len(rows)} of {total[0] or '?'} configurations; {kept}") from None
     finally:
         bar.close()
-    _write_json(out, res)
+    write_json(out, res, "--out")
     if plot_dir is not None:
         from ..sim.plot import plot_plan
 
         plot_dir.mkdir(exist_ok=True)
-        plot_plan(res["rows"], ", ".join(sweep), plot_dir / "plan.png")
+        plot_plan(res, ", ".join(sweep), plot_dir / "plan.png")
     if args.json:
         print(json.dumps(res, sort_keys=True))
     else:
         print("\n".join(_plan_table(res, list(sweep))))
         print(f"wrote {out}" + (f" and {plot_dir / 'plan.png'}" if plot_dir else ""))
-    return 0 if res["best"] else 1
+    return 4 if res["undecided"] else 0 if res["best"] else 1
 
 
 def scenario(args: argparse.Namespace) -> int:

@@ -1,27 +1,39 @@
 """Capacity planning: sweep scenario fields, keep the cheapest configuration meeting the SLOs.
 
 Every combination of the swept values (``{"cluster.n_prefill": [1, 2, 3], ...}``) is simulated
-at the target rate, in parallel over the machine's cores. A configuration *meets the SLOs*
-when its run drained and its SLO verdict holds (:mod:`kvstate.sim.metrics`: TTFT and TPOT
-attainment at the target, goodput at target x offered rate). A configuration that cannot be
-built (its model does not fit, its TP does not divide the heads), whose simulation fails, or
-that does not drain is *infeasible*: its row says why, and the sweep goes on. Its cost is the
-number of GPUs, ``(n_prefill + n_decode) * tp``, then the storage bandwidth; the cheapest
-configuration that meets the SLOs is the plan.
+at the target rate, in parallel over the machine's cores. Every value is checked against its
+field's rules before any simulation runs: a typo is the whole plan's error, never a row. Each
+row's verdict (:mod:`kvstate.sim.metrics`) is one of:
+
+- ``meets``: the run drained, TTFT and TPOT attainment reach the target, goodput reaches
+  target x offered rate;
+- ``fails``: one of those does not hold;
+- ``too short``: it would be judged on goodput alone, and the run is too short for its rates
+  to resolve the test (the row says how many requests would do);
+- ``infeasible``: the combination cannot be built (its model does not fit, its TP does not
+  divide the heads), its simulation failed, or it did not drain.
+
+A configuration's cost is its number of GPUs, ``(n_prefill + n_decode) * tp``, then the storage
+bandwidth; the plan is the cheapest that meets the SLOs. When a configuration at most as
+cheap is too short to judge, the plan is undecided and says which (``undecided``).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError, KVStateError
+from .metrics import verdict_of
 from .run import simulate
-from .scenario import Scenario
+from .scenario import Scenario, WorkloadSpec
 from .scenario_io import field_names, with_overrides
+from .workload import offered_rate
 
 __all__ = ["plan", "parse_sweep", "Row"]
 
@@ -59,7 +71,7 @@ def _cost(s: Scenario) -> tuple[int, float]:
 
 def _infeasible(config: dict[str, Any], reason: str) -> Row:
     return {"config": config, "gpus": None, "storage_bandwidth_gbps": None, "feasible": False,
-            "reason": reason, "meets_slo": False, "unmet": [reason]}
+            "reason": reason, "meets_slo": False, "unmet": [reason], "verdict": "infeasible", "too_short": None}
 
 
 def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
@@ -79,21 +91,42 @@ def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
     return {
         "config": config, "gpus": gpus, "storage_bandwidth_gbps": bw, "feasible": drained,
         "reason": None if drained else f"did not drain: {r['deadlock']['reason']}",
-        "meets_slo": slo["meets"], "unmet": slo["unmet"], "offered_rps": r["offered_rps"],
+        "meets_slo": slo["meets"], "unmet": slo["unmet"], "too_short": slo["too_short"],
+        "rate_uncertainty": r["rate_uncertainty"], "requests_needed": slo["requests_needed"],
+        "verdict": verdict_of(slo) if drained else "infeasible", "offered_rps": r["offered_rps"],
         "goodput_rps": r["goodput_rps"], "throughput_rps": r["throughput_rps"],
         "ttft_attainment": slo["ttft_attainment"], "tpot_attainment": slo["tpot_attainment"],
         "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p99_ms": r["tpot_ms"]["p99"],
+        "ttft_at_target_ms": slo["ttft_at_target_ms"], "tpot_at_target_ms": slo["tpot_at_target_ms"],
         "preemptions": r["preemptions"], "partial_reads": r["partial_reads"], "reasons": r["reasons"],
     }
 
 
+def _check_value(base: Scenario, name: str, value: Any) -> None:
+    """``value`` obeys field ``name``'s own rules (type, range, choices) and means something for
+    the base's arrivals; rules between fields are the combination's (an infeasible row)."""
+    sec, _, field = name.rpartition(".")
+    if not sec:
+        dataclasses.replace(base, **{field: value})
+        return
+    dataclasses.replace(getattr(base, sec), **{field: value})
+    if sec == "workload" and not WorkloadSpec.applies(field, base.workload.arrival):
+        raise ConfigError(f"does not apply to {base.workload.arrival!r} arrivals")
+
+
 def _jobs(base: Scenario, sweep: Mapping[str, Sequence[Any]], fixed: dict[str, Any]) -> list[tuple[Any, dict]]:
-    """One job per combination: its scenario, or why it cannot be built."""
+    """One job per combination: its scenario, or why it cannot be built. Every value is checked
+    first: a bad one is a ConfigError before any job exists."""
     known = set(field_names())
-    for name in sweep:
+    for name, values in sweep.items():
         if name not in known:
             raise ConfigError(f"--sweep: unknown scenario field {name!r} (fields are SECTION.NAME, "
                               f"e.g. cluster.n_decode; `kvstate scenario` lists them)")
+        for v in values:
+            try:
+                _check_value(base, name, v)
+            except ConfigError as e:
+                raise ConfigError(f"--sweep {name}={v!r}: {e}") from None
     names = list(sweep)
     jobs: list[tuple[Any, dict]] = []
     for combo in itertools.product(*(sweep[n] for n in names)):
@@ -118,7 +151,7 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
         raise ConfigError(f"plan: attainment must be within (0, 1], got {attainment}")
     fixed: dict[str, Any] = {}
     if rate is not None:
-        fixed["workload.rate"] = rate
+        fixed["workload.trace_rate" if base.workload.arrival == "trace" else "workload.rate"] = rate
     if attainment is not None:
         fixed["slo.attainment"] = attainment
     base = with_overrides(base, fixed) if fixed else base  # a bad rate is the whole plan's error
@@ -130,7 +163,7 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
         results: Any = map(_run_one, jobs)
     else:
         ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-        pool = ctx.Pool(workers)
+        pool = ctx.Pool(workers, initializer=_ignore_interrupts)
         results = pool.imap(_run_one, jobs)
     try:
         for row in results:
@@ -144,7 +177,15 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
     rows.sort(key=lambda r: (not r["feasible"], r["gpus"] or 0, r["storage_bandwidth_gbps"] or 0.0,
                              -r.get("goodput_rps", 0.0)))
     best = next((r for r in rows if r["meets_slo"]), None)
-    return {"rate": base.workload.rate, "attainment": base.slo.attainment,
+    undecided = [r["config"] for r in rows if r["verdict"] == "too short"
+                 and (best is None or (r["gpus"], r["storage_bandwidth_gbps"]) <= (best["gpus"],
+                                                                                   best["storage_bandwidth_gbps"]))]
+    return {"rate": round(offered_rate(base.workload), 4), "attainment": base.slo.attainment,
             "slo": {"ttft_ms": base.slo.ttft_ms, "tpot_ms": base.slo.tpot_ms}, "complete": True,
-            "rows": rows, "best": best, "sweep": {k: list(v) for k, v in sweep.items()},
+            "rows": rows, "best": best, "undecided": undecided, "sweep": {k: list(v) for k, v in sweep.items()},
             "base": base.source}
+
+
+def _ignore_interrupts() -> None:
+    """A pool worker leaves Ctrl-C to the parent, which ends the pool: no traceback per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
