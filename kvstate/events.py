@@ -28,12 +28,18 @@ class Completion(Event):
     ``count`` is the number of leading blocks done (a write: stored, whether this rank wrote
     them or found them stored; a read: read whole); ``error`` is a short reason when the rank
     failed.
+
+    ``lost`` says the rank will never answer (a driver declared its process dead, or it
+    stopped answering): the count must be 0, the transfer resolves as if that rank failed, and
+    its blocks stay pinned until the command's fence, since a rank that is only stopped could
+    still touch them until then.
     """
 
     command_id: int
     rank: int
     count: int
     error: str | None = None
+    lost: bool = False
 
 
 @dataclass(slots=True)

@@ -91,7 +91,7 @@ class Lifecycle:
         self._freed = False  # blocks came free during a trigger: waiting work may start after it
         self.counters: dict[str, int] = dict.fromkeys(
             ("done", "failed", "aborted", "expired", "stale_completions", "late_completions",
-             "late_events", "forced_releases", "retries"), 0)
+             "late_events", "forced_releases", "retries", "lost_answers"), 0)
         # any class of CompiledMachine's shape: StockMachine runs the same table on stock transitions
         self._machine = machine_cls(self.DEFINITION, self)
 
@@ -172,22 +172,22 @@ class Lifecycle:
         if t is None:
             self.counters["stale_completions"] += 1
             return False
-        cmd = t.cmd
-        if (rank.__class__ is not int and not is_int(rank)) or rank not in cmd.ranks:
-            raise ValidationError(f"command {cid} of request {cmd.request_id!r}: "
-                                  f"rank {rank!r} is not one of its ranks {cmd.ranks}")
-        if rank in t.counts:
-            raise ValidationError(f"command {cid} of request {cmd.request_id!r}: rank {rank} already answered")
-        if (count.__class__ is not int and not is_int(count)) or not 0 <= count <= t.limit:
-            raise ValidationError(f"command {cid} of request {cmd.request_id!r}: count {count!r} outside 0..{t.limit}")
-        t.counts[rank] = 0 if completion.error else count
+        t.check_answer(rank, count, completion.lost)
+        lost = completion.lost
+        t.counts[rank] = 0 if completion.error or lost else count
         t.left -= 1
+        if lost:
+            self.counters["lost_answers"] += 1
+            t.lost = True
         if t.resolved:
             self.counters["late_completions"] += 1
         elif t.left == 0:
             self._resolve(t)
         if t.left == 0:
-            self._retire(t)
+            if t.lost and self.clock() < t.cmd.fence:  # a stopped rank may still touch the blocks
+                self._timers.push(FENCE, t.cmd.fence, cid)
+            else:
+                self._retire(t)
         return True
 
     def tick(self) -> int:

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .commands import SwapOut
+from .errors import ValidationError
 from .hostpool import HostBlockPool
 from .pool import BlockPool
+from .validate import is_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from .commands import TransferCommand
@@ -28,7 +30,7 @@ class Transfer:
     """One outstanding transfer command: its per-rank answers and the blocks it touches."""
 
     __slots__ = ("cmd", "req", "trigger", "blocks", "counts", "left", "limit", "resolved", "pinned",
-                 "held", "inflight", "host_keys")
+                 "held", "inflight", "host_keys", "lost")
 
     def __init__(self, cmd: TransferCommand, req: Request, trigger: str, blocks: Sequence[int],
                  host_keys: Sequence[str] = ()) -> None:
@@ -44,7 +46,22 @@ class Transfer:
         self.held = req.blocks  #: the request's block list it was cut from (replaced on release)
         self.inflight = req.inflight
         self.host_keys = host_keys  #: host tier entries it references until it retires
+        self.lost = False  #: a rank was declared lost: retire at the fence, not at the last answer
         req.inflight.append(self)
+
+    def check_answer(self, rank: object, count: object, lost: object) -> None:
+        """One rank's answer is one of its ranks' first, with a count in range (0 when lost)."""
+        cmd = self.cmd
+        where = f"command {cmd.command_id} of request {cmd.request_id!r}"
+        if (rank.__class__ is not int and not is_int(rank)) or rank not in cmd.ranks:
+            raise ValidationError(f"{where}: rank {rank!r} is not one of its ranks {cmd.ranks}")
+        if rank in self.counts:
+            raise ValidationError(f"{where}: rank {rank} already answered")
+        if (count.__class__ is not int and not is_int(count)) or not 0 <= count <= self.limit:
+            raise ValidationError(f"{where}: count {count!r} outside 0..{self.limit}")
+        if lost is not False and (lost is not True or count):
+            raise ValidationError(f"{where}: a lost answer is lost=True with count 0, got lost={lost!r}, "
+                                  f"count {count!r}")
 
 
 class Transfers:

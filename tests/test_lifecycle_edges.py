@@ -51,13 +51,48 @@ def test_late_answer_unpins_and_stale_answer_is_ignored(rig):
     assert rig.D.counters["stale_completions"] == 1
 
 
+def test_a_lost_rank_resolves_the_transfer_at_once_and_pins_until_the_fence(rig):
+    """A driver declares rank 1's process dead: the read fails now (502 under policy fail),
+    and its blocks stay pinned until the fence, in case the rank was only stopped."""
+    deliver(rig, handoff(rig, "r"))
+    rig.dd.pump()
+    read = next(iter(rig.dd.pending.values()))
+    rig.dd.complete(read.command_id, 0)
+    rig.dd.drop(read.command_id, 1)
+    rig.clock.advance(1.0)  # well before the deadline (10 s)
+    assert rig.D.complete(Completion(read.command_id, 1, 0, error="rank 1 lost", lost=True)) is True
+    [end] = rig.notices(rig.dd, C.RequestEnded)
+    assert (end.state, end.error_code) == ("failed", 502) and rig.D.counters["lost_answers"] == 1
+    assert set(rig.D.pinned_blocks()) == set(read.block_ids)  # pinned though every rank answered
+    assert rig.D.next_deadline() == pytest.approx(read.fence)
+    rig.clock.advance(read.fence - rig.clock.now - 0.01)
+    rig.D.tick()
+    assert rig.D.pool.num_used == len(read.block_ids)
+    rig.clock.advance(0.02)
+    rig.D.tick()
+    assert rig.D.pool.num_used == 0 and rig.D.pinned_blocks() == {}
+
+
+def test_a_lost_answer_past_the_fence_unpins_at_once(rig):
+    deliver(rig, handoff(rig, "r"))
+    rig.dd.pump()
+    read = next(iter(rig.dd.pending.values()))
+    rig.dd.complete(read.command_id, 0)
+    rig.dd.drop(read.command_id, 1)
+    rig.clock.advance(read.fence - rig.clock.now + 1)
+    rig.D.complete(Completion(read.command_id, 1, 0, error="rank 1 lost", lost=True))
+    rig.D.tick()
+    assert rig.D.pool.num_used == 0
+
+
 def test_completion_validation(rig):
     rig.D.reserve("r", TOKS)
     rig.D.deliver_first_token("r", 5)
     rig.dd.pump()
     read = next(iter(rig.dd.pending.values()))
     for bad in (Completion(read.command_id, 7, 1), Completion(read.command_id, 0, 99),
-                Completion(read.command_id, 0, -1)):
+                Completion(read.command_id, 0, -1), Completion(read.command_id, 0, 1, lost=True),
+                Completion(read.command_id, 0, 0, lost=1)):
         with pytest.raises(ValidationError):
             rig.D.complete(bad)
     rig.dd.complete(read.command_id, 0)
