@@ -19,6 +19,7 @@ from .errors import (
     InvalidTransitionError,
     KVStateError,
     OutOfBlocksError,
+    ProtocolError,
     StoreError,
     UnknownRequestError,
     ValidationError,
@@ -42,5 +43,5 @@ __all__ = [
     "commands", "events",
     "KVStateError", "ValidationError", "BlockError", "OutOfBlocksError", "UnknownRequestError",
     "DuplicateRequestError", "InvalidTransitionError", "StoreError", "ConfigError", "DriverError",
-    "FenceError", "__version__",
+    "FenceError", "ProtocolError", "__version__",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "ConfigError",
     "DriverError",
     "FenceError",
+    "ProtocolError",
 ]
 
 
@@ -76,3 +77,9 @@ class DriverError(KVStateError):
 class FenceError(KVStateError):
     """A transfer reached its command's fence (deadline plus grace): from then on the
     lifecycle may have recycled the blocks, so the transfer touches none of them."""
+
+
+class ProtocolError(KVStateError):
+    """A message from another process broke the wire protocol: it did not parse, named an
+    unknown command or rank, or came from an older incarnation of a restarted rank. Such a
+    message is refused and counted, never applied."""

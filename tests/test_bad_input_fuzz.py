@@ -171,7 +171,7 @@ def _backend():
 
 
 def _backend_snap(be):
-    caches = tuple(layer.tobytes() for r in be.caches for k in sorted(r) for layer in r[k])
+    caches = tuple(layer.tobytes() for r in be.caches.values() for k in sorted(r) for layer in r[k])
     return caches, _store_snap(be.store), be.bytes_moved
 
 

@@ -275,7 +275,7 @@ def test_layer_reports_need_a_layerwise_prefill_and_a_live_one():
 def test_a_save_needs_a_gate_and_a_gate_wait_always_ends():
     clock, store, lc, be = rig()
     save = start(lc)
-    from kvstate.backends.drivers import execute
+    from kvstate.backends.runner import execute
     with pytest.raises(ValidationError, match="layer gate"):
         execute(be, save, 0)
     gate = LayerGate(fence=1.0, clock=clock)

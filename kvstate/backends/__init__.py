@@ -5,9 +5,10 @@ store client) and :mod:`~kvstate.backends.mooncake_master` (a local master) are 
 demand: their packages are optional.
 """
 from .base import MISSING, Guard, Store, StoreBackend, TransferBackend, check_fence, leading
-from .drivers import StepDriver, ThreadedDriver, execute
+from .drivers import StepDriver, ThreadedDriver
 from .reference import ReferenceBackend
+from .runner import CommandRunner, execute
 from .stores import FileStore, MemoryStore
 
 __all__ = ["Store", "MemoryStore", "FileStore", "MISSING", "TransferBackend", "StoreBackend", "ReferenceBackend",
-           "Guard", "check_fence", "leading", "StepDriver", "ThreadedDriver", "execute"]
+           "Guard", "check_fence", "leading", "StepDriver", "ThreadedDriver", "CommandRunner", "execute"]

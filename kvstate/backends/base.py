@@ -20,7 +20,7 @@ backend (:class:`TransferBackend`), with the checks and names every implementati
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from ..keys import rank_key
 from ..spec import CacheSpec
 from ..validate import is_int
 
-__all__ = ["Store", "TransferBackend", "StoreBackend", "Guard", "check_fence", "check_batch", "leading",
+__all__ = ["Store", "TransferBackend", "StoreBackend", "Guard", "check_fence", "check_batch", "leading", "check_caches",
            "check_keys", "as_bytes_view", "MISSING", "MAX_KEY_LEN"]
 
 MISSING = -1  #: ``batch_get_into`` / ``batch_put_from`` code for a missing key or a failed operation
@@ -55,6 +55,28 @@ def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[i
     if guard is not None and not guard():
         raise FenceError(f"rank {rank}: the command's fence passed before it could {what} "
                          f"blocks {list(block_ids)}: none touched")
+
+
+def check_caches(spec: CacheSpec, num_blocks: int, ranks: Sequence[int], caches: Any, who: str) -> None:
+    """Host caches an engine hands a backend: ``caches[rank][kind]`` for exactly ``ranks`` and
+    ``spec.kinds``, each a list of ``spec.layers`` C-contiguous numpy arrays of one layer's
+    blocks ``[num_blocks, heads, block_size, dim]`` in the kind's dtype."""
+    if not isinstance(caches, Mapping) or set(caches) != set(ranks):
+        raise ValidationError(f"{who}: caches must map exactly the ranks held ({list(ranks)}) to their caches")
+    for r in ranks:
+        by_kind = caches[r]
+        if not isinstance(by_kind, Mapping) or set(by_kind) != set(spec.kinds):
+            raise ValidationError(f"{who}: caches[{r}] must map exactly the kinds {spec.kinds}")
+        for kind in spec.kinds:
+            layers, want = by_kind[kind], (num_blocks,) + spec.block_shape(kind)
+            if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or len(layers) != spec.layers:
+                raise ValidationError(f"{who}: caches[{r}][{kind!r}] must be a list of {spec.layers} layers")
+            for i, a in enumerate(layers):
+                if not isinstance(a, np.ndarray) or a.shape != want or a.dtype != spec.kind_dtype(kind) \
+                        or not a.flags.c_contiguous or not a.flags.writeable:
+                    got = f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+                    raise ValidationError(f"{who}: caches[{r}][{kind!r}][{i}] must be a writable C-contiguous "
+                                          f"{np.dtype(spec.kind_dtype(kind))}{list(want)} array, got {got}")
 
 
 def as_bytes_view(a: np.ndarray) -> memoryview:
@@ -174,7 +196,7 @@ class StoreBackend(TransferBackend):
     """One object per (block, kind, rank, layer group) in a :class:`Store`: checks, names,
     views, query, whole blocks."""
 
-    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store) -> None:
+    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store, ranks: Sequence[int] | None = None) -> None:
         name = type(self).__name__
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"{name}: spec must be a CacheSpec")
@@ -183,14 +205,32 @@ class StoreBackend(TransferBackend):
         if not isinstance(store, Store):
             raise ValidationError(f"{name}: store must be a kvstate Store")
         self.spec, self.num_blocks, self.store = spec, num_blocks, store
+        #: the TP ranks whose caches this backend holds: all of them, or (a rank worker's) a few
+        self.ranks = self._check_ranks(ranks)
         self.bytes_moved = 0  #: payload bytes written to and read from the store
         self.bytes_swapped = 0  #: payload bytes copied to and from the host tier
 
+    def _check_ranks(self, ranks: Sequence[int] | None) -> tuple[int, ...]:
+        tp = self.spec.tp_size
+        if ranks is None:
+            return tuple(range(tp))
+        name = type(self).__name__
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
+            raise ValidationError(f"{name}: ranks must be a non-empty sequence of ints, got {ranks!r}")
+        for r in ranks:
+            if not is_int(r) or not 0 <= r < tp:
+                raise ValidationError(f"{name}: rank {r!r} outside 0..{tp - 1}")
+        if len(set(ranks)) != len(ranks):
+            raise ValidationError(f"{name}: ranks {list(ranks)} name a rank twice")
+        return tuple(sorted(ranks))
+
     def _check_keys(self, rank: int, keys: Sequence[str]) -> None:
-        """Rank in range; keys a sequence of non-empty str. Raises before anything is touched."""
+        """Rank served here; keys a sequence of non-empty str. Raises before anything is touched."""
         name = type(self).__name__
         if not is_int(rank) or not 0 <= rank < self.spec.tp_size:
             raise ValidationError(f"{name}: rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        if rank not in self.ranks:
+            raise ValidationError(f"{name}: rank {rank} is not held here (this backend holds ranks {self.ranks})")
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) \
                 or not all(isinstance(k, str) and k for k in keys):
             raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")

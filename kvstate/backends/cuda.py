@@ -35,15 +35,17 @@ __all__ = ["CudaBackend"]
 class CudaBackend(StoreBackend):
     """Per-rank GPU caches over a :class:`~kvstate.backends.stores.Store`, through pinned staging.
 
-    ``caches``, when given, is ``caches[rank][kind]`` = a list of per-layer GPU tensors
-    ``[num_blocks, heads, block_size, dim]`` (the engine's own cache); otherwise zeroed CuPy
-    arrays are allocated. ``staging_bytes`` is the pinned staging per rank.
+    ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
+    when given, is ``caches[rank][kind]`` = a list of per-layer GPU tensors ``[num_blocks,
+    heads, block_size, dim]`` (the engine's own cache, or one another process shares through
+    CUDA IPC): a list with one entry per TP rank, or a dict of the ranks held; otherwise
+    zeroed CuPy arrays are allocated. ``staging_bytes`` is the pinned staging per rank.
     """
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
-                 host_blocks: int = 0) -> None:
-        self._setup(spec, num_blocks, store)
+                 host_blocks: int = 0, ranks: Sequence[int] | None = None) -> None:
+        self._setup(spec, num_blocks, store, ranks)
         check_int(host_blocks, "CudaBackend: host_blocks", minimum=0)
         self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
         per_block = spec.bytes_per_block_per_rank
@@ -51,38 +53,49 @@ class CudaBackend(StoreBackend):
             raise ValidationError(f"CudaBackend: staging_bytes must hold two blocks ({2 * per_block} bytes "
                                   f"for this spec), got {staging_bytes!r}")
         if caches is not None:
-            if not isinstance(caches, Sequence) or len(caches) != spec.tp_size:
-                raise ValidationError(f"CudaBackend: caches must hold one dict per TP rank ({spec.tp_size})")
-            for r, by_kind in enumerate(caches):
-                if not isinstance(by_kind, dict) or set(by_kind) != set(spec.kinds):
-                    raise ValidationError(f"CudaBackend: caches[{r}] must map exactly the kinds {spec.kinds}")
+            caches = self._caches_by_rank(caches)
         self.cp = load_cupy()
         self.device = device
         self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
-        self._swappers: list[CudaSwapper] = []
-        self._locks = [threading.Lock() for _ in range(spec.tp_size)]
+        self._swappers: dict[int, CudaSwapper] = {}
+        self._locks = {r: threading.Lock() for r in self.ranks}
         self._closed = False
         try:
-            self._layers: list[dict[str, DeviceLayers]] = []
-            self._slots: list[list[dict[str, np.ndarray]]] = []
-            self._host: list[dict[str, np.ndarray]] = []
-            self._groups: list[dict[str, list[DeviceLayers]]] = [{} for _ in range(spec.tp_size)]
-            for r in range(spec.tp_size):
+            self._layers: dict[int, dict[str, DeviceLayers]] = {}
+            self._slots: dict[int, list[dict[str, np.ndarray]]] = {}
+            self._host: dict[int, dict[str, np.ndarray]] = {}
+            self._groups: dict[int, dict[str, list[DeviceLayers]]] = {r: {} for r in self.ranks}
+            for r in self.ranks:
                 sw = CudaSwapper(device, timeout=timeout)
-                self._swappers.append(sw)
-                self._layers.append({kind: self._bind(r, kind, sw, None if caches is None else caches[r][kind])
-                                     for kind in spec.kinds})
-                self._slots.append([
+                self._swappers[r] = sw
+                self._layers[r] = {kind: self._bind(r, kind, sw, None if caches is None else caches[r][kind])
+                                   for kind in spec.kinds}
+                self._slots[r] = [
                     {k: sw.pinned((self.per_slot, spec.layers) + spec.block_shape(k), spec.kind_dtype(k))
-                     for k in spec.kinds} for _ in range(2)])
+                     for k in spec.kinds} for _ in range(2)]
                 if host_blocks:  # the host tier: block-major, slot i at the same place on every rank
-                    self._host.append({k: sw.pinned((host_blocks, spec.layers) + spec.block_shape(k),
-                                                    spec.kind_dtype(k)) for k in spec.kinds})
+                    self._host[r] = {k: sw.pinned((host_blocks, spec.layers) + spec.block_shape(k),
+                                                  spec.kind_dtype(k)) for k in spec.kinds}
         except BaseException:
             self.close()
             raise
         #: pinned host memory in all: staging, and the host tier's arena
-        self.pinned_bytes = (2 * self.per_slot + host_blocks) * per_block * spec.tp_size
+        self.pinned_bytes = (2 * self.per_slot + host_blocks) * per_block * len(self.ranks)
+
+    def _caches_by_rank(self, caches: Any) -> dict[int, Any]:
+        """The engine's caches as ``{rank: {kind: layers}}`` for exactly the ranks held."""
+        spec = self.spec
+        if isinstance(caches, Sequence) and not isinstance(caches, (str, bytes)):
+            if len(caches) != spec.tp_size:
+                raise ValidationError(f"CudaBackend: caches must hold one dict per TP rank ({spec.tp_size})")
+            caches = {r: caches[r] for r in self.ranks}
+        if not isinstance(caches, dict) or set(caches) != set(self.ranks):
+            raise ValidationError(f"CudaBackend: caches must be a list per TP rank or a dict of the ranks held "
+                                  f"({list(self.ranks)})")
+        for r, by_kind in caches.items():
+            if not isinstance(by_kind, dict) or set(by_kind) != set(spec.kinds):
+                raise ValidationError(f"CudaBackend: caches[{r}] must map exactly the kinds {spec.kinds}")
+        return caches
 
     def _bind(self, r: int, kind: str, sw: CudaSwapper, layers: Any) -> DeviceLayers:
         """Bind rank ``r``'s caches of ``kind`` (zeroed ones allocated when ``layers`` is None),
@@ -362,9 +375,9 @@ class CudaBackend(StoreBackend):
         if self._closed:
             return
         self._closed = True
-        for sw in self._swappers:
+        for sw in self._swappers.values():
             sw.close()
         self._swappers.clear()
-        self._layers = []
-        self._slots = []
-        self._host = []
+        self._layers = {}
+        self._slots = {}
+        self._host = {}

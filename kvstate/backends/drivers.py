@@ -14,7 +14,6 @@ handed back to the caller, which owns compute and messaging, except
 from __future__ import annotations
 
 import functools
-import math
 import queue
 import threading
 import time
@@ -22,60 +21,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import commands as C
-from ..errors import DriverError, KVStateError, ValidationError
+from ..errors import DriverError, ValidationError
 from ..events import Completion
 from ..validate import check_int, is_int
 from .base import TransferBackend
-from .gate import LayerArrivals, LayerGate
+from .gate import LayerArrivals
+from .runner import CommandRunner, execute
 
-__all__ = ["execute", "StepDriver", "ThreadedDriver"]
-
-
-def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None,
-            clock: Callable[[], float] | None = None, layers: Callable[..., Any] | None = None,
-            arrived: Callable[[int, Any], None] | None = None) -> Completion:
-    """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given).
-
-    With ``clock`` (the lifecycle's), blocks are touched only while ``clock() < cmd.fence``:
-    past the fence the answer is an error (:class:`~kvstate.errors.FenceError`) and no block
-    was gathered or scattered. A :class:`~kvstate.commands.SaveLayers` needs ``layers``
-    (``layers(n, block=True)``, a :meth:`~kvstate.backends.gate.LayerGate.ready`: False, or
-    True or a device event once the first ``n`` layers are computed); a
-    :class:`~kvstate.commands.LoadLayers` reports each group it scattered to ``arrived(n, event)``."""
-    keys = cmd.keys if limit is None else cmd.keys[:limit]
-    fence = cmd.fence
-    guard = None if clock is None or fence == math.inf else (lambda: clock() < fence)
-    if cmd.__class__ is C.SaveLayers and layers is None:
-        raise ValidationError(f"command {cmd.command_id}: a SaveLayers needs a layer gate (layers=)")
-    try:
-        if cmd.__class__ is C.SaveLayers:
-            n = backend.query(rank, keys)  # a full hit answers at once, computed or not
-            if n < len(keys):
-                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard, layers=layers)
-        elif isinstance(cmd, C.WriteBlocks):
-            # skip the leading keys already stored (same key, same bytes), write the rest
-            n = backend.query(rank, keys)
-            if n < len(keys):
-                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
-        elif cmd.__class__ is C.LoadLayers:
-            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, arrived=arrived or _ignore)
-        elif isinstance(cmd, C.ReadBlocks):
-            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
-        elif isinstance(cmd, C.SwapOut):
-            n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
-        elif isinstance(cmd, C.SwapIn):
-            n = backend.swap_in(rank, cmd.host_slots[:len(keys)], cmd.block_ids[:len(keys)], guard)
-        elif isinstance(cmd, C.FlushHost):
-            n = backend.flush_host(rank, keys, cmd.host_slots[:len(keys)])
-        else:
-            raise ValidationError(f"cannot execute {type(cmd).__name__}")
-    except (KVStateError, OSError) as e:
-        return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
-    return Completion(cmd.command_id, rank, n)
-
-
-def _ignore(layers: int, event: Any) -> None:
-    """Arrivals nobody waits for."""
+__all__ = ["StepDriver", "ThreadedDriver"]
 
 
 def _reported(ready: int, event: Any, n: int, block: bool = True) -> Any:
@@ -194,7 +147,8 @@ class ThreadedDriver:
     more workers than the saves' ranks in flight at once, or other transfers wait behind
     them); a cancel closes the gate. A :class:`~kvstate.commands.LoadLayers` reports into a
     :class:`~kvstate.backends.gate.LayerArrivals` per rank (``arrivals``), kept until its
-    completion is polled.
+    completion is polled. The commands' state between threads lives in a
+    :class:`~kvstate.backends.runner.CommandRunner`.
     """
 
     def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate",
@@ -204,11 +158,9 @@ class ThreadedDriver:
             raise ValidationError("ThreadedDriver: clock must be callable (the lifecycle's clock)")
         self.backend = backend
         self.clock = clock
+        self._runner = CommandRunner(backend, clock)
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[Completion] = queue.Queue()
-        self._cancelled: set[int] = set()
-        self._gates: dict[int, list[Any]] = {}  # SaveLayers command id -> [gate, ranks yet to answer]
-        self._arrivals: dict[tuple[int, int], LayerArrivals] = {}  # LoadLayers (command id, rank)
         self._lock = threading.Lock()
         self._inflight = 0
         self._closed = False
@@ -218,28 +170,18 @@ class ThreadedDriver:
             t.start()
 
     def submit(self, cmd: C.Command) -> bool:
-        """Queue a transfer command (True), note a cancel (True), or ignore a notice (False)."""
+        """Queue a transfer command (True), note a cancel or a layer report (True), or ignore
+        a notice (False)."""
         if self._closed:
             raise DriverError("ThreadedDriver: submit after close")
-        if isinstance(cmd, (C.CancelCommand, C.LayersReady)):
-            with self._lock:
-                entry = self._gates.get(cmd.command_id)
-                if cmd.__class__ is C.CancelCommand:
-                    self._cancelled.add(cmd.command_id)
-            if entry is not None and isinstance(cmd, C.LayersReady):
-                entry[0].advance(cmd.layers, cmd.event)
-            elif entry is not None:
-                entry[0].close()
+        if cmd.__class__ is C.CancelCommand or cmd.__class__ is C.LayersReady:
+            self._runner.notice(cmd)
             return True
         if not isinstance(cmd, C.TransferCommand):
             return False
+        self._runner.admit(cmd)
         with self._lock:
             self._inflight += len(cmd.ranks)
-            if cmd.__class__ is C.SaveLayers:
-                self._gates[cmd.command_id] = [LayerGate(cmd.fence, self.clock), len(cmd.ranks)]
-            elif cmd.__class__ is C.LoadLayers:
-                for r in cmd.ranks:
-                    self._arrivals[(cmd.command_id, r)] = LayerArrivals()
         for r in cmd.ranks:
             self._jobs.put((cmd, r))
         return True
@@ -257,16 +199,14 @@ class ThreadedDriver:
                 out.append(self._done.get_nowait())
         except queue.Empty:
             pass
-        with self._lock:
-            for c in out:
-                self._arrivals.pop((c.command_id, c.rank), None)
+        for c in out:
+            self._runner.forget(c.command_id, c.rank)
         return out
 
     def arrivals(self, command_id: int, rank: int = 0) -> LayerArrivals | None:
         """The layer arrivals of a submitted :class:`~kvstate.commands.LoadLayers` on ``rank``
         (None once its completion was polled, or for another command)."""
-        with self._lock:
-            return self._arrivals.get((command_id, rank))
+        return self._runner.arrivals(command_id, rank)
 
     @property
     def inflight(self) -> int:
@@ -278,33 +218,9 @@ class ThreadedDriver:
             job = self._jobs.get()
             if job is _STOP:
                 return
-            cmd, rank = job
-            with self._lock:
-                cancelled = cmd.command_id in self._cancelled
-            if cancelled:
-                c = Completion(cmd.command_id, rank, 0, error="cancelled")
-                with self._lock:
-                    arrivals = self._arrivals.get((cmd.command_id, rank))
-                if arrivals is not None:
-                    arrivals.close()
-            else:
-                with self._lock:
-                    entry = self._gates.get(cmd.command_id)
-                    arrivals = self._arrivals.get((cmd.command_id, rank))
-                try:
-                    c = execute(self.backend, cmd, rank, None, self.clock, None if entry is None else entry[0].ready,
-                                None if arrivals is None else arrivals.arrive)
-                except Exception as e:  # noqa: BLE001 - a worker must always answer
-                    c = Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
-                if arrivals is not None:
-                    arrivals.close()
+            c = self._runner.run(*job)
             with self._lock:
                 self._inflight -= 1
-                entry = self._gates.get(cmd.command_id)
-                if entry is not None:
-                    entry[1] -= 1
-                    if not entry[1]:
-                        del self._gates[cmd.command_id]
             self._done.put(c)
 
     def close(self, timeout: float = 30.0) -> None:

@@ -73,13 +73,14 @@ class LayerGate:
 class LayerArrivals:
     """The layers of one rank's :class:`~kvstate.commands.LoadLayers` that arrived, thread-safe."""
 
-    __slots__ = ("_cond", "layers", "closed", "_events")
+    __slots__ = ("_cond", "layers", "closed", "_events", "_on_arrive")
 
-    def __init__(self) -> None:
+    def __init__(self, on_arrive: Callable[[int, Any], None] | None = None) -> None:
         self._cond = threading.Condition()
         self.layers = 0  #: leading layers scattered so far (enqueued on the device)
         self.closed = False  #: the load ended: no more layers will come
         self._events: list[tuple[int, Any]] = []  # (layers, the device event after their scatter)
+        self._on_arrive = on_arrive  # also told of each arrival (a rank worker forwards them)
 
     def arrive(self, layers: int, event: Any = None) -> None:
         """The first ``layers`` layers are scattered; ``event`` (a device event, when the
@@ -88,6 +89,8 @@ class LayerArrivals:
             self._events.append((layers, event))
             self.layers = max(self.layers, layers)
             self._cond.notify_all()
+        if self._on_arrive is not None:
+            self._on_arrive(layers, event)
 
     def close(self) -> None:
         """The load ended (answered, failed or cancelled): waits for missing layers give up."""

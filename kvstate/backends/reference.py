@@ -16,7 +16,7 @@ the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,25 +24,34 @@ import numpy as np
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, check_fence
+from .base import Guard, Store, StoreBackend, check_caches, check_fence
 
 __all__ = ["ReferenceBackend"]
 
 
 class ReferenceBackend(StoreBackend):
-    """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`."""
+    """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`.
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0) -> None:
-        self._setup(spec, num_blocks, store)
+    ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
+    when given, maps each of them to ``{kind: [per-layer arrays]}`` the engine owns (shared
+    memory another process created, say); otherwise zeroed arrays are allocated."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0,
+                 ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None
+                 ) -> None:
+        self._setup(spec, num_blocks, store, ranks)
         check_int(host_blocks, "ReferenceBackend: host_blocks", minimum=0)
+        if caches is not None:
+            check_caches(spec, num_blocks, self.ranks, caches, "ReferenceBackend")
         self.host_blocks = host_blocks  #: slots of the host tier arena, per rank
         #: host[rank][kind] -> block-major arena [host_blocks, layers, heads, block_size, dim]
-        self.host = [self._host(host_blocks) for _ in range(spec.tp_size)] if host_blocks else []
+        self.host = {r: self._host(host_blocks) for r in self.ranks} if host_blocks else {}
         #: caches[rank][kind] -> list of per-layer arrays [num_blocks, heads, block_size, dim]
-        self.caches = [
-            {kind: [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
-                    for _ in range(spec.layers)] for kind in spec.kinds}
-            for _ in range(spec.tp_size)]
+        self.caches: dict[int, dict[str, list[np.ndarray]]] = {
+            r: ({kind: list(caches[r][kind]) for kind in spec.kinds} if caches is not None else
+                {kind: [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
+                        for _ in range(spec.layers)] for kind in spec.kinds})
+            for r in self.ranks}
 
     # -- block access (tests, the demo's fake compute) -----------------------------------------
     def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:

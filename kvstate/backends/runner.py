@@ -1,0 +1,172 @@
+"""Running transfer commands, rank by rank, in whatever threads a driver has.
+
+:func:`execute` runs one rank's part of a command on a backend, guarded by its fence.
+
+A :class:`CommandRunner` keeps what a command's life needs across threads, from
+:meth:`~CommandRunner.admit` until its last rank ran:
+
+- whether it was cancelled (a rank not started yet then answers 0 at once, moving nothing;
+  one already running finishes its store operation, touching blocks only before the fence);
+- a layer-wise save's :class:`~kvstate.backends.gate.LayerGate`, advanced by the
+  :class:`~kvstate.commands.LayersReady` notices and closed by a cancel;
+- a layer-wise load's :class:`~kvstate.backends.gate.LayerArrivals` per rank, kept until the
+  driver has delivered that rank's completion (:meth:`~CommandRunner.forget`).
+
+:class:`~kvstate.backends.drivers.ThreadedDriver` runs commands on its worker threads through
+one; a rank worker process (:mod:`~kvstate.distributed.rankworker`) runs them on its own.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import commands as C
+from ..errors import KVStateError, ValidationError
+from ..events import Completion
+from .base import TransferBackend
+from .gate import LayerArrivals, LayerGate
+
+__all__ = ["CommandRunner", "execute"]
+
+
+def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None,
+            clock: Callable[[], float] | None = None, layers: Callable[..., Any] | None = None,
+            arrived: Callable[[int, Any], None] | None = None) -> Completion:
+    """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given).
+
+    With ``clock`` (the lifecycle's), blocks are touched only while ``clock() < cmd.fence``:
+    past the fence the answer is an error (:class:`~kvstate.errors.FenceError`) and no block
+    was gathered or scattered. A :class:`~kvstate.commands.SaveLayers` needs ``layers``
+    (``layers(n, block=True)``, a :meth:`~kvstate.backends.gate.LayerGate.ready`: False, or
+    True or a device event once the first ``n`` layers are computed); a
+    :class:`~kvstate.commands.LoadLayers` reports each group it scattered to ``arrived(n, event)``."""
+    keys = cmd.keys if limit is None else cmd.keys[:limit]
+    fence = cmd.fence
+    guard = None if clock is None or fence == math.inf else (lambda: clock() < fence)
+    if cmd.__class__ is C.SaveLayers and layers is None:
+        raise ValidationError(f"command {cmd.command_id}: a SaveLayers needs a layer gate (layers=)")
+    try:
+        if cmd.__class__ is C.SaveLayers:
+            n = backend.query(rank, keys)  # a full hit answers at once, computed or not
+            if n < len(keys):
+                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard, layers=layers)
+        elif isinstance(cmd, C.WriteBlocks):
+            # skip the leading keys already stored (same key, same bytes), write the rest
+            n = backend.query(rank, keys)
+            if n < len(keys):
+                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
+        elif cmd.__class__ is C.LoadLayers:
+            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, arrived=arrived or _ignore)
+        elif isinstance(cmd, C.ReadBlocks):
+            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
+        elif isinstance(cmd, C.SwapOut):
+            n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
+        elif isinstance(cmd, C.SwapIn):
+            n = backend.swap_in(rank, cmd.host_slots[:len(keys)], cmd.block_ids[:len(keys)], guard)
+        elif isinstance(cmd, C.FlushHost):
+            n = backend.flush_host(rank, keys, cmd.host_slots[:len(keys)])
+        else:
+            raise ValidationError(f"cannot execute {type(cmd).__name__}")
+    except (KVStateError, OSError) as e:
+        return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
+    return Completion(cmd.command_id, rank, n)
+
+
+def _ignore(layers: int, event: Any) -> None:
+    """Arrivals nobody waits for."""
+
+
+class _Live:
+    """An admitted command: ranks yet to run, its gate (a save), whether it was cancelled."""
+
+    __slots__ = ("left", "gate", "cancelled")
+
+    def __init__(self, left: int, gate: LayerGate | None) -> None:
+        self.left, self.gate, self.cancelled = left, gate, False
+
+
+class CommandRunner:
+    """Admitted commands of one backend and their cross-thread state; :meth:`run` is thread-safe.
+
+    ``on_arrived(command_id, rank, layers, event)``, when given, is told of each group a
+    layer-wise load scatters (besides its :class:`~kvstate.backends.gate.LayerArrivals`)."""
+
+    def __init__(self, backend: TransferBackend, clock: Callable[[], float] = time.monotonic,
+                 on_arrived: Callable[[int, int, int, Any], None] | None = None) -> None:
+        self.backend, self.clock = backend, clock
+        self._on_arrived = on_arrived
+        self._lock = threading.Lock()
+        self._live: dict[int, _Live] = {}
+        self._arrivals: dict[tuple[int, int], LayerArrivals] = {}  # LoadLayers (command id, rank)
+
+    def admit(self, cmd: C.TransferCommand) -> None:
+        """Take ``cmd`` in: each of its ranks runs once, through :meth:`run`."""
+        with self._lock:
+            gate = LayerGate(cmd.fence, self.clock) if cmd.__class__ is C.SaveLayers else None
+            self._live[cmd.command_id] = _Live(len(cmd.ranks), gate)
+            if cmd.__class__ is C.LoadLayers:
+                for r in cmd.ranks:
+                    self._arrivals[(cmd.command_id, r)] = LayerArrivals(self._reporter(cmd.command_id, r))
+
+    def notice(self, cmd: C.CancelCommand | C.LayersReady) -> None:
+        """A cancel (ranks not started answer 0; a save's gate closes) or a layer report (a
+        save's gate advances). Notices for commands no longer live change nothing."""
+        with self._lock:
+            live = self._live.get(cmd.command_id)
+            if live is None:
+                return
+            if cmd.__class__ is C.CancelCommand:
+                live.cancelled = True
+            gate = live.gate
+        if gate is not None and isinstance(cmd, C.LayersReady):
+            gate.advance(cmd.layers, cmd.event)
+        elif gate is not None:
+            gate.close()
+
+    def run(self, cmd: C.TransferCommand, rank: int) -> Completion:
+        """Run ``rank``'s part of an admitted command in this thread; never raises (a failure
+        is an error completion, as a rank must always answer)."""
+        with self._lock:
+            live = self._live.get(cmd.command_id)
+            arrivals = self._arrivals.get((cmd.command_id, rank))
+        try:
+            if live is None or live.cancelled:
+                c = Completion(cmd.command_id, rank, 0, error="cancelled")
+            else:
+                c = execute(self.backend, cmd, rank, None, self.clock, None if live.gate is None else live.gate.ready,
+                            None if arrivals is None else arrivals.arrive)
+        except Exception as e:  # noqa: BLE001 - a rank must always answer
+            c = Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
+        if arrivals is not None:
+            arrivals.close()
+        with self._lock:
+            if live is not None:
+                live.left -= 1
+                if not live.left:
+                    del self._live[cmd.command_id]
+        return c
+
+    def cancel_all(self) -> None:
+        """Cancel every live command (its owner is closing): saves stop waiting for layers."""
+        with self._lock:
+            live = list(self._live.values())
+        for x in live:
+            x.cancelled = True
+            if x.gate is not None:
+                x.gate.close()
+
+    def arrivals(self, command_id: int, rank: int) -> LayerArrivals | None:
+        with self._lock:
+            return self._arrivals.get((command_id, rank))
+
+    def forget(self, command_id: int, rank: int) -> None:
+        """The driver delivered this rank's completion: its arrivals are not handed out any more."""
+        with self._lock:
+            self._arrivals.pop((command_id, rank), None)
+
+    def _reporter(self, command_id: int, rank: int) -> Callable[[int, Any], None] | None:
+        hook = self._on_arrived
+        return None if hook is None else (lambda layers, event: hook(command_id, rank, layers, event))

@@ -1,0 +1,215 @@
+"""The control side of a process driver: rank workers' hellos, heartbeats and deaths.
+
+:class:`RankControl` owns the control channel's I/O thread and the worker processes its
+driver started. On that thread it
+
+- accepts a hello whose TP size and cache geometry match the scheduler's (a rank is then
+  *up*, and :class:`~kvstate.distributed.liveness.RankUp` is noticed), and refuses any other
+  (the worker exits; :meth:`RankControl.wait_ready` names the mismatch);
+- records heartbeats, and asks a worker it declared dead but which speaks again (it was only
+  stopped) to say hello anew as a new incarnation (``REJOIN``);
+- forwards layer arrivals to the driver;
+- declares a rank *down* when it is silent past ``dead_after_s``, says goodbye, or its
+  process (one this driver started) exits; the driver's ``on_down`` answers what it owed as
+  lost. With ``restart`` a started worker is then killed (a stopped process could still touch
+  blocks) and started again, as a new incarnation.
+
+Every message that does not parse or breaks a rule is counted (``bad_messages``) and dropped.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..errors import ConfigError, DriverError, KVStateError, ProtocolError
+from ..spec import CacheSpec
+from . import wire
+from .liveness import RankDown, RankTable, RankUp
+from .rankworker import WorkerConfig
+from .supervise import ChildProcess
+
+__all__ = ["RankControl"]
+
+Send = Callable[[int, int, bytes], bool]  #: (rank, lane, message): False when that socket is not connected
+
+
+class RankControl:
+    """Liveness and worker processes of one driver's ranks (its I/O thread runs :meth:`serve`).
+
+    ``lock`` is the driver's: the rank table and ``counters`` change under it only."""
+
+    def __init__(self, spec: CacheSpec, geometry: str, *, heartbeat_s: float, dead_after_s: float, restart: bool,
+                 lock: threading.Lock, counters: dict[str, int], send: Send,
+                 on_down: Callable[[int, list[int], str], None],
+                 on_arrived: Callable[[int, int, int, int], None], name: str) -> None:
+        self.spec, self.geometry, self.name = spec, geometry, name
+        self.heartbeat_s, self.dead_after_s, self.restart = heartbeat_s, dead_after_s, restart
+        self.lock, self.counters, self._send = lock, counters, send
+        self._on_down, self._on_arrived = on_down, on_arrived
+        self.ranks = RankTable(spec.tp_size)
+        self.children: dict[int, ChildProcess] = {}
+        self._configs: dict[int, WorkerConfig] = {}
+        self._notices: list[RankDown | RankUp] = []
+        self.running = True
+        self.stopping = False
+
+    # -- worker processes -----------------------------------------------------------------------
+    def spawn(self, cfg: WorkerConfig) -> ChildProcess:
+        """Start ``cfg``'s worker as a child process (restarted if it dies, with ``restart``)."""
+        old = self.children.get(cfg.rank)
+        if old is not None and old.alive():
+            raise ConfigError(f"{self.name}: rank {cfg.rank} already has a worker (pid {old.pid})")
+        self._configs[cfg.rank] = cfg
+        child = self.children[cfg.rank] = ChildProcess("kvstate.distributed", ["rankworker", cfg.to_json()],
+                                                       f"{self.name} rank {cfg.rank} worker")
+        return child
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until every rank is up; a refused worker, or a started one that exited before
+        its hello, is a ConfigError naming it; a rank still silent at ``timeout`` a DriverError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                refused, down = self.ranks.refusals(), self.ranks.down()
+            if refused:
+                raise ConfigError(f"{self.name}: {refused[0]}")
+            if not down:
+                return
+            for r in down:
+                c = self.children.get(r)
+                if c is not None and not c.alive() and not self.restart:
+                    raise ConfigError(f"{self.name}: rank {r}'s worker exited with status {c.returncode} before "
+                                      "it said hello (see its stderr)")
+            if time.monotonic() >= deadline:
+                raise DriverError(f"{self.name}: ranks {down} did not say hello within {timeout} s")
+            time.sleep(0.01)
+
+    def lanes(self, rank: int) -> int:
+        """The lanes of ``rank``'s worker (that of a started one, else as its last hello said)."""
+        cfg = self._configs.get(rank)
+        return cfg.lanes if cfg is not None else max(1, self.ranks.lanes(rank))
+
+    def notices(self) -> list[RankDown | RankUp]:
+        with self.lock:
+            out, self._notices = self._notices, []
+        return out
+
+    def stop_children(self, deadline: float) -> None:
+        """Let each started worker exit by ``deadline`` (after its STOP), then kill what is left."""
+        for child in self.children.values():
+            child.wait(max(0.0, deadline - time.monotonic()))
+        for child in self.children.values():
+            child.stop(max(0.0, min(2.0, deadline - time.monotonic())))
+
+    # -- the I/O thread ---------------------------------------------------------------------------
+    def serve(self, sock: zmq.Socket) -> None:
+        """Read the control channel and judge liveness until :attr:`running` is False."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        tick = min(0.05, self.heartbeat_s / 2)
+        while self.running:
+            try:
+                if poller.poll(int(1000 * tick)):
+                    for _ in range(1024):
+                        try:
+                            data = sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._receive(data)
+                self._check()
+            except zmq.ZMQError:
+                if not self.running:
+                    return
+                raise
+
+    def _receive(self, data: bytes) -> None:
+        try:
+            msg = wire.from_worker(data)
+            if not msg.rank < self.spec.tp_size or isinstance(msg, wire.Done):
+                raise ProtocolError(f"the control channel takes no DONE, and ranks below {self.spec.tp_size}")
+        except KVStateError:
+            with self.lock:
+                self.counters["bad_messages"] += 1
+            return
+        if isinstance(msg, wire.Beat):
+            self._beat(msg)
+        elif isinstance(msg, wire.Arrived):
+            self._on_arrived(msg.rank, msg.incarnation, msg.command_id, msg.layers)
+        elif isinstance(msg, wire.Hello):
+            self._hello(msg)
+        elif isinstance(msg, wire.Bye):
+            self.declare_down(msg.rank, f"its worker said goodbye ({msg.reason})", msg.incarnation)
+
+    def _beat(self, msg: wire.Beat) -> None:
+        with self.lock:
+            current = self.ranks.incarnation(msg.rank)
+            if current == msg.incarnation:
+                self.ranks.seen(msg.rank, time.monotonic())
+                return
+            self.counters["stale"] += 1
+            rejoin = not current and not self.ranks.refusals() and not self.stopping
+        if rejoin:  # a worker declared dead that lives on (it was stopped): it says hello anew
+            self._send(msg.rank, 0, wire.pack(wire.REJOIN, msg.incarnation))
+
+    def _hello(self, msg: wire.Hello) -> None:
+        problem = None
+        if msg.tp_size != self.spec.tp_size:
+            problem = f"rank {msg.rank}'s worker has TP {msg.tp_size}, the scheduler {self.spec.tp_size}"
+        elif msg.geometry != self.geometry:
+            problem = (f"rank {msg.rank}'s worker has another cache geometry: {msg.geometry} against the "
+                       f"scheduler's {self.geometry}")
+        if problem is not None:
+            with self.lock:
+                self.counters["refused"] += 1
+                self.ranks.refuse(msg.rank, problem)
+            self._send(msg.rank, 0, wire.pack(wire.REFUSE, problem))
+            return
+        previous = self.ranks.incarnation(msg.rank)
+        if previous == msg.incarnation:
+            return  # a repeated hello the welcome crossed
+        welcome = wire.pack(wire.WELCOME, msg.incarnation)
+        if not all(self._send(msg.rank, lane, welcome) for lane in reversed(range(msg.lanes))):
+            return  # a lane's socket is not connected yet: it says hello again next beat
+        if previous:
+            self.declare_down(msg.rank, "a new worker replaced it", previous)
+        with self.lock:
+            self.ranks.up(msg.rank, msg.incarnation, msg.pid, time.monotonic(), msg.lanes)
+            self._notices.append(RankUp(msg.rank, msg.pid))
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            live = self.ranks.live()
+        for rank, inc, last in live:
+            child = self.children.get(rank)
+            if child is not None and not child.alive():
+                self.declare_down(rank, f"its worker process exited (status {child.returncode})", inc)
+            elif now - last > self.dead_after_s:
+                self.declare_down(rank, f"no heartbeat for {now - last:.2f} s", inc)
+        if self.restart and not self.stopping:
+            for rank, child in list(self.children.items()):
+                if not child.alive() and not self.ranks.incarnation(rank) and rank in self._configs:
+                    self.spawn(self._configs[rank])
+                    with self.lock:
+                        self.counters["restarts"] += 1
+
+    def declare_down(self, rank: int, reason: str, incarnation: int) -> None:
+        """``rank`` (at ``incarnation``; a later one is left alone) is down: what it owed is lost."""
+        with self.lock:
+            if self.ranks.incarnation(rank) != incarnation:
+                return
+            owed = self.ranks.down_now(rank)
+            self._notices.append(RankDown(rank, reason))
+        self._on_down(rank, owed, f"rank {rank} lost: {reason}")
+        child = self.children.get(rank)
+        if child is not None and self.restart and child.alive():
+            child.kill()  # a stopped worker could still touch blocks: it must not live on
+
+    def info(self) -> dict[str, Any]:
+        with self.lock:
+            return {"up": [r for r, _, _ in self.ranks.live()], "down": self.ranks.down(),
+                    "pids": {r: c.pid for r, c in self.children.items() if c.alive()}}

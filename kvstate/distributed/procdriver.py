@@ -1,0 +1,441 @@
+"""The cross-process driver: each transfer command goes to every rank worker's process.
+
+:class:`ProcessDriver` has :class:`~kvstate.backends.drivers.ThreadedDriver`'s interface
+(``submit``, ``submit_all``, ``poll``, ``arrivals``, ``inflight``, ``close``), so an engine
+loop changes one line; rank workers (:mod:`~kvstate.distributed.rankworker`) run each rank's
+part in their own process. Its rules:
+
+- **Transport.** ZeroMQ: commands leave on a ROUTER socket (one DEALER per rank worker, in
+  the order submitted). Answers come back on a *reply* PULL socket that ``poll`` reads in
+  the engine's own thread, so an answer crosses no Python thread on its way; hellos,
+  heartbeats, layer arrivals and goodbyes come on a *control* socket read by the driver's
+  I/O thread (:mod:`~kvstate.distributed.control`), so liveness is judged while the engine
+  is busy. A send blocks while a rank's bounded queue is full (back-pressure), for at most
+  ``submit_timeout``.
+- **Liveness.** A rank is *up* from its accepted hello until it is silent past
+  ``dead_after_s``, says goodbye, or (a worker this driver started) its process exits. Then it
+  is *down*: each command it had not answered completes at once as *lost* (count 0; the
+  lifecycle fails or recomputes per policy, and keeps the blocks pinned until the command's
+  fence), its layer arrivals close, and :meth:`ProcessDriver.notices` reports
+  :class:`~kvstate.distributed.liveness.RankDown`. A worker this driver started is then killed
+  and started again (``restart``); when the new incarnation says hello the rank is up again,
+  with no restart of the scheduler. A command submitted while its rank is down fails for that
+  rank at once.
+- **Stale and bad answers.** An answer from another incarnation than the rank's current one,
+  or for a command the rank no longer owes (answered already, or lost), is counted
+  (``counters["stale"]``) and dropped; a message that does not parse or breaks a rule is
+  counted (``bad_messages``). None of them reach the lifecycle.
+- **Time.** Deadlines and fences cross as absolute ``time.monotonic()`` seconds: the
+  lifecycle must run on that clock (its default), which the host's processes share.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from .. import commands as C
+from ..backends.gate import LayerArrivals
+from ..errors import ConfigError, DriverError, KVStateError, ProtocolError, ValidationError
+from ..events import Completion
+from ..spec import CacheSpec
+from ..validate import check_int
+from . import wire
+from .control import RankControl
+from .liveness import RankDown, RankUp
+from .rankworker import WorkerConfig
+from .supervise import ChildProcess
+
+__all__ = ["ProcessDriver"]
+
+
+@dataclass
+class _Pending:
+    cmd: C.TransferCommand
+    left: set[int] = field(default_factory=set)  #: ranks that still owe an answer
+
+
+class ProcessDriver:
+    """Runs transfer commands on rank worker processes; the engine polls the completions.
+
+    ``address``: ``"ipc"`` (Unix sockets in a private temporary directory, the default) or
+    ``"tcp://HOST"`` (ports chosen by the system). Start workers with :meth:`spawn` (a child
+    process each, owned by this driver) or give :meth:`worker_config` to a worker an engine
+    hosts in a process of its own; then :meth:`wait_ready`."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, *, address: str = "ipc", heartbeat_s: float = 0.2,
+                 dead_after_s: float = 2.0, restart: bool = True, submit_timeout: float = 30.0,
+                 spin_us: float = 200.0, name: str = "kvstate") -> None:
+        if not isinstance(spec, CacheSpec):
+            raise ConfigError("ProcessDriver: spec must be a CacheSpec")
+        check_int(num_blocks, "ProcessDriver: num_blocks", minimum=1, error=ConfigError)
+        for what, v in (("heartbeat_s", heartbeat_s), ("dead_after_s", dead_after_s),
+                        ("submit_timeout", submit_timeout)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 3600:
+                raise ConfigError(f"ProcessDriver: {what} must be seconds in (0, 3600), got {v!r}")
+        if dead_after_s <= 2 * heartbeat_s:
+            raise ConfigError(f"ProcessDriver: dead_after_s ({dead_after_s}) must exceed two heartbeats "
+                              f"({2 * heartbeat_s}), or a live rank could be declared dead")
+        self.spec, self.num_blocks, self.name = spec, num_blocks, name
+        self.heartbeat_s = heartbeat_s
+        if not isinstance(spin_us, (int, float)) or isinstance(spin_us, bool) or not 0 <= spin_us <= 1e5:
+            raise ConfigError(f"ProcessDriver: spin_us must be microseconds in [0, 100000], got {spin_us!r}")
+        self.spin_us = float(spin_us)  #: how long a waiting poll asks the socket before it sleeps
+        self.counters = {"stale": 0, "bad_messages": 0, "refused": 0, "lost": 0, "restarts": 0}
+        self._lock = threading.Lock()  # rank states, pending commands, counters
+        self._send_lock = threading.Lock()  # the command socket (used by the engine and the I/O thread)
+        self._poll_lock = threading.Lock()  # the reply socket: one poll at a time
+        self._wake_lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._arrivals: dict[tuple[int, int], LayerArrivals] = {}
+        self._done: queue.Queue[Completion] = queue.Queue()  # answers made here: lost, or refused at once
+        self._inflight = 0
+        self._closed = False
+        self._tmp: str | None = None
+        self._ctx = zmq.Context()
+        try:
+            self._bind(address, submit_timeout)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.control = RankControl(spec, wire.geometry(spec, num_blocks), heartbeat_s=heartbeat_s,
+                                   dead_after_s=dead_after_s, restart=bool(restart), lock=self._lock,
+                                   counters=self.counters, send=self._send, on_down=self._lose_all,
+                                   on_arrived=self._arrived, name=f"ProcessDriver {name}")
+        self._io = threading.Thread(target=self.control.serve, args=(self._control,), name=f"{name}-driver-io",
+                                    daemon=True)
+        self._io.start()
+        self._layer_jobs: queue.Queue[Any] = queue.Queue()
+        self._watcher: threading.Thread | None = None
+
+    # -- sockets ----------------------------------------------------------------------------------
+    def _bind(self, address: str, submit_timeout: float) -> None:
+        if address == "ipc":
+            self._tmp = tempfile.mkdtemp(prefix="kvstate-ipc-")
+            targets = tuple(f"ipc://{self._tmp}/{n}" for n in ("cmd", "reply", "control"))
+        elif isinstance(address, str) and address.startswith("tcp://") and address.count(":") == 1:
+            targets = (f"{address}:*",) * 3
+        else:
+            raise ConfigError(f"ProcessDriver: address must be 'ipc' or 'tcp://HOST' (ports are chosen), got "
+                              f"{address!r}")
+        self._cmd = self._ctx.socket(zmq.ROUTER)
+        for opt, v in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.SNDHWM, 4096), (zmq.LINGER, 0),
+                       (zmq.SNDTIMEO, int(1000 * submit_timeout))):
+            self._cmd.setsockopt(opt, v)
+        self._reply, self._control = self._pull(), self._pull()
+        # answers made in other threads (lost ranks) wake a waiting poll through this pair
+        self._wake_in, self._wake_out = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
+        self._wake_in.bind(f"inproc://kvstate-wake-{id(self)}")
+        self._wake_out.connect(f"inproc://kvstate-wake-{id(self)}")
+        try:
+            for sock, target in zip((self._cmd, self._reply, self._control), targets):
+                sock.bind(target)
+        except zmq.ZMQError as e:
+            raise ConfigError(f"ProcessDriver: cannot listen on {address!r} ({e})") from None
+        #: (command, reply, control) endpoints: what a worker connects to
+        self.addresses = tuple(sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                               for sock in (self._cmd, self._reply, self._control))
+        self._poller = zmq.Poller()
+        self._poller.register(self._reply, zmq.POLLIN)
+        self._poller.register(self._wake_in, zmq.POLLIN)
+
+    def _pull(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def _send(self, rank: int, lane: int, data: bytes) -> bool:
+        """Send to a lane of ``rank``'s worker; False when that lane's socket is not connected."""
+        with self._send_lock:
+            try:
+                self._cmd.send_multipart((f"r{rank}:{lane}".encode(), data))
+                return True
+            except zmq.Again:
+                raise DriverError(f"ProcessDriver: rank {rank} took no command for the submit timeout: its queue "
+                                  "is full (back-pressure) or it is stuck") from None
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    return False
+                raise DriverError(f"ProcessDriver: sending to rank {rank} failed ({e})") from None
+
+    def _wake(self) -> None:
+        """Wake a poll waiting for answers (from any thread)."""
+        with self._wake_lock:
+            try:
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # -- workers ---------------------------------------------------------------------------------
+    def worker_config(self, rank: int, store: dict[str, Any], **kw: Any) -> WorkerConfig:
+        """The configuration of ``rank``'s worker for this driver (``kw``: :class:`WorkerConfig`
+        fields, e.g. ``caches``, ``backend``, ``host_blocks``, ``lanes``)."""
+        spec = {f: getattr(self.spec, f) for f in self.spec.__dataclass_fields__}
+        cfg = WorkerConfig(rank=rank, spec=spec, num_blocks=self.num_blocks, command_address=self.addresses[0],
+                           reply_address=self.addresses[1], control_address=self.addresses[2], store=store,
+                           heartbeat_s=self.heartbeat_s, parent_pid=os.getpid(), **kw)
+        cfg.validate()
+        return cfg
+
+    def spawn(self, rank: int, store: dict[str, Any], **kw: Any) -> ChildProcess:
+        """Start ``rank``'s worker as a child process this driver owns (restarted if it dies,
+        with ``restart``; stopped by :meth:`close`)."""
+        if self._closed:
+            raise DriverError("ProcessDriver: spawn after close")
+        return self.control.spawn(self.worker_config(rank, store, **kw))
+
+    def child(self, rank: int) -> ChildProcess | None:
+        """The worker process this driver started for ``rank`` (tests signal it)."""
+        return self.control.children.get(rank)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until every rank is up (see :meth:`RankControl.wait_ready`)."""
+        self.control.wait_ready(timeout)
+
+    def notices(self) -> list[RankDown | RankUp]:
+        """Ranks that went down or came up since the last call, oldest first."""
+        return self.control.notices()
+
+    # -- the ThreadedDriver interface -------------------------------------------------------------
+    def submit(self, cmd: C.Command) -> bool:
+        """Send a transfer command to its ranks (True), forward a cancel or a layer report
+        (True), or ignore a notice (False)."""
+        if self._closed:
+            raise DriverError("ProcessDriver: submit after close")
+        if isinstance(cmd, (C.CancelCommand, C.LayersReady)):
+            self._forward(cmd)
+            return True
+        if not isinstance(cmd, C.TransferCommand):
+            return False
+        sends, down = self._register(cmd)
+        for r in down:
+            self._done.put(Completion(cmd.command_id, r, 0, error=f"rank {r} is down"))
+        if down:
+            self._wake()
+        for r, lane, data in sends:
+            if not self._send(r, lane, data):
+                self._lose(r, cmd.command_id, f"rank {r} lost: its worker is not connected")
+        return True
+
+    def _register(self, cmd: C.TransferCommand) -> tuple[list[tuple[int, int, bytes]], list[int]]:
+        """Owe ``cmd``'s answers: ((rank, lane, message) for each up rank, the ranks down)."""
+        sends, down = [], []
+        ranks = self.control.ranks
+        with self._lock:
+            if cmd.command_id in self._pending:
+                raise ValidationError(f"ProcessDriver: command {cmd.command_id} was submitted already")
+            p = _Pending(cmd)
+            for r in cmd.ranks:
+                inc = ranks.incarnation(r)
+                if not inc:
+                    down.append(r)
+                    continue
+                p.left.add(r)
+                lane = ranks.owe(r, cmd.command_id)
+                self._inflight += 1
+                if cmd.__class__ is C.LoadLayers:
+                    self._arrivals[(cmd.command_id, r)] = LayerArrivals()
+                sends.append((r, lane, wire.command_message(cmd, inc)))
+            if p.left:
+                self._pending[cmd.command_id] = p
+        return sends, down
+
+    def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
+        """Submit every command; returns the notices, which the caller handles."""
+        return [c for c in cmds if not self.submit(c)]
+
+    def poll(self, timeout: float = 0.0) -> list[Completion]:
+        """Completions ready now (waiting up to ``timeout`` seconds for the first one): the
+        workers' answers, read here in the caller's thread, and the lost ones. A wait first
+        spins for up to ``spin_us`` (asking the socket without sleeping), then sleeps in the
+        socket's poll: waking a sleeping thread costs more than a short answer takes."""
+        with self._poll_lock:
+            out = self._drain()
+            deadline = time.monotonic() + timeout
+            spin_until = time.perf_counter() + min(timeout, self.spin_us / 1e6)
+            while not out and self._inflight and time.perf_counter() < spin_until:
+                out = self._drain()
+            while not out and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._poller.poll(max(1, int(1000 * left))):
+                    break
+                out = self._drain()
+            return out
+
+    def _drain(self) -> list[Completion]:
+        out: list[Completion] = []
+        for _ in range(4096):
+            try:
+                data = self._reply.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            c = self._answer(data)
+            if c is not None:
+                out.append(c)
+        try:
+            while True:
+                self._wake_in.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        try:
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def _answer(self, data: bytes) -> Completion | None:
+        """A worker's answer as a completion, or None (counted) for a bad or stale one."""
+        try:
+            msg = wire.from_worker(data)
+            if not isinstance(msg, wire.Done) or not msg.rank < self.spec.tp_size:
+                raise ProtocolError("the reply channel takes DONE messages of known ranks only")
+        except KVStateError:
+            with self._lock:
+                self.counters["bad_messages"] += 1
+            return None
+        with self._lock:
+            p = self._pending.get(msg.command_id)
+            if self.control.ranks.incarnation(msg.rank) != msg.incarnation or p is None or msg.rank not in p.left:
+                self.counters["stale"] += 1
+                return None
+            if msg.leading > len(p.cmd.keys):
+                self.counters["bad_messages"] += 1
+                return None
+            self._settle(p, msg.rank)
+            arrivals = self._arrivals.pop((msg.command_id, msg.rank), None)
+            self.control.ranks.seen(msg.rank, time.monotonic())
+        if arrivals is not None:
+            if msg.leading == len(p.cmd.keys):  # read whole: every group arrived (their reports may trail)
+                arrivals.arrive(self.spec.layers, None)
+            arrivals.close()
+        return Completion(msg.command_id, msg.rank, msg.leading, error=msg.error)
+
+    def _settle(self, p: _Pending, rank: int) -> None:
+        """``rank`` no longer owes ``p`` (under the lock)."""
+        p.left.discard(rank)
+        self.control.ranks.paid(rank, p.cmd.command_id)
+        self._inflight -= 1
+        if not p.left:
+            del self._pending[p.cmd.command_id]
+
+    def arrivals(self, command_id: int, rank: int = 0) -> LayerArrivals | None:
+        """The layer arrivals of a submitted :class:`~kvstate.commands.LoadLayers` on ``rank``
+        (None once it answered, or for another command). Layers arrive already in place:
+        the worker waited for its device before reporting them."""
+        with self._lock:
+            return self._arrivals.get((command_id, rank))
+
+    @property
+    def inflight(self) -> int:
+        """(command, rank) answers not yet delivered to ``poll``."""
+        return self._inflight
+
+    # -- what the control thread reports ------------------------------------------------------------
+    def _arrived(self, rank: int, incarnation: int, command_id: int, layers: int) -> None:
+        with self._lock:
+            arrivals = self._arrivals.get((command_id, rank))
+            current = self.control.ranks.incarnation(rank) == incarnation
+        if arrivals is not None and current:
+            arrivals.arrive(layers, None)
+
+    def _lose_all(self, rank: int, owed: list[int], reason: str) -> None:
+        for cid in owed:
+            self._lose(rank, cid, reason)
+
+    def _lose(self, rank: int, command_id: int, reason: str) -> None:
+        """``rank`` will never answer ``command_id``: a lost completion (pins kept to the fence)."""
+        with self._lock:
+            p = self._pending.get(command_id)
+            if p is None or rank not in p.left:
+                return
+            self._settle(p, rank)
+            self.counters["lost"] += 1
+            arrivals = self._arrivals.pop((command_id, rank), None)
+        if arrivals is not None:
+            arrivals.close()
+        self._done.put(Completion(command_id, rank, 0, error=reason, lost=True))
+        self._wake()
+
+    # -- cancels and layer reports --------------------------------------------------------------------
+    def _forward(self, cmd: C.CancelCommand | C.LayersReady) -> None:
+        if isinstance(cmd, C.LayersReady) and cmd.event is not None:
+            self._watch(cmd)
+            return
+        ranks = self.control.ranks
+        with self._lock:
+            p = self._pending.get(cmd.command_id)
+            targets = [(r, ranks.incarnation(r), ranks.lane_of(r, cmd.command_id)) for r in (p.left if p else ())]
+        for r, inc, lane in targets:  # on the lane of the command, after it
+            if inc and lane is not None:
+                self._send(r, lane, wire.pack(wire.LAYERS, inc, cmd.command_id, cmd.layers)
+                           if isinstance(cmd, C.LayersReady) else wire.pack(wire.CANCEL, inc, cmd.command_id))
+
+    def _watch(self, report: C.LayersReady) -> None:
+        """A report of launched layers: another process cannot wait on this one's device
+        event, so a watcher thread waits for it and forwards the layers as finished."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_events, name=f"{self.name}-layer-events", daemon=True)
+            self._watcher.start()
+        self._layer_jobs.put(report)
+
+    def _watch_events(self) -> None:
+        while True:
+            report = self._layer_jobs.get()
+            if report is None:
+                return
+            try:
+                report.event.synchronize()
+            except Exception:  # noqa: BLE001 - a failed event: its layers are never reported, the save stops
+                continue
+            if not self._closed:
+                self._forward(C.LayersReady(report.request_id, report.command_id, report.layers))
+
+    # -- closing --------------------------------------------------------------------------------------
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop every worker and join it (and the driver's threads) within ``timeout``; answers
+        still owed are not delivered any more."""
+        if self._closed:
+            return
+        self._closed = True
+        self.control.stopping = True
+        deadline = time.monotonic() + timeout
+        for r in range(self.spec.tp_size):
+            for lane in range(self.control.lanes(r)):
+                try:
+                    self._send(r, lane, wire.pack(wire.STOP))
+                except DriverError:
+                    pass
+        self.control.stop_children(deadline)
+        self.control.running = False
+        self._io.join(max(0.1, deadline - time.monotonic()))
+        if self._watcher is not None:
+            self._layer_jobs.put(None)
+            self._watcher.join(max(0.1, deadline - time.monotonic()))
+        if self._io.is_alive():
+            raise DriverError(f"ProcessDriver.close: its I/O thread still runs after {timeout} s")
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for name in ("_cmd", "_reply", "_control", "_wake_in", "_wake_out"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> ProcessDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,160 @@
+"""Host KV caches in shared memory: the engine (model runner) creates them, rank workers attach.
+
+In the seeds' system the model-runner process creates the KV caches and each TP rank's
+cache-transfer process attaches to them (CUDA IPC on the GPU). On the CPU the same shape is a
+file per rank in a RAM-backed directory (``/dev/shm``), mapped by both: the creator's numpy
+views and the worker's see the same bytes, and neither copies. A rank's file holds, in
+``spec.kinds`` order, each layer's ``[num_blocks, heads, block_size, dim]`` array, every array
+starting on a 64-byte boundary: both sides compute the layout from the spec and the block
+count alone, so a handle is just the file's path.
+
+The creator owns the files: :meth:`SharedCaches.close` unmaps and unlinks them (a worker's
+mapping stays valid until it unmaps). Files left by a creator that died are removed by the
+next :meth:`SharedCaches.create` on the host (their names carry the creator's pid).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, ValidationError
+from ..spec import CacheSpec
+from ..validate import check_int
+
+__all__ = ["SharedCaches", "cache_layout", "shm_directory"]
+
+_ALIGN = 64
+_NAME = re.compile(r"^kvstate-(\d+)-[0-9a-f]{16}-r\d+$")
+
+
+def shm_directory() -> Path:
+    """Where shared caches live: ``/dev/shm`` where it exists, else the temporary directory."""
+    d = Path("/dev/shm")
+    return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def cache_layout(spec: CacheSpec, num_blocks: int) -> tuple[list[tuple[str, int, int]], int]:
+    """([(kind, layer, byte offset)], total bytes) of one rank's file."""
+    out, at = [], 0
+    for kind in spec.kinds:
+        size = num_blocks * spec.chunk_bytes(kind)
+        for layer in range(spec.layers):
+            out.append((kind, layer, at))
+            at += -(-size // _ALIGN) * _ALIGN
+    return out, at
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep(directory: Path) -> None:
+    """Remove cache files whose creator is no longer running."""
+    for p in directory.glob("kvstate-*-r*"):
+        m = _NAME.match(p.name)
+        if m and not _alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+
+
+class SharedCaches:
+    """One file per rank of layer-major caches, mapped: ``caches[rank][kind][layer]`` arrays.
+
+    Build with :meth:`create` (the owner) or :meth:`attach` (a worker, from ``paths``)."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, paths: Mapping[int, str], owner: bool) -> None:
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError("SharedCaches: spec must be a CacheSpec")
+        check_int(num_blocks, "SharedCaches: num_blocks", minimum=1)
+        self.spec, self.num_blocks, self.owner = spec, num_blocks, owner
+        self.paths: dict[int, str] = dict(paths)  #: rank -> file: the handle a worker attaches with
+        self._maps: list[mmap.mmap] = []
+        self.caches: dict[int, dict[str, list[np.ndarray]]] = {}
+        layout, size = cache_layout(spec, num_blocks)
+        try:
+            for rank, path in self.paths.items():
+                self.caches[rank] = self._map(path, layout, size)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def create(cls, spec: CacheSpec, num_blocks: int, ranks: Sequence[int] | None = None,
+               directory: str | os.PathLike[str] | None = None) -> SharedCaches:
+        """Zeroed caches for ``ranks`` (default: every TP rank), in new files under ``directory``."""
+        ranks = list(range(spec.tp_size)) if ranks is None else list(ranks)
+        d = Path(directory) if directory is not None else shm_directory()
+        if not d.is_dir():
+            raise ConfigError(f"SharedCaches: {str(d)!r} is not a directory")
+        _sweep(d)
+        token = secrets.token_hex(8)
+        _, size = cache_layout(spec, num_blocks)
+        paths: dict[int, str] = {}
+        try:
+            for r in ranks:
+                p = d / f"kvstate-{os.getpid()}-{token}-r{r}"
+                with open(p, "xb") as f:
+                    f.truncate(size)
+                paths[r] = str(p)
+        except OSError as e:
+            for made in paths.values():
+                Path(made).unlink(missing_ok=True)
+            raise ConfigError(f"SharedCaches: cannot create {size:,} bytes per rank in {str(d)!r} ({e})") from None
+        return cls(spec, num_blocks, paths, owner=True)
+
+    @classmethod
+    def attach(cls, spec: CacheSpec, num_blocks: int, paths: Mapping[int, str]) -> SharedCaches:
+        """Map caches another process created (``paths``: rank -> file, its :attr:`paths`)."""
+        return cls(spec, num_blocks, paths, owner=False)
+
+    def _map(self, path: str, layout: list[tuple[str, int, int]], size: int) -> dict[str, list[np.ndarray]]:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise ConfigError(f"SharedCaches: cannot open {path!r} ({e.strerror})") from None
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ConfigError(f"SharedCaches: {path!r} holds {os.fstat(fd).st_size:,} bytes, but this spec "
+                                  f"and {self.num_blocks} blocks need {size:,}: the geometries differ")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._maps.append(mm)
+        spec = self.spec
+        out: dict[str, list[np.ndarray]] = {k: [] for k in spec.kinds}
+        for kind, _layer, offset in layout:
+            shape = (self.num_blocks,) + spec.block_shape(kind)
+            dtype = spec.kind_dtype(kind)
+            out[kind].append(np.frombuffer(mm, dtype, int(np.prod(shape)), offset).reshape(shape))
+        return out
+
+    def close(self) -> None:
+        """Drop this process's views and mappings; the owner also removes the files (idempotent)."""
+        self.caches = {}
+        maps, self._maps = self._maps, []
+        for mm in maps:
+            try:
+                mm.close()
+            except BufferError:  # a view someone still holds: the mapping goes with it
+                pass
+        if self.owner:
+            for p in self.paths.values():
+                Path(p).unlink(missing_ok=True)
+
+    def __enter__(self) -> SharedCaches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
