@@ -82,7 +82,7 @@ def measure(tp: int, rounds: int, root: str) -> dict:
         row: dict = {"ranks": tp}
         for blocks, label in ((0, "empty"), (1, "one_block")):
             samples: dict[str, list[float]] = {k: [] for k in drivers}
-            for name, drv in drivers.items():
+            for drv in drivers.values():
                 round_trips(drv, tp, blocks, 100)  # warm-up
             for _ in range(rounds):
                 for name, drv in drivers.items():
@@ -124,9 +124,9 @@ def main() -> None:
     print(f"{'ranks':>5} {'command':>10} {'threaded p50/p99 us':>20} {'process p50/p99 us':>20} {'added p50':>10}")
     for r in rows:
         for label in ("empty", "one_block"):
-            print(f"{r['ranks']:>5} {label:>10} {r[f'{label}_threaded_p50_us']:>9.1f} / {r[f'{label}_threaded_p99_us']:<8.1f}"
-                  f" {r[f'{label}_process_p50_us']:>9.1f} / {r[f'{label}_process_p99_us']:<8.1f}"
-                  f" {r[f'{label}_added_p50_us']:>10.1f}")
+            t, p = (f"{r[f'{label}_{d}_p50_us']:>9.1f} / {r[f'{label}_{d}_p99_us']:<8.1f}"
+                    for d in ("threaded", "process"))
+            print(f"{r['ranks']:>5} {label:>10} {t} {p} {r[f'{label}_added_p50_us']:>10.1f}")
         print(f"{'':>5} throughput: threaded {r['threaded_commands_per_s']:,} cmd/s, process "
               f"{r['process_commands_per_s']:,} cmd/s ({r['throughput_ratio']:.2f}x)")
 
