@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,8 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--requests", type=POSITIVE_INT, default=64, help="number of requests (default 64)")
     d.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="workload seed (default 0)")
     d.add_argument("--tp", type=POSITIVE_INT, default=2, help="TP ranks per instance (default 2)")
-    d.add_argument("--store", choices=("memory", "file", "mooncake"), default="memory",
-                   help="storage pool (default memory)")
+    d.add_argument("--store", choices=("memory", "file", "mooncake"), default=None,
+                   help="storage pool (default memory; with --processes a file store in a temporary directory)")
     d.add_argument("--store-dir", help="an existing directory for the file store (with --store file)")
     d.add_argument("--master", help="Mooncake master HOST:PORT (with --store mooncake)")
     d.add_argument("--metadata", help="Mooncake metadata server URL, e.g. http://HOST:8080/metadata")
@@ -30,6 +31,9 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--backend", choices=("reference", "cuda"), default="reference",
                    help="reference: numpy caches on the CPU (default); cuda: GPU caches through the CUDA kernels")
     d.add_argument("--concurrency", type=POSITIVE_INT, default=8, help="requests in flight (default 8)")
+    d.add_argument("--processes", action="store_true",
+                   help="run P and D as separate processes, each a scheduler plus --tp rank-worker processes, over a "
+                        "store that works across processes (a FileStore in a temporary directory, or Mooncake)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
 
 
@@ -42,6 +46,11 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError("--store file needs --store-dir DIR")
         if not Path(args.store_dir).is_dir():
             raise ConfigError(f"--store-dir {args.store_dir}: no such directory (create it first)")
+    if args.processes and args.store == "memory":
+        raise ConfigError("--processes needs a store other processes reach: --store file or --store mooncake "
+                          "(without --store: a FileStore in a temporary directory)")
+    if args.processes and args.backend != "reference":
+        raise ConfigError("--processes runs the reference (numpy) backend; the GPU split is examples/pd_engine")
     if args.store != "mooncake" and (args.start_master or args.master or args.metadata):
         raise ConfigError("--master, --metadata and --start-master go with --store mooncake")
     if args.store == "mooncake":
@@ -55,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, format_summary, run_demo
 
     _check(args)
-    cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store,
+    cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store or "memory",
                      store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend)
     master = None
     try:
+        worker_store = {"kind": "file", "root": args.store_dir} if args.store == "file" else None
         if args.store == "mooncake":
             from ..backends.mooncake import MooncakeConfig, MooncakeStore
             from ..backends.mooncake_master import MooncakeMaster
@@ -70,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
                 mc = MooncakeConfig(master=args.master, metadata=args.metadata, protocol=args.protocol)
             mc.validate()
             cfg.store, cfg.store_factory = "custom", lambda spec: MooncakeStore(mc)
-        s = run_demo(cfg)
+            worker_store = {"kind": "mooncake", **dataclasses.asdict(mc)}
+        if args.processes:
+            from .procdemo import run_processes
+
+            s = run_processes(cfg, worker_store)
+        else:
+            s = run_demo(cfg)
     finally:
         if master is not None:
             master.stop()

@@ -37,6 +37,8 @@ class _Rank:
     owed: dict[int, int] = field(default_factory=dict)  #: command id -> its lane
     load: list[int] = field(default_factory=list)  #: answers owed per lane
     refused: str | None = None
+    moved: int = 0  #: bytes the current incarnation's backend moved, as its last beat said
+    moved_before: int = 0  #: bytes earlier incarnations moved
 
 
 class RankTable:
@@ -57,8 +59,15 @@ class RankTable:
         r.incarnation, r.pid, r.last_seen, r.refused = incarnation, pid, now, None
         r.owed, r.load = {}, [0] * lanes
 
-    def seen(self, rank: int, now: float) -> None:
-        self._ranks[rank].last_seen = now
+    def seen(self, rank: int, now: float, moved: int | None = None) -> None:
+        r = self._ranks[rank]
+        r.last_seen = now
+        if moved is not None:
+            r.moved = moved
+
+    def bytes_moved(self) -> int:
+        """Bytes every incarnation of every rank moved, as their last beats said."""
+        return sum(r.moved + r.moved_before for r in self._ranks)
 
     def owe(self, rank: int, command_id: int) -> int:
         """``rank`` owes ``command_id``: it goes to the lane owing the fewest (returned)."""
@@ -88,6 +97,7 @@ class RankTable:
         r = self._ranks[rank]
         owed = sorted(r.owed)
         r.incarnation, r.owed, r.load = 0, {}, []
+        r.moved_before, r.moved = r.moved_before + r.moved, 0
         return owed
 
     def refuse(self, rank: int, reason: str) -> None:

@@ -205,6 +205,12 @@ class ProcessDriver:
         """Ranks that went down or came up since the last call, oldest first."""
         return self.control.notices()
 
+    def bytes_moved(self) -> int:
+        """Payload bytes the workers' backends moved to and from the store, as of their last
+        heartbeats (one heartbeat behind at most)."""
+        with self._lock:
+            return self.control.ranks.bytes_moved()
+
     # -- the ThreadedDriver interface -------------------------------------------------------------
     def submit(self, cmd: C.Command) -> bool:
         """Send a transfer command to its ranks (True), forward a cancel or a layer report

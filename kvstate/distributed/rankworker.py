@@ -211,6 +211,9 @@ class RankWorker:
             event.synchronize()  # the scheduler's process cannot wait on this process's device event
         self._push("control").send(wire.pack(wire.ARRIVED, self.rank, self.incarnation, command_id, layers))
 
+    def _moved(self) -> int:
+        return int(getattr(self._runner.backend, "bytes_moved", 0)) if hasattr(self, "_runner") else 0
+
     def _hello(self) -> None:
         self._push("control").send(wire.pack(wire.HELLO, self.rank, self.incarnation, os.getpid(),
                                               self.spec.tp_size, wire.geometry(self.spec, self.config.num_blocks),
@@ -250,7 +253,7 @@ class RankWorker:
                 self._stop.set()
                 return
             if self.welcomed:
-                self._push("control").send(wire.pack(wire.HB, self.rank, self.incarnation))
+                self._push("control").send(wire.pack(wire.HB, self.rank, self.incarnation, self._moved()))
             else:
                 self._hello()
 

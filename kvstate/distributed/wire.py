@@ -15,7 +15,7 @@ type        items after the type                                        directio
 ``REFUSE``  reason (the worker's configuration does not match: exit)    driver -> worker
 ``STOP``    (none)                                                      driver -> worker
 ``HELLO``   rank, incarnation, pid, TP size, geometry, lanes            worker -> driver
-``HB``      rank, incarnation                                           worker -> driver
+``HB``      rank, incarnation, bytes its backend moved so far            worker -> driver
 ``DONE``    rank, incarnation, command id, count, error or nil          worker -> driver
 ``ARRIVED`` rank, incarnation, command id, layers scattered             worker -> driver
 ``BYE``     rank, incarnation, reason                                   worker -> driver
@@ -165,6 +165,7 @@ class Hello(NamedTuple):
 class Beat(NamedTuple):
     rank: int
     incarnation: int
+    bytes_moved: int  #: payload bytes the worker's backend moved to and from the store so far
 
 
 class Done(NamedTuple):
@@ -194,8 +195,8 @@ def from_worker(data: bytes) -> Hello | Beat | Done | Arrived | Bye:
     items = unpack(data)
     kind = items[0]
     if kind == HB:
-        _arity(items, 3, "HB")
-        return Beat(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1))
+        _arity(items, 4, "HB")
+        return Beat(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1), _int(items[3], "the bytes"))
     if kind == DONE:
         _arity(items, 6, "DONE")
         error = None if items[5] is None else _text(items[5], "the error", empty=True)
