@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..distributed.shm import shm_directory
+from ..distributed.supervise import remove_orphans
 from ..errors import ConfigError, DriverError
 from .demo import DemoConfig, summary
 from .demoroles import make_plans
@@ -86,7 +88,8 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
 
     cfg.validate()
     t0 = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="kvstate-demo-")
+    remove_orphans(tempfile.gettempdir(), "kvstate-demo-")
+    tmp = tempfile.mkdtemp(prefix=f"kvstate-demo-{os.getpid()}-")
     children: dict[str, Any] = {}
     try:
         if store is None:
@@ -98,6 +101,7 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
                 link.connect(role, addresses[role])
                 children[role] = _start(role, cfg, store, addresses)
             workers = _wait_ready(link, children, deadline=time.monotonic() + 120)
+            pids = {role: [children[role].pid, *workers[role]] for role in _ROLES}
             if on_start is not None:
                 on_start(children)
             plans = make_plans(cfg.requests, cfg.seed, cfg.block_size)
@@ -105,17 +109,21 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
                 link.send("decode", "submit", *plan.to_wire())
             outcome = _collect(link, children, {p.rid for p in plans}, time.monotonic() + timeout)
             figures = _reports(link, children)
-        figures["processes"] = 1 + len(children) + workers
+        figures["processes"] = 1 + sum(len(p) for p in pids.values())
+        figures["pids"] = pids
         figures.setdefault("store", store["kind"])
         return summary(cfg, outcome, figures, t0)
     finally:
         for child in children.values():
             child.stop(10.0)
         shutil.rmtree(tmp, ignore_errors=True)
+        # what a scheduler killed with SIGKILL could not remove (its shared caches, its sockets)
+        remove_orphans(shm_directory(), "kvstate-")
+        remove_orphans(tempfile.gettempdir(), "kvstate-ipc-")
 
 
-def _wait_ready(link: Any, children: dict[str, Any], deadline: float) -> int:
-    """Wait for both schedulers' ``ready``; returns how many rank workers they run."""
+def _wait_ready(link: Any, children: dict[str, Any], deadline: float) -> dict[str, list[int]]:
+    """Wait for both schedulers' ``ready``; returns the pids of their rank workers."""
     ready: dict[str, list[int]] = {}
     while len(ready) < len(children):
         for role, child in children.items():
@@ -127,7 +135,7 @@ def _wait_ready(link: Any, children: dict[str, Any], deadline: float) -> int:
         for kind, items in link.receive(0.05):
             if kind == "ready":
                 ready[items[0]] = items[2]
-    return sum(len(w) for w in ready.values())
+    return ready
 
 
 def _collect(link: Any, children: dict[str, Any], rids: set[str], deadline: float) -> dict[str, tuple[str, int]]:
@@ -157,7 +165,8 @@ def _reports(link: Any, children: dict[str, Any]) -> dict[str, Any]:
             break
     out: dict[str, Any] = {"leaked_blocks": 0, "pending_commands": 0, "bytes_moved": 0, "blocks_checked": 0,
                            "blocks_mismatched": 0, "preemptions": 0, "prefix_blocks_read": 0,
-                           "schedulers_reported": sorted(got), "rank_restarts": 0, "lost_answers": 0}
+                           "schedulers_reported": sorted(got), "rank_restarts": 0, "lost_answers": 0,
+                           "live_requests": 0}
     for figures in got.values():
         for k in out:
             if k in figures and k != "schedulers_reported":

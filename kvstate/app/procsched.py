@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -143,12 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     cfg = SchedulerConfig(**json.loads(args[0]))
     die_with_parent(cfg.parent_pid)
+    signal.signal(signal.SIGTERM, _terminate)  # a stop from the router: close everything on the way out
     sched = Scheduler(cfg)
     try:
         sched.start()
         return sched.serve()
     finally:
         sched.close()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":  # pragma: no cover - a child process's entry

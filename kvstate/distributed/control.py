@@ -10,8 +10,8 @@ driver started. On that thread it
   stopped) to say hello anew as a new incarnation (``REJOIN``);
 - forwards layer arrivals to the driver;
 - declares a rank *down* when it is silent past ``dead_after_s``, says goodbye, or its
-  process (one this driver started) exits; the driver's ``on_down`` answers what it owed as
-  lost. With ``restart`` a started worker is then killed (a stopped process could still touch
+  process (one this driver started) exits; the driver's ``on_down`` answers what it owed.
+  With ``restart`` a started worker is killed first (a stopped process could still touch
   blocks) and started again, as a new incarnation.
 
 Every message that does not parse or breaks a rule is counted (``bad_messages``) and dropped.
@@ -44,12 +44,12 @@ class RankControl:
 
     def __init__(self, spec: CacheSpec, geometry: str, *, heartbeat_s: float, dead_after_s: float, restart: bool,
                  lock: threading.Lock, counters: dict[str, int], send: Send,
-                 on_down: Callable[[int, list[int], str], None],
+                 on_down: Callable[[int, list[int], str, bool], None], on_up: Callable[[int], None],
                  on_arrived: Callable[[int, int, int, int], None], name: str) -> None:
         self.spec, self.geometry, self.name = spec, geometry, name
         self.heartbeat_s, self.dead_after_s, self.restart = heartbeat_s, dead_after_s, restart
         self.lock, self.counters, self._send = lock, counters, send
-        self._on_down, self._on_arrived = on_down, on_arrived
+        self._on_down, self._on_up, self._on_arrived = on_down, on_up, on_arrived
         self.ranks = RankTable(spec.tp_size)
         self.children: dict[int, ChildProcess] = {}
         self._configs: dict[int, WorkerConfig] = {}
@@ -87,6 +87,10 @@ class RankControl:
             if time.monotonic() >= deadline:
                 raise DriverError(f"{self.name}: ranks {down} did not say hello within {timeout} s")
             time.sleep(0.01)
+
+    def restarting(self, rank: int) -> bool:
+        """Whether a worker for ``rank`` is on its way: one this driver started (and restarts)."""
+        return self.restart and not self.stopping and rank in self._configs
 
     def lanes(self, rank: int) -> int:
         """The lanes of ``rank``'s worker (that of a started one, else as its last hello said)."""
@@ -179,6 +183,7 @@ class RankControl:
         with self.lock:
             self.ranks.up(msg.rank, msg.incarnation, msg.pid, time.monotonic(), msg.lanes)
             self._notices.append(RankUp(msg.rank, msg.pid))
+        self._on_up(msg.rank)
 
     def _check(self) -> None:
         now = time.monotonic()
@@ -198,16 +203,22 @@ class RankControl:
                         self.counters["restarts"] += 1
 
     def declare_down(self, rank: int, reason: str, incarnation: int) -> None:
-        """``rank`` (at ``incarnation``; a later one is left alone) is down: what it owed is lost."""
+        """``rank`` (at ``incarnation``; a later one is left alone) is down: what it owed is
+        answered. A worker this driver started is killed and reaped first (with ``restart``, or
+        when it exited anyway): it can touch no block any more, so its answers are plain
+        failures. Any other may only be stopped: its answers are *lost*, and the lifecycle keeps
+        their blocks pinned until their fences."""
         with self.lock:
             if self.ranks.incarnation(rank) != incarnation:
                 return
             owed = self.ranks.down_now(rank)
             self._notices.append(RankDown(rank, reason))
-        self._on_down(rank, owed, f"rank {rank} lost: {reason}")
         child = self.children.get(rank)
-        if child is not None and self.restart and child.alive():
-            child.kill()  # a stopped worker could still touch blocks: it must not live on
+        dead = False
+        if child is not None and (self.restart or not child.alive()):
+            child.kill()  # reaped: a stopped worker dies too
+            dead = True
+        self._on_down(rank, owed, f"rank {rank} lost: {reason}", not dead)
 
     def info(self) -> dict[str, Any]:
         with self.lock:

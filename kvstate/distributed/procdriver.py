@@ -14,13 +14,16 @@ part in their own process. Its rules:
   ``submit_timeout``.
 - **Liveness.** A rank is *up* from its accepted hello until it is silent past
   ``dead_after_s``, says goodbye, or (a worker this driver started) its process exits. Then it
-  is *down*: each command it had not answered completes at once as *lost* (count 0; the
-  lifecycle fails or recomputes per policy, and keeps the blocks pinned until the command's
-  fence), its layer arrivals close, and :meth:`ProcessDriver.notices` reports
-  :class:`~kvstate.distributed.liveness.RankDown`. A worker this driver started is then killed
-  and started again (``restart``); when the new incarnation says hello the rank is up again,
-  with no restart of the scheduler. A command submitted while its rank is down fails for that
-  rank at once.
+  is *down*: each command it had not answered completes at once as failed (count 0: the
+  lifecycle fails or recomputes per policy), its layer arrivals close, and
+  :meth:`ProcessDriver.notices` reports :class:`~kvstate.distributed.liveness.RankDown`. A
+  worker this driver started is killed and reaped first (``restart``, the default) and started
+  again; when the new incarnation says hello the rank is up again, with no restart of the
+  scheduler. A worker that may only be stopped (not started here, or ``restart=False``) could
+  still touch blocks: its answers are *lost* (``Completion.lost``), and the lifecycle keeps
+  their blocks pinned until the commands' fences. A command submitted while its rank is down
+  waits for it when its worker is being restarted (and fails, unsent, if its fence passes
+  first); with no restart coming it fails for that rank at once.
 - **Stale and bad answers.** An answer from another incarnation than the rank's current one,
   or for a command the rank no longer owes (answered already, or lost), is counted
   (``counters["stale"]``) and dropped; a message that does not parse or breaks a rule is
@@ -52,7 +55,7 @@ from . import wire
 from .control import RankControl
 from .liveness import RankDown, RankUp
 from .rankworker import WorkerConfig
-from .supervise import ChildProcess
+from .supervise import ChildProcess, remove_orphans
 
 __all__ = ["ProcessDriver"]
 
@@ -96,6 +99,7 @@ class ProcessDriver:
         self._wake_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._arrivals: dict[tuple[int, int], LayerArrivals] = {}
+        self._held: dict[int, list[C.TransferCommand]] = {}  # rank -> commands waiting for its restart
         self._done: queue.Queue[Completion] = queue.Queue()  # answers made here: lost, or refused at once
         self._inflight = 0
         self._closed = False
@@ -109,7 +113,7 @@ class ProcessDriver:
         self.control = RankControl(spec, wire.geometry(spec, num_blocks), heartbeat_s=heartbeat_s,
                                    dead_after_s=dead_after_s, restart=bool(restart), lock=self._lock,
                                    counters=self.counters, send=self._send, on_down=self._lose_all,
-                                   on_arrived=self._arrived, name=f"ProcessDriver {name}")
+                                   on_up=self._rank_up, on_arrived=self._arrived, name=f"ProcessDriver {name}")
         self._io = threading.Thread(target=self.control.serve, args=(self._control,), name=f"{name}-driver-io",
                                     daemon=True)
         self._io.start()
@@ -119,7 +123,8 @@ class ProcessDriver:
     # -- sockets ----------------------------------------------------------------------------------
     def _bind(self, address: str, submit_timeout: float) -> None:
         if address == "ipc":
-            self._tmp = tempfile.mkdtemp(prefix="kvstate-ipc-")
+            remove_orphans(tempfile.gettempdir(), "kvstate-ipc-")
+            self._tmp = tempfile.mkdtemp(prefix=f"kvstate-ipc-{os.getpid()}-")
             targets = tuple(f"ipc://{self._tmp}/{n}" for n in ("cmd", "reply", "control"))
         elif isinstance(address, str) and address.startswith("tcp://") and address.count(":") == 1:
             targets = (f"{address}:*",) * 3
@@ -229,11 +234,12 @@ class ProcessDriver:
             self._wake()
         for r, lane, data in sends:
             if not self._send(r, lane, data):
-                self._lose(r, cmd.command_id, f"rank {r} lost: its worker is not connected")
+                self._lose(r, cmd.command_id, f"rank {r} lost: its worker is not connected", lost=False)
         return True
 
     def _register(self, cmd: C.TransferCommand) -> tuple[list[tuple[int, int, bytes]], list[int]]:
-        """Owe ``cmd``'s answers: ((rank, lane, message) for each up rank, the ranks down)."""
+        """Owe ``cmd``'s answers: ((rank, lane, message) for each up rank, the ranks down). A
+        rank whose worker is being restarted holds the command until it is up again."""
         sends, down = [], []
         ranks = self.control.ranks
         with self._lock:
@@ -242,18 +248,39 @@ class ProcessDriver:
             p = _Pending(cmd)
             for r in cmd.ranks:
                 inc = ranks.incarnation(r)
-                if not inc:
+                if not inc and not self.control.restarting(r):
                     down.append(r)
                     continue
                 p.left.add(r)
-                lane = ranks.owe(r, cmd.command_id)
                 self._inflight += 1
                 if cmd.__class__ is C.LoadLayers:
                     self._arrivals[(cmd.command_id, r)] = LayerArrivals()
-                sends.append((r, lane, wire.command_message(cmd, inc)))
+                if not inc or self._held.get(r):  # behind any held before it: order kept
+                    self._held.setdefault(r, []).append(cmd)
+                    continue
+                sends.append((r, ranks.owe(r, cmd.command_id), wire.command_message(cmd, inc)))
             if p.left:
                 self._pending[cmd.command_id] = p
         return sends, down
+
+    def _rank_up(self, rank: int) -> None:
+        """``rank`` is up again: send it the commands held for it (those whose fence passed
+        meanwhile fail: the lifecycle gave up on them)."""
+        now, sends, expired = time.monotonic(), [], []
+        with self._lock:
+            held, inc = self._held.pop(rank, []), self.control.ranks.incarnation(rank)
+            for cmd in held:
+                p = self._pending.get(cmd.command_id)
+                if p is None or rank not in p.left:
+                    continue
+                if cmd.fence <= now or not inc:
+                    expired.append(cmd.command_id)
+                else:
+                    sends.append((self.control.ranks.owe(rank, cmd.command_id), wire.command_message(cmd, inc)))
+        for cid in expired:
+            self._lose(rank, cid, f"rank {rank} was down until the command's fence", lost=False)
+        for lane, data in sends:
+            self._send(rank, lane, data)
 
     def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
         """Submit every command; returns the notices, which the caller handles."""
@@ -354,12 +381,13 @@ class ProcessDriver:
         if arrivals is not None and current:
             arrivals.arrive(layers, None)
 
-    def _lose_all(self, rank: int, owed: list[int], reason: str) -> None:
+    def _lose_all(self, rank: int, owed: list[int], reason: str, lost: bool) -> None:
         for cid in owed:
-            self._lose(rank, cid, reason)
+            self._lose(rank, cid, reason, lost)
 
-    def _lose(self, rank: int, command_id: int, reason: str) -> None:
-        """``rank`` will never answer ``command_id``: a lost completion (pins kept to the fence)."""
+    def _lose(self, rank: int, command_id: int, reason: str, lost: bool = True) -> None:
+        """``rank`` will never answer ``command_id``: a failed completion, *lost* (pins kept to
+        the fence) unless its worker is known to be dead."""
         with self._lock:
             p = self._pending.get(command_id)
             if p is None or rank not in p.left:
@@ -369,7 +397,7 @@ class ProcessDriver:
             arrivals = self._arrivals.pop((command_id, rank), None)
         if arrivals is not None:
             arrivals.close()
-        self._done.put(Completion(command_id, rank, 0, error=reason, lost=True))
+        self._done.put(Completion(command_id, rank, 0, error=reason, lost=lost))
         self._wake()
 
     # -- cancels and layer reports --------------------------------------------------------------------
@@ -377,6 +405,8 @@ class ProcessDriver:
         if isinstance(cmd, C.LayersReady) and cmd.event is not None:
             self._watch(cmd)
             return
+        if isinstance(cmd, C.CancelCommand):
+            self._drop_held(cmd.command_id)
         ranks = self.control.ranks
         with self._lock:
             p = self._pending.get(cmd.command_id)
@@ -385,6 +415,15 @@ class ProcessDriver:
             if inc and lane is not None:
                 self._send(r, lane, wire.pack(wire.LAYERS, inc, cmd.command_id, cmd.layers)
                            if isinstance(cmd, C.LayersReady) else wire.pack(wire.CANCEL, inc, cmd.command_id))
+
+    def _drop_held(self, command_id: int) -> None:
+        """A cancelled command still held for a restarting rank is answered now, never sent."""
+        with self._lock:
+            ranks = [r for r, cmds in self._held.items() if any(c.command_id == command_id for c in cmds)]
+            for r in ranks:
+                self._held[r] = [c for c in self._held[r] if c.command_id != command_id]
+        for r in ranks:
+            self._lose(r, command_id, "cancelled while its rank restarted", lost=False)
 
     def _watch(self, report: C.LayersReady) -> None:
         """A report of launched layers: another process cannot wait on this one's device

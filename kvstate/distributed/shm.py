@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import secrets
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -27,11 +26,11 @@ import numpy as np
 from ..errors import ConfigError, ValidationError
 from ..spec import CacheSpec
 from ..validate import check_int
+from .supervise import remove_orphans
 
 __all__ = ["SharedCaches", "cache_layout", "shm_directory"]
 
 _ALIGN = 64
-_NAME = re.compile(r"^kvstate-(\d+)-[0-9a-f]{16}-r\d+$")
 
 
 def shm_directory() -> Path:
@@ -49,24 +48,6 @@ def cache_layout(spec: CacheSpec, num_blocks: int) -> tuple[list[tuple[str, int,
             out.append((kind, layer, at))
             at += -(-size // _ALIGN) * _ALIGN
     return out, at
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _sweep(directory: Path) -> None:
-    """Remove cache files whose creator is no longer running."""
-    for p in directory.glob("kvstate-*-r*"):
-        m = _NAME.match(p.name)
-        if m and not _alive(int(m.group(1))):
-            p.unlink(missing_ok=True)
 
 
 class SharedCaches:
@@ -98,7 +79,7 @@ class SharedCaches:
         d = Path(directory) if directory is not None else shm_directory()
         if not d.is_dir():
             raise ConfigError(f"SharedCaches: {str(d)!r} is not a directory")
-        _sweep(d)
+        remove_orphans(d, "kvstate-")
         token = secrets.token_hex(8)
         _, size = cache_layout(spec, num_blocks)
         paths: dict[int, str] = {}

@@ -1,0 +1,234 @@
+"""Faults with real processes: every request ends, no block leaks, no byte is wrong, nobody is left.
+
+Each test runs P and D engines (tests/procrig.py) whose rank workers are separate processes,
+on a FileStore, with short deadlines (transfer 3 s, fence grace 2 s), and breaks something.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import zmq
+from procrig import FAST, ProcRig, alive
+
+from kvstate import commands as C
+from kvstate.app.demo import DemoConfig
+from kvstate.app.procdemo import run_processes
+from kvstate.distributed import RankDown, RankUp
+from kvstate.distributed.shm import shm_directory
+from kvstate.distributed.supervise import remove_orphans
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc, PR_SET_PDEATHSIG)")
+
+BOUND = FAST.transfer_timeout + FAST.fence_grace + 5.0  #: a request's life with a fault: deadline + grace + slack
+
+
+def healthy(r: dict) -> None:
+    assert r["ended"] == r["requests"], r
+    assert (r["leaked"], r["pending"], r["live"], r["mismatched"]) == (0, 0, 0, 0), r
+    assert r["checked"] > 0
+
+
+def lifetimes_within(rig: ProcRig, bound: float) -> None:
+    longest = max(rig.ended_at[rid] - rig.started_at[rid] for rid in rig.ended_at)
+    assert longest <= bound, f"a request took {longest:.1f} s, over deadline + grace + slack ({bound} s)"
+
+
+def kill_when(side: str, kind: type, rank: int = 1):
+    """An on_submit hook: the first time ``side`` submits a ``kind``, stop rank's worker (so
+    the command waits in it unanswered) and kill it 50 ms later."""
+    state = {"done": False, "pid": None}
+
+    def hook(rig: ProcRig):
+        def on_submit(name: str, cmd: C.Command) -> None:
+            if state["done"] or name != side or cmd.__class__ is not kind:
+                return
+            state["done"] = True
+            child = rig.driver(side).child(rank)
+            state["pid"] = child.pid
+            child.signal(signal.SIGSTOP)
+            threading.Timer(0.05, child.signal, (signal.SIGKILL,)).start()
+        return on_submit
+    return hook, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side, kind, d_host", [("P", C.WriteBlocks, 0), ("D", C.ReadBlocks, 0),
+                                                 ("D", C.SwapOut, 64)], ids=["write", "read", "swap"])
+def test_kill_9_of_a_rank_worker_mid_transfer(side, kind, d_host, tmp_path):
+    d_policy = dataclasses.replace(FAST, preempt="swap") if d_host else None
+    rig = ProcRig(str(tmp_path), d_host_blocks=d_host, d_policy=d_policy)
+    hook, state = kill_when(side, kind)
+    try:
+        r = rig.run(32, on_submit=hook(rig))
+        healthy(r)
+        lifetimes_within(rig, BOUND)
+        assert state["done"], f"no {kind.__name__} was submitted"
+        drv = rig.driver(side)
+        notes = drv.notices()
+        assert any(isinstance(n, RankDown) and n.rank == 1 for n in notes), notes
+        assert any(isinstance(n, RankUp) and n.rank == 1 for n in notes[1:]), notes  # restarted, rejoined
+        assert drv.counters["restarts"] >= 1 and not alive(state["pid"])
+        assert Counter(s for s, _ in r["outcome"].values())["done"] > 0
+    finally:
+        pids = rig.worker_pids()
+        rig.close()
+    assert not [p for p in pids if alive(p)]
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_declared_dead_and_its_late_answers_are_stale(tmp_path):
+    """SIGSTOP a D worker past the heartbeat limit (restart off: it is not killed), then SIGCONT:
+    its read was answered lost, so its late answer is dropped as stale; it rejoins as a new
+    incarnation and serves again. The lost read's blocks stay pinned until its fence."""
+    rig = ProcRig(str(tmp_path), restart=False, dead_after_s=1.0)
+    state = {"cmd": None}
+
+    def on_submit(name, cmd):
+        if state["cmd"] is None and name == "D" and cmd.__class__ is C.ReadBlocks:
+            state["cmd"] = cmd
+            child = rig.driver("D").child(1)
+            child.signal(signal.SIGSTOP)
+            threading.Timer(1.6, child.signal, (signal.SIGCONT,)).start()
+    try:
+        r = rig.run(24, on_submit=on_submit, timeout=90)
+        healthy(r)
+        drv = rig.driver("D")
+        notes = drv.notices()
+        kinds = [(type(n).__name__, n.rank) for n in notes]
+        assert ("RankDown", 1) in kinds and kinds.index(("RankUp", 1), kinds.index(("RankDown", 1))) > 0, kinds
+        assert drv.counters["stale"] >= 1 and drv.counters["restarts"] == 0
+        assert rig.D.counters["lost_answers"] >= 1 and rig.D.counters["stale_completions"] == 0
+    finally:
+        rig.close()
+
+
+class Shim:
+    """Forwards a worker's answers to the driver, dropping every ``drop``-th and sending every
+    ``dup``-th twice."""
+
+    def __init__(self, address: str, target: str, drop: int, dup: int) -> None:
+        self.ctx = zmq.Context()
+        self.pull, self.push = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
+        self.pull.bind(address)
+        self.push.connect(target)
+        self.drop, self.dup = drop, dup
+        self.counts = Counter()
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        n = 0
+        while self.running:
+            if not self.pull.poll(50):
+                continue
+            data = self.pull.recv()
+            n += 1
+            if n % self.drop == 0:
+                self.counts["dropped"] += 1
+                continue
+            self.push.send(data)
+            if n % self.dup == 0:
+                self.counts["duplicated"] += 1
+                self.push.send(data)
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(5)
+        self.pull.close(0)
+        self.push.close(0)
+        self.ctx.term()
+
+
+@pytest.mark.slow
+def test_lost_and_duplicated_answers_are_counted_never_applied(tmp_path):
+    """Rank 1 of P answers through a shim that drops every 9th answer and repeats every 4th:
+    every repeat is counted stale by the driver and never reaches the lifecycle; every drop
+    is a command that expires at its deadline and resolves as the policy says."""
+    rig = ProcRig(str(tmp_path))
+    drv = rig.driver("P")
+    child = drv.child(1)
+    drv.control.restart = False
+    child.stop(5)  # replace rank 1's worker with one that answers through the shim
+    deadline = time.monotonic() + 10
+    while not any(isinstance(n, RankDown) for n in drv.notices()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shim = Shim(f"ipc://{tmp_path}/shim", drv.addresses[1], drop=9, dup=4)
+    try:
+        cfg = drv.worker_config(1, rig.store, caches={"kind": "shm", "paths": rig.sides["P"].caches.paths})
+        cfg.reply_address = f"ipc://{tmp_path}/shim"
+        drv.control.spawn(cfg)
+        drv.wait_ready(30)
+        r = rig.run(40, timeout=120)
+        healthy(r)
+        assert shim.counts["duplicated"] > 0 and shim.counts["dropped"] > 0
+        assert drv.counters["stale"] == shim.counts["duplicated"]
+        assert rig.P.counters["stale_completions"] == 0  # none reached the lifecycle
+        assert rig.P.counters["expired"] >= shim.counts["dropped"] - 1  # each dropped answer's command expired
+    finally:
+        rig.close()
+        shim.close()
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_d_scheduler_while_p_writes():
+    """The whole demo as processes; the D scheduler is killed early. P goes on: its requests
+    end, nothing of its is left pending or holding a block, and no process survives."""
+    killed = {}
+
+    def on_start(children):
+        d = children["decode"]
+        killed["pid"] = d.pid
+        threading.Timer(0.4, d.signal, (signal.SIGKILL,)).start()
+
+    s = run_processes(DemoConfig(requests=300, concurrency=32), timeout=120, on_start=on_start)
+    assert s["schedulers_reported"] == ["prefill"] and s["unfinished"] > 0
+    assert s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["blocks_mismatched"] == 0
+    assert s["live_requests"] == 0
+    pids = [p for pids in s["pids"].values() for p in pids]
+    assert not [p for p in pids if alive(p)], "processes left"
+    left = [e for d in (shm_directory(), Path(tempfile.gettempdir())) for e in d.glob("kvstate-*")
+            if any(e.name.startswith((f"kvstate-{p}-", f"kvstate-ipc-{p}-")) for p in pids)]
+    assert not left, f"files left by the schedulers: {left}"
+
+
+@pytest.mark.slow
+def test_no_worker_outlives_its_parent(tmp_path):
+    """A scheduler process killed with SIGKILL takes its rank workers with it."""
+    script = (
+        "import json, sys, time\n"
+        "from kvstate.distributed import ProcessDriver\n"
+        "from kvstate import CacheSpec\n"
+        "spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype='float16', tp_size=2)\n"
+        "d = ProcessDriver(spec, 16)\n"
+        f"[d.spawn(r, {{'kind': 'file', 'root': {str(tmp_path)!r}}}) for r in range(2)]\n"
+        "d.wait_ready(60)\n"
+        "print(json.dumps([d.child(r).pid for r in range(2)]), flush=True)\n"
+        "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(p.stdout.readline())
+        assert all(alive(x) for x in pids)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 5
+        while any(alive(x) for x in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [x for x in pids if alive(x)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        remove_orphans(tempfile.gettempdir(), "kvstate-ipc-")  # the killed process's sockets: its parent cleans
+    assert not list(Path(tempfile.gettempdir()).glob(f"kvstate-ipc-{p.pid}-*"))
