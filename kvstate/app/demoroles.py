@@ -186,7 +186,7 @@ class DecodeRole(_Role):
     def step(self) -> None:
         """One decode step of every running request; resume the preempted ones that fit."""
         for plan in list(self.plans.values()):
-            if plan.preempted and self.lc.state_of(plan.rid) == "preempted":
+            if plan.preempted and self.lc.state_of(plan.rid) in ("preempted", "swapped"):
                 try:
                     self.lc.resume(plan.rid)
                     plan.preempted = False

@@ -103,7 +103,7 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.backend must be 'reference' or 'cuda', got {self.backend!r}")
         if not isinstance(self.store, dict) or self.store.get("kind") not in _STORES:
             raise ConfigError(f"WorkerConfig.store must be a dict whose kind is one of {list(_STORES)} (a store "
-                              "other processes reach too), got {self.store!r}")
+                              f"other processes reach too), got {self.store!r}")
         if not isinstance(self.caches, dict) or self.caches.get("kind") not in _CACHES:
             raise ConfigError(f"WorkerConfig.caches must be a dict whose kind is one of {list(_CACHES)}")
         return spec

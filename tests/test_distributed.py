@@ -1,0 +1,302 @@
+"""kvstate across processes: the wire format, shared caches, the process driver and its workers."""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from procrig import FAST, SPEC, ProcRig, alive
+
+from kvstate import CacheSpec, ConfigError, DriverError, ProtocolError
+from kvstate import commands as C
+from kvstate.distributed import ProcessDriver, RankDown, RankUp, SharedCaches, WorkerConfig
+from kvstate.distributed import wire
+from kvstate.distributed.pdlink import Link
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, /proc)")
+
+
+def cmd(cls=C.WriteBlocks, cid=1, keys=("a", "b"), blocks=(3, 4), **kw):
+    now = time.monotonic()
+    return cls("r", cid, (0, 1), now + 10, tuple(keys), tuple(blocks), fence=now + 20, **kw)
+
+
+# -- the wire format --------------------------------------------------------------------------------
+@pytest.mark.parametrize("c", [cmd(), cmd(C.ReadBlocks), cmd(C.LoadLayers), cmd(C.SaveLayers),
+                               cmd(C.SwapOut, host_slots=(0, 1)), cmd(C.SwapIn, host_slots=(5, 6)),
+                               cmd(C.FlushHost, blocks=(), host_slots=(1, 2))])
+def test_every_command_crosses_the_wire_for_one_rank(c):
+    items = wire.unpack(wire.command_message(c, 77))
+    assert items[1] == 77
+    back = wire.command_of(items, 1)
+    assert type(back) is type(c) and back.ranks == (1,)
+    assert (back.command_id, back.request_id, back.keys, back.block_ids, back.deadline, back.fence) == \
+        (c.command_id, c.request_id, c.keys, c.block_ids, c.deadline, c.fence)
+    assert getattr(back, "host_slots", ()) == getattr(c, "host_slots", ())
+
+
+@pytest.mark.parametrize("items, needle", [
+    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0], "command kind"),
+    ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0], "command id"),
+    ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0], "request id"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [True], [], 1.0, 2.0], "block ids"),
+    ([wire.CMD, 1, 1, 1, "r", [1], [1], [], 1.0, 2.0], "a key"),
+    ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [], 1.0, 2.0], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0], "deadline"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], []], "items after its type"),
+])
+def test_a_bad_command_is_refused_with_the_rule(items, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        wire.command_of(wire.unpack(msgpack.packb(items)), 0)
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([]), msgpack.packb(["x"]),
+                                  msgpack.packb([wire.DONE, 0, 0, 1, 1, None]), msgpack.packb([wire.HB, 0, 1]),
+                                  msgpack.packb([wire.DONE, -1, 1, 1, 1, None]), msgpack.packb([99, 1, 2]),
+                                  msgpack.packb([wire.DONE, 0, 1, 1, 1, 5]), msgpack.packb([wire.HB, True, 1, 0])])
+def test_a_bad_worker_message_is_refused(data):
+    with pytest.raises(ProtocolError):
+        wire.from_worker(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_crash_the_decoders(data):
+    for decode in (wire.from_worker, lambda d: wire.command_of(wire.unpack(d), 0)):
+        try:
+            decode(data)
+        except ProtocolError:
+            pass
+
+
+# -- shared caches ----------------------------------------------------------------------------------
+def test_shared_caches_are_one_memory_for_creator_and_worker():
+    with SharedCaches.create(SPEC, 8) as mine:
+        theirs = SharedCaches.attach(SPEC, 8, mine.paths)
+        try:
+            mine.caches[1]["value"][1][5] = 7.0
+            assert np.all(theirs.caches[1]["value"][1][5] == 7.0)
+            assert theirs.caches[0]["key"][0].shape == (8,) + SPEC.block_shape("key")
+        finally:
+            theirs.close()
+        paths = list(mine.paths.values())
+    assert not any(__import__("os").path.exists(p) for p in paths)  # the creator removed them
+
+
+def test_attaching_with_another_geometry_is_refused():
+    with SharedCaches.create(SPEC, 8) as mine, pytest.raises(ConfigError, match="geometries differ"):
+        SharedCaches.attach(SPEC, 16, mine.paths)
+
+
+# -- the process driver -----------------------------------------------------------------------------
+def test_the_handoff_through_rank_worker_processes_is_byte_exact(tmp_path):
+    rig = ProcRig(str(tmp_path))
+    try:
+        r = rig.run(24)
+        assert (r["ended"], r["leaked"], r["pending"], r["live"], r["mismatched"]) == (24, 0, 0, 0, 0)
+        assert r["checked"] > 100
+        assert [type(n) for n in rig.driver("P").notices()] == [RankUp, RankUp]
+        pids = rig.worker_pids()
+    finally:
+        rig.close()
+    assert not [p for p in pids if alive(p)]
+
+
+def test_a_host_tier_swap_runs_in_the_workers(tmp_path):
+    import dataclasses
+    rig = ProcRig(str(tmp_path), d_host_blocks=48, d_policy=dataclasses.replace(FAST, preempt="swap"))
+    kinds = set()
+    try:
+        r = rig.run(24, on_submit=lambda side, c: kinds.add(type(c).__name__))
+        assert (r["ended"], r["leaked"], r["pending"], r["mismatched"]) == (24, 0, 0, 0)
+    finally:
+        rig.close()
+    assert {"SwapOut", "SwapIn"} <= kinds
+
+
+def test_layer_wise_commands_cross_processes(tmp_path):
+    """A SaveLayers waits in its worker for the layers reported from the scheduler; a
+    LoadLayers reports its arrivals back, already in place."""
+    spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2, layer_groups=4)
+    with SharedCaches.create(spec, 16) as caches, ProcessDriver(spec, 16) as drv:
+        store = {"kind": "file", "root": str(tmp_path)}
+        for r in range(2):
+            drv.spawn(r, store, caches={"kind": "shm", "paths": caches.paths})
+        drv.wait_ready(60)
+        caches.caches[0]["key"][2][3] = 5.0
+        save = cmd(C.SaveLayers, cid=1, keys=("k1",), blocks=(3,))
+        drv.submit(save)
+        assert drv.poll(0.3) == []  # waiting for its layers
+        drv.submit(C.LayersReady("r", 1, 2))
+        assert drv.poll(0.3) == []  # two of four layers: half the groups stored
+        drv.submit(C.LayersReady("r", 1, 4))
+        answers = []
+        while len(answers) < 2:
+            answers += drv.poll(5)
+        assert sorted((a.rank, a.count, a.error) for a in answers) == [(0, 1, None), (1, 1, None)]
+        load = cmd(C.LoadLayers, cid=2, keys=("k1",), blocks=(7,))
+        drv.submit(load)
+        arrivals = drv.arrivals(2, 0)
+        ok, event = arrivals.wait(4, 10)
+        assert ok and event is None
+        while len(answers) < 4:
+            answers += drv.poll(5)
+        assert np.all(caches.caches[0]["key"][2][7] == 5.0)
+
+
+def test_a_rank_count_mismatch_is_one_config_error_at_start(tmp_path):
+    other = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=4)
+    with ProcessDriver(SPEC, 16, restart=False) as drv:
+        cfg = drv.worker_config(1, {"kind": "file", "root": str(tmp_path)})
+        cfg.spec = {**cfg.spec, "tp_size": other.tp_size}
+        drv.control.spawn(cfg)
+        with pytest.raises(ConfigError, match="rank 1's worker has TP 4, the scheduler 2"):
+            drv.wait_ready(30)
+        assert drv.child(1).wait(10) == 2  # refused: it exits on its own
+
+
+def test_a_geometry_mismatch_is_refused(tmp_path):
+    with ProcessDriver(SPEC, 16, restart=False) as drv:
+        cfg = drv.worker_config(0, {"kind": "file", "root": str(tmp_path)})
+        cfg.num_blocks = 32
+        drv.control.spawn(cfg)
+        with pytest.raises(ConfigError, match="another cache geometry"):
+            drv.wait_ready(30)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"address": "udp://x"}, "address must be 'ipc' or 'tcp://HOST'"),
+    ({"address": "tcp://127.0.0.1:5555"}, "ports are chosen"),
+    ({"address": "tcp://no-such-host.invalid"}, "cannot listen"),
+    ({"heartbeat_s": 0}, "heartbeat_s"),
+    ({"heartbeat_s": 1.0, "dead_after_s": 1.5}, "must exceed two heartbeats"),
+    ({"spin_us": -1}, "spin_us"),
+])
+def test_driver_configuration_errors(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ProcessDriver(SPEC, 16, **kw)
+
+
+def test_a_port_in_use_is_a_config_error():
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(ConfigError, match="cannot listen"):
+            Link(f"tcp://127.0.0.1:{port}")
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("rank", 2, "outside the spec's 2 TP ranks"), ("store", {"kind": "memory"}, "other processes reach too"),
+    ("command_address", "http://x", "tcp://, ipc://"), ("lanes", 0, "lanes"), ("backend", "tpu", "backend"),
+])
+def test_worker_configuration_errors(field, value, needle, tmp_path):
+    with ProcessDriver(SPEC, 16) as drv:
+        cfg = drv.worker_config(0, {"kind": "file", "root": str(tmp_path)})
+    setattr(cfg, field, value)
+    with pytest.raises(ConfigError, match=needle):
+        cfg.validate()
+    with pytest.raises(ConfigError):
+        WorkerConfig.from_json("{not json")
+
+
+def test_bad_and_stale_messages_are_counted_never_applied(tmp_path):
+    """Garbage, a DONE from another incarnation, for an unknown command, or of an unknown
+    rank: counted, dropped, and the driver and its workers go on serving."""
+    with SharedCaches.create(SPEC, 16) as caches, ProcessDriver(SPEC, 16) as drv:
+        for r in range(2):
+            drv.spawn(r, {"kind": "file", "root": str(tmp_path)}, caches={"kind": "shm", "paths": caches.paths})
+        drv.wait_ready(60)
+        ctx = zmq.Context()
+        rogue = {ch: ctx.socket(zmq.PUSH) for ch in ("reply", "control")}
+        rogue["reply"].connect(drv.addresses[1])
+        rogue["control"].connect(drv.addresses[2])
+        inc = drv.control.ranks.incarnation(0)
+        drv.submit(cmd(cid=5, keys=(), blocks=()))
+        for ch, data in (("reply", b"garbage"), ("control", b"\x93\x01"), ("reply", wire.pack(wire.HB, 0, inc, 0)),
+                         ("reply", wire.pack(wire.DONE, 7, inc, 5, 0, None)),
+                         ("control", wire.pack(wire.HELLO, 9, 1, 1, 2, "x", 1))):
+            rogue[ch].send(data)
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += drv.poll(0.5)
+        rogue["reply"].send(wire.pack(wire.DONE, 0, inc + 1, 5, 0, None))  # another incarnation
+        rogue["reply"].send(wire.pack(wire.DONE, 0, inc, 5, 0, None))  # answered already: a duplicate
+        rogue["reply"].send(wire.pack(wire.DONE, 0, inc, 999, 0, None))  # never sent
+        time.sleep(0.3)
+        assert drv.poll(0.2) == []
+        assert sorted((c.rank, c.count) for c in got) == [(0, 0), (1, 0)]
+        assert drv.counters["bad_messages"] == 5 and drv.counters["stale"] == 3
+        for s in rogue.values():
+            s.close(0)
+        ctx.term()
+        drv.submit(cmd(cid=6, keys=(), blocks=()))  # still serving
+        again = []
+        while len(again) < 2:
+            again += drv.poll(5)
+
+
+def test_submit_after_close_and_a_close_that_leaves_nothing(tmp_path):
+    drv = ProcessDriver(SPEC, 16)
+    for r in range(2):
+        drv.spawn(r, {"kind": "file", "root": str(tmp_path)})
+    drv.wait_ready(60)
+    pids = [drv.child(r).pid for r in range(2)]
+    drv.close(timeout=10)
+    assert not [p for p in pids if alive(p)]
+    with pytest.raises(DriverError, match="after close"):
+        drv.submit(cmd())
+    drv.close()  # idempotent
+
+
+def test_a_worker_killed_is_declared_down_at_once_and_restarted(tmp_path):
+    with ProcessDriver(SPEC, 16, dead_after_s=1.0) as drv:
+        for r in range(2):
+            drv.spawn(r, {"kind": "file", "root": str(tmp_path)})
+        drv.wait_ready(60)
+        drv.notices()
+        old = drv.child(0).pid
+        drv.child(0).signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        notes: list = []
+        while not any(isinstance(n, RankUp) for n in notes) and time.monotonic() - t0 < 20:
+            notes += drv.notices()
+            time.sleep(0.01)
+        assert isinstance(notes[0], RankDown) and "exited" in notes[0].reason
+        assert isinstance(notes[-1], RankUp) and notes[-1].pid != old
+        assert drv.counters["restarts"] == 1
+
+
+def test_link_refuses_bad_messages_and_never_blocks_a_sender(tmp_path):
+    with Link(f"ipc://{tmp_path}/a") as a, Link(f"ipc://{tmp_path}/b") as b:
+        a.connect("b", b.address)
+        a.connect("nobody", f"ipc://{tmp_path}/nobody")
+        assert a.send("b", "first_token", "r1", 7, 200) and a.send("b", "abort", "r2")
+        with pytest.raises(ProtocolError):
+            a.send("b", "first_token", "r1")
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(b.address)
+        for data in (b"junk", msgpack.packb(["first_token", "r", "x", 200]), msgpack.packb(["nope"]),
+                     msgpack.packb(["abort", 3]), msgpack.packb(["first_token", "r", True, 200])):
+            raw.send(data)
+        time.sleep(0.2)
+        got = b.receive(1.0)
+        assert got == [("first_token", ["r1", 7, 200]), ("abort", ["r2"])]
+        assert b.counters["bad_messages"] == 5
+        raw.close(0)
+        ctx.term()
+        t = time.monotonic()
+        sent = sum(a.send("nobody", "abort", f"r{i}") for i in range(20_000))  # nobody reads: queue fills
+        assert time.monotonic() - t < 5 and a.counters["dropped"] == 20_000 - sent > 0
