@@ -30,13 +30,14 @@ class _Side:
 
 
 class ProcRig:
-    """P and D (TP 2), their caches in shared memory, a FileStore, two rank workers each."""
+    """P and D (TP 2), their caches in shared memory, two rank workers each, and a store: a
+    FileStore in the directory ``store``, or a worker store configuration (Mooncake)."""
 
-    def __init__(self, store_dir: str, blocks: int = 96, policy: Policy = FAST,
+    def __init__(self, store: str | dict, blocks: int = 96, policy: Policy = FAST,
                  d_host_blocks: int = 0, restart: bool = True, dead_after_s: float = 1.0,
                  d_policy: Policy | None = None, spec: CacheSpec = SPEC) -> None:
         self.spec, self.blocks = spec, blocks
-        self.store = {"kind": "file", "root": store_dir}
+        self.store = store if isinstance(store, dict) else {"kind": "file", "root": store}
         self.sides: dict[str, _Side] = {}
         self.outcome: dict[str, tuple[str, int]] = {}
         self.ended_at: dict[str, float] = {}

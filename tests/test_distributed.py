@@ -15,8 +15,7 @@ from procrig import FAST, SPEC, ProcRig, alive
 
 from kvstate import CacheSpec, ConfigError, DriverError, ProtocolError
 from kvstate import commands as C
-from kvstate.distributed import ProcessDriver, RankDown, RankUp, SharedCaches, WorkerConfig
-from kvstate.distributed import wire
+from kvstate.distributed import ProcessDriver, RankDown, RankUp, SharedCaches, WorkerConfig, wire
 from kvstate.distributed.pdlink import Link
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, /proc)")

@@ -132,6 +132,11 @@ class Store(ABC):
     def close(self) -> None:  # noqa: B027 - a default, not an abstract method: most stores hold nothing
         """Release the store's resources (idempotent)."""
 
+    def check(self) -> bool:
+        """Whether the pool answers now; a store with a remote pool probes it (and re-joins a
+        pool whose server came back). Stores in this process or on a file system answer True."""
+        return True
+
     def __enter__(self) -> Store:
         return self
 

@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,7 @@ class MooncakeStore(Store):
         self._base = self._staging.ctypes.data
         self._up, self._checked = True, time.monotonic()
         self.reconnects = 0
+        self._sentinel = f"kvstate-sentinel-{uuid.uuid4().hex}"
         self._join()
 
     def _join(self) -> None:
@@ -157,15 +159,28 @@ class MooncakeStore(Store):
             self._store.close()
             raise StoreError(f"Mooncake could not register the {config.staging_bytes}-byte staging buffer "
                              f"(code {rc})")
+        self._store.batch_put_from([self._sentinel], [self._base], [8])  # its absence reveals a restarted master
 
     # -- liveness: fail fast while the master is down, re-join when it is back ------------------
     LIVENESS_INTERVAL = 0.5  #: seconds between master probes
+    #: Mooncake's TRANSFER_FAIL and RPC_FAIL: this client's links to the pool broke (a master that
+    #: restarted between two probes forgot the other clients' segments); it joins again
+    BROKEN_CODES = frozenset((-800, -900))
+
+    def _note(self, codes: Sequence[int]) -> None:
+        """After a batch: codes saying the client is broken make the next call re-join."""
+        if any(c in self.BROKEN_CODES for c in codes):
+            self._up, self._checked = False, 0.0
 
     def _ensure_master(self) -> None:
         """Called under the lock before each batch. A dead master would make Mooncake calls
         block for seconds in RPC retries; instead every call fails at once with StoreError,
         and the client re-joins the pool (a new segment, a re-registered buffer) once the
-        master answers again. Objects stored before a restart are gone: reads miss."""
+        master answers again. A master that restarted between two probes answers too, but has
+        forgotten every client: each client keeps a small sentinel object in the pool, and one
+        whose sentinel is gone re-joins (so does one a batch found broken, :attr:`BROKEN_CODES`;
+        a sentinel evicted from a full pool costs one needless re-join). Objects stored before
+        a restart are gone: reads miss."""
         now = time.monotonic()
         if self._up and now - self._checked < self.LIVENESS_INTERVAL:
             return
@@ -179,6 +194,8 @@ class MooncakeStore(Store):
         if not alive:
             self._up = False
             raise StoreError(f"Mooncake master {self.config.master} is unreachable: failing fast until it is back")
+        if self._up and self._store.batch_is_exist([self._sentinel]) != [1]:
+            self._up = False  # the master answers but lost this client's sentinel: it restarted
         if not self._up:
             try:
                 self._store.close()
@@ -236,6 +253,7 @@ class MooncakeStore(Store):
             for v, o in zip(group, offs):
                 self._staging[o:o + v.nbytes] = np.frombuffer(v, np.uint8)
             rcs = self._store.batch_put_from(ks, [self._base + o for o in offs], [v.nbytes for v in group])
+            self._note(rcs)
             return [0 if rc == 0 else (rc if rc < 0 else MISSING) for rc in rcs]
 
         return self._in_groups(keys, self._check_batch(keys, buffers, "batch_put_from"), put)
@@ -243,6 +261,7 @@ class MooncakeStore(Store):
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         def get(ks: list[str], group: list[memoryview], offs: list[int]) -> list[int]:
             got = self._store.batch_get_into(ks, [self._base + o for o in offs], [v.nbytes for v in group])
+            self._note(got)
             for v, o, n in zip(group, offs, got):
                 if n > 0:
                     v[:n] = self._staging.data[o:o + n]
@@ -255,6 +274,21 @@ class MooncakeStore(Store):
         with self._lock:
             self._ensure_master()
             return [1 if r == 1 else 0 for r in self._store.batch_is_exist(list(keys))]
+
+    def check(self) -> bool:
+        """Probe the pool now, re-joining it if the master came back (a rank worker calls this
+        every heartbeat, so an idle client is ready before traffic returns). False while the
+        master is down; a batch in progress (which probes anyway) makes this a no-op."""
+        if self._closed or not self._lock.acquire(blocking=False):
+            return not self._closed
+        try:
+            self._checked = 0.0
+            self._ensure_master()
+            return True
+        except StoreError:
+            return False
+        finally:
+            self._lock.release()
 
     def evict(self, keys: Sequence[str]) -> int:
         """Remove keys now (tests: a pool that evicted them)."""

@@ -53,6 +53,7 @@ class RankControl:
         self.ranks = RankTable(spec.tp_size)
         self.children: dict[int, ChildProcess] = {}
         self._configs: dict[int, WorkerConfig] = {}
+        self._starts: dict[int, tuple[float, int]] = {}  # rank -> (last start, starts since its last hello)
         self._notices: list[RankDown | RankUp] = []
         self.running = True
         self.stopping = False
@@ -66,7 +67,14 @@ class RankControl:
         self._configs[cfg.rank] = cfg
         child = self.children[cfg.rank] = ChildProcess("kvstate.distributed", ["rankworker", cfg.to_json()],
                                                        f"{self.name} rank {cfg.rank} worker")
+        self._starts[cfg.rank] = (time.monotonic(), self._starts.get(cfg.rank, (0.0, 0))[1] + 1)
         return child
+
+    def _may_restart(self, rank: int, now: float) -> bool:
+        """Restarts back off: a worker that exits before its hello (its store unreachable, say)
+        waits 0.25 s, then twice as long each time, up to 5 s, before the next start."""
+        last, starts = self._starts.get(rank, (0.0, 0))
+        return now - last >= min(5.0, 0.25 * 2 ** max(0, starts - 1))
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until every rank is up; a refused worker, or a started one that exited before
@@ -183,6 +191,7 @@ class RankControl:
         with self.lock:
             self.ranks.up(msg.rank, msg.incarnation, msg.pid, time.monotonic(), msg.lanes)
             self._notices.append(RankUp(msg.rank, msg.pid))
+        self._starts[msg.rank] = (self._starts.get(msg.rank, (0.0, 0))[0], 0)  # it started well: no back-off
         self._on_up(msg.rank)
 
     def _check(self) -> None:
@@ -197,7 +206,8 @@ class RankControl:
                 self.declare_down(rank, f"no heartbeat for {now - last:.2f} s", inc)
         if self.restart and not self.stopping:
             for rank, child in list(self.children.items()):
-                if not child.alive() and not self.ranks.incarnation(rank) and rank in self._configs:
+                if not child.alive() and not self.ranks.incarnation(rank) and rank in self._configs \
+                        and self._may_restart(rank, now):
                     self.spawn(self._configs[rank])
                     with self.lock:
                         self.counters["restarts"] += 1

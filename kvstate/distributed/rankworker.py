@@ -154,7 +154,7 @@ class RankWorker:
     # -- set-up -----------------------------------------------------------------------------
     def _backend(self) -> TransferBackend:
         cfg, spec = self.config, self.spec
-        store = build_store(cfg.store)
+        store = self._store = build_store(cfg.store)
         self._resources.append(store.close)
         caches: Any = None
         kind = cfg.caches["kind"]
@@ -233,6 +233,8 @@ class RankWorker:
             self._hello()
             threads = [threading.Thread(target=self._lane, args=(i, sock), name=f"kvstate-rank{self.rank}-lane{i}",
                                         daemon=True) for i, sock in enumerate(lanes)]
+            threads.append(threading.Thread(target=self._watch_store, name=f"kvstate-rank{self.rank}-store",
+                                            daemon=True))
             for t in threads:
                 t.start()
             self._beat()
@@ -256,6 +258,16 @@ class RankWorker:
                 self._push("control").send(wire.pack(wire.HB, self.rank, self.incarnation, self._moved()))
             else:
                 self._hello()
+
+    def _watch_store(self) -> None:
+        """Probe the store every heartbeat (a thread of its own: re-joining a remote pool can
+        take seconds, which must not silence the heartbeats), so a pool that came back is
+        re-joined before traffic returns."""
+        while not self._stop.wait(self.config.heartbeat_s):
+            try:
+                self._store.check()
+            except Exception:  # noqa: BLE001 - the next transfer reports the store's failure
+                pass
 
     def _lane(self, lane: int, sock: zmq.Socket) -> None:
         """Receive on one lane's socket and run what arrives, in this thread."""
