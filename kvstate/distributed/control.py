@@ -190,7 +190,7 @@ class RankControl:
             self.declare_down(msg.rank, "a new worker replaced it", previous)
         with self.lock:
             self.ranks.up(msg.rank, msg.incarnation, msg.pid, time.monotonic(), msg.lanes)
-            self._notices.append(RankUp(msg.rank, msg.pid))
+            self._notices.append(RankUp(msg.rank, msg.pid, time.monotonic()))
         self._starts[msg.rank] = (self._starts.get(msg.rank, (0.0, 0))[0], 0)  # it started well: no back-off
         self._on_up(msg.rank)
 
@@ -222,7 +222,7 @@ class RankControl:
             if self.ranks.incarnation(rank) != incarnation:
                 return
             owed = self.ranks.down_now(rank)
-            self._notices.append(RankDown(rank, reason))
+            self._notices.append(RankDown(rank, reason, time.monotonic()))
         child = self.children.get(rank)
         dead = False
         if child is not None and (self.restart or not child.alive()):

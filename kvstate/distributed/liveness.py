@@ -16,17 +16,19 @@ __all__ = ["RankTable", "RankDown", "RankUp"]
 
 
 class RankDown(NamedTuple):
-    """A rank went down: the commands it owed completed as lost."""
+    """A rank went down at ``at`` (``time.monotonic()``): the commands it owed were answered."""
 
     rank: int
     reason: str
+    at: float
 
 
 class RankUp(NamedTuple):
-    """A rank's worker (process ``pid``) said hello and was accepted."""
+    """A rank's worker (process ``pid``) said hello and was accepted at ``at``."""
 
     rank: int
     pid: int
+    at: float
 
 
 @dataclass
