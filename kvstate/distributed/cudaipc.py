@@ -1,0 +1,108 @@
+"""GPU KV caches shared with rank workers through CUDA IPC: the engine keeps them, workers map them.
+
+In the seeds' system the model runner creates the KV caches and each TP rank's
+cache-transfer process attaches to them through CUDA IPC handles. :func:`share_caches` runs in
+the engine's process: for each cache tensor (PyTorch, Paddle or CuPy, through DLPack) it finds
+the device allocation holding it (``cuMemGetAddressRange``: a framework's caching allocator
+hands out pieces of larger allocations) and returns that allocation's IPC handle with the
+tensor's offset and size, as JSON-able data for :class:`~kvstate.distributed.WorkerConfig`.
+:func:`open_caches` runs in the worker: it opens each allocation once and views the tensors
+in it as CuPy arrays, the shapes and dtypes following from the spec and the block count.
+
+The engine must keep its tensors alive while workers use them (as it keeps its caches anyway);
+a worker's mapping ends when it closes (or exits).
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..dtypes import as_16bit_ints, is_bfloat16
+from ..errors import ConfigError
+from ..kernels.cuda_launch import load_cupy
+from ..spec import CacheSpec
+
+__all__ = ["share_caches", "open_caches"]
+
+_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+def _address_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation holding ``ptr`` (the driver API, through ctypes)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise ConfigError(f"CUDA IPC needs the CUDA driver library (libcuda.so.1): {e}") from None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise ConfigError(f"cuMemGetAddressRange failed for device pointer {ptr:#x} (CUresult {rc})")
+    return base.value, size.value
+
+
+def share_caches(caches: Mapping[int, Mapping[str, Sequence[Any]]], device: int = 0) -> dict[str, Any]:
+    """The IPC description of ``caches[rank][kind]`` = per-layer GPU tensors: what a rank
+    worker's ``caches`` configuration is (``{"kind": "cuda-ipc", ...}``)."""
+    cp = load_cupy()
+    handles: dict[int, str] = {}  # allocation base -> its IPC handle (hex), one per allocation
+    out: dict[str, dict[str, list[list[Any]]]] = {}
+    with cp.cuda.Device(device):
+        for rank, by_kind in caches.items():
+            out[str(rank)] = {}
+            for kind, layers in by_kind.items():
+                rows = out[str(rank)][kind] = []
+                for t in layers:
+                    a = cp.from_dlpack(as_16bit_ints(t) if is_bfloat16(getattr(t, "dtype", "")) else t)
+                    if not a.flags.c_contiguous:
+                        raise ConfigError(f"caches[{rank}][{kind!r}]: a layer is not contiguous")
+                    base, _ = _address_range(a.data.ptr)
+                    if base not in handles:
+                        handles[base] = bytes(cp.cuda.runtime.ipcGetMemHandle(base)).hex()
+                    rows.append([handles[base], a.data.ptr - base, a.nbytes])
+    return {"kind": "cuda-ipc", "device": device, "tensors": out}
+
+
+def open_caches(spec: CacheSpec, num_blocks: int, rank: int, cfg: Mapping[str, Any],
+                device: int) -> tuple[dict[int, dict[str, list[Any]]], Callable[[], None]]:
+    """Map ``rank``'s caches from a :func:`share_caches` description: ``({rank: {kind:
+    [CuPy arrays]}}, close)``. Sizes are checked against the spec before anything is mapped."""
+    cp = load_cupy()
+    tensors = cfg.get("tensors", {}).get(str(rank))
+    if not isinstance(tensors, dict) or set(tensors) != set(spec.kinds):
+        raise ConfigError(f"rank {rank}: the shared caches must name the kinds {spec.kinds}")
+    want = {k: num_blocks * spec.chunk_bytes(k) for k in spec.kinds}
+    for kind, rows in tensors.items():
+        if len(rows) != spec.layers or any(int(r[2]) != want[kind] for r in rows):
+            raise ConfigError(f"rank {rank}: caches of {kind!r} must be {spec.layers} layers of {want[kind]} bytes "
+                              "(another geometry?)")
+    opened: dict[str, int] = {}
+    out: dict[str, list[Any]] = {}
+    try:
+        with cp.cuda.Device(device):
+            for kind, rows in tensors.items():
+                shape, dtype = (num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind)
+                out[kind] = []
+                for handle, offset, nbytes in rows:
+                    if handle not in opened:
+                        opened[handle] = cp.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(handle), _LAZY_PEER_ACCESS)
+                    mem = cp.cuda.UnownedMemory(opened[handle] + int(offset), int(nbytes), None, device)
+                    out[kind].append(cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0)))
+    except BaseException:
+        _close(cp, opened, device)
+        raise
+
+    def close() -> None:
+        out.clear()
+        _close(cp, opened, device)
+    return {rank: out}, close
+
+
+def _close(cp: Any, opened: dict[str, int], device: int) -> None:
+    with cp.cuda.Device(device):
+        for ptr in opened.values():
+            try:
+                cp.cuda.runtime.ipcCloseMemHandle(ptr)
+            except Exception:  # noqa: BLE001 - a mapping the process loses anyway at exit
+                pass
+    opened.clear()
