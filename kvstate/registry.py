@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import DuplicateRequestError, UnknownRequestError, ValidationError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .pins import Transfer
 
 __all__ = ["Request", "Registry", "ENDED_MEMORY"]
 
@@ -44,7 +41,8 @@ class Request:
         self.token: int | None = None  #: P: the first token, sent once the cache is stored
         self.stored_keys: list[str] | None = None  #: D: the keys a read brings back
         self.wait_seq = 0  #: identifies its current wait timer (0: none)
-        self.inflight: list[Transfer] = []  #: its transfers not yet retired
+        #: its transfers not yet retired (:class:`kvstate.pins.Transfer`: pins stands on this module)
+        self.inflight: list[Any] = []
         self.host_keys: list[str] | None = None  #: D: keys it references in the host tier (swapped out)
         self.host_fresh: Sequence[str] = ()  #: D: the keys its swap-out fills
         self.hits = 0  #: its leading blocks claimed from the GPU prefix cache

@@ -278,11 +278,19 @@ def test_the_mooncake_master_stopped_mid_run_then_restarted(tmp_path):
         states = Counter(st for st, _ in r["outcome"].values())
         assert states["failed"] > 0, states  # the writes after the kill failed: their first tokens carried 503
         m2 = MooncakeMaster(rpc_port=m.rpc_port, http_port=m.http_port, log_path=tmp_path / "m2.log").start()
-        time.sleep(2.0)  # each client's liveness probe finds the master back
+        back = time.monotonic()
+        for seed in range(100, 200):  # small rounds until one is served whole: each client re-joined
+            rig.outcome.clear()
+            r2 = rig.run(4, seed=seed, timeout=90)
+            healthy(r2)
+            if all(st == "done" for st, _ in r2["outcome"].values()):
+                break
+            assert time.monotonic() - back < 60, f"not recovered 60 s after the master came back: {r2['outcome']}"
         rig.outcome.clear()
-        r2 = rig.run(12, seed=7, timeout=90)
-        healthy(r2)
-        assert Counter(st for st, _ in r2["outcome"].values())["done"] >= 8, r2["outcome"]
+        r3 = rig.run(12, seed=7, timeout=90)
+        healthy(r3)
+        states = Counter(st for st, _ in r3["outcome"].values())
+        assert states["done"] + states["aborted"] == 12, r3["outcome"]  # served; only the planned aborts end early
         assert rig.driver("P").counters["restarts"] == rig.driver("D").counters["restarts"] == 0
     finally:
         rig.close()

@@ -17,8 +17,10 @@ from kvstate.prefixcache import PrefixCachingPool
 from kvstate.registry import Registry
 from kvstate.timers import TRANSFER, Timers
 
+# derandomized: each break is found by the same examples every run (a random search missed one
+# in 400 examples now and then, failing a suite run at random)
 HUNT = settings(max_examples=400, stateful_step_count=40, deadline=None, database=None, phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck))
+                suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 def fires(name: str) -> None:

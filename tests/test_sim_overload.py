@@ -72,7 +72,7 @@ def test_prompts_whose_request_ended_while_queued_are_not_computed(layerwise):
     assert_every_request_ended_clean(cl, r)
     dropped = r["prompts_dropped"]
     assert 0 < dropped < cl.total and r["reasons"]["first_token_timeout"] >= dropped
-    forward = cl.compute.prefill_time([(2048, 0)])
+    forward = cl.sv.compute.prefill_time([(2048, 0)])
     p, = cl.prefill
     assert p.busy_time == pytest.approx((cl.total - dropped) * forward, rel=1e-9)
     assert p.queued_tokens == 0 and not p.waiting and not p.saves

@@ -61,3 +61,60 @@ def test_commit_subjects_are_short():
         pytest.skip(f"history not available here (shallow clone?): {r.stderr.strip()}")
     long = [line for line in r.stdout.splitlines() if len(line.split(" ", 1)[1]) > MAX_SUBJECT]
     assert not long, f"subjects over {MAX_SUBJECT} characters: {long}"
+
+
+def _imports(path: Path, module: str, known: dict[str, Path]) -> set[str]:
+    """The kvstate modules ``module`` imports (``TYPE_CHECKING`` imports too: a circle of types
+    is a circle of ideas). ``from . import x`` names module ``x`` when there is one (a C
+    extension counts: its source sits beside), else the package."""
+    pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg if node.level else ""
+            target = ".".join(x for x in (base, node.module or "") if x)
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                if sub in known or (node.level and (path.parent / f"{a.name}.c").exists()):
+                    out.add(sub)
+                elif target in known:
+                    out.add(target)
+    return out - {module}
+
+
+def test_no_import_circles():
+    """No module of kvstate imports, through any chain, a module that imports it back."""
+    known = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "kvstate").rglob("*.py")}
+    graph = {m: _imports(p, m, known) & set(known) for m, p in known.items()}
+    circles = []
+    for start in graph:  # a path back to ``start`` from what it imports
+        seen, stack = set(), [(n, [start, n]) for n in graph[start]]
+        while stack:
+            node, path = stack.pop()
+            if node == start:
+                circles.append(" -> ".join(path))
+                break
+            if node not in seen:
+                seen.add(node)
+                stack += [(n, [*path, n]) for n in graph.get(node, ())]
+    assert not circles, f"import circles: {circles[:5]}"
+
+
+def test_the_core_knows_no_gpu_simpy_socket_or_process():
+    """kvstate's top-level modules (the lifecycle core) import no GPU, simulator, socket or
+    process library, directly or through another kvstate module they import."""
+    banned = ("cupy", "torch", "paddle", "simpy", "zmq", "socket", "subprocess", "multiprocessing", "msgpack")
+    core = [p for p in (ROOT / "kvstate").glob("*.py")]
+    found = []
+    for p in core:
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{p.name}: {n}" for n in names if n.split(".")[0] in banned]
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "").split(".")[0] in \
+                    ("backends", "kernels", "sim", "app", "distributed"):
+                found.append(f"{p.name}: .{node.module}")
+    assert not found, f"the core imports the edge: {found}"

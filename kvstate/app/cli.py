@@ -6,7 +6,6 @@ anything runs; see :data:`EXIT_CODES`.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ from typing import NoReturn
 from .. import __version__
 from ..errors import ConfigError, KVStateError
 from . import democmd, simcmds
+from .argtypes import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, number
 
 __all__ = ["main", "EXIT_CODES"]
 
@@ -35,23 +35,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _number(kind: Callable[[str], float], low: float, inclusive: bool, what: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not math.isfinite(v) or not (v >= low if inclusive else v > low):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return v
-    return parse
-
-
-POSITIVE_INT = _number(int, 0, False, "an integer > 0")
-NON_NEGATIVE_INT = _number(int, 0, True, "an integer >= 0")
-POSITIVE_FLOAT = _number(float, 0, False, "a number > 0")
 
 
 def _overrides(p: argparse.ArgumentParser) -> None:
@@ -89,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
                     help="a field and its values, e.g. cluster.n_decode=1,2,4 (repeatable; each field once); "
                          "default: cluster.n_prefill and cluster.n_decode 1..4")
-    pl.add_argument("--attainment", type=_number(float, 0, False, "a number in (0, 1]"),
+    pl.add_argument("--attainment", type=number(float, 0, False, "a number in (0, 1]"),
                     help="share of requests that must meet each SLO (default: the scenario's)")
     pl.add_argument("--workers", type=POSITIVE_INT, help="parallel simulations (default: every core)")
     pl.add_argument("--out", default="plan.json", help="JSON result file, rewritten as rows come (default plan.json)")

@@ -8,14 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .argtypes import NON_NEGATIVE_INT, POSITIVE_INT
 
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
     """Add ``demo`` and its options to the command line's subparsers."""
-    from .cli import NON_NEGATIVE_INT, POSITIVE_INT
-
     d = sub.add_parser("demo", help="run requests P -> storage -> D on real bytes and check every byte")
     d.add_argument("--requests", type=POSITIVE_INT, default=64, help="number of requests (default 64)")
     d.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="workload seed (default 0)")

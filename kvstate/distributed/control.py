@@ -40,17 +40,18 @@ Send = Callable[[int, int, bytes], bool]  #: (rank, lane, message): False when t
 class RankControl:
     """Liveness and worker processes of one driver's ranks (its I/O thread runs :meth:`serve`).
 
-    ``lock`` is the driver's: the rank table and ``counters`` change under it only."""
+    ``lock`` is the driver's ledger's: the rank table (``ranks``) and ``counters`` change under it
+    only."""
 
     def __init__(self, spec: CacheSpec, geometry: str, *, heartbeat_s: float, dead_after_s: float, restart: bool,
-                 lock: threading.Lock, counters: dict[str, int], send: Send,
+                 ranks: RankTable, lock: threading.Lock, counters: dict[str, int], send: Send,
                  on_down: Callable[[int, list[int], str, bool], None], on_up: Callable[[int], None],
                  on_arrived: Callable[[int, int, int, int], None], name: str) -> None:
         self.spec, self.geometry, self.name = spec, geometry, name
         self.heartbeat_s, self.dead_after_s, self.restart = heartbeat_s, dead_after_s, restart
         self.lock, self.counters, self._send = lock, counters, send
         self._on_down, self._on_up, self._on_arrived = on_down, on_up, on_arrived
-        self.ranks = RankTable(spec.tp_size)
+        self.ranks = ranks
         self.children: dict[int, ChildProcess] = {}
         self._configs: dict[int, WorkerConfig] = {}
         self._starts: dict[int, tuple[float, int]] = {}  # rank -> (last start, starts since its last hello)

@@ -40,30 +40,24 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from .. import commands as C
 from ..backends.gate import LayerArrivals
-from ..errors import ConfigError, DriverError, KVStateError, ProtocolError, ValidationError
+from ..errors import ConfigError, DriverError, KVStateError, ProtocolError
 from ..events import Completion
 from ..spec import CacheSpec
 from ..validate import check_int
 from . import wire
 from .control import RankControl
-from .liveness import RankDown, RankUp
+from .ledger import Ledger, Send
+from .liveness import RankDown, RankTable, RankUp
 from .rankworker import WorkerConfig
 from .supervise import ChildProcess, remove_orphans
 
 __all__ = ["ProcessDriver"]
-
-
-@dataclass
-class _Pending:
-    cmd: C.TransferCommand
-    left: set[int] = field(default_factory=set)  #: ranks that still owe an answer
 
 
 class ProcessDriver:
@@ -93,15 +87,13 @@ class ProcessDriver:
             raise ConfigError(f"ProcessDriver: spin_us must be microseconds in [0, 100000], got {spin_us!r}")
         self.spin_us = float(spin_us)  #: how long a waiting poll asks the socket before it sleeps
         self.counters = {"stale": 0, "bad_messages": 0, "refused": 0, "lost": 0, "restarts": 0}
-        self._lock = threading.Lock()  # rank states, pending commands, counters
+        ranks = RankTable(spec.tp_size)
+        self.ledger = Ledger(ranks, spec.layers, lambda r: self.control.restarting(r), self.counters)
+        self._lock = self.ledger.lock  # rank states, what they owe, counters
         self._send_lock = threading.Lock()  # the command socket (used by the engine and the I/O thread)
         self._poll_lock = threading.Lock()  # the reply socket: one poll at a time
         self._wake_lock = threading.Lock()
-        self._pending: dict[int, _Pending] = {}
-        self._arrivals: dict[tuple[int, int], LayerArrivals] = {}
-        self._held: dict[int, list[C.TransferCommand]] = {}  # rank -> commands waiting for its restart
         self._done: queue.Queue[Completion] = queue.Queue()  # answers made here: lost, or refused at once
-        self._inflight = 0
         self._closed = False
         self._tmp: str | None = None
         self._ctx = zmq.Context()
@@ -111,9 +103,9 @@ class ProcessDriver:
             self._close_sockets()
             raise
         self.control = RankControl(spec, wire.geometry(spec, num_blocks), heartbeat_s=heartbeat_s,
-                                   dead_after_s=dead_after_s, restart=bool(restart), lock=self._lock,
+                                   dead_after_s=dead_after_s, restart=bool(restart), ranks=ranks, lock=self._lock,
                                    counters=self.counters, send=self._send, on_down=self._lose_all,
-                                   on_up=self._rank_up, on_arrived=self._arrived, name=f"ProcessDriver {name}")
+                                   on_up=self._rank_up, on_arrived=self.ledger.arrived, name=f"ProcessDriver {name}")
         self._io = threading.Thread(target=self.control.serve, args=(self._control,), name=f"{name}-driver-io",
                                     daemon=True)
         self._io.start()
@@ -227,60 +219,26 @@ class ProcessDriver:
             return True
         if not isinstance(cmd, C.TransferCommand):
             return False
-        sends, down = self._register(cmd)
+        sends, down = self.ledger.register(cmd)
         for r in down:
             self._done.put(Completion(cmd.command_id, r, 0, error=f"rank {r} is down"))
         if down:
             self._wake()
-        for r, lane, data in sends:
-            if not self._send(r, lane, data):
-                self._lose(r, cmd.command_id, f"rank {r} lost: its worker is not connected", lost=False)
+        self._send_all(sends, "rank {} lost: its worker is not connected")
         return True
 
-    def _register(self, cmd: C.TransferCommand) -> tuple[list[tuple[int, int, bytes]], list[int]]:
-        """Owe ``cmd``'s answers: ((rank, lane, message) for each up rank, the ranks down). A
-        rank whose worker is being restarted holds the command until it is up again."""
-        sends, down = [], []
-        ranks = self.control.ranks
-        with self._lock:
-            if cmd.command_id in self._pending:
-                raise ValidationError(f"ProcessDriver: command {cmd.command_id} was submitted already")
-            p = _Pending(cmd)
-            for r in cmd.ranks:
-                inc = ranks.incarnation(r)
-                if not inc and not self.control.restarting(r):
-                    down.append(r)
-                    continue
-                p.left.add(r)
-                self._inflight += 1
-                if cmd.__class__ is C.LoadLayers:
-                    self._arrivals[(cmd.command_id, r)] = LayerArrivals()
-                if not inc or self._held.get(r):  # behind any held before it: order kept
-                    self._held.setdefault(r, []).append(cmd)
-                    continue
-                sends.append((r, ranks.owe(r, cmd.command_id), wire.command_message(cmd, inc)))
-            if p.left:
-                self._pending[cmd.command_id] = p
-        return sends, down
+    def _send_all(self, sends: list[Send], unreachable: str) -> None:
+        for r, lane, cid, data in sends:
+            if not self._send(r, lane, data):
+                self._lose(r, cid, unreachable.format(r), lost=False)
 
     def _rank_up(self, rank: int) -> None:
         """``rank`` is up again: send it the commands held for it (those whose fence passed
-        meanwhile fail: the lifecycle gave up on them)."""
-        now, sends, expired = time.monotonic(), [], []
-        with self._lock:
-            held, inc = self._held.pop(rank, []), self.control.ranks.incarnation(rank)
-            for cmd in held:
-                p = self._pending.get(cmd.command_id)
-                if p is None or rank not in p.left:
-                    continue
-                if cmd.fence <= now or not inc:
-                    expired.append(cmd.command_id)
-                else:
-                    sends.append((self.control.ranks.owe(rank, cmd.command_id), wire.command_message(cmd, inc)))
+        meanwhile fail, unsent: the lifecycle gave up on them)."""
+        sends, expired = self.ledger.release_held(rank)
         for cid in expired:
             self._lose(rank, cid, f"rank {rank} was down until the command's fence", lost=False)
-        for lane, data in sends:
-            self._send(rank, lane, data)
+        self._send_all(sends, "rank {} lost again before its held commands went out")
 
     def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
         """Submit every command; returns the notices, which the caller handles."""
@@ -295,7 +253,7 @@ class ProcessDriver:
             out = self._drain()
             deadline = time.monotonic() + timeout
             spin_until = time.perf_counter() + min(timeout, self.spin_us / 1e6)
-            while not out and self._inflight and time.perf_counter() < spin_until:
+            while not out and self.ledger.inflight and time.perf_counter() < spin_until:
                 out = self._drain()
             while not out and not self._closed:
                 left = deadline - time.monotonic()
@@ -336,94 +294,41 @@ class ProcessDriver:
             with self._lock:
                 self.counters["bad_messages"] += 1
             return None
-        with self._lock:
-            p = self._pending.get(msg.command_id)
-            if self.control.ranks.incarnation(msg.rank) != msg.incarnation or p is None or msg.rank not in p.left:
-                self.counters["stale"] += 1
-                return None
-            if msg.leading > len(p.cmd.keys):
-                self.counters["bad_messages"] += 1
-                return None
-            self._settle(p, msg.rank)
-            arrivals = self._arrivals.pop((msg.command_id, msg.rank), None)
-            self.control.ranks.seen(msg.rank, time.monotonic())
-        if arrivals is not None:
-            if msg.leading == len(p.cmd.keys):  # read whole: every group arrived (their reports may trail)
-                arrivals.arrive(self.spec.layers, None)
-            arrivals.close()
-        return Completion(msg.command_id, msg.rank, msg.leading, error=msg.error)
-
-    def _settle(self, p: _Pending, rank: int) -> None:
-        """``rank`` no longer owes ``p`` (under the lock)."""
-        p.left.discard(rank)
-        self.control.ranks.paid(rank, p.cmd.command_id)
-        self._inflight -= 1
-        if not p.left:
-            del self._pending[p.cmd.command_id]
+        return self.ledger.answered(msg)
 
     def arrivals(self, command_id: int, rank: int = 0) -> LayerArrivals | None:
         """The layer arrivals of a submitted :class:`~kvstate.commands.LoadLayers` on ``rank``
         (None once it answered, or for another command). Layers arrive already in place:
         the worker waited for its device before reporting them."""
-        with self._lock:
-            return self._arrivals.get((command_id, rank))
+        return self.ledger.arrivals(command_id, rank)
 
     @property
     def inflight(self) -> int:
         """(command, rank) answers not yet delivered to ``poll``."""
-        return self._inflight
+        return self.ledger.inflight
 
-    # -- what the control thread reports ------------------------------------------------------------
-    def _arrived(self, rank: int, incarnation: int, command_id: int, layers: int) -> None:
-        with self._lock:
-            arrivals = self._arrivals.get((command_id, rank))
-            current = self.control.ranks.incarnation(rank) == incarnation
-        if arrivals is not None and current:
-            arrivals.arrive(layers, None)
-
+    # -- lost answers, cancels and layer reports ------------------------------------------------------
     def _lose_all(self, rank: int, owed: list[int], reason: str, lost: bool) -> None:
         for cid in owed:
             self._lose(rank, cid, reason, lost)
 
     def _lose(self, rank: int, command_id: int, reason: str, lost: bool = True) -> None:
-        """``rank`` will never answer ``command_id``: a failed completion, *lost* (pins kept to
-        the fence) unless its worker is known to be dead."""
-        with self._lock:
-            p = self._pending.get(command_id)
-            if p is None or rank not in p.left:
-                return
-            self._settle(p, rank)
-            self.counters["lost"] += 1
-            arrivals = self._arrivals.pop((command_id, rank), None)
-        if arrivals is not None:
-            arrivals.close()
-        self._done.put(Completion(command_id, rank, 0, error=reason, lost=lost))
-        self._wake()
+        c = self.ledger.lost(rank, command_id, reason, lost)
+        if c is not None:
+            self._done.put(c)
+            self._wake()
 
-    # -- cancels and layer reports --------------------------------------------------------------------
     def _forward(self, cmd: C.CancelCommand | C.LayersReady) -> None:
         if isinstance(cmd, C.LayersReady) and cmd.event is not None:
             self._watch(cmd)
             return
         if isinstance(cmd, C.CancelCommand):
-            self._drop_held(cmd.command_id)
-        ranks = self.control.ranks
-        with self._lock:
-            p = self._pending.get(cmd.command_id)
-            targets = [(r, ranks.incarnation(r), ranks.lane_of(r, cmd.command_id)) for r in (p.left if p else ())]
-        for r, inc, lane in targets:  # on the lane of the command, after it
+            for r in self.ledger.drop_held(cmd.command_id):  # held for a restart: answered, never sent
+                self._lose(r, cmd.command_id, "cancelled while its rank restarted", lost=False)
+        for r, inc, lane in self.ledger.owing(cmd.command_id):  # on the lane of the command, after it
             if inc and lane is not None:
                 self._send(r, lane, wire.pack(wire.LAYERS, inc, cmd.command_id, cmd.layers)
                            if isinstance(cmd, C.LayersReady) else wire.pack(wire.CANCEL, inc, cmd.command_id))
-
-    def _drop_held(self, command_id: int) -> None:
-        """A cancelled command still held for a restarting rank is answered now, never sent."""
-        with self._lock:
-            ranks = [r for r, cmds in self._held.items() if any(c.command_id == command_id for c in cmds)]
-            for r in ranks:
-                self._held[r] = [c for c in self._held[r] if c.command_id != command_id]
-        for r in ranks:
-            self._lose(r, command_id, "cancelled while its rank restarted", lost=False)
 
     def _watch(self, report: C.LayersReady) -> None:
         """A report of launched layers: another process cannot wait on this one's device

@@ -27,7 +27,6 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +34,17 @@ import numpy as np
 from ..dtypes import as_16bit_ints, numpy_dtype
 from ..errors import DriverError, ValidationError
 from ..validate import check_int
-from .cuda_launch import Buffer, Kernels, ParamRing, cuda_available, event_ptr, external_stream, load_cupy, stream_ptr
+from .cuda_launch import (
+    Buffer,
+    DeviceLayers,
+    Kernels,
+    ParamRing,
+    cuda_available,
+    event_ptr,
+    external_stream,
+    load_cupy,
+    stream_ptr,
+)
 from .cuda_src import INLINE_IDS
 from .cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
 from .ids import identity_key
@@ -45,20 +54,6 @@ from .reference import as_numpy
 __all__ = ["CudaSwapper", "DeviceLayers", "STRATEGIES", "AUTO", "choose_strategy", "cuda_available", "load_cupy"]
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
-
-
-@dataclass(frozen=True, eq=False)
-class DeviceLayers(LayerSet):
-    """A :class:`LayerSet` on one GPU, with its layers' pointers in device memory."""
-
-    device: int = 0
-    ptrs: tuple[int, ...] = ()  #: host copy of the layer pointers
-    ptr_array: Any = None  #: the same pointers as a CuPy uint64 array
-    views: tuple[Any, ...] = ()  #: CuPy views keeping the tensors' memory referenced (empty when remembered)
-    aligned: bool = False  #: every layer starts on a 16-byte boundary
-
-    def __len__(self) -> int:
-        return len(self.ptrs)
 
 
 class CudaSwapper:

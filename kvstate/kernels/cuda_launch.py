@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,10 @@ import numpy as np
 from ..errors import ConfigError, DriverError, ValidationError
 from .cuda_src import INLINE_IDS, KERNEL_SOURCE, SPAN_PIECE
 from .ids import narrow_into
+from .plan import LayerSet
 
 __all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "external_stream", "Buffer", "Kernels",
+           "DeviceLayers",
            "ParamRing", "H2D", "D2H"]
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
@@ -301,3 +304,17 @@ class ParamRing:
         self.used[s] = True
         self.uploads += 1
         return ptrs
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceLayers(LayerSet):
+    """A :class:`LayerSet` on one GPU, with its layers' pointers in device memory."""
+
+    device: int = 0
+    ptrs: tuple[int, ...] = ()  #: host copy of the layer pointers
+    ptr_array: Any = None  #: the same pointers as a CuPy uint64 array
+    views: tuple[Any, ...] = ()  #: CuPy views keeping the tensors' memory referenced (empty when remembered)
+    aligned: bool = False  #: every layer starts on a 16-byte boundary
+
+    def __len__(self) -> int:
+        return len(self.ptrs)

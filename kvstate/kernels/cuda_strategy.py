@@ -23,16 +23,13 @@ the copy stream C and the staging slots:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import ValidationError
-from .cuda_launch import D2H, H2D, Buffer, Kernels, ParamRing
+from .cuda_launch import D2H, H2D, Buffer, DeviceLayers, Kernels, ParamRing
 from .plan import TransferPlan
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .cuda import DeviceLayers
 
 __all__ = ["STRATEGIES", "AUTO", "choose_strategy", "Mover"]
 

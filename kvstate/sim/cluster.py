@@ -11,26 +11,20 @@ block use, and the end of the run: every request ended and no transfer outstandi
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
-
-import numpy as np
-import simpy
 
 from .. import commands as C
 from ..errors import ConfigError
 from ..kernels.cost import TransferCostModel
-from ..keys import KeyCache
 from ..spec import CacheSpec
-from .compute import ComputeModel
 from .decode import DecodeInstance
 from .instance import Instance
 from .prefill import PrefillInstance
 from .request import SimRequest
 from .router import Router
 from .scenario import Scenario
-from .storage import SimStore
+from .services import Services
 from .workload import arrivals
 
 __all__ = ["Cluster"]
@@ -46,43 +40,22 @@ class Cluster:
     def __init__(self, scenario: Scenario, cost: TransferCostModel | None = None,
                  on_end: Callable[[int, int], None] | None = None) -> None:
         s = self.scenario = scenario
-        self.env = simpy.Environment()
-        self.cache_spec = s.cache_spec()
-        self.block_size = s.model.block_size
-        self.gpu_blocks = s.gpu_blocks()
-        self.policy = s.policy.to_policy()
-        self.cost = cost or TransferCostModel.load(s.gpu.calibration)
-        self.compute = ComputeModel(s)
-        self.shard_bytes = s.block_bytes_per_rank
-        self.chunk_bytes = self.cache_spec.chunk_bytes()
-        self.kinds = len(self.cache_spec.kinds)
-        self.staging_bytes = s.cluster.staging_mib << 20
-        self.store = SimStore(s.storage, self.shard_bytes, s.cluster.tp)
-        # every instance runs in this one thread: D's reserve and P's admit of a request compute
-        # the same keys back to back, so one KeyCache makes the second free (never a different key);
-        # 1,024 first blocks kept: the Mooncake trace's prompts start in 2,211 ways, and with 64
-        # kept it hashes 2.3x the blocks (790k against 350k; ~90 MiB more at its peak)
-        self.key_cache = KeyCache(size=1024)
-        self.net_latency = s.network.latency_ms / 1000.0
-        self.rng = np.random.default_rng(s.seed + 1)
-        self.faults_write, self.faults_read = s.faults.write_fail, s.faults.read_fail
-        self.counters = dict.fromkeys(("preemptions", "partial_reads", "injected_write_failures",
-                                       "injected_read_failures", "backlogged", "rejected_too_long", "swap_outs",
-                                       "swap_ins", "blocks_swapped_out", "blocks_swapped_in", "prompts_dropped"), 0)
-        self.round_trips: list[float] = []  #: seconds from each preemption to decoding again
-        self.reqs: dict[str, SimRequest] = {}
-        self.live: set[str] = set()  #: requests not yet ended
-        self.done: list[SimRequest] = []
+        sv = self.sv = Services(scenario, cost)
+        sv.first_token, sv.ended, sv.check_finished = self.first_token, self.ended, self.check_finished
+        sv.blocks_freed, sv.retry_backlog = self._blocks_freed, self._retry_backlog
+        # the run's records and models, shared with the instances (the same objects)
+        self.env, self.store, self.counters = sv.env, sv.store, sv.counters
+        self.reqs, self.live, self.done, self.round_trips = sv.reqs, sv.live, sv.done, sv.round_trips
+        self.cache_spec, self.block_size, self.gpu_blocks = sv.cache_spec, sv.block_size, sv.gpu_blocks
         self._check_fits(s, self.cache_spec)
-        self.prefill = [PrefillInstance(self, i) for i in range(s.cluster.n_prefill)]
-        self.decode = [DecodeInstance(self, i) for i in range(s.cluster.n_decode)]
+        self.prefill = [PrefillInstance(sv, i) for i in range(s.cluster.n_prefill)]
+        self.decode = [DecodeInstance(sv, i) for i in range(s.cluster.n_decode)]
         self.instances: list[Instance] = [*self.prefill, *self.decode]
-        self.router = Router(self)
+        self.router = Router(sv, self.prefill, self.decode)
         self.total, self._arrivals = arrivals(s.workload, s.seed)
         self.arrived = 0
         self.finished = self.env.event()
         self.series: list[dict[str, Any]] = []
-        self._armed: dict[str, float] = {}  # instance name -> time its next tick is scheduled for
         self._on_end = on_end
         self.env.process(self._arrive())
         self.env.process(self._sampler())
@@ -93,15 +66,13 @@ class Cluster:
             raise ConfigError(f"{s.source}: [workload] input_max {s.workload.input_max} needs {need} blocks, "
                               f"more than an instance's {self.gpu_blocks}")
 
-    # -- costs -------------------------------------------------------------------------------
-    def link_seconds(self, direction: str, n: int) -> float:
-        """PCIe seconds of one rank moving ``n`` blocks, in staging-sized pieces, one call per kind."""
-        per_piece = max(1, self.staging_bytes // self.shard_bytes)
-        full, rest = divmod(n, per_piece)
-        layers = self.cache_spec.layers
-        t = full * self.cost.time_of(direction, per_piece * layers, self.chunk_bytes)
-        t += self.cost.time_of(direction, rest * layers, self.chunk_bytes)
-        return t * self.kinds
+    def _blocks_freed(self) -> None:
+        """Blocks came free at a D: each D's step ends now, where the backlog is retried."""
+        for d in self.decode:
+            d.cut_span()
+
+    def _retry_backlog(self) -> None:
+        self.router.retry_backlog()
 
     # -- request flow -------------------------------------------------------------------------
     def _arrive(self):
@@ -152,31 +123,6 @@ class Cluster:
         if self.arrived == self.total and not self.live and not self.finished.triggered \
                 and not any(i.lc.pending_commands() for i in self.instances):
             self.finished.succeed()
-
-    # -- deadlines: a tick exactly when an instance's lifecycle next has timer work --------------
-    def arm_timer(self, inst: Instance, new_after: float | None = None) -> None:
-        """Schedule ``inst``'s next tick at its lifecycle's ``next_deadline()`` (if that is
-        earlier than the one already scheduled): deadlines fire at their exact time.
-        ``new_after``: every timer set since the last arming is at this time or later."""
-        armed = self._armed.get(inst.name, math.inf)
-        if new_after is not None and armed <= new_after:
-            return  # a tick comes before any new deadline: nothing to look up
-        when = inst.lc.next_deadline()
-        if when is None or when >= armed:
-            return
-        self._armed[inst.name] = when
-        ev = self.env.timeout(max(0.0, when - self.env.now))
-        ev.callbacks.append(lambda _e: self._on_timer(inst, when))
-
-    def _on_timer(self, inst: Instance, when: float) -> None:
-        if self._armed.get(inst.name) != when:
-            return  # superseded by an earlier arming, which ticked already
-        del self._armed[inst.name]
-        inst.lc.tick()
-        inst.pump()
-        self.arm_timer(inst)  # the next deadline, which an earlier arming may have superseded
-        if not self.live:
-            self.check_finished()
 
     # -- the time series -----------------------------------------------------------------------
     def _sampler(self):

@@ -28,11 +28,11 @@ from .. import commands as C
 from ..decode import DecodeLifecycle
 from ..errors import OutOfBlocksError
 from .instance import Instance
+from .services import Services
 from .span import StepSpan, delay_to
 from .workload import unique_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .cluster import Cluster
     from .request import SimRequest
 
 __all__ = ["DecodeInstance"]
@@ -50,10 +50,10 @@ class DecodeInstance(Instance):
     #: wakes the loop. Both give the same report, bit for bit: a test holds them to it.
     sleep_quiet_steps = True
 
-    def __init__(self, cluster: Cluster, idx: int) -> None:
-        super().__init__(cluster, idx)
+    def __init__(self, sv: Services, idx: int) -> None:
+        super().__init__(sv, idx)
         self.lc: DecodeLifecycle
-        self.max_batch = cluster.scenario.cluster.decode_max_batch
+        self.max_batch = sv.scenario.cluster.decode_max_batch
         self.batch: dict[str, SimRequest] = {}  # decoding (insertion order: oldest first)
         self.overflow: dict[str, SimRequest] = {}  # running, waiting for a batch slot
         self.preempted: list[tuple[int, SimRequest]] = []  # heap by arrival index
@@ -80,10 +80,10 @@ class DecodeInstance(Instance):
         return len(self.batch) + len(self.overflow)
 
     def notice(self, cmd: C.Command) -> None:
-        cl = self.cluster
+        cl = self.sv
         t = cmd.__class__
         if t is not C.RequestEnded:
-            self._cut()  # the batch changes, or the loop has work: it must see the step's end
+            self.cut_span()  # the batch changes, or the loop has work: it must see the step's end
         if t is C.StartDecode:
             req = cl.reqs[cmd.request_id]
             req.cap = len(cast(C.StartDecode, cmd).block_ids) * cl.block_size
@@ -107,7 +107,7 @@ class DecodeInstance(Instance):
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self):
-        cl, env, lc = self.cluster, self.env, self.lc
+        cl, env, lc = self.sv, self.env, self.lc
         while True:
             while self.finishing:
                 req = self.finishing.pop()
@@ -141,7 +141,7 @@ class DecodeInstance(Instance):
             self.pump()  # recomputed requests join for the next step
             self._run_events(b, t)
             self.pump()
-            cl.router.retry_backlog()
+            cl.retry_backlog()
 
     # -- quiet steps slept through as one span (kvstate.sim.span) ---------------------------------
     def _steps_to_event(self) -> int:
@@ -155,7 +155,7 @@ class DecodeInstance(Instance):
         """Sleep through ``count`` steps of batch ``b`` (fewer if cut); account for all but the
         last, which the loop ends as any step. Returns the last step's seconds."""
         env = self.env
-        span = StepSpan(env.now, b, self.context, count, self.cluster.compute.decode_step_time)
+        span = StepSpan(env.now, b, self.context, count, self.sv.compute.decode_step_time)
         self._span, self._span_base = span, (self.busy_time, self.slot_seconds)
         self.spans += 1
         self._count_busy(span)
@@ -193,7 +193,7 @@ class DecodeInstance(Instance):
         self.context += b * n
         span.done = upto
 
-    def _cut(self) -> None:
+    def cut_span(self) -> None:
         """Something must see the batch between steps: end the span with the running step."""
         span = self._span
         if span is None:
@@ -209,8 +209,7 @@ class DecodeInstance(Instance):
         super().pump()
         free = self.lc.pool.num_free
         if free > self._free_seen:  # blocks came free: the backlog is retried at each D's step end
-            for d in self.cluster.decode:
-                d._cut()
+            self.sv.blocks_freed()
             if self.preempted:  # and a preempted request may resume, even with no batch running
                 self.wake_up()
         self._free_seen = free
@@ -329,11 +328,11 @@ class DecodeInstance(Instance):
                 if victim is req or self.lc.state_of(victim.rid) != "preempted":
                     return False  # itself, or its blocks free once its write-back answers
                 continue
-            req.cap += len(added) * self.cluster.block_size
+            req.cap += len(added) * self.sv.block_size
             return True
 
     def _writing_back(self) -> bool:
-        live, lc = self.cluster.live, self.lc
+        live, lc = self.sv.live, self.lc
         return any(r.rid in live and lc.state_of(r.rid) in _COPYING_OUT for _, r in self.preempted)
 
     def _preempt(self, req: SimRequest) -> None:
@@ -356,13 +355,13 @@ class DecodeInstance(Instance):
         self._sync(req, req.ctx)
         req.preemptions += 1
         req.preempted_at = self.env.now
-        self.cluster.counters["preemptions"] += 1
+        self.sv.counters["preemptions"] += 1
         self.lc.preempt(req.rid)
         heapq.heappush(self.preempted, (req.index, req))
         self.pump()
 
     def _resume_preempted(self) -> None:
-        lc, pre, live = self.lc, self.preempted, self.cluster.live
+        lc, pre, live = self.lc, self.preempted, self.sv.live
         while pre:
             req = pre[0][1]
             state = lc.state_of(req.rid) if req.rid in live else "ended"
@@ -373,7 +372,7 @@ class DecodeInstance(Instance):
                 return  # in arrival order: its write-back or swap-out is still running
             # its cache and its next token, as at reservation: resuming into exactly its old
             # blocks would leave it no room to grow, and it would be preempted again at once
-            need = self.cluster.cache_spec.blocks_for(req.synced + 1)
+            need = self.sv.cache_spec.blocks_for(req.synced + 1)
             if self.running:  # room for the running requests to grow, as at reservation
                 need += lc.policy.decode_headroom_blocks
             if lc.pool.num_free < need:

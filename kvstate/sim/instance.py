@@ -13,17 +13,15 @@ production. Notices go to the role's :meth:`Instance.notice`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import simpy
 
 from .. import commands as C
 from ..events import Completion
 from ..lifecycle import Lifecycle
+from .services import Services
 from .tp import RankPools
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .cluster import Cluster
 
 __all__ = ["Instance", "Transfer", "LayerSave", "Swap"]
 
@@ -46,7 +44,7 @@ class Transfer:
         inst = self.inst
         if self.cmd.command_id in inst.cancelled:
             return 0.0  # answered "cancelled" at once
-        store = inst.cluster.store
+        store = inst.sv.store
         found = store.leading(rank, self.cmd.keys)
         self.seen[rank] = (found, store.evictions)
         if self.write:
@@ -54,7 +52,7 @@ class Transfer:
             if not rest:
                 return store.query_latency
             if self.cmd.__class__ is C.FlushHost:  # from host memory: the pool's bandwidth only
-                nbytes = rest * inst.cluster.shard_bytes
+                nbytes = rest * inst.sv.shard_bytes
                 return store.query_latency + store.occupy(inst.env.now, nbytes)[1] - inst.env.now
             return store.query_latency + inst.transfer_time(rank, "d2h", rest)
         return inst.transfer_time(rank, "h2d", found) if found else store.latency
@@ -76,12 +74,12 @@ class LayerSave(Transfer):
         self.submitted = inst.env.now
 
     def start(self, rank: int) -> float:
-        store = self.inst.cluster.store
+        store = self.inst.sv.store
         moving = super().start(rank)
         if rank not in self.seen or self.seen[rank][0] == self.n:  # cancelled, or every key stored: at once
             return moving
         left = self.forward_left - (self.inst.env.now - self.submitted)
-        tail = (moving - store.query_latency) / self.inst.cluster.cache_spec.layers
+        tail = (moving - store.query_latency) / self.inst.sv.cache_spec.layers
         return max(moving, left + tail)
 
 
@@ -104,8 +102,8 @@ class Swap:
         count = 0 if cmd.command_id in inst.cancelled else len(cmd.keys)
         inst.lc.complete(Completion(cmd.command_id, rank, count, error="cancelled" if not count and cmd.keys else None))
         inst.pump()
-        if not inst.cluster.live:
-            inst.cluster.check_finished()
+        if not inst.sv.live:
+            inst.sv.check_finished()
 
 
 class Instance:
@@ -114,12 +112,12 @@ class Instance:
     role = ""
     lifecycle_cls: type[Lifecycle] = Lifecycle
 
-    def __init__(self, cluster: Cluster, idx: int) -> None:
-        s, env = cluster.scenario, cluster.env
-        self.cluster, self.idx, self.env = cluster, idx, env
+    def __init__(self, sv: Services, idx: int) -> None:
+        s, env = sv.scenario, sv.env
+        self.sv, self.idx, self.env = sv, idx, env
         self.name = f"{self.role[0].upper()}{idx}"
-        self.lc = self.lifecycle_cls(cluster.cache_spec, cluster.gpu_blocks, cluster.policy,
-                                     clock=lambda: env.now, namespace=s.model.name, key_cache=cluster.key_cache,
+        self.lc = self.lifecycle_cls(sv.cache_spec, sv.gpu_blocks, sv.policy,
+                                     clock=lambda: env.now, namespace=s.model.name, key_cache=sv.key_cache,
                                      **self.lifecycle_options(s))
         tp = s.cluster.tp
         self.link_free = [0.0] * tp
@@ -149,14 +147,14 @@ class Instance:
         now = self.env.now
         link = self._link_cost.get((direction, n))
         if link is None:
-            link = self._link_cost[(direction, n)] = self.cluster.link_seconds(direction, n)
+            link = self._link_cost[(direction, n)] = self.sv.link_seconds(direction, n)
         start = max(self.link_free[rank], now)
         self.link_free[rank] = end = start + link
         return end - now
 
     def transfer_time(self, rank: int, direction: str, n: int) -> float:
         """Seconds of one rank's part of a transfer of ``n`` blocks starting now."""
-        cl = self.cluster
+        cl = self.sv
         now = self.env.now
         link = self._link_cost.get((direction, n))
         if link is None:
@@ -173,7 +171,7 @@ class Instance:
     def answer(self, task: Transfer, rank: int) -> None:
         """A rank finished its part: answer from the pool's contents (or an injected fault),
         as :func:`~kvstate.backends.drivers.execute` would from a real pool."""
-        cl, cmd, write = self.cluster, task.cmd, task.write
+        cl, cmd, write = self.sv, task.cmd, task.write
         fail = cl.faults_write if write else cl.faults_read
         if cmd.command_id in self.cancelled:
             c = Completion(cmd.command_id, rank, 0, error="cancelled")
@@ -212,7 +210,7 @@ class Instance:
                 # preemption swaps (P's are prefix loads and cache copies, D's "loading" a read's prefix)
                 rid = tc.request_id
                 if self.role == "decode" and (out or (self.lc.is_live(rid) and self.lc.state_of(rid) == "swapping_in")):
-                    counters = self.cluster.counters
+                    counters = self.sv.counters
                     counters["swap_outs" if out else "swap_ins"] += 1
                     counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
                 (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
@@ -224,13 +222,13 @@ class Instance:
                 self.cancelled.add(cast(C.CancelCommand, cmd).command_id)
             elif t is C.LateEvent:
                 name = f"late_{cast(C.LateEvent, cmd).event}"
-                counters = self.cluster.counters
+                counters = self.sv.counters
                 counters[name] = counters.get(name, 0) + 1
             else:
                 self.notice(cmd)
         self.note_blocks()
         if timed:
-            self.cluster.arm_timer(self, self.env.now + self.lc.policy.transfer_timeout)
+            self.sv.arm_timer(self, self.env.now + self.lc.policy.transfer_timeout)
 
     def notice(self, cmd: C.Command) -> None:
         """A notice of the lifecycle (first token, start prefill, ...): the role's job."""

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, cast
 from .. import commands as C
 from ..prefill import PrefillLifecycle
 from .instance import Instance, LayerSave
+from .services import Services
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .cluster import Cluster
     from .request import SimRequest
 
 __all__ = ["PrefillInstance", "FIRST_TOKEN"]
@@ -37,8 +37,8 @@ class PrefillInstance(Instance):
     role = "prefill"
     lifecycle_cls = PrefillLifecycle
 
-    def __init__(self, cluster: Cluster, idx: int) -> None:
-        super().__init__(cluster, idx)
+    def __init__(self, sv: Services, idx: int) -> None:
+        super().__init__(sv, idx)
         self.lc: PrefillLifecycle
         self.queue: deque[tuple[SimRequest, int, int]] = deque()  # (request, new tokens, cached)
         self.queued_tokens = 0  #: new tokens waiting in ``queue``
@@ -53,7 +53,7 @@ class PrefillInstance(Instance):
         return (self.queued_tokens + self.lc.num_waiting, self.assigned)
 
     def notice(self, cmd: C.Command) -> None:
-        cl = self.cluster
+        cl = self.sv
         t = cmd.__class__
         if t is C.StartPrefill:
             cached = cast(C.StartPrefill, cmd).num_cached_tokens
@@ -79,7 +79,7 @@ class PrefillInstance(Instance):
         # otherwise RequestEnded, FreeBlocks: the pool took the blocks back; D's end is the request's end
 
     def _loop(self):
-        cl, env, q, lc = self.cluster, self.env, self.queue, self.lc
+        cl, env, q, lc = self.sv, self.env, self.queue, self.lc
         budget = cl.scenario.cluster.prefill_token_budget
         while True:
             if not q:

@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .workload import Arrival, unique_start
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .decode import DecodeInstance
-    from .prefill import PrefillInstance
 
 __all__ = ["SimRequest"]
 
@@ -31,8 +27,8 @@ class SimRequest:
         self.input_len = a.input_len
         self.out = a.output_len  #: tokens to generate, the first (from P) included
         self.tokens: array | None = a.tokens  # handed to the lifecycles, then dropped
-        self.d: DecodeInstance | None = None
-        self.p: PrefillInstance | None = None
+        self.d: Any = None  #: the D instance it runs on (a DecodeInstance; typed loosely: no import circle)
+        self.p: Any = None  #: the P instance it was admitted on
         self.first_token: float | None = None
         self.finish: float | None = None
         self.last_token = 0.0  #: when its latest token came out (inter-token gaps)

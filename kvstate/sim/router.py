@@ -10,11 +10,12 @@ refuses a request beyond its maximum model length.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .cluster import Cluster
-    from .request import SimRequest
+from .decode import DecodeInstance
+from .prefill import PrefillInstance
+from .request import SimRequest
+from .services import Services
 
 __all__ = ["Router", "REJECTED"]
 
@@ -24,12 +25,12 @@ REJECTED = "rejected_too_long"  #: the reason of a request refused at arrival
 class Router:
     """Routes arrivals to a (D, P) pair, or holds them until a D can take them."""
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
+    def __init__(self, sv: Services, prefill: Sequence[PrefillInstance], decode: Sequence[DecodeInstance]) -> None:
+        self.sv, self.prefill, self.decode = sv, prefill, decode
         self.backlog: deque[SimRequest] = deque()
 
     def arrive(self, req: SimRequest) -> None:
-        cl = self.cluster
+        cl = self.sv
         if cl.cache_spec.blocks_for(req.input_len + req.out) > cl.gpu_blocks:
             self._reject(req)
         elif self.backlog or not self._route(req):
@@ -43,9 +44,9 @@ class Router:
 
     def _route(self, req: SimRequest) -> bool:
         """Reserve D blocks, then admit on the least loaded P. False: no D can take it now."""
-        cl = self.cluster
+        cl = self.sv
         best = None
-        for d in cl.decode:
+        for d in self.decode:
             if d.lc.can_reserve(req.input_len) and (best is None or d.lc.pool.num_free > best.lc.pool.num_free):
                 best = d
         if best is None:
@@ -56,7 +57,7 @@ class Router:
         best.note_blocks()
         cl.arm_timer(best)  # its first-token deadline
         req.d = best
-        p = min(cl.prefill, key=lambda i: i.load)
+        p = min(self.prefill, key=lambda i: i.load)
         p.assigned += 1
         req.p = p
         req.state = "prefill"
@@ -67,7 +68,7 @@ class Router:
         return True
 
     def _reject(self, req: SimRequest) -> None:
-        cl = self.cluster
+        cl = self.sv
         cl.counters["rejected_too_long"] += 1
         req.state, req.error, req.finish, req.reason = "rejected", 413, cl.env.now, REJECTED
         cl.live.discard(req.rid)

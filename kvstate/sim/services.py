@@ -1,0 +1,127 @@
+"""What a simulated instance uses of its run: the clock, the models, the pool, the request table.
+
+A :class:`Services` is built once per run (by :class:`~kvstate.sim.cluster.Cluster`) and
+handed to every instance and to the router; none of them holds the cluster. It carries
+
+- the clock (SimPy's environment) and the scenario's figures: cache geometry, policy, blocks
+  per instance, staging, network latency, injected fault rates;
+- the models: compute (:mod:`~kvstate.sim.compute`), transfers (:mod:`kvstate.kernels.cost`,
+  :meth:`Services.link_seconds`) and the storage pool (:mod:`~kvstate.sim.storage`);
+- the run's shared records: requests by id, the live ones, the ended ones, counters, the
+  preemption round trips, the key cache the instances share;
+- deadlines: :meth:`Services.arm_timer` ticks an instance's lifecycle exactly when its next
+  timer is due;
+- the cluster's hooks, through which an instance hands a request on without knowing the
+  others (set by the cluster once the instances exist): ``first_token`` (P's message reaches
+  D), ``ended`` (D ended a request), ``blocks_freed`` (blocks came free at D: waiting arrivals
+  may fit), ``retry_backlog`` and ``check_finished``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import simpy
+
+from .. import commands as C
+from ..kernels.cost import TransferCostModel
+from ..keys import KeyCache
+from .compute import ComputeModel
+from .request import SimRequest
+from .scenario import Scenario
+from .storage import SimStore
+
+__all__ = ["Services", "COUNTERS", "Ticked"]
+
+
+class Ticked(Protocol):
+    """What :meth:`Services.arm_timer` needs of an instance."""
+
+    name: str
+    lc: Any
+
+    def pump(self) -> None: ...
+
+#: the run's counters (``counters``), reported by :mod:`~kvstate.sim.metrics`
+COUNTERS = ("preemptions", "partial_reads", "injected_write_failures", "injected_read_failures", "backlogged",
+            "rejected_too_long", "swap_outs", "swap_ins", "blocks_swapped_out", "blocks_swapped_in",
+            "prompts_dropped")
+
+
+def _unset(*_: Any) -> None:
+    raise AssertionError("a cluster hook was used before the cluster set it")
+
+
+class Services:
+    """The run's clock, models, pool, records and hooks (see the module's docstring)."""
+
+    def __init__(self, scenario: Scenario, cost: TransferCostModel | None = None) -> None:
+        s = self.scenario = scenario
+        self.env = simpy.Environment()
+        self.cache_spec = s.cache_spec()
+        self.block_size = s.model.block_size
+        self.gpu_blocks = s.gpu_blocks()
+        self.policy = s.policy.to_policy()
+        self.cost = cost or TransferCostModel.load(s.gpu.calibration)
+        self.compute = ComputeModel(s)
+        self.shard_bytes = s.block_bytes_per_rank
+        self.chunk_bytes = self.cache_spec.chunk_bytes()
+        self.kinds = len(self.cache_spec.kinds)
+        self.staging_bytes = s.cluster.staging_mib << 20
+        self.store = SimStore(s.storage, self.shard_bytes, s.cluster.tp)
+        # every instance runs in this one thread: D's reserve and P's admit of a request compute
+        # the same keys back to back, so one KeyCache makes the second free (never a different key);
+        # 1,024 first blocks kept: the Mooncake trace's prompts start in 2,211 ways, and with 64
+        # kept it hashes 2.3x the blocks (790k against 350k; ~90 MiB more at its peak)
+        self.key_cache = KeyCache(size=1024)
+        self.net_latency = s.network.latency_ms / 1000.0
+        self.rng = np.random.default_rng(s.seed + 1)
+        self.faults_write, self.faults_read = s.faults.write_fail, s.faults.read_fail
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.round_trips: list[float] = []  #: seconds from each preemption to decoding again
+        self.reqs: dict[str, SimRequest] = {}
+        self.live: set[str] = set()  #: requests not yet ended
+        self.done: list[SimRequest] = []
+        self._armed: dict[str, float] = {}  # instance name -> time its next tick is scheduled for
+        self.first_token: Callable[[C.SendFirstToken], None] = _unset
+        self.ended: Callable[[SimRequest, C.RequestEnded], None] = _unset
+        self.blocks_freed: Callable[[], None] = _unset
+        self.retry_backlog: Callable[[], None] = _unset
+        self.check_finished: Callable[[], None] = _unset
+
+    # -- costs -------------------------------------------------------------------------------
+    def link_seconds(self, direction: str, n: int) -> float:
+        """PCIe seconds of one rank moving ``n`` blocks, in staging-sized pieces, one call per kind."""
+        per_piece = max(1, self.staging_bytes // self.shard_bytes)
+        full, rest = divmod(n, per_piece)
+        layers = self.cache_spec.layers
+        t = full * self.cost.time_of(direction, per_piece * layers, self.chunk_bytes)
+        t += self.cost.time_of(direction, rest * layers, self.chunk_bytes)
+        return t * self.kinds
+
+    # -- deadlines: a tick exactly when an instance's lifecycle next has timer work --------------
+    def arm_timer(self, inst: Ticked, new_after: float | None = None) -> None:
+        """Schedule ``inst``'s next tick at its lifecycle's ``next_deadline()`` (if that is
+        earlier than the one already scheduled): deadlines fire at their exact time.
+        ``new_after``: every timer set since the last arming is at this time or later."""
+        armed = self._armed.get(inst.name, math.inf)
+        if new_after is not None and armed <= new_after:
+            return  # a tick comes before any new deadline: nothing to look up
+        when = inst.lc.next_deadline()
+        if when is None or when >= armed:
+            return
+        self._armed[inst.name] = when
+        ev = self.env.timeout(max(0.0, when - self.env.now))
+        ev.callbacks.append(lambda _e: self._on_timer(inst, when))
+
+    def _on_timer(self, inst: Ticked, when: float) -> None:
+        if self._armed.get(inst.name) != when:
+            return  # superseded by an earlier arming, which ticked already
+        del self._armed[inst.name]
+        inst.lc.tick()
+        inst.pump()
+        self.arm_timer(inst)  # the next deadline, which an earlier arming may have superseded
+        if not self.live:
+            self.check_finished()
