@@ -107,7 +107,7 @@ def test_the_core_knows_no_gpu_simpy_socket_or_process():
     """kvstate's top-level modules (the lifecycle core) import no GPU, simulator, socket or
     process library, directly or through another kvstate module they import."""
     banned = ("cupy", "torch", "paddle", "simpy", "zmq", "socket", "subprocess", "multiprocessing", "msgpack")
-    core = [p for p in (ROOT / "kvstate").glob("*.py")]
+    core = [p for p in (ROOT / "kvstate").glob("*.py") if p.name != "__main__.py"]  # the command's entry
     found = []
     for p in core:
         for node in ast.walk(ast.parse(p.read_text())):
