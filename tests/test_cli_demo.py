@@ -77,3 +77,23 @@ def test_console_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "kvstate", "demo", "--requests", "4", "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and json.loads(r.stdout)["integrity_ok"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, PR_SET_PDEATHSIG)")
+def test_demo_as_processes(capsys):
+    """P and D as scheduler processes, each with a rank worker per TP rank, over a FileStore in
+    a temporary directory: every byte checked, nothing leaked, seven processes at TP 2."""
+    assert main(["demo", "--processes", "--requests", "24", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0
+    assert s["processes"] == 7 and s["unfinished"] == 0 and s["finished"] + s["aborted"] + s["failed"] == 24
+    assert s["schedulers_reported"] == ["decode", "prefill"] and s["store"] == "file"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--processes", "--store", "memory"], "needs a store other processes reach"),
+    (["--processes", "--backend", "cuda"], "examples/pd_engine"),
+])
+def test_demo_processes_bad_options(args, needle, capsys):
+    assert main(["demo", *args]) == 2
+    assert needle in capsys.readouterr().err
