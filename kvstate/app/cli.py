@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from .. import __version__
 from ..errors import ConfigError, KVStateError
-from . import democmd, simcmds
+from . import democmd, profilecmd, simcmds
 from .argtypes import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, number
 
 __all__ = ["main", "EXIT_CODES"]
@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("name", nargs="?", default="default", help="a preset (default: the embedded default)")
     sc.add_argument("--list", action="store_true", help="list the presets")
     democmd.add_parser(sub)
+    profilecmd.add_parser(sub)
     g = sub.add_parser("diagram", help="print each lifecycle machine's diagram (mermaid), drawn from the machines")
     g.add_argument("--machine", choices=("prefill", "decode"), help="only this machine")
     return p
@@ -98,7 +99,7 @@ def _diagram(args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": simcmds.simulate, "plan": simcmds.plan, "scenario": simcmds.scenario,
-    "demo": democmd.run, "diagram": _diagram,
+    "demo": democmd.run, "diagram": _diagram, "profile": profilecmd.run,
 }
 
 

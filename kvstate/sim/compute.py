@@ -1,73 +1,195 @@
-"""Compute model: how long a prefill forward and a decode step take (a roofline per phase).
+"""Compute model: how long one forward step of an instance takes, from the model's shapes.
 
-For an instance of ``tp`` GPUs, each with peak ``tflops`` (reached at fraction ``mfu``) and
-HBM bandwidth ``hbm_gbps`` (reached at fraction ``mbu``), a forward is its weight GEMMs, then
-its attention, then a fixed step overhead; each phase takes the longer of its FLOPs and its
-bytes (the two phases run one after the other, so neither hides the other):
+A step computes ``T`` tokens: the new tokens of some prompts (``n`` new over ``c`` already
+cached, each) and one token of each of ``b`` decoding requests (holding ``K`` context tokens
+in all). Per layer, on each of the instance's ``tp`` GPUs, one after the other:
 
-- GEMMs: ``max(2·P·T / (tp·peak·mfu), weight bytes / (tp·hbm·mbu))`` for ``T`` tokens
-  (a prefill's new tokens, a decode step's batch);
-- prefill attention of prompts with ``n_i`` new tokens over ``c_i`` cached ones: FLOPs
-  ``2·L·h·Σ n_i·(n_i + 2·c_i)`` (causal scores and values), bytes ``Σ c_i`` · KV bytes per token;
-- decode attention of ``b`` requests holding ``K`` context tokens in all: bytes ``K`` · KV bytes
-  per token, FLOPs ``4·L·h·K``.
+- **GEMMs**: each weight matrix of the layer (the fused QKV projection, the output
+  projection, the MLP's gate-and-up and down, each cut by TP) over the ``T`` tokens; a
+  mixture-of-experts layer instead reads only the experts its tokens were routed to (``E``
+  experts, ``k`` a token: a step touches ``E·(1 − (1 − k/E)^T)`` of them) and multiplies each
+  token by ``k`` experts, plus any shared ones;
+- **attention**: a prompt's ``4·h·d·n·(c + (n+1)/2)`` FLOPs (causal), reading its cache; a
+  decode request reads its whole cache;
+- **element-wise** kernels (two norms, rotary, the activation, two residual adds): bytes
+  proportional to ``T``;
+- **all-reduce**, twice a layer with TP > 1: ``latency + 2(tp−1)/tp · bytes / bandwidth`` of the
+  ``T × hidden`` activations (NCCL's bus bandwidth: ``gpu.allreduce_gbps``).
 
-``P`` parameters, ``L`` layers, ``h`` hidden size. Tensor-parallel communication is folded
-into the efficiencies. The model is deliberately small: its inputs are what a capacity planner
-knows, and every figure is in the scenario file. Fitted on a real model on an H100 (figures
-in docs/benchmarks.md), it predicts held-out prefills and decode steps within 10 %.
+Then the LM head, on the *sampled* positions only (a prompt's last token when its prefill
+ends, every decoding request; the embedding lookup is a gather and costs nothing here), and
+the engine's fixed ``gpu.step_overhead_ms``.
+
+Each kernel takes the longer of its FLOPs at the GPU's peak and its bytes at its bandwidth: a
+roofline whose GEMM efficiency grows with the tokens in the step (``mfu · T / (T +
+gemm_half_tokens)``: a small step fills few tiles) and whose bytes move at ``mbu`` of HBM.
+Where a measured profile is given (``gpu.profile``, from ``kvstate profile``), its measured
+times replace the roofline kernel by kernel (:mod:`~kvstate.sim.profile`); a profile measured
+on another GPU is carried over through the two datasheets.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from pathlib import Path
 
+from .profile import Profile
 from .scenario import Scenario
+from .served import WEIGHT_DTYPES
 
 __all__ = ["ComputeModel"]
 
+#: a layer's element-wise traffic, in activations of ``hidden`` read or written per token: two
+#: RMSNorms (read, write), two residual adds (two reads, a write), rotary on q and k (read,
+#: write), the gated activation (two reads of the MLP width, one write: counted apart)
+_ELEMENTWISE_HIDDENS = 2 * 2 + 2 * 3
+_ELEMENTWISE_KERNELS = 6
+_KERNEL_FLOOR_S = 2e-6  #: the shortest a kernel runs, even on a few bytes
+_ACT = 2  #: bytes of an activation (bf16)
+
 
 class ComputeModel:
-    """Prefill and decode-step times of one instance of a scenario."""
-
-    __slots__ = ("_flops", "_mem", "_params2", "_attn", "_weights", "_kv_tok", "_overhead", "_mfu", "_mbu")
+    """Step times of one instance of a scenario (see the module's docstring)."""
 
     def __init__(self, s: Scenario) -> None:
-        tp, g, m = s.cluster.tp, s.gpu, s.model
-        self._flops = tp * g.tflops * 1e12 * g.mfu
-        self._mem = tp * g.hbm_gbps * 1e9 * g.mbu
-        self._params2 = 2.0 * m.params_b * 1e9
-        self._attn = 2.0 * m.num_layers * m.hidden
-        self._weights = s.weight_bytes
-        self._kv_tok = float(s.kv_bytes_per_token)
-        self._overhead = g.step_overhead_ms / 1000.0
-        self._mfu, self._mbu = g.mfu, g.mbu
+        m, g, tp = s.model, s.gpu, s.cluster.tp
+        self.tp, self.layers, self.hidden, self.vocab = tp, m.num_layers, m.hidden, m.vocab
+        self.wbytes = WEIGHT_DTYPES[m.weight_dtype]
+        self.peak = (g.fp8_tflops if m.weight_dtype == "fp8" else g.tflops) * 1e12
+        self.attn_peak = g.tflops * 1e12
+        self.hbm = g.hbm_gbps * 1e9
+        self.mfu, self.half, self.attn_mfu, self.mbu = g.mfu, g.gemm_half_tokens, g.attn_mfu, g.mbu
+        self.overhead = g.step_overhead_ms / 1000.0
+        q, kv, d = m.num_heads, m.kv_heads, m.head_dim
+        self.heads_rank = q / tp
+        self.head_dim = d
+        self.kv_token_layer = 2 * kv * d * _kv_itemsize(m.dtype) / tp  #: a token's K and V bytes, one layer, one rank
+        # the weight matrices of one layer on one rank: (name, K, N)
+        self.attn_mats = (("qkv", m.hidden, (q + 2 * kv) * d / tp), ("o", q * d / tp, m.hidden))
+        self.dense_mats = (("gate_up", m.hidden, 2 * m.intermediate / tp), ("down", m.intermediate / tp, m.hidden))
+        self.mlp_width = m.intermediate / tp
+        self.experts, self.top_k, self.shared = m.experts, m.experts_per_token, m.shared_experts
+        self.expert_width = m.moe_intermediate / tp
+        self.moe_layers = (m.num_layers - m.dense_layers) if m.experts else 0
+        self.ar_latency = g.allreduce_us * 1e-6 * (1 + 0.5 * math.log2(tp / 2)) if tp > 1 else 0.0
+        self.ar_bw = g.allreduce_gbps * 1e9
+        self.profile: Profile | None = None
+        self._scale = {"compute": 1.0, "memory": 1.0}
+        if g.profile:
+            self._use_profile(s, g.profile)
+        self._decode_fixed: dict[int, float] = {}
+        self._decode_per_token = self.layers * (self.decode_attention(1, 1) - self.decode_attention(1, 0))
 
-    def prefill_time(self, work: Iterable[tuple[int, int]]) -> float:
-        """Seconds for one forward over ``(new_tokens, cached_tokens)`` per prompt."""
-        new = attn = cached = 0.0
-        for n, c in work:
-            new += n
-            cached += c
-            attn += n * (n + 2.0 * c)
-        gemm = max(self._params2 * new / self._flops, self._weights / self._mem)
-        return gemm + max(self._attn * attn / self._flops, cached * self._kv_tok / self._mem) + self._overhead
+    def _use_profile(self, s: Scenario, path: str) -> None:
+        src = Path(s.source).parent / path if s.source and not Path(path).is_absolute() else Path(path)
+        prof = Profile.load(src if src.exists() else path)
+        prof.check_matches(s.model, self.tp, s.source)
+        self.profile = prof
+        self._scale = {"compute": prof.gpu["tflops"] * 1e12 / self.attn_peak, "memory": prof.gpu["hbm_gbps"] * 1e9
+                       / self.hbm}
 
-    def decode_step_time(self, batch: int, context_tokens: int) -> float:
-        """Seconds for one decode step of ``batch`` requests with ``context_tokens`` in all."""
+    # -- kernels ------------------------------------------------------------------------------------
+    def _measured(self, seconds: float, flops: float, nbytes: float) -> float:
+        """A profile's time carried to this GPU by the bound it was under where it was measured."""
+        p = self.profile
+        assert p is not None
+        bound = "compute" if flops / (p.gpu["tflops"] * 1e12) >= nbytes / (p.gpu["hbm_gbps"] * 1e9) else "memory"
+        return seconds * self._scale[bound]
+
+    def gemm(self, name: str, m: float, k: float, n: float) -> float:
+        """Seconds of ``[m, k] x [k, n]`` (weights ``k·n``)."""
+        if m <= 0:
+            return 0.0
+        flops, nbytes = 2.0 * m * k * n, k * n * self.wbytes + _ACT * m * (k + n)
+        curve = self.profile.gemm.get(name) if self.profile is not None else None
+        if curve is not None:
+            return self._measured(curve(m), flops, nbytes)
+        eff = self.mfu * m / (m + self.half)
+        return max(flops / (self.peak * eff), nbytes / (self.hbm * self.mbu), _KERNEL_FLOOR_S)
+
+    def prefill_attention(self, n: int, c: int) -> float:
+        """One layer's attention of ``n`` new tokens over ``c`` cached ones (one prompt)."""
+        flops = 4.0 * self.heads_rank * self.head_dim * n * (c + (n + 1) / 2)
+        nbytes = (c + n) * self.kv_token_layer + 2 * _ACT * n * self.heads_rank * self.head_dim
+        if self.profile is not None:
+            base = self.profile.attn_prefill(n)  # measured with no cache: carried by the FLOPs ratio
+            return self._measured(base * (c + (n + 1) / 2) / ((n + 1) / 2), flops, nbytes)
+        eff = self.attn_mfu * n / (n + self.half)
+        return max(flops / (self.attn_peak * eff), nbytes / (self.hbm * self.mbu), _KERNEL_FLOOR_S)
+
+    def decode_attention(self, batch: int, context: int) -> float:
+        """One layer's attention of ``batch`` decoding requests holding ``context`` tokens in all:
+        a fixed part and the KV bytes it reads (linear in ``context``)."""
         if batch <= 0:
             return 0.0
-        gemm = max(self._params2 * batch / self._flops, self._weights / self._mem)
-        attn = max(context_tokens * self._kv_tok / self._mem, 2.0 * self._attn * context_tokens / self._flops)
-        return gemm + attn + self._overhead
+        if self.profile is not None:
+            p = self.profile
+            return (p.decode_base + p.decode_per_token * context) * self._scale["memory"]
+        return _KERNEL_FLOOR_S + context * self.kv_token_layer / (self.hbm * self.mbu)
 
-    def parts(self, kind: str, tokens: int, context: int) -> tuple[float, float, float, float]:
-        """Seconds of a one-prompt prefill (``tokens`` new over ``context`` cached) or a decode
-        step (``tokens`` requests of ``context`` each) at ``mfu`` = ``mbu`` = 1, no overhead:
-        GEMM FLOPs, weight bytes, attention FLOPs, attention bytes (for fits)."""
-        peak, hbm = self._flops / self._mfu, self._mem / self._mbu
-        if kind == "prefill":
-            attn_flops, attn_bytes = self._attn * tokens * (tokens + 2.0 * context), context * self._kv_tok
-        else:
-            k = tokens * context
-            attn_flops, attn_bytes = 2.0 * self._attn * k, k * self._kv_tok
-        return self._params2 * tokens / peak, self._weights / hbm, attn_flops / peak, attn_bytes / hbm
+    def elementwise(self, tokens: int) -> float:
+        """One layer's norms, rotary, activation and residual adds over ``tokens``."""
+        nbytes = tokens * _ACT * (_ELEMENTWISE_HIDDENS * self.hidden + 3 * self.mlp_width)
+        if self.profile is not None:
+            return self._measured(self.profile.elementwise(tokens), 0.0, nbytes)
+        return max(nbytes / (self.hbm * self.mbu), _ELEMENTWISE_KERNELS * _KERNEL_FLOOR_S)
+
+    def allreduce(self, nbytes: float) -> float:
+        """One all-reduce of ``nbytes`` over the instance's ``tp`` GPUs (0 at TP 1)."""
+        if self.tp == 1 or nbytes <= 0:
+            return 0.0
+        if self.profile is not None and self.profile.allreduce is not None:
+            return self.profile.allreduce(nbytes)
+        return self.ar_latency + 2.0 * (self.tp - 1) / self.tp * nbytes / self.ar_bw
+
+    def _mlp(self, tokens: int, moe: bool) -> float:
+        if not moe:
+            return sum(self.gemm(name, tokens, k, n) for name, k, n in self.dense_mats)
+        e, k = self.experts, self.top_k
+        touched = e * (1.0 - (1.0 - k / e) ** tokens)
+        per_expert = tokens * k / touched  # tokens each touched expert multiplies
+        w = self.expert_width
+        t = touched * (self.gemm("expert_gate_up", per_expert, self.hidden, 2 * w) +
+                       self.gemm("expert_down", per_expert, w, self.hidden))
+        if self.shared:
+            t += self.gemm("shared_gate_up", tokens, self.hidden, 2 * w * self.shared) + \
+                self.gemm("shared_down", tokens, w * self.shared, self.hidden)
+        return t + self.gemm("router", tokens, self.hidden, e)
+
+    # -- a whole step --------------------------------------------------------------------------------
+    def step_time(self, prompts: Iterable[tuple[int, int, bool]] = (), batch: int = 0, context: int = 0) -> float:
+        """Seconds of one step: prompts' chunks ``(new, cached, ends_the_prompt)`` and one token
+        of each of ``batch`` decoding requests holding ``context`` tokens in all."""
+        tokens, sampled, attn = batch, batch, self.decode_attention(batch, context)
+        for n, c, last in prompts:
+            tokens += n
+            sampled += 1 if last else 0
+            attn += self.prefill_attention(n, c)
+        if tokens <= 0:
+            return 0.0
+        per_layer = sum(self.gemm(name, tokens, k, n) for name, k, n in self.attn_mats) + attn
+        per_layer += self.elementwise(tokens) + 2 * self.allreduce(tokens * self.hidden * _ACT)
+        dense = self.layers - self.moe_layers
+        t = self.layers * per_layer + dense * self._mlp(tokens, False)
+        if self.moe_layers:
+            t += self.moe_layers * self._mlp(tokens, True)
+        return t + self.gemm("lm_head", sampled, self.hidden, self.vocab / self.tp) + self.overhead
+
+    def prefill_time(self, work: Iterable[tuple[int, int]]) -> float:
+        """Seconds of one forward over whole prompts ``(new_tokens, cached_tokens)``."""
+        return self.step_time(((n, c, True) for n, c in work))
+
+    def decode_step_time(self, batch: int, context_tokens: int) -> float:
+        """Seconds of one decode step of ``batch`` requests with ``context_tokens`` in all: the
+        step with no context, kept per batch size, plus the context's attention (linear in it),
+        so the simulator's many decode steps cost a dictionary look-up each."""
+        if batch <= 0:
+            return 0.0
+        fixed = self._decode_fixed.get(batch)
+        if fixed is None:
+            fixed = self._decode_fixed[batch] = self.step_time((), batch, 0)
+        return fixed + self._decode_per_token * context_tokens
+
+
+def _kv_itemsize(dtype: str) -> int:
+    return 1 if dtype == "uint8" else 2

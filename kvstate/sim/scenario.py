@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, SWAP_FALLBACKS, SWAP_WRITES, Policy
 from ..spec import CacheSpec
 from .fields import Section, doc_of, setting
+from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec
 from .tp import PROTOCOLS
 
 __all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "StorageSpec", "NetworkSpec", "TpSpec",
@@ -41,44 +41,6 @@ MAX_BLOCKS = 1 << 26  #: GPU or host blocks over every instance of a run
 MAX_BATCH = 1 << 16  #: decode_max_batch
 MAX_TOKENS = 1 << 24  #: prefill_token_budget, input_max, output_max
 BARRIERS = ("auto", "manual-reset")
-
-
-@dataclass(frozen=True)
-class ModelSpec(Section):
-    """The served model: its size (for compute) and its KV-cache geometry (for transfers)."""
-
-    name: str = setting("llama-3-8b", "a label; also the namespace of its storage keys")
-    params_b: float = setting(8.03, "parameters, billions (weights held in bf16: 2 bytes each)")
-    num_layers: int = setting(32, "transformer layers (each holds a K and a V cache)")
-    hidden: int = setting(4096, "hidden size (attention FLOPs)")
-    kv_heads: int = setting(8, "KV heads in all (grouped-query attention); TP ranks split them")
-    head_dim: int = setting(128, "dimension of one head")
-    dtype: str = setting("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)}")
-    block_size: int = setting(64, "tokens per KV block")
-
-    def check(self) -> None:
-        self.positive("params_b", "num_layers", "hidden", "kv_heads", "head_dim", "block_size")
-        self.choice("dtype", tuple(DTYPES))
-
-
-@dataclass(frozen=True)
-class GpuSpec(Section):
-    """One GPU: roofline figures and the memory left for the KV cache."""
-
-    name: str = setting("H100-SXM", "a label")
-    tflops: float = setting(989.0, "dense bf16 peak, TFLOP/s")
-    mfu: float = setting(0.45, "fraction of peak FLOP/s a prefill reaches")
-    hbm_gbps: float = setting(3350.0, "HBM bandwidth, GB/s")
-    mbu: float = setting(0.65, "fraction of HBM bandwidth a decode step reaches")
-    mem_gib: float = setting(80.0, "GPU memory, GiB")
-    mem_util: float = setting(0.9, "fraction of memory for weights + KV cache")
-    step_overhead_ms: float = setting(1.5, "fixed cost of one forward (launches, sampling, scheduling)")
-    calibration: str = setting("h100", "transfer cost calibration: a shipped name or a JSON path")
-
-    def check(self) -> None:
-        self.positive("tflops", "mfu", "hbm_gbps", "mbu", "mem_gib", "mem_util")
-        self.fraction("mfu", "mbu", "mem_util")
-        self.non_negative("step_overhead_ms")
 
 
 @dataclass(frozen=True)
@@ -327,7 +289,7 @@ class Scenario(Section):
 
     @property
     def weight_bytes(self) -> float:
-        return self.model.params_b * 1e9 * 2
+        return self.model.params_b * 1e9 * WEIGHT_DTYPES[self.model.weight_dtype]
 
     def gpu_blocks(self) -> int:
         """KV blocks per instance (each block spans every rank)."""

@@ -1,0 +1,123 @@
+"""A model from a Hugging Face ``config.json``: dense decoders and mixture-of-experts families.
+
+Read as given: layers, hidden size, query and KV heads, head dim, the MLP width, the
+vocabulary, the dtype. Mixture-of-experts fields by family:
+
+- Mixtral (``num_local_experts``, ``num_experts_per_tok``, experts as wide as
+  ``intermediate_size``);
+- Qwen-MoE (``num_experts``, ``moe_intermediate_size``, one shared expert of
+  ``shared_expert_intermediate_size``, ``mlp_only_layers`` dense);
+- DeepSeek V2/V3 (``n_routed_experts``, ``n_shared_experts``, ``moe_intermediate_size``, the
+  first ``first_k_dense_replace`` layers dense; latent attention, MLA: one latent "head" of
+  ``kv_lora_rank + qk_rope_head_dim`` a token, which only TP 1 can hold until MLA caches are
+  replicated over ranks);
+- Llama 4 (a ``text_config``; ``num_local_experts`` with one shared expert, every
+  ``interleave_moe_layer_step``-th layer routed, dense layers ``intermediate_size_mlp`` wide).
+
+``quantization_config.quant_method == "fp8"`` makes the weights fp8. The parameter count (the
+weights' memory) is estimated from the shapes: attention projections, the MLPs (every expert),
+two norms a layer, the embeddings and the LM head unless tied.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..validate import check_int
+from .served import ModelSpec
+
+__all__ = ["model_from_hf_config", "params_from_hf_config"]
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "half": "float16", "float32": "bfloat16"}
+
+
+def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
+    return check_int(cfg.get(key, default), f"{where}: {key}", minimum=minimum, error=ConfigError)
+
+
+def _moe(cfg: dict[str, Any], where: str, layers: int, inter: int) -> dict[str, int]:
+    """The mixture-of-experts fields of ``cfg`` (all zero for a dense model)."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if not experts:
+        return {"experts": 0, "experts_per_token": 0, "shared_experts": 0, "moe_intermediate": 0, "dense_layers": 0}
+    experts = _int(cfg, "num_local_experts" if cfg.get("num_local_experts") else
+                   "num_experts" if cfg.get("num_experts") else "n_routed_experts", where)
+    top_k = _int(cfg, "num_experts_per_tok", where, 2)
+    width = _int(cfg, "moe_intermediate_size", where, inter)
+    shared, dense = int(cfg.get("n_shared_experts") or 0), 0
+    if cfg.get("shared_expert_intermediate_size"):  # Qwen-MoE: one shared expert of its own width
+        shared = max(1, round(int(cfg["shared_expert_intermediate_size"]) / width))
+        dense = len(cfg.get("mlp_only_layers") or ())
+    if cfg.get("first_k_dense_replace"):  # DeepSeek
+        dense = _int(cfg, "first_k_dense_replace", where, 0, minimum=0)
+    if cfg.get("interleave_moe_layer_step"):  # Llama 4: every k-th layer routed, one shared expert
+        step = _int(cfg, "interleave_moe_layer_step", where)
+        dense, shared = layers - layers // step, max(shared, 1)
+    return {"experts": experts, "experts_per_token": top_k, "shared_experts": shared, "moe_intermediate": width,
+            "dense_layers": dense}
+
+
+def _attention(cfg: dict[str, Any], where: str, h: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the cache: MLA keeps one latent head a token."""
+    heads = _int(cfg, "num_attention_heads", where)
+    if cfg.get("kv_lora_rank"):
+        return heads, 1, _int(cfg, "kv_lora_rank", where) + _int(cfg, "qk_rope_head_dim", where, 64)
+    kv = _int(cfg, "num_key_value_heads", where, heads)
+    hd = _int(cfg, "head_dim", where) if cfg.get("head_dim") is not None else h // heads
+    return heads, kv, hd
+
+
+def params_from_hf_config(cfg: dict[str, Any], where: str = "<config>") -> float:
+    """Estimated parameters (billions) of the decoder ``cfg`` describes, every expert counted."""
+    cfg = cfg.get("text_config", cfg)
+    h, layers = _int(cfg, "hidden_size", where), _int(cfg, "num_hidden_layers", where)
+    heads, kv, hd = _attention(cfg, where, h)
+    inter = _int(cfg, "intermediate_size_mlp", where, None) if cfg.get("intermediate_size_mlp") else \
+        _int(cfg, "intermediate_size", where, 4 * h)
+    vocab = _int(cfg, "vocab_size", where, 32000)
+    moe = _moe(cfg, where, layers, inter)
+    attn = 2 * h * heads * hd + 2 * h * kv * hd
+    mlp_dense = 3 * h * inter
+    mlp_moe = 3 * h * moe["moe_intermediate"] * (moe["experts"] + moe["shared_experts"]) + h * moe["experts"]
+    routed = layers - moe["dense_layers"] if moe["experts"] else 0
+    total = layers * (attn + 2 * h) + (layers - routed) * mlp_dense + routed * mlp_moe
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    return (total + embed + h) / 1e9
+
+
+def model_from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
+    """The model a Hugging Face ``config.json`` describes (a directory holding one works too)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        outer = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: model config not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not a JSON model config ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the model config ({e.strerror or e})") from None
+    where = str(p)
+    if not isinstance(outer, dict):
+        raise ConfigError(f"{where}: a model config is a JSON object")
+    cfg = outer.get("text_config", outer)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: text_config must be a JSON object")
+    dtype = cfg.get("torch_dtype") or outer.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    if dtype not in _DTYPES:
+        raise ConfigError(f"{where}: torch_dtype {dtype!r}: the KV cache must be bfloat16 or float16")
+    quant = (outer.get("quantization_config") or {}).get("quant_method", "")
+    h, layers = _int(cfg, "hidden_size", where), _int(cfg, "num_hidden_layers", where)
+    heads, kv, hd = _attention(cfg, where, h)
+    inter = _int(cfg, "intermediate_size_mlp", where) if cfg.get("intermediate_size_mlp") else \
+        _int(cfg, "intermediate_size", where, 4 * h)
+    name = str(outer.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem) or "model")
+    return ModelSpec(name=name.rsplit("/", 1)[-1], params_b=round(params_from_hf_config(cfg, where), 3),
+                     num_layers=layers, hidden=h, num_heads=heads, kv_heads=kv, head_dim=hd, intermediate=inter,
+                     vocab=_int(cfg, "vocab_size", where, 32000), **_moe(cfg, where, layers, inter),
+                     weight_dtype="fp8" if quant == "fp8" else _DTYPES[dtype], dtype=_DTYPES[dtype])
