@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving_model import DryModel, fitted, forwards  # noqa: E402
+from serving_model import DryModel, figures_overrides, fitted, forwards  # noqa: E402
 
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle  # noqa: E402
 from kvstate import commands as C  # noqa: E402
@@ -266,7 +266,7 @@ def simulated(reqs: list[Req], args: argparse.Namespace, bandwidth_gbps: float, 
                 f.write(json.dumps({"timestamp": r.arrival * 1000.0, "input_length": len(r.tokens),
                                     "output_length": r.output, "hash_ids": []}) + "\n")
         s = with_overrides(Scenario(), {
-            "gpu.mfu": figures[0], "gpu.mbu": figures[1], "gpu.step_overhead_ms": figures[2],
+            **figures_overrides(*figures),
             "cluster.n_prefill": 1, "cluster.n_decode": 1, "cluster.tp": 1, "cluster.gpu_blocks": blocks,
             "cluster.prefill_token_budget": 1, "cluster.decode_max_batch": args.slots,
             "cluster.transfer_workers": 2, "cluster.staging_mib": 64,

@@ -10,9 +10,10 @@ eager ``transformers`` with SDPA attention runs it (``--engine transformers``):
 - prefill of one prompt, 256 to 16k tokens (the last token's logits only);
 - one decode step of ``b`` requests holding ``c`` tokens each, for batches 1 to 256.
 
-The roofline of :mod:`kvstate.sim.compute` has three free figures (``gpu.mfu``, ``gpu.mbu``,
-``gpu.step_overhead_ms``). They are fitted on every other point (sorted by kind and size) by a
-grid search minimising the largest relative error, and the fit predicts the held-out half.
+Nothing is fitted: the compute model (:mod:`kvstate.sim.compute`) predicts every point from the
+model's shapes and the GPU's datasheet through its roofline defaults, and, with ``--profile``,
+through kernels measured on the GPU (``kvstate profile``). ``--rows`` compares the points of an
+earlier run's JSON again, on any machine.
 """
 from __future__ import annotations
 
@@ -104,38 +105,18 @@ def measure_fast(torch, quick: bool) -> list[dict]:
 
 
 def sim_times(rows: list[dict], figures: dict) -> np.ndarray:
-    """The simulator's times (ms) for ``rows`` on one GPU with these ``gpu.*`` figures."""
-    cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1, **figures}))
+    """The simulator's times (ms) for ``rows`` with these scenario fields (one GPU)."""
+    cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1, "gpu.step_overhead_ms": 0.0, **figures}))
     return np.array([1e3 * (cm.prefill_time([(r["tokens"], 0)]) if r["kind"] == "prefill"
                             else cm.decode_step_time(r["batch"], r["batch"] * r["context"])) for r in rows])
 
 
-def terms(rows: list[dict]) -> np.ndarray:
-    """Per point, the roofline's four parts in ms at ``mfu`` = ``mbu`` = 1 (GEMM FLOPs, weight
-    bytes, attention FLOPs, attention bytes), from the simulator's own model: shape (4, points)."""
-    cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1}))
-    return 1e3 * np.array([cm.parts(r["kind"], r["tokens"], r["context"]) for r in rows]).T
+def gpu_fields(name: str) -> dict:
+    """The datasheet figures of the GPU the points were measured on (a preset)."""
+    from kvstate.sim.gpus import gpu_overrides
 
-
-def predict(rows: list[dict], mfu: float, mbu: float, overhead_ms: float) -> np.ndarray:
-    """The simulator's times (ms) for ``rows`` with the fitted figures."""
-    return sim_times(rows, {"gpu.mfu": mfu, "gpu.mbu": mbu, "gpu.step_overhead_ms": overhead_ms})
-
-
-def fit(rows: list[dict]) -> tuple[tuple[float, float, float], float]:
-    """Grid search (vectorised over the model's form: GEMMs then attention, each the longer
-    of its FLOPs and bytes, plus the overhead) for the figures minimising the largest relative
-    error; the predictions themselves come from the simulator (:func:`predict`)."""
-    meas = np.array([r["measured_ms"] for r in rows])
-    gf, wb, af, ab = terms(rows)
-    mfu = np.arange(0.20, 1.001, 0.01)[:, None, None, None]
-    mbu = np.arange(0.30, 1.001, 0.01)[None, :, None, None]
-    ov = np.concatenate([np.arange(0.0, 5.0, 0.05), np.arange(5.0, 40.0, 0.25)])[None, None, :, None]
-    t = np.maximum(gf / mfu, wb / mbu) + np.maximum(af / mfu, ab / mbu) + ov
-    err = np.abs(t / meas - 1).max(-1)
-    i, j, k = np.unravel_index(int(np.argmin(err)), err.shape)
-    best = (round(float(mfu[i, 0, 0, 0]), 2), round(float(mbu[0, j, 0, 0]), 2), round(float(ov[0, 0, k, 0]), 2))
-    return best, float(err[i, j, k])
+    key = "H200" if "H200" in name else "H100-SXM"
+    return gpu_overrides(key)
 
 
 def main() -> int:
@@ -144,31 +125,39 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 layers, 3 points a kind (a smoke run)")
     ap.add_argument("--engine", choices=("fast", "transformers"), default="fast",
                     help="fast: plain PyTorch, CUDA graphs (an optimised engine); transformers: eager")
+    ap.add_argument("--rows", help="compare the points of an earlier run's JSON (no GPU needed)")
+    ap.add_argument("--profile", help="also predict with this measured profile (kvstate profile)")
     args = ap.parse_args()
-    import torch
+    if args.rows:
+        with open(args.rows) as f:
+            old = json.load(f)
+        rows, gpu = old["rows"], old["gpu"]
+    else:
+        import torch
 
-    rows = measure_fast(torch, args.quick) if args.engine == "fast" else \
-        measure(torch, build(torch, args.quick), args.quick)
+        rows = measure_fast(torch, args.quick) if args.engine == "fast" else \
+            measure(torch, build(torch, args.quick), args.quick)
+        gpu = torch.cuda.get_device_name(0)
     rows.sort(key=lambda r: (r["kind"], r["tokens"], r["context"]))
-    for i, r in enumerate(rows):
-        r["fitted"] = i % 2 == 0
-    (mfu, mbu, ov), fit_err = fit([r for r in rows if r["fitted"]])
-    for r, p in zip(rows, predict(rows, mfu, mbu, ov)):
-        r["predicted_ms"] = float(p)
-        r["error"] = float(p / r["measured_ms"] - 1)
-    held = [abs(r["error"]) for r in rows if not r["fitted"]]
-    out = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "quick": args.quick,
-           "engine": args.engine,
-           "fit": {"gpu.mfu": mfu, "gpu.mbu": mbu, "gpu.step_overhead_ms": ov, "max_error_fitted": fit_err},
-           "held_out_max_error": max(held), "held_out_within_10pct": sum(e <= 0.10 for e in held),
-           "held_out_points": len(held), "rows": rows}
-    print(f"{out['gpu']}: fit mfu {mfu}, mbu {mbu}, step overhead {ov} ms (max error on fitted points "
-          f"{fit_err:.1%})")
-    print(f"{'kind':>8} {'tokens/batch':>12} {'context':>8} {'measured ms':>12} {'model ms':>9} {'error':>7}  set")
+    ways = {"roofline": gpu_fields(gpu)}
+    if args.profile:
+        path = os.path.abspath(args.profile) if os.path.exists(args.profile) else args.profile  # or a shipped one
+        ways["profile"] = {**gpu_fields(gpu), "gpu.profile": path}
+    for way, figures in ways.items():
+        for r, p in zip(rows, sim_times(rows, figures)):
+            r[f"{way}_ms"], r[f"{way}_error"] = float(p), float(p / r["measured_ms"] - 1)
+    out = {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "engine": args.engine,
+           "max_error": {w: max(abs(r[f"{w}_error"]) for r in rows) for w in ways},
+           "within_10pct": {w: sum(abs(r[f"{w}_error"]) <= 0.10 for r in rows) for w in ways}, "points": len(rows),
+           "rows": rows}
+    print(f"{gpu}: the compute model (no fitted figure; engine overhead 0: one graph replay a forward)")
+    print(f"{'kind':>8} {'tokens/batch':>12} {'context':>8} {'measured ms':>12}" +
+          "".join(f" {w + ' ms':>12} {'error':>7}" for w in ways))
     for r in rows:
-        print(f"{r['kind']:>8} {r['tokens']:>12} {r['context']:>8} {r['measured_ms']:>12.2f} "
-              f"{r['predicted_ms']:>9.2f} {r['error']:>+7.1%}  {'fit' if r['fitted'] else 'held out'}")
-    print(f"held out: {out['held_out_within_10pct']} of {len(held)} within 10 %, max error {max(held):.1%}")
+        print(f"{r['kind']:>8} {r['tokens']:>12} {r['context']:>8} {r['measured_ms']:>12.2f}" +
+              "".join(f" {r[f'{w}_ms']:>12.2f} {r[f'{w}_error']:>+7.1%}" for w in ways))
+    for w in ways:
+        print(f"{w}: {out['within_10pct'][w]} of {len(rows)} within 10 %, max error {out['max_error'][w]:.1%}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,54 +1,159 @@
-"""The simulator's compute model: a forward is its GEMMs, then its attention, then the overhead."""
+"""The simulator's compute model: kernels from the model's shapes, TP all-reduces, MoE, fp8,
+the LM head where it runs, and measured profiles carried between GPUs."""
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import pytest
 
+from kvstate.errors import ConfigError
 from kvstate.sim import Scenario, with_overrides
 from kvstate.sim.compute import ComputeModel
-
-FIGURES = {"cluster.tp": 1, "gpu.mfu": 0.6, "gpu.mbu": 0.8, "gpu.step_overhead_ms": 2.0}
-
-
-def model(**extra) -> tuple[Scenario, ComputeModel]:
-    s = with_overrides(Scenario(), {**FIGURES, **extra})
-    return s, ComputeModel(s)
+from kvstate.sim.gpus import GPUS, gpu_overrides
+from kvstate.sim.models import MODELS
+from kvstate.sim.profile import Profile
 
 
-def combined(parts, mfu=0.6, mbu=0.8, ov=2e-3) -> float:
-    gemm_flops, weights, attn_flops, attn_bytes = parts
-    return max(gemm_flops / mfu, weights / mbu) + max(attn_flops / mfu, attn_bytes / mbu) + ov
+def model(name: str = "llama-3-8b", tp: int = 1, gpu: str = "H100-SXM", **extra) -> ComputeModel:
+    m = MODELS[name]
+    fields = {f"model.{k}": v for k, v in dataclasses.asdict(m).items() if k != "block_size"}
+    return ComputeModel(with_overrides(Scenario(), {**gpu_overrides(gpu), "cluster.tp": tp, **fields, **extra}))
 
 
-@pytest.mark.parametrize("tokens,context", [(1, 256), (8, 8192), (256, 512), (512, 4096)])
-def test_decode_step_is_its_parts_combined(tokens, context):
-    _, cm = model()
-    assert cm.decode_step_time(tokens, tokens * context) == pytest.approx(combined(cm.parts("decode", tokens, context)))
+def gemm_efficiency(cm: ComputeModel, tokens: int) -> float:
+    """Achieved fraction of peak of the MLP's gate-and-up GEMM at ``tokens``."""
+    _, k, n = cm.dense_mats[0]
+    return 2.0 * tokens * k * n / cm.gemm("gate_up", tokens, k, n) / cm.peak
 
 
-@pytest.mark.parametrize("tokens,context", [(256, 0), (4096, 0), (2048, 6144)])
-def test_prefill_is_its_parts_combined(tokens, context):
-    _, cm = model()
-    assert cm.prefill_time([(tokens, context)]) == pytest.approx(combined(cm.parts("prefill", tokens, context)))
+def test_gemm_efficiency_grows_with_the_tokens_in_a_step():
+    """One efficiency cannot fit every shape: ~40 % of peak at 256 tokens, ~70 % from 2k up."""
+    cm = model()
+    assert 0.3 < gemm_efficiency(cm, 256) < 0.5
+    assert gemm_efficiency(cm, 2048) > 0.65 and gemm_efficiency(cm, 8192) > 0.7
+    assert gemm_efficiency(cm, 8) < 0.05  # a decode-sized GEMM is memory-bound
 
 
-def test_parts_are_the_raw_flops_and_bytes_at_full_efficiency():
-    s, cm = model()
-    gemm, weights, attn_flops, attn_bytes = cm.parts("decode", 4, 1000)
-    peak, hbm = s.gpu.tflops * 1e12, s.gpu.hbm_gbps * 1e9
-    assert gemm == pytest.approx(2 * s.model.params_b * 1e9 * 4 / peak)
-    assert weights == pytest.approx(s.weight_bytes / hbm)
-    assert attn_bytes == pytest.approx(4000 * s.kv_bytes_per_token / hbm)
-    assert attn_flops == pytest.approx(4 * s.model.num_layers * s.model.hidden * 4000 / peak)
+def test_a_small_gemm_costs_its_weights_at_the_memory_bandwidth_plus_a_launch():
+    cm = model(**{"gpu.kernel_us": 4.0, "gpu.mbu": 0.85})
+    _, k, n = cm.attn_mats[0]
+    weights = k * n * 2
+    assert cm.gemm("qkv", 1, k, n) == pytest.approx(4e-6 + (weights + 2 * (k + n)) / (3350e9 * 0.85))
 
 
-def test_attention_does_not_hide_under_compute_bound_gemms():
-    """At a big batch the GEMMs are compute-bound; the cache read still adds its own time."""
-    _, cm = model()
-    gemm_flops, weights, _, attn_bytes = cm.parts("decode", 2048, 1024)
-    assert gemm_flops / 0.6 > weights / 0.8  # compute-bound GEMMs
-    bigger = cm.decode_step_time(2048, 2048 * 1024) - cm.decode_step_time(2048, 2048 * 512)
-    assert bigger == pytest.approx(attn_bytes / 2 / 0.8)
+def test_the_lm_head_runs_only_on_sampled_positions():
+    """A prompt's chunk that does not end it samples nothing; the one that ends it, one row."""
+    cm = model()
+    middle = cm.step_time([(4096, 0, False)])
+    last = cm.step_time([(4096, 0, True)])
+    assert last - middle == pytest.approx(cm.gemm("lm_head", 1, cm.hidden, cm.vocab))
+    # counted per token of the prompt, the LM head would be 4096 rows: far more than that one
+    assert cm.gemm("lm_head", 4096, cm.hidden, cm.vocab) > 10 * (last - middle)
+
+
+def test_element_wise_kernels_are_a_share_of_a_prefill():
+    cm = model()
+    t = cm.prefill_time([(4096, 0)])
+    share = cm.layers * cm.elementwise(4096) / t
+    assert 0.02 < share < 0.15  # norms, rotary, activation, residual adds: a few percent
+    assert cm.elementwise(8192) == pytest.approx(2 * cm.elementwise(4096), rel=0.05)
+
+
+def test_tensor_parallelism_pays_two_all_reduces_a_layer():
+    one, two = model(tp=1), model(tp=2)
+    assert one.allreduce(1 << 20) == 0.0
+    ar = two.allreduce(64 * 4096 * 2)
+    assert ar > 0
+    free = model(tp=2, **{"gpu.allreduce_us": 0.0, "gpu.allreduce_ring_us": 0.0, "gpu.allreduce_ll_gbps": 1e12,
+                          "gpu.allreduce_gbps": 1e12})  # the same step with a free link
+    assert two.decode_step_time(64, 64 * 1024) - free.decode_step_time(64, 64 * 1024) == \
+        pytest.approx(2 * two.layers * ar, rel=1e-3)
+
+
+def test_tp_scaling_is_not_perfect():
+    """Llama-3-8B decode: each doubling of TP gains less, all-reduces and launches do not shrink."""
+    steps = [model(tp=tp).decode_step_time(64, 64 * 1024) for tp in (1, 2, 4, 8)]
+    speedups = [steps[0] / s for s in steps]
+    assert speedups[0] == 1 and all(a < b for a, b in zip(speedups, speedups[1:]))
+    assert speedups[1] < 1.8 and speedups[3] < 4.0  # TP 8 is far from 8x
+
+
+def test_all_reduce_picks_the_faster_algorithm_by_size():
+    cm = model(tp=8)
+    g = GPUS["H100-SXM"]
+    small, large = 64 * 1024, 256 << 20
+    grow = 1 + 0.25 * 2  # TP 8: two doublings past TP 2
+    bus = 2 * 7 / 8
+    one_shot = g["allreduce_us"] * 1e-6 * grow + bus * small / (g["allreduce_ll_gbps"] * 1e9)
+    ring = g["allreduce_ring_us"] * 1e-6 * grow + bus * large / (g["allreduce_gbps"] * 1e9)
+    assert cm.allreduce(small) == pytest.approx(one_shot) and cm.allreduce(large) == pytest.approx(ring)
+
+
+def test_a_pcie_link_makes_tp_all_reduces_dearer():
+    nvlink, pcie = model(tp=4), model(tp=4, gpu="H100-PCIe")
+    assert pcie.allreduce(8 << 20) > 3 * nvlink.allreduce(8 << 20)
+
+
+def test_moe_decode_reads_only_the_experts_its_tokens_touch():
+    """Mixtral at batch 1 reads 2 of 8 experts; a big batch reads all 8."""
+    cm = model("mixtral-8x7b", tp=2)
+    every = model("mixtral-8x7b", tp=2, **{"model.experts_per_token": 8})  # each token through all 8
+    w = cm.expert_width
+    one_expert = cm.gemm("expert_gate_up", 1, cm.hidden, 2 * w) + cm.gemm("expert_down", 1, w, cm.hidden)
+    launches = 2 * cm.kernel  # one grouped kernel a matrix runs every touched expert
+    assert every.decode_step_time(1, 1024) - cm.decode_step_time(1, 1024) == \
+        pytest.approx(cm.layers * 6 * (one_expert - launches), rel=1e-6)  # 6 more experts' weights read
+    small, big = cm.decode_step_time(1, 1024), cm.decode_step_time(256, 256 * 1024)
+    dense_like = model("llama-3-8b", tp=2).decode_step_time(1, 1024)
+    assert small < 2.5 * dense_like  # 13B active of 47B: far less than all the weights
+    assert big > 2.5 * small  # every expert's weights read, and 256x the FLOPs
+
+
+def test_fp8_weights_halve_a_memory_bound_decode_and_use_the_fp8_peak():
+    bf16 = model()
+    fp8 = model(**{"model.weight_dtype": "fp8"})
+    assert fp8.peak == pytest.approx(2 * bf16.peak, rel=1e-3)
+    ratio = fp8.decode_step_time(1, 512) / bf16.decode_step_time(1, 512)
+    assert 0.45 < ratio < 0.75  # the weights' bytes halve; launches and the cache do not
 
 
 def test_an_empty_decode_batch_takes_no_time():
-    assert model()[1].decode_step_time(0, 0) == 0.0
+    assert model().decode_step_time(0, 0) == 0.0
+
+
+# -- measured profiles -----------------------------------------------------------------------------
+def test_a_shipped_h200_profile_is_used_and_carried_to_the_h100_through_the_datasheets():
+    on_h200 = model("llama-2-7b", gpu="H200", **{"gpu.profile": "h200-llama-2-7b-tp1"})
+    on_h100 = model("llama-2-7b", gpu="H100-SXM", **{"gpu.profile": "h200-llama-2-7b-tp1"})
+    prof = on_h200.profile
+    assert prof is not None and prof.gpu_name == "NVIDIA H200"
+    k, n = 4096, 11008
+    assert on_h200.gemm("down", 1, n, k) == pytest.approx(prof.gemm["down"](1))  # measured there: as is
+    # a memory-bound kernel carried by the HBM ratio, a compute-bound one by the peak ratio
+    assert on_h100.gemm("down", 1, n, k) == pytest.approx(prof.gemm["down"](1) * 4800 / 3350)
+    assert on_h100.gemm("down", 8192, n, k) == pytest.approx(prof.gemm["down"](8192) * 989 / 989)
+
+
+def test_a_profile_of_other_shapes_or_tp_is_refused():
+    with pytest.raises(ConfigError, match="measured at TP 1"):
+        model("llama-2-7b", tp=2, **{"gpu.profile": "h200-llama-2-7b-tp1"})
+    with pytest.raises(ConfigError, match="measured for kv_heads = 32"):
+        model("llama-3-8b", **{"gpu.profile": "h200-llama-2-7b-tp1"})
+    with pytest.raises(ConfigError, match="profile not found.*h200-llama-3-8b-tp1"):
+        model(**{"gpu.profile": "no-such-profile"})
+
+
+def test_a_profile_interpolates_between_its_points(tmp_path):
+    data = json.loads(Profile.shipped("h200-llama-3-8b-tp1").read_text())
+    data["gemm"]["qkv"] = [[16, 1e-5], [256, 4e-5]]
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(data))
+    prof = Profile.load(p)
+    assert prof.gemm["qkv"](64) == pytest.approx(2e-5)  # log-log: halfway between 16 and 256
+    assert prof.gemm["qkv"](1) == pytest.approx(1e-5)  # below the smallest: launch-bound
+    assert prof.gemm["qkv"](512) == pytest.approx(8e-5)  # beyond the largest: proportional
+    data["format"] = "other"
+    p.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="not a kvstate profile"):
+        Profile.load(p)

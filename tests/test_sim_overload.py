@@ -12,13 +12,15 @@ from kvstate.sim import Cluster, scenario_from_dict
 from kvstate.sim.metrics import summarize
 
 #: the shape that crashed: a 70B-class model at TP 4, 1 P + 2 D on H200-class GPUs, bursty
-#: arrivals at twice what P can prefill, 4,096-token prompts and 512-token answers
+#: arrivals at about twice what P can prefill, 4,096-token prompts and 512-token answers, D
+#: waiting 20 s at most for a first token
 OVERLOAD_70B = {
-    "model": {"name": "llama-70b-like", "params_b": 70.6, "num_layers": 80, "hidden": 8192,
-              "kv_heads": 8, "head_dim": 128},
+    "model": {"name": "llama-70b-like", "params_b": 70.6, "num_layers": 80, "hidden": 8192, "num_heads": 64,
+              "kv_heads": 8, "head_dim": 128, "intermediate": 28672},
     "gpu": {"name": "H200", "mem_gib": 141.0, "hbm_gbps": 4800.0},
     "cluster": {"n_prefill": 1, "n_decode": 2, "tp": 4},
-    "workload": {"arrival": "gamma", "cv": 2.0, "rate": 6.0, "num_requests": 600,
+    "policy": {"first_token_timeout_s": 20.0},
+    "workload": {"arrival": "gamma", "cv": 2.0, "rate": 12.0, "num_requests": 600,
                  "input_dist": "fixed", "input_mean": 4096.0, "output_dist": "fixed", "output_mean": 512.0},
 }
 

@@ -73,16 +73,10 @@ def _timed(torch: Any, fn: Callable[[], Any], reps: int) -> float:
 
 def _gemms(m: ModelSpec, tp: int) -> dict[str, tuple[int, int]]:
     """The weight matrices of one rank: name -> (K, N)."""
-    q, kv, d, h = m.num_heads, m.kv_heads, m.head_dim, m.hidden
-    mats = {"qkv": (h, (q + 2 * kv) * d // tp), "o": (q * d // tp, h), "lm_head": (h, m.vocab // tp)}
-    if not m.experts or m.dense_layers:
-        mats.update({"gate_up": (h, 2 * m.intermediate // tp), "down": (m.intermediate // tp, h)})
-    if m.experts:
-        w = m.moe_intermediate // tp
-        mats.update({"expert_gate_up": (h, 2 * w), "expert_down": (w, h), "router": (h, m.experts)})
-        if m.shared_experts:
-            mats.update({"shared_gate_up": (h, 2 * w * m.shared_experts), "shared_down": (w * m.shared_experts, h)})
-    return mats
+    mats = {name: (k, n) for name, k, n in m.attention_matrices(tp)}
+    mats.update(m.mlp_matrices(tp))
+    mats["lm_head"] = (m.hidden, m.vocab / tp)
+    return {name: (int(k), int(n)) for name, (k, n) in mats.items()}
 
 
 def _gemm_curves(torch: Any, m: ModelSpec, tp: int, tokens: tuple[int, ...]) -> dict[str, list[list[float]]]:

@@ -8,13 +8,16 @@ in all). Per layer, on each of the instance's ``tp`` GPUs, one after the other:
   projection, the MLP's gate-and-up and down, each cut by TP) over the ``T`` tokens; a
   mixture-of-experts layer instead reads only the experts its tokens were routed to (``E``
   experts, ``k`` a token: a step touches ``E·(1 − (1 − k/E)^T)`` of them) and multiplies each
-  token by ``k`` experts, plus any shared ones;
+  token by ``k`` experts, in one grouped kernel (one launch), plus any shared ones;
 - **attention**: a prompt's ``4·h·d·n·(c + (n+1)/2)`` FLOPs (causal), reading its cache; a
   decode request reads its whole cache;
 - **element-wise** kernels (two norms, rotary, the activation, two residual adds): bytes
   proportional to ``T``;
-- **all-reduce**, twice a layer with TP > 1: ``latency + 2(tp−1)/tp · bytes / bandwidth`` of the
-  ``T × hidden`` activations (NCCL's bus bandwidth: ``gpu.allreduce_gbps``).
+- **all-reduce**, twice a layer with TP > 1, of the ``T × hidden`` activations: the faster of
+  two algorithms, each ``latency + 2(tp−1)/tp · bytes / bus bandwidth``, as the engine picks
+  one by size: a low-latency one-shot kernel (vLLM's custom all-reduce: a few µs, but short
+  of the links' bandwidth) and NCCL's ring (tens of µs, but the links' full bandwidth); the
+  latencies grow by a quarter with each doubling of the ranks.
 
 Then the LM head, on the *sampled* positions only (a prompt's last token when its prefill
 ends, every decoding request; the embedding lookup is a gather and costs nothing here), and
@@ -43,8 +46,7 @@ __all__ = ["ComputeModel"]
 #: RMSNorms (read, write), two residual adds (two reads, a write), rotary on q and k (read,
 #: write), the gated activation (two reads of the MLP width, one write: counted apart)
 _ELEMENTWISE_HIDDENS = 2 * 2 + 2 * 3
-_ELEMENTWISE_KERNELS = 6
-_KERNEL_FLOOR_S = 2e-6  #: the shortest a kernel runs, even on a few bytes
+_ELEMENTWISE_KERNELS = 4  #: vLLM's fused kernels: two add-and-RMSNorm, rotary, the gated activation
 _ACT = 2  #: bytes of an activation (bf16)
 
 
@@ -59,20 +61,25 @@ class ComputeModel:
         self.attn_peak = g.tflops * 1e12
         self.hbm = g.hbm_gbps * 1e9
         self.mfu, self.half, self.attn_mfu, self.mbu = g.mfu, g.gemm_half_tokens, g.attn_mfu, g.mbu
+        self.attn_mbu = g.attn_mbu
         self.overhead = g.step_overhead_ms / 1000.0
-        q, kv, d = m.num_heads, m.kv_heads, m.head_dim
-        self.heads_rank = q / tp
-        self.head_dim = d
-        self.kv_token_layer = 2 * kv * d * _kv_itemsize(m.dtype) / tp  #: a token's K and V bytes, one layer, one rank
+        self.kernel = g.kernel_us * 1e-6  #: every kernel's fixed time: launch, ramp-up, tail
+        self.heads_rank = m.num_heads / tp
+        self.head_dim = m.attention_head_dim
+        # a token's cache bytes, one layer, one rank: K and V, or MLA's one latent (replicated)
+        kv_bytes = m.head_dim if m.kv_lora_rank else 2 * m.kv_heads * m.head_dim / tp
+        self.kv_token_layer = kv_bytes * _kv_itemsize(m.dtype)
         # the weight matrices of one layer on one rank: (name, K, N)
-        self.attn_mats = (("qkv", m.hidden, (q + 2 * kv) * d / tp), ("o", q * d / tp, m.hidden))
-        self.dense_mats = (("gate_up", m.hidden, 2 * m.intermediate / tp), ("down", m.intermediate / tp, m.hidden))
+        self.attn_mats = m.attention_matrices(tp)
+        mlp = m.mlp_matrices(tp)
+        self.dense_mats = tuple((name, *mlp[name]) for name in ("gate_up", "down") if name in mlp)
         self.mlp_width = m.intermediate / tp
         self.experts, self.top_k, self.shared = m.experts, m.experts_per_token, m.shared_experts
         self.expert_width = m.moe_intermediate / tp
         self.moe_layers = (m.num_layers - m.dense_layers) if m.experts else 0
-        self.ar_latency = g.allreduce_us * 1e-6 * (1 + 0.5 * math.log2(tp / 2)) if tp > 1 else 0.0
-        self.ar_bw = g.allreduce_gbps * 1e9
+        grow = 1 + 0.25 * math.log2(tp / 2) if tp > 1 else 0.0  # latency grows with the ranks to sync
+        self.ar_algos = ((g.allreduce_us * 1e-6 * grow, g.allreduce_ll_gbps * 1e9),
+                         (g.allreduce_ring_us * 1e-6 * grow, g.allreduce_gbps * 1e9))
         self.profile: Profile | None = None
         self._scale = {"compute": 1.0, "memory": 1.0}
         if g.profile:
@@ -82,7 +89,7 @@ class ComputeModel:
 
     def _use_profile(self, s: Scenario, path: str) -> None:
         src = Path(s.source).parent / path if s.source and not Path(path).is_absolute() else Path(path)
-        prof = Profile.load(src if src.exists() else path)
+        prof = Profile.load(src if src.exists() else Profile.shipped(path))
         prof.check_matches(s.model, self.tp, s.source)
         self.profile = prof
         self._scale = {"compute": prof.gpu["tflops"] * 1e12 / self.attn_peak, "memory": prof.gpu["hbm_gbps"] * 1e9
@@ -105,17 +112,24 @@ class ComputeModel:
         if curve is not None:
             return self._measured(curve(m), flops, nbytes)
         eff = self.mfu * m / (m + self.half)
-        return max(flops / (self.peak * eff), nbytes / (self.hbm * self.mbu), _KERNEL_FLOOR_S)
+        return self.kernel + max(flops / (self.peak * eff), nbytes / (self.hbm * self.mbu))
 
     def prefill_attention(self, n: int, c: int) -> float:
-        """One layer's attention of ``n`` new tokens over ``c`` cached ones (one prompt)."""
+        """One layer's attention of ``n`` new tokens over ``c`` cached ones (one prompt). A
+        profile measures prompts with no cache; the cached part adds its roofline time."""
+        h, d = self.heads_rank, self.head_dim
+        if self.profile is not None:
+            flops0 = 4.0 * h * d * n * (n + 1) / 2
+            bytes0 = n * self.kv_token_layer + 2 * _ACT * n * h * d
+            base = self._measured(self.profile.attn_prefill(n), flops0, bytes0)
+            return base + (self._attention_roofline(n, c) - self._attention_roofline(n, 0) if c else 0.0)
+        return self.kernel + self._attention_roofline(n, c)
+
+    def _attention_roofline(self, n: int, c: int) -> float:
         flops = 4.0 * self.heads_rank * self.head_dim * n * (c + (n + 1) / 2)
         nbytes = (c + n) * self.kv_token_layer + 2 * _ACT * n * self.heads_rank * self.head_dim
-        if self.profile is not None:
-            base = self.profile.attn_prefill(n)  # measured with no cache: carried by the FLOPs ratio
-            return self._measured(base * (c + (n + 1) / 2) / ((n + 1) / 2), flops, nbytes)
         eff = self.attn_mfu * n / (n + self.half)
-        return max(flops / (self.attn_peak * eff), nbytes / (self.hbm * self.mbu), _KERNEL_FLOOR_S)
+        return max(flops / (self.attn_peak * eff), nbytes / (self.hbm * self.attn_mbu))
 
     def decode_attention(self, batch: int, context: int) -> float:
         """One layer's attention of ``batch`` decoding requests holding ``context`` tokens in all:
@@ -125,14 +139,14 @@ class ComputeModel:
         if self.profile is not None:
             p = self.profile
             return (p.decode_base + p.decode_per_token * context) * self._scale["memory"]
-        return _KERNEL_FLOOR_S + context * self.kv_token_layer / (self.hbm * self.mbu)
+        return self.kernel + context * self.kv_token_layer / (self.hbm * self.attn_mbu)
 
     def elementwise(self, tokens: int) -> float:
         """One layer's norms, rotary, activation and residual adds over ``tokens``."""
         nbytes = tokens * _ACT * (_ELEMENTWISE_HIDDENS * self.hidden + 3 * self.mlp_width)
         if self.profile is not None:
             return self._measured(self.profile.elementwise(tokens), 0.0, nbytes)
-        return max(nbytes / (self.hbm * self.mbu), _ELEMENTWISE_KERNELS * _KERNEL_FLOOR_S)
+        return _ELEMENTWISE_KERNELS * self.kernel + nbytes / (self.hbm * self.mbu)
 
     def allreduce(self, nbytes: float) -> float:
         """One all-reduce of ``nbytes`` over the instance's ``tp`` GPUs (0 at TP 1)."""
@@ -140,7 +154,8 @@ class ComputeModel:
             return 0.0
         if self.profile is not None and self.profile.allreduce is not None:
             return self.profile.allreduce(nbytes)
-        return self.ar_latency + 2.0 * (self.tp - 1) / self.tp * nbytes / self.ar_bw
+        bus = 2.0 * (self.tp - 1) / self.tp * nbytes  # what crosses a link, per NCCL's bus bandwidth
+        return min(latency + bus / bw for latency, bw in self.ar_algos)
 
     def _mlp(self, tokens: int, moe: bool) -> float:
         if not moe:
@@ -149,8 +164,10 @@ class ComputeModel:
         touched = e * (1.0 - (1.0 - k / e) ** tokens)
         per_expert = tokens * k / touched  # tokens each touched expert multiplies
         w = self.expert_width
-        t = touched * (self.gemm("expert_gate_up", per_expert, self.hidden, 2 * w) +
-                       self.gemm("expert_down", per_expert, w, self.hidden))
+        # one grouped kernel runs every touched expert's GEMM: one launch, each expert's FLOPs and bytes
+        each = (self.gemm("expert_gate_up", per_expert, self.hidden, 2 * w) +
+                self.gemm("expert_down", per_expert, w, self.hidden))
+        t = 2 * self.kernel + touched * max(each - 2 * self.kernel, 0.0)
         if self.shared:
             t += self.gemm("shared_gate_up", tokens, self.hidden, 2 * w * self.shared) + \
                 self.gemm("shared_down", tokens, w * self.shared, self.hidden)

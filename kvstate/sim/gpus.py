@@ -1,11 +1,21 @@
 """GPU presets for ``--gpu``: datasheet figures and published all-reduce links.
 
-Peaks are the vendors' dense (no sparsity) figures; HBM is the datasheet bandwidth. The
-all-reduce figures are NCCL's bus bandwidth for large messages and its latency for small ones
-between two GPUs, as nccl-tests publishes them for each link (NVLink 4 through NVSwitch with
-multicast off, NVLink 3, PCIe 4 and 5). Kernel efficiencies (``mfu``, ``mbu``, ...) keep the
-scenario's values: they are properties of the kernels, measured on one GPU (``kvstate
-profile``) and carried to another through these figures (docs/benchmarks.md).
+Peaks are the vendors' dense (no sparsity) figures; HBM is the datasheet bandwidth. Each link
+has two all-reduce algorithms (see :mod:`~kvstate.sim.compute`):
+
+- the one-shot kernel an engine uses for small messages (vLLM's custom all-reduce over NVLink):
+  on an H100 SXM at TP 2, 5 µs and ~200 GB/s, as published for vLLM's kernel with the RMSNorm
+  after it (vllm-project/vllm#22086, hidden 8192: 10 µs at 512 KB, 12 µs at 1 MB, 17 µs at
+  2 MB) and for CUDA-graph one-shot kernels (flagos-ai/FlagGems-vllm#773: 7 µs at 74 KB, 13 µs
+  at 1.7 MB);
+- NCCL's ring for large ones: its latency as Vidur's H100 profile measured it through
+  ``torch.distributed`` (~35 µs up to a few MB, ``data/profiling/network/h100_dgx``), and the
+  NVLink 4 bus bandwidth nccl-tests reports (~360 GB/s; Vidur's 64 MB points give 320-370).
+
+Without NVLink (PCIe parts) both algorithms cross PCIe: its bus bandwidth (PCIe 4.0 ~20 GB/s,
+PCIe 5.0 ~40 GB/s as NCCL reaches it through a switch). Kernel efficiencies (``mfu``, ``mbu``,
+...) keep the scenario's values: they are properties of the kernels, measured on one GPU
+(``kvstate profile``) and carried to another through these figures (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -15,18 +25,26 @@ from ..errors import ConfigError
 
 __all__ = ["GPUS", "gpu_overrides"]
 
+_NVLINK4 = {"allreduce_us": 5.0, "allreduce_ll_gbps": 200.0, "allreduce_ring_us": 35.0, "allreduce_gbps": 360.0,
+            "calibration": "h100"}
+
+
+def _pcie(busbw: float) -> dict[str, Any]:
+    """A PCIe link: both algorithms at its bus bandwidth."""
+    return {"allreduce_us": 15.0, "allreduce_ll_gbps": busbw, "allreduce_ring_us": 35.0, "allreduce_gbps": busbw,
+            "calibration": "h100"}
+
+
 #: name -> the GpuSpec fields it sets
 GPUS: dict[str, dict[str, Any]] = {
-    "H100-SXM": {"tflops": 989.0, "fp8_tflops": 1979.0, "hbm_gbps": 3350.0, "mem_gib": 80.0,
-                 "allreduce_gbps": 360.0, "allreduce_us": 8.0, "calibration": "h100"},
-    "H200": {"tflops": 989.0, "fp8_tflops": 1979.0, "hbm_gbps": 4800.0, "mem_gib": 141.0,
-             "allreduce_gbps": 360.0, "allreduce_us": 8.0, "calibration": "h100"},
+    "H100-SXM": {"tflops": 989.0, "fp8_tflops": 1979.0, "hbm_gbps": 3350.0, "mem_gib": 80.0, **_NVLINK4},
+    "H200": {"tflops": 989.0, "fp8_tflops": 1979.0, "hbm_gbps": 4800.0, "mem_gib": 141.0, **_NVLINK4},
     "H100-PCIe": {"tflops": 756.0, "fp8_tflops": 1513.0, "hbm_gbps": 2000.0, "mem_gib": 80.0,
-                  "allreduce_gbps": 40.0, "allreduce_us": 12.0, "calibration": "h100"},
+                  **_pcie(40.0)},
     "A100-SXM-80G": {"tflops": 312.0, "fp8_tflops": 312.0, "hbm_gbps": 2039.0, "mem_gib": 80.0,
-                     "allreduce_gbps": 230.0, "allreduce_us": 10.0, "calibration": "h100"},
-    "L40S": {"tflops": 362.0, "fp8_tflops": 733.0, "hbm_gbps": 864.0, "mem_gib": 48.0,
-             "allreduce_gbps": 20.0, "allreduce_us": 15.0, "calibration": "h100"},
+                     "allreduce_us": 6.0, "allreduce_ll_gbps": 130.0, "allreduce_ring_us": 35.0,
+                     "allreduce_gbps": 230.0, "calibration": "h100"},
+    "L40S": {"tflops": 362.0, "fp8_tflops": 733.0, "hbm_gbps": 864.0, "mem_gib": 48.0, **_pcie(20.0)},
 }
 
 

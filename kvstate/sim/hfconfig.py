@@ -9,14 +9,15 @@ vocabulary, the dtype. Mixture-of-experts fields by family:
   ``shared_expert_intermediate_size``, ``mlp_only_layers`` dense);
 - DeepSeek V2/V3 (``n_routed_experts``, ``n_shared_experts``, ``moe_intermediate_size``, the
   first ``first_k_dense_replace`` layers dense; latent attention, MLA: one latent "head" of
-  ``kv_lora_rank + qk_rope_head_dim`` a token, which only TP 1 can hold until MLA caches are
-  replicated over ranks);
+  ``kv_lora_rank + qk_rope_head_dim`` a token, replicated on every TP rank, and the low-rank
+  query and key-value projections);
 - Llama 4 (a ``text_config``; ``num_local_experts`` with one shared expert, every
   ``interleave_moe_layer_step``-th layer routed, dense layers ``intermediate_size_mlp`` wide).
 
 ``quantization_config.quant_method == "fp8"`` makes the weights fp8. The parameter count (the
-weights' memory) is estimated from the shapes: attention projections, the MLPs (every expert),
-two norms a layer, the embeddings and the LM head unless tied.
+weights' memory) is summed from the same matrices the compute model times
+(:meth:`~kvstate.sim.served.ModelSpec.attention_matrices`, ``mlp_matrices``: every expert), two
+norms a layer, the embeddings and the LM head unless tied.
 """
 from __future__ import annotations
 
@@ -61,32 +62,49 @@ def _moe(cfg: dict[str, Any], where: str, layers: int, inter: int) -> dict[str, 
             "dense_layers": dense}
 
 
-def _attention(cfg: dict[str, Any], where: str, h: int) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of the cache: MLA keeps one latent head a token."""
+def _attention(cfg: dict[str, Any], where: str, h: int) -> dict[str, int]:
+    """Heads and the cache's head: MLA keeps one latent head a token (``kv_lora_rank`` + its
+    rotary part), and its projections' ranks and head widths."""
     heads = _int(cfg, "num_attention_heads", where)
     if cfg.get("kv_lora_rank"):
-        return heads, 1, _int(cfg, "kv_lora_rank", where) + _int(cfg, "qk_rope_head_dim", where, 64)
+        rope = _int(cfg, "qk_rope_head_dim", where, 64)
+        lat = _int(cfg, "kv_lora_rank", where)
+        return {"num_heads": heads, "kv_heads": 1, "head_dim": lat + rope, "kv_lora_rank": lat,
+                "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
+                "qk_head_dim": _int(cfg, "qk_nope_head_dim", where, 128) + rope,
+                "v_head_dim": _int(cfg, "v_head_dim", where, 128)}
     kv = _int(cfg, "num_key_value_heads", where, heads)
     hd = _int(cfg, "head_dim", where) if cfg.get("head_dim") is not None else h // heads
-    return heads, kv, hd
+    return {"num_heads": heads, "kv_heads": kv, "head_dim": hd}
+
+
+def _shapes(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ModelSpec shape fields of a decoder config (its text part)."""
+    h, layers = _int(cfg, "hidden_size", where), _int(cfg, "num_hidden_layers", where)
+    inter = _int(cfg, "intermediate_size_mlp", where) if cfg.get("intermediate_size_mlp") else \
+        _int(cfg, "intermediate_size", where, 4 * h)
+    # Llama 4's experts are intermediate_size wide, its dense layers intermediate_size_mlp
+    expert_width = _int(cfg, "intermediate_size", where, inter) if cfg.get("intermediate_size_mlp") else inter
+    return {"num_layers": layers, "hidden": h, **_attention(cfg, where, h), "intermediate": inter,
+            "vocab": _int(cfg, "vocab_size", where, 32000), **_moe(cfg, where, layers, expert_width)}
+
+
+def _params(m: ModelSpec, tied: bool) -> float:
+    """Parameters (billions) of a model with ``m``'s shapes: every expert counted."""
+    attn = sum(k * n for _, k, n in m.attention_matrices(1)) + 2 * m.hidden  # and the two norms
+    mlp = m.mlp_matrices(1)
+    dense = sum(k * n for name, (k, n) in mlp.items() if name in ("gate_up", "down"))
+    routed = m.num_layers - m.dense_layers if m.experts else 0
+    per_routed = sum(k * n * (m.experts if name.startswith("expert_") else 1)
+                     for name, (k, n) in mlp.items() if name not in ("gate_up", "down"))
+    embed = m.vocab * m.hidden * (1 if tied else 2)
+    return (m.num_layers * attn + (m.num_layers - routed) * dense + routed * per_routed + embed + m.hidden) / 1e9
 
 
 def params_from_hf_config(cfg: dict[str, Any], where: str = "<config>") -> float:
     """Estimated parameters (billions) of the decoder ``cfg`` describes, every expert counted."""
-    cfg = cfg.get("text_config", cfg)
-    h, layers = _int(cfg, "hidden_size", where), _int(cfg, "num_hidden_layers", where)
-    heads, kv, hd = _attention(cfg, where, h)
-    inter = _int(cfg, "intermediate_size_mlp", where, None) if cfg.get("intermediate_size_mlp") else \
-        _int(cfg, "intermediate_size", where, 4 * h)
-    vocab = _int(cfg, "vocab_size", where, 32000)
-    moe = _moe(cfg, where, layers, inter)
-    attn = 2 * h * heads * hd + 2 * h * kv * hd
-    mlp_dense = 3 * h * inter
-    mlp_moe = 3 * h * moe["moe_intermediate"] * (moe["experts"] + moe["shared_experts"]) + h * moe["experts"]
-    routed = layers - moe["dense_layers"] if moe["experts"] else 0
-    total = layers * (attn + 2 * h) + (layers - routed) * mlp_dense + routed * mlp_moe
-    embed = vocab * h * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    return (total + embed + h) / 1e9
+    text = cfg.get("text_config", cfg)
+    return _params(ModelSpec(**_shapes(text, where)), bool(text.get("tie_word_embeddings", False)))
 
 
 def model_from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
@@ -112,12 +130,8 @@ def model_from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
     if dtype not in _DTYPES:
         raise ConfigError(f"{where}: torch_dtype {dtype!r}: the KV cache must be bfloat16 or float16")
     quant = (outer.get("quantization_config") or {}).get("quant_method", "")
-    h, layers = _int(cfg, "hidden_size", where), _int(cfg, "num_hidden_layers", where)
-    heads, kv, hd = _attention(cfg, where, h)
-    inter = _int(cfg, "intermediate_size_mlp", where) if cfg.get("intermediate_size_mlp") else \
-        _int(cfg, "intermediate_size", where, 4 * h)
     name = str(outer.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem) or "model")
-    return ModelSpec(name=name.rsplit("/", 1)[-1], params_b=round(params_from_hf_config(cfg, where), 3),
-                     num_layers=layers, hidden=h, num_heads=heads, kv_heads=kv, head_dim=hd, intermediate=inter,
-                     vocab=_int(cfg, "vocab_size", where, 32000), **_moe(cfg, where, layers, inter),
+    shapes = _shapes(cfg, where)
+    params = _params(ModelSpec(**shapes), bool(cfg.get("tie_word_embeddings", False)))
+    return ModelSpec(name=name.rsplit("/", 1)[-1], params_b=round(params, 3), **shapes,
                      weight_dtype="fp8" if quant == "fp8" else _DTYPES[dtype], dtype=_DTYPES[dtype])

@@ -28,6 +28,7 @@ from ..errors import ConfigError
 __all__ = ["Profile", "Curve", "FORMAT", "SHAPE_FIELDS"]
 
 FORMAT = "kvstate-profile"
+SHIPPED = Path(__file__).with_name("profiles")  #: profiles measured on the device machine's H200
 #: the model fields a profile's shapes are measured for: a scenario must match them
 SHAPE_FIELDS = ("hidden", "num_heads", "kv_heads", "head_dim", "intermediate", "vocab", "experts",
                 "experts_per_token", "shared_experts", "moe_intermediate", "weight_dtype")
@@ -85,13 +86,26 @@ class Profile:
         self.decode_base, self.decode_per_token = max(float(base), 0.0), max(float(slope), 0.0)
         self.source = source
 
+    @staticmethod
+    def shipped(name_or_path: str) -> Path:
+        """A profile shipped with kvstate (``kvstate/sim/profiles/NAME.json``, e.g.
+        ``h200-llama-2-7b-tp1``: measured on the device machine's H200) if ``name_or_path`` names
+        one, else the path itself."""
+        p = SHIPPED / f"{name_or_path}.json"
+        return p if "/" not in name_or_path and p.is_file() else Path(name_or_path)
+
+    @staticmethod
+    def shipped_names() -> list[str]:
+        return sorted(p.stem for p in SHIPPED.glob("*.json"))
+
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         p = Path(path)
         try:
             return cls(json.loads(p.read_text(encoding="utf-8")), str(p))
         except FileNotFoundError:
-            raise ConfigError(f"{p}: profile not found") from None
+            raise ConfigError(f"{p}: profile not found (a path, or a shipped one: "
+                              f"{', '.join(Profile.shipped_names())})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: not a JSON profile ({e})") from None
 
@@ -101,6 +115,9 @@ class Profile:
             raise ConfigError(f"{where}: the profile {self.source} was measured at TP {self.tp}, the scenario runs "
                               f"TP {tp}: measure one at TP {tp} (kvstate profile --tp {tp})")
         for f in SHAPE_FIELDS:
-            if f in self.model and self.model[f] != getattr(model, f):
+            mine, theirs = self.model.get(f), getattr(model, f)
+            if f == "weight_dtype":  # bfloat16 and float16 run alike: compare what a weight costs
+                mine, theirs = (("fp8" if x == "fp8" else "16-bit") if x is not None else None for x in (mine, theirs))
+            if f in self.model and mine != theirs:
                 raise ConfigError(f"{where}: the profile {self.source} was measured for {f} = {self.model[f]}, the "
-                                  f"scenario's model has {getattr(model, f)}")
+                                  f"scenario's model has {theirs}")

@@ -41,6 +41,11 @@ class ModelSpec(Section):
     shared_experts: int = setting(0, "experts every token goes through besides its top-k")
     moe_intermediate: int = setting(0, "width of one expert's MLP")
     dense_layers: int = setting(0, "layers of a mixture-of-experts model whose MLP is dense (the rest route)")
+    q_lora_rank: int = setting(0, "latent attention (MLA): rank of the query's down-projection (0: none)")
+    kv_lora_rank: int = setting(0, "latent attention (MLA): rank of the cached latent (0: ordinary attention); "
+                                   "the cache's head is kv_lora_rank + its rotary part (head_dim)")
+    qk_head_dim: int = setting(0, "latent attention: a query head's width (no-rotary part + rotary part)")
+    v_head_dim: int = setting(0, "latent attention: a value head's width")
     weight_dtype: str = setting("bfloat16", f"weights: one of {list(WEIGHT_DTYPES)} (fp8: one byte, fp8 tensor cores)")
     dtype: str = setting("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)} (uint8: an fp8 cache)")
     block_size: int = setting(64, "tokens per KV block")
@@ -63,6 +68,40 @@ class ModelSpec(Section):
         elif self.experts_per_token or self.shared_experts or self.dense_layers:
             raise ConfigError("experts_per_token, shared_experts and dense_layers describe a mixture-of-experts "
                               "model: set experts > 0, or leave them 0")
+        self.non_negative("q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim")
+        if self.kv_lora_rank and not (self.kv_lora_rank < self.head_dim and self.qk_head_dim and self.v_head_dim):
+            raise ConfigError(f"kv_lora_rank: latent attention needs head_dim ({self.head_dim}) > kv_lora_rank "
+                              f"({self.kv_lora_rank}) and qk_head_dim, v_head_dim > 0")
+
+    @property
+    def attention_head_dim(self) -> float:
+        """The width one head's attention FLOPs go by: (query-key + value) / 2 under MLA."""
+        return (self.qk_head_dim + self.v_head_dim) / 2 if self.kv_lora_rank else self.head_dim
+
+    def attention_matrices(self, tp: int) -> tuple[tuple[str, float, float], ...]:
+        """One layer's attention projections on one of ``tp`` ranks: (name, K, N). Latent
+        attention (MLA) projects queries through a rank-``q_lora_rank`` bottleneck and keys and
+        values from the cached latent (its rotary part kept apart)."""
+        q, kv, d, h = self.num_heads, self.kv_heads, self.head_dim, self.hidden
+        if not self.kv_lora_rank:
+            return (("qkv", h, (q + 2 * kv) * d / tp), ("o", q * d / tp, h))
+        rope, qk, v, lat = d - self.kv_lora_rank, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank
+        query = ((("q_a", h, self.q_lora_rank), ("q_b", self.q_lora_rank, q * qk / tp)) if self.q_lora_rank
+                 else (("q", h, q * qk / tp),))
+        return (*query, ("kv_a", h, lat + rope), ("kv_b", lat, q * (qk - rope + v) / tp), ("o", q * v / tp, h))
+
+    def mlp_matrices(self, tp: int) -> dict[str, tuple[float, float]]:
+        """A layer's MLP matrices on one rank, dense and routed: name -> (K, N)."""
+        h, out = self.hidden, {}
+        if not self.experts or self.dense_layers:
+            out.update({"gate_up": (h, 2 * self.intermediate / tp), "down": (self.intermediate / tp, h)})
+        if self.experts:
+            w = self.moe_intermediate / tp
+            out.update({"expert_gate_up": (h, 2 * w), "expert_down": (w, h), "router": (h, self.experts)})
+            if self.shared_experts:
+                out.update({"shared_gate_up": (h, 2 * w * self.shared_experts),
+                            "shared_down": (w * self.shared_experts, h)})
+        return out
 
 
 @dataclass(frozen=True)
@@ -78,19 +117,26 @@ class GpuSpec(Section):
     gemm_half_tokens: float = setting(192.0, "tokens in a step at which a GEMM reaches half of mfu (small "
                                              "GEMMs fill few tiles)")
     attn_mfu: float = setting(0.55, "fraction of peak a long prefill's attention reaches")
-    mbu: float = setting(0.85, "fraction of HBM bandwidth reading weights, KV caches and activations reaches")
-    allreduce_gbps: float = setting(360.0, "all-reduce bus bandwidth between an instance's GPUs, GB/s "
-                                           "(NCCL's busbw: NVLink about 360, PCIe 4.0 about 20)")
-    allreduce_us: float = setting(8.0, "latency of one small all-reduce at TP 2, µs (+50 % each doubling)")
+    mbu: float = setting(0.85, "fraction of HBM bandwidth a GEMM reading its weights, or an element-wise kernel, "
+                               "reaches")
+    attn_mbu: float = setting(0.9, "fraction of HBM bandwidth attention reading the KV cache reaches")
+    kernel_us: float = setting(4.0, "fixed time of every kernel besides its FLOPs and bytes (launch, ramp-up, "
+                                    "tail), µs")
+    allreduce_us: float = setting(5.0, "latency of the one-shot (low-latency) all-reduce at TP 2, µs")
+    allreduce_ll_gbps: float = setting(200.0, "bus bandwidth the one-shot all-reduce reaches, GB/s")
+    allreduce_ring_us: float = setting(35.0, "latency of NCCL's ring all-reduce at TP 2, µs")
+    allreduce_gbps: float = setting(360.0, "bus bandwidth of the ring all-reduce on large messages, GB/s (NCCL's "
+                                           "busbw: NVLink 4 about 360, PCIe 4.0 about 20)")
     mem_gib: float = setting(80.0, "GPU memory, GiB")
     mem_util: float = setting(0.9, "fraction of memory for weights + KV cache")
-    step_overhead_ms: float = setting(1.5, "the engine's fixed cost of one step (launches, sampling, scheduling)")
-    profile: str = setting("", "a measured profile (`kvstate profile`) to interpolate instead of the curves; "
-                               "relative to the scenario file")
+    step_overhead_ms: float = setting(0.3, "the engine's fixed time of a step besides its layers (input copies, "
+                                      "sampling, the sampled tokens' copy back; the CPU's scheduling overlaps)")
+    profile: str = setting("", "a measured profile (`kvstate profile`) to interpolate instead of the curves: "
+                               "a path relative to the scenario file, or a shipped one (h200-llama-2-7b-tp1, ...)")
     calibration: str = setting("h100", "transfer cost calibration: a shipped name or a JSON path")
 
     def check(self) -> None:
-        self.positive("tflops", "fp8_tflops", "hbm_gbps", "mfu", "attn_mfu", "mbu", "mem_gib", "mem_util",
-                      "allreduce_gbps", "gemm_half_tokens")
-        self.fraction("mfu", "attn_mfu", "mbu", "mem_util")
-        self.non_negative("step_overhead_ms", "allreduce_us")
+        self.positive("tflops", "fp8_tflops", "hbm_gbps", "mfu", "attn_mfu", "mbu", "attn_mbu", "mem_gib", "mem_util",
+                      "allreduce_gbps", "allreduce_ll_gbps", "gemm_half_tokens")
+        self.fraction("mfu", "attn_mfu", "mbu", "attn_mbu", "mem_util")
+        self.non_negative("step_overhead_ms", "allreduce_us", "allreduce_ring_us", "kernel_us")
