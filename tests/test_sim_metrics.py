@@ -89,9 +89,9 @@ def test_the_uncertainty_follows_the_noise_not_a_climbing_latency():
         q.arrival, q.state = i * 0.1, "done"
         q.finish = q.arrival + 1.0 + 0.02 * i + 0.05 * (i % 3)  # +10 s over the window, +-0.05 s of noise
         reqs.append(q)
-    u = rate_uncertainty(reqs, 0.0, 49.9, True)
+    u = rate_uncertainty(reqs, 0.0, 49.9)
     assert 0 < u < 0.05 / 49.9 * 1.01  # at most the noise's reach over the window
     flat = [SimRequest.__new__(SimRequest) for _ in range(500)]
     for i, q in enumerate(flat):
         q.arrival, q.state, q.finish = i * 0.1, "done", i * 0.1 + 1.0 + (2.0 if i % 4 == 1 else 0.0)
-    assert rate_uncertainty(flat, 0.0, 49.9, True) == pytest.approx(0.5 / 49.9, rel=0.02)  # a quarter 2 s late
+    assert rate_uncertainty(flat, 0.0, 49.9) == pytest.approx(0.5 / 49.9, rel=0.02)  # a quarter 2 s late

@@ -26,16 +26,32 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .cluster import Cluster
 from .request import SimRequest
 from .scenario_io import scenario_to_dict
 
 __all__ = ["summarize", "steady_window", "finish_window", "rate_uncertainty", "verdict_of", "at_target",
-           "latency_stats", "weighted_stats", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
+           "latency_stats", "weighted_stats", "Run", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
+
+class Run(Protocol):
+    """What :func:`summarize` reads of a finished run (a PD or a co-located cluster)."""
+
+    scenario: Any
+    done: list[SimRequest]
+    counters: dict[str, int]
+    gpu_blocks: int
+    series: list[dict[str, Any]]
+
+    @property
+    def round_trips(self) -> list[float]: ...
+
+    def itl(self) -> dict[float, int]: ...
+
+    def sections(self, end: float, prompt_tokens: int) -> dict[str, Any]: ...
+
 
 WARMUP_FRACTION = 0.1  #: requests that must have ended before the steady window opens
 
@@ -98,14 +114,15 @@ def finish_window(reqs: list[SimRequest], start: float, end: float, steady: bool
 NEIGHBOURS = 51  #: arrivals a latency is compared with to tell its noise from a trend
 
 
-def rate_uncertainty(reqs: list[SimRequest], start: float, end: float, steady: bool) -> float:
+def rate_uncertainty(reqs: list[SimRequest], start: float, end: float) -> float:
     """How far finishes counted in the shifted window may fall short of the arrivals for a
-    cluster that keeps up, as a share of them: requests whose latency exceeds the median's
-    finish past the window's end, and nothing arrives after the last arrival to make up for
-    them (a steady window's start is made up for by its warm-up's arrivals; the arrivals'
-    span has no such start). Latency is measured against the running median of its
-    :data:`NEIGHBOURS` neighbours in arrival order, so a cluster falling behind, whose
-    latencies climb across the window, shows its noise here and its shortfall in the rates."""
+    cluster that keeps up, as a share of them: at the window's end, requests whose latency
+    exceeds the median's finish past it, and nothing arrives after the last arrival to make up
+    for them; at its start, the warm-up's arrivals make up for the early finishes only in part
+    (they met an emptier cluster). Both are bounded by the mean spread of latency about its
+    running median over :data:`NEIGHBOURS` neighbours in arrival order, over the window's
+    length; so a cluster falling behind, whose latencies climb across the window, shows its
+    noise here and its shortfall in the rates."""
     e2e = np.asarray(_window_latencies(reqs, start, end))
     if end <= start or not e2e.size:
         return math.inf
@@ -114,7 +131,7 @@ def rate_uncertainty(reqs: list[SimRequest], start: float, end: float, steady: b
     padded = np.pad(e2e, k // 2, mode="edge")
     local = np.median(np.lib.stride_tricks.sliding_window_view(padded, k), axis=1)
     d = e2e - local
-    edge = float(np.maximum(d, 0.0).mean()) if steady else float(np.abs(d).mean())
+    edge = float(np.abs(d).mean())
     return edge / (end - start)
 
 
@@ -201,7 +218,7 @@ def _rates(reqs: list[SimRequest], ok: list[_Done], good: set[str]) -> dict[str,
         "window_s": [round(start, 6), round(end, 6)],
         "window": "whole run" if at_once else WINDOW_NAMES[steady],
         "finish_window_s": [round(a, 6), round(b, 6)],
-        "rate_uncertainty": round(min(rate_uncertainty(reqs, start, end, steady), 1e9), 4),
+        "rate_uncertainty": round(min(rate_uncertainty(reqs, start, end), 1e9), 4),
         "offered_rps": round(_offered(reqs, start, end, steady), 4) if reqs else 0.0,
         "throughput_rps": per_s(len(inside)),
         "goodput_rps": per_s(sum(1 for r in inside if r.rid in good)),
@@ -261,30 +278,6 @@ def verdict_of(slo: dict[str, Any]) -> str:
     return "meets" if slo["meets"] else "too short" if slo["too_short"] else "fails"
 
 
-def _instances(cl: Cluster, end: float) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i in cl.instances:
-        busy = i.busy_time - max(0.0, i.computing_until - end)  # a forward the run's end cut short
-        d: dict[str, Any] = {"compute_busy": round(busy / end, 4)}
-        if i.role == "decode":
-            d["batch_slots_used"] = round(i.slot_seconds / end / i.max_batch, 4)  # type: ignore[attr-defined]
-        d["blocks_used"] = round(i.block_seconds / end / cl.gpu_blocks, 4)
-        d["peak_blocks_used"] = round(i.lc.pool.stats().peak_used / cl.gpu_blocks, 4)
-        d["lifecycle"] = {k: v for k, v in i.lc.counters.items() if v}
-        out[i.name] = d
-    return out
-
-
-def _storage(cl: Cluster, end: float) -> dict[str, Any]:
-    st = cl.store
-    w, r = st.stats["bytes_written"], st.stats["bytes_read"]
-    return {"bytes_written": w, "bytes_read": r, "write_GBps": round(w / end / 1e9, 4),
-            "read_GBps": round(r / end / 1e9, 4), "bandwidth_use": round((w + r) / end / st.bandwidth, 4),
-            "capacity_bytes": st.capacity, "peak_used_bytes": st.peak, "peak_use": round(st.peak / st.capacity, 4),
-            "evicted_blocks": st.stats["evicted_blocks"], "read_block_hits": st.stats["hits"],
-            "read_block_misses": st.stats["misses"]}
-
-
 def _counts(reqs: list[SimRequest]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"states": {}, "reasons": {}, "errors": {}}
     for r in reqs:
@@ -295,16 +288,14 @@ def _counts(reqs: list[SimRequest]) -> dict[str, dict[str, int]]:
     return {k: dict(sorted(v.items())) for k, v in out.items()}
 
 
-def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
-    """Every metric of a run as plain data (deterministic for a given scenario and seed)."""
+def summarize(cl: Run, raw: dict[str, Any]) -> dict[str, Any]:
+    """Every metric of a run as plain data (deterministic for a given scenario and seed); the
+    parts only one mode has come from the run's own ``sections``."""
     s = cl.scenario
     reqs = sorted(cl.done, key=lambda r: r.index)
     ok = _completed(reqs)
     end = max(raw["end_time"], 1e-9)
-    itl: dict[float, int] = {}
-    for d in cl.decode:
-        for gap, n in d.itl.items():
-            itl[gap] = itl.get(gap, 0) + n
+    itl = cl.itl()
     slo = _attainment(s, reqs, ok)
     rates = _rates(reqs, ok, slo.pop("_good"))
     why, short, more = _verdict(raw["drained"] and not raw["deadlock"], slo, rates, len(reqs))
@@ -322,60 +313,14 @@ def summarize(cl: Cluster, raw: dict[str, Any]) -> dict[str, Any]:
         "slo": {**slo, "meets": not why and not short, "unmet": why, "too_short": short,
                 "requests_needed": more},
         "prefix_hit_rate": round(sum(r.cached_tokens for r in reqs) / prompt, 4) if prompt else 0.0,
-        "storage": _storage(cl, end),
-        "partial_reads": cl.counters["partial_reads"], "preemptions": cl.counters["preemptions"],
+        "mode": s.cluster.mode, "preemptions": cl.counters["preemptions"],
+        "rejected_too_long": cl.counters["rejected_too_long"],
         "preemption_round_trip_ms": latency_stats(cl.round_trips),
-        "host_tier": _host_tier(cl, prompt),
-        "gpu_prefix_cache": _prefix_cache(cl, prompt),
-        "backlogged_requests": cl.counters["backlogged"], "rejected_too_long": cl.counters["rejected_too_long"],
-        "prompts_dropped": cl.counters["prompts_dropped"],
-        "late_events": {k[5:]: v for k, v in sorted(cl.counters.items()) if k.startswith("late_")},
-        "injected_failures": {"write": cl.counters["injected_write_failures"],
-                              "read": cl.counters["injected_read_failures"]},
-        "gpu_blocks_per_instance": cl.gpu_blocks,
-        "instances": _instances(cl, end),
-        "peaks": _peaks(cl.series),
-        "series": cl.series,
+        "gpu_blocks_per_instance": cl.gpu_blocks, "series": cl.series,
+        **cl.sections(end, prompt),
         "_latencies_ms": {"TTFT": [1000 * r.ttft for r in ok],
                           "TPOT": [1000 * r.tpot for r in ok if r.out > 1],
                           "E2E": [1000 * r.e2e for r in ok]},
     }
 
 
-def _host_tier(cl: Cluster, prompt_tokens: int) -> dict[str, Any] | None:
-    """The host tiers: prefix blocks found per tier at P, swaps at D, entries and evictions."""
-    tiers = [i.lc.host for i in cl.instances if i.lc.host is not None]
-    if not tiers:
-        return None
-    stats = [t.stats() for t in tiers]
-    host = sum(p.lc.counters["host_prefix_blocks"] for p in cl.prefill)
-    store = sum(p.lc.counters["store_prefix_blocks"] for p in cl.prefill)
-    share = (lambda n: round(n * cl.block_size / prompt_tokens, 4)) if prompt_tokens else (lambda n: 0.0)
-    return {"slots_per_instance": stats[0].slots, "entries": sum(x.entries for x in stats),
-            "prefix_blocks_from_host": host, "prefix_blocks_from_store": store,
-            "prefix_hit_rate_host": share(host), "prefix_hit_rate_store": share(store),
-            "swap_outs": cl.counters["swap_outs"], "swap_ins": cl.counters["swap_ins"],
-            "blocks_swapped_out": cl.counters["blocks_swapped_out"],
-            "blocks_swapped_in": cl.counters["blocks_swapped_in"],
-            "evictions": sum(x.evictions for x in stats)}
-
-
-def _prefix_cache(cl: Cluster, prompt_tokens: int) -> dict[str, Any] | None:
-    """The GPU prefix caches: prompt blocks P found on its GPU, blocks D did not read."""
-    caches = [i.lc.prefix_cache.prefix_stats() for i in cl.instances if i.lc.prefix_cache is not None]
-    if not caches:
-        return None
-    p_hits = sum(p.lc.counters["gpu_prefix_blocks"] for p in cl.prefill)
-    d_hits = sum(d.lc.counters["gpu_read_blocks"] for d in cl.decode)
-    share = (lambda n: round(n * cl.block_size / prompt_tokens, 4)) if prompt_tokens else (lambda n: 0.0)
-    return {"prefix_blocks_from_gpu": p_hits, "prefix_hit_rate_gpu": share(p_hits),
-            "decode_blocks_not_read": d_hits, "decode_hit_rate_gpu": share(d_hits),
-            "cached_blocks": sum(c.cached for c in caches), "evictions": sum(c.evictions for c in caches)}
-
-
-def _peaks(series: list[dict[str, Any]]) -> dict[str, Any]:
-    def peak(key: str) -> list[int]:
-        return [max(x[key][i] for x in series) for i in range(len(series[0][key]))] if series else []
-
-    return {"prefill_queue": peak("prefill_queue"), "decode_running": peak("decode_running"),
-            "decode_preempted": peak("decode_preempted"), "backlog": max((x["backlog"] for x in series), default=0)}
