@@ -142,9 +142,9 @@ def test_model_from_a_hugging_face_config(tmp_path):
     m = model_from_hf_config(tmp_path)
     assert (m.name, m.num_layers, m.kv_heads, m.head_dim, m.dtype) == ("Meta-Llama-3-8B", 32, 8, 128, "bfloat16")
     assert m.params_b == pytest.approx(MODELS["llama-3-8b"].params_b, rel=0.01)  # the published 8.03B
-    (tmp_path / "moe.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
-    with pytest.raises(Exception, match="mixture-of-experts"):
-        model_from_hf_config(tmp_path / "moe.json")
+    (tmp_path / "moe.json").write_text(json.dumps({**cfg, "num_local_experts": 8, "num_experts_per_tok": 2}))
+    moe = model_from_hf_config(tmp_path / "moe.json")  # Mixtral-style: experts as wide as the MLP
+    assert (moe.experts, moe.experts_per_token, moe.moe_intermediate) == (8, 2, 14336)
 
 
 # -- kvstate scenario and the shipped examples ----------------------------------------------------
@@ -240,6 +240,7 @@ def test_progress_shows_on_a_terminal_after_two_seconds_only():
 
 def test_build_scenario_applies_presets_and_files(tmp_path):
     import argparse
-    args = argparse.Namespace(scenario="llama-3-70b-h200", trace=None, model=None, rate=None, num_prompts=None,
-                              tp=None, n_prefill=None, n_decode=None, seed=None, set=[])
+    args = argparse.Namespace(scenario="llama-3-70b-h200", trace=None, model=None, gpu=None, mode=None, rate=None,
+                              num_prompts=None, tp=None, n_prefill=None, n_decode=None, n_instances=None, seed=None,
+                              set=[])
     assert simcmds.build_scenario(args).cluster.tp == 4

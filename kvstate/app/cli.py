@@ -13,6 +13,8 @@ from typing import NoReturn
 
 from .. import __version__
 from ..errors import ConfigError, KVStateError
+from ..sim.gpus import GPUS
+from ..sim.scenario import MODES
 from . import democmd, profilecmd, simcmds
 from .argtypes import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, number
 
@@ -45,11 +47,15 @@ def _overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", help="replay this Mooncake-format JSONL trace instead of the scenario's arrivals")
     g.add_argument("--model", metavar="NAME_OR_CONFIG",
                    help="a model preset (llama-3-8b, llama-3-70b, ...) or a Hugging Face config.json")
+    g.add_argument("--gpu", metavar="NAME", help=f"a GPU preset's datasheet and link figures ({', '.join(GPUS)})")
+    g.add_argument("--mode", choices=MODES, help="pd: separate prefill and decode instances; colocated: both on "
+                   "each instance ([scheduler], cluster.n_instances)")
     g.add_argument("--rate", type=POSITIVE_FLOAT, help="request rate, per second")
     g.add_argument("--num-prompts", type=POSITIVE_INT, help="number of requests")
     g.add_argument("--tp", type=POSITIVE_INT, help="tensor-parallel GPUs per instance")
     g.add_argument("--n-prefill", type=POSITIVE_INT, help="prefill instances")
     g.add_argument("--n-decode", type=POSITIVE_INT, help="decode instances")
+    g.add_argument("--n-instances", type=POSITIVE_INT, help="co-located instances (--mode colocated)")
     g.add_argument("--seed", type=NON_NEGATIVE_INT, help="random seed (>= 0)")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any scenario field, e.g. --set slo.ttft_ms=500 (repeatable; VALUE is JSON or text)")

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..sim.gpus import gpu_overrides
 from ..sim.models import resolve_model
 from ..sim.presets import PRESETS, describe, preset
-from ..sim.scenario import Scenario
+from ..sim.scenario import ModelSpec, Scenario
 from ..sim.scenario_io import load_scenario, to_toml, with_overrides
 from .progress import Progress
 
@@ -25,7 +26,10 @@ class Interrupted(Exception):
     """Ctrl-C during a command: what it kept is in the message (the CLI prints it, exit 130)."""
 
 _SHORTCUTS = (("rate", "workload.rate"), ("num_prompts", "workload.num_requests"), ("tp", "cluster.tp"),
-              ("n_prefill", "cluster.n_prefill"), ("n_decode", "cluster.n_decode"))
+              ("n_prefill", "cluster.n_prefill"), ("n_decode", "cluster.n_decode"), ("mode", "cluster.mode"),
+              ("n_instances", "cluster.n_instances"))
+#: what --model sets: the model's own fields (the KV block size is the engine's setting)
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if f.name != "block_size")
 #: with a trace, --rate re-times its arrivals and --num-prompts takes its first requests
 _TRACE_SHORTCUTS = {"rate": "workload.trace_rate", "num_prompts": "workload.trace_requests"}
 
@@ -46,7 +50,10 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     if args.trace:
         over.update({"workload.arrival": "trace", "workload.trace": args.trace})
     if args.model:
-        over.update({f"model.{k}": v for k, v in dataclasses.asdict(resolve_model(args.model)).items()})
+        model = resolve_model(args.model)
+        over.update({f"model.{k}": getattr(model, k) for k in _MODEL_FIELDS})
+    if args.gpu:
+        over.update(gpu_overrides(args.gpu))
     sets: dict[str, Any] = {}
     for item in args.set:
         field, sep, value = item.partition("=")

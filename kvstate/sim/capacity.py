@@ -13,9 +13,12 @@ row's verdict (:mod:`kvstate.sim.metrics`) is one of:
 - ``infeasible``: the combination cannot be built (its model does not fit, its TP does not
   divide the heads), its simulation failed, or it did not drain.
 
-A configuration's cost is its number of GPUs, ``(n_prefill + n_decode) * tp``, then the storage
-bandwidth; the plan is the cheapest that meets the SLOs. When a configuration at most as
-cheap is too short to judge, the plan is undecided and says which (``undecided``).
+A configuration's cost is its number of GPUs, ``(n_prefill + n_decode) * tp`` (``n_instances *
+tp`` co-located), then the storage bandwidth (none co-located); the plan is the cheapest that
+meets the SLOs. Sweeping ``cluster.mode=pd,colocated`` weighs disaggregation against the
+co-located baseline on the same workload (give ``cluster.n_instances`` so both use as many GPUs).
+When a configuration at most as cheap is too short to judge, the plan is undecided and says
+which (``undecided``).
 """
 from __future__ import annotations
 
@@ -66,7 +69,9 @@ def parse_sweep(items: Sequence[str]) -> dict[str, list[Any]]:
 
 
 def _cost(s: Scenario) -> tuple[int, float]:
-    return ((s.cluster.n_prefill + s.cluster.n_decode) * s.cluster.tp, s.storage.bandwidth_gbps)
+    """GPUs, then storage bandwidth (a co-located deployment uses none)."""
+    bw = s.storage.bandwidth_gbps if s.cluster.mode == "pd" else 0.0
+    return s.cluster.instances * s.cluster.tp, bw
 
 
 def _infeasible(config: dict[str, Any], reason: str) -> Row:
@@ -98,7 +103,8 @@ def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
         "ttft_attainment": slo["ttft_attainment"], "tpot_attainment": slo["tpot_attainment"],
         "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p99_ms": r["tpot_ms"]["p99"],
         "ttft_at_target_ms": slo["ttft_at_target_ms"], "tpot_at_target_ms": slo["tpot_at_target_ms"],
-        "preemptions": r["preemptions"], "partial_reads": r["partial_reads"], "reasons": r["reasons"],
+        "preemptions": r["preemptions"], "partial_reads": r.get("partial_reads", 0), "reasons": r["reasons"],
+        "mode": r["mode"],
     }
 
 

@@ -20,6 +20,7 @@ from ..kernels.cost import TransferCostModel
 from ..spec import CacheSpec
 from .decode import DecodeInstance
 from .instance import Instance
+from .pdmetrics import pd_sections
 from .prefill import PrefillInstance
 from .request import SimRequest
 from .router import Router
@@ -142,6 +143,19 @@ class Cluster:
             "blocks_used": {i.name: i.lc.pool.num_used for i in self.instances},
             "storage_used_bytes": self.store.used,
         }
+
+    # -- what the report reads ------------------------------------------------------------------
+    def itl(self) -> dict[float, int]:
+        """Every inter-token gap (s) and its tokens, over the D instances."""
+        out: dict[float, int] = {}
+        for d in self.decode:
+            for gap, n in d.itl.items():
+                out[gap] = out.get(gap, 0) + n
+        return out
+
+    def sections(self, end: float, prompt_tokens: int) -> dict[str, Any]:
+        """The report's parts that only a PD run has."""
+        return pd_sections(self, end, prompt_tokens)
 
     # -- run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -45,9 +45,17 @@ def _header(r: dict[str, Any]) -> list[str]:
     c, w = s["cluster"], s["workload"]
     load = f"{w['arrival']} arrivals at {w['rate']:g} req/s" if w["arrival"] != "trace" else _replay(w)
     wall = f" ({r['wall_s']:.2f} s wall)" if "wall_s" in r else ""
+    if r["mode"] == "colocated":
+        sch = s["scheduler"]
+        where = (f"{c['n_instances']} co-located instance{'s' if c['n_instances'] > 1 else ''} (prefill and "
+                 f"decode together: budget {sch['max_num_batched_tokens']:,} tokens, {sch['max_num_seqs']} seats, "
+                 f"chunked prefill {'on' if sch['chunked_prefill'] else 'off'}, prefix caching "
+                 f"{'on' if sch['prefix_caching'] else 'off'})")
+    else:
+        where = f"{c['n_prefill']} P + {c['n_decode']} D (disaggregated)"
     return [
-        f"kvstate simulate: {s['model']['name']} on {c['n_prefill']} P + {c['n_decode']} D, TP {c['tp']}, "
-        f"{s['gpu']['name']}; {load}, seed {s['seed']}",
+        f"kvstate simulate: {s['model']['name']} on {where}, TP {c['tp']}, {s['gpu']['name']}; {load}, "
+        f"seed {s['seed']}",
         f"offered {r['offered_rps']:.2f} req/s over the {WINDOW_LABELS[r['window']]} "
         f"{r['window_s'][0]:.1f}-{r['window_s'][1]:.1f} s{_finishes(r)}; run {r['duration_s']:.1f} s simulated{wall}",
         f"requests {r['requests']:,}, ended: {_counts(r['reasons'])}",
@@ -75,7 +83,27 @@ def _slo(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _colocated(r: dict[str, Any]) -> list[str]:
+    lines = [f"prefix hits: {_pct(r['prefix_hit_rate'])} of prompt tokens found cached on the GPU, not computed",
+             f"preemptions (recompute) {r['preemptions']:,}, refused as too long {r['rejected_too_long']:,}"]
+    if r["preemptions"]:
+        rt = r["preemption_round_trip_ms"]
+        lines.append(f"preemption round trip (preempted to its next token): p50 {rt['p50']:,.1f} ms, "
+                     f"p99 {rt['p99']:,.1f} ms")
+    gpu = r["gpu_prefix_cache"]
+    if gpu:
+        lines.append(f"GPU prefix cache: {gpu['cached_blocks']:,} blocks cached at the end, "
+                     f"{gpu['evictions']:,} evictions")
+    lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):")
+    for name, i in r["instances"].items():
+        lines.append(f"  {name:<4} compute {_pct(i['compute_busy'])}, seats {_pct(i['seats_used'])}, blocks "
+                     f"{_pct(i['blocks_used'])} (peak {_pct(i['peak_blocks_used'])}), {i['steps']:,} steps")
+    return lines
+
+
 def _resources(r: dict[str, Any]) -> list[str]:
+    if r["mode"] == "colocated":
+        return _colocated(r)
     st = r["storage"]
     late = r["late_events"]
     lines = [

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .cluster import Cluster
+from .colocated_cluster import ColocatedCluster
 from .metrics import summarize
 from .scenario import Scenario
 
@@ -17,7 +18,8 @@ def simulate(s: Scenario, progress: Callable[[int, int], None] | None = None) ->
     ``wall_s`` (left out of ``--json``, so equal seeds give equal bytes). ``progress(done,
     total)`` is called as requests end."""
     t = time.perf_counter()
-    cl = Cluster(s, on_end=progress)
+    cl: Cluster | ColocatedCluster = (ColocatedCluster(s, on_end=progress) if s.cluster.mode == "colocated"
+                                      else Cluster(s, on_end=progress))
     out = summarize(cl, cl.run())
     out["wall_s"] = time.perf_counter() - t
     return out

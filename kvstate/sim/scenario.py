@@ -19,8 +19,9 @@ from .fields import Section, doc_of, setting
 from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec
 from .tp import PROTOCOLS
 
-__all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "StorageSpec", "NetworkSpec", "TpSpec",
-           "PolicySpec", "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "TOP_LEVEL", "doc_of", "MAX_REQUESTS",
+__all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "SchedulerSpec", "StorageSpec", "NetworkSpec",
+           "TpSpec", "PolicySpec", "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "MODES", "TOP_LEVEL", "doc_of",
+           "MAX_REQUESTS",
            "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS"]
 
 DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "exponential")
@@ -41,12 +42,16 @@ MAX_BLOCKS = 1 << 26  #: GPU or host blocks over every instance of a run
 MAX_BATCH = 1 << 16  #: decode_max_batch
 MAX_TOKENS = 1 << 24  #: prefill_token_budget, input_max, output_max
 BARRIERS = ("auto", "manual-reset")
+MODES = ("pd", "colocated")  #: ``cluster.mode``
 
 
 @dataclass(frozen=True)
 class ClusterSpec(Section):
-    """P and D instances, their TP degree and their schedulers' limits."""
+    """P and D instances (or co-located ones), their TP degree and their schedulers' limits."""
 
+    mode: str = setting("pd", f"one of {list(MODES)}: prefill and decode on separate instances (P and D, the "
+                        "cache moving through the storage pool), or both on each instance ([scheduler])")
+    n_instances: int = setting(1, "co-located instances (mode colocated; requests go to the least loaded)")
     n_prefill: int = setting(2, "prefill (P) instances")
     n_decode: int = setting(2, "decode (D) instances")
     tp: int = setting(2, "tensor-parallel GPUs per instance")
@@ -62,17 +67,58 @@ class ClusterSpec(Section):
     layerwise: bool = setting(False, "P stores each layer of the cache as its prefill computes it, so only the last "
                                 "layer's share trails the prefill; D reads layer by layer (timed as a read)")
 
+    @property
+    def instances(self) -> int:
+        """Instances of the mode in use: each is ``tp`` GPUs with its own blocks."""
+        return self.n_instances if self.mode == "colocated" else self.n_prefill + self.n_decode
+
     def check(self) -> None:
-        self.positive("n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch", "staging_mib",
-                      "transfer_workers")
+        self.choice("mode", MODES)
+        self.positive("n_instances", "n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch",
+                      "staging_mib", "transfer_workers")
         self.non_negative("gpu_blocks", "host_blocks")
-        self.at_most(n_prefill=MAX_INSTANCES, n_decode=MAX_INSTANCES, tp=MAX_TP, decode_max_batch=MAX_BATCH,
-                     prefill_token_budget=MAX_TOKENS, transfer_workers=64, staging_mib=1 << 16)
+        self.at_most(n_instances=MAX_INSTANCES, n_prefill=MAX_INSTANCES, n_decode=MAX_INSTANCES, tp=MAX_TP,
+                     decode_max_batch=MAX_BATCH, prefill_token_budget=MAX_TOKENS, transfer_workers=64,
+                     staging_mib=1 << 16)
         for name in ("gpu_blocks", "host_blocks"):
-            total = getattr(self, name) * (self.n_prefill + self.n_decode)
+            total = getattr(self, name) * self.instances
             if total > MAX_BLOCKS:
-                raise ConfigError(f"{name}: {getattr(self, name):,} blocks on each of {self.n_prefill + self.n_decode} "
+                raise ConfigError(f"{name}: {getattr(self, name):,} blocks on each of {self.instances} "
                                   f"instances is {total:,}; a run holds at most {MAX_BLOCKS:,} (~50 bytes each)")
+        if self.mode == "colocated":
+            for name in ("host_blocks", "layerwise", "prefix_cache"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name}: a PD setting; a co-located instance has no host tier and moves no "
+                                      "cache (its prefix cache is [scheduler] prefix_caching)")
+
+
+@dataclass(frozen=True)
+class SchedulerSpec(Section):
+    """A co-located instance's scheduler, as vLLM v1's (``cluster.mode = "colocated"``)."""
+
+    max_num_batched_tokens: int = setting(8192, "token budget of one step: decode tokens, then prompt chunks")
+    max_num_seqs: int = setting(256, "requests running at once (decoding or prefilling)")
+    chunked_prefill: bool = setting(True, "split a prompt over steps to fit the budget, beside the decoding "
+                                    "requests; off, a prompt runs whole or waits")
+    prefix_caching: bool = setting(True, "keep computed prompt blocks on the GPU, idle, evicted least recently "
+                                   "used; an admitted prompt takes its cached prefix back")
+    max_model_len: int = setting(0, "prompt + answer tokens beyond which a request is refused (400); 0: what "
+                                 "the instance's blocks hold")
+    async_scheduling: bool = setting(True, "schedule each step while the one before runs (vLLM's default since "
+                                     "0.14): an arrival joins the step after the next")
+    frontend_ms: float = setting(0.0, "the serving front end's time on each request's path (HTTP, tokenizing, "
+                                 "handing over, streaming the first token), added to its TTFT and E2E")
+
+    def check(self) -> None:
+        self.positive("max_num_batched_tokens", "max_num_seqs")
+        self.non_negative("max_model_len", "frontend_ms")
+        self.at_most(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_BATCH, max_model_len=MAX_TOKENS)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens: {self.max_num_batched_tokens} is less than max_num_seqs "
+                              f"{self.max_num_seqs}: a step must hold a token of every running request")
+        if not self.chunked_prefill and 0 < self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"max_num_batched_tokens: without chunked prefill it must hold the longest prompt "
+                              f"(max_model_len {self.max_model_len})")
 
 
 @dataclass(frozen=True)
@@ -232,7 +278,7 @@ class FaultSpec(Section):
 
 #: The sections by table name, in the order files are written.
 SECTIONS: dict[str, type] = {
-    "model": ModelSpec, "gpu": GpuSpec, "cluster": ClusterSpec, "storage": StorageSpec,
+    "model": ModelSpec, "gpu": GpuSpec, "cluster": ClusterSpec, "scheduler": SchedulerSpec, "storage": StorageSpec,
     "network": NetworkSpec, "tp": TpSpec, "policy": PolicySpec, "workload": WorkloadSpec,
     "slo": SloSpec, "faults": FaultSpec,
 }
@@ -248,6 +294,7 @@ class Scenario(Section):
     model: ModelSpec = field(default_factory=ModelSpec)
     gpu: GpuSpec = field(default_factory=GpuSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     storage: StorageSpec = field(default_factory=StorageSpec)
     network: NetworkSpec = field(default_factory=NetworkSpec)
     tp: TpSpec = field(default_factory=TpSpec)
@@ -265,7 +312,7 @@ class Scenario(Section):
                 raise ConfigError(f"[{name}] must be a {cls.__name__}")
         if len(self.tp.skew_ms) > self.cluster.tp:
             raise ConfigError(f"[tp] skew_ms: {len(self.tp.skew_ms)} entries for {self.cluster.tp} ranks")
-        if self.model.kv_heads % self.cluster.tp:
+        if self.model.kv_heads % self.cluster.tp and not self.model.kv_lora_rank:
             raise ConfigError(f"[cluster] tp: the model's {self.model.kv_heads} KV heads do not split "
                               f"over {self.cluster.tp} ranks")
         if self.policy.preempt == "swap" and not self.cluster.host_blocks:
@@ -275,7 +322,9 @@ class Scenario(Section):
     def cache_spec(self) -> CacheSpec:
         """One TP rank's cache geometry: every size below comes from it."""
         m, tp = self.model, self.cluster.tp
-        return CacheSpec(num_layers=m.num_layers, kv_heads=m.kv_heads // tp, block_size=m.block_size,
+        # a latent (MLA) cache is one head, replicated on every rank
+        kv = m.kv_heads if m.kv_lora_rank else m.kv_heads // tp
+        return CacheSpec(num_layers=m.num_layers, kv_heads=kv, block_size=m.block_size,
                          head_dim=m.head_dim, dtype=m.dtype, tp_size=tp)
 
     @property
@@ -300,7 +349,7 @@ class Scenario(Section):
             raise ConfigError(f"{self.source}: [gpu] mem_gib: the weights of {self.model.name} "
                               f"({self.weight_bytes / 2**30:.1f} GiB over TP {self.cluster.tp}) do not fit")
         blocks = int(free // self.block_bytes_per_rank)
-        instances = self.cluster.n_prefill + self.cluster.n_decode
+        instances = self.cluster.instances
         if blocks * instances > MAX_BLOCKS:
             raise ConfigError(f"{self.source}: [gpu] mem_gib: {self.gpu.mem_gib:g} GiB leaves {blocks:,} KV blocks "
                               f"on each of {instances} instances; a run holds at most {MAX_BLOCKS:,} (set "
