@@ -7,7 +7,10 @@
   byte-identical;
 - the shipped Mooncake synthetic trace (3,993 requests, 64 % block reuse): wall seconds;
 - a 12,000-request conversation-style trace (``kvstate.sim.conversation``, seed 0, 37 % block
-  reuse), generated into a temporary file: wall seconds.
+  reuse), generated into a temporary file: wall seconds;
+- the co-located mode (``cluster.mode = "colocated"``) replaying the 16,800 requests of the
+  real vLLM "general" run (``benchmarks/vllm_groundtruth.py``'s scenario and trace, Llama-2-7B
+  on one H100): wall seconds, when ``../shared/data/vllm_groundtruth`` is there.
 One process, one core (SimPy is single-threaded). Wall times on a shared machine vary by
 tens of percent between runs, and by more from day to day: take the best of several, and
 compare versions side by side.
@@ -48,7 +51,30 @@ def replay(path: str) -> tuple[float, dict]:
 
 
 #: figures compared by --against: lower is better, except the rate
-WALLS = ("default_wall_s", "trace_wall_s", "conversation_wall_s")
+WALLS = ("default_wall_s", "trace_wall_s", "conversation_wall_s", "colocated_general_wall_s")
+GENERAL_RUN = "20260217-231439-llama-2-7b-tp1-general"
+
+
+def colocated_general() -> dict:
+    """The co-located replay of the real 16,800-request run, as a user would set it up."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from vllm_groundtruth import DEFAULT_DATA, load_run, write_inputs
+
+    from kvstate.sim.models import model_from_hf_config
+    from kvstate.sim.scenario_io import load_scenario
+    run_dir = DEFAULT_DATA / "runs" / GENERAL_RUN
+    if not run_dir.is_dir():
+        return {"colocated_general": f"skipped: {run_dir} not found"}
+    run = load_run(run_dir)
+    with tempfile.TemporaryDirectory() as d:
+        from pathlib import Path
+        sc = load_scenario(write_inputs(run, Path(d)))
+        model = model_from_hf_config(DEFAULT_DATA / "model_configs" / "Llama-2-7b-hf" / "config.json")
+        fields = {f"model.{k}": getattr(model, k) for k in ("name", "params_b", "num_layers", "hidden", "num_heads",
+                                                             "kv_heads", "head_dim", "intermediate", "vocab")}
+        wall, r = timed(with_overrides(sc, fields))
+    return {"colocated_general_requests": r["requests"], "colocated_general_wall_s": round(wall, 3),
+            "colocated_general_reasons": r["reasons"]}
 
 
 def child(tree: str, quick: bool) -> dict:
@@ -117,6 +143,7 @@ def main() -> int:
         out.update({"conversation_requests": cr["requests"], "conversation_block_reuse": round(block_reuse(recs), 4),
                     "conversation_wall_s": round(wall, 3), "conversation_simulated_s": cr["duration_s"],
                     "conversation_reasons": cr["reasons"]})
+        out.update(colocated_general())
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:
