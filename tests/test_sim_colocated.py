@@ -181,3 +181,10 @@ def test_plan_weighs_pd_against_colocated_on_the_same_gpus(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == {"pd", "colocated"}
     assert {r["gpus"] for r in rows} == {8}  # 2 P + 2 D at TP 2, and 4 co-located at TP 2
+
+
+def test_plots_of_a_colocated_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    assert main(["simulate", "--quiet", "--mode", "colocated", "--num-prompts", "60", "--tp", "1",
+                 "--plot", str(tmp_path)]) in (0, 1)
+    assert (tmp_path / "utilisation.png").stat().st_size > 10_000 and (tmp_path / "latency_cdf.png").is_file()

@@ -55,24 +55,19 @@ def plot_simulation(result: dict[str, Any], latencies: dict[str, list[float]], o
 
     series = result["series"]
     t = [x["t"] for x in series]
-    fig, axes = plt.subplots(3, 1, figsize=(12, 9), sharex=True)
-    for i in range(len(series[0]["prefill_queue"]) if series else 0):
-        axes[0].plot(t, [x["prefill_queue"][i] for x in series], label=f"P{i} prefill queue")
-    for i in range(len(series[0]["decode_running"]) if series else 0):
-        axes[0].plot(t, [x["decode_running"][i] for x in series], label=f"D{i} running")
-        axes[0].plot(t, [x["decode_preempted"][i] for x in series], ls=":", label=f"D{i} preempted")
-    axes[0].plot(t, [x["backlog"] for x in series], ls="--", label="backlog")
-    axes[0].set_ylabel("requests")
-    axes[0].legend(fontsize=7, ncol=3)
+    pd = result["mode"] != "colocated"
+    fig, axes = plt.subplots(3 if pd else 2, 1, figsize=(12, 9 if pd else 6.5), sharex=True)
+    _queues(axes[0], series, t, pd)
     total = result["gpu_blocks_per_instance"]
     for name in (series[0]["blocks_used"] if series else {}):
         axes[1].plot(t, [100 * x["blocks_used"][name] / total for x in series], label=name)
     axes[1].set_ylabel("GPU blocks used (%)")
     axes[1].legend(fontsize=7, ncol=4)
-    cap = result["storage"]["capacity_bytes"]
-    axes[2].plot(t, [100 * x["storage_used_bytes"] / cap for x in series])
-    axes[2].set_ylabel("storage used (%)")
-    axes[2].set_xlabel("simulated time (s)")
+    if pd:
+        cap = result["storage"]["capacity_bytes"]
+        axes[2].plot(t, [100 * x["storage_used_bytes"] / cap for x in series])
+        axes[2].set_ylabel("storage used (%)")
+    axes[-1].set_xlabel("simulated time (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -80,6 +75,20 @@ def plot_simulation(result: dict[str, Any], latencies: dict[str, list[float]], o
     fig.savefig(files[-1], dpi=100)
     plt.close(fig)
     return files
+
+
+def _queues(ax: Any, series: list[dict[str, Any]], t: list[float], pd: bool) -> None:
+    """Requests queued and running per instance over time (P, D and the backlog; or co-located)."""
+    lines = ((("prefill_queue", "P{} prefill queue", "-"), ("decode_running", "D{} running", "-"),
+              ("decode_preempted", "D{} preempted", ":")) if pd else
+             (("waiting", "C{} waiting", "-"), ("running", "C{} running", ":")))
+    for key, label, style in lines:
+        for i in range(len(series[0][key]) if series else 0):
+            ax.plot(t, [x[key][i] for x in series], ls=style, label=label.format(i))
+    if pd:
+        ax.plot(t, [x["backlog"] for x in series], ls="--", label="backlog")
+    ax.set_ylabel("requests")
+    ax.legend(fontsize=7, ncol=3)
 
 
 _COLORS = {"meets": "tab:green", "fails": "tab:red", "too short": "tab:orange", "infeasible": "tab:gray"}
