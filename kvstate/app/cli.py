@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--attainment", type=number(float, 0, False, "a number in (0, 1]"),
                     help="share of requests that must meet each SLO (default: the scenario's)")
     pl.add_argument("--workers", type=POSITIVE_INT, help="parallel simulations (default: every core)")
+    pl.add_argument("--ray", metavar="ADDRESS", help="run the configurations as tasks on a Ray cluster: 'auto' "
+                    "(the one this machine runs), HOST:PORT or ray://HOST:PORT (needs the ray extra; results "
+                    "are the same as with local processes)")
     pl.add_argument("--out", default="plan.json", help="JSON result file, rewritten as rows come (default plan.json)")
     pl.add_argument("--plot", metavar="DIR", help="write plan.png (every configuration) into DIR")
     pl.add_argument("--json", action="store_true", help="print the JSON result instead of the table")

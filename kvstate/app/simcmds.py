@@ -226,7 +226,7 @@ def plan(args: argparse.Namespace) -> int:
         bar.update(done, n)
 
     try:
-        res = run_plan(sc, sweep, attainment=args.attainment, workers=args.workers, on_row=on_row)
+        res = run_plan(sc, sweep, attainment=args.attainment, workers=args.workers, ray=args.ray, on_row=on_row)
     except KeyboardInterrupt:
         kept = f"the {len(rows)} rows so far are in {out}" if rows else "no configuration had finished"
         raise Interrupted(f"interrupted after {len(rows)} of {total[0] or '?'} configurations; {kept}") from None

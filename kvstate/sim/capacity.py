@@ -1,7 +1,8 @@
 """Capacity planning: sweep scenario fields, keep the cheapest configuration meeting the SLOs.
 
 Every combination of the swept values (``{"cluster.n_prefill": [1, 2, 3], ...}``) is simulated
-at the target rate, in parallel over the machine's cores. Every value is checked against its
+at the target rate, in parallel over the machine's cores or as tasks on a Ray cluster
+(:mod:`~kvstate.sim.sweep`): the rows are the same either way. Every value is checked against its
 field's rules before any simulation runs: a typo is the whole plan's error, never a row. Each
 row's verdict (:mod:`kvstate.sim.metrics`) is one of:
 
@@ -24,10 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import multiprocessing
 import os
-import signal
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +34,7 @@ from .metrics import verdict_of
 from .run import simulate
 from .scenario import Scenario, WorkloadSpec
 from .scenario_io import field_names, with_overrides
+from .sweep import run_all
 from .workload import offered_rate
 
 __all__ = ["plan", "parse_sweep", "Row"]
@@ -147,10 +146,12 @@ def _jobs(base: Scenario, sweep: Mapping[str, Sequence[Any]], fixed: dict[str, A
 
 
 def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | None = None,
-         attainment: float | None = None, workers: int | None = None,
+         attainment: float | None = None, workers: int | None = None, ray: str | None = None,
          on_row: Callable[[Row, int, int], None] | None = None) -> dict[str, Any]:
-    """Simulate every combination; returns ``rows`` (sorted by cost, infeasible last) and
-    ``best`` (or None). ``on_row(row, done, total)`` sees each row as it comes."""
+    """Simulate every combination, on ``workers`` local processes or on the Ray cluster at
+    ``ray`` (:mod:`~kvstate.sim.sweep`); returns ``rows`` (sorted by cost, infeasible last,
+    then by the sweep's order: the same wherever they ran) and ``best`` (or None).
+    ``on_row(row, done, total)`` sees each row as it comes."""
     if not sweep:
         raise ConfigError("plan: give at least one field to sweep")
     if attainment is not None and not 0 < attainment <= 1:
@@ -162,26 +163,14 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
         fixed["slo.attainment"] = attainment
     base = with_overrides(base, fixed) if fixed else base  # a bad rate is the whole plan's error
     jobs = _jobs(base, sweep, fixed)
-    rows: list[Row] = []
-    n = len(jobs)
-    workers = min(workers or os.cpu_count() or 1, n)
-    if workers == 1:
-        results: Any = map(_run_one, jobs)
-    else:
-        ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-        pool = ctx.Pool(workers, initializer=_ignore_interrupts)
-        results = pool.imap(_run_one, jobs)
-    try:
-        for row in results:
-            rows.append(row)
-            if on_row is not None:
-                on_row(row, len(rows), n)
-    finally:
-        if workers != 1:
-            pool.terminate()
-            pool.join()
-    rows.sort(key=lambda r: (not r["feasible"], r["gpus"] or 0, r["storage_bandwidth_gbps"] or 0.0,
-                             -r.get("goodput_rps", 0.0)))
+    done: list[tuple[int, Row]] = []
+    for i, row in run_all(_run_one, jobs, workers or os.cpu_count() or 1, ray):
+        done.append((i, row))
+        if on_row is not None:
+            on_row(row, len(done), len(jobs))
+    done.sort(key=lambda ir: (not ir[1]["feasible"], ir[1]["gpus"] or 0, ir[1]["storage_bandwidth_gbps"] or 0.0,
+                              -ir[1].get("goodput_rps", 0.0), ir[0]))
+    rows = [row for _, row in done]
     best = next((r for r in rows if r["meets_slo"]), None)
     undecided = [r["config"] for r in rows if r["verdict"] == "too short"
                  and (best is None or (r["gpus"], r["storage_bandwidth_gbps"]) <= (best["gpus"],
@@ -191,7 +180,3 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
             "rows": rows, "best": best, "undecided": undecided, "sweep": {k: list(v) for k, v in sweep.items()},
             "base": base.source}
 
-
-def _ignore_interrupts() -> None:
-    """A pool worker leaves Ctrl-C to the parent, which ends the pool: no traceback per worker."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
