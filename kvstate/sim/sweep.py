@@ -17,6 +17,7 @@ deterministic (a scenario and its seed), so where it runs changes nothing in its
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
 import socket
@@ -76,7 +77,7 @@ def _connected(address: str) -> Iterator[Any]:
     _probe(address)
     try:
         ray.init(address=address, runtime_env={"py_modules": [kvstate]}, log_to_driver=False,
-                 logging_level="ERROR")
+                 logging_level=logging.ERROR)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise ConfigError(f"--ray {address}: cannot connect to a Ray cluster ({e})") from None
     try:
