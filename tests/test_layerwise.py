@@ -105,7 +105,7 @@ def test_a_save_finishing_after_prefill_done_sends_the_first_token():
     drv.complete(save.command_id, 0)
     drv.complete(save.command_id, 1)
     assert lc.stats()["done"] == 1 and lc.stats()["retries"] == 0
-    assert store.puts == 2 * len(keys) * len(SPEC.kinds) * 2  # ranks x blocks x kinds x groups, once
+    assert store.puts == 2 * len(keys) * (len(SPEC.kinds) + 1) * 2  # ranks x blocks x (kinds + manifest) x groups
 
 
 def test_a_full_store_hit_answers_before_any_layer():

@@ -109,7 +109,7 @@ def test_write_skips_the_leading_blocks_already_stored():
     store = _CountingStore(1 << 26)
     rig = Rig(store=store, policy=Policy(transfer_timeout=10.0, fence_grace=5.0, read_prefix=False))
     serve(rig, "a")
-    assert len(store.put_keys) == 3 * 2 * 2  # 3 blocks, 2 ranks, K and V
+    assert len(store.put_keys) == 3 * 2 * 3  # 3 blocks, 2 ranks, K, V and the manifest
     # the same prompt again: every block is stored, so the write moves nothing and answers in full
     store.put_keys.clear()
     serve(rig, "b")

@@ -71,7 +71,7 @@ def test_exists_and_skip_already_stored(master):
         assert d_matches(rig, TOKS, sd.block_ids)
         rig.D.finish("a")
         written = sum(puts)
-        assert written == 3 * 2 * 2  # 3 blocks x (key, value) on each of 2 ranks
+        assert written == 3 * 3 * 2  # 3 blocks x (key, value, manifest) on each of 2 ranks
         assert rig.pb.query(0, block_keys(TOKS, 4)) == 3  # every block found by an existence query
         deliver(rig, handoff(rig, "b"))  # same prompt: every block found, nothing written
         assert sum(puts) == written

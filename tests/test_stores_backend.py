@@ -189,7 +189,7 @@ def test_layer_groups_store_a_block_as_one_object_per_group():
             layer[:] = rng.integers(0, 1000, layer.shape)
     keys = block_keys(list(range(12)), 4)
     assert p.write(0, keys, [3, 1, 6]) == 3
-    assert len(store) == 3 * len(spec.kinds) * 3
+    assert len(store) == 3 * (len(spec.kinds) + 1) * 3  # and a manifest per block and group
     assert len(store.batch_get_into([f"{keys[0]}_key_0_g1"], [bytearray(spec.block_bytes() // 3)])) == 1
     assert store.batch_is_exist([f"{keys[0]}_key_0"]) == [0]  # no whole-block object
     assert d.read(0, keys, [0, 2, 4]) == 3

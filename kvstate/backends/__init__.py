@@ -4,8 +4,9 @@
 store client) and :mod:`~kvstate.backends.mooncake_master` (a local master) are imported on
 demand: their packages are optional.
 """
-from .base import MISSING, Guard, Store, StoreBackend, TransferBackend, check_fence, leading
+from .base import MISSING, Guard, Store, TransferBackend, check_fence, leading
 from .drivers import StepDriver, ThreadedDriver
+from .objects import StoreBackend
 from .reference import ReferenceBackend
 from .runner import CommandRunner, execute
 from .stores import FileStore, MemoryStore

@@ -27,7 +27,8 @@ from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, check_fence
+from .base import Guard, Store, check_fence
+from .objects import StoreBackend
 
 __all__ = ["CudaBackend"]
 
@@ -219,12 +220,12 @@ class CudaBackend(StoreBackend):
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def _pieces(self, group: int | None) -> tuple[int, list[int] | None, int | None]:
-        """(blocks a staging slot holds, the groups named, groups per block) for a transfer of
-        every layer (``group`` None) or of one layer group."""
+    def _pieces(self, group: int | None) -> tuple[int, list[int] | None]:
+        """(blocks a staging slot holds, the groups named) for a transfer of every layer
+        (``group`` None) or of one layer group."""
         if group is None:
-            return self.per_slot, None, None
-        return self.per_slot * self.spec.layer_groups, [group], 1
+            return self.per_slot, None
+        return self.per_slot * self.spec.layer_groups, [group]
 
     def _save_groups(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
                      layers: Callable[..., Any]) -> int:
@@ -253,9 +254,8 @@ class CudaBackend(StoreBackend):
                         if ahead:
                             gather(events, g + 1, ahead)
                         sw.wait(events[g % 2])
-                        status = self.store.batch_put_from(self._names(rank, keys[:count], [g]),
-                                                           self._piece_views(rank, g % 2, count, g))
-                        count = min(count, self._whole([st == 0 for st in status], count, 1))
+                        count = min(count, self._put_objects(rank, keys[:count], [g],
+                                                             self._piece_views(rank, g % 2, count, g)))
                         g += 1
                         if not (ahead and count):
                             break
@@ -269,7 +269,7 @@ class CudaBackend(StoreBackend):
         ``ready`` if one is given) piece by piece through the two staging slots, storing a
         piece while the next is gathered; leading blocks stored."""
         sw, n = self._swappers[rank], len(keys)
-        m, groups, per = self._pieces(group)
+        m, groups = self._pieces(group)
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
         count = 0
         with self._on(rank):
@@ -284,9 +284,7 @@ class CudaBackend(StoreBackend):
                         a2, b2 = pieces[k + 1]
                         events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard, group)
                     sw.wait(events[k % 2])
-                    views = self._piece_views(rank, k % 2, b - a, group)
-                    status = self.store.batch_put_from(self._names(rank, keys[a:b], groups), views)
-                    done = self._whole([st == 0 for st in status], b - a, per)
+                    done = self._put_objects(rank, keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group))
                     count += done
                     if done < b - a:
                         break
@@ -323,9 +321,7 @@ class CudaBackend(StoreBackend):
                     slot = g % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
-                    views = self._piece_views(rank, slot, n, g)
-                    got = self.store.batch_get_into(self._names(rank, keys, [g]), views)
-                    done = self._whole([x == v.nbytes for x, v in zip(got, views)], n, 1)
+                    done = self._get_objects(rank, keys, [g], self._piece_views(rank, slot, n, g))
                     if done:
                         events[slot] = self._enqueue(rank, slot, block_ids[:done], "h2d", guard, g)
                     if done < n:
@@ -348,7 +344,7 @@ class CudaBackend(StoreBackend):
         """Read the blocks (every layer, or one layer group) piece by piece into the two
         staging slots, scattering a piece while the next is read; leading blocks scattered."""
         sw, n = self._swappers[rank], len(keys)
-        m, groups, per = self._pieces(group)
+        m, groups = self._pieces(group)
         count = 0
         with self._on(rank):
             events: list[Any] = [None, None]
@@ -357,10 +353,8 @@ class CudaBackend(StoreBackend):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
-                    views = self._piece_views(rank, slot, b - a, group)
-                    got = self.store.batch_get_into(self._names(rank, keys[a:b], groups), views)
-                    # a short read is a miss: a block counts only if every object arrived whole
-                    done = self._whole([g == v.nbytes for g, v in zip(got, views)], b - a, per)
+                    # a block counts only if every object arrived whole (and verified)
+                    done = self._get_objects(rank, keys[a:b], groups, self._piece_views(rank, slot, b - a, group))
                     if done:
                         events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d", guard, group)
                     count += done
@@ -381,3 +375,4 @@ class CudaBackend(StoreBackend):
         self._layers = {}
         self._slots = {}
         self._host = {}
+        super().close()

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, StoreError, ValidationError
-from .base import MISSING, Store, check_batch, check_keys
+from .base import MISSING, Store, check_batch, check_keys, check_verify
 
 __all__ = ["MooncakeConfig", "MooncakeStore", "load_mooncake", "probe", "host_port", "INSTALL_HINT"]
 
@@ -129,7 +129,9 @@ def probe(cfg: MooncakeConfig) -> None:
 class MooncakeStore(Store):
     """A client of a Mooncake pool, behind kvstate's batch store interface."""
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(self, config: MooncakeConfig, *, verify: bool = True) -> None:
+        """``verify``: blocks stored carry checksummed manifests (every client of the pool alike)."""
+        self.verify = check_verify(verify, "MooncakeStore")
         config.validate()
         probe(config)
         self._mc = load_mooncake()

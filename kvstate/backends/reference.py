@@ -24,7 +24,8 @@ import numpy as np
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, StoreBackend, check_caches, check_fence
+from .base import Guard, Store, check_caches, check_fence
+from .objects import StoreBackend
 
 __all__ = ["ReferenceBackend"]
 
@@ -111,9 +112,7 @@ class ReferenceBackend(StoreBackend):
         check_fence(guard, rank, "gather", block_ids[:m])
         for kind, buf in host.items():
             swap_cache_layout(self.caches[rank][kind][span], buf, list(block_ids[:m]), list(range(m)), "d2h")
-        groups = None if group is None else [group]
-        status = self.store.batch_put_from(self._names(rank, keys[:m], groups), self._group_views(host, m, group))
-        return self._whole([st == 0 for st in status], m, None if group is None else 1)
+        return self._put_objects(rank, keys[:m], None if group is None else [group], self._group_views(host, m, group))
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
@@ -132,9 +131,7 @@ class ReferenceBackend(StoreBackend):
         """Read the first ``m`` blocks (every layer, or layer group ``group``) and scatter the
         leading ones that arrived whole (a short read is a miss)."""
         host, span = self._buffers(m, group)
-        bufs = self._group_views(host, m, group)
-        got = self.store.batch_get_into(self._names(rank, keys[:m], None if group is None else [group]), bufs)
-        count = self._whole([g == v.nbytes for g, v in zip(got, bufs)], m, None if group is None else 1)
+        count = self._get_objects(rank, keys[:m], None if group is None else [group], self._group_views(host, m, group))
         if count:
             check_fence(guard, rank, "scatter into", block_ids[:count])
             for kind, buf in host.items():

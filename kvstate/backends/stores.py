@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import StoreError
 from ..validate import check_int
-from .base import MISSING, Store, check_batch, check_keys
+from .base import MISSING, Store, check_batch, check_keys, check_verify
 
 __all__ = ["MemoryStore", "FileStore"]
 
@@ -36,11 +36,14 @@ class MemoryStore(Store):
     together stay within ``capacity_bytes``; an array a get is still copying out is never
     reused."""
 
-    def __init__(self, capacity_bytes: int = 1 << 30, copy_threads: int = 4) -> None:
+    def __init__(self, capacity_bytes: int = 1 << 30, copy_threads: int = 4, *, verify: bool = True) -> None:
         """``copy_threads``: threads copying a large put's objects in parallel (1: the caller's
-        thread only); they start on first use and stop on :meth:`close`."""
+        thread only); they start on first use and stop on :meth:`close`. ``verify``: blocks
+        stored here carry checksummed manifests (off: a trusted pool; see
+        :mod:`kvstate.backends.integrity`)."""
         check_int(capacity_bytes, "MemoryStore: capacity_bytes", minimum=1)
         check_int(copy_threads, "MemoryStore: copy_threads", minimum=1)
+        self.verify = check_verify(verify, "MemoryStore")
         self.capacity_bytes = capacity_bytes
         self._pool = ThreadPoolExecutor(copy_threads, "kvstate-memorystore") if copy_threads > 1 else None
         self._threads = copy_threads
@@ -195,7 +198,9 @@ class FileStore(Store):
     """One file per object under a directory; writes are atomic (temp file + rename), so a
     crash never leaves a torn object and the pool survives a restart."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, verify: bool = True) -> None:
+        """``verify``: as :class:`MemoryStore`'s; every client of one directory must agree."""
+        self.verify = check_verify(verify, "FileStore")
         try:
             self.root = Path(directory)
             self.root.mkdir(parents=True, exist_ok=True)

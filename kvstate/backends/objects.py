@@ -1,0 +1,344 @@
+"""Blocks as objects in a :class:`~kvstate.backends.base.Store`: what the reference and CUDA
+backends share.
+
+One object per (block, kind, rank, layer group), named by :func:`~kvstate.keys.rank_key`,
+and, unless the store is trusted (``store.verify`` off), a checksummed manifest per (block,
+rank, layer group) beside them (:mod:`~kvstate.backends.integrity`: its rules). Every put and
+get of objects goes through :meth:`StoreBackend._put_objects` and
+:meth:`StoreBackend._get_objects`, so every backend writes manifests and verifies reads the
+same way. A block counts as stored, or as read, only when every one of its objects (and its
+manifest) is; a read that finds a block broken evicts it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import ValidationError
+from ..keys import rank_key
+from ..spec import CacheSpec
+from ..validate import is_int
+from .base import Guard, Store, TransferBackend, as_bytes_view, leading
+from .integrity import Hasher, ManifestError, geometry_id, manifest_size, pack_manifest, unpack_manifest
+
+__all__ = ["StoreBackend", "MANIFEST_KIND"]
+
+MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key(key, "sum", rank[, group])``)
+
+
+class StoreBackend(TransferBackend):
+    """One object per (block, kind, rank, layer group) in a :class:`Store`: checks, names,
+    views, query, whole blocks."""
+
+    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store, ranks: Sequence[int] | None = None) -> None:
+        name = type(self).__name__
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError(f"{name}: spec must be a CacheSpec")
+        if not is_int(num_blocks) or num_blocks <= 0:
+            raise ValidationError(f"{name}: num_blocks must be an int > 0, got {num_blocks!r}")
+        if not isinstance(store, Store):
+            raise ValidationError(f"{name}: store must be a kvstate Store")
+        self.spec, self.num_blocks, self.store = spec, num_blocks, store
+        #: the TP ranks whose caches this backend holds: all of them, or (a rank worker's) a few
+        self.ranks = self._check_ranks(ranks)
+        self.bytes_moved = 0  #: payload bytes written to and read from the store
+        self.bytes_swapped = 0  #: payload bytes copied to and from the host tier
+        #: manifests written and reads verified (the store's setting: a trusted pool turns it off)
+        self.verify = bool(getattr(store, "verify", True))
+        self._hash = Hasher()
+        self._geometry = {g: geometry_id(spec, g) for g in (None, *range(spec.layer_groups))}
+        self._slot_sums: dict[tuple[int, int], list[int]] = {}  # (rank, host slot) -> checksum per kind
+        self.broken_blocks = 0  #: blocks a read found broken (and evicted from the store)
+        self.broken_slots = 0  #: host tier slots whose bytes no longer matched their checksums
+
+    def _check_ranks(self, ranks: Sequence[int] | None) -> tuple[int, ...]:
+        tp = self.spec.tp_size
+        if ranks is None:
+            return tuple(range(tp))
+        name = type(self).__name__
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
+            raise ValidationError(f"{name}: ranks must be a non-empty sequence of ints, got {ranks!r}")
+        for r in ranks:
+            if not is_int(r) or not 0 <= r < tp:
+                raise ValidationError(f"{name}: rank {r!r} outside 0..{tp - 1}")
+        if len(set(ranks)) != len(ranks):
+            raise ValidationError(f"{name}: ranks {list(ranks)} name a rank twice")
+        return tuple(sorted(ranks))
+
+    def _check_keys(self, rank: int, keys: Sequence[str]) -> None:
+        """Rank served here; keys a sequence of non-empty str. Raises before anything is touched."""
+        name = type(self).__name__
+        if not is_int(rank) or not 0 <= rank < self.spec.tp_size:
+            raise ValidationError(f"{name}: rank {rank!r} outside 0..{self.spec.tp_size - 1}")
+        if rank not in self.ranks:
+            raise ValidationError(f"{name}: rank {rank} is not held here (this backend holds ranks {self.ranks})")
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) \
+                or not all(isinstance(k, str) and k for k in keys):
+            raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
+
+    def _check_transfer(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> None:
+        """As :meth:`_check_keys`, and block ids one per key, ints in range and distinct."""
+        self._check_keys(rank, keys)
+        name = type(self).__name__
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
+            raise ValidationError(f"{name}: block ids must be a sequence of ints, got {block_ids!r}")
+        if len(block_ids) != len(keys):
+            raise ValidationError(f"{name}: {len(keys)} keys but {len(block_ids)} block ids")
+        for b in block_ids:
+            self._check_block(b)
+        if len(set(block_ids)) != len(block_ids):
+            raise ValidationError(f"{name}: block ids {list(block_ids)} name a block twice")
+
+    def _check_swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
+        """A swap's rank, block ids (as a transfer's) and host slots: one per block, in range, distinct."""
+        self._check_transfer(rank, [f"block{b}" for b in range(len(block_ids))], block_ids)
+        self._check_slots(host_slots, len(block_ids))
+
+    def _check_slots(self, host_slots: Sequence[int], n: int) -> None:
+        """``n`` host tier slots: ints in the arena's range, distinct (and a tier to hold them)."""
+        name = type(self).__name__
+        host_blocks = getattr(self, "host_blocks", 0)
+        if not host_blocks:
+            raise ValidationError(f"{name} has no host tier: build it with host_blocks > 0")
+        if isinstance(host_slots, (str, bytes)) or not isinstance(host_slots, Sequence) or len(host_slots) != n:
+            raise ValidationError(f"{name}: host slots must be a sequence of one int per block ({n})")
+        for h in host_slots:
+            if not is_int(h) or not 0 <= h < host_blocks:
+                raise ValidationError(f"{name}: host slot {h!r} outside 0..{host_blocks - 1}")
+        if len(set(host_slots)) != len(host_slots):
+            raise ValidationError(f"{name}: host slots {list(host_slots)} name a slot twice")
+
+    def _arena(self, rank: int, kind: str) -> Any:
+        """The host tier's block-major array of ``kind`` on ``rank`` (backends with a tier)."""
+        raise ValidationError(f"{type(self).__name__} has no host tier")
+
+    def _swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int], direction: str,
+              guard: Guard | None) -> int:
+        """Copy blocks between the caches and the arena's slots (``d2h``: into the slots)."""
+        raise ValidationError(f"{type(self).__name__} has no host tier: build it with host_blocks > 0")
+
+    def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
+                 guard: Guard | None = None) -> int:
+        """Copy the blocks into the slots, then note each slot's checksums (what a swap-in
+        or a write-back from host memory checks the slot against)."""
+        n = self._swap(rank, block_ids, host_slots, "d2h", guard)
+        arenas = [self._arena(rank, kind) for kind in self.spec.kinds]
+        for slot in host_slots[:n]:
+            self._slot_sums[(rank, slot)] = self._hash([as_bytes_view(a[slot]) for a in arenas])
+        return n
+
+    def swap_in(self, rank: int, host_slots: Sequence[int], block_ids: Sequence[int],
+                guard: Guard | None = None) -> int:
+        """Copy the leading slots whose bytes still match their checksums; a slot that does
+        not ends the copy (a short answer: the lifecycle recomputes or reads the rest)."""
+        self._check_swap(rank, block_ids, host_slots)
+        k = self._verified_slots(rank, host_slots)
+        return self._swap(rank, block_ids[:k], host_slots[:k], "h2d", guard) if k else 0
+
+    def _verified_slots(self, rank: int, host_slots: Sequence[int]) -> int:
+        """Leading slots whose bytes match the checksums their swap-out noted."""
+        arenas = [self._arena(rank, kind) for kind in self.spec.kinds]
+        for i, slot in enumerate(host_slots):
+            want = self._slot_sums.get((rank, slot))
+            if want is None or self._hash([as_bytes_view(a[slot]) for a in arenas]) != want:
+                self.broken_slots += want is not None
+                self._slot_sums.pop((rank, slot), None)
+                return i
+        return len(host_slots)
+
+    def host_slot_bytes(self, rank: int, kind: str, slot: int) -> bytes:
+        """One host tier slot of ``kind`` on ``rank``, in the stored (block-major) layout."""
+        self._check_swap(rank, [0], [slot])
+        if kind not in self.spec.kinds:
+            raise ValidationError(f"{type(self).__name__}: kind {kind!r} is not one of {self.spec.kinds}")
+        return bytes(as_bytes_view(self._arena(rank, kind)[slot]))
+
+    def flush_host(self, rank: int, keys: Sequence[str], host_slots: Sequence[int]) -> int:
+        """Skip the leading keys already stored, put the rest from their slots (zero-copy views
+        of the arena); how many leading keys are stored."""
+        self._check_keys(rank, keys)
+        self._check_slots(host_slots, len(keys))
+        n = self.query(rank, keys)
+        if n == len(keys):
+            return n
+        slots = host_slots[n:n + self._verified_slots(rank, host_slots[n:])]  # a broken slot is not stored
+        arenas = {kind: self._arena(rank, kind) for kind in self.spec.kinds}
+        done = self._put_objects(rank, keys[n:n + len(slots)], None, self._object_views(arenas, slots))
+        self.bytes_moved += done * self.spec.bytes_per_block_per_rank
+        return n + done
+
+    def _check_block(self, b: Any) -> None:
+        if not is_int(b) or not 0 <= b < self.num_blocks:
+            raise ValidationError(f"{type(self).__name__}: block {b!r} outside 0..{self.num_blocks - 1}")
+
+    def _check_fill(self, rank: int, kind: str, block_id: int, data: Any) -> None:
+        """Checks of ``fill_block``: rank, kind, block id, and data of exactly one block."""
+        self._check_keys(rank, ())
+        if kind not in self.spec.kinds:
+            raise ValidationError(f"{type(self).__name__}.fill_block: kind {kind!r} is not one of {self.spec.kinds}")
+        self._check_block(block_id)
+        need = self.spec.block_bytes(kind)
+        if not isinstance(data, (bytes, bytearray, memoryview)) or memoryview(data).nbytes != need:
+            got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
+            raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
+
+    def _names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
+        """Object names of ``keys``' blocks, block by block, then kind, then layer group (all
+        groups, or only ``groups``)."""
+        kinds, spec = self.spec.kinds, self.spec
+        if spec.layer_groups == 1 and groups is None:
+            return [rank_key(key, kind, rank) for key in keys for kind in kinds]
+        gs = range(spec.layer_groups) if groups is None else groups
+        return [rank_key(key, kind, rank, g) for key in keys for kind in kinds for g in gs]
+
+    def _object_views(self, host: dict[str, Any], rows: Sequence[int],
+                      groups: Sequence[int] | None = None) -> list[memoryview]:
+        """Byte views of the objects held in block-major ``host[kind][row]`` (layers first), in
+        :meth:`_names`' order: each group's layers are contiguous within a row."""
+        spec, kinds = self.spec, self.spec.kinds
+        if spec.layer_groups == 1 and groups is None:
+            return [as_bytes_view(host[kind][i]) for i in rows for kind in kinds]
+        spans = [spec.group_span(g) for g in (range(spec.layer_groups) if groups is None else groups)]
+        return [as_bytes_view(host[kind][i][a:b]) for i in rows for kind in kinds for a, b in spans]
+
+    def _group_views(self, host: dict[str, Any], m: int, group: int | None) -> list[memoryview]:
+        """Byte views of the objects of ``m`` blocks held in rows of ``host[kind]``, in
+        :meth:`_names`' order: rows of every layer hold every group's objects (``group``
+        None); rows of one group's layers hold one object each."""
+        if group is None:
+            return self._object_views(host, range(m))
+        return [as_bytes_view(host[kind][i]) for i in range(m) for kind in self.spec.kinds]
+
+    def _by_group(self, n: int, layers: Callable[..., Any], put: Callable[[int, int, Any], int]) -> int:
+        """A layer-wise write of ``n`` blocks: ``put(group, m, ready)`` stores one group of the
+        first ``m`` blocks once its layers are computed (``ready``: the gate's True or device
+        event) and answers how many leading ones it stored."""
+        count = n
+        for g in range(self.spec.layer_groups):
+            ready = layers(self.spec.group_span(g)[1])
+            if not ready:
+                return 0
+            count = min(count, put(g, count, ready))
+            if not count:
+                break
+        return count
+
+    def _load_by_group(self, n: int, arrived: Callable[[int, Any], None],
+                       get: Callable[[int, int], tuple[int, Any]]) -> int:
+        """A layer-wise read of ``n`` blocks: ``get(group, m)`` reads and scatters one group of
+        the first ``m`` blocks, answering (leading blocks scattered, device event or None)."""
+        count = n
+        for g in range(self.spec.layer_groups):
+            got, event = get(g, count)  # later groups only for blocks every earlier one reached
+            count = min(count, got)
+            if count == n:  # a group short of a block is never reported: the load will not be whole
+                arrived(self.spec.group_span(g)[1], event)
+            if not count:
+                break
+        return count
+
+    def _whole(self, ok: Sequence[bool], n: int, groups: int | None = None) -> int:
+        """Leading blocks of ``n`` whose every object is ``ok`` (one flag per object, as in
+        :meth:`_names`; ``groups``: layer groups per block and kind, all by default)."""
+        nk = len(self.spec.kinds) * (self.spec.layer_groups if groups is None else groups)
+        return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
+
+    def query(self, rank: int, keys: Sequence[str]) -> int:
+        """Leading keys whose every object, and manifest, is stored."""
+        self._check_keys(rank, keys)
+        names = self._names(rank, keys)
+        if not self.verify:
+            return self._whole([f == 1 for f in self.store.batch_is_exist(names)], len(keys))
+        found = self.store.batch_is_exist(names + self._manifest_names(rank, keys, None))
+        return self._leading_blocks(keys, None, [f == 1 for f in found])
+
+    # -- objects in and out, with their manifests ----------------------------------------------
+    def _groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
+        """The layer groups each block's objects are named for, in :meth:`_names`' order."""
+        if self.spec.layer_groups == 1 and groups is None:
+            return [None]
+        return list(range(self.spec.layer_groups)) if groups is None else list(groups)
+
+    def _manifest_names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
+        """One manifest per block and layer group, block by block."""
+        return [rank_key(key, MANIFEST_KIND, rank) if g is None else rank_key(key, MANIFEST_KIND, rank, g)
+                for key in keys for g in self._groups_of(groups)]
+
+    def _objects_of(self, i: int, gi: int, ng: int) -> range:
+        """Indices (in :meth:`_names`' order) of block ``i``'s objects of its ``gi``-th group."""
+        nk = len(self.spec.kinds)
+        return range(i * nk * ng + gi, (i + 1) * nk * ng, ng)
+
+    def _leading_blocks(self, keys: Sequence[str], groups: Sequence[int] | None, ok: Sequence[bool]) -> int:
+        """Leading blocks whose objects and manifests are all ``ok`` (objects first, then one
+        flag per manifest, as put)."""
+        ng = len(self._groups_of(groups))
+        per, first_manifest = len(self.spec.kinds) * ng, len(keys) * len(self.spec.kinds) * ng
+        return leading(all(ok[i * per:(i + 1) * per]) and all(ok[first_manifest + i * ng:first_manifest + (i + 1) * ng])
+                       for i in range(len(keys)))
+
+    def _put_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
+                     views: Sequence[memoryview]) -> int:
+        """Put the objects of ``keys``' blocks (and their manifests); leading blocks stored whole."""
+        names = self._names(rank, keys, groups)
+        if not self.verify:
+            status = self.store.batch_put_from(names, list(views))
+            return self._whole([st == 0 for st in status], len(keys), None if groups is None else len(groups))
+        gs = self._groups_of(groups)
+        sums = self._hash(views)
+        manifests = [pack_manifest(self._geometry[g], [(views[j].nbytes, sums[j])
+                                                       for j in self._objects_of(i, gi, len(gs))])
+                     for i in range(len(keys)) for gi, g in enumerate(gs)]
+        status = self.store.batch_put_from(names + self._manifest_names(rank, keys, groups), [*views, *manifests])
+        return self._leading_blocks(keys, groups, [st == 0 for st in status])
+
+    def _get_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
+                     views: Sequence[memoryview]) -> int:
+        """Get the objects of ``keys``' blocks into ``views``; leading blocks that arrived whole
+        and, unless the store is trusted, verified. The first broken block is evicted."""
+        names = self._names(rank, keys, groups)
+        if not self.verify:
+            got = self.store.batch_get_into(names, list(views))
+            return self._whole([g == v.nbytes for g, v in zip(got, views)], len(keys),
+                               None if groups is None else len(groups))
+        gs, nk = self._groups_of(groups), len(self.spec.kinds)
+        heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
+        got = self.store.batch_get_into(names + self._manifest_names(rank, keys, groups), [*views, *heads])
+        sums = self._hash(views)
+        for i in range(len(keys)):
+            for gi, g in enumerate(gs):
+                objs, m = self._objects_of(i, gi, len(gs)), len(names) + i * len(gs) + gi
+                if got[m] < 0 or any(got[j] < 0 for j in objs):  # missing, or stored but unreadable here
+                    if self._present(rank, keys[i], groups):
+                        self._evict_block(rank, keys[i])
+                    return i
+                if not self._intact(heads[m - len(names)], got[m], g,
+                                    [(got[j], views[j].nbytes, sums[j]) for j in objs]):
+                    self._evict_block(rank, keys[i])
+                    return i
+        return len(keys)
+
+    def _present(self, rank: int, key: str, groups: Sequence[int] | None) -> bool:
+        """Whether every object and manifest of a block a get could not read is stored all the
+        same: then it is there but not of this geometry (too large for its buffer)."""
+        names = self._names(rank, [key], groups) + self._manifest_names(rank, [key], groups)
+        return all(f == 1 for f in self.store.batch_is_exist(names))
+
+    def _intact(self, head: bytearray, got: int, group: int | None, objects: list[tuple[int, int, int]]) -> bool:
+        """Whether a manifest of this format and geometry vouches for each object (bytes read,
+        bytes expected, checksum of what arrived)."""
+        try:
+            entries = unpack_manifest(head, got, self._geometry[group], len(objects))
+        except ManifestError:
+            return False
+        return all(n == want == length and s == checksum for (n, want, s), (length, checksum) in zip(objects, entries))
+
+    def _evict_block(self, rank: int, key: str) -> None:
+        """A read found this block broken on this rank: its objects and manifests leave the
+        store (every group: a layer-wise write stores them one by one), so the next write of
+        the prompt stores it again."""
+        self.broken_blocks += 1
+        self.store.evict(self._names(rank, [key]) + self._manifest_names(rank, [key], None))
+
+    def close(self) -> None:
+        self._hash.close()

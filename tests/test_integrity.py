@@ -1,0 +1,165 @@
+"""Never serve wrong bytes: checksummed block objects, reads that verify, objects that heal."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from conftest import Rig, small_spec
+from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, handoff
+
+from kvstate import commands as C
+from kvstate.backends import MemoryStore, ReferenceBackend
+from kvstate.backends.integrity import FORMAT_VERSION, geometry_id, manifest_size, pack_manifest
+from kvstate.backends.objects import MANIFEST_KIND
+from kvstate.errors import ValidationError
+from kvstate.keys import block_keys, rank_key
+from kvstate.policy import Policy
+from kvstate.spec import CacheSpec
+from kvstate.testing import fill_blocks, mismatched_blocks
+
+
+def pair(spec: CacheSpec | None = None, store=None, host_blocks: int = 0):
+    spec = spec or small_spec(2)
+    store = store if store is not None else MemoryStore(1 << 24)
+    p, d = ReferenceBackend(spec, 16, store, host_blocks=host_blocks), ReferenceBackend(spec, 16, store)
+    keys = block_keys(list(range(12)), spec.block_size)  # 3 full blocks of 4
+    fill_blocks(p, keys, [3, 1, 6])
+    return spec, store, p, d, keys
+
+
+def rank0_mismatches(d: ReferenceBackend, keys: list[str], blocks: list[int]) -> list:
+    return [m for m in mismatched_blocks(d, keys, blocks) if m[1] == 0]
+
+
+def corrupt(store: MemoryStore, name: str, at: int = 5) -> None:
+    """Flip one byte of a stored object, keeping its length."""
+    buf = bytearray(4096)
+    n = store.batch_get_into([name], [buf])[0]
+    assert n > at
+    buf[at] ^= 0xFF
+    store.evict([name])
+    assert store.batch_put_from([name], [buf[:n]]) == [0]
+
+
+def test_every_block_carries_a_manifest_and_a_clean_read_verifies():
+    spec, store, p, d, keys = pair()
+    assert p.write(0, keys, [3, 1, 6]) == 3 and p.write(1, keys, [3, 1, 6]) == 3
+    assert store.batch_is_exist([rank_key(k, MANIFEST_KIND, r) for k in keys for r in (0, 1)]) == [1] * 6
+    assert d.read(0, keys, [0, 2, 4]) == 3 and d.broken_blocks == 0
+    assert not rank0_mismatches(d, keys, [0, 2, 4])
+
+
+def test_corrupt_bytes_at_full_length_are_a_failed_read_and_leave_the_store():
+    spec, store, p, d, keys = pair()
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    corrupt(store, rank_key(keys[1], "value", 0))
+    assert d.read(0, keys, [0, 2, 4]) == 1  # block 0 verified, block 1 broken: the read stops there
+    assert d.broken_blocks == 1
+    assert store.batch_is_exist([rank_key(keys[1], "value", 0), rank_key(keys[1], MANIFEST_KIND, 0)]) == [0, 0]
+    assert p.query(0, keys) == 1  # P's skip-if-stored no longer trusts it: the next write stores it again
+    assert p.write(0, keys, [3, 1, 6]) == 3 and d.read(0, keys, [0, 2, 4]) == 3
+    assert not rank0_mismatches(d, keys, [0, 2, 4])
+
+
+def test_a_truncated_object_stored_as_a_success_is_caught_and_healed():
+    spec, store, p, d, keys = pair()
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    name = rank_key(keys[2], "key", 0)
+    buf = bytearray(4096)
+    n = store.batch_get_into([name], [buf])[0]
+    store.evict([name])
+    store.batch_put_from([name], [buf[:n // 2]])  # the pool kept half and said it was whole
+    assert p.query(0, keys) == 3  # still looks stored
+    assert d.read(0, keys, [0, 2, 4]) == 2 and d.broken_blocks == 1
+    assert p.query(0, keys) == 2 and p.write(0, keys, [3, 1, 6]) == 3 and d.read(0, keys, [0, 2, 4]) == 3
+
+
+def test_bytes_of_another_geometry_or_format_are_never_read_as_this_ones():
+    spec, store, p, d, keys = pair()
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    other = CacheSpec(num_layers=spec.num_layers, kv_heads=spec.kv_heads, block_size=spec.block_size,
+                      head_dim=spec.head_dim, dtype="bfloat16", tp_size=spec.tp_size)  # same sizes, another dtype
+    assert geometry_id(other, None) != geometry_id(spec, None)
+    foreign = ReferenceBackend(other, 16, store)
+    assert foreign.read(0, keys, [0, 1, 2]) == 0 and foreign.broken_blocks == 1  # refused, and evicted
+    assert d.read(0, keys, [0, 2, 4]) == 0  # gone for this geometry too: it will be written again
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    kinds = len(spec.kinds)
+    future = struct.pack("<4sHHQ", b"KVSM", FORMAT_VERSION + 1, kinds, geometry_id(spec, None))
+    name = rank_key(keys[0], MANIFEST_KIND, 0)
+    store.evict([name])
+    store.batch_put_from([name], [future + b"\0" * (manifest_size(kinds) - len(future))])
+    assert d.read(0, keys, [0, 2, 4]) == 0 and d.broken_blocks == 1  # an unknown version: a failed read
+    assert pack_manifest(1, [(1, 2)])[:4] == b"KVSM"
+
+
+def test_corruption_on_one_rank_recomputes_from_the_prefix_verified_on_every_rank():
+    rig = Rig(policy=Policy(read_failure="recompute", transfer_timeout=10.0, fence_grace=5.0))
+    notices = handoff(rig, "r")
+    keys = block_keys(TOKS, rig.spec.block_size)
+    corrupt(rig.store, rank_key(keys[1], "key", 1))  # rank 1 only, block 1
+    deliver(rig, notices)
+    rig.dd.run_until_idle()
+    [rc] = rig.notices(rig.dd, C.Recompute)
+    assert rc.from_token == rig.spec.block_size  # block 0 verified on both ranks: recompute from block 1
+    assert rig.db.broken_blocks == 1
+    assert not mismatched_blocks(rig.db, keys[:1], rc.block_ids[:1])  # block 0 came verified: P's bytes
+    rig.D.recompute_done("r")
+    assert rig.D.state_of("r") == "running"
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_a_storage_fault_stops_poisoning_the_prompt_once_it_clears():
+    """Puts that store truncated objects while reporting success: every request of the prompt
+    fails while the fault lasts (never with wrong bytes), and the first one after it succeeds."""
+
+    class Truncating(MemoryStore):
+        broken = True
+
+        def batch_put_from(self, keys, buffers):
+            if self.broken:
+                buffers = [memoryview(b).cast("B")[:max(1, memoryview(b).nbytes // 2)] if "_value_" in k else b
+                           for k, b in zip(keys, buffers)]
+            return super().batch_put_from(keys, buffers)
+
+    store = Truncating(1 << 24)
+    rig = Rig(store=store, policy=Policy(read_failure="fail", transfer_timeout=10.0, fence_grace=5.0))
+    for i in range(3):
+        deliver(rig, handoff(rig, f"bad{i}"))
+        rig.dd.run_until_idle()
+        [end] = rig.notices(rig.dd, C.RequestEnded)
+        assert (end.state, end.error_code) == ("failed", 502)  # never decoded on wrong bytes
+    assert rig.db.broken_blocks == 3 * 2  # each request's first block, on both ranks
+    store.broken = False
+    notices = handoff(rig, "good")
+    deliver(rig, notices)
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("good") == "running"
+    [start] = rig.notices(rig.dd, C.StartDecode)
+    assert d_matches(rig, TOKS, start.block_ids) and rig.db.broken_blocks == 6
+    rig.D.finish("good")
+    assert_clean(rig)
+
+
+def test_corruption_in_the_host_tier_is_caught_before_it_reaches_the_gpu():
+    spec, store, p, d, keys = pair(host_blocks=4)
+    ids = [3, 1, 6]
+    assert p.swap_out(0, ids, [0, 1, 2]) == 3
+    arena = p.host[0]["value"]
+    arena[1].view(np.uint8).reshape(-1)[3] ^= 0xFF  # host memory went bad under slot 1
+    before = p.block_bytes(0, "value", 9)
+    assert p.swap_in(0, [0, 1, 2], [8, 9, 10]) == 1  # slot 0 verified; slot 1 broken: stop there
+    assert p.broken_slots == 1 and p.block_bytes(0, "value", 9) == before  # nothing scattered from it
+    assert p.block_bytes(0, "key", 8) == p.block_bytes(0, "key", 3)
+    assert p.flush_host(0, keys, [0, 1, 2]) == 1  # and a broken slot is never written to the store
+
+
+def test_a_trusted_store_skips_manifests():
+    spec, store, p, d, keys = pair(store=MemoryStore(1 << 24, verify=False))
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    assert len(store) == 3 * len(spec.kinds)
+    assert d.read(0, keys, [0, 2, 4]) == 3
+    with pytest.raises(ValidationError, match="verify must be True or False"):
+        MemoryStore(verify="yes")  # type: ignore[arg-type]
