@@ -182,9 +182,10 @@ def overhead(cp, sw) -> dict:
     return out
 
 
-def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int) -> tuple[float, ...]:
-    """Median seconds of the handoff and of each stage alone (over whole-request pinned
-    buffers), interleaved rep by rep so that drift on a shared machine hits all four alike."""
+def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int, trusted=None) -> tuple[float, ...]:
+    """Median seconds of the handoff, of each stage alone (over whole-request pinned buffers)
+    and of the handoff through a trusted store (no checksums: ``trusted``), interleaved rep by
+    rep so that drift on a shared machine hits them all alike."""
     nblocks = len(src)
     with CudaSwapper() as sw:
         bufs = {k: sw.pinned((nblocks, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
@@ -204,7 +205,7 @@ def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int) -> tuple[float
             store.batch_put_from(names, views)
             store.batch_get_into(names, views)
 
-        stages = {"handoff": run, "d2h": d2h, "store": copy, "h2d": h2d}
+        stages = {"handoff": run, "d2h": d2h, "store": copy, "h2d": h2d, "trusted": trusted or (lambda: None)}
         times: dict[str, list[float]] = {k: [] for k in stages}
         for fn in stages.values():  # warm-up
             fn()
@@ -228,29 +229,37 @@ def handoff(cp, reps: int) -> dict:
     keys = [f"req0:{i}" for i in range(nblocks)]
     src, dst = list(range(nblocks)), list(range(nblocks, 2 * nblocks))
     total = nblocks * spec.bytes_per_block_per_rank
-    store = MemoryStore(3 * total)
+    store, trusted = MemoryStore(3 * total), MemoryStore(3 * total, verify=False)
     p = CudaBackend(spec, 2 * nblocks, store)
     d = CudaBackend(spec, 2 * nblocks, store)
+    pt = CudaBackend(spec, 2 * nblocks, trusted, caches=[{k: p.caches(0, k).views for k in spec.kinds}])
+    dt = CudaBackend(spec, 2 * nblocks, trusted, caches=[{k: d.caches(0, k).views for k in spec.kinds}])
     try:
         for kind in spec.kinds:
             for v in p.caches(0, kind).views:
                 v[...] = cp.random.randint(0, 65535, v.shape, dtype=cp.int64).astype(cp.uint16)
 
-        def run() -> None:
+        def run() -> None:  # checksummed: manifests written, every block verified
             assert p.write(0, keys, src) == nblocks
             assert d.read(0, keys, dst) == nblocks
 
-        t_handoff, t_d2h, t_store, t_h2d = _stage_times(cp, spec, p, d, store, run, src, dst, reps)
+        def run_trusted() -> None:
+            assert pt.write(0, keys, src) == nblocks
+            assert dt.read(0, keys, dst) == nblocks
+
+        t_handoff, t_d2h, t_store, t_h2d, t_trusted = _stage_times(cp, spec, p, d, store, run, src, dst, reps,
+                                                                   run_trusted)
         ok = all(bool((pv[cp.asarray(src)] == dv[cp.asarray(dst)]).all())
                  for kind in spec.kinds
                  for pv, dv in zip(p.caches(0, kind).views, d.caches(0, kind).views))
         slowest = max(t_d2h, t_store, t_h2d)
         return {"request_tokens": 8192, "bytes": total, "handoff_ms": t_handoff * 1e3, "d2h_ms": t_d2h * 1e3,
                 "store_copy_ms": t_store * 1e3, "h2d_ms": t_h2d * 1e3, "ratio_to_slowest_stage": t_handoff / slowest,
+                "trusted_handoff_ms": t_trusted * 1e3, "checksum_cost": t_handoff / t_trusted,
                 "pinned_staging_bytes": p.pinned_bytes + d.pinned_bytes, "correct": ok}
     finally:
-        p.close()
-        d.close()
+        for b in (p, d, pt, dt):
+            b.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,7 +330,8 @@ def report(out: dict) -> None:
         print(f"handoff 8k tokens ({h['bytes'] / 2**20:.0f} MiB): {h['handoff_ms']:.1f} ms; "
               f"alone: d2h {h['d2h_ms']:.1f}, "
               f"store {h['store_copy_ms']:.1f}, h2d {h['h2d_ms']:.1f} ms -> {h['ratio_to_slowest_stage']:.2f}x "
-              f"slowest; pinned {h['pinned_staging_bytes'] / 2**20:.0f} MiB; correct {h['correct']}")
+              f"slowest; pinned {h['pinned_staging_bytes'] / 2**20:.0f} MiB; correct {h['correct']}; "
+              f"checksums cost {h['checksum_cost']:.3f}x (trusted store {h['trusted_handoff_ms']:.1f} ms)")
 
 
 def layout_report(out: dict) -> None:

@@ -177,7 +177,7 @@ def test_a_layerwise_save_through_the_cuda_backend_stores_each_group_once_comput
         fill_blocks(p, keys, blocks)
         asked = []
         assert p.write(0, keys, blocks, layers=lambda n, block=True: asked.append(n) or n <= 2) == 0
-        assert asked == [2, 4] and len(store) == len(keys) * len(spec.kinds)  # group 0 only
+        assert asked == [2, 4] and len(store) == len(keys) * (len(spec.kinds) + 1)  # group 0 only, and manifests
         assert all(name.endswith("_g0") for name in store)
         got: list[int] = []  # from a thread with no current device, as a driver's worker
         every = lambda n, block=True: True  # noqa: E731
@@ -257,6 +257,6 @@ def test_a_save_reported_at_launch_waits_for_its_layers_on_the_device():
         asked: list = []
         assert p.write(0, keys, blocks, layers=lambda n, block=True: asked.append((n, block)) or n <= 2) == 0
         assert asked[0] == (2, True) and (4, True) in asked
-        assert len(short) == len(keys) * len(spec.kinds) and all(name.endswith("_g0") for name in short)
+        assert len(short) == len(keys) * (len(spec.kinds) + 1) and all(name.endswith("_g0") for name in short)
     finally:
         p.close()

@@ -10,7 +10,7 @@ from kvstate import (
     Policy,
 )
 from kvstate import commands as C
-from kvstate.backends import MemoryStore
+from kvstate.backends import MemoryStore, Store
 from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks, mismatched_blocks
 
@@ -103,6 +103,8 @@ class _CountingStore(MemoryStore):
     def batch_put_from(self, keys, buffers):
         self.put_keys += list(keys)
         return super().batch_put_from(keys, buffers)
+
+    batch_put_hashed = Store.batch_put_hashed  # every put through the counting one
 
 
 def test_write_skips_the_leading_blocks_already_stored():

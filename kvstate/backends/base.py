@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import FenceError, ValidationError
 from ..spec import CacheSpec
@@ -133,6 +134,20 @@ class Store(ABC):
     @abstractmethod
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 if stored, 0 if not."""
+
+    def batch_put_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
+        """:meth:`batch_put_from`, and each buffer's XXH3-64 (:mod:`kvstate.backends.integrity`).
+        A store that copies the bytes itself hashes them in the same pass, while they are in
+        cache (the embedded stores); this default hashes them after the put."""
+        status = self.batch_put_from(keys, buffers)
+        return status, [xxhash.xxh3_64_intdigest(v) for v in check_batch(keys, "batch_put_hashed", buffers)]
+
+    def batch_get_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
+        """:meth:`batch_get_into`, and the XXH3-64 of the bytes each buffer received (0 for a
+        miss); the same pass as the copy where the store can."""
+        got = self.batch_get_into(keys, buffers)
+        views = check_batch(keys, "batch_get_hashed", buffers)
+        return got, [xxhash.xxh3_64_intdigest(v[:n]) if n >= 0 else 0 for n, v in zip(got, views)]
 
     #: whether blocks stored here carry checksummed manifests (:mod:`kvstate.backends.integrity`):
     #: on by default; a trusted pool may turn it off, on every client of the pool alike

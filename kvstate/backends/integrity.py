@@ -5,7 +5,7 @@ Rules:
 - Beside a block's objects on one rank (one per kind, for one layer group), a backend stores a
   *manifest*: a format version, the cache geometry the bytes belong to (layers of the group,
   heads per rank, block size, head dim, each kind's dtype and size), and each object's length
-  and XXH3-64 checksum. It is written in the same batch, after the objects.
+  and XXH3-64 checksum. It is put right after the objects.
 - A block counts as stored only when its objects and its manifest all are.
 - A read verifies each block before it counts: the manifest is one of this format version and
   of this geometry, and each object arrived at its recorded length with its recorded checksum.
@@ -17,8 +17,11 @@ Rules:
   bytes of another geometry are never read as this one's.
 
 Checksums are taken on the host buffers the objects are put from and got into (the backends'
-staging), on a few threads for large batches (xxhash releases the GIL), so the bytes are read
-once more from host memory and never again over PCIe. A store built with ``verify=False`` (a
+staging), never again over PCIe: the embedded stores hash each object a cache-sized piece at a
+time as they copy it, so its bytes are not read from memory a second time
+(``Store.batch_put_hashed``, ``batch_get_hashed``); another store hashes them after the copy.
+Manifests are put after their objects, so a crash between the two leaves a block unstored, not
+unvouched. A store built with ``verify=False`` (a
 trusted pool) skips manifests on both sides; both sides of a pool must agree.
 """
 from __future__ import annotations

@@ -285,11 +285,11 @@ class StoreBackend(TransferBackend):
             status = self.store.batch_put_from(names, list(views))
             return self._whole([st == 0 for st in status], len(keys), None if groups is None else len(groups))
         gs = self._groups_of(groups)
-        sums = self._hash(views)
+        status, sums = self.store.batch_put_hashed(names, list(views))  # hashed as they are copied
         manifests = [pack_manifest(self._geometry[g], [(views[j].nbytes, sums[j])
                                                        for j in self._objects_of(i, gi, len(gs))])
                      for i in range(len(keys)) for gi, g in enumerate(gs)]
-        status = self.store.batch_put_from(names + self._manifest_names(rank, keys, groups), [*views, *manifests])
+        status += self.store.batch_put_from(self._manifest_names(rank, keys, groups), manifests)  # then vouched for
         return self._leading_blocks(keys, groups, [st == 0 for st in status])
 
     def _get_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
@@ -303,8 +303,8 @@ class StoreBackend(TransferBackend):
                                None if groups is None else len(groups))
         gs, nk = self._groups_of(groups), len(self.spec.kinds)
         heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
-        got = self.store.batch_get_into(names + self._manifest_names(rank, keys, groups), [*views, *heads])
-        sums = self._hash(views)
+        got, sums = self.store.batch_get_hashed(names, list(views))  # hashed as they are copied
+        got += self.store.batch_get_into(self._manifest_names(rank, keys, groups), heads)
         for i in range(len(keys)):
             for gi, g in enumerate(gs):
                 objs, m = self._objects_of(i, gi, len(gs)), len(names) + i * len(gs) + gi

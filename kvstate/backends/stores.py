@@ -17,12 +17,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import StoreError
 from ..validate import check_int
 from .base import MISSING, Store, check_batch, check_keys, check_verify
 
-__all__ = ["MemoryStore", "FileStore"]
+__all__ = ["MemoryStore", "FileStore", "default_threads", "PARALLEL_BYTES"]
+
+PARALLEL_BYTES = 8 << 20  #: batches at least this large are copied on several threads
+HASH_PIECE = 256 << 10  #: bytes copied then hashed at a time: still in cache when hashed
+
+
+def default_threads() -> int:
+    """Copy threads a store starts by default: one a core, up to 8 (memory bandwidth is
+    reached well before)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 class MemoryStore(Store):
@@ -34,14 +44,19 @@ class MemoryStore(Store):
     of evicted or overwritten objects are kept as spares for later puts of the same size, so
     a full pool in steady state allocates (and page-faults) nothing; stored and spare bytes
     together stay within ``capacity_bytes``; an array a get is still copying out is never
-    reused."""
+    reused. ``batch_put_hashed`` and ``batch_get_hashed`` copy as ``batch_put_from`` and
+    ``batch_get_into`` do, hashing on the way: a subclass that changes what a put stores
+    overrides them too (``Store``'s put, then hash)."""
 
-    def __init__(self, capacity_bytes: int = 1 << 30, copy_threads: int = 4, *, verify: bool = True) -> None:
-        """``copy_threads``: threads copying a large put's objects in parallel (1: the caller's
-        thread only); they start on first use and stop on :meth:`close`. ``verify``: blocks
+    def __init__(self, capacity_bytes: int = 1 << 30, copy_threads: int | None = None, *,
+                 verify: bool = True) -> None:
+        """``copy_threads``: threads copying a large batch's objects in parallel (1: the
+        caller's thread only; default: up to 8, one a core); they start on first use and stop
+        on :meth:`close`. ``verify``: blocks
         stored here carry checksummed manifests (off: a trusted pool; see
         :mod:`kvstate.backends.integrity`)."""
         check_int(capacity_bytes, "MemoryStore: capacity_bytes", minimum=1)
+        copy_threads = default_threads() if copy_threads is None else copy_threads
         check_int(copy_threads, "MemoryStore: copy_threads", minimum=1)
         self.verify = check_verify(verify, "MemoryStore")
         self.capacity_bytes = capacity_bytes
@@ -65,7 +80,15 @@ class MemoryStore(Store):
         return len(self._data)
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = check_batch(keys, "MemoryStore.batch_put_from", buffers)
+        return self._put(keys, check_batch(keys, "MemoryStore.batch_put_from", buffers), None)
+
+    def batch_put_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
+        views = check_batch(keys, "MemoryStore.batch_put_hashed", buffers)
+        sums = [0] * len(keys)  # filled as the objects are copied (0 for one that did not fit)
+        return self._put(keys, views, sums), sums
+
+    def _put(self, keys: Sequence[str], views: list[memoryview], sums: list[int] | None) -> list[int]:
+        """Store the objects; with ``sums``, each object's XXH3-64 lands in it, taken as it is copied."""
         out, plan = [], []
         with self._lock:  # make room and take arrays; the bytes are copied after the lock
             for k, v in zip(keys, views):
@@ -83,11 +106,11 @@ class MemoryStore(Store):
                     out.append(MISSING)
                     continue
                 self._used += size
-                plan.append((k, self._array(size), v))
+                plan.append((k, self._array(size), v, len(out)))
                 out.append(0)
-        self._copy(plan)
+        self._copy(plan, sums=sums)
         with self._lock:
-            for k, arr, _ in plan:
+            for k, arr, _, _ in plan:
                 old = self._data.pop(k, None)  # another put of this key landed meanwhile
                 if old is not None:
                     self._drop(old)
@@ -95,26 +118,40 @@ class MemoryStore(Store):
             self.puts += len(plan)
         return out
 
-    def _copy(self, plan: list[tuple[str, np.ndarray, memoryview]], out: bool = False) -> None:
+    def _copy(self, plan: list[tuple[str, np.ndarray, memoryview, int]], out: bool = False,
+              sums: list[int] | None = None) -> None:
         """Copy each planned object's bytes into its array (``out``: from its array into the
-        buffer); a batch of 8 MiB or more is split over the copy threads (numpy copies
-        release the GIL)."""
-        def run(part: list[tuple[str, np.ndarray, memoryview]]) -> None:
-            for _, arr, v in part:
-                if out:
-                    np.copyto(np.frombuffer(v, np.uint8, count=len(arr)), arr)
-                else:
-                    np.copyto(arr, np.frombuffer(v, np.uint8))
+        buffer); with ``sums``, hash them as they are copied (``sums[i]`` of plan entry ``(...,
+        i)``), a cache-sized piece at a time. A batch of 8 MiB or more is split over the copy
+        threads (numpy copies and xxhash release the GIL)."""
+        def run(part: list[tuple[str, np.ndarray, memoryview, int]]) -> None:
+            for _, arr, v, i in part:
+                buf = np.frombuffer(v, np.uint8, count=len(arr))
+                dst, src = (buf, arr) if out else (arr, buf)
+                if sums is None:
+                    np.copyto(dst, src)
+                    continue
+                h = xxhash.xxh3_64()
+                for a in range(0, len(arr), HASH_PIECE):
+                    np.copyto(dst[a:a + HASH_PIECE], src[a:a + HASH_PIECE])
+                    h.update(dst[a:a + HASH_PIECE].data)
+                sums[i] = h.intdigest()
 
         n = self._threads
-        if self._pool is None or len(plan) < 2 or sum(len(a) for _, a, _ in plan) < (8 << 20):
+        if self._pool is None or len(plan) < 2 or sum(len(a) for _, a, _, _ in plan) < PARALLEL_BYTES:
             run(plan)
             return
         for f in [self._pool.submit(run, plan[i::n]) for i in range(n)]:
             f.result()
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = check_batch(keys, "MemoryStore.batch_get_into", buffers)
+        return self._get(keys, check_batch(keys, "MemoryStore.batch_get_into", buffers), None)
+
+    def batch_get_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
+        sums = [0] * len(keys)
+        return self._get(keys, check_batch(keys, "MemoryStore.batch_get_hashed", buffers), sums), sums
+
+    def _get(self, keys: Sequence[str], views: list[memoryview], sums: list[int] | None) -> list[int]:
         out, plan = [], []
         with self._lock:  # find the objects and keep their arrays from reuse; copy after the lock
             for k, v in zip(keys, views):
@@ -124,14 +161,14 @@ class MemoryStore(Store):
                     continue
                 self._data.move_to_end(k)
                 self._reading[id(data)] = self._reading.get(id(data), 0) + 1
-                plan.append((k, data, v))
+                plan.append((k, data, v, len(out)))
                 out.append(len(data))
             self.gets += len(plan)
         try:
-            self._copy(plan, out=True)
+            self._copy(plan, out=True, sums=sums)
         finally:
             with self._lock:
-                for _, data, _ in plan:
+                for _, data, _, _ in plan:
                     left = self._reading.pop(id(data)) - 1
                     if left:
                         self._reading[id(data)] = left
@@ -198,9 +235,16 @@ class FileStore(Store):
     """One file per object under a directory; writes are atomic (temp file + rename), so a
     crash never leaves a torn object and the pool survives a restart."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, verify: bool = True) -> None:
-        """``verify``: as :class:`MemoryStore`'s; every client of one directory must agree."""
+    def __init__(self, directory: str | os.PathLike[str], *, verify: bool = True,
+                 io_threads: int | None = None) -> None:
+        """``verify``: as :class:`MemoryStore`'s; every client of one directory must agree.
+        ``io_threads``: threads writing or reading a large batch's files in parallel (file
+        reads and writes release the GIL; default: up to 8, one a core; 1: the caller's)."""
         self.verify = check_verify(verify, "FileStore")
+        io_threads = default_threads() if io_threads is None else io_threads
+        check_int(io_threads, "FileStore: io_threads", minimum=1)
+        self._threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None
         try:
             self.root = Path(directory)
             self.root.mkdir(parents=True, exist_ok=True)
@@ -215,38 +259,77 @@ class FileStore(Store):
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = check_batch(keys, "FileStore.batch_put_from", buffers)
-        out = []
-        for k, v in zip(keys, views):
-            path = self._path(k)
-            try:
-                path.parent.mkdir(exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(v)
-                    os.replace(tmp, path)
-                except BaseException:
-                    os.unlink(tmp)
-                    raise
-                out.append(0)
-            except OSError:
-                out.append(MISSING)
-        return out
+        return [st for st, _ in self._each(lambda k, v: self._put(k, v, False), keys, views)]
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = check_batch(keys, "FileStore.batch_get_into", buffers)
-        out = []
-        for k, v in zip(keys, views):
+        return [n for n, _ in self._each(lambda k, v: self._get(k, v, False), keys, views)]
+
+    def batch_put_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
+        views = check_batch(keys, "FileStore.batch_put_hashed", buffers)
+        pairs = self._each(lambda k, v: self._put(k, v, True), keys, views)
+        return [st for st, _ in pairs], [h for _, h in pairs]
+
+    def batch_get_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
+        views = check_batch(keys, "FileStore.batch_get_hashed", buffers)
+        pairs = self._each(lambda k, v: self._get(k, v, True), keys, views)
+        return [n for n, _ in pairs], [h for _, h in pairs]
+
+    def _each(self, fn: Any, keys: Sequence[str], views: list[memoryview]) -> list[tuple[int, int]]:
+        """``fn(key, view)`` for each object: on the I/O threads when the batch is large."""
+        if self._threads == 1 or len(keys) < 2 or sum(v.nbytes for v in views) < PARALLEL_BYTES:
+            return [fn(k, v) for k, v in zip(keys, views)]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, "kvstate-filestore")
+        return list(self._pool.map(fn, keys, views))
+
+    def _put(self, key: str, view: memoryview, hashed: bool) -> tuple[int, int]:
+        """Write one object (atomically: a temp file renamed over it); (status, its XXH3-64 if
+        ``hashed``, taken a piece at a time right after the piece is written)."""
+        path, h = self._path(key), xxhash.xxh3_64() if hashed else None
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
             try:
-                with open(self._path(k), "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size > v.nbytes:
-                        out.append(MISSING)
-                        continue
-                    out.append(f.readinto(v[:size]))
-            except OSError:
-                out.append(MISSING)
-        return out
+                with os.fdopen(fd, "wb") as f:
+                    if h is None:
+                        f.write(view)
+                    else:
+                        for a in range(0, view.nbytes, HASH_PIECE):
+                            f.write(view[a:a + HASH_PIECE])
+                            h.update(view[a:a + HASH_PIECE])
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            return 0, h.intdigest() if h is not None else 0
+        except OSError:
+            return MISSING, 0
+
+    def _get(self, key: str, view: memoryview, hashed: bool) -> tuple[int, int]:
+        """Read one object into ``view``; (bytes read or MISSING, their XXH3-64 if ``hashed``)."""
+        try:
+            with open(self._path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > view.nbytes:
+                    return MISSING, 0
+                if not hashed:
+                    return f.readinto(view[:size]), 0
+                h, n = xxhash.xxh3_64(), 0
+                while n < size:
+                    got = f.readinto(view[n:min(size, n + HASH_PIECE)])
+                    if not got:
+                        break
+                    h.update(view[n:n + got])
+                    n += got
+                return n, h.intdigest()
+        except OSError:
+            return MISSING, 0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         check_keys(keys, "FileStore.batch_is_exist")

@@ -1,0 +1,97 @@
+"""The embedded stores against this host's memory bandwidth, and the host checksum's speed.
+
+    python benchmarks/store_speed.py [--gib 1] [--object-mib 4] [--reps 5] [--json PATH]
+
+One request's cache (``--gib``, default 1 GiB: an 8k-token Llama-3-8B request at TP 1) as
+objects of ``--object-mib`` (4 MiB: one block's keys or values), side by side in one run,
+best of ``--reps``:
+
+- ``memcpy``: the same bytes copied by numpy on the stores' copy threads (one a core, up to
+  8): this host's multi-threaded memory-copy bandwidth, the bar (puts and gets at ≥ 80 % of it);
+- ``MemoryStore`` put and get, ``FileStore`` put and get in ``--dir`` (``/dev/shm``: tmpfs);
+- ``xxh3``: the checksums of :mod:`kvstate.backends.integrity` over the same bytes, on one core
+  and on the stores' threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+import xxhash  # noqa: E402
+
+from kvstate.backends import FileStore, MemoryStore  # noqa: E402
+from kvstate.backends.integrity import Hasher  # noqa: E402
+from kvstate.backends.stores import default_threads  # noqa: E402
+
+
+def best(fn: Callable[[], object], reps: int) -> float:
+    fn()  # pages touched, threads started
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--object-mib", type=float, default=4.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    size, n = int(a.object_mib * 2**20), int(a.gib * 2**30 / (a.object_mib * 2**20))
+    threads = default_threads()
+    src = np.random.default_rng(0).integers(0, 255, (n, size), dtype=np.uint8)
+    dst = np.empty_like(src)
+    keys = [f"obj{i}" for i in range(n)]
+    srcs, dsts = [memoryview(r) for r in src], [memoryview(r) for r in dst]
+    total = src.nbytes
+    pool = ThreadPoolExecutor(threads)
+
+    def memcpy() -> None:
+        list(pool.map(lambda i: np.copyto(dst[i::threads], src[i::threads]), range(threads)))
+
+    out: dict[str, float | int | str] = {"bytes": total, "objects": n, "threads": threads, "dir": a.dir}
+    rows = {"memcpy": memcpy}
+    mem = MemoryStore(2 * total, verify=False)
+    rows["MemoryStore put"] = lambda: mem.batch_put_from(keys, srcs)
+    rows["MemoryStore get"] = lambda: mem.batch_get_into(keys, dsts)
+    with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvstate-store-speed-") as d:
+        files = FileStore(d, verify=False)
+        rows["FileStore put"] = lambda: files.batch_put_from(keys, srcs)
+        rows["FileStore get"] = lambda: files.batch_get_into(keys, dsts)
+        hasher = Hasher(threads)
+        rows["xxh3, one core"] = lambda: [xxhash.xxh3_64_intdigest(v) for v in srcs]
+        rows[f"xxh3, {threads} threads"] = lambda: hasher(srcs)
+        for name, fn in rows.items():
+            out[f"{name} GB/s"] = round(total / best(fn, a.reps) / 1e9, 2)
+        files.close()
+        hasher.close()
+    mem.close()
+    pool.shutdown()
+    base = float(out["memcpy GB/s"])
+    print(f"{total / 2**30:.2f} GiB in {n} objects of {a.object_mib:g} MiB, {threads} threads, files in {a.dir}")
+    for name in rows:
+        gbps = float(out[f"{name} GB/s"])
+        print(f"  {name:<22}{gbps:>8.2f} GB/s{gbps / base:>8.2f}x memcpy")
+        out[f"{name} / memcpy"] = round(gbps / base, 3)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
