@@ -8,7 +8,8 @@ best of ``--reps``:
 
 - ``memcpy``: the same bytes copied by numpy on the stores' copy threads (one a core, up to
   8): this host's multi-threaded memory-copy bandwidth, the bar (puts and gets at ≥ 80 % of it);
-- ``MemoryStore`` put and get, ``FileStore`` put and get in ``--dir`` (``/dev/shm``: tmpfs);
+- ``MemoryStore`` put and get, ``FileStore`` put and get in ``--dir`` (``/dev/shm``: tmpfs),
+  each plain and hashed (the checksums of :mod:`kvstate.backends.integrity` taken as they copy);
 - ``xxh3``: the checksums of :mod:`kvstate.backends.integrity` over the same bytes, on one core
   and on the stores' threads.
 """
@@ -68,10 +69,14 @@ def main() -> int:
     mem = MemoryStore(2 * total, verify=False)
     rows["MemoryStore put"] = lambda: mem.batch_put_from(keys, srcs)
     rows["MemoryStore get"] = lambda: mem.batch_get_into(keys, dsts)
+    rows["MemoryStore put, hashed"] = lambda: mem.batch_put_hashed(keys, srcs)
+    rows["MemoryStore get, hashed"] = lambda: mem.batch_get_hashed(keys, dsts)
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvstate-store-speed-") as d:
         files = FileStore(d, verify=False)
         rows["FileStore put"] = lambda: files.batch_put_from(keys, srcs)
         rows["FileStore get"] = lambda: files.batch_get_into(keys, dsts)
+        rows["FileStore put, hashed"] = lambda: files.batch_put_hashed(keys, srcs)
+        rows["FileStore get, hashed"] = lambda: files.batch_get_hashed(keys, dsts)
         hasher = Hasher(threads)
         rows["xxh3, one core"] = lambda: [xxhash.xxh3_64_intdigest(v) for v in srcs]
         rows[f"xxh3, {threads} threads"] = lambda: hasher(srcs)
@@ -85,7 +90,7 @@ def main() -> int:
     print(f"{total / 2**30:.2f} GiB in {n} objects of {a.object_mib:g} MiB, {threads} threads, files in {a.dir}")
     for name in rows:
         gbps = float(out[f"{name} GB/s"])
-        print(f"  {name:<22}{gbps:>8.2f} GB/s{gbps / base:>8.2f}x memcpy")
+        print(f"  {name:<26}{gbps:>8.2f} GB/s{gbps / base:>8.2f}x memcpy")
         out[f"{name} / memcpy"] = round(gbps / base, 3)
     if a.json:
         with open(a.json, "w") as f:

@@ -260,3 +260,45 @@ def test_a_save_reported_at_launch_waits_for_its_layers_on_the_device():
         assert len(short) == len(keys) * (len(spec.kinds) + 1) and all(name.endswith("_g0") for name in short)
     finally:
         p.close()
+
+
+@gpu
+def test_checksums_taken_on_the_gpu_catch_corruption_and_cross_with_the_host():
+    """The CUDA backend's SUM64 (taken on the GPU) vouch for its objects: a corrupt one is a
+    failed read on the GPU and on the host alike, and is evicted; what the reference backend
+    writes (XXH3), the CUDA backend verifies; with layer groups too."""
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore, ReferenceBackend
+    from kvstate.backends.cuda import CudaBackend
+    from kvstate.testing import fill_blocks, mismatched_blocks
+
+    for groups in (1, 2):
+        spec = CacheSpec(num_layers=4, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=1,
+                         layer_groups=groups)
+        store = MemoryStore(1 << 28)
+        small = 3 * spec.bytes_per_block_per_rank * 2  # three blocks a slot: pieces
+        p, d = CudaBackend(spec, 32, store, staging_bytes=small), CudaBackend(spec, 32, store, staging_bytes=small)
+        host = ReferenceBackend(spec, 32, store)
+        try:
+            keys = [f"g{groups}-k{i}" for i in range(10)]
+            fill_blocks(p, keys, list(range(10)))
+            assert p.write(0, keys, list(range(10))) == 10
+            assert d.read(0, keys, list(range(20, 30))) == 10 and d.broken_blocks == 0
+            assert not mismatched_blocks(d, keys, list(range(20, 30)))
+            assert host.read(0, keys, list(range(10))) == 10 and not mismatched_blocks(host, keys, list(range(10)))
+            name = f"{keys[4]}_value_0" + ("" if groups == 1 else "_g1")
+            buf = bytearray(spec.bytes_per_block_per_rank)
+            n = store.batch_get_into([name], [buf])[0]
+            buf[n // 2] ^= 0x40  # one bit of block 4 goes bad in the pool
+            store.evict([name])
+            store.batch_put_from([name], [buf[:n]])
+            assert d.read(0, keys, list(range(20, 30))) == 4 and d.broken_blocks == 1  # caught on the GPU
+            assert p.query(0, keys) == 4  # evicted: the next write stores it again
+            assert p.write(0, keys, list(range(10))) == 10 and host.read(0, keys, list(range(10))) == 10
+            other = [f"host-{k}" for k in keys]
+            fill_blocks(host, other, list(range(10)))
+            assert host.write(0, other, list(range(10))) == 10  # XXH3 manifests
+            assert d.read(0, other, list(range(20, 30))) == 10 and not mismatched_blocks(d, other, list(range(20, 30)))
+        finally:
+            p.close()
+            d.close()

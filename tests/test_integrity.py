@@ -199,3 +199,20 @@ def test_the_embedded_stores_hash_what_they_copy(kind, tmp_path):
     assert got == [o.nbytes for o in objs] + [-1] and back_sums[:-1] == sums and back_sums[-1] == 0
     assert all((b[:o.nbytes] == o).all() for b, o in zip(back, objs))
     store.close()
+
+
+def test_a_block_vouched_for_by_a_device_checksum_is_verified_on_the_host():
+    """What the CUDA backend writes (SUM64, taken on the GPU) the host reads and verifies."""
+    from kvstate.backends.integrity import SUM64, sum64
+    spec, store, p, d, keys = pair()
+    names, manifests = [], []
+    for i, b in enumerate([3, 1, 6]):
+        objects = [p.block_bytes(0, kind, b) for kind in spec.kinds]
+        names += [rank_key(keys[i], kind, 0) for kind in spec.kinds]
+        store.batch_put_from([rank_key(keys[i], kind, 0) for kind in spec.kinds], objects)
+        entries = [(len(o), sum64(o)) for o in objects]
+        manifests.append(pack_manifest(geometry_id(spec, None), entries, SUM64))
+    store.batch_put_from([rank_key(k, MANIFEST_KIND, 0) for k in keys], manifests)
+    assert d.read(0, keys, [0, 2, 4]) == 3 and not rank0_mismatches(d, keys, [0, 2, 4])
+    corrupt(store, rank_key(keys[2], "key", 0), at=11)
+    assert d.read(0, keys, [0, 2, 4]) == 2 and d.broken_blocks == 1

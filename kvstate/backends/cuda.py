@@ -9,10 +9,9 @@ while piece *k* is scattered to the GPU. Completion is a CUDA event; the calling
 thread waits for it with a timeout, so the engine's thread never blocks on a transfer.
 
 With ``host_blocks``, each rank also owns the host tier's pinned block-major arena: a swap
-moves blocks straight between the GPU caches and its slots, one kernel per kind.
-
-Like every backend it knows nothing of request states: it answers how many *leading* blocks
-it stored, read or found.
+moves blocks straight between the GPU caches and its slots, one kernel per kind. Blocks'
+checksums are taken on the GPU (:mod:`~kvstate.backends.cuda_sums`). Like every backend it
+knows nothing of request states: it answers how many *leading* blocks it stored, read or found.
 """
 from __future__ import annotations
 
@@ -28,12 +27,14 @@ from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
 from .base import Guard, Store, check_fence
+from .cuda_sums import DeviceSums
+from .manifested import Deferred
 from .objects import StoreBackend
 
 __all__ = ["CudaBackend"]
 
 
-class CudaBackend(StoreBackend):
+class CudaBackend(DeviceSums, StoreBackend):
     """Per-rank GPU caches over a :class:`~kvstate.backends.stores.Store`, through pinned staging.
 
     ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
@@ -58,6 +59,7 @@ class CudaBackend(StoreBackend):
         self.cp = load_cupy()
         self.device = device
         self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
+        self._sum_weights: dict[tuple[int, int], Any] = {}  # SUM64 weights on the GPU, by (words, layer)
         self._swappers: dict[int, CudaSwapper] = {}
         self._locks = {r: threading.Lock() for r in self.ranks}
         self._closed = False
@@ -253,9 +255,10 @@ class CudaBackend(StoreBackend):
                         ahead = g + 1 < spec.layer_groups and layers(spec.group_span(g + 1)[1], False)
                         if ahead:
                             gather(events, g + 1, ahead)
-                        sw.wait(events[g % 2])
+                        sw.wait(events[g % 2])  # gathered: its layers are computed, and summed on the GPU
+                        sums = self._flat(self._device_sums(rank, block_ids[:count], [g]), 0, count)
                         count = min(count, self._put_objects(rank, keys[:count], [g],
-                                                             self._piece_views(rank, g % 2, count, g)))
+                                                             self._piece_views(rank, g % 2, count, g), sums))
                         g += 1
                         if not (ahead and count):
                             break
@@ -271,7 +274,7 @@ class CudaBackend(StoreBackend):
         sw, n = self._swappers[rank], len(keys)
         m, groups = self._pieces(group)
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
-        count = 0
+        count, sums = 0, None
         with self._on(rank):
             events: list[Any] = [None, None]
             if ready is not True:
@@ -284,7 +287,10 @@ class CudaBackend(StoreBackend):
                         a2, b2 = pieces[k + 1]
                         events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard, group)
                     sw.wait(events[k % 2])
-                    done = self._put_objects(rank, keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group))
+                    if k == 0:  # the first piece gathered: the layers are computed; every block summed at once
+                        sums = self._device_sums(rank, block_ids, groups)
+                    done = self._put_objects(rank, keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group),
+                                             self._flat(sums, a, b))
                     count += done
                     if done < b - a:
                         break
@@ -321,9 +327,16 @@ class CudaBackend(StoreBackend):
                     slot = g % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
-                    done = self._get_objects(rank, keys, [g], self._piece_views(rank, slot, n, g))
-                    if done:
-                        events[slot] = self._enqueue(rank, slot, block_ids[:done], "h2d", guard, g)
+                    deferred: Deferred = []
+
+                    def scatter(m: int, slot: int = slot, g: int = g) -> None:
+                        events[slot] = self._enqueue(rank, slot, block_ids[:m], "h2d", guard, g)
+
+                    done = self._get_objects(rank, keys, [g], self._piece_views(rank, slot, n, g), scatter, deferred)
+                    if deferred:  # verified where it landed before it is reported
+                        sw.wait(events[slot])
+                        sums = self._device_sums(rank, block_ids[:len(deferred)], [g]) or []
+                        done = min(done, self._verify_deferred(rank, deferred, sums))
                     if done < n:
                         short = (g, done)
                         break
@@ -345,6 +358,7 @@ class CudaBackend(StoreBackend):
         staging slots, scattering a piece while the next is read; leading blocks scattered."""
         sw, n = self._swappers[rank], len(keys)
         m, groups = self._pieces(group)
+        deferred: Deferred | None = [] if self.verify else None  # SUM64 blocks: verified where they land, at the end
         count = 0
         with self._on(rank):
             events: list[Any] = [None, None]
@@ -353,15 +367,21 @@ class CudaBackend(StoreBackend):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
                         sw.wait(events[slot])
+
+                    def scatter(c: int, slot: int = slot, a: int = a) -> None:
+                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + c], "h2d", guard, group)
+
                     # a block counts only if every object arrived whole (and verified)
-                    done = self._get_objects(rank, keys[a:b], groups, self._piece_views(rank, slot, b - a, group))
-                    if done:
-                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + done], "h2d", guard, group)
+                    done = self._get_objects(rank, keys[a:b], groups, self._piece_views(rank, slot, b - a, group),
+                                             scatter, deferred if count == len(deferred or ()) else None)
                     count += done
                     if done < b - a:
                         break
             finally:  # nor read one
                 self._wait_all(sw, events)
+            if deferred:
+                sums = self._device_sums(rank, block_ids[:len(deferred)], groups) or []
+                count = min(count, self._verify_deferred(rank, deferred, sums))
         return count
 
     def close(self) -> None:
@@ -375,4 +395,5 @@ class CudaBackend(StoreBackend):
         self._layers = {}
         self._slots = {}
         self._host = {}
+        self._sum_weights = {}
         super().close()

@@ -16,13 +16,15 @@ Rules:
 - A manifest of an unknown version or another geometry is a failed read, never a crash, and
   bytes of another geometry are never read as this one's.
 
-Checksums are taken on the host buffers the objects are put from and got into (the backends'
-staging), never again over PCIe: the embedded stores hash each object a cache-sized piece at a
-time as they copy it, so its bytes are not read from memory a second time
-(``Store.batch_put_hashed``, ``batch_get_hashed``); another store hashes them after the copy.
-Manifests are put after their objects, so a crash between the two leaves a block unstored, not
-unvouched. A store built with ``verify=False`` (a
-trusted pool) skips manifests on both sides; both sides of a pool must agree.
+Two checksum algorithms, named in the manifest: :data:`XXH3`, taken on the host buffers the
+objects are put from and got into, and :data:`SUM64`, which the CUDA backend takes on the GPU,
+reading the caches from HBM (a few hundred µs a GiB) while PCIe and the store's copy are the
+bound. A reader verifies either. Host checksums are never taken over PCIe: the embedded stores
+hash each object a cache-sized piece at a time as they copy it, so its bytes are not read from
+memory a second time (``Store.batch_put_hashed``, ``batch_get_hashed``); another store hashes
+them after the copy. Manifests are put after their objects, so a crash between the two leaves a
+block unstored, not unvouched. A store built with ``verify=False`` (a trusted pool) skips
+manifests on both sides; both sides of a pool must agree.
 """
 from __future__ import annotations
 
@@ -31,16 +33,20 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from ..spec import CacheSpec
 
-__all__ = ["FORMAT_VERSION", "geometry_id", "pack_manifest", "unpack_manifest", "manifest_size", "Hasher",
-           "ManifestError"]
+__all__ = ["FORMAT_VERSION", "XXH3", "SUM64", "geometry_id", "pack_manifest", "unpack_manifest", "manifest_size",
+           "Hasher", "ManifestError", "sum64", "sum64_weights"]
 
 FORMAT_VERSION = 1
 MAGIC = b"KVSM"
-_HEAD = struct.Struct("<4sHHQ")  # magic, version, objects, geometry id
+XXH3 = 1  #: checksum algorithm: XXH3-64 of the object's bytes (host paths: the stores hash as they copy)
+SUM64 = 2  #: checksum algorithm: a position-weighted sum of its 64-bit words (the GPU takes it where the caches are)
+ALGORITHMS = (XXH3, SUM64)
+_HEAD = struct.Struct("<4sHHHxxQ")  # magic, version, objects, algorithm, geometry id
 _ENTRY = struct.Struct("<QQ")  # length, checksum
 PARALLEL_BYTES = 8 << 20  #: batches at least this large are hashed on several threads
 
@@ -61,22 +67,42 @@ def manifest_size(objects: int) -> int:
     return _HEAD.size + objects * _ENTRY.size
 
 
-def pack_manifest(geometry: int, entries: Sequence[tuple[int, int]]) -> bytes:
+def pack_manifest(geometry: int, entries: Sequence[tuple[int, int]], algorithm: int = XXH3) -> bytes:
     """A manifest of ``entries`` ((length, checksum) per object) for ``geometry``."""
-    return _HEAD.pack(MAGIC, FORMAT_VERSION, len(entries), geometry) + b"".join(_ENTRY.pack(n, c) for n, c in entries)
+    return _HEAD.pack(MAGIC, FORMAT_VERSION, len(entries), algorithm, geometry) + \
+        b"".join(_ENTRY.pack(n, c) for n, c in entries)
 
 
-def unpack_manifest(buf: Any, got: int, geometry: int, objects: int) -> list[tuple[int, int]]:
-    """The (length, checksum) entries of a manifest read into ``buf`` (``got`` bytes), checked
-    against the expected geometry and object count; :class:`ManifestError` otherwise."""
+def unpack_manifest(buf: Any, got: int, geometry: int, objects: int) -> tuple[int, list[tuple[int, int]]]:
+    """(the checksum algorithm, the (length, checksum) entries) of a manifest read into ``buf``
+    (``got`` bytes), checked against the expected geometry and object count;
+    :class:`ManifestError` otherwise."""
     if got != manifest_size(objects):
         raise ManifestError(f"manifest of {got} bytes, expected {manifest_size(objects)}")
-    magic, version, n, geo = _HEAD.unpack_from(buf, 0)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise ManifestError(f"manifest of format {magic!r} version {version}, expected {MAGIC!r} {FORMAT_VERSION}")
+    magic, version, n, algorithm, geo = _HEAD.unpack_from(buf, 0)
+    if magic != MAGIC or version != FORMAT_VERSION or algorithm not in ALGORITHMS:
+        raise ManifestError(f"manifest of format {magic!r} version {version} (checksum {algorithm}), expected "
+                            f"{MAGIC!r} {FORMAT_VERSION}")
     if n != objects or geo != geometry:
         raise ManifestError(f"manifest of {n} objects of geometry {geo:#x}, expected {objects} of {geometry:#x}")
-    return [_ENTRY.unpack_from(buf, _HEAD.size + i * _ENTRY.size) for i in range(objects)]
+    return algorithm, [_ENTRY.unpack_from(buf, _HEAD.size + i * _ENTRY.size) for i in range(objects)]
+
+
+def sum64_weights(xp: Any, words: int, first: int = 0) -> Any:
+    """``2i + 1`` for word positions ``first .. first + words`` (``xp``: numpy or CuPy), uint64."""
+    return xp.arange(first, first + words, dtype=xp.uint64) * xp.uint64(2) + xp.uint64(1)
+
+
+def sum64(view: Any) -> int:
+    """:data:`SUM64` of one object's bytes: ``Σ w_i (2i + 1) mod 2**64`` over its little-endian
+    64-bit words ``w_i`` (a trailing part word zero-padded). Every change confined to one word
+    changes it (the weights are odd), as does a change of length (in the manifest beside it);
+    it is no cryptographic hash, nor is XXH3. The GPU takes it layer by layer, in place."""
+    b = np.frombuffer(view, np.uint8)
+    if b.size % 8:
+        b = np.concatenate([b, np.zeros(8 - b.size % 8, np.uint8)])
+    w = b.view("<u8")
+    return int((w * sum64_weights(np, w.size)).sum(dtype=np.uint64))
 
 
 class Hasher:

@@ -19,14 +19,13 @@ from ..keys import rank_key
 from ..spec import CacheSpec
 from ..validate import is_int
 from .base import Guard, Store, TransferBackend, as_bytes_view, leading
-from .integrity import Hasher, ManifestError, geometry_id, manifest_size, pack_manifest, unpack_manifest
+from .integrity import Hasher, geometry_id
+from .manifested import MANIFEST_KIND, Manifested
 
 __all__ = ["StoreBackend", "MANIFEST_KIND"]
 
-MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key(key, "sum", rank[, group])``)
 
-
-class StoreBackend(TransferBackend):
+class StoreBackend(Manifested, TransferBackend):
     """One object per (block, kind, rank, layer group) in a :class:`Store`: checks, names,
     views, query, whole blocks."""
 
@@ -251,94 +250,6 @@ class StoreBackend(TransferBackend):
             return self._whole([f == 1 for f in self.store.batch_is_exist(names)], len(keys))
         found = self.store.batch_is_exist(names + self._manifest_names(rank, keys, None))
         return self._leading_blocks(keys, None, [f == 1 for f in found])
-
-    # -- objects in and out, with their manifests ----------------------------------------------
-    def _groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
-        """The layer groups each block's objects are named for, in :meth:`_names`' order."""
-        if self.spec.layer_groups == 1 and groups is None:
-            return [None]
-        return list(range(self.spec.layer_groups)) if groups is None else list(groups)
-
-    def _manifest_names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
-        """One manifest per block and layer group, block by block."""
-        return [rank_key(key, MANIFEST_KIND, rank) if g is None else rank_key(key, MANIFEST_KIND, rank, g)
-                for key in keys for g in self._groups_of(groups)]
-
-    def _objects_of(self, i: int, gi: int, ng: int) -> range:
-        """Indices (in :meth:`_names`' order) of block ``i``'s objects of its ``gi``-th group."""
-        nk = len(self.spec.kinds)
-        return range(i * nk * ng + gi, (i + 1) * nk * ng, ng)
-
-    def _leading_blocks(self, keys: Sequence[str], groups: Sequence[int] | None, ok: Sequence[bool]) -> int:
-        """Leading blocks whose objects and manifests are all ``ok`` (objects first, then one
-        flag per manifest, as put)."""
-        ng = len(self._groups_of(groups))
-        per, first_manifest = len(self.spec.kinds) * ng, len(keys) * len(self.spec.kinds) * ng
-        return leading(all(ok[i * per:(i + 1) * per]) and all(ok[first_manifest + i * ng:first_manifest + (i + 1) * ng])
-                       for i in range(len(keys)))
-
-    def _put_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
-                     views: Sequence[memoryview]) -> int:
-        """Put the objects of ``keys``' blocks (and their manifests); leading blocks stored whole."""
-        names = self._names(rank, keys, groups)
-        if not self.verify:
-            status = self.store.batch_put_from(names, list(views))
-            return self._whole([st == 0 for st in status], len(keys), None if groups is None else len(groups))
-        gs = self._groups_of(groups)
-        status, sums = self.store.batch_put_hashed(names, list(views))  # hashed as they are copied
-        manifests = [pack_manifest(self._geometry[g], [(views[j].nbytes, sums[j])
-                                                       for j in self._objects_of(i, gi, len(gs))])
-                     for i in range(len(keys)) for gi, g in enumerate(gs)]
-        status += self.store.batch_put_from(self._manifest_names(rank, keys, groups), manifests)  # then vouched for
-        return self._leading_blocks(keys, groups, [st == 0 for st in status])
-
-    def _get_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
-                     views: Sequence[memoryview]) -> int:
-        """Get the objects of ``keys``' blocks into ``views``; leading blocks that arrived whole
-        and, unless the store is trusted, verified. The first broken block is evicted."""
-        names = self._names(rank, keys, groups)
-        if not self.verify:
-            got = self.store.batch_get_into(names, list(views))
-            return self._whole([g == v.nbytes for g, v in zip(got, views)], len(keys),
-                               None if groups is None else len(groups))
-        gs, nk = self._groups_of(groups), len(self.spec.kinds)
-        heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
-        got, sums = self.store.batch_get_hashed(names, list(views))  # hashed as they are copied
-        got += self.store.batch_get_into(self._manifest_names(rank, keys, groups), heads)
-        for i in range(len(keys)):
-            for gi, g in enumerate(gs):
-                objs, m = self._objects_of(i, gi, len(gs)), len(names) + i * len(gs) + gi
-                if got[m] < 0 or any(got[j] < 0 for j in objs):  # missing, or stored but unreadable here
-                    if self._present(rank, keys[i], groups):
-                        self._evict_block(rank, keys[i])
-                    return i
-                if not self._intact(heads[m - len(names)], got[m], g,
-                                    [(got[j], views[j].nbytes, sums[j]) for j in objs]):
-                    self._evict_block(rank, keys[i])
-                    return i
-        return len(keys)
-
-    def _present(self, rank: int, key: str, groups: Sequence[int] | None) -> bool:
-        """Whether every object and manifest of a block a get could not read is stored all the
-        same: then it is there but not of this geometry (too large for its buffer)."""
-        names = self._names(rank, [key], groups) + self._manifest_names(rank, [key], groups)
-        return all(f == 1 for f in self.store.batch_is_exist(names))
-
-    def _intact(self, head: bytearray, got: int, group: int | None, objects: list[tuple[int, int, int]]) -> bool:
-        """Whether a manifest of this format and geometry vouches for each object (bytes read,
-        bytes expected, checksum of what arrived)."""
-        try:
-            entries = unpack_manifest(head, got, self._geometry[group], len(objects))
-        except ManifestError:
-            return False
-        return all(n == want == length and s == checksum for (n, want, s), (length, checksum) in zip(objects, entries))
-
-    def _evict_block(self, rank: int, key: str) -> None:
-        """A read found this block broken on this rank: its objects and manifests leave the
-        store (every group: a layer-wise write stores them one by one), so the next write of
-        the prompt stores it again."""
-        self.broken_blocks += 1
-        self.store.evict(self._names(rank, [key]) + self._manifest_names(rank, [key], None))
 
     def close(self) -> None:
         self._hash.close()

@@ -1,0 +1,198 @@
+"""Putting and getting a block's objects with their manifest: what
+:class:`~kvstate.backends.objects.StoreBackend` does for every backend (the rules are
+:mod:`~kvstate.backends.integrity`'s).
+
+A put takes each object's checksum as the store copies it (:data:`~kvstate.backends.integrity.XXH3`),
+or is handed them (:data:`~kvstate.backends.integrity.SUM64`, taken on the GPU by the CUDA
+backend), then puts one manifest per block and layer group. A get reads the manifests first,
+then the objects, and checks each block in order: its manifest is of this format and geometry,
+each object arrived at its recorded length and with its recorded checksum. Host checksums are
+taken as the store copies (XXH3) or over the buffers (SUM64); a backend whose data lands on a
+device passes ``check``, which scatters the blocks that arrived whole and answers their SUM64
+from the device. The first block that fails ends the count; a broken one is evicted.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..keys import rank_key
+from .base import Store, leading
+from .integrity import SUM64, XXH3, ManifestError, manifest_size, pack_manifest, sum64, unpack_manifest
+
+__all__ = ["Manifested", "MANIFEST_KIND", "Scatter", "Deferred"]
+
+MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key(key, "sum", rank[, group])``)
+
+#: ``scatter(n)``: put the leading ``n`` blocks of a get in place (a device backend's scatter)
+Scatter = Callable[[int], None]
+#: what a deferred get leaves to verify: (key, each of its objects' expected SUM64), block by block
+Deferred = list[tuple[str, list[int]]]
+
+
+class Manifested:
+    """The manifest half of a store backend (mixed into ``StoreBackend``, which provides the
+    names, the store and the geometry ids)."""
+
+    store: Store
+    spec: Any
+    verify: bool
+    broken_blocks: int
+    _geometry: dict[int | None, int]
+
+    def _names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
+        raise NotImplementedError
+
+    def _groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
+        """The layer groups each block's objects are named for, in ``_names``' order."""
+        if self.spec.layer_groups == 1 and groups is None:
+            return [None]
+        return list(range(self.spec.layer_groups)) if groups is None else list(groups)
+
+    def _manifest_names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
+        """One manifest per block and layer group, block by block."""
+        return [rank_key(key, MANIFEST_KIND, rank) if g is None else rank_key(key, MANIFEST_KIND, rank, g)
+                for key in keys for g in self._groups_of(groups)]
+
+    def _objects_of(self, i: int, gi: int, ng: int) -> range:
+        """Indices (in ``_names``' order) of block ``i``'s objects of its ``gi``-th group."""
+        nk = len(self.spec.kinds)
+        return range(i * nk * ng + gi, (i + 1) * nk * ng, ng)
+
+    def _leading_blocks(self, keys: Sequence[str], groups: Sequence[int] | None, ok: Sequence[bool]) -> int:
+        """Leading blocks whose objects and manifests are all ``ok`` (objects first, then one
+        flag per manifest, as put)."""
+        ng = len(self._groups_of(groups))
+        per, first = len(self.spec.kinds) * ng, len(keys) * len(self.spec.kinds) * ng
+        return leading(all(ok[i * per:(i + 1) * per]) and all(ok[first + i * ng:first + (i + 1) * ng])
+                       for i in range(len(keys)))
+
+    def _put_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
+                     views: Sequence[memoryview], sums: Sequence[int] | None = None) -> int:
+        """Put the objects of ``keys``' blocks, then their manifests; leading blocks stored whole.
+        ``sums``: the objects' SUM64, taken on the device; without, XXH3 as they are copied.
+        A trusted store (``verify`` off) gets the objects alone."""
+        names = self._names(rank, keys, groups)
+        if not self.verify:
+            status, per = self.store.batch_put_from(names, list(views)), self._per(groups)
+            return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(len(keys)))
+        if sums is None:
+            status, sums = self.store.batch_put_hashed(names, list(views))
+            algorithm = XXH3
+        else:
+            status, algorithm = self.store.batch_put_from(names, list(views)), SUM64
+        gs = self._groups_of(groups)
+        manifests = [pack_manifest(self._geometry[g], [(views[j].nbytes, sums[j])
+                                                       for j in self._objects_of(i, gi, len(gs))], algorithm)
+                     for i in range(len(keys)) for gi, g in enumerate(gs)]
+        status += self.store.batch_put_from(self._manifest_names(rank, keys, groups), manifests)
+        return self._leading_blocks(keys, groups, [st == 0 for st in status])
+
+    def _per(self, groups: Sequence[int] | None) -> int:
+        """Objects a block has in ``_names``' order (every kind, every group named)."""
+        return len(self.spec.kinds) * len(self._groups_of(groups))
+
+    def _get_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
+                     views: Sequence[memoryview], scatter: Scatter | None = None,
+                     deferred: Deferred | None = None) -> int:
+        """Get the objects of ``keys``' blocks into ``views``; leading blocks that arrived whole
+        and verified (see the module's docstring). With ``scatter``, every block counted has
+        been put in place by it. With ``deferred`` too, blocks whose manifests hold SUM64 are
+        scattered and counted once they arrived whole, and left to verify where they landed:
+        their keys and expected checksums are appended to ``deferred``
+        (:meth:`_verify_deferred`)."""
+        names, per = self._names(rank, keys, groups), self._per(groups)
+        if not self.verify:
+            got = self.store.batch_get_into(names, list(views))
+            n = leading(all(got[j] == views[j].nbytes for j in range(i * per, (i + 1) * per)) for i in range(len(keys)))
+            if scatter is not None and n:
+                scatter(n)
+            return n
+        gs, nk = self._groups_of(groups), len(self.spec.kinds)
+        heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
+        read = self.store.batch_get_into(self._manifest_names(rank, keys, groups), heads)
+        vouched = []  # per manifest, in order, while each parses: (algorithm, entries)
+        for m, (head, n) in enumerate(zip(heads, read)):
+            try:
+                vouched.append(unpack_manifest(head, n, self._geometry[gs[m % len(gs)]], nk))
+            except ManifestError:
+                break
+        hashed = any(algorithm == XXH3 for algorithm, _ in vouched)  # hash as the store copies
+        got, host = (self.store.batch_get_hashed(names, list(views)) if hashed
+                     else (self.store.batch_get_into(names, list(views)), None))
+        whole = self._arrived(keys, gs, got, vouched)
+        if deferred is not None and scatter is not None and whole and \
+                all(a == SUM64 for a, _ in vouched[:whole * len(gs)]):
+            scatter(whole)  # checked where they land, after the whole read
+            deferred.extend((keys[i], self._expected(i, gs, vouched)) for i in range(whole))
+            if whole < len(keys) and self._broken_or_present(rank, keys[whole], groups, got, read, whole):
+                self._evict_block(rank, keys[whole])
+            return whole
+        sums = [host[j] if host is not None and vouched[(j // per) * len(gs) + j % len(gs)][0] == XXH3
+                else sum64(views[j][:max(got[j], 0)]) for j in range(whole * per)]
+        count = self._verified(rank, keys, groups, whole, got, read, vouched, sums)
+        if scatter is not None and count:
+            scatter(count)
+        return count
+
+    def _expected(self, i: int, gs: list[int | None], vouched: list[tuple[int, list[tuple[int, int]]]]) -> list[int]:
+        """Block ``i``'s objects' recorded checksums, in object order (kind, then group)."""
+        nk, ng = len(self.spec.kinds), len(gs)
+        return [vouched[i * ng + gi][1][k][1] for k in range(nk) for gi in range(ng)]
+
+    def _verify_deferred(self, rank: int, deferred: Deferred, sums: Sequence[Sequence[int]]) -> int:
+        """Leading blocks of a deferred get whose objects' checksums, taken where they landed
+        (``sums[i]``, in object order), are the recorded ones; the first that is not is evicted.
+        Without a sum for every block (none could be taken), none counts."""
+        if len(sums) != len(deferred):
+            return 0
+        for i, ((key, want), have) in enumerate(zip(deferred, sums)):
+            if list(have) != want:
+                self._evict_block(rank, key)
+                return i
+        return len(deferred)
+
+    def _arrived(self, keys: Sequence[str], gs: list[int | None], got: list[int],
+                 vouched: list[tuple[int, list[tuple[int, int]]]]) -> int:
+        """Leading blocks whose manifests parsed and whose objects arrived at their recorded lengths."""
+        ng = len(gs)
+        for i in range(len(keys)):
+            for gi in range(ng):
+                m = i * ng + gi
+                if m >= len(vouched) or any(got[j] != length for j, (length, _) in
+                                            zip(self._objects_of(i, gi, ng), vouched[m][1])):
+                    return i
+        return len(keys)
+
+    def _verified(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None, whole: int, got: list[int],
+                  read: list[int], vouched: list[tuple[int, list[tuple[int, int]]]], sums: Sequence[int]) -> int:
+        """Leading blocks whose checksums match; the first that does not, or that arrived short
+        or unvouched though stored, is evicted."""
+        ng = len(self._groups_of(groups))
+        for i in range(whole):
+            for gi in range(ng):
+                entries = vouched[i * ng + gi][1]
+                if any(sums[j] != checksum for j, (_, checksum) in zip(self._objects_of(i, gi, ng), entries)):
+                    self._evict_block(rank, keys[i])
+                    return i
+        if whole < len(keys) and self._broken_or_present(rank, keys[whole], groups, got, read, whole):
+            self._evict_block(rank, keys[whole])
+        return whole
+
+    def _broken_or_present(self, rank: int, key: str, groups: Sequence[int] | None, got: list[int],
+                           read: list[int], i: int) -> bool:
+        """Whether the first block that did not arrive whole is there all the same (a short,
+        unreadable or foreign object, or manifest), rather than missing."""
+        ng = len(self._groups_of(groups))
+        mine = [got[j] for gi in range(ng) for j in self._objects_of(i, gi, ng)] + list(read[i * ng:(i + 1) * ng])
+        if all(n >= 0 for n in mine):
+            return True  # everything came, yet it did not add up: broken
+        names = self._names(rank, [key], groups) + self._manifest_names(rank, [key], groups)
+        return all(f == 1 for f in self.store.batch_is_exist(names))  # stored, but unreadable here
+
+    def _evict_block(self, rank: int, key: str) -> None:
+        """A read found this block broken on this rank: its objects and manifests leave the
+        store (every group: a layer-wise write stores them one by one), so the next write of
+        the prompt stores it again."""
+        self.broken_blocks += 1
+        self.store.evict(self._names(rank, [key]) + self._manifest_names(rank, [key], None))
