@@ -21,25 +21,28 @@ class DeviceSums:
     cp: Any
     spec: Any
     verify: bool
-    _layers: dict[int, dict[str, Any]]
+    _parts: dict[int, dict[str, Any]]
     _groups: dict[int, dict[str, list[Any]]]
-    _sum_weights: dict[tuple[int, int], Any]
+    _sum_cache: dict[Any, Any]
     _groups_of: Callable[[Sequence[int] | None], list[int | None]]  # the backend's (Manifested's)
+    _part_ids: Callable[[Sequence[int], int], list[int]]  # the backend's (StoreBackend's)
 
-    def _device_sums(self, rank: int, ids: Sequence[int], groups: Sequence[int] | None) -> list[list[int]] | None:
-        """Per block of ``ids``, its objects' SUM64 in object order (kind, then layer group), taken
-        from the GPU caches; None when the store is trusted or the rows are not whole words."""
+    def _device_sums(self, rank: int, g: int, ids: Sequence[int],
+                     groups: Sequence[int] | None) -> list[list[int]] | None:
+        """Per block of ``ids``, its ``g``-th head group's objects' SUM64 in object order (kind,
+        then layer group), taken from the GPU caches; None when the store is trusted or the rows
+        are not whole words."""
         if not self.verify or not ids:
             return None
-        gs = self._groups_of(groups)
+        gs, rows = self._groups_of(groups), self._part_ids(ids, g)
         sums = {}
         for kind in self.spec.kinds:
-            for g in gs:
-                layers = self._layers[rank][kind] if g is None else self._groups[rank][kind][g]
+            for lg in gs:
+                layers = self._parts[rank][kind] if lg is None else self._groups[rank][kind][lg]
                 if not summable(layers.views):
                     return None
-                sums[(kind, g)] = block_sums(self.cp, layers.views, ids, self._sum_weights)
-        return [[int(sums[(kind, g)][i]) for kind in self.spec.kinds for g in gs] for i in range(len(ids))]
+                sums[(kind, lg)] = block_sums(self.cp, layers.views, rows, self._sum_cache)
+        return [[int(sums[(kind, lg)][i]) for kind in self.spec.kinds for lg in gs] for i in range(len(ids))]
 
     @staticmethod
     def _flat(sums: list[list[int]] | None, a: int, b: int) -> list[int] | None:
