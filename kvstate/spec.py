@@ -1,7 +1,24 @@
-"""Cache geometry: every size derived from a model's KV-cache layout lives here."""
+"""Cache geometry: every size derived from a model's KV-cache layout lives here, and the rules
+by which a P and a D of different TP degrees share a store.
+
+Rules of the stored layout (rank-neutral):
+
+- A block's KV heads are stored in *head groups* of ``object_heads`` heads each (``store_heads``;
+  by default a rank's ``kv_heads``, one object per rank and kind). Group ``j`` holds the model's
+  heads ``[j * object_heads, (j + 1) * object_heads)``, whatever the TP degree that wrote it.
+- A rank holds ``kv_heads // object_heads`` consecutive groups, starting at its first head's.
+  When the model has fewer KV heads than ranks, each head is replicated on ``replicas`` ranks:
+  all of them read the head's group, and only the first of them writes it (the others' bytes
+  are the same).
+- P and D interoperate when their geometries agree on everything a stored object holds (layers,
+  layer groups, block size, head dim, dtype, kinds, heads per object, the model's heads): see
+  :func:`check_pair`. Block sizes must be equal: a block's key chains over its tokens, so a
+  block of 64 tokens has no key in common with four of 16, and a size pair is refused.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from math import gcd
 
 import numpy as np
 
@@ -9,7 +26,7 @@ from .dtypes import DTYPES
 from .errors import ConfigError
 from .validate import check_int
 
-__all__ = ["CacheSpec", "CACHE_KINDS", "SCALE_DTYPE"]
+__all__ = ["CacheSpec", "CACHE_KINDS", "SCALE_DTYPE", "check_pair", "paired"]
 
 #: Block-wise fp8 scales: one float32 per (head, token) of a block.
 SCALE_DTYPE = np.dtype(np.float32)
@@ -27,6 +44,11 @@ class CacheSpec:
     consecutive layers (1: one object of every layer). P and D must agree on it: it is the
     store's format. More groups let a layer-wise save put a group as soon as its layers are
     computed, so only the last group's put trails the prefill.
+
+    ``total_kv_heads`` is the model's KV heads (0: ``kv_heads * tp_size``; fewer than
+    ``tp_size``: each rank holds one head, replicated). ``store_heads`` is the heads per stored
+    object (0: ``kv_heads``); a P and a D of different TP degrees set it to a divisor of both
+    sides' ``kv_heads`` (:func:`paired`). The module's docstring gives the layout's rules.
     """
 
     num_layers: int
@@ -39,6 +61,8 @@ class CacheSpec:
     fp8_scales: bool = False
     tp_size: int = 1
     layer_groups: int = 1
+    total_kv_heads: int = 0
+    store_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size", "layer_groups"):
@@ -53,6 +77,22 @@ class CacheSpec:
                               f"{self.fp8_scales!r} and {self.has_value!r}")
         if self.fp8_scales and self.dtype != "uint8":
             raise ConfigError("CacheSpec.fp8_scales needs dtype 'uint8' (an fp8 cache)")
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        """``total_kv_heads`` split over the ranks (or replicated), ``store_heads`` a divisor."""
+        for name in ("total_kv_heads", "store_heads"):
+            check_int(getattr(self, name), f"CacheSpec.{name}", minimum=0, error=ConfigError)
+        total, tp = self.heads_total, self.tp_size
+        if total >= tp and total != self.kv_heads * tp:
+            raise ConfigError(f"CacheSpec: {total} KV heads over TP {tp} give {total / tp:g} a rank, "
+                              f"not kv_heads {self.kv_heads}")
+        if total < tp and (self.kv_heads != 1 or tp % total):
+            raise ConfigError(f"CacheSpec: {total} KV heads over TP {tp} replicate one head a rank, so "
+                              f"kv_heads must be 1 (got {self.kv_heads}) and TP a multiple of {total}")
+        if self.kv_heads % self.object_heads:
+            raise ConfigError(f"CacheSpec.store_heads {self.store_heads} must divide the rank's "
+                              f"{self.kv_heads} KV heads")
 
     # -- derived sizes (the single place they are computed) ------------------------------
     @property
@@ -79,6 +119,41 @@ class CacheSpec:
         """Shape of one (layer, block) chunk of ``kind``: ``(heads, block_size, dim)``."""
         dim = 1 if kind.endswith("_scale") else self.head_dim
         return (self.kv_heads, self.block_size, dim)
+
+    def object_shape(self, kind: str) -> tuple[int, int, int]:
+        """Shape of one (layer, block) chunk of ``kind`` in a stored object: ``(object_heads,
+        block_size, dim)``."""
+        return (self.object_heads,) + self.block_shape(kind)[1:]
+
+    # -- the rank-neutral stored layout (the module's docstring) ------------------------------
+    @property
+    def heads_total(self) -> int:
+        """The model's KV heads."""
+        return self.total_kv_heads or self.kv_heads * self.tp_size
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding each KV head (1 unless the model has fewer heads than ranks)."""
+        return max(1, self.tp_size // self.heads_total)
+
+    @property
+    def object_heads(self) -> int:
+        """KV heads per stored object."""
+        return self.store_heads or self.kv_heads
+
+    @property
+    def head_groups(self) -> int:
+        """Stored objects per block, kind and layer group on one rank."""
+        return self.kv_heads // self.object_heads
+
+    def parts(self, rank: int) -> range:
+        """The head groups (object indices) rank ``rank`` holds, in head order."""
+        first = rank // self.replicas * self.kv_heads // self.object_heads
+        return range(first, first + self.head_groups)
+
+    def writes(self, rank: int) -> bool:
+        """Whether rank ``rank`` stores its head groups (the first replica of its heads does)."""
+        return rank % self.replicas == 0
 
     def chunk_bytes(self, kind: str = "key") -> int:
         """Bytes of one (layer, block) chunk of ``kind``."""
@@ -112,3 +187,30 @@ class CacheSpec:
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
+
+
+#: what a stored object's geometry is made of: P and D must agree on each
+_SHARED = ("num_layers", "extra_layers", "layer_groups", "block_size", "head_dim", "dtype", "has_value",
+           "fp8_scales", "heads_total", "object_heads")
+
+
+def check_pair(p: CacheSpec, d: CacheSpec) -> None:
+    """Refuse, naming the rule, a P and a D whose stored objects would not be the same: every
+    field of :data:`_SHARED` must agree (block sizes included: see the module's docstring)."""
+    if not isinstance(p, CacheSpec) or not isinstance(d, CacheSpec):
+        raise ConfigError("check_pair: P's and D's specs must be CacheSpecs")
+    for name in _SHARED:
+        a, b = getattr(p, name), getattr(d, name)
+        if a != b:
+            hint = (": keys chain over a block's tokens, so P and D use one block size" if name == "block_size"
+                    else f": set store_heads to {gcd(p.kv_heads, d.kv_heads)} on both (kvstate.spec.paired)"
+                    if name == "object_heads" else "")
+            raise ConfigError(f"P (TP {p.tp_size}) and D (TP {d.tp_size}) disagree on {name}: {a} != {b}{hint}")
+
+
+def paired(p: CacheSpec, d: CacheSpec) -> tuple[CacheSpec, CacheSpec]:
+    """P's and D's specs storing the largest head groups both can split into, checked as a pair."""
+    heads = gcd(p.kv_heads, d.kv_heads)
+    p2, d2 = replace(p, store_heads=heads), replace(d, store_heads=heads)
+    check_pair(p2, d2)
+    return p2, d2

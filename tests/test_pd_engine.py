@@ -86,6 +86,20 @@ def test_token_exact_handoff(model, tp, store, tmp_path):
     assert_exact(model, reqs)
 
 
+@pytest.mark.parametrize("tp,d_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_p_and_d_of_different_tp_degrees_are_token_exact(model, tp, d_tp, layerwise):
+    """P at one TP degree, D at another: head groups both split (one head an object here), each
+    D rank reading exactly its heads; tokens and logits are the monolithic run's."""
+    reqs = workload()
+    eng, leaks = serve(model, reqs, tp=tp, d_tp=d_tp, layerwise=layerwise)
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert eng.spec.tp_size == tp and eng.d_spec.tp_size == d_tp
+    assert eng.spec.object_heads == eng.d_spec.object_heads == model.cfg.kv_heads // 2
+    assert sum(b.broken_blocks for b in eng.backends) == 0
+    assert_exact(model, reqs)
+
+
 def test_layerwise_save_is_exact(model):
     """P saves each layer as the GPU finishes it, one stored object per layer, and D loads them
     layer group by group: no retry, and D's tokens and logits are the monolithic run's."""

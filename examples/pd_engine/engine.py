@@ -28,6 +28,7 @@ from kvstate.backends import StepDriver, Store
 from kvstate.backends.cuda import CudaBackend
 from kvstate.decode import DecodeLifecycle
 from kvstate.prefill import PrefillLifecycle
+from kvstate.spec import paired
 
 __all__ = ["Request", "PDEngine", "monolithic"]
 
@@ -77,29 +78,35 @@ def monolithic(model: TinyLlama, requests: list[Request], block_size: int) -> di
 
 
 class PDEngine:
-    """One P and one D instance (``tp`` ranks each) on one GPU, sharing ``store``."""
+    """One P instance of ``tp`` ranks and one D instance of ``d_tp`` (default ``tp``) on one
+    GPU, sharing ``store``: of different TP degrees, they store head groups both can split
+    (``kvstate.spec.paired``)."""
 
     def __init__(self, model: TinyLlama, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
-                 p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False) -> None:
+                 p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False,
+                 d_tp: int | None = None) -> None:
         """``layerwise``: P saves each layer as it is computed, in one stored object per layer,
         and D loads layer by layer (here in this thread, so a step starts after the load)."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
-        self.spec = CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // tp, block_size=block_size,
-                              head_dim=cfg.head_dim, dtype="bfloat16", tp_size=tp,
-                              layer_groups=cfg.layers if layerwise else 1)
+        d_tp = d_tp or tp
+        p_spec, d_spec = (CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // n, block_size=block_size,
+                                    head_dim=cfg.head_dim, dtype="bfloat16", tp_size=n,
+                                    layer_groups=cfg.layers if layerwise else 1) for n in (tp, d_tp))
+        self.spec, self.d_spec = (p_spec, d_spec) if tp == d_tp else paired(p_spec, d_spec)
         policy = policy or Policy()
         clock: Callable[[], float] = lambda: self.now  # noqa: E731
         p_blocks = p_blocks or num_blocks  # P's pool (smaller: prompts wait at P for blocks)
         self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock, prefix_cache=prefix_cache,
                                   layerwise=layerwise)
-        self.D = DecodeLifecycle(self.spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache,
+        self.D = DecodeLifecycle(self.d_spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache,
                                  layerwise=layerwise)
         self.p_cache = PagedCache(cfg, p_blocks, block_size, tp)
-        self.d_cache = PagedCache(cfg, num_blocks, block_size, tp)
-        self.backends = [CudaBackend(self.spec, n, store, caches=c.caches, staging_bytes=staging_bytes)
-                         for n, c in ((p_blocks, self.p_cache), (num_blocks, self.d_cache))]
+        self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp)
+        sides = ((self.spec, p_blocks, self.p_cache), (self.d_spec, num_blocks, self.d_cache))
+        self.backends = [CudaBackend(spec, n, store, caches=c.caches, staging_bytes=staging_bytes)
+                         for spec, n, c in sides]
         self.p_drv = StepDriver(self.P, self.backends[0], on_notice=self._on_prefill)
         self.d_drv = StepDriver(self.D, self.backends[1], on_notice=self._on_decode)
         self.reqs: dict[str, Request] = {}

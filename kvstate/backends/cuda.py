@@ -27,6 +27,7 @@ from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
 from .base import Guard, Store, check_fence
+from .cuda_caches import bind_rank, caches_by_rank
 from .cuda_sums import DeviceSums
 from .manifested import Deferred
 from .objects import StoreBackend
@@ -55,11 +56,11 @@ class CudaBackend(DeviceSums, StoreBackend):
             raise ValidationError(f"CudaBackend: staging_bytes must hold two blocks ({2 * per_block} bytes "
                                   f"for this spec), got {staging_bytes!r}")
         if caches is not None:
-            caches = self._caches_by_rank(caches)
+            caches = caches_by_rank(spec, self.ranks, caches)
         self.cp = load_cupy()
         self.device = device
         self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
-        self._sum_weights: dict[tuple[int, int], Any] = {}  # SUM64 weights on the GPU, by (words, layer)
+        self._sum_cache: dict[Any, Any] = {}  # the SUM64 kernel and layer pointer tables
         self._swappers: dict[int, CudaSwapper] = {}
         self._locks = {r: threading.Lock() for r in self.ranks}
         self._closed = False
@@ -67,12 +68,16 @@ class CudaBackend(DeviceSums, StoreBackend):
             self._layers: dict[int, dict[str, DeviceLayers]] = {}
             self._slots: dict[int, list[dict[str, np.ndarray]]] = {}
             self._host: dict[int, dict[str, np.ndarray]] = {}
-            self._groups: dict[int, dict[str, list[DeviceLayers]]] = {r: {} for r in self.ranks}
+            self._parts: dict[int, dict[str, DeviceLayers]] = {}  # the caches as head groups see them
+            self._groups: dict[int, dict[str, list[DeviceLayers]]] = {}  # ... and by layer group
             for r in self.ranks:
                 sw = CudaSwapper(device, timeout=timeout)
                 self._swappers[r] = sw
-                self._layers[r] = {kind: self._bind(r, kind, sw, None if caches is None else caches[r][kind])
-                                   for kind in spec.kinds}
+                bound = {kind: bind_rank(self.cp, sw, spec, num_blocks, device, r, kind,
+                                         None if caches is None else caches[r][kind]) for kind in spec.kinds}
+                self._layers[r] = {kind: b[0] for kind, b in bound.items()}
+                self._parts[r] = {kind: b[1] for kind, b in bound.items()}
+                self._groups[r] = {kind: b[2] for kind, b in bound.items()}
                 self._slots[r] = [
                     {k: sw.pinned((self.per_slot, spec.layers) + spec.block_shape(k), spec.kind_dtype(k))
                      for k in spec.kinds} for _ in range(2)]
@@ -84,39 +89,6 @@ class CudaBackend(DeviceSums, StoreBackend):
             raise
         #: pinned host memory in all: staging, and the host tier's arena
         self.pinned_bytes = (2 * self.per_slot + host_blocks) * per_block * len(self.ranks)
-
-    def _caches_by_rank(self, caches: Any) -> dict[int, Any]:
-        """The engine's caches as ``{rank: {kind: layers}}`` for exactly the ranks held."""
-        spec = self.spec
-        if isinstance(caches, Sequence) and not isinstance(caches, (str, bytes)):
-            if len(caches) != spec.tp_size:
-                raise ValidationError(f"CudaBackend: caches must hold one dict per TP rank ({spec.tp_size})")
-            caches = {r: caches[r] for r in self.ranks}
-        if not isinstance(caches, dict) or set(caches) != set(self.ranks):
-            raise ValidationError(f"CudaBackend: caches must be a list per TP rank or a dict of the ranks held "
-                                  f"({list(self.ranks)})")
-        for r, by_kind in caches.items():
-            if not isinstance(by_kind, dict) or set(by_kind) != set(spec.kinds):
-                raise ValidationError(f"CudaBackend: caches[{r}] must map exactly the kinds {spec.kinds}")
-        return caches
-
-    def _bind(self, r: int, kind: str, sw: CudaSwapper, layers: Any) -> DeviceLayers:
-        """Bind rank ``r``'s caches of ``kind`` (zeroed ones allocated when ``layers`` is None),
-        and each layer group's, which a layer-wise save gathers alone."""
-        spec, cp = self.spec, self.cp
-        if layers is None:
-            with cp.cuda.Device(self.device):
-                layers = [cp.zeros((self.num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
-                          for _ in range(spec.layers)]
-        bound = sw.bind(list(layers), f"caches[{r}][{kind!r}]")
-        want = (self.num_blocks,) + spec.block_shape(kind)
-        if bound.shape != want or len(bound) != spec.layers:
-            raise ValidationError(f"CudaBackend: caches[{r}][{kind!r}] must be {spec.layers} layers "
-                                  f"of {want}, got {len(bound)} of {bound.shape}")
-        if spec.layer_groups > 1:
-            self._groups[r][kind] = [sw.bind(bound.views[a:b], f"caches[{r}][{kind!r}][{a}:{b}]")
-                                     for a, b in map(spec.group_span, range(spec.layer_groups))]
-        return bound
 
     # -- block access (tests, the demo's fake compute) -----------------------------------------
     def caches(self, rank: int, kind: str) -> DeviceLayers:
@@ -176,13 +148,13 @@ class CudaBackend(DeviceSums, StoreBackend):
             raise ValidationError("CudaBackend is closed")
 
     def _slot(self, rank: int, slot: int, kind: str, m: int, group: int | None) -> np.ndarray:
-        """Staging slot ``slot`` of ``kind`` holding ``m`` blocks: every layer, or (a layer
-        group) the same memory read as ``[m, group_layers, ...]``, one object per row."""
-        arr = self._slots[rank][slot][kind]
-        if group is None:
+        """Staging slot ``slot`` of ``kind`` holding ``m`` blocks of a head group: every layer,
+        or (a layer group, or fewer heads than the rank's) the same memory read as ``[m,
+        layers, object_heads, ...]``, one object per row."""
+        arr, spec = self._slots[rank][slot][kind], self.spec
+        if group is None and spec.head_groups == 1:
             return arr[:m]
-        spec = self.spec
-        shape = (m, spec.group_layers) + spec.block_shape(kind)
+        shape = (m, spec.layers if group is None else spec.group_layers) + spec.object_shape(kind)
         return arr.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
     def _piece_views(self, rank: int, slot: int, m: int, group: int | None) -> list[memoryview]:
@@ -198,39 +170,48 @@ class CudaBackend(DeviceSums, StoreBackend):
                 sw.wait(ev)
 
     def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str,
-                 guard: Guard | None, group: int | None = None) -> Any:
+                 guard: Guard | None, group: int | None = None, g: int = 0) -> Any:
+        """Gather (``d2h``) or scatter blocks ``ids`` of the rank's ``g``-th head group through
+        staging slot ``slot``: every layer, or layer group ``group``."""
         check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
         sw, ev = self._swappers[rank], None
-        m = len(ids)
+        m, rows = len(ids), np.asarray(self._part_ids(ids, g), np.int64)
         for kind in self.spec.kinds:
-            layers = self._layers[rank][kind] if group is None else self._groups[rank][kind][group]
+            layers = self._parts[rank][kind] if group is None else self._groups[rank][kind][group]
             ev = sw.swap_cache_layout_async(layers, self._slot(rank, slot, kind, m, group),
-                                            np.asarray(ids, np.int64), np.arange(m, dtype=np.int64), direction)
+                                            rows, np.arange(m, dtype=np.int64), direction)
         return ev  # one stream: the last event covers every kind
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
               guard: Guard | None = None, layers: Callable[..., Any] | None = None) -> int:
         self._check_open()
         self._check_transfer(rank, keys, block_ids)
-        if layers is None:
-            count = self._put(rank, keys, block_ids, guard, None)
-        elif len(keys) <= self.per_slot * self.spec.layer_groups:  # a group fits a slot: pipelined
-            count = self._save_groups(rank, keys, block_ids, guard, layers)
-        else:  # group by group, each once its layers are computed; the lock is free between groups
-            count = self._by_group(len(keys), layers,
-                                   lambda g, m, ready: self._put(rank, keys[:m], block_ids[:m], guard, g, ready))
+        if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
+            return len(keys)
+        count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
+            rank, part, keys[:m], block_ids[:m], guard, layers))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def _pieces(self, group: int | None) -> tuple[int, list[int] | None]:
-        """(blocks a staging slot holds, the groups named) for a transfer of every layer
-        (``group`` None) or of one layer group."""
-        if group is None:
-            return self.per_slot, None
-        return self.per_slot * self.spec.layer_groups, [group]
+    def _write_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, layers: Callable[..., Any] | None) -> int:
+        """Store one head group of the blocks: at once, or layer group by layer group."""
+        if layers is None:
+            return self._put(rank, part, keys, block_ids, guard, None)
+        if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
+            return self._save_groups(rank, part, keys, block_ids, guard, layers)
+        # group by group, each once its layers are computed; the lock is free between groups
+        return self._by_group(len(keys), layers,
+                              lambda g, m, ready: self._put(rank, part, keys[:m], block_ids[:m], guard, g, ready))
 
-    def _save_groups(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-                     layers: Callable[..., Any]) -> int:
+    def _pieces(self, group: int | None) -> tuple[int, list[int] | None]:
+        """(blocks of a head group a staging slot holds, the layer groups named) for a transfer
+        of every layer (``group`` None) or of one layer group."""
+        m = self.per_slot * self.spec.head_groups
+        return (m, None) if group is None else (m * self.spec.layer_groups, [group])
+
+    def _save_groups(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                     guard: Guard | None, layers: Callable[..., Any]) -> int:
         """A layer-wise save whose groups each fit a staging slot: group g + 1, when reported
         already, is gathered (after its device event) while group g is stored; otherwise the
         rank's lock is let go while the save waits for it. A group short of a block stores
@@ -241,7 +222,7 @@ class CudaBackend(DeviceSums, StoreBackend):
         def gather(events: list[Any], g: int, ready: Any) -> None:
             if ready is not True:
                 sw.wait_on_device(ready)
-            events[g % 2] = self._enqueue(rank, g % 2, block_ids, "d2h", guard, g)
+            events[g % 2] = self._enqueue(rank, g % 2, block_ids, "d2h", guard, g, part[0])
 
         while g < spec.layer_groups and count:
             ready = layers(spec.group_span(g)[1])  # waited for with the rank's lock free
@@ -256,8 +237,8 @@ class CudaBackend(DeviceSums, StoreBackend):
                         if ahead:
                             gather(events, g + 1, ahead)
                         sw.wait(events[g % 2])  # gathered: its layers are computed, and summed on the GPU
-                        sums = self._flat(self._device_sums(rank, block_ids[:count], [g]), 0, count)
-                        count = min(count, self._put_objects(rank, keys[:count], [g],
+                        sums = self._flat(self._device_sums(rank, part[0], block_ids[:count], [g]), 0, count)
+                        count = min(count, self._put_objects(part[1], keys[:count], [g],
                                                              self._piece_views(rank, g % 2, count, g), sums))
                         g += 1
                         if not (ahead and count):
@@ -266,8 +247,8 @@ class CudaBackend(DeviceSums, StoreBackend):
                     self._wait_all(sw, events)
         return count
 
-    def _put(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-             group: int | None, ready: Any = True) -> int:
+    def _put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None, group: int | None, ready: Any = True) -> int:
         """Gather the blocks (every layer, or one layer group, after the device event
         ``ready`` if one is given) piece by piece through the two staging slots, storing a
         piece while the next is gathered; leading blocks stored."""
@@ -280,16 +261,17 @@ class CudaBackend(DeviceSums, StoreBackend):
             if ready is not True:
                 sw.wait_on_device(ready)
             if pieces:
-                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard, group)
+                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard, group, part[0])
             try:
                 for k, (a, b) in enumerate(pieces):
                     if k + 1 < len(pieces):  # gather the next piece while this one is stored
                         a2, b2 = pieces[k + 1]
-                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard, group)
+                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard, group,
+                                                            part[0])
                     sw.wait(events[k % 2])
                     if k == 0:  # the first piece gathered: the layers are computed; every block summed at once
-                        sums = self._device_sums(rank, block_ids, groups)
-                    done = self._put_objects(rank, keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group),
+                        sums = self._device_sums(rank, part[0], block_ids, groups)
+                    done = self._put_objects(part[1], keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group),
                                              self._flat(sums, a, b))
                     count += done
                     if done < b - a:
@@ -302,18 +284,24 @@ class CudaBackend(DeviceSums, StoreBackend):
              guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
         self._check_open()
         self._check_transfer(rank, keys, block_ids)
-        if arrived is None:
-            count = self._get(rank, keys, block_ids, guard, None)
-        elif len(keys) <= self.per_slot * self.spec.layer_groups:  # a group fits a slot: pipelined
-            count = self._load_groups(rank, keys, block_ids, guard, arrived)
-        else:  # group by group, piece by piece; each is in place (synchronised) when it is reported
-            count = self._load_by_group(len(keys), arrived,
-                                        lambda g, m: (self._get(rank, keys[:m], block_ids[:m], guard, g), None))
+        count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
+            rank, part, keys[:m], block_ids[:m], guard, arrived if whole else None))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def _load_groups(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-                     arrived: Callable[[int, Any], None]) -> int:
+    def _read_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None, arrived: Callable[[int, Any], None] | None) -> int:
+        """Read one head group of the blocks: at once, or layer group by layer group, reporting each."""
+        if arrived is None:
+            return self._get(rank, part, keys, block_ids, guard, None)
+        if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
+            return self._load_groups(rank, part, keys, block_ids, guard, arrived)
+        # group by group, piece by piece; each is in place (synchronised) when it is reported
+        return self._load_by_group(len(keys), arrived, lambda g, m: (
+            self._get(rank, part, keys[:m], block_ids[:m], guard, g), None))
+
+    def _load_groups(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                     guard: Guard | None, arrived: Callable[[int, Any], None]) -> int:
         """A layer-wise read whose groups each fit a staging slot: group g + 1 is read while
         group g is scattered, and each group is reported with its scatter's event. A group
         short of a block ends the pipeline; later groups are then read only for the blocks it
@@ -330,13 +318,14 @@ class CudaBackend(DeviceSums, StoreBackend):
                     deferred: Deferred = []
 
                     def scatter(m: int, slot: int = slot, g: int = g) -> None:
-                        events[slot] = self._enqueue(rank, slot, block_ids[:m], "h2d", guard, g)
+                        events[slot] = self._enqueue(rank, slot, block_ids[:m], "h2d", guard, g, part[0])
 
-                    done = self._get_objects(rank, keys, [g], self._piece_views(rank, slot, n, g), scatter, deferred)
+                    done = self._get_objects(part[1], keys, [g], self._piece_views(rank, slot, n, g), scatter,
+                                             deferred)
                     if deferred:  # verified where it landed before it is reported
                         sw.wait(events[slot])
-                        sums = self._device_sums(rank, block_ids[:len(deferred)], [g]) or []
-                        done = min(done, self._verify_deferred(rank, deferred, sums))
+                        sums = self._device_sums(rank, part[0], block_ids[:len(deferred)], [g]) or []
+                        done = min(done, self._verify_deferred(part[1], deferred, sums))
                     if done < n:
                         short = (g, done)
                         break
@@ -349,11 +338,11 @@ class CudaBackend(DeviceSums, StoreBackend):
         for g in range(short[0] + 1, spec.layer_groups):
             if not count:
                 break
-            count = min(count, self._get(rank, keys[:count], block_ids[:count], guard, g))
+            count = min(count, self._get(rank, part, keys[:count], block_ids[:count], guard, g))
         return count
 
-    def _get(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-             group: int | None) -> int:
+    def _get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None, group: int | None) -> int:
         """Read the blocks (every layer, or one layer group) piece by piece into the two
         staging slots, scattering a piece while the next is read; leading blocks scattered."""
         sw, n = self._swappers[rank], len(keys)
@@ -369,10 +358,10 @@ class CudaBackend(DeviceSums, StoreBackend):
                         sw.wait(events[slot])
 
                     def scatter(c: int, slot: int = slot, a: int = a) -> None:
-                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + c], "h2d", guard, group)
+                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + c], "h2d", guard, group, part[0])
 
                     # a block counts only if every object arrived whole (and verified)
-                    done = self._get_objects(rank, keys[a:b], groups, self._piece_views(rank, slot, b - a, group),
+                    done = self._get_objects(part[1], keys[a:b], groups, self._piece_views(rank, slot, b - a, group),
                                              scatter, deferred if count == len(deferred or ()) else None)
                     count += done
                     if done < b - a:
@@ -380,8 +369,8 @@ class CudaBackend(DeviceSums, StoreBackend):
             finally:  # nor read one
                 self._wait_all(sw, events)
             if deferred:
-                sums = self._device_sums(rank, block_ids[:len(deferred)], groups) or []
-                count = min(count, self._verify_deferred(rank, deferred, sums))
+                sums = self._device_sums(rank, part[0], block_ids[:len(deferred)], groups) or []
+                count = min(count, self._verify_deferred(part[1], deferred, sums))
         return count
 
     def close(self) -> None:
@@ -392,8 +381,8 @@ class CudaBackend(DeviceSums, StoreBackend):
         for sw in self._swappers.values():
             sw.close()
         self._swappers.clear()
-        self._layers = {}
+        self._layers, self._parts, self._groups = {}, {}, {}
         self._slots = {}
         self._host = {}
-        self._sum_weights = {}
+        self._sum_cache = {}
         super().close()

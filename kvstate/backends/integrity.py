@@ -4,7 +4,7 @@ Rules:
 
 - Beside a block's objects on one rank (one per kind, for one layer group), a backend stores a
   *manifest*: a format version, the cache geometry the bytes belong to (layers of the group,
-  heads per rank, block size, head dim, each kind's dtype and size), and each object's length
+  heads per object and the model's, block size, head dim, each kind's dtype and size), and each object's length
   and XXH3-64 checksum. It is put right after the objects.
 - A block counts as stored only when its objects and its manifest all are.
 - A read verifies each block before it counts: the manifest is one of this format version and
@@ -56,10 +56,11 @@ class ManifestError(ValueError):
 
 
 def geometry_id(spec: CacheSpec, group: int | None) -> int:
-    """A 64-bit id of the geometry of one rank's objects of a block (every layer, or ``group``'s)."""
+    """A 64-bit id of the geometry of one head group's objects of a block (every layer, or
+    ``group``'s): the same for a P and a D that :func:`~kvstate.spec.check_pair` accepts."""
     a, b = (0, spec.layers) if group is None else spec.group_span(group)
-    kinds = ",".join(f"{k}:{spec.kind_dtype(k)}:{spec.block_shape(k)}" for k in spec.kinds)
-    text = f"kvstate/{FORMAT_VERSION}/layers {b - a}/block {spec.block_size}/{kinds}"
+    kinds = ",".join(f"{k}:{spec.kind_dtype(k)}:{spec.object_shape(k)}" for k in spec.kinds)
+    text = f"kvstate/{FORMAT_VERSION}/layers {b - a}/block {spec.block_size}/heads {spec.heads_total}/{kinds}"
     return xxhash.xxh3_64_intdigest(text.encode())
 
 

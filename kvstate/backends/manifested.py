@@ -22,7 +22,7 @@ from .integrity import SUM64, XXH3, ManifestError, manifest_size, pack_manifest,
 
 __all__ = ["Manifested", "MANIFEST_KIND", "Scatter", "Deferred"]
 
-MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key(key, "sum", rank[, group])``)
+MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key(key, "sum", part[, group])``)
 
 #: ``scatter(n)``: put the leading ``n`` blocks of a get in place (a device backend's scatter)
 Scatter = Callable[[int], None]
@@ -40,7 +40,7 @@ class Manifested:
     broken_blocks: int
     _geometry: dict[int | None, int]
 
-    def _names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
+    def _names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
         raise NotImplementedError
 
     def _groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
@@ -49,9 +49,9 @@ class Manifested:
             return [None]
         return list(range(self.spec.layer_groups)) if groups is None else list(groups)
 
-    def _manifest_names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
-        """One manifest per block and layer group, block by block."""
-        return [rank_key(key, MANIFEST_KIND, rank) if g is None else rank_key(key, MANIFEST_KIND, rank, g)
+    def _manifest_names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
+        """One manifest per block and layer group of head group ``part``, block by block."""
+        return [rank_key(key, MANIFEST_KIND, part) if g is None else rank_key(key, MANIFEST_KIND, part, g)
                 for key in keys for g in self._groups_of(groups)]
 
     def _objects_of(self, i: int, gi: int, ng: int) -> range:
@@ -67,12 +67,12 @@ class Manifested:
         return leading(all(ok[i * per:(i + 1) * per]) and all(ok[first + i * ng:first + (i + 1) * ng])
                        for i in range(len(keys)))
 
-    def _put_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
+    def _put_objects(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                      views: Sequence[memoryview], sums: Sequence[int] | None = None) -> int:
         """Put the objects of ``keys``' blocks, then their manifests; leading blocks stored whole.
         ``sums``: the objects' SUM64, taken on the device; without, XXH3 as they are copied.
         A trusted store (``verify`` off) gets the objects alone."""
-        names = self._names(rank, keys, groups)
+        names = self._names(part, keys, groups)
         if not self.verify:
             status, per = self.store.batch_put_from(names, list(views)), self._per(groups)
             return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(len(keys)))
@@ -85,14 +85,14 @@ class Manifested:
         manifests = [pack_manifest(self._geometry[g], [(views[j].nbytes, sums[j])
                                                        for j in self._objects_of(i, gi, len(gs))], algorithm)
                      for i in range(len(keys)) for gi, g in enumerate(gs)]
-        status += self.store.batch_put_from(self._manifest_names(rank, keys, groups), manifests)
+        status += self.store.batch_put_from(self._manifest_names(part, keys, groups), manifests)
         return self._leading_blocks(keys, groups, [st == 0 for st in status])
 
     def _per(self, groups: Sequence[int] | None) -> int:
         """Objects a block has in ``_names``' order (every kind, every group named)."""
         return len(self.spec.kinds) * len(self._groups_of(groups))
 
-    def _get_objects(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None,
+    def _get_objects(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                      views: Sequence[memoryview], scatter: Scatter | None = None,
                      deferred: Deferred | None = None) -> int:
         """Get the objects of ``keys``' blocks into ``views``; leading blocks that arrived whole
@@ -101,7 +101,7 @@ class Manifested:
         scattered and counted once they arrived whole, and left to verify where they landed:
         their keys and expected checksums are appended to ``deferred``
         (:meth:`_verify_deferred`)."""
-        names, per = self._names(rank, keys, groups), self._per(groups)
+        names, per = self._names(part, keys, groups), self._per(groups)
         if not self.verify:
             got = self.store.batch_get_into(names, list(views))
             n = leading(all(got[j] == views[j].nbytes for j in range(i * per, (i + 1) * per)) for i in range(len(keys)))
@@ -110,7 +110,7 @@ class Manifested:
             return n
         gs, nk = self._groups_of(groups), len(self.spec.kinds)
         heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
-        read = self.store.batch_get_into(self._manifest_names(rank, keys, groups), heads)
+        read = self.store.batch_get_into(self._manifest_names(part, keys, groups), heads)
         vouched = []  # per manifest, in order, while each parses: (algorithm, entries)
         for m, (head, n) in enumerate(zip(heads, read)):
             try:
@@ -125,12 +125,12 @@ class Manifested:
                 all(a == SUM64 for a, _ in vouched[:whole * len(gs)]):
             scatter(whole)  # checked where they land, after the whole read
             deferred.extend((keys[i], self._expected(i, gs, vouched)) for i in range(whole))
-            if whole < len(keys) and self._broken_or_present(rank, keys[whole], groups, got, read, whole):
-                self._evict_block(rank, keys[whole])
+            if whole < len(keys) and self._broken_or_present(part, keys[whole], groups, got, read, whole):
+                self._evict_block(part, keys[whole])
             return whole
         sums = [host[j] if host is not None and vouched[(j // per) * len(gs) + j % len(gs)][0] == XXH3
                 else sum64(views[j][:max(got[j], 0)]) for j in range(whole * per)]
-        count = self._verified(rank, keys, groups, whole, got, read, vouched, sums)
+        count = self._verified(part, keys, groups, whole, got, read, vouched, sums)
         if scatter is not None and count:
             scatter(count)
         return count
@@ -140,7 +140,7 @@ class Manifested:
         nk, ng = len(self.spec.kinds), len(gs)
         return [vouched[i * ng + gi][1][k][1] for k in range(nk) for gi in range(ng)]
 
-    def _verify_deferred(self, rank: int, deferred: Deferred, sums: Sequence[Sequence[int]]) -> int:
+    def _verify_deferred(self, part: int, deferred: Deferred, sums: Sequence[Sequence[int]]) -> int:
         """Leading blocks of a deferred get whose objects' checksums, taken where they landed
         (``sums[i]``, in object order), are the recorded ones; the first that is not is evicted.
         Without a sum for every block (none could be taken), none counts."""
@@ -148,7 +148,7 @@ class Manifested:
             return 0
         for i, ((key, want), have) in enumerate(zip(deferred, sums)):
             if list(have) != want:
-                self._evict_block(rank, key)
+                self._evict_block(part, key)
                 return i
         return len(deferred)
 
@@ -164,7 +164,7 @@ class Manifested:
                     return i
         return len(keys)
 
-    def _verified(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None, whole: int, got: list[int],
+    def _verified(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, whole: int, got: list[int],
                   read: list[int], vouched: list[tuple[int, list[tuple[int, int]]]], sums: Sequence[int]) -> int:
         """Leading blocks whose checksums match; the first that does not, or that arrived short
         or unvouched though stored, is evicted."""
@@ -173,13 +173,13 @@ class Manifested:
             for gi in range(ng):
                 entries = vouched[i * ng + gi][1]
                 if any(sums[j] != checksum for j, (_, checksum) in zip(self._objects_of(i, gi, ng), entries)):
-                    self._evict_block(rank, keys[i])
+                    self._evict_block(part, keys[i])
                     return i
-        if whole < len(keys) and self._broken_or_present(rank, keys[whole], groups, got, read, whole):
-            self._evict_block(rank, keys[whole])
+        if whole < len(keys) and self._broken_or_present(part, keys[whole], groups, got, read, whole):
+            self._evict_block(part, keys[whole])
         return whole
 
-    def _broken_or_present(self, rank: int, key: str, groups: Sequence[int] | None, got: list[int],
+    def _broken_or_present(self, part: int, key: str, groups: Sequence[int] | None, got: list[int],
                            read: list[int], i: int) -> bool:
         """Whether the first block that did not arrive whole is there all the same (a short,
         unreadable or foreign object, or manifest), rather than missing."""
@@ -187,12 +187,12 @@ class Manifested:
         mine = [got[j] for gi in range(ng) for j in self._objects_of(i, gi, ng)] + list(read[i * ng:(i + 1) * ng])
         if all(n >= 0 for n in mine):
             return True  # everything came, yet it did not add up: broken
-        names = self._names(rank, [key], groups) + self._manifest_names(rank, [key], groups)
+        names = self._names(part, [key], groups) + self._manifest_names(part, [key], groups)
         return all(f == 1 for f in self.store.batch_is_exist(names))  # stored, but unreadable here
 
-    def _evict_block(self, rank: int, key: str) -> None:
-        """A read found this block broken on this rank: its objects and manifests leave the
+    def _evict_block(self, part: int, key: str) -> None:
+        """A read found this block broken in this head group: its objects and manifests leave the
         store (every group: a layer-wise write stores them one by one), so the next write of
         the prompt stores it again."""
         self.broken_blocks += 1
-        self.store.evict(self._names(rank, [key]) + self._manifest_names(rank, [key], None))
+        self.store.evict(self._names(part, [key]) + self._manifest_names(part, [key], None))

@@ -1,18 +1,27 @@
 """Blocks as objects in a :class:`~kvstate.backends.base.Store`: what the reference and CUDA
 backends share.
 
-One object per (block, kind, rank, layer group), named by :func:`~kvstate.keys.rank_key`,
-and, unless the store is trusted (``store.verify`` off), a checksummed manifest per (block,
-rank, layer group) beside them (:mod:`~kvstate.backends.integrity`: its rules). Every put and
-get of objects goes through :meth:`StoreBackend._put_objects` and
-:meth:`StoreBackend._get_objects`, so every backend writes manifests and verifies reads the
-same way. A block counts as stored, or as read, only when every one of its objects (and its
-manifest) is; a read that finds a block broken evicts it.
+One object per (block, kind, head group, layer group), named by :func:`~kvstate.keys.rank_key`
+with the head group's index (the rank's own, by default: :mod:`kvstate.spec` gives the
+rank-neutral layout's rules), and, unless the store is trusted (``store.verify`` off), a
+checksummed manifest per (block, head group, layer group) beside them
+(:mod:`~kvstate.backends.integrity`: its rules). Every put and get of objects goes through
+:meth:`StoreBackend._put_objects` and :meth:`StoreBackend._get_objects`, so every backend
+writes manifests and verifies reads the same way. A block counts as stored, or as read, only
+when every one of its objects (and its manifest) is; a read that finds a block broken evicts it.
+
+A rank holding several head groups (a D at a lower TP degree than its P) moves each group as a
+*part*: its caches seen as ``[num_blocks * head_groups, object_heads, block_size, dim]``, in
+which block ``b``'s group ``g`` is row ``b * head_groups + g`` (:meth:`StoreBackend._part_ids`),
+so one gather or scatter op per part moves contiguous chunks. A rank replicating another's heads
+writes nothing: the first replica stores them.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from ..errors import ValidationError
 from ..keys import rank_key
@@ -158,11 +167,19 @@ class StoreBackend(Manifested, TransferBackend):
         self._check_keys(rank, keys)
         self._check_slots(host_slots, len(keys))
         n = self.query(rank, keys)
-        if n == len(keys):
-            return n
+        if n == len(keys) or not self.spec.writes(rank):
+            return len(keys) if not self.spec.writes(rank) else n
         slots = host_slots[n:n + self._verified_slots(rank, host_slots[n:])]  # a broken slot is not stored
         arenas = {kind: self._arena(rank, kind) for kind in self.spec.kinds}
-        done = self._put_objects(rank, keys[n:n + len(slots)], None, self._object_views(arenas, slots))
+        done, spec = len(slots), self.spec
+        for g, part in enumerate(spec.parts(rank)):
+            if spec.head_groups == 1:  # zero-copy views of the arena's rows
+                views = self._object_views(arenas, slots)
+            else:  # a head group is strided in a row: copied out
+                a, b = g * spec.object_heads, (g + 1) * spec.object_heads
+                views = self._object_views({k: np.ascontiguousarray(arr[list(slots[:done]), :, a:b])
+                                            for k, arr in arenas.items()}, range(done))
+            done = self._put_objects(part, keys[n:n + done], None, views[:done * self._per(None)])
         self.bytes_moved += done * self.spec.bytes_per_block_per_rank
         return n + done
 
@@ -181,14 +198,38 @@ class StoreBackend(Manifested, TransferBackend):
             got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
             raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
 
-    def _names(self, rank: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
-        """Object names of ``keys``' blocks, block by block, then kind, then layer group (all
-        groups, or only ``groups``)."""
+    def _names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
+        """Object names of ``keys``' blocks in head group ``part``, block by block, then kind,
+        then layer group (all groups, or only ``groups``)."""
         kinds, spec = self.spec.kinds, self.spec
         if spec.layer_groups == 1 and groups is None:
-            return [rank_key(key, kind, rank) for key in keys for kind in kinds]
+            return [rank_key(key, kind, part) for key in keys for kind in kinds]
         gs = range(spec.layer_groups) if groups is None else groups
-        return [rank_key(key, kind, rank, g) for key in keys for kind in kinds for g in gs]
+        return [rank_key(key, kind, part, g) for key in keys for kind in kinds for g in gs]
+
+    def _each_part(self, rank: int, n: int, move: Callable[[tuple[int, int], int, bool], int]) -> int:
+        """Run ``move(part, m, whole)`` for each of the rank's head groups (``part``: its place on
+        the rank, its index) over the first ``m`` blocks every earlier group reached; leading
+        blocks every group moved. ``whole`` is true for the last group when all blocks reached
+        it: only then may a layer-wise read report layers (they are in place for every head)."""
+        count, parts = n, list(enumerate(self.spec.parts(rank)))
+        for g, part in parts:
+            if not count:
+                break
+            count = move((g, part), count, g == len(parts) - 1 and count == n)
+        return count
+
+    def _part_ids(self, block_ids: Sequence[int], g: int) -> list[int]:
+        """Rows of the rank's ``g``-th head group of ``block_ids`` in the caches seen by part."""
+        n = self.spec.head_groups
+        return list(block_ids) if n == 1 else [b * n + g for b in block_ids]
+
+    def _part_view(self, layer: Any, kind: str) -> Any:
+        """One layer's cache of ``kind`` seen by part (a view: numpy and CuPy reshape alike)."""
+        spec = self.spec
+        if spec.head_groups == 1:
+            return layer
+        return layer.reshape((self.num_blocks * spec.head_groups,) + spec.object_shape(kind))
 
     def _object_views(self, host: dict[str, Any], rows: Sequence[int],
                       groups: Sequence[int] | None = None) -> list[memoryview]:
@@ -243,13 +284,17 @@ class StoreBackend(Manifested, TransferBackend):
         return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
 
     def query(self, rank: int, keys: Sequence[str]) -> int:
-        """Leading keys whose every object, and manifest, is stored."""
+        """Leading keys whose every object, and manifest, is stored (in each of the rank's head groups)."""
         self._check_keys(rank, keys)
-        names = self._names(rank, keys)
-        if not self.verify:
-            return self._whole([f == 1 for f in self.store.batch_is_exist(names)], len(keys))
-        found = self.store.batch_is_exist(names + self._manifest_names(rank, keys, None))
-        return self._leading_blocks(keys, None, [f == 1 for f in found])
+        count = len(keys)
+        for part in self.spec.parts(rank):
+            names = self._names(part, keys[:count])
+            if not self.verify:
+                count = self._whole([f == 1 for f in self.store.batch_is_exist(names)], count)
+            else:
+                found = self.store.batch_is_exist(names + self._manifest_names(part, keys[:count], None))
+                count = self._leading_blocks(keys[:count], None, [f == 1 for f in found])
+        return count
 
     def close(self) -> None:
         self._hash.close()

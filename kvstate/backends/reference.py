@@ -17,6 +17,7 @@ the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -85,56 +86,74 @@ class ReferenceBackend(StoreBackend):
         return len(block_ids)
 
     def _host(self, n: int) -> dict[str, np.ndarray]:
-        return self._buffers(n, None)[0]
+        """The host tier's arena: whole blocks of the rank, every head."""
+        spec = self.spec
+        return {k: np.zeros((n, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
               guard: Guard | None = None, layers: Callable[..., Any] | None = None) -> int:
         self._check_transfer(rank, keys, block_ids)
-        n = len(keys)
-        if layers is None:
-            count = self._put_layers(rank, keys, block_ids, guard, None, n)
-        else:
-            count = self._by_group(n, layers, lambda g, m, _: self._put_layers(rank, keys, block_ids, guard, g, m))
+        if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
+            return len(keys)
+        count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
+            rank, part, keys, block_ids, guard, layers, m))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
+
+    def _write_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, layers: Callable[..., Any] | None, m: int) -> int:
+        """Store the first ``m`` blocks of one head group, layer-wise when ``layers`` is given."""
+        put = partial(self._put_layers, rank, part, keys, block_ids, guard)
+        return put(None, m) if layers is None else self._by_group(m, layers, lambda grp, k, _: put(grp, k))
 
     def _buffers(self, m: int, group: int | None) -> tuple[dict[str, np.ndarray], slice]:
         """Block-major host rows for ``m`` blocks of every layer (``group`` None) or of one layer
         group, and the slice of layers they hold."""
         spec = self.spec
         a, b = (0, spec.layers) if group is None else spec.group_span(group)
-        return {k: np.empty((m, b - a) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}, slice(a, b)
+        return {k: np.empty((m, b - a) + spec.object_shape(k), spec.kind_dtype(k)) for k in spec.kinds}, slice(a, b)
 
-    def _put_layers(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-                    group: int | None, m: int) -> int:
-        """Gather and store the first ``m`` blocks: every layer, or layer group ``group``."""
+    def _part_layers(self, rank: int, kind: str, span: slice) -> list[np.ndarray]:
+        """The rank's layers ``span`` of ``kind``, seen by part (see :mod:`~kvstate.backends.objects`)."""
+        return [self._part_view(layer, kind) for layer in self.caches[rank][kind][span]]
+
+    def _put_layers(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, group: int | None, m: int) -> int:
+        """Gather and store the first ``m`` blocks of head group ``part`` (its place on the rank,
+        its index): every layer, or layer group ``group``."""
         host, span = self._buffers(m, group)
         check_fence(guard, rank, "gather", block_ids[:m])
+        ids = self._part_ids(block_ids[:m], part[0])
         for kind, buf in host.items():
-            swap_cache_layout(self.caches[rank][kind][span], buf, list(block_ids[:m]), list(range(m)), "d2h")
-        return self._put_objects(rank, keys[:m], None if group is None else [group], self._group_views(host, m, group))
+            swap_cache_layout(self._part_layers(rank, kind, span), buf, ids, list(range(m)), "d2h")
+        return self._put_objects(part[1], keys[:m], None if group is None else [group],
+                                 self._group_views(host, m, group))
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
         self._check_transfer(rank, keys, block_ids)
-        n = len(keys)
-        if arrived is None:
-            count = self._get_layers(rank, keys, block_ids, guard, None, n)
-        else:
-            count = self._load_by_group(n, arrived, lambda g, m: (self._get_layers(rank, keys, block_ids, guard, g, m),
-                                                                  None))
+        count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
+            rank, part, keys, block_ids, guard, arrived if whole else None, m))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
-    def _get_layers(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None,
-                    group: int | None, m: int) -> int:
-        """Read the first ``m`` blocks (every layer, or layer group ``group``) and scatter the
-        leading ones that arrived whole (a short read is a miss)."""
+    def _read_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None, arrived: Callable[[int, Any], None] | None, m: int) -> int:
+        """Read the first ``m`` blocks of one head group, reporting layers when ``arrived`` is given."""
+        get = partial(self._get_layers, rank, part, keys, block_ids, guard)
+        return get(None, m) if arrived is None else self._load_by_group(m, arrived, lambda grp, k: (get(grp, k), None))
+
+    def _get_layers(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, group: int | None, m: int) -> int:
+        """Read the first ``m`` blocks of head group ``part`` (every layer, or layer group
+        ``group``) and scatter the leading ones that arrived whole (a short read is a miss)."""
         host, span = self._buffers(m, group)
-        count = self._get_objects(rank, keys[:m], None if group is None else [group], self._group_views(host, m, group))
+        count = self._get_objects(part[1], keys[:m], None if group is None else [group],
+                                  self._group_views(host, m, group))
         if count:
             check_fence(guard, rank, "scatter into", block_ids[:count])
+            ids = self._part_ids(block_ids[:count], part[0])
             for kind, buf in host.items():
-                swap_cache_layout(self.caches[rank][kind][span], buf, list(block_ids[:count]), list(range(count)),
-                                  "h2d")
+                swap_cache_layout(self._part_layers(rank, kind, span), buf, ids, list(range(count)), "h2d")
         return count
+
