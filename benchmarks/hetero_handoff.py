@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['exact']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "tokens": args.tokens, "reps": args.reps, "verify": not args.trusted, "serial": args.serial,
-                       "pairs": rows}, f, indent=1)
+            json.dump({"backend": args.backend, "tokens": args.tokens, "reps": args.reps, "verify": not args.trusted,
+                       "serial": args.serial, "pairs": rows}, f, indent=1)
     return 0 if all(r["exact"] for r in rows) else 1
 
 

@@ -148,8 +148,8 @@ class DecodeLifecycle(SwapActions):
 
         Returns False for a request that already ended (D's first-token deadline passed, or
         it was aborted): the late token is dropped."""
-        if not is_int(error_code):
-            raise ValidationError(f"request {request_id!r}: error_code {error_code!r} is not an int")
+        if not is_int(error_code) or not 100 <= error_code <= 599:
+            raise ValidationError(f"request {request_id!r}: error_code {error_code!r} is not an HTTP status (100..599)")
         if error_code == 200:
             check_token(request_id, token)
         req = self._late(request_id, "first_token")

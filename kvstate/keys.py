@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 
 from .errors import ValidationError
-from .validate import TOKEN_TYPECODE, check_int, pack_tokens
+from .validate import TOKEN_TYPECODE, check_int, is_int, pack_tokens
 
 __all__ = ["block_keys", "keys_of_packed", "full_blocks", "rank_key", "KeyCache", "KEY_PREFIX_SEP"]
 
@@ -120,16 +120,27 @@ class KeyCache:
         heads[head] = (raw, chain)
 
 
+def _check_extra(extra_keys: Mapping[int, Sequence[str]], nblocks: int) -> None:
+    """Extra keys map block indices in range to sequences of str."""
+    if not isinstance(extra_keys, Mapping):
+        raise ValidationError(f"block_keys: extra_keys must map block indices to str sequences, got {extra_keys!r}")
+    for idx, extra in extra_keys.items():
+        if not is_int(idx) or not 0 <= idx < nblocks:
+            raise ValidationError(f"block_keys: extra_keys names block {idx!r}, outside 0..{nblocks - 1}")
+        if isinstance(extra, (str, bytes)) or not isinstance(extra, Sequence) or \
+                not all(isinstance(x, str) for x in extra):
+            raise ValidationError(f"block_keys: extra_keys[{idx}] must be a sequence of str, got {extra!r}")
+
+
 def keys_of_packed(packed: array[int], block_size: int, extra_keys: Mapping[int, Sequence[str]] | None,
                    namespace: str, cache: KeyCache | None = None) -> list[str]:
     """:func:`block_keys` over already validated, packed token ids (``cache``: see :class:`KeyCache`;
     it serves prompts without extra keys)."""
     n = len(packed)
+    if not isinstance(namespace, str):
+        raise ValidationError(f"block_keys: namespace must be a str, got {namespace!r}")
     if extra_keys:
-        nblocks = -(-n // block_size)
-        for idx in extra_keys:
-            if not isinstance(idx, int) or not 0 <= idx < nblocks:
-                raise ValidationError(f"block_keys: extra_keys names block {idx!r}, outside 0..{nblocks - 1}")
+        _check_extra(extra_keys, -(-n // block_size))
     step = block_size * 4
     nfull = n // block_size
     end = nfull * step
@@ -187,6 +198,11 @@ def _chain_extra(raw: bytes, step: int, end: int, prev: bytes, extra_keys: Mappi
 
 
 def rank_key(key: str, kind: str, rank: int, group: int | None = None) -> str:
-    """Name of the stored object holding ``kind`` ("key", "value", ...) of one block on ``rank``;
-    ``group``: which layer group, when a block is stored in several (``CacheSpec.layer_groups``)."""
+    """Name of the stored object holding ``kind`` ("key", "value", ...) of one block in head
+    group ``rank`` (a rank's own, by default); ``group``: which layer group, when a block is
+    stored in several (``CacheSpec.layer_groups``)."""
+    if key.__class__ is not str or not key or kind.__class__ is not str or not kind or not is_int(rank) \
+            or rank < 0 or group is not None and (not is_int(group) or group < 0):
+        raise ValidationError(f"rank_key: key and kind must be non-empty str, rank and group ints >= 0; got "
+                              f"{key!r}, {kind!r}, {rank!r}, {group!r}")
     return f"{key}_{kind}_{rank}" if group is None else f"{key}_{kind}_{rank}_g{group}"

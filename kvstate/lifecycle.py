@@ -41,7 +41,7 @@ from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
 from .timers import FENCE, TRANSFER, WAIT, Timers
-from .validate import check_int, check_request_id, check_tokens, is_int
+from .validate import check_int, check_request_id, check_tokens, is_int, read_clock
 
 __all__ = ["Lifecycle", "TransferView"]
 
@@ -70,6 +70,7 @@ class Lifecycle:
             raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
         if not callable(clock):
             raise ValidationError("clock must be callable")
+        read_clock(clock)  # a clock that cannot tell a finite time is refused now
         if not isinstance(namespace, str):
             raise ValidationError(f"namespace must be a str, got {type(namespace).__name__}")
         if key_cache is not None and not isinstance(key_cache, KeyCache):
@@ -172,7 +173,7 @@ class Lifecycle:
         if t is None:
             self.counters["stale_completions"] += 1
             return False
-        t.check_answer(rank, count, completion.lost)
+        t.check_answer(rank, count, completion.lost, completion.error)
         lost = completion.lost
         t.counts[rank] = 0 if completion.error or lost else count
         t.left -= 1
@@ -184,7 +185,7 @@ class Lifecycle:
         elif t.left == 0:
             self._resolve(t)
         if t.left == 0:
-            if t.lost and self.clock() < t.cmd.fence:  # a stopped rank may still touch the blocks
+            if t.lost and read_clock(self.clock) < t.cmd.fence:  # a stopped rank may still touch the blocks
                 self._timers.push(FENCE, t.cmd.fence, cid)
             else:
                 self._retire(t)
@@ -193,7 +194,7 @@ class Lifecycle:
     def tick(self) -> int:
         """Enforce deadlines at the clock's current time; returns how many timers fired."""
         fired = 0
-        for kind, ident in self._timers.due(self.clock()):
+        for kind, ident in self._timers.due(read_clock(self.clock)):
             if not self._live_timer(kind, ident):
                 continue
             fired += 1
@@ -284,7 +285,7 @@ class Lifecycle:
     def _wait(self, req: Request, timeout: float) -> None:
         """Give ``req`` a deadline for the wait it starts now (fires ``timed_out``)."""
         req.wait_seq = next(self._ids)
-        self._timers.push(WAIT, self.clock() + timeout, (req.id, req.wait_seq))
+        self._timers.push(WAIT, read_clock(self.clock) + timeout, (req.id, req.wait_seq))
 
     # -- transfers -------------------------------------------------------------------------------
     def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
@@ -294,7 +295,7 @@ class Lifecycle:
         answer, unless the request does not wait for it (``awaited=False``: a copy that only
         pins its blocks once the request lets go of them)."""
         cid = next(self._ids)
-        deadline = self.clock() + self.policy.transfer_timeout
+        deadline = read_clock(self.clock) + self.policy.transfer_timeout
         ids = tuple(blocks)
         fence = deadline + self.policy.fence_grace
         if host_slots is None:

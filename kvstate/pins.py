@@ -49,8 +49,9 @@ class Transfer:
         self.lost = False  #: a rank was declared lost: retire at the fence, not at the last answer
         req.inflight.append(self)
 
-    def check_answer(self, rank: object, count: object, lost: object) -> None:
-        """One rank's answer is one of its ranks' first, with a count in range (0 when lost)."""
+    def check_answer(self, rank: object, count: object, lost: object, error: object = None) -> None:
+        """One rank's answer is one of its ranks' first, with a count in range (0 when lost)
+        and an error that is None or its message."""
         cmd = self.cmd
         where = f"command {cmd.command_id} of request {cmd.request_id!r}"
         if (rank.__class__ is not int and not is_int(rank)) or rank not in cmd.ranks:
@@ -62,6 +63,8 @@ class Transfer:
         if lost is not False and (lost is not True or count):
             raise ValidationError(f"{where}: a lost answer is lost=True with count 0, got lost={lost!r}, "
                                   f"count {count!r}")
+        if error is not None and error.__class__ is not str:
+            raise ValidationError(f"{where}: an error answer's error is its message (a str), got {error!r}")
 
 
 class Transfers:

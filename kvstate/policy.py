@@ -1,9 +1,11 @@
 """Policies: what the lifecycle does on failure, preemption and time-outs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .validate import MAX_BLOCKS, check_int
 
 __all__ = ["Policy", "READ_FAILURE_MODES", "PREEMPT_MODES", "SWAP_FALLBACKS", "SWAP_WRITES", "ERROR_READ_FAILED",
            "ERROR_WRITE_FAILED", "ERROR_ABORTED", "ERROR_TIMEOUT", "REASONS", "prefill_reason"]
@@ -12,6 +14,7 @@ READ_FAILURE_MODES = ("fail", "recompute")  #: ``Policy.read_failure``
 PREEMPT_MODES = ("write", "recompute", "swap")  #: ``Policy.preempt``
 SWAP_FALLBACKS = ("write", "recompute")  #: ``Policy.swap_fallback``
 SWAP_WRITES = ("host", "through", "back")  #: ``Policy.swap_write``
+MAX_RETRIES = 1000  #: ``Policy.write_retries`` at most
 
 ERROR_READ_FAILED = 502  #: D could not read the cache P wrote
 ERROR_WRITE_FAILED = 503  #: P could not write the cache; its first token carries this code
@@ -92,12 +95,12 @@ class Policy:
             raise ConfigError(f"Policy.swap_write must be one of {SWAP_WRITES}, got {self.swap_write!r}")
         if self.swap_fallback not in SWAP_FALLBACKS:
             raise ConfigError(f"Policy.swap_fallback must be one of {SWAP_FALLBACKS}, got {self.swap_fallback!r}")
-        if not isinstance(self.write_retries, int) or self.write_retries < 0:
-            raise ConfigError(f"Policy.write_retries must be an int >= 0, got {self.write_retries!r}")
-        if not isinstance(self.decode_headroom_blocks, int) or self.decode_headroom_blocks < 0:
-            raise ConfigError(
-                f"Policy.decode_headroom_blocks must be an int >= 0, got {self.decode_headroom_blocks!r}")
+        if not isinstance(self.read_prefix, bool):
+            raise ConfigError(f"Policy.read_prefix must be a bool, got {self.read_prefix!r}")
+        check_int(self.write_retries, "Policy.write_retries", minimum=0, maximum=MAX_RETRIES, error=ConfigError)
+        check_int(self.decode_headroom_blocks, "Policy.decode_headroom_blocks", minimum=0, maximum=MAX_BLOCKS,
+                  error=ConfigError)
         for name in ("transfer_timeout", "first_token_timeout", "queue_timeout", "fence_grace", "swapped_timeout"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"Policy.{name} must be a number > 0, got {v!r}")
+            v = getattr(self, name)  # a bool is no time, and every wait must end: finite
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ConfigError(f"Policy.{name} must be a finite number > 0, got {v!r}")

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import BlockError, OutOfBlocksError
-from .validate import check_int, is_int
+from .validate import MAX_BLOCKS, check_int, is_int
 
 __all__ = ["BlockPool", "PoolStats"]
 
@@ -37,7 +37,7 @@ class BlockPool:
     __slots__ = ("num_blocks", "_free", "_refs", "_peak", "_allocs", "_frees")
 
     def __init__(self, num_blocks: int) -> None:
-        check_int(num_blocks, "BlockPool: num_blocks", minimum=0)
+        check_int(num_blocks, "BlockPool: num_blocks", minimum=0, maximum=MAX_BLOCKS)
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0 first
         self._refs = [0] * num_blocks

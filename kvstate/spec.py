@@ -23,8 +23,8 @@ from math import gcd
 import numpy as np
 
 from .dtypes import DTYPES
-from .errors import ConfigError
-from .validate import check_int
+from .errors import ConfigError, ValidationError
+from .validate import MAX_DIM, check_int
 
 __all__ = ["CacheSpec", "CACHE_KINDS", "SCALE_DTYPE", "check_pair", "paired"]
 
@@ -66,10 +66,10 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size", "layer_groups"):
-            check_int(getattr(self, name), f"CacheSpec.{name}", minimum=1, error=ConfigError)
+            check_int(getattr(self, name), f"CacheSpec.{name}", minimum=1, maximum=MAX_DIM, error=ConfigError)
+        check_int(self.extra_layers, "CacheSpec.extra_layers", minimum=0, maximum=MAX_DIM, error=ConfigError)
         if self.layers % self.layer_groups:
             raise ConfigError(f"CacheSpec.layer_groups {self.layer_groups} must divide the {self.layers} layers")
-        check_int(self.extra_layers, "CacheSpec.extra_layers", minimum=0, error=ConfigError)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"CacheSpec.dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
         if not isinstance(self.fp8_scales, bool) or not isinstance(self.has_value, bool):
@@ -82,7 +82,7 @@ class CacheSpec:
     def _check_heads(self) -> None:
         """``total_kv_heads`` split over the ranks (or replicated), ``store_heads`` a divisor."""
         for name in ("total_kv_heads", "store_heads"):
-            check_int(getattr(self, name), f"CacheSpec.{name}", minimum=0, error=ConfigError)
+            check_int(getattr(self, name), f"CacheSpec.{name}", minimum=0, maximum=MAX_DIM, error=ConfigError)
         total, tp = self.heads_total, self.tp_size
         if total >= tp and total != self.kv_heads * tp:
             raise ConfigError(f"CacheSpec: {total} KV heads over TP {tp} give {total / tp:g} a rank, "
@@ -113,10 +113,16 @@ class CacheSpec:
         return tuple(kinds)
 
     def kind_dtype(self, kind: str) -> np.dtype:
+        self._check_kind(kind)
         return SCALE_DTYPE if kind.endswith("_scale") else self.np_dtype
+
+    def _check_kind(self, kind: str) -> None:
+        if kind not in self.kinds:
+            raise ValidationError(f"CacheSpec: kind {kind!r} is not one of this cache's {self.kinds}")
 
     def block_shape(self, kind: str) -> tuple[int, int, int]:
         """Shape of one (layer, block) chunk of ``kind``: ``(heads, block_size, dim)``."""
+        self._check_kind(kind)
         dim = 1 if kind.endswith("_scale") else self.head_dim
         return (self.kv_heads, self.block_size, dim)
 

@@ -6,16 +6,19 @@ value. ``bool`` is never an int here: ``True`` would pass for rank, block or com
 """
 from __future__ import annotations
 
+import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 from .errors import KVStateError, ValidationError
 
-__all__ = ["is_int", "check_int", "check_request_id", "pack_tokens", "check_tokens", "check_token", "TOKEN_LIMIT",
-           "TOKEN_TYPECODE"]
+__all__ = ["is_int", "check_int", "check_request_id", "pack_tokens", "check_tokens", "check_token", "read_clock",
+           "TOKEN_LIMIT", "TOKEN_TYPECODE", "MAX_BLOCKS", "MAX_DIM"]
 
 TOKEN_LIMIT = 2**32  #: token ids are packed as uint32
+MAX_BLOCKS = 2**31  #: blocks of a pool, host tier or backend at most (far past any GPU's memory)
+MAX_DIM = 2**20  #: a cache's layers, heads, block size, head dim or TP degree at most
 TOKEN_TYPECODE = "I"  #: the array typecode of packed token ids: uint32
 if array(TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - no mainstream platform
     raise ImportError("kvstate needs a 4-byte array('I')")
@@ -37,6 +40,14 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
         rule = f"an int{lo}{' and' if lo and hi else ''}{hi}"
         raise error(f"{name} must be {rule}, got {value!r}")
     return int(value)
+
+
+def read_clock(clock: Callable[[], float]) -> float:
+    """The clock's reading, refused unless a finite number: a NaN deadline would never fire."""
+    t = clock()
+    if (t.__class__ is float or isinstance(t, (int, float)) and not isinstance(t, bool)) and -math.inf < t < math.inf:
+        return t
+    raise ValidationError(f"the clock must read a finite number of seconds, read {t!r}")
 
 
 def check_request_id(request_id: Any) -> str:

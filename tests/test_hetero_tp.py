@@ -82,7 +82,7 @@ def test_each_d_rank_reads_exactly_its_heads(heads, p_tp, d_tp, groups):
     assert_exact(full, d, d_spec)
     # the store holds one object per head group, kind and layer group: no replica wrote twice
     per_block = heads // p_spec.object_heads * len(p_spec.kinds) * groups
-    assert len([n for n in store.keys() if "_sum_" not in n]) == 3 * per_block
+    assert len([n for n in store if "_sum_" not in n]) == 3 * per_block
     assert d.broken_blocks == 0
     # and only the first replica of each head moved its bytes
     assert d.p.bytes_moved == 3 * p_spec.bytes_per_block_per_rank * (p_tp // p_spec.replicas)

@@ -12,8 +12,8 @@ from conftest import has_module
 from test_hetero_tp import BLOCK, D_IDS, NUM_BLOCKS, P_IDS, heads_of, monolithic, shard, spec_for
 
 from kvstate.backends import MemoryStore, ReferenceBackend
-from kvstate.keys import block_keys
 from kvstate.kernels.cuda import cuda_available
+from kvstate.keys import block_keys
 from kvstate.spec import paired
 
 GPU = has_module("cupy") and cuda_available()

@@ -81,6 +81,8 @@ class StepDriver:
         only that many leading keys (a partial transfer), ``"fail"`` answers 0 with an
         error and moves nothing.
         """
+        if not is_int(command_id) or not is_int(rank):  # True would find rank 1's answer
+            raise ValidationError(f"command id and rank must be ints, got {command_id!r} and {rank!r}")
         key = (command_id, rank)
         cmd = self.pending.get(key)
         if cmd is None:

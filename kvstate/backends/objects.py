@@ -99,6 +99,8 @@ class StoreBackend(Manifested, TransferBackend):
 
     def _check_swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
         """A swap's rank, block ids (as a transfer's) and host slots: one per block, in range, distinct."""
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
+            raise ValidationError(f"{type(self).__name__}: block ids must be a sequence of ints, got {block_ids!r}")
         self._check_transfer(rank, [f"block{b}" for b in range(len(block_ids))], block_ids)
         self._check_slots(host_slots, len(block_ids))
 

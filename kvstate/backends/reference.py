@@ -60,6 +60,7 @@ class ReferenceBackend(StoreBackend):
         """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
         self._check_keys(rank, ())
         self._check_block(block_id)
+        self.spec.block_shape(kind)  # a kind of this cache
         return b"".join(layer[block_id].tobytes() for layer in self.caches[rank][kind])
 
     def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:

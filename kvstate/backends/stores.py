@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import StoreError
+from ..errors import StoreError, ValidationError
 from ..validate import check_int
 from .base import MISSING, Store, check_batch, check_keys, check_verify
 
@@ -240,6 +240,8 @@ class FileStore(Store):
         """``verify``: as :class:`MemoryStore`'s; every client of one directory must agree.
         ``io_threads``: threads writing or reading a large batch's files in parallel (file
         reads and writes release the GIL; default: up to 8, one a core; 1: the caller's)."""
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise ValidationError(f"FileStore: directory must be a path, got {directory!r}")
         self.verify = check_verify(verify, "FileStore")
         io_threads = default_threads() if io_threads is None else io_threads
         check_int(io_threads, "FileStore: io_threads", minimum=1)
