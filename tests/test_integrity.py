@@ -216,3 +216,46 @@ def test_a_block_vouched_for_by_a_device_checksum_is_verified_on_the_host():
     assert d.read(0, keys, [0, 2, 4]) == 3 and not rank0_mismatches(d, keys, [0, 2, 4])
     corrupt(store, rank_key(keys[2], "key", 0), at=11)
     assert d.read(0, keys, [0, 2, 4]) == 2 and d.broken_blocks == 1
+
+
+class FlakyStore(MemoryStore):
+    """A pool whose next get of ``fail`` answers an error though the object is stored (a
+    transport fault, or an object another writer is storing this instant)."""
+
+    fail: set[str] = set()
+
+    def _failing(self, keys, got):
+        hit = [k in self.fail for k in keys]
+        self.fail = self.fail - set(keys)
+        return [-900 if h else n for h, n in zip(hit, got)]
+
+    def batch_get_into(self, keys, buffers):
+        return self._failing(keys, super().batch_get_into(keys, buffers))
+
+    def batch_get_hashed(self, keys, buffers):
+        got, sums = super().batch_get_hashed(keys, buffers)
+        return self._failing(keys, got), sums
+
+
+def test_a_get_that_failed_is_a_failed_read_that_evicts_nothing():
+    """Only a block whose every object came (or was stored too large) and did not verify is
+    evicted: a failed get says nothing of the object, and other requests may be reading it."""
+    store = FlakyStore(1 << 24)
+    spec, store, p, d, keys = pair(store=store)
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    store.fail = {rank_key(keys[1], "key", 0)}
+    assert d.read(0, keys, [0, 2, 4]) == 1 and d.broken_blocks == 0
+    assert p.query(0, keys) == 3  # still stored: the next read succeeds
+    assert d.read(0, keys, [0, 2, 4]) == 3
+    assert not rank0_mismatches(d, keys, [0, 2, 4])
+
+
+def test_an_object_stored_too_large_is_broken_and_evicted():
+    spec, store, p, d, keys = pair()
+    assert p.write(0, keys, [3, 1, 6]) == 3
+    name = rank_key(keys[0], "value", 0)
+    store.evict([name])
+    assert store.batch_put_from([name], [bytes(spec.block_bytes("value") + 8)]) == [0]
+    assert d.read(0, keys, [0, 2, 4]) == 0 and d.broken_blocks == 1
+    assert p.query(0, keys) == 0 and p.write(0, keys, [3, 1, 6]) == 3  # healed by the next write
+    assert d.read(0, keys, [0, 2, 4]) == 3

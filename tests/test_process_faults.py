@@ -290,7 +290,7 @@ def test_the_mooncake_master_stopped_mid_run_then_restarted(tmp_path):
         r3 = rig.run(12, seed=7, timeout=90)
         healthy(r3)
         states = Counter(st for st, _ in r3["outcome"].values())
-        assert states["done"] + states["aborted"] == 12, r3["outcome"]  # served; only the planned aborts end early
+        assert states["done"] + states["aborted"] == 12, {k: v for k, v in r3["outcome"].items() if v[0] != "done"}
         assert rig.driver("P").counters["restarts"] == rig.driver("D").counters["restarts"] == 0
     finally:
         rig.close()

@@ -30,9 +30,12 @@ from ..errors import FenceError, ValidationError
 from ..spec import CacheSpec
 
 __all__ = ["Store", "TransferBackend", "Guard", "check_fence", "check_batch", "leading", "check_caches",
-           "check_keys", "check_verify", "as_bytes_view", "MISSING", "MAX_KEY_LEN"]
+           "check_keys", "check_verify", "as_bytes_view", "MISSING", "TOO_LARGE", "MAX_KEY_LEN"]
 
 MISSING = -1  #: ``batch_get_into`` / ``batch_put_from`` code for a missing key or a failed operation
+#: ``batch_get_into`` code for an object larger than the buffer given for it: stored, but not
+#: of the size asked for (a reader that knows the size evicts it as broken)
+TOO_LARGE = -2
 MAX_KEY_LEN = 512
 
 #: asked just before a transfer touches blocks: True while the command's fence has not passed

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..keys import rank_key
-from .base import Store, leading
+from .base import TOO_LARGE, Store, leading
 from .integrity import SUM64, XXH3, ManifestError, manifest_size, pack_manifest, sum64, unpack_manifest
 
 __all__ = ["Manifested", "MANIFEST_KIND", "Scatter", "Deferred"]
@@ -181,14 +181,14 @@ class Manifested:
 
     def _broken_or_present(self, part: int, key: str, groups: Sequence[int] | None, got: list[int],
                            read: list[int], i: int) -> bool:
-        """Whether the first block that did not arrive whole is there all the same (a short,
-        unreadable or foreign object, or manifest), rather than missing."""
+        """Whether the first block that did not arrive whole is broken rather than missing or
+        unreachable: every object and manifest came (short, corrupt or foreign) or was stored
+        too large. A get that failed says nothing of the object (a missing one, a transport
+        error, an object another writer is storing this instant): evicting on it would destroy
+        a block other requests are reading, so it is a failed read only."""
         ng = len(self._groups_of(groups))
         mine = [got[j] for gi in range(ng) for j in self._objects_of(i, gi, ng)] + list(read[i * ng:(i + 1) * ng])
-        if all(n >= 0 for n in mine):
-            return True  # everything came, yet it did not add up: broken
-        names = self._names(part, [key], groups) + self._manifest_names(part, [key], groups)
-        return all(f == 1 for f in self.store.batch_is_exist(names))  # stored, but unreadable here
+        return all(n >= 0 or n == TOO_LARGE for n in mine)
 
     def _evict_block(self, part: int, key: str) -> None:
         """A read found this block broken in this head group: its objects and manifests leave the

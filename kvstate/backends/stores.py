@@ -21,7 +21,7 @@ import xxhash
 
 from ..errors import StoreError, ValidationError
 from ..validate import check_int
-from .base import MISSING, Store, check_batch, check_keys, check_verify
+from .base import MISSING, TOO_LARGE, Store, check_batch, check_keys, check_verify
 
 __all__ = ["MemoryStore", "FileStore", "default_threads", "PARALLEL_BYTES"]
 
@@ -157,7 +157,7 @@ class MemoryStore(Store):
             for k, v in zip(keys, views):
                 data = self._data.get(k)
                 if data is None or len(data) > v.nbytes:
-                    out.append(MISSING)
+                    out.append(MISSING if data is None else TOO_LARGE)
                     continue
                 self._data.move_to_end(k)
                 self._reading[id(data)] = self._reading.get(id(data), 0) + 1
@@ -314,7 +314,7 @@ class FileStore(Store):
             with open(self._path(key), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size > view.nbytes:
-                    return MISSING, 0
+                    return TOO_LARGE, 0
                 if not hashed:
                     return f.readinto(view[:size]), 0
                 h, n = xxhash.xxh3_64(), 0
