@@ -70,7 +70,7 @@ def parse_sweep(items: Sequence[str]) -> dict[str, list[Any]]:
 def _cost(s: Scenario) -> tuple[int, float]:
     """GPUs, then storage bandwidth (a co-located deployment uses none)."""
     bw = s.storage.bandwidth_gbps if s.cluster.mode == "pd" else 0.0
-    return s.cluster.instances * s.cluster.tp, bw
+    return s.cluster.gpus, bw
 
 
 def _infeasible(config: dict[str, Any], reason: str) -> Row:

@@ -47,7 +47,9 @@ class Cluster:
         # the run's records and models, shared with the instances (the same objects)
         self.env, self.store, self.counters = sv.env, sv.store, sv.counters
         self.reqs, self.live, self.done, self.round_trips = sv.reqs, sv.live, sv.done, sv.round_trips
-        self.cache_spec, self.block_size, self.gpu_blocks = sv.cache_spec, sv.block_size, sv.gpu_blocks
+        # an instance's blocks: the fewer of P's and D's when their TP degrees differ (what a request must fit)
+        self.cache_spec, self.block_size = sv.cache_spec, sv.block_size
+        self.gpu_blocks = min(side.gpu_blocks for side in sv.sides.values())
         self._check_fits(s, self.cache_spec)
         self.prefill = [PrefillInstance(sv, i) for i in range(s.cluster.n_prefill)]
         self.decode = [DecodeInstance(sv, i) for i in range(s.cluster.n_decode)]

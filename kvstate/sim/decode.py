@@ -124,9 +124,9 @@ class DecodeInstance(Instance):
             if quiet > 1:  # steps with no event before the next one: one wait for all of them
                 t = yield from self._sleep_span(b, quiet)
             else:
-                t = cl.compute.decode_step_time(b, self.context) if b else 0.0
+                t = self.side.compute.decode_step_time(b, self.context) if b else 0.0
                 if work:
-                    t += cl.compute.prefill_time((n, c) for _, n, c in work)
+                    t += self.side.compute.prefill_time((n, c) for _, n, c in work)
                 self.busy_time += t
                 self.slot_seconds += t * b
                 self.computing_until = env.now + t
@@ -155,7 +155,7 @@ class DecodeInstance(Instance):
         """Sleep through ``count`` steps of batch ``b`` (fewer if cut); account for all but the
         last, which the loop ends as any step. Returns the last step's seconds."""
         env = self.env
-        span = StepSpan(env.now, b, self.context, count, self.sv.compute.decode_step_time)
+        span = StepSpan(env.now, b, self.context, count, self.side.compute.decode_step_time)
         self._span, self._span_base = span, (self.busy_time, self.slot_seconds)
         self.spans += 1
         self._count_busy(span)
@@ -372,7 +372,7 @@ class DecodeInstance(Instance):
                 return  # in arrival order: its write-back or swap-out is still running
             # its cache and its next token, as at reservation: resuming into exactly its old
             # blocks would leave it no room to grow, and it would be preempted again at once
-            need = self.sv.cache_spec.blocks_for(req.synced + 1)
+            need = self.side.cache_spec.blocks_for(req.synced + 1)
             if self.running:  # room for the running requests to grow, as at reservation
                 need += lc.policy.decode_headroom_blocks
             if lc.pool.num_free < need:

@@ -13,6 +13,7 @@ production. Notices go to the role's :meth:`Instance.notice`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, cast
 
 import simpy
@@ -44,15 +45,21 @@ class Transfer:
         inst = self.inst
         if self.cmd.command_id in inst.cancelled:
             return 0.0  # answered "cancelled" at once
-        store = inst.sv.store
-        found = store.leading(rank, self.cmd.keys)
+        store, side = inst.sv.store, inst.side
+        if self.write and not side.writers[rank]:  # a replica: the first rank holding its heads stores them
+            self.seen[rank] = (self.n, store.evictions)
+            return 0.0
+        parts = side.parts[rank]
+        found = store.leading(parts[0], self.cmd.keys)
+        for part in parts[1:]:
+            found = min(found, store.leading(part, self.cmd.keys))
         self.seen[rank] = (found, store.evictions)
         if self.write:
             rest = self.n - found
             if not rest:
                 return store.query_latency
             if self.cmd.__class__ is C.FlushHost:  # from host memory: the pool's bandwidth only
-                nbytes = rest * inst.sv.shard_bytes
+                nbytes = rest * side.shard_bytes
                 return store.query_latency + store.occupy(inst.env.now, nbytes)[1] - inst.env.now
             return store.query_latency + inst.transfer_time(rank, "d2h", rest)
         return inst.transfer_time(rank, "h2d", found) if found else store.latency
@@ -79,7 +86,7 @@ class LayerSave(Transfer):
         if rank not in self.seen or self.seen[rank][0] == self.n:  # cancelled, or every key stored: at once
             return moving
         left = self.forward_left - (self.inst.env.now - self.submitted)
-        tail = (moving - store.query_latency) / self.inst.sv.cache_spec.layers
+        tail = (moving - store.query_latency) / self.inst.side.cache_spec.layers
         return max(moving, left + tail)
 
 
@@ -115,11 +122,12 @@ class Instance:
     def __init__(self, sv: Services, idx: int) -> None:
         s, env = sv.scenario, sv.env
         self.sv, self.idx, self.env = sv, idx, env
+        self.side = side = sv.sides[self.role]  #: this role's TP degree, geometry, blocks and compute
         self.name = f"{self.role[0].upper()}{idx}"
-        self.lc = self.lifecycle_cls(sv.cache_spec, sv.gpu_blocks, sv.policy,
+        self.lc = self.lifecycle_cls(side.cache_spec, side.gpu_blocks, sv.policy,
                                      clock=lambda: env.now, namespace=s.model.name, key_cache=sv.key_cache,
                                      **self.lifecycle_options(s))
-        tp = s.cluster.tp
+        tp = side.tp
         self.link_free = [0.0] * tp
         self.cancelled: set[int] = set()
         kw: dict[str, Any] = dict(tp=tp, workers=s.cluster.transfer_workers, protocol=s.tp.protocol,
@@ -147,23 +155,24 @@ class Instance:
         now = self.env.now
         link = self._link_cost.get((direction, n))
         if link is None:
-            link = self._link_cost[(direction, n)] = self.sv.link_seconds(direction, n)
+            link = self._link_cost[(direction, n)] = self.side.link_seconds(direction, n)
         start = max(self.link_free[rank], now)
         self.link_free[rank] = end = start + link
         return end - now
 
     def transfer_time(self, rank: int, direction: str, n: int) -> float:
         """Seconds of one rank's part of a transfer of ``n`` blocks starting now."""
-        cl = self.sv
+        cl, side = self.sv, self.side
         now = self.env.now
         link = self._link_cost.get((direction, n))
         if link is None:
-            link = self._link_cost[(direction, n)] = cl.link_seconds(direction, n)
+            link = self._link_cost[(direction, n)] = side.link_seconds(direction, n)
         start = self.link_free[rank]
         start = max(start, now)
         self.link_free[rank] = link_end = start + link
-        nbytes = n * cl.shard_bytes
+        nbytes = n * side.shard_bytes
         s_start, s_end = cl.store.occupy(now, nbytes)
+        s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s  # per object moved, when charged
         pieces = max(1, math.ceil(nbytes / cl.staging_bytes))
         end = max(link_end, s_end) + min(link, s_end - s_start) / pieces
         return end - now
@@ -181,7 +190,7 @@ class Instance:
         else:
             found, evictions = task.seen[rank]
             known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
-            c = Completion(cmd.command_id, rank, cl.store.answer(rank, cmd.keys, write, known))
+            c = Completion(cmd.command_id, rank, self._stored(rank, cmd.keys, write, known))
             # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
             if self.role == "decode" and not write and c.count < len(cmd.keys):
                 cl.counters["partial_reads"] += 1
@@ -189,6 +198,18 @@ class Instance:
         self.pump()
         if not cl.live:  # the last answers after the last request ended
             cl.check_finished()
+
+    def _stored(self, rank: int, keys: Sequence[str], write: bool, known: int) -> int:
+        """The pool's answer to one rank's write or read: over each of its head groups (a
+        replica's write: every key, its first replica stores them)."""
+        side, store = self.side, self.sv.store
+        if write and not side.writers[rank]:
+            return len(keys)
+        parts = side.parts[rank]
+        count = store.answer(parts[0], keys, write, known)
+        for part in parts[1:]:
+            count = min(count, store.answer(part, keys, write, known))
+        return count
 
     # -- commands out of the lifecycle ------------------------------------------------------------
     def pump(self) -> None:

@@ -28,8 +28,9 @@ def _instances(cl: Any, end: float) -> dict[str, Any]:
         d: dict[str, Any] = {"compute_busy": round(busy / end, 4)}
         if i.role == "decode":
             d["batch_slots_used"] = round(i.slot_seconds / end / i.max_batch, 4)
-        d["blocks_used"] = round(i.block_seconds / end / cl.gpu_blocks, 4)
-        d["peak_blocks_used"] = round(i.lc.pool.stats().peak_used / cl.gpu_blocks, 4)
+        blocks = i.side.gpu_blocks
+        d["blocks_used"] = round(i.block_seconds / end / blocks, 4)
+        d["peak_blocks_used"] = round(i.lc.pool.stats().peak_used / blocks, 4)
         d["lifecycle"] = {k: v for k, v in i.lc.counters.items() if v}
         out[i.name] = d
     return out

@@ -100,7 +100,7 @@ class PrefillInstance(Instance):
             if not batch:
                 continue
             self.queued_tokens -= tokens
-            t = cl.compute.prefill_time((n, c) for _, n, c in batch)
+            t = self.side.compute.prefill_time((n, c) for _, n, c in batch)
             self.busy_time += t
             self.computing_until = env.now + t
             if self.saves:

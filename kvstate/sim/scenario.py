@@ -10,11 +10,11 @@ and writing TOML lives in :mod:`kvstate.sim.scenario_io`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, SWAP_FALLBACKS, SWAP_WRITES, Policy
-from ..spec import CacheSpec
+from ..spec import CacheSpec, paired
 from .fields import Section, doc_of, setting
 from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec
 from .tp import PROTOCOLS
@@ -54,7 +54,9 @@ class ClusterSpec(Section):
     n_instances: int = setting(1, "co-located instances (mode colocated; requests go to the least loaded)")
     n_prefill: int = setting(2, "prefill (P) instances")
     n_decode: int = setting(2, "decode (D) instances")
-    tp: int = setting(2, "tensor-parallel GPUs per instance")
+    tp: int = setting(2, "tensor-parallel GPUs per instance (per P instance when d_tp is set)")
+    d_tp: int = setting(0, "tensor-parallel GPUs per D instance; 0: tp (P and D of different degrees store "
+                        "head groups both split: kvstate.spec.paired)")
     gpu_blocks: int = setting(0, "KV blocks per instance; 0: what GPU memory leaves after the weights")
     prefill_token_budget: int = setting(16384, "tokens of new prompts batched into one prefill forward")
     decode_max_batch: int = setting(256, "requests decoded together in one step")
@@ -69,15 +71,27 @@ class ClusterSpec(Section):
 
     @property
     def instances(self) -> int:
-        """Instances of the mode in use: each is ``tp`` GPUs with its own blocks."""
+        """Instances of the mode in use: each is ``tp`` GPUs (a D ``d_tp``) with its own blocks."""
         return self.n_instances if self.mode == "colocated" else self.n_prefill + self.n_decode
+
+    @property
+    def decode_tp(self) -> int:
+        """A D instance's TP degree."""
+        return self.d_tp or self.tp
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the instances of the mode in use."""
+        if self.mode == "colocated":
+            return self.n_instances * self.tp
+        return self.n_prefill * self.tp + self.n_decode * self.decode_tp
 
     def check(self) -> None:
         self.choice("mode", MODES)
         self.positive("n_instances", "n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch",
                       "staging_mib", "transfer_workers")
-        self.non_negative("gpu_blocks", "host_blocks")
-        self.at_most(n_instances=MAX_INSTANCES, n_prefill=MAX_INSTANCES, n_decode=MAX_INSTANCES, tp=MAX_TP,
+        self.non_negative("gpu_blocks", "host_blocks", "d_tp")
+        self.at_most(n_instances=MAX_INSTANCES, n_prefill=MAX_INSTANCES, n_decode=MAX_INSTANCES, tp=MAX_TP, d_tp=MAX_TP,
                      decode_max_batch=MAX_BATCH, prefill_token_budget=MAX_TOKENS, transfer_workers=64,
                      staging_mib=1 << 16)
         for name in ("gpu_blocks", "host_blocks"):
@@ -86,7 +100,7 @@ class ClusterSpec(Section):
                 raise ConfigError(f"{name}: {getattr(self, name):,} blocks on each of {self.instances} "
                                   f"instances is {total:,}; a run holds at most {MAX_BLOCKS:,} (~50 bytes each)")
         if self.mode == "colocated":
-            for name in ("host_blocks", "layerwise", "prefix_cache"):
+            for name in ("host_blocks", "layerwise", "prefix_cache", "d_tp"):
                 if getattr(self, name):
                     raise ConfigError(f"{name}: a PD setting; a co-located instance has no host tier and moves no "
                                       "cache (its prefix cache is [scheduler] prefix_caching)")
@@ -129,10 +143,12 @@ class StorageSpec(Section):
     latency_ms: float = setting(0.3, "per put/get batch")
     query_latency_ms: float = setting(0.1, "per existence query")
     capacity_gib: float = setting(256.0, "beyond it the least recently used blocks are evicted")
+    object_us: float = setting(0.0, "per object a put or get moves (a block is kinds x head groups objects a "
+                               "rank); 0: within latency_ms and bandwidth_gbps")
 
     def check(self) -> None:
         self.positive("bandwidth_gbps", "capacity_gib")
-        self.non_negative("latency_ms", "query_latency_ms")
+        self.non_negative("latency_ms", "query_latency_ms", "object_us")
 
 
 @dataclass(frozen=True)
@@ -310,22 +326,41 @@ class Scenario(Section):
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"[{name}] must be a {cls.__name__}")
-        if len(self.tp.skew_ms) > self.cluster.tp:
-            raise ConfigError(f"[tp] skew_ms: {len(self.tp.skew_ms)} entries for {self.cluster.tp} ranks")
-        if self.model.kv_heads % self.cluster.tp and not self.model.kv_lora_rank:
-            raise ConfigError(f"[cluster] tp: the model's {self.model.kv_heads} KV heads do not split "
-                              f"over {self.cluster.tp} ranks")
+        ranks = max(self.cluster.tp, self.cluster.decode_tp)
+        if len(self.tp.skew_ms) > ranks:
+            raise ConfigError(f"[tp] skew_ms: {len(self.tp.skew_ms)} entries for {ranks} ranks")
+        for name, tp in (("tp", self.cluster.tp), ("d_tp", self.cluster.decode_tp)):
+            if self.model.kv_heads % tp and not self.model.kv_lora_rank:
+                raise ConfigError(f"[cluster] {name}: the model's {self.model.kv_heads} KV heads do not split "
+                                  f"over {tp} ranks")
+        if self.cluster.decode_tp != self.cluster.tp and self.model.kv_lora_rank:
+            raise ConfigError("[cluster] d_tp: a latent (MLA) cache is replicated on every rank; P and D of "
+                              "different TP degrees are not modeled for it")
         if self.policy.preempt == "swap" and not self.cluster.host_blocks:
             raise ConfigError("[policy] preempt = \"swap\" needs a host tier: set [cluster] host_blocks > 0")
 
     # -- derived figures -----------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:
-        """One TP rank's cache geometry: every size below comes from it."""
+        """One TP rank's cache geometry (a P rank's, when D's degree differs): every size below
+        comes from it. P and D of different degrees store head groups both split."""
         m, tp = self.model, self.cluster.tp
         # a latent (MLA) cache is one head, replicated on every rank
         kv = m.kv_heads if m.kv_lora_rank else m.kv_heads // tp
-        return CacheSpec(num_layers=m.num_layers, kv_heads=kv, block_size=m.block_size,
+        spec = CacheSpec(num_layers=m.num_layers, kv_heads=kv, block_size=m.block_size,
                          head_dim=m.head_dim, dtype=m.dtype, tp_size=tp)
+        d_tp = self.cluster.decode_tp
+        if d_tp == tp:
+            return spec
+        d_spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.kv_heads // d_tp, block_size=m.block_size,
+                           head_dim=m.head_dim, dtype=m.dtype, tp_size=d_tp)
+        return paired(spec, d_spec)[0]
+
+    def decode_view(self) -> Scenario:
+        """This scenario as a D instance sees it: ``cluster.tp`` its own degree (the same
+        scenario when P and D share one)."""
+        if not self.cluster.d_tp or self.cluster.d_tp == self.cluster.tp:
+            return self
+        return replace(self, cluster=replace(self.cluster, tp=self.cluster.d_tp, d_tp=self.cluster.tp))
 
     @property
     def kv_bytes_per_token(self) -> int:

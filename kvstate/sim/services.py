@@ -6,7 +6,9 @@ handed to every instance and to the router; none of them holds the cluster. It c
 - the clock (SimPy's environment) and the scenario's figures: cache geometry, policy, blocks
   per instance, staging, network latency, injected fault rates;
 - the models: compute (:mod:`~kvstate.sim.compute`), transfers (:mod:`kvstate.kernels.cost`,
-  :meth:`Services.link_seconds`) and the storage pool (:mod:`~kvstate.sim.storage`);
+  :meth:`Side.link_seconds`) and the storage pool (:mod:`~kvstate.sim.storage`); what differs
+  between P and D (TP degree, cache geometry, blocks, compute) is each role's :class:`Side`, and
+  the pool holds head groups (:mod:`kvstate.spec`'s layout: a rank's own, unless P and D differ);
 - the run's shared records: requests by id, the live ones, the ended ones, counters, the
   preemption round trips, the key cache the instances share;
 - deadlines: :meth:`Services.arm_timer` ticks an instance's lifecycle exactly when its next
@@ -33,7 +35,7 @@ from .request import SimRequest
 from .scenario import Scenario
 from .storage import SimStore
 
-__all__ = ["Services", "COUNTERS", "Ticked"]
+__all__ = ["Services", "Side", "COUNTERS", "Ticked"]
 
 
 class Ticked(Protocol):
@@ -54,23 +56,55 @@ def _unset(*_: Any) -> None:
     raise AssertionError("a cluster hook was used before the cluster set it")
 
 
+class Side:
+    """What one role's instances are made of: TP degree, cache geometry, blocks, compute, the
+    head groups each rank moves, and the PCIe cost of moving them."""
+
+    def __init__(self, scenario: Scenario, cost: TransferCostModel) -> None:
+        s = scenario
+        self.tp = s.cluster.tp
+        self.cache_spec = spec = s.cache_spec()
+        self.gpu_blocks = s.gpu_blocks()
+        self.compute = ComputeModel(s)
+        self.shard_bytes = spec.bytes_per_block_per_rank  #: a rank's bytes of a block
+        self.part_bytes = self.shard_bytes // spec.head_groups  #: a head group's bytes of a block
+        self.parts = [tuple(spec.parts(r)) for r in range(self.tp)]  #: each rank's head groups
+        self.writers = [spec.writes(r) for r in range(self.tp)]  #: ranks that store their heads
+        self.chunk_bytes = spec.chunk_bytes()
+        self.kinds = len(spec.kinds)
+        self.staging_bytes = s.cluster.staging_mib << 20
+        self.cost = cost
+
+    def link_seconds(self, direction: str, n: int) -> float:
+        """PCIe seconds of one rank moving ``n`` blocks, in staging-sized pieces, one call per
+        kind (and head group: each is a call of chunks that many times smaller)."""
+        groups = self.cache_spec.head_groups
+        chunk = self.chunk_bytes // groups
+        per_piece = max(1, self.staging_bytes // self.shard_bytes)
+        full, rest = divmod(n, per_piece)
+        layers = self.cache_spec.layers
+        t = full * self.cost.time_of(direction, per_piece * layers * groups, chunk)
+        t += self.cost.time_of(direction, rest * layers * groups, chunk)
+        return t * self.kinds
+
+
 class Services:
     """The run's clock, models, pool, records and hooks (see the module's docstring)."""
 
     def __init__(self, scenario: Scenario, cost: TransferCostModel | None = None) -> None:
         s = self.scenario = scenario
         self.env = simpy.Environment()
-        self.cache_spec = s.cache_spec()
-        self.block_size = s.model.block_size
-        self.gpu_blocks = s.gpu_blocks()
-        self.policy = s.policy.to_policy()
         self.cost = cost or TransferCostModel.load(s.gpu.calibration)
-        self.compute = ComputeModel(s)
-        self.shard_bytes = s.block_bytes_per_rank
-        self.chunk_bytes = self.cache_spec.chunk_bytes()
-        self.kinds = len(self.cache_spec.kinds)
-        self.staging_bytes = s.cluster.staging_mib << 20
-        self.store = SimStore(s.storage, self.shard_bytes, s.cluster.tp)
+        p = Side(s, self.cost)
+        self.sides = {"prefill": p, "decode": Side(s.decode_view(), self.cost) if s.cluster.d_tp else p}
+        # P's figures under the names every role used when they were one (and a co-located run's)
+        self.cache_spec, self.gpu_blocks, self.compute = p.cache_spec, p.gpu_blocks, p.compute
+        self.shard_bytes, self.chunk_bytes, self.kinds = p.shard_bytes, p.chunk_bytes, p.kinds
+        self.block_size = s.model.block_size
+        self.policy = s.policy.to_policy()
+        self.staging_bytes = p.staging_bytes
+        self.store = SimStore(s.storage, p.part_bytes, p.cache_spec.heads_total // p.cache_spec.object_heads)
+        self.object_s = s.storage.object_us / 1e6  #: pool seconds per object moved
         # every instance runs in this one thread: D's reserve and P's admit of a request compute
         # the same keys back to back, so one KeyCache makes the second free (never a different key);
         # 1,024 first blocks kept: the Mooncake trace's prompts start in 2,211 ways, and with 64
@@ -91,15 +125,9 @@ class Services:
         self.retry_backlog: Callable[[], None] = _unset
         self.check_finished: Callable[[], None] = _unset
 
-    # -- costs -------------------------------------------------------------------------------
     def link_seconds(self, direction: str, n: int) -> float:
-        """PCIe seconds of one rank moving ``n`` blocks, in staging-sized pieces, one call per kind."""
-        per_piece = max(1, self.staging_bytes // self.shard_bytes)
-        full, rest = divmod(n, per_piece)
-        layers = self.cache_spec.layers
-        t = full * self.cost.time_of(direction, per_piece * layers, self.chunk_bytes)
-        t += self.cost.time_of(direction, rest * layers, self.chunk_bytes)
-        return t * self.kinds
+        """P's :meth:`Side.link_seconds` (a co-located instance's)."""
+        return self.sides["prefill"].link_seconds(direction, n)
 
     # -- deadlines: a tick exactly when an instance's lifecycle next has timer work --------------
     def arm_timer(self, inst: Ticked, new_after: float | None = None) -> None:
