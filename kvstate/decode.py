@@ -36,17 +36,19 @@ Rules:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import commands as C
 from . import events as E
 from .decode_swap import SWAP_ROWS, SWAP_STATES, SwapActions
 from .errors import ConfigError, InvalidTransitionError, OutOfBlocksError, ValidationError
-from .keys import full_blocks
-from .machine import MachineDef
-from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, prefill_reason
+from .keys import KeyCache, full_blocks
+from .machine import CompiledMachine, MachineDef
+from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, Policy, prefill_reason
 from .registry import Request
+from .spec import CacheSpec
 from .validate import check_int, check_token, check_tokens, is_int
 
 __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
@@ -101,11 +103,16 @@ class DecodeLifecycle(SwapActions):
     DEFINITION = DECODE
     TIMED_WAITS = ("swapped",)
 
-    def __init__(self, *args: Any, layerwise: bool = False, **kwargs: Any) -> None:
-        """``layerwise``: read the cache layer group by group (see the rules)."""
+    def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, namespace: str = "",
+                 key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
+                 host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False) -> None:
+        """``layerwise``: read the cache layer group by group (see the rules); the others as
+        :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         if layerwise.__class__ is not bool:
             raise ValidationError(f"layerwise must be a bool, got {layerwise!r}")
-        super().__init__(*args, **kwargs)
+        super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
+                         machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache)
         self.layerwise = layerwise
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")

@@ -40,17 +40,20 @@ Rules:
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import commands as C
 from . import events as E
 from .errors import ValidationError
+from .keys import KeyCache
 from .lifecycle import Lifecycle
-from .machine import MachineDef
-from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED
+from .machine import CompiledMachine, MachineDef
+from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED, Policy
 from .registry import Request
+from .spec import CacheSpec
 from .validate import check_int, check_token
 
 __all__ = ["PREFILL", "PrefillLifecycle"]
@@ -100,11 +103,16 @@ class PrefillLifecycle(Lifecycle):
 
     DEFINITION = PREFILL
 
-    def __init__(self, *args: Any, layerwise: bool = False, **kwargs: Any) -> None:
-        """``layerwise``: save the cache layer by layer while the prefill runs (see the rules)."""
+    def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, namespace: str = "",
+                 key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
+                 host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False) -> None:
+        """``layerwise``: save the cache layer by layer while the prefill runs (see the rules); the others as
+        :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         if layerwise.__class__ is not bool:
             raise ValidationError(f"layerwise must be a bool, got {layerwise!r}")
-        super().__init__(*args, **kwargs)
+        super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
+                         machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache)
         self.layerwise = layerwise
         self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()

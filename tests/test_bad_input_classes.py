@@ -142,3 +142,28 @@ def test_an_error_answer_carries_its_message(error):
     with pytest.raises(KVStateError, match="error answer"):
         rig.P.complete(Completion(cmd.command_id, 0, 0, error=error))
     assert snapshot(rig.P) == before
+
+
+def test_public_constructors_show_their_parameters():
+    """``help()`` of every public class names its parameters (no bare ``*args, **kwargs``)."""
+    import inspect
+
+    import kvstate
+    import kvstate.backends
+    import kvstate.decode
+    import kvstate.prefill
+
+    hidden = []
+    for mod in (kvstate, kvstate.backends, kvstate.prefill, kvstate.decode):
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if not inspect.isclass(obj):
+                continue
+            try:
+                params = inspect.signature(obj).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+                hidden.append(f"{mod.__name__}.{name}")
+    assert not hidden
+    assert "host_blocks" in inspect.signature(PrefillLifecycle).parameters

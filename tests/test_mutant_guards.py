@@ -1,0 +1,78 @@
+"""Behaviours a sweep of hand-made mutants of the core changed without any test failing: each
+test here fails when its behaviour breaks."""
+from __future__ import annotations
+
+from conftest import Rig
+from lifecycle_helpers import fill_p, serve
+
+from kvstate import Policy
+from kvstate import commands as C
+from kvstate.events import Completion
+
+TOKS8 = list(range(200, 208))  # exactly two full blocks of 4
+
+
+def p_writing(rig: Rig, rid: str = "r", toks=TOKS8) -> C.TransferCommand:
+    """``rid`` prefilled on P; its write pending on the driver, unanswered."""
+    rig.D.reserve(rid, toks)
+    rig.P.admit(rid, toks)
+    rig.pd.run_until_idle()  # its prefix looked up in the store
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    fill_p(rig, rid, toks, sp.block_ids)
+    rig.P.prefill_done(rid, 9)
+    rig.pd.pump()
+    [(cid, _)] = {(c, 0) for (c, r), cmd in rig.pd.pending.items() if isinstance(cmd, C.WriteBlocks)}
+    return rig.pd.pending[(cid, 0)]
+
+
+def first_token_code(rig: Rig) -> int:
+    rig.pd.pump()
+    [ft] = rig.notices(rig.pd, C.SendFirstToken)
+    return ft.error_code
+
+
+def no_retry() -> Policy:
+    return Policy(write_retries=0, transfer_timeout=10.0, fence_grace=5.0)
+
+
+def test_an_error_answer_s_count_is_not_trusted():
+    rig = Rig(tp=2, policy=no_retry())
+    cmd = p_writing(rig)
+    rig.pd.complete(cmd.command_id, 1)
+    rig.pd.drop(cmd.command_id, 0)
+    rig.P.complete(Completion(cmd.command_id, 0, len(cmd.keys), error="the store said no"))
+    assert first_token_code(rig) == 503
+
+
+def test_a_write_one_block_short_is_not_complete():
+    rig = Rig(tp=2, policy=no_retry())
+    cmd = p_writing(rig)
+    rig.pd.complete(cmd.command_id, 0)
+    rig.pd.complete(cmd.command_id, 1, len(cmd.keys) - 1)
+    assert first_token_code(rig) == 503
+
+
+def test_blocks_a_transfer_s_answer_releases_wake_prompts_waiting_for_them():
+    rig = Rig(tp=1, p_blocks=2)  # room for one two-block prompt at a time
+    cmd = p_writing(rig, "a")
+    rig.D.reserve("b", [t + 50 for t in TOKS8])
+    rig.P.admit("b", [t + 50 for t in TOKS8])
+    rig.pd.pump()
+    assert rig.P.state_of("b") == "waiting" and not rig.notices(rig.pd, C.StartPrefill)
+    rig.pd.complete(cmd.command_id, 0)  # a's write answered: its blocks come free
+    assert rig.P.state_of("b") != "waiting"  # no other call needed to wake b
+    rig.pd.run_until_idle()
+    assert [s.request_id for s in rig.notices(rig.pd, C.StartPrefill)] == ["b"]
+
+
+def test_p_s_prefix_read_leaves_a_token_to_compute():
+    """A prompt whose every block is stored still computes its last token (the first token
+    comes from a forward)."""
+    rig = Rig(tp=1)
+    serve(rig, "first", TOKS8)
+    rig.D.reserve("again", TOKS8)
+    rig.P.admit("again", TOKS8)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    assert sp.num_cached_tokens <= len(TOKS8) - 1
+    assert sp.num_cached_tokens >= 4  # and it did use the stored prefix
