@@ -91,7 +91,7 @@ class Lifecycle:
         self._depth = 0  # triggers running: deferred work waits for the outermost to finish
         self._freed = False  # blocks came free during a trigger: waiting work may start after it
         self.counters: dict[str, int] = dict.fromkeys(
-            ("done", "failed", "aborted", "expired", "stale_completions", "late_completions",
+            ("done", "failed", "aborted", "expired", "timed_out", "stale_completions", "late_completions",
              "late_events", "forced_releases", "retries", "lost_answers"), 0)
         # any class of CompiledMachine's shape: StockMachine runs the same table on stock transitions
         self._machine = machine_cls(self.DEFINITION, self)
@@ -199,6 +199,7 @@ class Lifecycle:
                 continue
             fired += 1
             if kind == WAIT:
+                self.counters["timed_out"] += 1  # a wait's deadline ("expired": a transfer's)
                 self._fire(self._reqs[ident[0]], "timed_out")
                 continue
             t = self._pending[ident]
