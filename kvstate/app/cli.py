@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     _overrides(s)
     s.add_argument("--json", action="store_true", help="print every metric as one JSON object")
     s.add_argument("--plot", metavar="DIR", help="write PNG charts (latency CDFs, utilisation) into DIR")
+    s.add_argument("--timeline", metavar="FILE", help="write every request's states, transfers and steps as a "
+                   "Chrome trace (Perfetto, chrome://tracing) to FILE (PD runs)")
     pl = sub.add_parser("plan", help="sweep scenario fields; find the cheapest configuration meeting the SLOs")
     _overrides(pl)
     pl.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",

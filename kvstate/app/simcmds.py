@@ -145,15 +145,24 @@ def simulate(args: argparse.Namespace) -> int:
     sc = build_scenario(args)
     sc.gpu_blocks()  # the model fits, within the run's bounds: said before the run
     plot_dir = check_output_dir(args.plot, "--plot") if args.plot else None
+    trace = check_output_file(args.timeline, "--timeline") if args.timeline else None
     if plot_dir is not None:
         from ..sim.plot import pyplot
 
         pyplot()  # matplotlib missing: say so before the run, not after
+    timeline = None
+    if trace is not None:
+        from ..timeline import Timeline
+
+        timeline = Timeline()
     bar = Progress("simulate", args.quiet)
     try:
-        r = run(sc, progress=bar.update)
+        r = run(sc, progress=bar.update, timeline=timeline)
     finally:
         bar.close()
+    if timeline is not None and trace is not None:
+        write_json(trace, timeline.to_json(), "--timeline")
+        print(f"kvstate simulate: wrote {trace}", file=sys.stderr)
     if plot_dir is not None:
         from ..sim.plot import plot_simulation
 

@@ -23,6 +23,7 @@ from typing import Any
 from .. import commands as C
 from ..errors import DriverError, ValidationError
 from ..events import Completion
+from ..timeline import Timeline
 from ..validate import check_int, is_int
 from .base import TransferBackend
 from .gate import LayerArrivals
@@ -154,10 +155,16 @@ class ThreadedDriver:
     """
 
     def __init__(self, backend: TransferBackend, workers: int = 4, name: str = "kvstate",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, timeline: Timeline | None = None) -> None:
+        """``timeline``: record each command's part on each rank, from submission to answer, under
+        the instance ``name`` (the engine adds its requests' states: ``timeline.states(name, lc)``
+        once a loop turn)."""
         check_int(workers, "ThreadedDriver: workers", minimum=1)
         if not callable(clock):
             raise ValidationError("ThreadedDriver: clock must be callable (the lifecycle's clock)")
+        if timeline is not None and not isinstance(timeline, Timeline):
+            raise ValidationError("ThreadedDriver: timeline must be a kvstate Timeline")
+        self.name, self.timeline = name, timeline
         self.backend = backend
         self.clock = clock
         self._runner = CommandRunner(backend, clock)
@@ -182,6 +189,8 @@ class ThreadedDriver:
         if not isinstance(cmd, C.TransferCommand):
             return False
         self._runner.admit(cmd)
+        if self.timeline is not None:
+            self.timeline.submitted(self.name, [cmd])
         with self._lock:
             self._inflight += len(cmd.ranks)
         for r in cmd.ranks:
@@ -203,6 +212,8 @@ class ThreadedDriver:
             pass
         for c in out:
             self._runner.forget(c.command_id, c.rank)
+        if out and self.timeline is not None:
+            self.timeline.completed(self.name, out)
         return out
 
     def arrivals(self, command_id: int, rank: int = 0) -> LayerArrivals | None:

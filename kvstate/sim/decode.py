@@ -127,6 +127,8 @@ class DecodeInstance(Instance):
                 t = self.side.compute.decode_step_time(b, self.context) if b else 0.0
                 if work:
                     t += self.side.compute.prefill_time((n, c) for _, n, c in work)
+                if cl.timeline is not None:
+                    cl.timeline.step(self.name, env.now, env.now + t, "decode", batch=b, recomputes=len(work))
                 self.busy_time += t
                 self.slot_seconds += t * b
                 self.computing_until = env.now + t

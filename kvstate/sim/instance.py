@@ -107,7 +107,10 @@ class Swap:
     def finish(self, rank: int) -> None:
         inst, cmd = self.inst, self.cmd
         count = 0 if cmd.command_id in inst.cancelled else len(cmd.keys)
-        inst.lc.complete(Completion(cmd.command_id, rank, count, error="cancelled" if not count and cmd.keys else None))
+        c = Completion(cmd.command_id, rank, count, error="cancelled" if not count and cmd.keys else None)
+        if inst.sv.timeline is not None:
+            inst.sv.timeline.completed(inst.name, [c])
+        inst.lc.complete(c)
         inst.pump()
         if not inst.sv.live:
             inst.sv.check_finished()
@@ -194,6 +197,8 @@ class Instance:
             # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
             if self.role == "decode" and not write and c.count < len(cmd.keys):
                 cl.counters["partial_reads"] += 1
+        if cl.timeline is not None:
+            cl.timeline.completed(self.name, [c])
         self.lc.complete(c)
         self.pump()
         if not cl.live:  # the last answers after the last request ended
@@ -215,6 +220,10 @@ class Instance:
     def pump(self) -> None:
         """Hand every queued command to its worker or to the role's notice handler."""
         cmds = self.lc.poll_commands()
+        tl = self.sv.timeline
+        if tl is not None:
+            tl.submitted(self.name, cmds)
+            tl.states(self.name, self.lc)
         if not cmds:
             return
         timed = False  # a transfer brings a deadline: the next tick may have to come sooner

@@ -101,6 +101,8 @@ class PrefillInstance(Instance):
                 continue
             self.queued_tokens -= tokens
             t = self.side.compute.prefill_time((n, c) for _, n, c in batch)
+            if cl.timeline is not None:
+                cl.timeline.step(self.name, env.now, env.now + t, "prefill", prompts=len(batch))
             self.busy_time += t
             self.computing_until = env.now + t
             if self.saves:

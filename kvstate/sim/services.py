@@ -30,6 +30,7 @@ import simpy
 from .. import commands as C
 from ..kernels.cost import TransferCostModel
 from ..keys import KeyCache
+from ..timeline import Timeline
 from .compute import ComputeModel
 from .request import SimRequest
 from .scenario import Scenario
@@ -105,6 +106,7 @@ class Services:
         self.staging_bytes = p.staging_bytes
         self.store = SimStore(s.storage, p.part_bytes, p.cache_spec.heads_total // p.cache_spec.object_heads)
         self.object_s = s.storage.object_us / 1e6  #: pool seconds per object moved
+        self.timeline: Timeline | None = None  #: per-request trace events, when asked for (``--timeline``)
         # every instance runs in this one thread: D's reserve and P's admit of a request compute
         # the same keys back to back, so one KeyCache makes the second free (never a different key);
         # 1,024 first blocks kept: the Mooncake trace's prompts start in 2,211 ways, and with 64

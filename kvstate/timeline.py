@@ -1,0 +1,114 @@
+"""Per-request timelines in the Chrome trace-event format (Perfetto and chrome://tracing open it).
+
+One schema for a real run and a simulated one, so the two open side by side:
+
+- a process per instance (``pid``: its name, e.g. ``P0``, ``D1``);
+- a thread per request (``tid``: ``req <id>``) holding its states as consecutive complete
+  (``"X"``) events named by the state, from when the state was first seen to when the next one
+  was, and an instant (``"i"``) event when the request ended;
+- a thread per TP rank (``rank <r>``) holding each transfer command's part on that rank, from
+  its submission to the rank's answer, named by the command's kind, its answer in ``args``;
+- a ``steps`` thread holding compute steps (the simulator's forwards; an engine may add its own).
+
+Times are microseconds (``ts``, ``dur``) from the first event recorded. States are read by
+polling (:meth:`Timeline.states`, once per loop turn): the lifecycles emit no event per state
+change, and a turn is the finest time an engine acts at anyway. A :class:`Timeline` keeps every
+event in memory until written: it is a debugging and planning aid for runs of thousands of
+requests, not an always-on log.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from . import commands as C
+from .errors import ValidationError
+from .events import Completion
+
+__all__ = ["Timeline"]
+
+
+class Timeline:
+    """Trace events of one run (see the module's docstring); ``clock`` in seconds (the
+    lifecycles' own, so simulated runs record simulated time)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        if not callable(clock):
+            raise ValidationError("Timeline: clock must be callable")
+        self.clock = clock
+        self.events: list[dict[str, Any]] = []
+        self._t0: float | None = None
+        self._state: dict[tuple[str, str], tuple[str, float]] = {}  # (instance, request) -> state, since
+        self._open: dict[tuple[str, int, int], tuple[str, str, float]] = {}  # (inst, cid, rank) -> kind, req, since
+
+    def _now(self) -> float:
+        """The clock now; the first reading is the trace's zero."""
+        now = self.clock()
+        if self._t0 is None:
+            self._t0 = now
+        return now
+
+    def _us(self, t: float) -> float:
+        return round((t - (self._t0 if self._t0 is not None else t)) * 1e6, 3)
+
+    def _span(self, pid: str, tid: str, name: str, start: float, end: float, **args: Any) -> None:
+        self.events.append({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": self._us(start),
+                            "dur": round(max(0.0, end - start) * 1e6, 3), "args": args})
+
+    def states(self, instance: str, lifecycle: Any) -> None:
+        """Note the state of every live request of ``lifecycle`` now; a request no longer live
+        ends its last state here and gets an instant event."""
+        now = self._now()
+        live = set()
+        for rid in lifecycle.live_requests():
+            live.add(rid)
+            state = lifecycle.state_of(rid)
+            seen = self._state.get((instance, rid))
+            if seen is None or seen[0] != state:
+                if seen is not None:
+                    self._span(instance, f"req {rid}", seen[0], seen[1], now)
+                self._state[(instance, rid)] = (state, now)
+        for (inst, rid), (state, since) in list(self._state.items()):
+            if inst == instance and rid not in live:
+                self._span(instance, f"req {rid}", state, since, now)
+                self.events.append({"name": "ended", "ph": "i", "s": "t", "pid": instance, "tid": f"req {rid}",
+                                    "ts": self._us(now), "args": {}})
+                del self._state[(inst, rid)]
+
+    def submitted(self, instance: str, cmds: Iterable[C.Command]) -> None:
+        """Open each transfer command's part on each of its ranks."""
+        now = self._now()
+        for cmd in cmds:
+            if isinstance(cmd, C.TransferCommand):
+                for r in cmd.ranks:
+                    self._open[(instance, cmd.command_id, r)] = (type(cmd).__name__, cmd.request_id, now)
+
+    def completed(self, instance: str, completions: Iterable[Completion]) -> None:
+        """Close each answered part (an answer to a command not seen submitted is skipped)."""
+        now = self._now()
+        for c in completions:
+            opened = self._open.pop((instance, c.command_id, c.rank), None)
+            if opened is not None:
+                kind, rid, since = opened
+                self._span(instance, f"rank {c.rank}", kind, since, now, request=rid, count=c.count,
+                           error=c.error, lost=c.lost)
+
+    def step(self, instance: str, start: float, end: float, name: str = "step", **args: Any) -> None:
+        """A compute step of ``instance`` from ``start`` to ``end`` (clock seconds)."""
+        self._now()
+        self._span(instance, "steps", name, start, end, **args)
+
+    def to_json(self) -> dict[str, Any]:
+        """The trace: its events, open states and transfers closed at the clock's time now."""
+        now = self._now()
+        tail = [{"name": state, "ph": "X", "pid": inst, "tid": f"req {rid}", "ts": self._us(since),
+                 "dur": round(max(0.0, now - since) * 1e6, 3), "args": {"open": True}}
+                for (inst, rid), (state, since) in self._state.items()]
+        return {"traceEvents": self.events + tail, "displayTimeUnit": "ms"}
+
+    def write(self, path: str | Path) -> None:
+        """Write the trace as JSON to ``path`` (a file Perfetto and chrome://tracing open)."""
+        Path(path).write_text(json.dumps(self.to_json()))
