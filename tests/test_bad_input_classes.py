@@ -167,3 +167,22 @@ def test_public_constructors_show_their_parameters():
                 hidden.append(f"{mod.__name__}.{name}")
     assert not hidden
     assert "host_blocks" in inspect.signature(PrefillLifecycle).parameters
+
+
+def test_rdma_without_an_rdma_device_is_an_error_not_a_fallback():
+    from kvstate.backends.mooncake import MooncakeConfig, rdma_devices
+
+    if rdma_devices():
+        pytest.skip("this host has RDMA devices")
+    cfg = MooncakeConfig(master="127.0.0.1:50051", metadata="http://127.0.0.1:8080/metadata", protocol="rdma")
+    with pytest.raises(KVStateError, match="no RDMA device"):
+        cfg.validate()
+    MooncakeConfig(master="127.0.0.1:50051", metadata="http://127.0.0.1:8080/metadata").validate()  # tcp is fine
+
+
+def test_the_demo_says_which_transport_ran():
+    from kvstate.app.demo import DemoConfig, format_summary, run_demo
+
+    s = run_demo(DemoConfig(requests=6))
+    assert s["transport"] == "" and " over " not in format_summary(s)
+    assert "over tcp" in format_summary({**s, "store": "MooncakeStore", "transport": "tcp"})

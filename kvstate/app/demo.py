@@ -137,11 +137,18 @@ class _Demo:
         self.dd.pump()  # deliver the last RequestEnded notices
         return summary(self.cfg, self.outcome, {
             "preemptions": self.d.preemptions, "prefix_blocks_read": self.p.prefix_blocks_read,
-            "store": type(self.store).__name__, "leaked_blocks": self.P.pool.num_used + self.D.pool.num_used,
+            "store": type(self.store).__name__, "transport": _transport(self.store),
+            "leaked_blocks": self.P.pool.num_used + self.D.pool.num_used,
             "pending_commands": len(self.P.pending_commands()) + len(self.D.pending_commands()),
             "bytes_moved": self.pb.bytes_moved + self.db.bytes_moved,
             "blocks_checked": self.p.checked + self.d.checked,
             "blocks_mismatched": self.p.mismatched + self.d.mismatched, "processes": 1}, t0)
+
+
+def _transport(store: Any) -> str:
+    """How bytes reach the store: the Mooncake client's protocol, or "" (in process, files)."""
+    config = getattr(store, "config", None)
+    return str(getattr(config, "protocol", "")) if config is not None else ""
 
 
 def summary(cfg: DemoConfig, outcome: dict[str, tuple[str, int]], figures: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -170,7 +177,8 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
 def format_summary(s: dict[str, Any]) -> str:
     ok = "OK" if s["integrity_ok"] and s["leaked_blocks"] == 0 else "FAILED"
     return "\n".join([
-        f"kvstate demo: {s['requests']} requests, P -> {s['store']} -> D, TP {s['tp']}"
+        f"kvstate demo: {s['requests']} requests, P -> {s['store']}"
+        + (f" over {s['transport']}" if s.get("transport") else "") + f" -> D, TP {s['tp']}"
         + (f", {s['processes']} processes" if s["processes"] > 1 else ""),
         f"  finished {s['finished']}, failed {s['failed']}, aborted {s['aborted']}, "
         f"preemptions {s['preemptions']}, prefix blocks reused {s['prefix_blocks_read']}",

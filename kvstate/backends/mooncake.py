@@ -60,6 +60,17 @@ def load_mooncake() -> Any:
     return store
 
 
+RDMA_SYSFS = "/sys/class/infiniband"  #: where the kernel lists RDMA devices
+
+
+def rdma_devices() -> list[str]:
+    """The host's RDMA devices (none: ``rdma`` cannot run here)."""
+    try:
+        return sorted(os.listdir(RDMA_SYSFS))
+    except OSError:
+        return []
+
+
 def host_port(value: str, setting: str) -> tuple[str, int]:
     """``HOST:PORT`` split and checked, or a ConfigError naming ``setting``."""
     host, sep, port = str(value).rpartition(":")
@@ -95,6 +106,9 @@ class MooncakeConfig:
                               f"got {self.metadata!r}")
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if self.protocol == "rdma" and not rdma_devices():
+            raise ConfigError(f"protocol 'rdma': this host has no RDMA device (nothing in {RDMA_SYSFS}); "
+                              "use protocol 'tcp', which Mooncake would otherwise not fall back to cleanly")
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         for name in ("global_segment_size", "local_buffer_size", "staging_bytes"):
             v = getattr(self, name)
