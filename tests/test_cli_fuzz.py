@@ -51,10 +51,10 @@ def quick(monkeypatch):
 
     real = run.simulate
 
-    def small(s, progress=None):
+    def small(s, progress=None, timeline=None):
         if s.workload.arrival != "trace":
             s = with_overrides(s, {"workload.num_requests": min(3, s.workload.num_requests)})
-        return real(dataclasses.replace(s, time_limit_s=min(s.time_limit_s, 600.0)), progress)
+        return real(dataclasses.replace(s, time_limit_s=min(s.time_limit_s, 600.0)), progress, timeline)
 
     def demo_checks(cfg):
         cfg.validate()
