@@ -2,6 +2,7 @@
 test here fails when its behaviour breaks."""
 from __future__ import annotations
 
+import pytest
 from conftest import Rig
 from lifecycle_helpers import fill_p, serve
 
@@ -76,3 +77,53 @@ def test_p_s_prefix_read_leaves_a_token_to_compute():
     [sp] = rig.notices(rig.pd, C.StartPrefill)
     assert sp.num_cached_tokens <= len(TOKS8) - 1
     assert sp.num_cached_tokens >= 4  # and it did use the stored prefix
+
+
+def test_a_stale_swapped_timer_does_not_fire_for_a_later_wait_and_a_second_swap_gets_its_own():
+    """Swapped at t0 (deadline t0 + 50), resumed, swapped again at t1 (deadline t1 + 50): at
+    t0 + 50 nothing fires; at t1 + 50 the host copy goes."""
+    from lifecycle_helpers import swapping_rig
+    from test_host_tier import decoding
+
+    rig = swapping_rig(swapped_timeout=50.0)
+    decoding(rig)
+    rig.D.preempt("r")
+    rig.dd.run_until_idle()
+    t0 = rig.clock.now
+    rig.clock.now += 30.0
+    rig.D.resume("r")
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running"
+    rig.D.preempt("r")
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "swapped"
+    t1 = rig.clock.now
+    rig.clock.now = t0 + 50.0
+    rig.D.tick()
+    assert rig.D.state_of("r") == "swapped"  # the first wait's timer is stale
+    assert rig.D.next_deadline() == t1 + 50.0  # the second swap has its own
+    rig.clock.now = t1 + 50.0
+    rig.D.tick()
+    assert rig.D.state_of("r") == "preempted"
+
+
+@pytest.mark.parametrize("preempt", ["write", "swap"])
+def test_resume_allocates_the_block_the_newest_token_starts(preempt):
+    """12 tokens computed and a 13th, the newest, starting block 4: resumed, the request holds
+    the 4 blocks its next step writes into."""
+    import dataclasses
+
+    from lifecycle_helpers import SWAP, running
+
+    policy = dataclasses.replace(SWAP, preempt=preempt)
+    rig = Rig(policy=policy, host_blocks=16 if preempt == "swap" else 0)
+    running(rig)  # 10 prompt tokens and the first: 11
+    rig.D.append_tokens("r", [1, 2])  # 13: the newest starts the fourth block
+    assert len(rig.D.blocks_of("r")) == 4
+    rig.D.preempt("r")
+    rig.dd.run_until_idle()
+    rig.notices(rig.dd)
+    rig.D.resume("r")
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running"
+    assert len(rig.D.blocks_of("r")) == 4
