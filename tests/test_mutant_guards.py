@@ -127,3 +127,24 @@ def test_resume_allocates_the_block_the_newest_token_starts(preempt):
     rig.dd.run_until_idle()
     assert rig.D.state_of("r") == "running"
     assert len(rig.D.blocks_of("r")) == 4
+
+
+def test_recompute_starts_after_the_blocks_the_gpu_prefix_cache_holds():
+    """D finds a prompt's two full blocks in its GPU prefix cache and reads only the partial
+    one; that read fails under policy "recompute": recomputing starts at token 8, not 0."""
+    import dataclasses
+
+    from lifecycle_helpers import TOKS, deliver, serve
+    from test_prefix_cache import handoff_p_only
+
+    policy = dataclasses.replace(Policy(transfer_timeout=10.0, fence_grace=5.0), read_failure="recompute")
+    rig = Rig(policy=policy, prefix_cache=True)
+    serve(rig, "a")
+    rig.D.reserve("b", TOKS)
+    deliver(rig, handoff_p_only(rig, "b"))
+    rig.dd.pump()
+    for cid, rank in list(rig.dd.pending):
+        rig.dd.complete(cid, rank, "fail")
+    rig.dd.pump()
+    [rc] = [n for n in rig.notices(rig.dd, C.Recompute) if n.request_id == "b"]
+    assert rc.from_token == 8
