@@ -97,3 +97,17 @@ def rig() -> Rig:
 
 def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
+
+
+def mooncake_missing() -> str | None:
+    """Why the Mooncake tests cannot run here (the package, or a library it loads), or None."""
+    if not has_module("mooncake"):
+        return "mooncake-transfer-engine is not installed (pip install '.[mooncake]')"
+    from kvstate import StoreError
+    from kvstate.backends.mooncake import load_mooncake
+
+    try:
+        load_mooncake()
+    except StoreError as e:
+        return str(e)
+    return None

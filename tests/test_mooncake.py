@@ -6,26 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Rig, has_module, small_spec
+from conftest import Rig, mooncake_missing, small_spec
 from test_lifecycle import TOKS, assert_clean, d_matches, deliver, handoff
 
 from kvstate import ConfigError, Policy, StoreError, ValidationError, block_keys
 from kvstate import commands as C
 
-
-def _mooncake_missing() -> str | None:
-    if not has_module("mooncake"):
-        return "mooncake-transfer-engine is not installed (pip install '.[mooncake]')"
-    from kvstate.backends.mooncake import load_mooncake
-
-    try:
-        load_mooncake()
-    except StoreError as e:
-        return str(e)
-    return None
-
-
-_MISSING = _mooncake_missing()
+_MISSING = mooncake_missing()
 pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
 
 

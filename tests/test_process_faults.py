@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from conftest import mooncake_missing
 from procrig import FAST, ProcRig, alive
 
 from kvstate import commands as C
@@ -234,24 +235,9 @@ def test_no_worker_outlives_its_parent(tmp_path):
     assert not list(Path(tempfile.gettempdir()).glob(f"kvstate-ipc-{p.pid}-*"))
 
 
-def _mooncake_missing() -> str | None:
-    from conftest import has_module
-
-    if not has_module("mooncake"):
-        return "mooncake-transfer-engine is not installed (pip install '.[mooncake]')"
-    from kvstate import StoreError
-    from kvstate.backends.mooncake import load_mooncake
-
-    try:
-        load_mooncake()
-    except StoreError as e:
-        return str(e)
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.mooncake
-@pytest.mark.skipif(_mooncake_missing() is not None, reason=str(_mooncake_missing()))
+@pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
 def test_the_mooncake_master_stopped_mid_run_then_restarted(tmp_path):
     """Four rank workers, each with its own Mooncake client; the master is killed with transfers
     in flight: they fail cleanly (every request ends, nothing leaks, no wrong byte). A master

@@ -125,8 +125,7 @@ class Manifested:
                 all(a == SUM64 for a, _ in vouched[:whole * len(gs)]):
             scatter(whole)  # checked where they land, after the whole read
             deferred.extend((keys[i], self._expected(i, gs, vouched)) for i in range(whole))
-            if whole < len(keys) and self._broken_or_present(part, keys[whole], groups, got, read, whole):
-                self._evict_block(part, keys[whole])
+            self._evict_if_broken(part, keys, groups, got, read, whole)
             return whole
         sums = [host[j] if host is not None and vouched[(j // per) * len(gs) + j % len(gs)][0] == XXH3
                 else sum64(views[j][:max(got[j], 0)]) for j in range(whole * per)]
@@ -175,20 +174,22 @@ class Manifested:
                 if any(sums[j] != checksum for j, (_, checksum) in zip(self._objects_of(i, gi, ng), entries)):
                     self._evict_block(part, keys[i])
                     return i
-        if whole < len(keys) and self._broken_or_present(part, keys[whole], groups, got, read, whole):
-            self._evict_block(part, keys[whole])
+        self._evict_if_broken(part, keys, groups, got, read, whole)
         return whole
 
-    def _broken_or_present(self, part: int, key: str, groups: Sequence[int] | None, got: list[int],
-                           read: list[int], i: int) -> bool:
-        """Whether the first block that did not arrive whole is broken rather than missing or
-        unreachable: every object and manifest came (short, corrupt or foreign) or was stored
-        too large. A get that failed says nothing of the object (a missing one, a transport
-        error, an object another writer is storing this instant): evicting on it would destroy
-        a block other requests are reading, so it is a failed read only."""
+    def _evict_if_broken(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, got: list[int],
+                         read: list[int], i: int) -> None:
+        """Evict block ``i``, the first that did not arrive whole, if it is broken rather than
+        missing or unreachable: every object and manifest came (short, corrupt or foreign) or
+        was stored too large. A get that failed says nothing of the object (a missing one, a
+        transport error, an object another writer is storing this instant): evicting on it
+        would destroy a block other requests are reading, so it is a failed read only."""
+        if i >= len(keys):
+            return
         ng = len(self._groups_of(groups))
         mine = [got[j] for gi in range(ng) for j in self._objects_of(i, gi, ng)] + list(read[i * ng:(i + 1) * ng])
-        return all(n >= 0 or n == TOO_LARGE for n in mine)
+        if all(n >= 0 or n == TOO_LARGE for n in mine):
+            self._evict_block(part, keys[i])
 
     def _evict_block(self, part: int, key: str) -> None:
         """A read found this block broken in this head group: its objects and manifests leave the

@@ -20,6 +20,7 @@ from ..kernels.cost import TransferCostModel
 from ..spec import CacheSpec
 from .decode import DecodeInstance
 from .instance import Instance
+from .metrics import sample_series
 from .pdmetrics import pd_sections
 from .prefill import PrefillInstance
 from .request import SimRequest
@@ -47,9 +48,7 @@ class Cluster:
         # the run's records and models, shared with the instances (the same objects)
         self.env, self.store, self.counters = sv.env, sv.store, sv.counters
         self.reqs, self.live, self.done, self.round_trips = sv.reqs, sv.live, sv.done, sv.round_trips
-        # an instance's blocks: the fewer of P's and D's when their TP degrees differ (what a request must fit)
-        self.cache_spec, self.block_size = sv.cache_spec, sv.block_size
-        self.gpu_blocks = min(side.gpu_blocks for side in sv.sides.values())
+        self.cache_spec, self.block_size, self.gpu_blocks = sv.cache_spec, sv.block_size, sv.fit_blocks
         self._check_fits(s, self.cache_spec)
         self.prefill = [PrefillInstance(sv, i) for i in range(s.cluster.n_prefill)]
         self.decode = [DecodeInstance(sv, i) for i in range(s.cluster.n_decode)]
@@ -61,7 +60,7 @@ class Cluster:
         self.series: list[dict[str, Any]] = []
         self._on_end = on_end
         self.env.process(self._arrive())
-        self.env.process(self._sampler())
+        self.env.process(sample_series(self))
 
     def _check_fits(self, s: Scenario, spec: CacheSpec) -> None:
         need = spec.blocks_for(s.workload.input_max + 1) if s.workload.arrival != "trace" else 0
@@ -128,13 +127,6 @@ class Cluster:
             self.finished.succeed()
 
     # -- the time series -----------------------------------------------------------------------
-    def _sampler(self):
-        period = self.scenario.sample_ms / 1000.0
-        while not self.finished.triggered:
-            self.series.append(self.snapshot())
-            yield self.env.timeout(period)
-        self.series.append(self.snapshot())
-
     def snapshot(self) -> dict[str, Any]:
         return {
             "t": round(self.env.now, 6),

@@ -18,7 +18,7 @@ import simpy
 from ..keys import KeyCache
 from .colocated import ColocatedInstance
 from .compute import ComputeModel
-from .metrics import latency_stats
+from .metrics import latency_stats, sample_series
 from .request import SimRequest
 from .scenario import Scenario
 from .workload import arrivals
@@ -51,7 +51,7 @@ class ColocatedCluster:
         self.series: list[dict[str, Any]] = []
         self._on_end = on_end
         self.env.process(self._arrive())
-        self.env.process(self._sampler())
+        self.env.process(sample_series(self))
 
     @property
     def round_trips(self) -> list[float]:
@@ -100,13 +100,6 @@ class ColocatedCluster:
             self.finished.succeed()
 
     # -- the time series -------------------------------------------------------------------------
-    def _sampler(self):
-        period = self.scenario.sample_ms / 1000.0
-        while not self.finished.triggered:
-            self.series.append(self.snapshot())
-            yield self.env.timeout(period)
-        self.series.append(self.snapshot())
-
     def snapshot(self) -> dict[str, Any]:
         return {"t": round(self.env.now, 6), "waiting": [len(i.waiting) for i in self.instances],
                 "running": [len(i.running) for i in self.instances],

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -34,7 +35,7 @@ from .request import SimRequest
 from .scenario_io import scenario_to_dict
 
 __all__ = ["summarize", "steady_window", "finish_window", "rate_uncertainty", "verdict_of", "at_target",
-           "latency_stats", "weighted_stats", "Run", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
+           "latency_stats", "weighted_stats", "Run", "sample_series", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
 
 class Run(Protocol):
     """What :func:`summarize` reads of a finished run (a PD or a co-located cluster)."""
@@ -54,6 +55,17 @@ class Run(Protocol):
 
 
 WARMUP_FRACTION = 0.1  #: requests that must have ended before the steady window opens
+
+
+def sample_series(run: Any) -> Generator[Any, Any, None]:
+    """A SimPy process appending ``run.snapshot()`` to ``run.series`` every
+    ``scenario.sample_ms`` until ``run.finished`` fires, and once more at the end (either
+    mode's cluster runs it)."""
+    period = run.scenario.sample_ms / 1000.0
+    while not run.finished.triggered:
+        run.series.append(run.snapshot())
+        yield run.env.timeout(period)
+    run.series.append(run.snapshot())
 
 
 def latency_stats(seconds: list[float]) -> dict[str, float | None]:

@@ -28,11 +28,10 @@ class Router:
     def __init__(self, sv: Services, prefill: Sequence[PrefillInstance], decode: Sequence[DecodeInstance]) -> None:
         self.sv, self.prefill, self.decode = sv, prefill, decode
         self.backlog: deque[SimRequest] = deque()
-        self.fits = min(side.gpu_blocks for side in sv.sides.values())  #: blocks a request must fit in
 
     def arrive(self, req: SimRequest) -> None:
         cl = self.sv
-        if cl.cache_spec.blocks_for(req.input_len + req.out) > self.fits:
+        if cl.cache_spec.blocks_for(req.input_len + req.out) > cl.fit_blocks:
             self._reject(req)
         elif self.backlog or not self._route(req):
             self.backlog.append(req)
