@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle
@@ -35,8 +36,8 @@ class ProcRig:
 
     def __init__(self, store: str | dict, blocks: int = 96, policy: Policy = FAST,
                  d_host_blocks: int = 0, restart: bool = True, dead_after_s: float = 1.0,
-                 d_policy: Policy | None = None, spec: CacheSpec = SPEC) -> None:
-        self.spec, self.blocks = spec, blocks
+                 d_policy: Policy | None = None, spec: CacheSpec = SPEC, log_dir: Path | None = None) -> None:
+        self.spec, self.blocks, self.log_dir = spec, blocks, log_dir
         self.store = store if isinstance(store, dict) else {"kind": "file", "root": store}
         self.sides: dict[str, _Side] = {}
         self.outcome: dict[str, tuple[str, int]] = {}
@@ -51,7 +52,8 @@ class ProcRig:
                                     name=name)
                 self.sides[name] = _Side(cls(spec, blocks, pol, host_blocks=host), drv, caches)
                 for r in range(spec.tp_size):
-                    drv.spawn(r, self.store, caches={"kind": "shm", "paths": caches.paths}, host_blocks=host)
+                    drv.spawn(r, self.store, caches={"kind": "shm", "paths": caches.paths}, host_blocks=host,
+                              log_path=None if log_dir is None else log_dir / f"{name}-rank{r}.log")
             for side in self.sides.values():
                 side.driver.wait_ready(60)
         except BaseException:
@@ -68,6 +70,16 @@ class ProcRig:
     def _ended(self, rid: str, state: str, code: int) -> None:
         self.outcome[rid] = (state, code)
         self.ended_at[rid] = time.monotonic()
+
+    def log_tails(self, lines: int = 6) -> str:
+        """The last lines of every rank worker's log (with ``log_dir``), for a failure's message."""
+        if self.log_dir is None:
+            return ""
+        out = []
+        for f in sorted(self.log_dir.glob("*-rank*.log")):
+            tail = f.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {f.name}\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def driver(self, side: str) -> ProcessDriver:
         return self.sides[side].driver

@@ -170,6 +170,23 @@ def test_a_geometry_mismatch_is_refused(tmp_path):
             drv.wait_ready(30)
 
 
+def test_a_refused_workers_output_goes_to_its_log_file(tmp_path):
+    """With ``log_path`` a worker's stderr (here: the scheduler's refusal) lands in its file,
+    not in the engine's; a log path that cannot be opened is refused before any start."""
+    log = tmp_path / "rank1.log"
+    with ProcessDriver(SPEC, 16, restart=False) as drv:
+        cfg = drv.worker_config(1, {"kind": "file", "root": str(tmp_path)})
+        cfg.num_blocks = 32
+        drv.control.spawn(cfg, str(log))
+        with pytest.raises(ConfigError, match="another cache geometry"):
+            drv.wait_ready(30)
+        assert drv.child(1).wait(10) is not None
+        assert "rank worker 1: refused by the scheduler" in log.read_text()
+        with pytest.raises(ConfigError, match="cannot open its log file"):
+            drv.spawn(0, {"kind": "file", "root": str(tmp_path)}, log_path=tmp_path / "no" / "such.log")
+        assert drv.child(0) is None
+
+
 @pytest.mark.parametrize("kw, needle", [
     ({"address": "udp://x"}, "address must be 'ipc' or 'tcp://HOST'"),
     ({"address": "tcp://127.0.0.1:5555"}, "ports are chosen"),

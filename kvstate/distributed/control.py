@@ -54,20 +54,22 @@ class RankControl:
         self.ranks = ranks
         self.children: dict[int, ChildProcess] = {}
         self._configs: dict[int, WorkerConfig] = {}
+        self._logs: dict[int, str | None] = {}
         self._starts: dict[int, tuple[float, int]] = {}  # rank -> (last start, starts since its last hello)
         self._notices: list[RankDown | RankUp] = []
         self.running = True
         self.stopping = False
 
     # -- worker processes -----------------------------------------------------------------------
-    def spawn(self, cfg: WorkerConfig) -> ChildProcess:
-        """Start ``cfg``'s worker as a child process (restarted if it dies, with ``restart``)."""
+    def spawn(self, cfg: WorkerConfig, log_path: str | None = None) -> ChildProcess:
+        """Start ``cfg``'s worker as a child process (restarted if it dies, with ``restart``,
+        appending to the same ``log_path``)."""
         old = self.children.get(cfg.rank)
         if old is not None and old.alive():
             raise ConfigError(f"{self.name}: rank {cfg.rank} already has a worker (pid {old.pid})")
-        self._configs[cfg.rank] = cfg
-        child = self.children[cfg.rank] = ChildProcess("kvstate.distributed", ["rankworker", cfg.to_json()],
-                                                       f"{self.name} rank {cfg.rank} worker")
+        child = ChildProcess("kvstate.distributed", ["rankworker", cfg.to_json()],
+                             f"{self.name} rank {cfg.rank} worker", log_path=log_path)
+        self.children[cfg.rank], self._configs[cfg.rank], self._logs[cfg.rank] = child, cfg, log_path
         self._starts[cfg.rank] = (time.monotonic(), self._starts.get(cfg.rank, (0.0, 0))[1] + 1)
         return child
 
@@ -209,7 +211,7 @@ class RankControl:
             for rank, child in list(self.children.items()):
                 if not child.alive() and not self.ranks.incarnation(rank) and rank in self._configs \
                         and self._may_restart(rank, now):
-                    self.spawn(self._configs[rank])
+                    self.spawn(self._configs[rank], self._logs[rank])
                     with self.lock:
                         self.counters["restarts"] += 1
 

@@ -183,12 +183,13 @@ class ProcessDriver:
         cfg.validate()
         return cfg
 
-    def spawn(self, rank: int, store: dict[str, Any], **kw: Any) -> ChildProcess:
+    def spawn(self, rank: int, store: dict[str, Any], log_path: str | os.PathLike[str] | None = None,
+              **kw: Any) -> ChildProcess:
         """Start ``rank``'s worker as a child process this driver owns (restarted if it dies,
-        with ``restart``; stopped by :meth:`close`)."""
+        with ``restart``; stopped by :meth:`close`). ``log_path``: a file its output goes to."""
         if self._closed:
             raise DriverError("ProcessDriver: spawn after close")
-        return self.control.spawn(self.worker_config(rank, store, **kw))
+        return self.control.spawn(self.worker_config(rank, store, **kw), None if log_path is None else str(log_path))
 
     def child(self, rank: int) -> ChildProcess | None:
         """The worker process this driver started for ``rank`` (tests signal it)."""

@@ -14,6 +14,7 @@ Three rules keep the suite and an engine free of orphans:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import shutil
@@ -24,8 +25,9 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
-from ..errors import DriverError
+from ..errors import ConfigError, DriverError
 
 __all__ = ["ChildProcess", "die_with_parent", "parent_alive", "pid_alive", "remove_orphans"]
 
@@ -101,11 +103,21 @@ class ChildProcess:
     """One child process running ``python -m MODULE ARGS...``, owned by whoever made it."""
 
     def __init__(self, module: str, args: Sequence[str], name: str, env: dict[str, str] | None = None,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, log_path: str | os.PathLike[str] | None = None) -> None:
+        """``log_path``: a file the child's stdout and stderr are appended to (its libraries'
+        logs too: Mooncake's clients log every retry); else they are this process's, or with
+        ``quiet`` only stderr is."""
         self.name = name
-        out = subprocess.DEVNULL if quiet else None
-        self.popen = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdin=subprocess.DEVNULL,
-                                      stdout=out, stderr=None, start_new_session=False)
+        with contextlib.ExitStack() as files:
+            out: Any = subprocess.DEVNULL if quiet else None
+            err: Any = None
+            if log_path is not None:
+                try:
+                    out = err = files.enter_context(open(log_path, "ab"))  # the child keeps its own descriptor
+                except (OSError, TypeError) as e:
+                    raise ConfigError(f"{name}: cannot open its log file {log_path!r}: {e}") from None
+            self.popen = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdin=subprocess.DEVNULL,
+                                          stdout=out, stderr=err, start_new_session=False)
         self.pid = self.popen.pid
         with _LIVE_LOCK:
             _LIVE.add(self)
