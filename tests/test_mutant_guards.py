@@ -148,3 +148,77 @@ def test_recompute_starts_after_the_blocks_the_gpu_prefix_cache_holds():
     rig.dd.pump()
     [rc] = [n for n in rig.notices(rig.dd, C.Recompute) if n.request_id == "b"]
     assert rc.from_token == 8
+
+
+def test_p_s_store_read_never_writes_into_blocks_the_gpu_prefix_cache_shares():
+    """The store holds a prompt's three full blocks, P's GPU prefix cache its first two: P
+    reads only the third, into a block of its own, and the shared two keep their bytes."""
+    from lifecycle_helpers import serve
+    from test_prefix_cache import caching_rig
+
+    from kvstate.keys import block_keys
+
+    toks = list(range(200, 213))  # 3 full blocks of 4 and a partial one
+    rig = caching_rig()
+    serve(Rig(store=rig.store), "elsewhere", toks)  # another P stored all of it
+    serve(rig, "a", toks[:8])  # this P's GPU holds the first two blocks
+    shared = set(rig.P.pool.cached_blocks().values())
+    assert len(shared) == 2
+    rig.D.reserve("b", toks)
+    rig.P.admit("b", toks)
+    rig.pd.pump()
+    reads = {c.command_id: c for c in rig.pd.pending.values() if isinstance(c, C.ReadBlocks)}
+    [read] = reads.values()
+    assert read.keys == tuple(block_keys(toks, 4)[2:3]) and not set(read.block_ids) & shared
+
+
+def test_a_swap_in_copies_only_host_entries_that_are_ready():
+    """b shares its cache's host entries with a, whose swap-out is still copying them: b's
+    swap-out answers, b resumes, and its swap-in copies no entry a has not finished."""
+    from lifecycle_helpers import SWAP, answer_only, deliver, handoff
+
+    rig = Rig(policy=SWAP, host_blocks=16)
+    for rid in ("a", "b"):
+        deliver(rig, handoff(rig, rid))
+        rig.dd.run_until_idle()
+        rig.notices(rig.dd)
+    rig.D.preempt("a")
+    rig.dd.pump()
+    a_out = {c.command_id for c in rig.D.pending_commands() if isinstance(c, C.SwapOut)}
+    rig.D.preempt("b")
+    rig.dd.pump()
+    for cid, rank in list(rig.dd.pending):
+        if cid not in a_out:
+            rig.dd.complete(cid, rank)
+    rig.dd.pump()
+    assert (rig.D.state_of("a"), rig.D.state_of("b")) == ("swapping_out", "swapped")
+    rig.D.resume("b")
+    rig.dd.pump()
+    swap_ins = [c for c in rig.D.pending_commands() if isinstance(c, C.SwapIn)]
+    assert swap_ins and all(not c.keys for c in swap_ins), swap_ins  # a's entries are not ready: none copied
+    answer_only(rig.dd, C.SwapIn)
+    assert rig.D.state_of("b") == "reloading"  # b takes its cache from the store instead
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("b") == "running"
+
+
+def test_a_partial_write_back_from_host_memory_is_not_counted_stored():
+    """The flush from host memory stores 3 of 4 blocks; once the host copy times out, a resume
+    recomputes: it must not reload a cache the store holds only in part."""
+    from lifecycle_helpers import answer_only, swapping_rig
+    from test_host_tier import decoding
+
+    rig = swapping_rig(swap_write="back", swapped_timeout=50.0)
+    decoding(rig)
+    rig.D.preempt("r")
+    answer_only(rig.dd, C.SwapOut)
+    rig.dd.pump()
+    [flush] = [c for c in rig.D.pending_commands() if isinstance(c, C.FlushHost)]
+    for rank in range(rig.spec.tp_size):
+        rig.dd.complete(flush.command_id, rank, len(flush.keys) - 1)
+    rig.dd.pump()
+    rig.clock.now += 50.0
+    rig.D.tick()
+    assert rig.D.state_of("r") == "preempted"
+    rig.D.resume("r")
+    assert rig.D.state_of("r") != "reloading"
