@@ -186,3 +186,19 @@ def test_the_demo_says_which_transport_ran():
     s = run_demo(DemoConfig(requests=6))
     assert s["transport"] == "" and " over " not in format_summary(s)
     assert "over tcp" in format_summary({**s, "store": "MooncakeStore", "transport": "tcp"})
+
+
+@pytest.mark.parametrize("tokens", [[5, True, 7], (5, 6, False), [False]])
+def test_bools_are_not_token_ids(tokens):
+    """A bool would pack as token 0 or 1: admit, reserve, append_tokens and block_keys refuse
+    it, naming where it is, and nothing changes."""
+    from lifecycle_helpers import running
+
+    rig = Rig(tp=1, blocks=16)
+    running(rig, "a")
+    before = (snapshot(rig.P), snapshot(rig.D))
+    for call in (lambda: rig.P.admit("b", tokens), lambda: rig.D.reserve("b", tokens),
+                 lambda: rig.D.append_tokens("a", tokens), lambda: block_keys(tokens, 4)):
+        with pytest.raises(KVStateError, match=r"not bools \(index \d"):
+            call()
+    assert (snapshot(rig.P), snapshot(rig.D)) == before
