@@ -71,7 +71,7 @@ def colocated_general() -> dict:
         sc = load_scenario(write_inputs(run, Path(d)))
         model = model_from_hf_config(DEFAULT_DATA / "model_configs" / "Llama-2-7b-hf" / "config.json")
         fields = {f"model.{k}": getattr(model, k) for k in ("name", "params_b", "num_layers", "hidden", "num_heads",
-                                                             "kv_heads", "head_dim", "intermediate", "vocab")}
+                                                             "total_kv_heads", "head_dim", "intermediate", "vocab")}
         wall, r = timed(with_overrides(sc, fields))
     return {"colocated_general_requests": r["requests"], "colocated_general_wall_s": round(wall, 3),
             "colocated_general_reasons": r["reasons"]}

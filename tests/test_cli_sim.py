@@ -140,7 +140,7 @@ def test_model_from_a_hugging_face_config(tmp_path):
            "vocab_size": 128256, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = model_from_hf_config(tmp_path)
-    assert (m.name, m.num_layers, m.kv_heads, m.head_dim, m.dtype) == ("Meta-Llama-3-8B", 32, 8, 128, "bfloat16")
+    assert (m.name, m.num_layers, m.total_kv_heads, m.head_dim, m.dtype) == ("Meta-Llama-3-8B", 32, 8, 128, "bfloat16")
     assert m.params_b == pytest.approx(MODELS["llama-3-8b"].params_b, rel=0.01)  # the published 8.03B
     (tmp_path / "moe.json").write_text(json.dumps({**cfg, "num_local_experts": 8, "num_experts_per_tok": 2}))
     moe = model_from_hf_config(tmp_path / "moe.json")  # Mixtral-style: experts as wide as the MLP

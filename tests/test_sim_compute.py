@@ -138,7 +138,7 @@ def test_a_shipped_h200_profile_is_used_and_carried_to_the_h100_through_the_data
 def test_a_profile_of_other_shapes_or_tp_is_refused():
     with pytest.raises(ConfigError, match="measured at TP 1"):
         model("llama-2-7b", tp=2, **{"gpu.profile": "h200-llama-2-7b-tp1"})
-    with pytest.raises(ConfigError, match="measured for kv_heads = 32"):
+    with pytest.raises(ConfigError, match="measured for total_kv_heads = 32"):
         model("llama-3-8b", **{"gpu.profile": "h200-llama-2-7b-tp1"})
     with pytest.raises(ConfigError, match="profile not found.*h200-llama-3-8b-tp1"):
         model(**{"gpu.profile": "no-such-profile"})

@@ -55,7 +55,7 @@ def test_qwen_moe_has_a_shared_expert(tmp_path):
 def test_deepseek_has_dense_first_layers_a_latent_cache_and_fp8_weights(tmp_path):
     m = load(tmp_path, DEEPSEEK_V3[0])
     assert (m.experts, m.shared_experts, m.dense_layers, m.experts_per_token) == (256, 1, 3, 8)
-    assert (m.kv_heads, m.head_dim) == (1, 576)  # one latent head: kv_lora_rank + rope dims
+    assert (m.total_kv_heads, m.head_dim) == (1, 576)  # one latent head: kv_lora_rank + rope dims
     assert m.weight_dtype == "fp8" and m.dtype == "bfloat16"
 
 

@@ -16,7 +16,7 @@ from kvstate.sim.metrics import summarize
 #: waiting 20 s at most for a first token
 OVERLOAD_70B = {
     "model": {"name": "llama-70b-like", "params_b": 70.6, "num_layers": 80, "hidden": 8192, "num_heads": 64,
-              "kv_heads": 8, "head_dim": 128, "intermediate": 28672},
+              "total_kv_heads": 8, "head_dim": 128, "intermediate": 28672},
     "gpu": {"name": "H200", "mem_gib": 141.0, "hbm_gbps": 4800.0},
     "cluster": {"n_prefill": 1, "n_decode": 2, "tp": 4},
     "policy": {"first_token_timeout_s": 20.0},
@@ -113,7 +113,7 @@ def overloaded(draw) -> dict:
         "seed": draw(st.integers(0, 2**16)),
         "time_limit_s": 5000.0,
         "model": {"name": "tiny", "params_b": 1.0, "num_layers": draw(st.integers(2, 8)), "hidden": 1024,
-                  "kv_heads": 4, "head_dim": 64, "block_size": block},
+                  "total_kv_heads": 4, "head_dim": 64, "block_size": block},
         "cluster": {"n_prefill": draw(st.integers(1, 2)), "n_decode": draw(st.integers(1, 2)), "tp": tp,
                     "gpu_blocks": gpu_blocks, "decode_max_batch": draw(st.sampled_from([4, 32, 256])),
                     "prefill_token_budget": draw(st.sampled_from([512, 4096])), "host_blocks": host_blocks,
@@ -170,7 +170,7 @@ def test_the_lazy_decode_batch_keeps_exact_books(data):
 
 #: what the cases the random search below found share; each overrides what it drew
 TINY = {"time_limit_s": 5000.0,
-        "model": {"name": "tiny", "params_b": 1.0, "hidden": 1024, "kv_heads": 4, "head_dim": 64},
+        "model": {"name": "tiny", "params_b": 1.0, "hidden": 1024, "total_kv_heads": 4, "head_dim": 64},
         "cluster": {"n_decode": 1, "tp": 1, "gpu_blocks": 39, "decode_max_batch": 4, "prefill_token_budget": 512},
         "storage": {"bandwidth_gbps": 1.0},
         "policy": {"read_failure": "fail", "queue_timeout_s": 0.5, "decode_headroom_blocks": 0},

@@ -117,7 +117,7 @@ def _sdpa(torch: Any, q_shape: tuple[int, ...], kv_shape: tuple[int, ...], causa
 
 
 def _attention(torch: Any, m: ModelSpec, tp: int) -> tuple[list[list[float]], list[list[float]]]:
-    hq, hk, d = m.num_heads // tp, max(1, m.kv_heads // tp), m.head_dim
+    hq, hk, d = m.num_heads // tp, max(1, m.total_kv_heads // tp), m.head_dim
     prefill = [[n, _sdpa(torch, (1, hq, n, d), (1, hk, n, d), True, 4 if n >= 4096 else 16)] for n in PREFILL]
     decode = [[b, ctx, _sdpa(torch, (b, hq, 1, d), (b, hk, ctx, d), False, 16)] for b, ctx in DECODE]
     torch.cuda.empty_cache()
@@ -145,8 +145,8 @@ def _time_add(torch: Any, n: int) -> float:
 def measure_profile(m: ModelSpec, tp: int, quick: bool = False) -> dict[str, Any]:
     """The profile of ``m`` at ``tp`` on this GPU (the format of :mod:`kvstate.sim.profile`)."""
     torch = _torch()
-    if m.kv_heads % tp and m.kv_heads > 1:
-        raise ConfigError(f"--tp {tp}: the model's {m.kv_heads} KV heads do not split over {tp} ranks")
+    if m.total_kv_heads % tp and m.total_kv_heads > 1:
+        raise ConfigError(f"--tp {tp}: the model's {m.total_kv_heads} KV heads do not split over {tp} ranks")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     tokens = TOKENS[::2] if quick else TOKENS
     prop = torch.cuda.get_device_properties(torch.cuda.current_device())

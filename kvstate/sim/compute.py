@@ -67,7 +67,7 @@ class ComputeModel:
         self.heads_rank = m.num_heads / tp
         self.head_dim = m.attention_head_dim
         # a token's cache bytes, one layer, one rank: K and V, or MLA's one latent (replicated)
-        kv_bytes = m.head_dim if m.kv_lora_rank else 2 * m.kv_heads * m.head_dim / tp
+        kv_bytes = m.head_dim if m.kv_lora_rank else 2 * m.total_kv_heads * m.head_dim / tp
         self.kv_token_layer = kv_bytes * _kv_itemsize(m.dtype)
         # the weight matrices of one layer on one rank: (name, K, N)
         self.attn_mats = m.attention_matrices(tp)

@@ -69,13 +69,13 @@ def _attention(cfg: dict[str, Any], where: str, h: int) -> dict[str, int]:
     if cfg.get("kv_lora_rank"):
         rope = _int(cfg, "qk_rope_head_dim", where, 64)
         lat = _int(cfg, "kv_lora_rank", where)
-        return {"num_heads": heads, "kv_heads": 1, "head_dim": lat + rope, "kv_lora_rank": lat,
+        return {"num_heads": heads, "total_kv_heads": 1, "head_dim": lat + rope, "kv_lora_rank": lat,
                 "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
                 "qk_head_dim": _int(cfg, "qk_nope_head_dim", where, 128) + rope,
                 "v_head_dim": _int(cfg, "v_head_dim", where, 128)}
     kv = _int(cfg, "num_key_value_heads", where, heads)
     hd = _int(cfg, "head_dim", where) if cfg.get("head_dim") is not None else h // heads
-    return {"num_heads": heads, "kv_heads": kv, "head_dim": hd}
+    return {"num_heads": heads, "total_kv_heads": kv, "head_dim": hd}
 
 
 def _shapes(cfg: dict[str, Any], where: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ __all__ = ["Profile", "Curve", "FORMAT", "SHAPE_FIELDS"]
 FORMAT = "kvstate-profile"
 SHIPPED = Path(__file__).with_name("profiles")  #: profiles measured on the device machine's H200
 #: the model fields a profile's shapes are measured for: a scenario must match them
-SHAPE_FIELDS = ("hidden", "num_heads", "kv_heads", "head_dim", "intermediate", "vocab", "experts",
+SHAPE_FIELDS = ("hidden", "num_heads", "total_kv_heads", "head_dim", "intermediate", "vocab", "experts",
                 "experts_per_token", "shared_experts", "moe_intermediate", "weight_dtype")
 
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
-from ..policy import PREEMPT_MODES, READ_FAILURE_MODES, SWAP_FALLBACKS, SWAP_WRITES, Policy
+from ..policy import Policy
 from ..spec import CacheSpec, paired
 from .fields import Section, doc_of, setting
+from .policyspec import POLICY_FIELDS, PolicySpec
 from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec
 from .tp import PROTOCOLS
 
 __all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "SchedulerSpec", "StorageSpec", "NetworkSpec",
-           "TpSpec", "PolicySpec", "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "MODES", "TOP_LEVEL", "doc_of",
+           "TpSpec", "PolicySpec", "POLICY_FIELDS",
+           "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "MODES", "TOP_LEVEL", "doc_of",
            "MAX_REQUESTS",
            "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS"]
 
@@ -181,42 +183,6 @@ class TpSpec(Section):
 
 
 @dataclass(frozen=True)
-class PolicySpec(Section):
-    """The lifecycle :class:`~kvstate.policy.Policy` the instances run (times in seconds)."""
-
-    preempt: str = setting("write", f"one of {list(PREEMPT_MODES)}: write the cache out, recompute it, or swap it "
-                               "to the host tier (needs cluster.host_blocks)")
-    swap_fallback: str = setting("write", f"one of {list(SWAP_FALLBACKS)}: when the host tier is full or a swap fails")
-    swap_write: str = setting("host", f"one of {list(SWAP_WRITES)}: a swapped cache in host memory only, also "
-                                 "written to the store before (through) or after (back) its GPU blocks go")
-    read_failure: str = setting("recompute", f"one of {list(READ_FAILURE_MODES)}: end with 502, or recompute")
-    write_retries: int = setting(1, "extra attempts after a failed or partial write")
-    decode_headroom_blocks: int = setting(1, "blocks D keeps free per running request when it reserves")
-    transfer_timeout_s: float = setting(30.0, "deadline of every transfer")
-    first_token_timeout_s: float = setting(60.0, "D's wait for P's first token, from its reservation")
-    queue_timeout_s: float = setting(30.0, "a prompt's wait for P's blocks")
-    fence_grace_s: float = setting(30.0, "how long a timed-out transfer's blocks stay pinned")
-    read_prefix: bool = setting(True, "P reads the longest stored prefix of a prompt before prefill")
-
-    def check(self) -> None:
-        self.choice("preempt", PREEMPT_MODES)
-        self.choice("swap_fallback", SWAP_FALLBACKS)
-        self.choice("swap_write", SWAP_WRITES)
-        self.choice("read_failure", READ_FAILURE_MODES)
-        self.non_negative("write_retries", "decode_headroom_blocks")
-        self.positive("transfer_timeout_s", "first_token_timeout_s", "queue_timeout_s", "fence_grace_s")
-
-    def to_policy(self) -> Policy:
-        """The lifecycle policy these settings describe (the one place they are mapped)."""
-        return Policy(read_prefix=self.read_prefix, write_retries=self.write_retries,
-                      read_failure=self.read_failure, preempt=self.preempt, swap_fallback=self.swap_fallback,
-                      swap_write=self.swap_write,
-                      transfer_timeout=self.transfer_timeout_s, first_token_timeout=self.first_token_timeout_s,
-                      queue_timeout=self.queue_timeout_s, fence_grace=self.fence_grace_s,
-                      decode_headroom_blocks=self.decode_headroom_blocks)
-
-
-@dataclass(frozen=True)
 class WorkloadSpec(Section):
     """Arrivals and lengths; or a Mooncake-format JSONL trace to replay."""
 
@@ -330,8 +296,8 @@ class Scenario(Section):
         if len(self.tp.skew_ms) > ranks:
             raise ConfigError(f"[tp] skew_ms: {len(self.tp.skew_ms)} entries for {ranks} ranks")
         for name, tp in (("tp", self.cluster.tp), ("d_tp", self.cluster.decode_tp)):
-            if self.model.kv_heads % tp and not self.model.kv_lora_rank:
-                raise ConfigError(f"[cluster] {name}: the model's {self.model.kv_heads} KV heads do not split "
+            if self.model.total_kv_heads % tp and not self.model.kv_lora_rank:
+                raise ConfigError(f"[cluster] {name}: the model's {self.model.total_kv_heads} KV heads do not split "
                                   f"over {tp} ranks")
         if self.cluster.decode_tp != self.cluster.tp and self.model.kv_lora_rank:
             raise ConfigError("[cluster] d_tp: a latent (MLA) cache is replicated on every rank; P and D of "
@@ -339,19 +305,47 @@ class Scenario(Section):
         if self.policy.preempt == "swap" and not self.cluster.host_blocks:
             raise ConfigError("[policy] preempt = \"swap\" needs a host tier: set [cluster] host_blocks > 0")
 
+    # -- the library's configuration, both ways ----------------------------------------------
+    @classmethod
+    def from_library(cls, spec: CacheSpec, policy: Policy, host_blocks: int | None = None,
+                     base: Scenario | None = None) -> Scenario:
+        """``base`` (the embedded default) serving a cache of ``spec``'s geometry (its model's
+        heads, ``spec.heads_total``; TP ``spec.tp_size``) under ``policy``, with the lifecycles'
+        ``host_blocks`` (None: ``base``'s). The inverse of
+        :meth:`cache_spec` and ``policy.to_policy()``; the model's compute shapes stay
+        ``base``'s. Geometry a scenario does not model is refused, naming the field."""
+        if not isinstance(spec, CacheSpec) or not isinstance(policy, Policy):
+            raise ConfigError("Scenario.from_library: needs a CacheSpec and a Policy")
+        base = base if base is not None else cls()
+        for name, v in (("extra_layers", spec.extra_layers), ("fp8_scales", spec.fp8_scales),
+                        ("store_heads", spec.store_heads), ("has_value", not spec.has_value)):
+            if v:
+                raise ConfigError(f"Scenario.from_library: CacheSpec.{name} = {getattr(spec, name)!r} is not modeled "
+                                  "by a scenario (MLA models come from their HF config: kvstate.sim.hfconfig)")
+        model = replace(base.model, num_layers=spec.num_layers, total_kv_heads=spec.heads_total,
+                        head_dim=spec.head_dim, dtype=spec.dtype, block_size=spec.block_size)
+        cluster = replace(base.cluster, tp=spec.tp_size, d_tp=0,
+                          host_blocks=base.cluster.host_blocks if host_blocks is None else host_blocks)
+        return replace(base, model=model, cluster=cluster, policy=PolicySpec.from_policy(policy))
+
+    def library(self) -> tuple[CacheSpec, Policy]:
+        """One P rank's cache geometry and the lifecycle policy: what an engine running this
+        scenario passes to its lifecycles."""
+        return self.cache_spec(), self.policy.to_policy()
+
     # -- derived figures -----------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:
         """One TP rank's cache geometry (a P rank's, when D's degree differs): every size below
         comes from it. P and D of different degrees store head groups both split."""
         m, tp = self.model, self.cluster.tp
         # a latent (MLA) cache is one head, replicated on every rank
-        kv = m.kv_heads if m.kv_lora_rank else m.kv_heads // tp
+        kv = m.total_kv_heads if m.kv_lora_rank else m.total_kv_heads // tp
         spec = CacheSpec(num_layers=m.num_layers, kv_heads=kv, block_size=m.block_size,
                          head_dim=m.head_dim, dtype=m.dtype, tp_size=tp)
         d_tp = self.cluster.decode_tp
         if d_tp == tp:
             return spec
-        d_spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.kv_heads // d_tp, block_size=m.block_size,
+        d_spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.total_kv_heads // d_tp, block_size=m.block_size,
                            head_dim=m.head_dim, dtype=m.dtype, tp_size=d_tp)
         return paired(spec, d_spec)[0]
 

@@ -22,6 +22,10 @@ __all__ = ["load_scenario", "scenario_from_dict", "scenario_to_dict", "with_over
            "field_names"]
 
 
+#: keys renamed so that one name means one thing in the library and the scenario
+RENAMED = {"model.kv_heads": "total_kv_heads (the model's KV heads; CacheSpec.kv_heads is one rank's)"}
+
+
 def _known(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.name != "source"]
 
@@ -38,7 +42,9 @@ def scenario_from_dict(data: Any, source: str = "<dict>") -> Scenario:
                 raise ConfigError(f"{source}: [{key}] must be a table")
             unknown = sorted(set(v) - set(_known(cls)))
             if unknown:
-                raise ConfigError(f"{source}: [{key}] unknown key {unknown[0]!r} (known: {sorted(_known(cls))})")
+                renamed = RENAMED.get(f"{key}.{unknown[0]}")
+                hint = f": it is now {renamed}" if renamed else f" (known: {sorted(_known(cls))})"
+                raise ConfigError(f"{source}: [{key}] unknown key {unknown[0]!r}{hint}")
             try:
                 kwargs[key] = cls(**v)
             except ConfigError as e:

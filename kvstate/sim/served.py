@@ -32,7 +32,8 @@ class ModelSpec(Section):
     num_layers: int = setting(32, "transformer layers (each holds a K and a V cache)")
     hidden: int = setting(4096, "hidden size")
     num_heads: int = setting(32, "attention (query) heads")
-    kv_heads: int = setting(8, "KV heads in all (grouped-query attention); TP ranks split them")
+    total_kv_heads: int = setting(8, "the model's KV heads (grouped-query attention; CacheSpec.total_kv_heads): "
+                                    "TP ranks split them, each holding total_kv_heads / tp")
     head_dim: int = setting(128, "dimension of one head")
     intermediate: int = setting(14336, "width of a dense layer's MLP (gate, up and down projections)")
     vocab: int = setting(128256, "vocabulary (the LM head's width)")
@@ -51,13 +52,14 @@ class ModelSpec(Section):
     block_size: int = setting(64, "tokens per KV block")
 
     def check(self) -> None:
-        self.positive("params_b", "num_layers", "hidden", "num_heads", "kv_heads", "head_dim", "intermediate",
+        self.positive("params_b", "num_layers", "hidden", "num_heads", "total_kv_heads", "head_dim", "intermediate",
                       "vocab", "block_size")
         self.non_negative("experts", "experts_per_token", "shared_experts", "moe_intermediate", "dense_layers")
         self.choice("dtype", tuple(DTYPES))
         self.choice("weight_dtype", tuple(WEIGHT_DTYPES))
-        if self.num_heads % self.kv_heads:
-            raise ConfigError(f"num_heads: {self.num_heads} query heads do not group over {self.kv_heads} KV heads")
+        if self.num_heads % self.total_kv_heads:
+            raise ConfigError(f"num_heads: {self.num_heads} query heads do not group over "
+                              f"{self.total_kv_heads} KV heads")
         if self.experts:
             if not 1 <= self.experts_per_token <= self.experts or not self.moe_intermediate:
                 raise ConfigError(f"experts: a mixture-of-experts model needs 1 <= experts_per_token <= experts "
@@ -82,7 +84,7 @@ class ModelSpec(Section):
         """One layer's attention projections on one of ``tp`` ranks: (name, K, N). Latent
         attention (MLA) projects queries through a rank-``q_lora_rank`` bottleneck and keys and
         values from the cached latent (its rotary part kept apart)."""
-        q, kv, d, h = self.num_heads, self.kv_heads, self.head_dim, self.hidden
+        q, kv, d, h = self.num_heads, self.total_kv_heads, self.head_dim, self.hidden
         if not self.kv_lora_rank:
             return (("qkv", h, (q + 2 * kv) * d / tp), ("o", q * d / tp, h))
         rope, qk, v, lat = d - self.kv_lora_rank, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank
