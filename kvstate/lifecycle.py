@@ -115,8 +115,8 @@ class Lifecycle:
         return list(self._reqs)
 
     def is_live(self, request_id: str) -> bool:
-        """Whether ``request_id`` is live here (admitted or reserved, not yet ended)."""
-        return request_id in self._reqs
+        """Whether ``request_id`` (a str, else refused) is live here (admitted or reserved)."""
+        return check_request_id(request_id) in self._reqs
 
     def next_deadline(self) -> float | None:
         """The clock time at which :meth:`tick` next has work, or None when no timer is set.

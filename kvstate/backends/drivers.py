@@ -82,12 +82,8 @@ class StepDriver:
         only that many leading keys (a partial transfer), ``"fail"`` answers 0 with an
         error and moves nothing.
         """
-        if not is_int(command_id) or not is_int(rank):  # True would find rank 1's answer
-            raise ValidationError(f"command id and rank must be ints, got {command_id!r} and {rank!r}")
-        key = (command_id, rank)
-        cmd = self.pending.get(key)
-        if cmd is None:
-            raise ValidationError(f"no pending command {command_id} for rank {rank}")
+        key = self._pending_key(command_id, rank)
+        cmd = self.pending[key]
         if outcome is not None and outcome != "fail" and not (is_int(outcome) and 0 <= outcome <= len(cmd.keys)):
             raise ValidationError(f"outcome {outcome!r} must be None, 'fail' or 0..{len(cmd.keys)}")
         del self.pending[key]
@@ -116,10 +112,20 @@ class StepDriver:
 
     def drop(self, command_id: int, rank: int) -> None:
         """Forget a pending answer: that rank never answers."""
-        self.pending.pop((command_id, rank), None)
+        self._pending_key(command_id, rank)
+        del self.pending[(command_id, rank)]
+
+    def _pending_key(self, command_id: Any, rank: Any) -> tuple[int, int]:
+        """``(command_id, rank)`` of a pending answer, or a ValidationError naming it."""
+        if not is_int(command_id) or not is_int(rank):  # True would find rank 1's answer
+            raise ValidationError(f"command id and rank must be ints, got {command_id!r} and {rank!r}")
+        if (command_id, rank) not in self.pending:
+            raise ValidationError(f"no pending command {command_id} for rank {rank}")
+        return command_id, rank
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Complete every pending answer in order, in full, until nothing is left."""
+        check_int(max_steps, "StepDriver.run_until_idle: max_steps", minimum=1, maximum=2**31)
         steps = 0
         pending, answer = self.pending, self._answer
         self.pump()
