@@ -59,13 +59,13 @@ class Lifecycle:
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
                  host_blocks: int = 0, prefix_cache: bool = False) -> None:
-        """``host_blocks``: slots of the host memory tier (0: none). ``prefix_cache``: keep
-        finished prompts' blocks on the GPU, idle, for later prompts (:mod:`kvstate.prefixcache`)."""
+        """``host_blocks``: host tier slots (0: none); ``prefix_cache``: see :mod:`kvstate.prefixcache`."""
         check_int(host_blocks, "host_blocks", minimum=0)
         if prefix_cache.__class__ is not bool:
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
+        spec.check_moved(type(self).__name__)
         if policy is not None and not isinstance(policy, Policy):
             raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
         if not callable(clock):

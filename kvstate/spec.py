@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import gcd
+from typing import Any
 
 import numpy as np
 
 from .dtypes import DTYPES
 from .errors import ConfigError, ValidationError
+from .layers import LayerGroup, check_groups, read_blocks
 from .validate import MAX_DIM, check_int
 
 __all__ = ["CacheSpec", "CACHE_KINDS", "SCALE_DTYPE", "check_pair", "paired"]
@@ -35,7 +37,7 @@ CACHE_KINDS = ("key", "value", "key_scale", "value_scale")
 
 @dataclass(frozen=True, slots=True)
 class CacheSpec:
-    """Geometry of one TP rank's paged KV cache.
+    r"""Geometry of one TP rank's paged KV cache.
 
     Per layer and kind the cache is ``[num_blocks, kv_heads, block_size, head_dim]``; fp8
     scales, when present, are ``[num_blocks, kv_heads, block_size, 1]`` float32.
@@ -44,6 +46,9 @@ class CacheSpec:
     consecutive layers (1: one object of every layer). P and D must agree on it: it is the
     store's format. More groups let a layer-wise save put a group as soon as its layers are
     computed, so only the last group's put trails the prefill.
+
+    ``groups`` describes the layers as :class:`~kvstate.layers.LayerGroup`\ s of kinds (full,
+    sliding window, latent, state; :mod:`kvstate.layers` gives the rules); none is one full group.
 
     ``total_kv_heads`` is the model's KV heads (0: ``kv_heads * tp_size``; fewer than
     ``tp_size``: each rank holds one head, replicated). ``store_heads`` is the heads per stored
@@ -63,6 +68,7 @@ class CacheSpec:
     layer_groups: int = 1
     total_kv_heads: int = 0
     store_heads: int = 0
+    groups: tuple[LayerGroup, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size", "layer_groups"):
@@ -78,6 +84,8 @@ class CacheSpec:
         if self.fp8_scales and self.dtype != "uint8":
             raise ConfigError("CacheSpec.fp8_scales needs dtype 'uint8' (an fp8 cache)")
         self._check_heads()
+        check_groups(self.groups, self.layers, self.block_size, latent_layout=self.kv_heads == 1 and
+                     self.heads_total == 1 and not self.has_value)
 
     def _check_heads(self) -> None:
         """``total_kv_heads`` split over the ranks (or replicated), ``store_heads`` a divisor."""
@@ -93,6 +101,20 @@ class CacheSpec:
         if self.kv_heads % self.object_heads:
             raise ConfigError(f"CacheSpec.store_heads {self.store_heads} must divide the rank's "
                               f"{self.kv_heads} KV heads")
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> CacheSpec:
+        """The spec of ``dataclasses.asdict(spec)`` come back through JSON (groups as lists of
+        dicts, their layers as lists)."""
+        if not isinstance(fields, dict):
+            raise ConfigError(f"CacheSpec.from_dict: expected a dict of fields, got {type(fields).__name__}")
+        groups = fields.get("groups", ())
+        try:
+            if isinstance(groups, list):
+                groups = tuple(g if isinstance(g, LayerGroup) else _group_from_dict(g) for g in groups)
+            return cls(**{**fields, "groups": groups})
+        except (TypeError, AttributeError) as e:
+            raise ConfigError(f"CacheSpec.from_dict: {e}") from None
 
     # -- derived sizes (the single place they are computed) ------------------------------
     @property
@@ -167,8 +189,36 @@ class CacheSpec:
         return h * b * d * self.kind_dtype(kind).itemsize
 
     def block_bytes(self, kind: str = "key") -> int:
-        """Bytes of one block of ``kind`` across all layers."""
-        return self.layers * self.chunk_bytes(kind)
+        """Bytes of one block of ``kind`` across all paged layers."""
+        return self.paged_layers * self.chunk_bytes(kind)
+
+    # -- layer groups (kvstate.layers) ----------------------------------------------------------
+    @property
+    def paged_layers(self) -> int:
+        """Layers whose cache is paged by tokens (all but state layers)."""
+        return self.layers - sum(len(g.layers) for g in self.groups if g.kind == "state")
+
+    @property
+    def state_bytes_per_rank(self) -> int:
+        """One request's recurrent state on one rank, every state layer."""
+        return sum(g.state_bytes * len(g.layers) for g in self.groups if g.kind == "state")
+
+    def check_moved(self, who: str) -> None:
+        """Refuse a spec with state groups where bytes move: their states are modeled in the
+        simulator and the spec; no lifecycle or backend moves them yet."""
+        if any(g.kind == "state" for g in self.groups):
+            raise ConfigError(f"{who}: state layer groups (Mamba, linear attention) are planned by the simulator; "
+                              "no lifecycle or backend moves their states yet")
+
+    def read_bytes_per_rank(self, num_tokens: int) -> int:
+        """Bytes one rank reads to continue a ``num_tokens``-token cache: every paged group's
+        blocks it needs (a window group's last window only) and the state groups' states."""
+        check_int(num_tokens, "CacheSpec.read_bytes_per_rank: num_tokens", minimum=0, maximum=1 << 40)
+        if not self.groups:
+            return self.blocks_for(num_tokens) * self.bytes_per_block_per_rank
+        per_layer = sum(self.chunk_bytes(k) for k in self.kinds)
+        return sum(len(g.layers) * per_layer * read_blocks(g, num_tokens, self.block_size)
+                   for g in self.groups) + self.state_bytes_per_rank
 
     @property
     def group_layers(self) -> int:
@@ -195,9 +245,14 @@ class CacheSpec:
         return -(-num_tokens // self.block_size)
 
 
+def _group_from_dict(g: dict[str, Any]) -> LayerGroup:
+    layers = g.get("layers")
+    return LayerGroup(**{**g, "layers": tuple(layers) if isinstance(layers, list) else layers})
+
+
 #: what a stored object's geometry is made of: P and D must agree on each
 _SHARED = ("num_layers", "extra_layers", "layer_groups", "block_size", "head_dim", "dtype", "has_value",
-           "fp8_scales", "heads_total", "object_heads")
+           "fp8_scales", "heads_total", "object_heads", "groups")
 
 
 def check_pair(p: CacheSpec, d: CacheSpec) -> None:

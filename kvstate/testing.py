@@ -1,10 +1,11 @@
 """Helpers for tests and integrators: deterministic stand-in KV bytes, written and checked.
 
-A block's stand-in bytes are fixed by (storage key, rank, kind), so whoever reads a block back
+A block's stand-in bytes are fixed by (storage key, heads, kind), so whoever reads a block back
 (D after the handoff, a reload after preemption, a request sharing a stored prefix) can check
 every byte against what the writer put there. The helpers work on any backend with
 ``fill_block(rank, kind, block_id, data)`` and ``block_bytes(rank, kind, block_id)`` (the
-reference and CUDA backends).
+reference and CUDA backends). Ranks holding the same heads (replicas: a latent cache, or
+fewer KV heads than ranks) hold the same bytes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ __all__ = ["fake_block", "fill_blocks", "fill_layers", "mismatched_blocks"]
 
 @functools.lru_cache(maxsize=1024)  # a block is written once and checked several times
 def fake_block(key: str, rank: int, kind: str, nbytes: int) -> bytes:
-    """``nbytes`` stand-in bytes of one block: a pattern fixed by (key, rank, kind)."""
+    """``nbytes`` stand-in bytes of one block: a pattern fixed by (key, heads, kind); ``rank`` is
+    the first rank holding those heads (``rank // spec.replicas``)."""
     seed = int.from_bytes(hashlib.sha256(f"{key}|{rank}|{kind}".encode()).digest()[:8], "little")
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
 
@@ -32,7 +34,8 @@ def fill_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int], sta
     for i in range(start, len(keys)):
         for r in range(spec.tp_size):
             for kind in spec.kinds:
-                backend.fill_block(r, kind, block_ids[i], fake_block(keys[i], r, kind, spec.block_bytes(kind)))
+                backend.fill_block(r, kind, block_ids[i],
+                                   fake_block(keys[i], r // spec.replicas, kind, spec.block_bytes(kind)))
 
 
 def fill_layers(backend: Any, keys: Sequence[str], block_ids: Sequence[int], layers: tuple[int, int],
@@ -44,7 +47,7 @@ def fill_layers(backend: Any, keys: Sequence[str], block_ids: Sequence[int], lay
         for r in range(spec.tp_size):
             for kind in spec.kinds:
                 chunk = spec.chunk_bytes(kind)
-                want = fake_block(keys[i], r, kind, spec.block_bytes(kind))
+                want = fake_block(keys[i], r // spec.replicas, kind, spec.block_bytes(kind))
                 have = backend.block_bytes(r, kind, block_ids[i])
                 mixed = have[:a * chunk] + want[a * chunk:b * chunk] + have[b * chunk:]
                 backend.fill_block(r, kind, block_ids[i], mixed)
@@ -58,6 +61,7 @@ def mismatched_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int
     for i in range(len(keys) if upto is None else upto):
         for r in range(spec.tp_size):
             for kind in spec.kinds:
-                if backend.block_bytes(r, kind, block_ids[i]) != fake_block(keys[i], r, kind, spec.block_bytes(kind)):
+                want = fake_block(keys[i], r // spec.replicas, kind, spec.block_bytes(kind))
+                if backend.block_bytes(r, kind, block_ids[i]) != want:
                     bad.append((i, r, kind))
     return bad

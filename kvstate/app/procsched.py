@@ -37,7 +37,7 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
-        self.spec = CacheSpec(**cfg.spec)
+        self.spec = CacheSpec.from_dict(cfg.spec)
         self.caches = SharedCaches.create(self.spec, cfg.blocks)
         self.driver = ProcessDriver(self.spec, cfg.blocks, heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s,
                                     name=cfg.role)

@@ -42,6 +42,7 @@ class StoreBackend(Manifested, TransferBackend):
         name = type(self).__name__
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"{name}: spec must be a CacheSpec")
+        spec.check_moved(name)
         if not is_int(num_blocks) or num_blocks <= 0:
             raise ValidationError(f"{name}: num_blocks must be an int > 0, got {num_blocks!r}")
         if not isinstance(store, Store):

@@ -85,8 +85,8 @@ class WorkerConfig:
         if not isinstance(self.spec, dict):
             raise ConfigError("WorkerConfig.spec must be a dict of CacheSpec fields")
         try:
-            spec = CacheSpec(**self.spec)
-        except TypeError as e:
+            spec = CacheSpec.from_dict(self.spec)
+        except ConfigError as e:
             raise ConfigError(f"WorkerConfig.spec: {e}") from None
         check_int(self.rank, "WorkerConfig.rank", minimum=0, error=ConfigError)
         if self.rank >= spec.tp_size:

@@ -1,0 +1,131 @@
+"""Layer groups (kvstate.layers): the spec's rules, what each group needs read, where each
+kind is moved today, and the latent layout stored once."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from conftest import Rig
+from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, handoff
+
+from kvstate import CacheSpec, ConfigError, DecodeLifecycle, PrefillLifecycle
+from kvstate import commands as C
+from kvstate.backends import MemoryStore, ReferenceBackend
+from kvstate.layers import LayerGroup, checkpoint_floor, read_blocks
+from kvstate.spec import check_pair
+
+
+def G(kind: str, layers, **kw) -> LayerGroup:  # noqa: N802 - reads as the spec's own word
+    return LayerGroup(kind, tuple(layers), **kw)
+
+
+def gemma_like(num_layers: int = 6, window: int = 16, **kw) -> CacheSpec:
+    """Five sliding-window layers to one full layer, interleaved (Gemma 3's pattern)."""
+    full = tuple(range(5, num_layers, 6))
+    local = tuple(i for i in range(num_layers) if i not in full)
+    return CacheSpec(num_layers=num_layers, kv_heads=2, block_size=4, head_dim=8, dtype="float16",
+                     groups=(G("window", local, window=window), G("full", full)), **kw)
+
+
+@pytest.mark.parametrize("groups, needle", [
+    ((G("full", range(5)),), r"do not add up to the cache's 6 layers: missing \[5\]"),
+    ((G("full", range(6)), G("window", (5, 6), window=8)), "layer 5 is in a full group and a window group"),
+    ((G("full", range(7)),), r"beyond it \[6\]"),
+    ((G("window", range(5), window=6), G("full", (5,))), "window of 6 tokens is not a multiple of the block size 4"),
+    ((G("state", range(5), state_bytes=64, checkpoint=6), G("full", (5,))), "checkpoint every 6 tokens"),
+    ((G("state", range(6), state_bytes=64, checkpoint=8),), "every layer is a state layer"),
+    ((G("latent", range(3)), G("full", range(3, 6))), "latent .* and head-split attention layers"),
+    ((G("latent", range(6)),), "a latent group needs the latent layout"),
+    ([G("full", range(6))], "must be a tuple of LayerGroup"),
+])
+def test_groups_that_break_a_rule_are_refused_naming_it(groups, needle):
+    with pytest.raises(ConfigError, match=needle):
+        CacheSpec(num_layers=6, kv_heads=2, block_size=4, head_dim=8, groups=groups)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"kind": "sliding"}, "kind 'sliding'"), ({"kind": "full", "window": 8}, "window"),
+    ({"kind": "window"}, "window"), ({"kind": "state", "checkpoint": 8}, "state_bytes"),
+    ({"kind": "state", "state_bytes": 8}, "checkpoint"), ({"kind": "full", "layers": (1, 1)}, "repeat"),
+    ({"kind": "full", "layers": [0]}, "non-empty tuple"), ({"kind": "full", "layers": (True,)}, "layer index"),
+    ({"kind": "state", "state_bytes": 2**31, "checkpoint": 8}, "state_bytes"),
+])
+def test_a_group_that_breaks_its_kind_is_refused(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        LayerGroup(**{"layers": (0,), **kw})
+
+
+def test_a_window_group_needs_only_the_blocks_of_its_last_window():
+    """32k tokens, W = 4,096, blocks of 64: a window layer needs 64 blocks (65 when the window
+    does not start on a block), a full layer all 512."""
+    w = G("window", (0,), window=4096)
+    assert read_blocks(w, 32768, 64) == 64 and read_blocks(w, 32768 + 10, 64) == 65
+    assert read_blocks(G("full", (0,)), 32768, 64) == 512 and read_blocks(w, 1000, 64) == 16
+    spec = CacheSpec(
+        num_layers=12, kv_heads=2, block_size=64, head_dim=8,
+        groups=(G("window", [i for i in range(12) if i % 6 != 5], window=4096), G("full", (5, 11))))
+    per_layer_block = 2 * 2 * 64 * 8 * 2  # key and value, 2 heads, 64 tokens, dim 8, bf16
+    assert spec.read_bytes_per_rank(32768) == per_layer_block * (10 * 64 + 2 * 512)
+    plain = dataclasses.replace(spec, groups=())
+    assert plain.read_bytes_per_rank(32768) == plain.blocks_for(32768) * plain.bytes_per_block_per_rank
+
+
+def test_state_groups_count_their_state_and_resume_from_checkpoints_only():
+    spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=8,
+                     groups=(G("state", (0, 1, 2), state_bytes=1000, checkpoint=16), G("full", (3,))))
+    assert spec.paged_layers == 1 and spec.state_bytes_per_rank == 3000
+    assert spec.block_bytes("key") == spec.chunk_bytes("key")  # one paged layer
+    assert spec.read_bytes_per_rank(40) == 10 * spec.bytes_per_block_per_rank + 3000
+    assert checkpoint_floor(spec.groups, 11, 4) == 8 and checkpoint_floor((), 11, 4) == 11
+
+
+def test_state_groups_are_refused_where_bytes_move():
+    spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=8,
+                     groups=(G("state", (0, 1, 2), state_bytes=1000, checkpoint=16), G("full", (3,))))
+    for make in (lambda: PrefillLifecycle(spec, 8), lambda: DecodeLifecycle(spec, 8),
+                 lambda: ReferenceBackend(spec, 8, MemoryStore(1 << 20))):
+        with pytest.raises(ConfigError, match="no lifecycle or backend moves their states yet"):
+            make()
+
+
+def test_window_groups_are_moved_whole_today_and_the_bytes_arrive():
+    """A window group's blocks all move (correct, not yet the saving): D's blocks match P's."""
+    rig = Rig(tp=1, spec=gemma_like(tp_size=1))
+    deliver(rig, handoff(rig, "r"))
+    rig.dd.run_until_idle()
+    [sd] = rig.notices(rig.dd, C.StartDecode)
+    assert d_matches(rig, TOKS, sd.block_ids[:3])
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_p_and_d_must_agree_on_the_groups():
+    with pytest.raises(ConfigError, match="disagree on groups"):
+        check_pair(gemma_like(), gemma_like(window=8))
+
+
+def test_a_spec_with_groups_survives_json_to_a_rank_worker():
+    spec = gemma_like(tp_size=2)
+    back = CacheSpec.from_dict(json.loads(json.dumps(dataclasses.asdict(spec))))
+    assert back == spec
+    with pytest.raises(ConfigError, match="layers must be a non-empty tuple"):
+        CacheSpec.from_dict({**dataclasses.asdict(spec), "groups": [{"kind": "full"}]})
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_a_latent_cache_is_written_once_and_read_by_every_rank(tp):
+    """MLA at TP ``tp``: one latent head (512 + 64 values), replicated. Rank 0 stores each
+    block; every rank reads that one object. The store holds 1/tp of a per-rank layout's bytes."""
+    mla = CacheSpec(num_layers=4, kv_heads=1, total_kv_heads=1, block_size=4, head_dim=576, has_value=False,
+                    tp_size=tp, groups=(G("latent", range(4)),))
+    per_rank = dataclasses.replace(mla, total_kv_heads=tp, groups=())  # each rank its own copy
+    held = {}
+    for name, spec in (("latent", mla), ("per_rank", per_rank)):
+        rig = Rig(tp=tp, spec=spec)
+        deliver(rig, handoff(rig, "r"))
+        rig.dd.run_until_idle()
+        [sd] = rig.notices(rig.dd, C.StartDecode)
+        assert d_matches(rig, TOKS, sd.block_ids[:3])  # every D rank got the bytes
+        held[name] = rig.store.used_bytes
+    assert held["latent"] * tp == held["per_rank"]
