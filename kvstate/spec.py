@@ -203,6 +203,17 @@ class CacheSpec:
         """One request's recurrent state on one rank, every state layer."""
         return sum(g.state_bytes * len(g.layers) for g in self.groups if g.kind == "state")
 
+    def paged(self) -> CacheSpec:
+        """This spec without its state layers: the paged cache that lifecycles and backends
+        hold (state groups' states are counted apart: :attr:`state_bytes_per_rank`)."""
+        state = {i for g in self.groups if g.kind == "state" for i in g.layers}
+        if not state:
+            return self
+        index = {old: new for new, old in enumerate(i for i in range(self.layers) if i not in state)}
+        kept = tuple(replace(g, layers=tuple(index[i] for i in g.layers)) for g in self.groups if g.kind != "state")
+        groups = () if all(g.kind == "full" for g in kept) else kept
+        return replace(self, num_layers=self.num_layers - len(state), groups=groups)
+
     def check_moved(self, who: str) -> None:
         """Refuse a spec with state groups where bytes move: their states are modeled in the
         simulator and the spec; no lifecycle or backend moves them yet."""

@@ -33,7 +33,7 @@ on another GPU is carried over through the two datasheets.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .profile import Profile
@@ -69,6 +69,9 @@ class ComputeModel:
         # a token's cache bytes, one layer, one rank: K and V, or MLA's one latent (replicated)
         kv_bytes = m.head_dim if m.kv_lora_rank else 2 * m.total_kv_heads * m.head_dim / tp
         self.kv_token_layer = kv_bytes * _kv_itemsize(m.dtype)
+        # layer kinds: full attention, a sliding window of `window` tokens, a recurrent state
+        self.full_layers, self.window_layers, self.state_layers = m.full_layers, m.window_layers, m.state_layers
+        self.window, self.state_rank = m.window, m.state_bytes / tp
         # the weight matrices of one layer on one rank: (name, K, N)
         self.attn_mats = m.attention_matrices(tp)
         mlp = m.mlp_matrices(tp)
@@ -85,7 +88,7 @@ class ComputeModel:
         if g.profile:
             self._use_profile(s, g.profile)
         self._decode_fixed: dict[int, float] = {}
-        self._decode_per_token = self.layers * (self.decode_attention(1, 1) - self.decode_attention(1, 0))
+        self._decode_per_token = self.decode_attention(1, 1) - self.decode_attention(1, 0)  # one layer's
 
     def _use_profile(self, s: Scenario, path: str) -> None:
         src = Path(s.source).parent / path if s.source and not Path(path).is_absolute() else Path(path)
@@ -141,6 +144,42 @@ class ComputeModel:
             return (p.decode_base + p.decode_per_token * context) * self._scale["memory"]
         return self.kernel + context * self.kv_token_layer / (self.hbm * self.attn_mbu)
 
+    def window_prefill_attention(self, n: int, c: int) -> float:
+        """One window layer's attention of ``n`` new tokens over ``c`` cached ones: a new token
+        attends at most ``window`` tokens, so the time scales by the tokens attended."""
+        w = self.window
+        if c + n <= w:
+            return self.prefill_attention(n, c)
+        k = max(0, min(n, w - c))  # new tokens that still see their whole past
+        attended = (k * c + k * (k + 1) / 2 + (n - k) * w) / n
+        return self.prefill_attention(n, min(c, w)) * attended / (min(c, w) + (n + 1) / 2)
+
+    def state_update(self, batch: int, prompts: Sequence[tuple[int, int, bool]]) -> float:
+        """One state layer's step: each decoding request reads and writes its state once; each
+        prompt chunk scans its tokens through the state (two multiply-adds per state value and
+        token) and reads and writes it once. Its projections are timed as attention's."""
+        state, t = self.state_rank, 0.0
+        if batch:
+            t += self.kernel + batch * 2 * state / (self.hbm * self.attn_mbu)
+        for n, _, _ in prompts:
+            flops = 4.0 * n * state / 2  # bf16 values
+            t += self.kernel + max(flops / (self.attn_peak * self.attn_mfu), 2 * state / (self.hbm * self.attn_mbu))
+        return t
+
+    def _layers_attention(self, prompts: Sequence[tuple[int, int, bool]], batch: int, context: int) -> float:
+        """Every layer's attention (or state update) in one step, by layer kind."""
+        t = 0.0
+        if self.full_layers:
+            full = self.decode_attention(batch, context) + sum(self.prefill_attention(n, c) for n, c, _ in prompts)
+            t += self.full_layers * full
+        if self.window_layers:
+            window = self.decode_attention(batch, min(context, batch * self.window)) + sum(
+                self.window_prefill_attention(n, c) for n, c, _ in prompts)
+            t += self.window_layers * window
+        if self.state_layers:
+            t += self.state_layers * self.state_update(batch, prompts)
+        return t
+
     def elementwise(self, tokens: int) -> float:
         """One layer's norms, rotary, activation and residual adds over ``tokens``."""
         nbytes = tokens * _ACT * (_ELEMENTWISE_HIDDENS * self.hidden + 3 * self.mlp_width)
@@ -177,17 +216,16 @@ class ComputeModel:
     def step_time(self, prompts: Iterable[tuple[int, int, bool]] = (), batch: int = 0, context: int = 0) -> float:
         """Seconds of one step: prompts' chunks ``(new, cached, ends_the_prompt)`` and one token
         of each of ``batch`` decoding requests holding ``context`` tokens in all."""
-        tokens, sampled, attn = batch, batch, self.decode_attention(batch, context)
-        for n, c, last in prompts:
-            tokens += n
-            sampled += 1 if last else 0
-            attn += self.prefill_attention(n, c)
+        prompts = list(prompts)
+        tokens = batch + sum(n for n, _, _ in prompts)
+        sampled = batch + sum(1 for _, _, last in prompts if last)
         if tokens <= 0:
             return 0.0
-        per_layer = sum(self.gemm(name, tokens, k, n) for name, k, n in self.attn_mats) + attn
+        per_layer = sum(self.gemm(name, tokens, k, n) for name, k, n in self.attn_mats)
         per_layer += self.elementwise(tokens) + 2 * self.allreduce(tokens * self.hidden * _ACT)
         dense = self.layers - self.moe_layers
-        t = self.layers * per_layer + dense * self._mlp(tokens, False)
+        t = self.layers * per_layer + self._layers_attention(prompts, batch, context)
+        t += dense * self._mlp(tokens, False)
         if self.moe_layers:
             t += self.moe_layers * self._mlp(tokens, True)
         return t + self.gemm("lm_head", sampled, self.hidden, self.vocab / self.tp) + self.overhead
@@ -205,7 +243,8 @@ class ComputeModel:
         fixed = self._decode_fixed.get(batch)
         if fixed is None:
             fixed = self._decode_fixed[batch] = self.step_time((), batch, 0)
-        return fixed + self._decode_per_token * context_tokens
+        window = min(context_tokens, batch * self.window) if self.window_layers else 0
+        return fixed + self._decode_per_token * (self.full_layers * context_tokens + self.window_layers * window)
 
 
 def _kv_itemsize(dtype: str) -> int:

@@ -11,8 +11,11 @@ vocabulary, the dtype. Mixture-of-experts fields by family:
   first ``first_k_dense_replace`` layers dense; latent attention, MLA: one latent "head" of
   ``kv_lora_rank + qk_rope_head_dim`` a token, replicated on every TP rank, and the low-rank
   query and key-value projections);
+- Jamba (``expert_layer_period``: every period-th layer routed);
 - Llama 4 (a ``text_config``; ``num_local_experts`` with one shared expert, every
   ``interleave_moe_layer_step``-th layer routed, dense layers ``intermediate_size_mlp`` wide).
+
+Sliding-window and recurrent-state layers come from :mod:`~kvstate.sim.hfgroups`.
 
 ``quantization_config.quant_method == "fp8"`` makes the weights fp8. The parameter count (the
 weights' memory) is summed from the same matrices the compute model times
@@ -28,6 +31,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..validate import check_int
+from .hfgroups import layer_kinds
 from .served import ModelSpec
 
 __all__ = ["model_from_hf_config", "params_from_hf_config"]
@@ -55,6 +59,8 @@ def _moe(cfg: dict[str, Any], where: str, layers: int, inter: int) -> dict[str, 
         dense = len(cfg.get("mlp_only_layers") or ())
     if cfg.get("first_k_dense_replace"):  # DeepSeek
         dense = _int(cfg, "first_k_dense_replace", where, 0, minimum=0)
+    if cfg.get("expert_layer_period"):  # Jamba: every period-th layer routed
+        dense = layers - layers // _int(cfg, "expert_layer_period", where)
     if cfg.get("interleave_moe_layer_step"):  # Llama 4: every k-th layer routed, one shared expert
         step = _int(cfg, "interleave_moe_layer_step", where)
         dense, shared = layers - layers // step, max(shared, 1)
@@ -86,7 +92,8 @@ def _shapes(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     # Llama 4's experts are intermediate_size wide, its dense layers intermediate_size_mlp
     expert_width = _int(cfg, "intermediate_size", where, inter) if cfg.get("intermediate_size_mlp") else inter
     return {"num_layers": layers, "hidden": h, **_attention(cfg, where, h), "intermediate": inter,
-            "vocab": _int(cfg, "vocab_size", where, 32000), **_moe(cfg, where, layers, expert_width)}
+            "vocab": _int(cfg, "vocab_size", where, 32000), **_moe(cfg, where, layers, expert_width),
+            **layer_kinds(cfg, where, layers, h, itemsize=2)}  # the cache is bf16 or fp16 (_DTYPES)
 
 
 def _params(m: ModelSpec, tied: bool) -> float:

@@ -173,7 +173,7 @@ class Instance:
         start = self.link_free[rank]
         start = max(start, now)
         self.link_free[rank] = link_end = start + link
-        nbytes = n * side.shard_bytes
+        nbytes = n * side.shard_bytes + (side.state_bytes if n else 0)  # a request's states go with its blocks
         s_start, s_end = cl.store.occupy(now, nbytes)
         s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s  # per object moved, when charged
         pieces = max(1, math.ceil(nbytes / cl.staging_bytes))

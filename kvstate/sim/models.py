@@ -29,6 +29,12 @@ MODELS: dict[str, ModelSpec] = {
         _m("qwen2.5-72b", 72.71, 80, 8192, 64, 8, 29568, 152064),
         _m("mistral-7b", 7.24, 32, 4096, 32, 8, 14336, 32000),
         _m("mixtral-8x7b", 46.70, 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2),
+        # latent attention (MLA: one 512 + 64 latent a token) and 256 routed experts, fp8 weights
+        ModelSpec("deepseek-v3", 671.0, 61, 7168, 128, 1, 576, 18432, 129280, experts=256, experts_per_token=8,
+                  shared_experts=1, moe_intermediate=2048, dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
+                  qk_head_dim=192, v_head_dim=128, weight_dtype="fp8"),
+        # five sliding-window layers (1,024 tokens) to one full-attention layer
+        ModelSpec("gemma-3-27b", 27.4, 62, 5376, 32, 16, 128, 21504, 262208, window=1024, window_layers=52),
     )
 }
 

@@ -57,6 +57,8 @@ class PrefillInstance(Instance):
         t = cmd.__class__
         if t is C.StartPrefill:
             cached = cast(C.StartPrefill, cmd).num_cached_tokens
+            if self.side.checkpoint:  # a state layer resumes from its last checkpoint only
+                cached -= cached % self.side.checkpoint
             req = cl.reqs[cmd.request_id]
             req.cached_tokens = cached
             new = req.input_len - cached

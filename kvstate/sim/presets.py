@@ -37,6 +37,19 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                          "workload.input_sigma": 0.3, "workload.input_max": 32768,
                          "workload.output_mean": 64.0, "workload.output_max": 512,
                          "workload.prefix_groups": 8, "workload.prefix_tokens": 4096}),
+    "deepseek-v3-h200": ("DeepSeek-V3 (MLA, 256 experts, fp8) on 1 P + 1 D instance at TP 8 (H200), 4,096-token "
+                         "prompts and 512-token answers at 1.5 req/s: its latent cache is stored once, not "
+                         "once a rank", {
+                             **_model("deepseek-v3"), **_H200, "cluster.n_prefill": 1, "cluster.n_decode": 1,
+                             "cluster.tp": 8, "workload.rate": 1.5, "workload.num_requests": 300,
+                             "workload.input_mean": 4096.0, "workload.output_mean": 512.0,
+                             "workload.prefix_tokens": 1024}),
+    "gemma-3-27b-h200": ("Gemma-3-27B (52 sliding-window layers of 1,024 tokens, 10 full) on 2 P + 2 D "
+                         "instances at TP 1 (H200), 8,192-token prompts at 4 req/s: more than 2 P prefill within "
+                         "the TTFT SLO", {
+                             **_model("gemma-3-27b"), **_H200, "cluster.tp": 1, "workload.rate": 4.0,
+                             "workload.num_requests": 600, "workload.input_mean": 8192.0,
+                             "workload.input_max": 32768, "workload.prefix_tokens": 2048}),
 }
 
 

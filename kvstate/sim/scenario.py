@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
+from ..layers import LayerGroup
 from ..policy import Policy
 from ..spec import CacheSpec, paired
 from .fields import Section, doc_of, setting
 from .policyspec import POLICY_FIELDS, PolicySpec
-from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec
+from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec, layer_groups
 from .tp import PROTOCOLS
 
 __all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "SchedulerSpec", "StorageSpec", "NetworkSpec",
@@ -302,8 +303,15 @@ class Scenario(Section):
         if self.cluster.decode_tp != self.cluster.tp and self.model.kv_lora_rank:
             raise ConfigError("[cluster] d_tp: a latent (MLA) cache is replicated on every rank; P and D of "
                               "different TP degrees are not modeled for it")
+        if self.cluster.decode_tp != self.cluster.tp and self.model.state_layers:
+            raise ConfigError("[cluster] d_tp: a state layer's state splits over the ranks; P and D of different TP "
+                              "degrees are not modeled for it")
         if self.policy.preempt == "swap" and not self.cluster.host_blocks:
             raise ConfigError("[policy] preempt = \"swap\" needs a host tier: set [cluster] host_blocks > 0")
+        try:
+            self.cache_spec()  # the geometry's own rules: a window or a checkpoint in whole blocks
+        except ConfigError as e:
+            raise ConfigError(f"[model] {e}") from None
 
     # -- the library's configuration, both ways ----------------------------------------------
     @classmethod
@@ -338,15 +346,17 @@ class Scenario(Section):
         """One TP rank's cache geometry (a P rank's, when D's degree differs): every size below
         comes from it. P and D of different degrees store head groups both split."""
         m, tp = self.model, self.cluster.tp
-        # a latent (MLA) cache is one head, replicated on every rank
-        kv = m.total_kv_heads if m.kv_lora_rank else m.total_kv_heads // tp
-        spec = CacheSpec(num_layers=m.num_layers, kv_heads=kv, block_size=m.block_size,
-                         head_dim=m.head_dim, dtype=m.dtype, tp_size=tp)
+        if m.kv_lora_rank:  # one latent head with no value cache, replicated: rank 0 stores it once
+            return CacheSpec(num_layers=m.num_layers, kv_heads=1, total_kv_heads=1, has_value=False,
+                             block_size=m.block_size, head_dim=m.head_dim, dtype=m.dtype, tp_size=tp,
+                             groups=(LayerGroup("latent", tuple(range(m.num_layers))),))
+        spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.total_kv_heads // tp, block_size=m.block_size,
+                         head_dim=m.head_dim, dtype=m.dtype, tp_size=tp, groups=layer_groups(m, tp))
         d_tp = self.cluster.decode_tp
         if d_tp == tp:
             return spec
         d_spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.total_kv_heads // d_tp, block_size=m.block_size,
-                           head_dim=m.head_dim, dtype=m.dtype, tp_size=d_tp)
+                           head_dim=m.head_dim, dtype=m.dtype, tp_size=d_tp, groups=spec.groups)
         return paired(spec, d_spec)[0]
 
     def decode_view(self) -> Scenario:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from ..dtypes import DTYPES
 from ..errors import ConfigError
+from ..layers import LayerGroup
 from .fields import Section, setting
 
-__all__ = ["ModelSpec", "GpuSpec", "WEIGHT_DTYPES"]
+__all__ = ["ModelSpec", "GpuSpec", "WEIGHT_DTYPES", "layer_groups"]
 
 #: weight dtypes: bytes a weight, and which tensor-core peak its GEMMs run at
 WEIGHT_DTYPES = {"bfloat16": 2, "float16": 2, "fp8": 1}
@@ -47,6 +48,13 @@ class ModelSpec(Section):
                                    "the cache's head is kv_lora_rank + its rotary part (head_dim)")
     qk_head_dim: int = setting(0, "latent attention: a query head's width (no-rotary part + rotary part)")
     v_head_dim: int = setting(0, "latent attention: a value head's width")
+    window: int = setting(0, "sliding-window attention: the tokens a window layer attends back (0: none)")
+    window_layers: int = setting(0, "layers with sliding-window attention (the others attend to every token)")
+    state_layers: int = setting(0, "layers keeping a recurrent state (Mamba, linear attention) instead of a KV cache")
+    state_bytes: int = setting(0, "one state layer's state for one request, the whole model's (TP ranks split "
+                                  "it), bytes")
+    state_checkpoint: int = setting(0, "tokens between the states a stored prefix keeps, a multiple of "
+                                       "block_size (0: one a block): a prefix is reused from a checkpoint only")
     weight_dtype: str = setting("bfloat16", f"weights: one of {list(WEIGHT_DTYPES)} (fp8: one byte, fp8 tensor cores)")
     dtype: str = setting("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)} (uint8: an fp8 cache)")
     block_size: int = setting(64, "tokens per KV block")
@@ -71,9 +79,29 @@ class ModelSpec(Section):
             raise ConfigError("experts_per_token, shared_experts and dense_layers describe a mixture-of-experts "
                               "model: set experts > 0, or leave them 0")
         self.non_negative("q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim")
+        self._check_layer_kinds()
         if self.kv_lora_rank and not (self.kv_lora_rank < self.head_dim and self.qk_head_dim and self.v_head_dim):
             raise ConfigError(f"kv_lora_rank: latent attention needs head_dim ({self.head_dim}) > kv_lora_rank "
                               f"({self.kv_lora_rank}) and qk_head_dim, v_head_dim > 0")
+
+    def _check_layer_kinds(self) -> None:
+        """Window and state layers: each count with its size, and some layer left to page."""
+        self.non_negative("window", "window_layers", "state_layers", "state_bytes", "state_checkpoint")
+        self.at_most(window=1 << 20, state_bytes=1 << 30, state_checkpoint=1 << 20)
+        for count, size in (("window_layers", "window"), ("state_layers", "state_bytes")):
+            if bool(getattr(self, count)) != bool(getattr(self, size)):
+                raise ConfigError(f"{count}: {getattr(self, count)} with {size} {getattr(self, size)}: set both, "
+                                  "or neither")
+        if self.window_layers + self.state_layers > self.num_layers or self.state_layers >= self.num_layers:
+            raise ConfigError(f"window_layers + state_layers: {self.window_layers} + {self.state_layers} of "
+                              f"{self.num_layers} layers: more than there are, or no attention layer to page")
+        if self.kv_lora_rank and (self.window_layers or self.state_layers):
+            raise ConfigError("kv_lora_rank: a latent (MLA) model with window or state layers is not modeled")
+
+    @property
+    def full_layers(self) -> int:
+        """Layers attending to every token."""
+        return self.num_layers - self.window_layers - self.state_layers
 
     @property
     def attention_head_dim(self) -> float:
@@ -142,3 +170,21 @@ class GpuSpec(Section):
                       "allreduce_gbps", "allreduce_ll_gbps", "gemm_half_tokens")
         self.fraction("mfu", "attn_mfu", "mbu", "attn_mbu", "mem_util")
         self.non_negative("step_overhead_ms", "allreduce_us", "allreduce_ring_us", "kernel_us")
+
+
+def layer_groups(m: ModelSpec, tp: int) -> tuple[LayerGroup, ...]:
+    """The cache's layer groups on one of ``tp`` ranks: window layers first, then state layers,
+    then the full-attention rest (the order is the simulator's: it charges bytes, not places);
+    none for a model whose every layer attends to every token."""
+    if not (m.window_layers or m.state_layers):
+        return ()
+    w, st = m.window_layers, m.state_layers
+    groups = []
+    if w:
+        groups.append(LayerGroup("window", tuple(range(w)), window=m.window))
+    if st:
+        groups.append(LayerGroup("state", tuple(range(w, w + st)), state_bytes=-(-m.state_bytes // tp),
+                                 checkpoint=m.state_checkpoint or m.block_size))
+    if w + st < m.num_layers:
+        groups.append(LayerGroup("full", tuple(range(w + st, m.num_layers))))
+    return tuple(groups)

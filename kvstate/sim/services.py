@@ -64,7 +64,11 @@ class Side:
     def __init__(self, scenario: Scenario, cost: TransferCostModel) -> None:
         s = scenario
         self.tp = s.cluster.tp
-        self.cache_spec = spec = s.cache_spec()
+        full = s.cache_spec()
+        self.state_bytes = full.state_bytes_per_rank  #: a request's states on one rank (moved with its blocks)
+        #: tokens between a state group's checkpoints (0: none): a stored prefix is reused down to one
+        self.checkpoint = max((g.checkpoint for g in full.groups if g.kind == "state"), default=0)
+        self.cache_spec = spec = full.paged()  #: what the lifecycles hold: the paged layers
         self.gpu_blocks = s.gpu_blocks()
         self.compute = ComputeModel(s)
         self.shard_bytes = spec.bytes_per_block_per_rank  #: a rank's bytes of a block
@@ -86,7 +90,8 @@ class Side:
         layers = self.cache_spec.layers
         t = full * self.cost.time_of(direction, per_piece * layers * groups, chunk)
         t += self.cost.time_of(direction, rest * layers * groups, chunk)
-        return t * self.kinds
+        states = self.cost.time_of(direction, 1, self.state_bytes) if n and self.state_bytes else 0.0
+        return t * self.kinds + states
 
 
 class Services:
