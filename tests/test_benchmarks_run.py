@@ -59,3 +59,17 @@ def test_sim_benchmark_against_another_tree_reports_speedups():
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--against", str(ROOT / "docs")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no benchmarks/sim.py there" in bad.stderr
+
+
+def test_layer_groups_benchmark_stores_a_latent_cache_once(tmp_path):
+    """MLA at TP 8 stores 1/8 of a per-rank layout's bytes and every D rank reads P's bytes;
+    the window case's accounting matches a count by hand."""
+    out = tmp_path / "lg.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_groups.py"), "--tokens", "512",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert abs(res["mla_stored_ratio"] - 1 / 8) < 1e-3
+    assert all(v["d_matches_p"] for v in res["mla"].values())
+    assert res["mla"]["latent group"]["written_blocks"] == [8] * 8  # replicas answer for what rank 0 stored
+    assert res["window"]["matches_hand_count"] and res["window"]["ratio"] < 0.3

@@ -1,0 +1,99 @@
+"""Layer groups: the bytes each kind of layer moves through the store.
+
+    python benchmarks/layer_groups.py [--tokens 4096] [--json PATH]
+
+- **MLA at TP 8** (measured, reference backend): a DeepSeek-V3-shaped latent cache (one head of
+  512 + 64 values a token, no value cache, blocks of 64 tokens; 8 layers of its 61, which
+  scales every figure alike) handed from 8 P ranks to 8 D ranks through a ``MemoryStore``, as
+  a ``latent`` layer group (one replicated head: rank 0 writes, every rank reads that object)
+  and as a per-rank layout (each rank stores its own copy). Reported: bytes stored and objects
+  per request, bytes the D ranks read, and whether every D rank holds exactly P's bytes.
+- **Sliding window** (the spec's accounting, :meth:`CacheSpec.read_bytes_per_rank`): a
+  32k-token conversation on a Gemma-3-shaped cache (W = 4,096, five window layers to one full,
+  62 layers of 16 KV heads of 128 at TP 1): the bytes continuing it needs, against every block
+  of every layer, which is what the backends read today (a window group is moved whole).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+from kvstate import CacheSpec  # noqa: E402
+from kvstate.backends import MemoryStore, ReferenceBackend  # noqa: E402
+from kvstate.keys import block_keys  # noqa: E402
+from kvstate.layers import LayerGroup  # noqa: E402
+
+TP, LAYERS, BLOCK, LATENT = 8, 8, 64, 576
+
+
+def mla_specs() -> dict[str, CacheSpec]:
+    latent = CacheSpec(num_layers=LAYERS, kv_heads=1, total_kv_heads=1, block_size=BLOCK, head_dim=LATENT,
+                       has_value=False, tp_size=TP, groups=(LayerGroup("latent", tuple(range(LAYERS))),))
+    return {"latent group": latent, "per-rank layout": dataclasses.replace(latent, total_kv_heads=TP, groups=())}
+
+
+def handoff(spec: CacheSpec, tokens: int) -> dict[str, Any]:
+    """One request's cache from P's ranks to D's through one store: what it stored and read."""
+    n = spec.blocks_for(tokens)
+    store = MemoryStore(4 << 30)
+    p, d = ReferenceBackend(spec, n, store), ReferenceBackend(spec, n, store)
+    rng = np.random.default_rng(0)
+    for r in range(TP):  # ranks holding the same heads (replicas) hold the same bytes
+        first = r - r % spec.replicas
+        for i, arr in enumerate(p.caches[r]["key"]):
+            arr[...] = p.caches[first]["key"][i] if r != first else \
+                rng.integers(0, 1 << 14, arr.shape, dtype=np.uint16).view(arr.dtype)
+    keys, ids = block_keys(list(range(tokens)), BLOCK), list(range(n))
+    written = [p.write(r, keys, ids) for r in range(TP)]
+    read = [d.read(r, keys, ids) for r in range(TP)]
+    same = all(np.array_equal(a, b) for r in range(TP) for a, b in zip(p.caches[r]["key"], d.caches[r]["key"]))
+    return {"blocks": n, "written_blocks": written, "read_blocks": read, "stored_bytes": store.used_bytes,
+            "objects": len(store), "d_read_bytes": d.bytes_moved, "d_matches_p": same}
+
+
+def window_case(tokens: int = 32768) -> dict[str, Any]:
+    layers, full = 62, tuple(range(5, 62, 6))
+    local = tuple(i for i in range(layers) if i not in full)
+    spec = CacheSpec(num_layers=layers, kv_heads=16, block_size=BLOCK, head_dim=128,
+                     groups=(LayerGroup("window", local, window=4096), LayerGroup("full", full)))
+    needed, whole = spec.read_bytes_per_rank(tokens), spec.blocks_for(tokens) * spec.bytes_per_block_per_rank
+    window_blocks = -(-4096 // BLOCK)
+    by_hand = (len(full) * spec.blocks_for(tokens) + len(local) * window_blocks) * 2 * spec.chunk_bytes()
+    return {"tokens": tokens, "window": 4096, "window_layers": len(local), "full_layers": len(full),
+            "needed_bytes": needed, "all_blocks_bytes": whole, "ratio": needed / whole,
+            "matches_hand_count": needed == by_hand}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    mla = {name: handoff(spec, args.tokens) for name, spec in mla_specs().items()}
+    ratio = mla["latent group"]["stored_bytes"] / mla["per-rank layout"]["stored_bytes"]
+    print(f"MLA at TP {TP}, {args.tokens} tokens ({LAYERS} layers of one {LATENT}-value latent, blocks of {BLOCK}):")
+    print(f"{'layout':<18}{'stored MiB':>12}{'objects':>9}{'D read MiB':>12}  D == P")
+    for name, r in mla.items():
+        print(f"{name:<18}{r['stored_bytes'] / 2**20:>12.2f}{r['objects']:>9}{r['d_read_bytes'] / 2**20:>12.2f}"
+              f"  {r['d_matches_p']}")
+    print(f"stored: latent / per-rank = {ratio:.4f} (1/{TP} = {1 / TP:.4f})")
+    win = window_case()
+    print(f"\nsliding window: {win['tokens']} tokens, W = {win['window']}, {win['window_layers']} window + "
+          f"{win['full_layers']} full layers: needed {win['needed_bytes'] / 2**30:.2f} GiB of "
+          f"{win['all_blocks_bytes'] / 2**30:.2f} GiB ({win['ratio']:.3f}); the backends read all of it today")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mla": mla, "mla_stored_ratio": ratio, "window": win}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
