@@ -154,7 +154,7 @@ class MooncakeStore(Store):
         self._closed = False
         self._staging = np.empty(config.staging_bytes, np.uint8)
         self._base = self._staging.ctypes.data
-        self._up, self._checked = True, time.monotonic()
+        self._up, self._checked = False, time.monotonic()
         self.reconnects = 0
         self._sentinel = f"kvstate-sentinel-{uuid.uuid4().hex}"
         self._join()
@@ -175,7 +175,15 @@ class MooncakeStore(Store):
             self._store.close()
             raise StoreError(f"Mooncake could not register the {config.staging_bytes}-byte staging buffer "
                              f"(code {rc})")
-        self._store.batch_put_from([self._sentinel], [self._base], [8])  # its absence reveals a restarted master
+        self._up = self._put_sentinel()
+
+    def _put_sentinel(self) -> bool:
+        """Store this client's sentinel in its own segment (a put placed on another client's
+        segment fails while that client re-joins after a restart); its absence later reveals a
+        restarted master. False when it could not be stored: the next probe joins again."""
+        own = self._mc.ReplicateConfig()
+        own.replica_num, own.preferred_segment = 1, self._store.get_hostname()
+        return list(self._store.batch_put_from([self._sentinel], [self._base], [8], own)) == [0]
 
     # -- liveness: fail fast while the master is down, re-join when it is back ------------------
     LIVENESS_INTERVAL = 0.5  #: seconds between master probes
@@ -217,9 +225,8 @@ class MooncakeStore(Store):
                 self._store.close()
             except Exception:  # noqa: BLE001 - the old client may already be broken
                 pass
-            self._join()
+            self._join()  # up once its sentinel is stored
             self.reconnects += 1
-            self._up = True
 
     # -- batching through the registered staging buffer --------------------------------------
     def _groups(self, views: list[memoryview]) -> list[tuple[int, int]]:
