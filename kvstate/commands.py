@@ -49,7 +49,12 @@ class TransferCommand(Command):
 class ReadBlocks(TransferCommand):
     """Read ``keys[i]`` into GPU block ``block_ids[i]``; answer the leading count read whole.
 
-    A key the store lacks ends the count, so a read is also how P looks for a stored prefix."""
+    A key the store lacks ends the count, so a read is also how P looks for a stored prefix.
+    ``window_from``: the cache's window groups (:mod:`kvstate.layers`) are needed only from
+    ``keys[window_from]`` on; a backend may read them from there (then it answers the leading
+    blocks the cache can be continued from) or read every block whole, which is always right."""
+
+    window_from: int = field(default=0, kw_only=True)
 
 
 @dataclass(slots=True)

@@ -239,11 +239,16 @@ class DecodeLifecycle(SwapActions):
         return self.policy.decode_headroom_blocks * len(self._running)
 
     def _read(self, req: Request, start: int = 0) -> None:
+        """Read the stored cache past ``start`` blocks (already in place); a window group's
+        blocks only from its last window on (those before then hold none: ``window_from``)."""
         keys = req.stored_keys
         assert keys is not None
         req.base = start  # blocks already in place (from the host tier)
         cls = C.LoadLayers if self.layerwise else C.ReadBlocks
-        self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:len(keys)])
+        first = self.spec.window_first_block(len(req.tokens) - 1)  # the cache: every token but the newest
+        req.window_from = max(req.window_from, first if first > start else 0)
+        self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:len(keys)],
+                       window_from=max(0, first - start))
 
     # -- actions (named in DECODE) ----------------------------------------------------------------
     def _token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:
@@ -285,10 +290,12 @@ class DecodeLifecycle(SwapActions):
         req.cmd = 0  # a write-back from host memory still running no longer answers to it
         req.stored_keys = None
         start = req.hits if value is None else value
+        if not start:
+            req.window_from = 0  # every block is computed again, window layers included
         self._out.append(C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size))
 
     def _start_decode(self, req: Request, value: Any) -> None:
-        if self.prefix_cache is not None:  # its blocks hold its cache's bytes now
+        if self.prefix_cache is not None and not req.window_from:  # its blocks hold its whole cache now
             self.prefix_cache.publish(req.keys, req.blocks)
         self._running.add(req.id)
         self._out.append(C.StartDecode(req.id, tuple(req.blocks)))
@@ -301,7 +308,7 @@ class DecodeLifecycle(SwapActions):
         self._running.discard(req.id)
         req.keys = self._cache_keys(req)
         req.retries = 0
-        self._write(req, 0)
+        self._write(req, req.window_from)  # blocks without their window layers are never stored
 
     def _keep_write_back(self, req: Request, value: int) -> None:
         req.stored_keys = req.keys  # the write-back answered in full on every rank

@@ -108,7 +108,10 @@ class SwapActions(Lifecycle):
                               self.key_cache)
 
     def _swaps_out(self, req: Request, value: Any) -> bool:
-        return self.policy.preempt == "swap" and self.host is not None and self.host.can_acquire(self._cache_keys(req))
+        """Into the host tier, whose entries other requests share: only a cache whole in every
+        block (``window_from`` 0); one read without early window layers falls back."""
+        return self.policy.preempt == "swap" and self.host is not None and not req.window_from and \
+            self.host.can_acquire(self._cache_keys(req))
 
     def _send_swap_out(self, req: Request, value: Any) -> None:
         assert self.host is not None

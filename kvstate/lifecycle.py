@@ -290,7 +290,7 @@ class Lifecycle:
 
     # -- transfers -------------------------------------------------------------------------------
     def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
-                  host_slots: Sequence[int] | None = None, awaited: bool = True) -> None:
+                  host_slots: Sequence[int] | None = None, awaited: bool = True, **fields: int) -> None:
         """Send a transfer of ``keys`` into / from ``blocks`` (and, for a swap, host tier
         ``host_slots``, whose entries it references until it retires); ``trigger`` takes its
         answer, unless the request does not wait for it (``awaited=False``: a copy that only
@@ -300,7 +300,7 @@ class Lifecycle:
         ids = tuple(blocks)
         fence = deadline + self.policy.fence_grace
         if host_slots is None:
-            cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence)
+            cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, **fields)
             self._transfers.open(cmd, req, trigger, ids)
         else:
             cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, host_slots=tuple(host_slots))

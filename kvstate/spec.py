@@ -86,6 +86,8 @@ class CacheSpec:
         self._check_heads()
         check_groups(self.groups, self.layers, self.block_size, latent_layout=self.kv_heads == 1 and
                      self.heads_total == 1 and not self.has_value)
+        if self.splits_groups and self.layer_groups != 1:
+            raise ConfigError("CacheSpec: window groups are stored group by group: layer_groups must be 1")
 
     def _check_heads(self) -> None:
         """``total_kv_heads`` split over the ranks (or replicated), ``store_heads`` a divisor."""
@@ -237,9 +239,55 @@ class CacheSpec:
         return self.layers // self.layer_groups
 
     def group_span(self, group: int) -> tuple[int, int]:
-        """The layers ``[start, end)`` that stored object group ``group`` holds."""
+        """The positions ``[start, end)`` in :attr:`storage_order` of the layers stored object
+        group ``group`` holds (with ``layer_groups``, the layers themselves)."""
+        if self.splits_groups:
+            sizes = [len(g.layers) for g in self.stored_groups]
+            start = sum(sizes[:group])
+            return start, start + sizes[group]
         n = self.group_layers
         return group * n, (group + 1) * n
+
+    # -- window groups stored apart (kvstate.layers: a reader takes only their last window) ------
+    @property
+    def splits_groups(self) -> bool:
+        """Whether each layer group is its own stored object (a spec with a window group)."""
+        return any(g.kind == "window" for g in self.groups)
+
+    @property
+    def object_groups(self) -> int:
+        """Stored objects per block, kind and head group: one per layer group when
+        :attr:`splits_groups`, else ``layer_groups``."""
+        return len(self.stored_groups) if self.splits_groups else self.layer_groups
+
+    @property
+    def stored_groups(self) -> tuple[LayerGroup, ...]:
+        """The groups whose blocks are stored (all but state groups)."""
+        return tuple(g for g in self.groups if g.kind != "state")
+
+    @property
+    def storage_order(self) -> tuple[int, ...]:
+        """The layers in the order a block's stored objects hold them: group by group when
+        :attr:`splits_groups`, else in order."""
+        if not self.splits_groups:
+            return tuple(range(self.layers))
+        return tuple(i for g in self.stored_groups for i in g.layers)
+
+    def window_first_block(self, num_tokens: int) -> int:
+        """The first block a cache of ``num_tokens`` tokens needs from its window groups (0:
+        every block, or no window group)."""
+        windows = [g.window for g in self.groups if g.kind == "window"]
+        return max(0, num_tokens - max(windows)) // self.block_size if windows else 0
+
+    def resume_blocks(self, whole: int, window_end: int, window_from: int, blocks: int) -> int:
+        """Leading blocks a cache can be continued from after a read that took ``whole``
+        leading blocks of its full groups and its window groups' blocks ``[window_from,
+        window_end)``: every block, or a prefix whose last window was read, or none."""
+        end = min(whole, window_end)
+        if end >= blocks or not window_from:
+            return min(end, blocks)
+        windows = max(g.window for g in self.groups if g.kind == "window")
+        return end if end >= window_from + -(-windows // self.block_size) else 0
 
     @property
     def bytes_per_block_per_rank(self) -> int:

@@ -89,8 +89,8 @@ def test_state_groups_are_refused_where_bytes_move():
             make()
 
 
-def test_window_groups_are_moved_whole_today_and_the_bytes_arrive():
-    """A window group's blocks all move (correct, not yet the saving): D's blocks match P's."""
+def test_a_short_cache_is_read_whole_and_the_bytes_arrive():
+    """A cache shorter than the window: every block of every group is read."""
     rig = Rig(tp=1, spec=gemma_like(tp_size=1))
     deliver(rig, handoff(rig, "r"))
     rig.dd.run_until_idle()
@@ -129,3 +129,151 @@ def test_a_latent_cache_is_written_once_and_read_by_every_rank(tp):
         assert d_matches(rig, TOKS, sd.block_ids[:3])  # every D rank got the bytes
         held[name] = rig.store.used_bytes
     assert held["latent"] * tp == held["per_rank"]
+
+
+# -- window groups read from their last window on ---------------------------------------------------
+WIN = 8  # tokens: two blocks of 4
+
+
+def windowed(**kw) -> CacheSpec:
+    return gemma_like(window=WIN, **kw)
+
+
+def stored(spec: CacheSpec, n_tokens: int):
+    """P's backend with a cache of ``n_tokens`` tokens stored (random bytes), its keys."""
+    import numpy as np
+
+    from kvstate.keys import block_keys
+
+    store = MemoryStore(1 << 24)
+    p = ReferenceBackend(spec, 16, store)
+    rng = np.random.default_rng(1)
+    for r in range(spec.tp_size):
+        for kind in spec.kinds:
+            for arr in p.caches[r][kind]:
+                arr[...] = rng.standard_normal(arr.shape).astype(arr.dtype)
+    keys = block_keys(list(range(n_tokens)), spec.block_size)
+    for r in range(spec.tp_size):
+        assert p.write(r, keys, list(range(len(keys)))) == len(keys)
+    return p, store, keys
+
+
+def same_layers(a, b, blocks, layers, rank=0) -> bool:
+    import numpy as np
+    return all(np.array_equal(a.caches[rank][k][i][blocks], b.caches[rank][k][i][blocks])
+               for k in a.spec.kinds for i in layers)
+
+
+def test_a_window_group_is_read_from_its_last_window_on():
+    """40 tokens, W = 8: the full layer reads all 10 blocks, the five window layers only blocks
+    8 and 9; D holds P's bytes there, and the window layers' early blocks were not touched."""
+    spec = windowed()
+    p, store, keys = stored(spec, 40)
+    d = ReferenceBackend(spec, 16, store)
+    first = spec.window_first_block(40)
+    assert first == 8
+    assert d.read(0, keys, list(range(10)), window_from=first) == 10
+    full, local = spec.groups[1].layers, spec.groups[0].layers
+    assert same_layers(p, d, slice(0, 10), full) and same_layers(p, d, slice(8, 10), local)
+    assert not same_layers(p, d, slice(0, 8), local)  # never read
+    per_layer_block = sum(spec.chunk_bytes(k) for k in spec.kinds)
+    assert d.bytes_moved == per_layer_block * (1 * 10 + 5 * 2)
+    whole = ReferenceBackend(spec, 16, store)
+    assert whole.read(0, keys, list(range(10))) == 10 and whole.bytes_moved == per_layer_block * 6 * 10
+
+
+@pytest.mark.parametrize("evict, want", [
+    ("full:9", 0),  # the last block's full layer is missing: no window was read before it
+    ("window:9", 0),  # the window is short of its last block
+    ("full:2", 0),  # an early full block: the prefix before it has no window read
+    ("window:3", 10),  # a window block it never needed
+])
+def test_a_short_window_read_can_be_continued_only_where_its_last_window_came(evict, want):
+    from kvstate.keys import rank_key
+
+    spec = windowed()
+    p, store, keys = stored(spec, 40)
+    group, block = evict.split(":")
+    g = 1 if group == "full" else 0
+    for kind in spec.kinds:
+        store.evict([rank_key(keys[int(block)], kind, 0, g)])
+    d = ReferenceBackend(spec, 16, store)
+    assert d.read(0, keys, list(range(10)), window_from=spec.window_first_block(40)) == want
+
+
+def long_prompt_rig(**kw):
+    """A D whose handed-off prompt (40 tokens) is longer than the window."""
+    rig = Rig(tp=1, spec=windowed(tp_size=1), **kw)
+    toks = list(range(300, 340))
+    return rig, toks
+
+
+def test_d_reads_a_long_handoff_from_its_window_and_never_shares_the_early_blocks():
+    from lifecycle_helpers import fill_p
+
+    rig, toks = long_prompt_rig(prefix_cache=True)
+    rig.D.reserve("r", toks)
+    rig.P.admit("r", toks)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    fill_p(rig, "r", toks, sp.block_ids)
+    rig.P.prefill_done("r", 7)
+    rig.pd.run_until_idle()
+    deliver(rig, rig.notices(rig.pd))
+    rig.dd.pump()
+    [read] = [c for c in rig.D.pending_commands() if isinstance(c, C.ReadBlocks)]
+    assert read.window_from == 8 and len(read.keys) == 10
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running"
+    assert rig.D.pool.prefix_stats().cached == 0  # blocks 0-7 lack window layers: not published
+    from kvstate.testing import mismatched_blocks
+    from kvstate.keys import block_keys
+    assert {i for i, _, _ in mismatched_blocks(rig.db, block_keys(toks, 4), rig.D.blocks_of("r"))} <= set(range(8))
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_a_preempted_long_cache_writes_back_only_whole_blocks_and_reloads():
+    import dataclasses as dc
+
+    from lifecycle_helpers import SWAP
+
+    rig, toks = long_prompt_rig(policy=dc.replace(SWAP, swap_fallback="write"), host_blocks=16)
+    deliver(rig, handoff(rig, "r", toks))
+    rig.dd.run_until_idle()
+    rig.notices(rig.dd)
+    rig.D.preempt("r")  # swap would share blocks without window layers: it writes instead
+    rig.dd.pump()
+    [wb] = [c for c in rig.D.pending_commands() if isinstance(c, C.WriteBlocks)]
+    assert len(wb.keys) == 2 and not [c for c in rig.D.pending_commands() if isinstance(c, C.SwapOut)]
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "preempted"
+    rig.D.resume("r")
+    assert rig.D.state_of("r") == "reloading"
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running"
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_a_failed_window_read_recomputes_from_the_start():
+    import dataclasses as dc
+
+    from kvstate import Policy
+
+    rig, toks = long_prompt_rig(policy=dc.replace(Policy(transfer_timeout=10.0, fence_grace=5.0),
+                                                   read_failure="recompute"))
+    rig.D.reserve("r", toks)
+    notices = []
+    rig.P.admit("r", toks)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    rig.P.prefill_done("r", 7)
+    rig.pd.run_until_idle()
+    notices = rig.notices(rig.pd)
+    from kvstate.keys import block_keys, rank_key
+    rig.store.evict([rank_key(block_keys(toks, 4)[9], k, 0, 0) for k in rig.spec.kinds])  # a window block
+    deliver(rig, notices)
+    rig.dd.run_until_idle()
+    [rc] = rig.notices(rig.dd, C.Recompute)
+    assert rc.from_token == 0

@@ -200,13 +200,15 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
-             arrived: Callable[[int, Any], None] | None = None) -> int:
+             arrived: Callable[[int, Any], None] | None = None, window_from: int = 0) -> int:
         """Read ``keys[i]`` into block ``block_ids[i]``; how many leading blocks arrived whole.
 
         ``arrived`` (a layer-wise load): read layer group by group, calling ``arrived(end,
         event)`` once layers ``[0, end)`` of every block are scattered (``event``: a device
         event marking it, or None when they are already in place); stop at a group that
-        does not arrive whole."""
+        does not arrive whole. ``window_from`` (:class:`~kvstate.commands.ReadBlocks`; passed
+        only when not 0): the window layer groups are needed from that key on; a backend that
+        reads every block whole (always right) need not take it."""
 
     def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
                  guard: Guard | None = None) -> int:

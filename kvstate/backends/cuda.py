@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError
+from ..errors import ConfigError, ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
@@ -49,6 +49,9 @@ class CudaBackend(DeviceSums, StoreBackend):
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
                  host_blocks: int = 0, ranks: Sequence[int] | None = None) -> None:
         self._setup(spec, num_blocks, store, ranks)
+        if spec.splits_groups:  # its kernels gather consecutive layers; window groups interleave
+            raise ConfigError("CudaBackend: window layer groups are stored group by group: the reference "
+                              "backend moves them; the CUDA backend does not yet")
         check_int(host_blocks, "CudaBackend: host_blocks", minimum=0)
         self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
         per_block = spec.bytes_per_block_per_rank
@@ -280,8 +283,8 @@ class CudaBackend(DeviceSums, StoreBackend):
                 self._wait_all(sw, events)
         return count
 
-    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-             guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
+             arrived: Callable[[int, Any], None] | None = None, window_from: int = 0) -> int:
         self._check_open()
         self._check_transfer(rank, keys, block_ids)
         count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(

@@ -141,7 +141,8 @@ class StepDriver:
         return steps
 
 
-_TRANSFERS = frozenset((C.ReadBlocks, C.LoadLayers, C.WriteBlocks, C.SaveLayers, C.SwapOut, C.SwapIn, C.FlushHost))
+_TRANSFERS: frozenset[type[C.TransferCommand]] = frozenset((C.ReadBlocks, C.LoadLayers, C.WriteBlocks, C.SaveLayers,
+                                                          C.SwapOut, C.SwapIn, C.FlushHost))
 _STOP = object()
 
 

@@ -45,9 +45,9 @@ class Manifested:
 
     def _groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
         """The layer groups each block's objects are named for, in ``_names``' order."""
-        if self.spec.layer_groups == 1 and groups is None:
+        if self.spec.object_groups == 1 and groups is None:
             return [None]
-        return list(range(self.spec.layer_groups)) if groups is None else list(groups)
+        return list(range(self.spec.object_groups)) if groups is None else list(groups)
 
     def _manifest_names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
         """One manifest per block and layer group of head group ``part``, block by block."""

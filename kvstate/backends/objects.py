@@ -55,7 +55,7 @@ class StoreBackend(Manifested, TransferBackend):
         #: manifests written and reads verified (the store's setting: a trusted pool turns it off)
         self.verify = bool(getattr(store, "verify", True))
         self._hash = Hasher()
-        self._geometry = {g: geometry_id(spec, g) for g in (None, *range(spec.layer_groups))}
+        self._geometry = {g: geometry_id(spec, g) for g in (None, *range(spec.object_groups))}
         self._slot_sums: dict[tuple[int, int], list[int]] = {}  # (rank, host slot) -> checksum per kind
         self.broken_blocks = 0  #: blocks a read found broken (and evicted from the store)
         self.broken_slots = 0  #: host tier slots whose bytes no longer matched their checksums
@@ -205,9 +205,9 @@ class StoreBackend(Manifested, TransferBackend):
         """Object names of ``keys``' blocks in head group ``part``, block by block, then kind,
         then layer group (all groups, or only ``groups``)."""
         kinds, spec = self.spec.kinds, self.spec
-        if spec.layer_groups == 1 and groups is None:
+        if spec.object_groups == 1 and groups is None:
             return [rank_key(key, kind, part) for key in keys for kind in kinds]
-        gs = range(spec.layer_groups) if groups is None else groups
+        gs = range(spec.object_groups) if groups is None else groups
         return [rank_key(key, kind, part, g) for key in keys for kind in kinds for g in gs]
 
     def _each_part(self, rank: int, n: int, move: Callable[[tuple[int, int], int, bool], int]) -> int:
@@ -239,9 +239,9 @@ class StoreBackend(Manifested, TransferBackend):
         """Byte views of the objects held in block-major ``host[kind][row]`` (layers first), in
         :meth:`_names`' order: each group's layers are contiguous within a row."""
         spec, kinds = self.spec, self.spec.kinds
-        if spec.layer_groups == 1 and groups is None:
+        if spec.object_groups == 1 and groups is None:
             return [as_bytes_view(host[kind][i]) for i in rows for kind in kinds]
-        spans = [spec.group_span(g) for g in (range(spec.layer_groups) if groups is None else groups)]
+        spans = [spec.group_span(g) for g in (range(spec.object_groups) if groups is None else groups)]
         return [as_bytes_view(host[kind][i][a:b]) for i in rows for kind in kinds for a, b in spans]
 
     def _group_views(self, host: dict[str, Any], m: int, group: int | None) -> list[memoryview]:
@@ -256,8 +256,9 @@ class StoreBackend(Manifested, TransferBackend):
         """A layer-wise write of ``n`` blocks: ``put(group, m, ready)`` stores one group of the
         first ``m`` blocks once its layers are computed (``ready``: the gate's True or device
         event) and answers how many leading ones it stored."""
+        self._check_layerwise()
         count = n
-        for g in range(self.spec.layer_groups):
+        for g in range(self.spec.object_groups):
             ready = layers(self.spec.group_span(g)[1])
             if not ready:
                 return 0
@@ -270,8 +271,9 @@ class StoreBackend(Manifested, TransferBackend):
                        get: Callable[[int, int], tuple[int, Any]]) -> int:
         """A layer-wise read of ``n`` blocks: ``get(group, m)`` reads and scatters one group of
         the first ``m`` blocks, answering (leading blocks scattered, device event or None)."""
+        self._check_layerwise()
         count = n
-        for g in range(self.spec.layer_groups):
+        for g in range(self.spec.object_groups):
             got, event = get(g, count)  # later groups only for blocks every earlier one reached
             count = min(count, got)
             if count == n:  # a group short of a block is never reported: the load will not be whole
@@ -280,10 +282,15 @@ class StoreBackend(Manifested, TransferBackend):
                 break
         return count
 
+    def _check_layerwise(self) -> None:
+        """Layer-wise transfers go by layers ``[0, end)``; window groups are stored by group."""
+        if self.spec.splits_groups:
+            raise ValidationError(f"{type(self).__name__}: a spec with window groups moves no layer-wise transfer")
+
     def _whole(self, ok: Sequence[bool], n: int, groups: int | None = None) -> int:
         """Leading blocks of ``n`` whose every object is ``ok`` (one flag per object, as in
         :meth:`_names`; ``groups``: layer groups per block and kind, all by default)."""
-        nk = len(self.spec.kinds) * (self.spec.layer_groups if groups is None else groups)
+        nk = len(self.spec.kinds) * (self.spec.object_groups if groups is None else groups)
         return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
 
     def query(self, rank: int, keys: Sequence[str]) -> int:

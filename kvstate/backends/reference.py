@@ -115,8 +115,10 @@ class ReferenceBackend(StoreBackend):
         return {k: np.empty((m, b - a) + spec.object_shape(k), spec.kind_dtype(k)) for k in spec.kinds}, slice(a, b)
 
     def _part_layers(self, rank: int, kind: str, span: slice) -> list[np.ndarray]:
-        """The rank's layers ``span`` of ``kind``, seen by part (see :mod:`~kvstate.backends.objects`)."""
-        return [self._part_view(layer, kind) for layer in self.caches[rank][kind][span]]
+        """The rank's layers at positions ``span`` of the stored order, of ``kind``, seen by part
+        (see :mod:`~kvstate.backends.objects`)."""
+        layers = self.caches[rank][kind]
+        return [self._part_view(layers[i], kind) for i in self.spec.storage_order[span]]
 
     def _put_layers(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                     guard: Guard | None, group: int | None, m: int) -> int:
@@ -131,12 +133,34 @@ class ReferenceBackend(StoreBackend):
                                  self._group_views(host, m, group))
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-             guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None) -> int:
+             guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None,
+             window_from: int = 0) -> int:
         self._check_transfer(rank, keys, block_ids)
+        check_int(window_from, "ReferenceBackend.read: window_from", minimum=0, maximum=len(keys))
+        if window_from and self.spec.splits_groups:
+            return self._each_part(rank, len(keys), lambda part, m, _: self._read_window(
+                rank, part, keys, block_ids, guard, m, window_from))
         count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
             rank, part, keys, block_ids, guard, arrived if whole else None, m))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
+
+    def _read_window(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                     guard: Guard | None, m: int, window_from: int) -> int:
+        """Read the first ``m`` blocks of one head group: the full groups' every block, the
+        window groups' from ``window_from`` on; the leading blocks it can be continued from
+        (:meth:`~kvstate.spec.CacheSpec.resume_blocks`)."""
+        spec, whole, window_end = self.spec, m, m
+        per_layer = sum(spec.chunk_bytes(k) for k in spec.kinds) // spec.head_groups
+        for g, group in enumerate(spec.stored_groups):
+            lo = min(window_from, m) if group.kind == "window" else 0
+            got = self._get_layers(rank, part, keys[lo:], block_ids[lo:], guard, g, m - lo) if m > lo else 0
+            self.bytes_moved += got * len(group.layers) * per_layer
+            if group.kind == "window":
+                window_end = min(window_end, lo + got)
+            else:
+                whole = min(whole, got)
+        return spec.resume_blocks(whole, window_end, window_from, m)
 
     def _read_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None, arrived: Callable[[int, Any], None] | None, m: int) -> int:

@@ -61,7 +61,9 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
         elif cmd.__class__ is C.LoadLayers:
             n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, arrived=arrived or _ignore)
         elif isinstance(cmd, C.ReadBlocks):
-            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
+            # only when set: a backend reading every block whole may not take window_from
+            window: dict[str, Any] = {"window_from": min(cmd.window_from, len(keys))} if cmd.window_from else {}
+            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, **window)
         elif isinstance(cmd, C.SwapOut):
             n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
         elif isinstance(cmd, C.SwapIn):
