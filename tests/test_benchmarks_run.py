@@ -73,3 +73,6 @@ def test_layer_groups_benchmark_stores_a_latent_cache_once(tmp_path):
     assert all(v["d_matches_p"] for v in res["mla"].values())
     assert res["mla"]["latent group"]["written_blocks"] == [8] * 8  # replicas answer for what rank 0 stored
     assert res["window"]["matches_hand_count"] and res["window"]["ratio"] < 0.3
+    read = res["window_read"]  # measured: 2 full layers of 12 and the window's 64 blocks of 512
+    assert read["window"]["bytes_right"] and read["window"]["blocks_answered"] == read["blocks"]
+    assert abs(read["ratio"] - (2 / 12 + 10 / 12 * 64 / 512)) < 1e-9

@@ -153,3 +153,20 @@ def test_a_stored_prefix_is_reused_from_a_state_checkpoint_only():
     state = simulate(with_overrides(model(state_layers=6, state_bytes=1 << 16, state_checkpoint=256), work))
     assert plain["prefix_hit_rate"] > 0 and 0 < state["prefix_hit_rate"] < plain["prefix_hit_rate"]
     assert state["prefix_hit_rate"] == pytest.approx(512 / 1200 * plain["prefix_hit_rate"] / (592 / 1200), rel=0.05)
+
+
+def test_d_reads_window_layers_from_their_last_window_only():
+    """1,200-token prompts, half the layers sliding over 64 tokens: D's reads leave most of
+    those layers' bytes in the pool, as the reference backend does; a window as long as the
+    prompts reads everything."""
+    from kvstate.sim.run import simulate
+
+    work = {"workload.num_requests": 40, "workload.rate": 2.0, "workload.prefix_groups": 0,
+            "workload.input_mean": 1200.0, "workload.input_dist": "fixed", "workload.output_mean": 8.0,
+            "workload.output_dist": "fixed", "policy.read_prefix": False}
+    short = simulate(with_overrides(model(window=64, window_layers=6), work))
+    long = simulate(with_overrides(model(window=4096, window_layers=6), work))
+    read = {name: r["storage"]["bytes_read"] for name, r in (("short", short), ("long", long))}
+    blocks, first = -(-1200 // 16), (1200 - 64) // 16  # a prompt's 75 blocks; its window from block 71
+    assert read["short"] == pytest.approx(read["long"] * (6 * blocks + 6 * (blocks - first)) / (12 * blocks),
+                                          rel=1e-6)

@@ -62,7 +62,10 @@ class Transfer:
                 nbytes = rest * side.shard_bytes
                 return store.query_latency + store.occupy(inst.env.now, nbytes)[1] - inst.env.now
             return store.query_latency + inst.transfer_time(rank, "d2h", rest)
-        return inst.transfer_time(rank, "h2d", found) if found else store.latency
+        if not found:
+            return store.latency
+        skip = min(getattr(self.cmd, "window_from", 0), found)  # blocks read without their window groups
+        return inst.transfer_time(rank, "h2d", found, skip)
 
     def finish(self, rank: int) -> None:
         self.inst.answer(self, rank)
@@ -163,17 +166,20 @@ class Instance:
         self.link_free[rank] = end = start + link
         return end - now
 
-    def transfer_time(self, rank: int, direction: str, n: int) -> float:
-        """Seconds of one rank's part of a transfer of ``n`` blocks starting now."""
+    def transfer_time(self, rank: int, direction: str, n: int, skip: int = 0) -> float:
+        """Seconds of one rank's part of a transfer of ``n`` blocks starting now, ``skip`` of
+        them without their window groups (a read from a cache's last window)."""
         cl, side = self.sv, self.side
         now = self.env.now
         link = self._link_cost.get((direction, n))
         if link is None:
             link = self._link_cost[(direction, n)] = side.link_seconds(direction, n)
+        if skip:  # the link moves that much less, at its rate for these chunks
+            link *= 1.0 - skip * side.window_bytes / (n * side.shard_bytes)
         start = self.link_free[rank]
         start = max(start, now)
         self.link_free[rank] = link_end = start + link
-        nbytes = n * side.shard_bytes + (side.state_bytes if n else 0)  # a request's states go with its blocks
+        nbytes = n * side.shard_bytes - skip * side.window_bytes + (side.state_bytes if n else 0)  # and states
         s_start, s_end = cl.store.occupy(now, nbytes)
         s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s  # per object moved, when charged
         pieces = max(1, math.ceil(nbytes / cl.staging_bytes))
@@ -193,7 +199,8 @@ class Instance:
         else:
             found, evictions = task.seen[rank]
             known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
-            c = Completion(cmd.command_id, rank, self._stored(rank, cmd.keys, write, known))
+            c = Completion(cmd.command_id, rank, self._stored(rank, cmd.keys, write, known,
+                                                              getattr(cmd, "window_from", 0)))
             # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
             if self.role == "decode" and not write and c.count < len(cmd.keys):
                 cl.counters["partial_reads"] += 1
@@ -204,16 +211,17 @@ class Instance:
         if not cl.live:  # the last answers after the last request ended
             cl.check_finished()
 
-    def _stored(self, rank: int, keys: Sequence[str], write: bool, known: int) -> int:
+    def _stored(self, rank: int, keys: Sequence[str], write: bool, known: int, window_from: int = 0) -> int:
         """The pool's answer to one rank's write or read: over each of its head groups (a
         replica's write: every key, its first replica stores them)."""
         side, store = self.side, self.sv.store
         if write and not side.writers[rank]:
             return len(keys)
         parts = side.parts[rank]
-        count = store.answer(parts[0], keys, write, known)
+        skipped = min(window_from, len(keys)) * side.window_bytes // len(parts)  # a part's window bytes not read
+        count = store.answer(parts[0], keys, write, known, skipped)
         for part in parts[1:]:
-            count = min(count, store.answer(part, keys, write, known))
+            count = min(count, store.answer(part, keys, write, known, skipped))
         return count
 
     # -- commands out of the lifecycle ------------------------------------------------------------

@@ -69,6 +69,9 @@ class Side:
         #: tokens between a state group's checkpoints (0: none): a stored prefix is reused down to one
         self.checkpoint = max((g.checkpoint for g in full.groups if g.kind == "state"), default=0)
         self.cache_spec = spec = full.paged()  #: what the lifecycles hold: the paged layers
+        #: a rank's bytes of a block in window groups (left out of blocks before a read's window)
+        self.window_bytes = sum(len(g.layers) for g in spec.groups if g.kind == "window") * \
+            sum(spec.chunk_bytes(k) for k in spec.kinds)
         self.gpu_blocks = s.gpu_blocks()
         self.compute = ComputeModel(s)
         self.shard_bytes = spec.bytes_per_block_per_rank  #: a rank's bytes of a block

@@ -68,20 +68,21 @@ class SimStore:
         self.stats["queries"] += 1
         return self.leading(rank, keys, known)
 
-    def answer(self, rank: int, keys: Sequence[str], write: bool, known: int = 0) -> int:
+    def answer(self, rank: int, keys: Sequence[str], write: bool, known: int = 0, skipped: int = 0) -> int:
         """What :func:`~kvstate.backends.drivers.execute` answers for one rank's write (query,
-        then write the rest) or read of ``keys`` here, ``known`` as in :meth:`leading`."""
+        then write the rest) or read of ``keys`` here, ``known`` as in :meth:`leading`;
+        ``skipped`` bytes of the read were left in the pool (window groups before its window)."""
         if write:
             n = self.query(rank, keys, known)
             return n + self.write(rank, keys[n:]) if n < len(keys) else n
-        return self.read(rank, keys, known=known)
+        return self.read(rank, keys, known=known, skipped=skipped)
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int] = (), guard: object = None,
-             known: int = 0) -> int:
+             known: int = 0, skipped: int = 0) -> int:
         n = self.leading(rank, keys, known)
         stats = self.stats
         stats["gets"] += 1
-        stats["bytes_read"] += n * self.shard_bytes
+        stats["bytes_read"] += n * self.shard_bytes - (skipped if n == len(keys) else 0)
         stats["hits"] += n
         stats["misses"] += len(keys) - n
         if self._last_read != (keys, n, self._lru_moves):  # else: another rank's read of the same
