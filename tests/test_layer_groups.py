@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from conftest import Rig
-from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, handoff
+from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, fill_p, handoff
 
-from kvstate import CacheSpec, ConfigError, DecodeLifecycle, PrefillLifecycle
+from kvstate import CacheSpec, ConfigError, DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend
+from kvstate.keys import block_keys, rank_key
 from kvstate.layers import LayerGroup, checkpoint_floor, read_blocks
 from kvstate.spec import check_pair
+from kvstate.testing import mismatched_blocks
 
 
 def G(kind: str, layers, **kw) -> LayerGroup:  # noqa: N802 - reads as the spec's own word
@@ -141,10 +144,6 @@ def windowed(**kw) -> CacheSpec:
 
 def stored(spec: CacheSpec, n_tokens: int):
     """P's backend with a cache of ``n_tokens`` tokens stored (random bytes), its keys."""
-    import numpy as np
-
-    from kvstate.keys import block_keys
-
     store = MemoryStore(1 << 24)
     p = ReferenceBackend(spec, 16, store)
     rng = np.random.default_rng(1)
@@ -159,7 +158,6 @@ def stored(spec: CacheSpec, n_tokens: int):
 
 
 def same_layers(a, b, blocks, layers, rank=0) -> bool:
-    import numpy as np
     return all(np.array_equal(a.caches[rank][k][i][blocks], b.caches[rank][k][i][blocks])
                for k in a.spec.kinds for i in layers)
 
@@ -189,8 +187,6 @@ def test_a_window_group_is_read_from_its_last_window_on():
     ("window:3", 10),  # a window block it never needed
 ])
 def test_a_short_window_read_can_be_continued_only_where_its_last_window_came(evict, want):
-    from kvstate.keys import rank_key
-
     spec = windowed()
     p, store, keys = stored(spec, 40)
     group, block = evict.split(":")
@@ -209,8 +205,6 @@ def long_prompt_rig(**kw):
 
 
 def test_d_reads_a_long_handoff_from_its_window_and_never_shares_the_early_blocks():
-    from lifecycle_helpers import fill_p
-
     rig, toks = long_prompt_rig(prefix_cache=True)
     rig.D.reserve("r", toks)
     rig.P.admit("r", toks)
@@ -226,19 +220,13 @@ def test_d_reads_a_long_handoff_from_its_window_and_never_shares_the_early_block
     rig.dd.run_until_idle()
     assert rig.D.state_of("r") == "running"
     assert rig.D.pool.prefix_stats().cached == 0  # blocks 0-7 lack window layers: not published
-    from kvstate.testing import mismatched_blocks
-    from kvstate.keys import block_keys
     assert {i for i, _, _ in mismatched_blocks(rig.db, block_keys(toks, 4), rig.D.blocks_of("r"))} <= set(range(8))
     rig.D.finish("r")
     assert_clean(rig)
 
 
 def test_a_preempted_long_cache_writes_back_only_whole_blocks_and_reloads():
-    import dataclasses as dc
-
-    from lifecycle_helpers import SWAP
-
-    rig, toks = long_prompt_rig(policy=dc.replace(SWAP, swap_fallback="write"), host_blocks=16)
+    rig, toks = long_prompt_rig(policy=dataclasses.replace(SWAP, swap_fallback="write"), host_blocks=16)
     deliver(rig, handoff(rig, "r", toks))
     rig.dd.run_until_idle()
     rig.notices(rig.dd)
@@ -257,11 +245,7 @@ def test_a_preempted_long_cache_writes_back_only_whole_blocks_and_reloads():
 
 
 def test_a_failed_window_read_recomputes_from_the_start():
-    import dataclasses as dc
-
-    from kvstate import Policy
-
-    rig, toks = long_prompt_rig(policy=dc.replace(Policy(transfer_timeout=10.0, fence_grace=5.0),
+    rig, toks = long_prompt_rig(policy=dataclasses.replace(Policy(transfer_timeout=10.0, fence_grace=5.0),
                                                    read_failure="recompute"))
     rig.D.reserve("r", toks)
     notices = []
@@ -271,7 +255,6 @@ def test_a_failed_window_read_recomputes_from_the_start():
     rig.P.prefill_done("r", 7)
     rig.pd.run_until_idle()
     notices = rig.notices(rig.pd)
-    from kvstate.keys import block_keys, rank_key
     rig.store.evict([rank_key(block_keys(toks, 4)[9], k, 0, 0) for k in rig.spec.kinds])  # a window block
     deliver(rig, notices)
     rig.dd.run_until_idle()
