@@ -302,3 +302,16 @@ def test_checksums_taken_on_the_gpu_catch_corruption_and_cross_with_the_host():
         finally:
             p.close()
             d.close()
+
+
+@gpu
+def test_window_layer_groups_are_refused_naming_the_backend_that_moves_them():
+    from kvstate import CacheSpec, ConfigError
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+    from kvstate.layers import LayerGroup
+
+    spec = CacheSpec(num_layers=6, kv_heads=2, block_size=4, head_dim=8, groups=(
+        LayerGroup("window", (0, 1, 2, 3, 4), window=8), LayerGroup("full", (5,))))
+    with pytest.raises(ConfigError, match="the reference backend moves them"):
+        CudaBackend(spec, 8, MemoryStore(1 << 20))
