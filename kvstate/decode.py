@@ -18,6 +18,11 @@ Rules:
   every block was read on every TP rank; a partial or failed read ends with 502 (policy
   ``fail``, reason ``read_failed``) or recomputes from the longest prefix every rank read
   (policy ``recompute``).
+- With window layer groups (:mod:`kvstate.layers`), a read takes their blocks only from the
+  one the cache's last window starts in (``window_from``). The blocks before hold no window
+  layers, so the request never shares them: no prefix-cache publish, no swap into the host
+  tier (it falls back per ``Policy.swap_fallback``), a write-back only from that block on;
+  a recompute from token 0 makes them whole again.
 - Layer-wise (``layerwise=True``): D's store reads are ``LoadLayers``: a rank reads and scatters
   one layer group at a time and signals each group's arrival to the engine, which may start
   the request's next decode step as soon as the load goes out, waiting per layer before its
@@ -49,7 +54,7 @@ from .machine import CompiledMachine, MachineDef
 from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, Policy, prefill_reason
 from .registry import Request
 from .spec import CacheSpec
-from .validate import check_int, check_token, check_tokens, is_int
+from .validate import check_int, check_layerwise, check_token, check_tokens, is_int
 
 __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
 
@@ -109,8 +114,7 @@ class DecodeLifecycle(SwapActions):
                  host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False) -> None:
         """``layerwise``: read the cache layer group by group (see the rules); the others as
         :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
-        if layerwise.__class__ is not bool:
-            raise ValidationError(f"layerwise must be a bool, got {layerwise!r}")
+        check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache)
         self.layerwise = layerwise
@@ -190,7 +194,7 @@ class DecodeLifecycle(SwapActions):
         With the GPU prefix cache, a running request's full blocks are published first, so
         its resume finds those still idle on the GPU instead of moving them again."""
         req = self._requests.get(request_id)
-        if self.prefix_cache is not None and req.state == "running":
+        if self.prefix_cache is not None and req.state == "running" and not req.window_from:
             req.keys = self._cache_keys(req)
             self.prefix_cache.publish(req.keys, req.blocks)
         self._fire(req, "preempt")

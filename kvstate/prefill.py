@@ -54,7 +54,7 @@ from .machine import CompiledMachine, MachineDef
 from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED, Policy
 from .registry import Request
 from .spec import CacheSpec
-from .validate import check_int, check_token
+from .validate import check_int, check_layerwise, check_token
 
 __all__ = ["PREFILL", "PrefillLifecycle"]
 
@@ -109,8 +109,7 @@ class PrefillLifecycle(Lifecycle):
                  host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False) -> None:
         """``layerwise``: save the cache layer by layer while the prefill runs (see the rules); the others as
         :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
-        if layerwise.__class__ is not bool:
-            raise ValidationError(f"layerwise must be a bool, got {layerwise!r}")
+        check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache)
         self.layerwise = layerwise

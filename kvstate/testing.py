@@ -54,14 +54,19 @@ def fill_layers(backend: Any, keys: Sequence[str], block_ids: Sequence[int], lay
 
 
 def mismatched_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int],
-                      upto: int | None = None) -> list[tuple[int, int, str]]:
-    """``(i, rank, kind)`` of every block among the first ``upto`` (default all) whose bytes
-    differ from ``keys[i]``'s stand-in: empty when they all hold what was written."""
+                      upto: int | None = None, layers: Sequence[int] | None = None) -> list[tuple[int, int, str]]:
+    """``(i, rank, kind)`` of every block among the first ``upto`` (default all) whose bytes,
+    in every layer or only in ``layers``, differ from ``keys[i]``'s stand-in: empty when they
+    all hold what was written."""
     spec, bad = backend.spec, []
     for i in range(len(keys) if upto is None else upto):
         for r in range(spec.tp_size):
             for kind in spec.kinds:
                 want = fake_block(keys[i], r // spec.replicas, kind, spec.block_bytes(kind))
-                if backend.block_bytes(r, kind, block_ids[i]) != want:
+                have = backend.block_bytes(r, kind, block_ids[i])
+                if layers is not None:
+                    c = spec.chunk_bytes(kind)
+                    want, have = (b"".join(x[j * c:(j + 1) * c] for j in layers) for x in (want, have))
+                if have != want:
                     bad.append((i, r, kind))
     return bad

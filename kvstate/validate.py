@@ -11,10 +11,10 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
-from .errors import KVStateError, ValidationError
+from .errors import ConfigError, KVStateError, ValidationError
 
-__all__ = ["is_int", "check_int", "check_request_id", "pack_tokens", "check_tokens", "check_token", "read_clock",
-           "TOKEN_LIMIT", "TOKEN_TYPECODE", "MAX_BLOCKS", "MAX_DIM"]
+__all__ = ["is_int", "check_int", "check_layerwise", "check_request_id", "pack_tokens", "check_tokens", "check_token",
+           "read_clock", "TOKEN_LIMIT", "TOKEN_TYPECODE", "MAX_BLOCKS", "MAX_DIM"]
 
 TOKEN_LIMIT = 2**32  #: token ids are packed as uint32
 MAX_BLOCKS = 2**31  #: blocks of a pool, host tier or backend at most (far past any GPU's memory)
@@ -109,3 +109,13 @@ def check_token(request_id: str, token: Any) -> int:
     if not fast_ok and (not is_int(token) or not 0 <= token < TOKEN_LIMIT):
         raise ValidationError(f"request {request_id!r}: token {token!r} is not an int in 0..2**32-1")
     return int(token)
+
+
+def check_layerwise(layerwise: Any, spec: Any) -> None:
+    """``layerwise`` a bool, and not for a spec whose window groups are stored group by group
+    (layer-wise transfers go by layers ``[0, end)``)."""
+    if layerwise.__class__ is not bool:
+        raise ValidationError(f"layerwise must be a bool, got {layerwise!r}")
+    if layerwise and getattr(spec, "splits_groups", False):
+        raise ConfigError("layerwise: a spec with window layer groups is stored group by group; layer-wise "
+                          "transfers are not built for it")
