@@ -10,7 +10,7 @@ import pytest
 from conftest import Rig
 from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, fill_p, handoff
 
-from kvstate import CacheSpec, ConfigError, DecodeLifecycle, Policy, PrefillLifecycle
+from kvstate import CacheSpec, ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend
 from kvstate.keys import block_keys, rank_key
@@ -260,3 +260,12 @@ def test_a_failed_window_read_recomputes_from_the_start():
     rig.dd.run_until_idle()
     [rc] = rig.notices(rig.dd, C.Recompute)
     assert rc.from_token == 0
+
+
+def test_window_groups_are_refused_layer_wise():
+    for make in (lambda: PrefillLifecycle(windowed(), 8, layerwise=True),
+                 lambda: DecodeLifecycle(windowed(), 8, layerwise=True)):
+        with pytest.raises(ConfigError, match="layer-wise transfers are not built for it"):
+            make()
+    with pytest.raises(KVStateError, match="moves no layer-wise transfer"):
+        ReferenceBackend(windowed(), 16, MemoryStore(1 << 20)).read(0, ["k"], [0], arrived=lambda n, e: None)
