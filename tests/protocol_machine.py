@@ -15,22 +15,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from protocol_invariants import DrainedAtTeardown, PoolInvariants
 from protocol_layers import LayerRules
-from protocol_support import BS, KIND, STATS, StoreSwitch, fill, snapshot
+from protocol_support import BS, KIND, LAYOUTS, STATS, StoreSwitch, decode_mismatches, fill, snapshot
 from protocol_swaps import SwapRules
 
 from kvstate import InvalidTransitionError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
 from kvstate.backends import MemoryStore
-from kvstate.keys import block_keys
-from kvstate.layers import LayerGroup
-from kvstate.testing import mismatched_blocks
-
-#: cache layouts drawn: one full group; a window group (W = 2 blocks) beside a full layer; a
-#: latent (MLA) cache, one replicated head stored once
-LAYOUTS = {"plain": {},
-           "window": {"groups": (LayerGroup("window", (0,), window=2 * BS), LayerGroup("full", (1,)))},
-           "latent": {"kv_heads": 1, "total_kv_heads": 1, "has_value": False,
-                      "groups": (LayerGroup("latent", (0, 1)),)}}
 
 
 class Protocol(SwapRules, LayerRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
@@ -47,16 +37,14 @@ class Protocol(SwapRules, LayerRules, PoolInvariants, DrainedAtTeardown, RuleBas
               prefix_cache, layerwise, groups, layout):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1
         STATS[f"layout:{layout}"] += 1
-        spec_kw = LAYOUTS[layout]
-        if layout == "window":  # stored group by group: not layer-wise
-            layerwise, groups = False, 1
+        layerwise, groups = (False, 1) if layout == "window" else (layerwise, groups)  # stored by group
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
                                      transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
                                      swap_fallback=swap_fallback, swap_write=swap_write, swapped_timeout=15.0),
                        first_token_timeout=12.0, prefix_cache=prefix_cache, layerwise=layerwise,
-                       spec=small_spec(tp, layer_groups=groups, **spec_kw))
+                       spec=small_spec(tp, layer_groups=groups, **LAYOUTS[layout]))
         self.reported: dict[str, int] = {}  # layers each layer-wise prefill reported
         self.tokens: dict[str, list[int]] = {}
         self.plen: dict[str, int] = {}  # prompt length per request
@@ -133,14 +121,8 @@ class Protocol(SwapRules, LayerRules, PoolInvariants, DrainedAtTeardown, RuleBas
         elif isinstance(n, C.StartDecode):
             # D is runnable only with every needed block read on every rank, byte-equal to P's
             toks = self.tokens[rid][:-1]
-            keys = block_keys(toks, BS)
-            if keys:
-                STATS["invariant:runnable_only_after_full_read_on_every_rank_with_p_bytes"] += 1
-            first = rig.spec.window_first_block(len(toks))  # before it, a window group's blocks are not read
-            STATS["window_runnable"] += first > 0
-            full = [i for g in rig.spec.groups if g.kind != "window" for i in g.layers] or None
-            bad = mismatched_blocks(rig.db, keys[:first], n.block_ids, layers=full) + \
-                [(first + i, r, k) for i, r, k in mismatched_blocks(rig.db, keys[first:], n.block_ids[first:])]
+            STATS["invariant:runnable_only_after_full_read_on_every_rank_with_p_bytes"] += bool(toks)
+            bad = decode_mismatches(rig.db, toks, n.block_ids)
             assert not bad, \
                 f"runnable_only_after_full_read_on_every_rank_with_p_bytes: {rid} (block, rank, kind) {bad[:3]}"
         elif isinstance(n, C.Recompute):

@@ -13,7 +13,8 @@ from kvstate import commands as C
 from kvstate.backends.stores import Store
 from kvstate.errors import StoreError
 from kvstate.keys import block_keys
-from kvstate.testing import fill_blocks
+from kvstate.layers import LayerGroup
+from kvstate.testing import fill_blocks, mismatched_blocks
 
 __all__ = ["BS", "KIND", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings",
            "corpus_database",
@@ -106,3 +107,23 @@ def snapshot(lc) -> tuple:
             tuple(sorted(lc.pinned_blocks().items())), lc.pool.stats(),
             tuple(c.command_id for c in lc.pending_commands()), lc.queued_commands(),
             tuple(sorted(lc.counters.items())))
+
+
+#: cache layouts drawn: one full group; a window group (W = 2 blocks) beside a full layer; a
+#: latent (MLA) cache, one replicated head stored once
+LAYOUTS = {"plain": {},
+           "window": {"groups": (LayerGroup("window", (0,), window=2 * BS), LayerGroup("full", (1,)))},
+           "latent": {"kv_heads": 1, "total_kv_heads": 1, "has_value": False,
+                      "groups": (LayerGroup("latent", (0, 1)),)}}
+
+
+def decode_mismatches(backend, toks, block_ids) -> list:
+    """``(i, rank, kind)`` of D's blocks of prompt ``toks`` that differ from P's where D's
+    decode needs them: every layer from the block the last window starts in, the layers of
+    groups other than window ones before it (D read no window layer there)."""
+    spec, keys = backend.spec, block_keys(toks, BS)
+    first = spec.window_first_block(len(toks))
+    STATS["window_runnable"] += first > 0
+    full = [i for g in spec.groups if g.kind != "window" for i in g.layers] or None
+    return mismatched_blocks(backend, keys[:first], block_ids, layers=full) + \
+        [(first + i, r, k) for i, r, k in mismatched_blocks(backend, keys[first:], block_ids[first:])]
