@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["fake_block", "fill_blocks", "fill_layers", "mismatched_blocks"]
+__all__ = ["fake_block", "fill_blocks", "fill_layers", "mismatched_blocks", "mismatched_needed"]
 
 
 @functools.lru_cache(maxsize=1024)  # a block is written once and checked several times
@@ -70,3 +70,15 @@ def mismatched_blocks(backend: Any, keys: Sequence[str], block_ids: Sequence[int
                 if have != want:
                     bad.append((i, r, kind))
     return bad
+
+
+def mismatched_needed(backend: Any, keys: Sequence[str], block_ids: Sequence[int],
+                      num_tokens: int) -> list[tuple[int, int, str]]:
+    """As :func:`mismatched_blocks`, over what continuing a cache of ``num_tokens`` tokens
+    needs: every layer from the block its last window starts in, and before it the layers of
+    groups other than window ones (a window-first read brings no other)."""
+    spec = backend.spec
+    first = min(spec.window_first_block(num_tokens), len(keys))
+    full = [i for g in spec.groups if g.kind != "window" for i in g.layers] or None
+    return mismatched_blocks(backend, keys[:first], block_ids, layers=full) + \
+        [(first + i, r, k) for i, r, k in mismatched_blocks(backend, keys[first:], block_ids[first:])]

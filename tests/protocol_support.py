@@ -14,7 +14,7 @@ from kvstate.backends.stores import Store
 from kvstate.errors import StoreError
 from kvstate.keys import block_keys
 from kvstate.layers import LayerGroup
-from kvstate.testing import fill_blocks, mismatched_blocks
+from kvstate.testing import fill_blocks, mismatched_needed
 
 __all__ = ["BS", "KIND", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings",
            "corpus_database",
@@ -118,12 +118,7 @@ LAYOUTS = {"plain": {},
 
 
 def decode_mismatches(backend, toks, block_ids) -> list:
-    """``(i, rank, kind)`` of D's blocks of prompt ``toks`` that differ from P's where D's
-    decode needs them: every layer from the block the last window starts in, the layers of
-    groups other than window ones before it (D read no window layer there)."""
-    spec, keys = backend.spec, block_keys(toks, BS)
-    first = spec.window_first_block(len(toks))
-    STATS["window_runnable"] += first > 0
-    full = [i for g in spec.groups if g.kind != "window" for i in g.layers] or None
-    return mismatched_blocks(backend, keys[:first], block_ids, layers=full) + \
-        [(first + i, r, k) for i, r, k in mismatched_blocks(backend, keys[first:], block_ids[first:])]
+    """D's blocks of prompt ``toks`` that differ from P's where its decode needs them
+    (:func:`~kvstate.testing.mismatched_needed`), counting the runs that read a window apart."""
+    STATS["window_runnable"] += backend.spec.window_first_block(len(toks)) > 0
+    return mismatched_needed(backend, block_keys(toks, BS), block_ids, len(toks))

@@ -27,7 +27,8 @@ def cmd(cls=C.WriteBlocks, cid=1, keys=("a", "b"), blocks=(3, 4), **kw):
 
 
 # -- the wire format --------------------------------------------------------------------------------
-@pytest.mark.parametrize("c", [cmd(), cmd(C.ReadBlocks), cmd(C.LoadLayers), cmd(C.SaveLayers),
+@pytest.mark.parametrize("c", [cmd(), cmd(C.ReadBlocks), cmd(C.ReadBlocks, window_from=1), cmd(C.LoadLayers),
+                               cmd(C.SaveLayers),
                                cmd(C.SwapOut, host_slots=(0, 1)), cmd(C.SwapIn, host_slots=(5, 6)),
                                cmd(C.FlushHost, blocks=(), host_slots=(1, 2))])
 def test_every_command_crosses_the_wire_for_one_rank(c):
@@ -38,18 +39,21 @@ def test_every_command_crosses_the_wire_for_one_rank(c):
     assert (back.command_id, back.request_id, back.keys, back.block_ids, back.deadline, back.fence) == \
         (c.command_id, c.request_id, c.keys, c.block_ids, c.deadline, c.fence)
     assert getattr(back, "host_slots", ()) == getattr(c, "host_slots", ())
+    assert getattr(back, "window_from", 0) == getattr(c, "window_from", 0)
 
 
 @pytest.mark.parametrize("items, needle", [
-    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0], "command kind"),
-    ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0], "command id"),
-    ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0], "request id"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0], "do not fit"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [True], [], 1.0, 2.0], "block ids"),
-    ([wire.CMD, 1, 1, 1, "r", [1], [1], [], 1.0, 2.0], "a key"),
-    ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [], 1.0, 2.0], "do not fit"),
-    ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0], "deadline"),
-    ([wire.CMD, 1, 1, 1, "r", [], [], []], "items after its type"),
+    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0, 0], "command kind"),
+    ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0, 0], "command id"),
+    ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0, 0], "request id"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0, 0], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [True], [], 1.0, 2.0, 0], "block ids"),
+    ([wire.CMD, 1, 1, 1, "r", [1], [1], [], 1.0, 2.0, 0], "a key"),
+    ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [], 1.0, 2.0, 0], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0, 0], "deadline"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 2], "window's first key"),
+    ([wire.CMD, 1, 3, 1, "r", ["k"], [1], [], 1.0, 2.0, 1], "a WriteBlocks has no window"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], [], 1.0, 2.0], "items after its type"),
 ])
 def test_a_bad_command_is_refused_with_the_rule(items, needle):
     with pytest.raises(ProtocolError, match=needle):
@@ -106,6 +110,23 @@ def test_the_handoff_through_rank_worker_processes_is_byte_exact(tmp_path):
     finally:
         rig.close()
     assert not [p for p in pids if alive(p)]
+
+
+def test_window_first_reads_run_in_the_workers_and_bring_every_needed_byte(tmp_path):
+    """A window layer (8 tokens) beside a full one: D's reads of prompts up to 48 tokens leave
+    the window layer's early blocks in the store, and every byte D's decode needs is P's."""
+    from kvstate.layers import LayerGroup
+
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2,
+                     groups=(LayerGroup("window", (0,), window=8), LayerGroup("full", (1,))))
+    rig = ProcRig(str(tmp_path), spec=spec)
+    windows = []
+    try:
+        r = rig.run(24, on_submit=lambda side, c: windows.append(getattr(c, "window_from", 0)) if side == "D" else 0)
+        assert (r["ended"], r["leaked"], r["pending"], r["live"], r["mismatched"]) == (24, 0, 0, 0, 0)
+        assert max(windows) > 0 and r["checked"] > 100
+    finally:
+        rig.close()
 
 
 def test_a_host_tier_swap_runs_in_the_workers(tmp_path):

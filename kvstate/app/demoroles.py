@@ -22,7 +22,7 @@ from typing import Any
 from .. import commands as C
 from ..errors import OutOfBlocksError
 from ..keys import block_keys
-from ..testing import fill_blocks, mismatched_blocks
+from ..testing import fill_blocks, mismatched_blocks, mismatched_needed
 
 __all__ = ["Plan", "make_plans", "PrefillRole", "DecodeRole"]
 
@@ -78,10 +78,14 @@ class _Role:
         self.rng = random.Random(seed)
         self.checked = self.mismatched = 0
 
-    def check(self, keys: list[str], blocks: tuple[int, ...], upto: int) -> None:
+    def check(self, keys: list[str], blocks: tuple[int, ...], upto: int, tokens: int = 0) -> None:
+        """Count the bytes of the first ``upto`` blocks that differ from the writer's; with
+        ``tokens`` (D's whole cache), only where continuing it needs them (window groups)."""
         spec = self.lc.spec
         self.checked += upto * spec.tp_size * len(spec.kinds)
-        self.mismatched += len(mismatched_blocks(self.view, keys, blocks, upto))
+        bad = mismatched_needed(self.view, keys, blocks, tokens) if tokens else \
+            mismatched_blocks(self.view, keys, blocks, upto)
+        self.mismatched += len(bad)
 
 
 class PrefillRole(_Role):
@@ -167,7 +171,7 @@ class DecodeRole(_Role):
             return
         if isinstance(cmd, C.StartDecode):
             keys = block_keys(plan.tokens[:-1], self.block_size)
-            self.check(keys, cmd.block_ids, len(keys))
+            self.check(keys, cmd.block_ids, len(keys), len(plan.tokens) - 1)
             if plan.abort_at == "running":
                 self.lc.abort(plan.rid)
                 return

@@ -124,13 +124,14 @@ def _arity(items: list[Any], n: int, name: str) -> None:
 def command_message(cmd: C.TransferCommand, incarnation: int) -> bytes:
     """One rank's part of ``cmd`` (the rank is the worker's own)."""
     slots = list(cmd.host_slots) if isinstance(cmd, _SLOTTED) else []
+    window = cmd.window_from if isinstance(cmd, C.ReadBlocks) else 0
     return pack(CMD, incarnation, _CODES[cmd.__class__], cmd.command_id, cmd.request_id, list(cmd.keys),
-                list(cmd.block_ids), slots, cmd.deadline, cmd.fence)
+                list(cmd.block_ids), slots, cmd.deadline, cmd.fence, window)
 
 
 def command_of(items: list[Any], rank: int) -> C.TransferCommand:
     """The command a ``CMD`` message carries, for ``rank`` alone."""
-    _arity(items, 10, "CMD")
+    _arity(items, 11, "CMD")
     code = _int(items[2], "the command kind", 1, 8)
     cls = KINDS[code]
     cid = _int(items[3], "the command id", 1)
@@ -147,9 +148,16 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
             (cls not in _SLOTTED and slots):
         raise ProtocolError(f"command {cid}: {len(keys)} keys, {len(blocks)} block ids and {len(slots)} host slots "
                             f"do not fit a {cls.__name__}")
+    window = _int(items[10], f"command {cid}: the window's first key", 0, len(keys) + 1)
     if cls in _SLOTTED:
-        return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, host_slots=slots)
-    return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence)
+        extra: dict[str, Any] = {"host_slots": slots}
+    elif issubclass(cls, C.ReadBlocks):
+        extra = {"window_from": window}
+    else:
+        extra = {}
+    if window and "window_from" not in extra:
+        raise ProtocolError(f"command {cid}: a {cls.__name__} has no window to start from")
+    return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, **extra)
 
 
 # -- worker -> driver ------------------------------------------------------------------------------
