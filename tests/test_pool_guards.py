@@ -53,3 +53,29 @@ def test_host_lookups_count_every_hit_and_miss():
     assert host.lookup(["a", "b", "c"]) == 2 and host.lookup(["a", "x"]) == 1
     st = host.stats()
     assert (st.hits, st.misses) == (3, 2)
+
+
+def test_a_pool_counts_its_allocations_frees_and_peak():
+    pool = BlockPool(8)
+    st = pool.stats()
+    assert (st.peak_used, st.allocations, st.frees) == (0, 0, 0)
+    ids = pool.allocate(3)
+    pool.free(ids[:2])
+    pool.allocate(1)
+    st = pool.stats()
+    assert (st.peak_used, st.allocations, st.frees, st.used) == (3, 4, 2, 2)
+
+
+def test_pool_sizes_and_counts_are_refused_naming_the_value():
+    with pytest.raises(KVStateError, match=r"BlockPool: num_blocks .*-1"):
+        BlockPool(-1)
+    empty = BlockPool(0)
+    assert empty.num_free == 0 and empty.allocate(0) == []
+    with pytest.raises(KVStateError, match=r"cannot allocate 1 block\(s\) keeping 0 free: 0 of 0 are free"):
+        empty.allocate(1)
+    pool = BlockPool(4)
+    with pytest.raises(KVStateError, match=r"BlockPool: n .*-2"):
+        pool.allocate(-2)
+    with pytest.raises(KVStateError, match=r"BlockPool: headroom .*-1"):
+        pool.allocate(1, headroom=-1)
+    assert pool.num_free == 4
