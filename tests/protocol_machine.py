@@ -36,8 +36,9 @@ class Protocol(SwapRules, LayerRules, PoolInvariants, DrainedAtTeardown, RuleBas
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
               prefix_cache, layerwise, groups, layout):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1
+        layout = "plain" if layerwise and layout == "window" else layout  # stored by group: not layer-wise
         STATS[f"layout:{layout}"] += 1
-        layerwise, groups = (False, 1) if layout == "window" else (layerwise, groups)  # stored by group
+        groups = 1 if layout == "window" else groups
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
