@@ -64,6 +64,7 @@ def test_a_pool_counts_its_allocations_frees_and_peak():
     pool.allocate(1)
     st = pool.stats()
     assert (st.peak_used, st.allocations, st.frees, st.used) == (3, 4, 2, 2)
+    assert pool.release(pool.allocate(2)) == 2 and pool.stats().frees == 4  # the owner's unchecked path counts too
 
 
 def test_pool_sizes_and_counts_are_refused_naming_the_value():
