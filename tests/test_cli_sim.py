@@ -147,6 +147,21 @@ def test_model_from_a_hugging_face_config(tmp_path):
     assert (moe.experts, moe.experts_per_token, moe.moe_intermediate) == (8, 2, 14336)
 
 
+def test_a_state_size_that_contradicts_the_model_s_config_is_refused(tmp_path, capsys, monkeypatch):
+    """Qwen3-Next-like: 3 linear-attention layers to 1 full; its state's size is the config's."""
+    cfg = {"model_type": "qwen3_next", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 4096, "vocab_size": 32000,
+           "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2, "linear_num_key_heads": 4,
+           "linear_key_head_dim": 64, "linear_num_value_heads": 8, "linear_value_head_dim": 64,
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    no_simulation(monkeypatch)
+    assert main(["simulate", "--model", str(tmp_path), "--set", "model.state_bytes=1000"]) == 2
+    one_line_error(capsys, "--set model.state_bytes=1000: --model")
+    assert main(["simulate", "--model", str(tmp_path), "--set", "model.state_layers=2"]) == 2
+    one_line_error(capsys, "gives 6")
+
+
 # -- kvstate scenario and the shipped examples ----------------------------------------------------
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_scenario_prints_commented_toml_that_loads_back(name, tmp_path, capsys):

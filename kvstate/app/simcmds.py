@@ -30,6 +30,7 @@ _SHORTCUTS = (("rate", "workload.rate"), ("num_prompts", "workload.num_requests"
               ("n_instances", "cluster.n_instances"))
 #: what --model sets: the model's own fields (the KV block size is the engine's setting)
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if f.name != "block_size")
+_LAYER_KINDS = ("window", "window_layers", "state_layers", "state_bytes")  #: what --model fixes for good
 #: with a trace, --rate re-times its arrivals and --num-prompts takes its first requests
 _TRACE_SHORTCUTS = {"rate": "workload.trace_rate", "num_prompts": "workload.trace_requests"}
 
@@ -63,10 +64,22 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     trace = sets.get("workload.arrival", over.get("workload.arrival", sc.workload.arrival)) == "trace"
     over.update({_TRACE_SHORTCUTS.get(opt, field) if trace else field: getattr(args, opt)
                  for opt, field in _SHORTCUTS if getattr(args, opt) is not None})
+    if args.model:
+        _check_layer_kinds(args.model, model, sets)
     over.update(sets)
     if args.seed is not None:
         over["seed"] = args.seed
     return with_overrides(sc, over) if over else sc
+
+
+def _check_layer_kinds(source: str, model: ModelSpec, sets: dict[str, Any]) -> None:
+    """A model's sliding-window and state layers, and its state's size, are its config's (or
+    preset's): a --set that contradicts them is refused, not simulated."""
+    for k in _LAYER_KINDS:
+        v = sets.get(f"model.{k}")
+        if v is not None and v != getattr(model, k):
+            raise ConfigError(f"--set model.{k}={v!r}: --model {source} gives {getattr(model, k)!r} (its layer kinds "
+                              "and state size are the model's)")
 
 
 def _probe(directory: Path, path: str, option: str) -> None:
