@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 from .validate import MAX_DIM, check_int
 
-__all__ = ["LayerGroup", "GROUP_KINDS", "check_groups", "read_blocks", "checkpoint_floor"]
+__all__ = ["LayerGroup", "GROUP_KINDS", "check_groups", "read_blocks", "window_start", "checkpoint_floor"]
 
 GROUP_KINDS = ("full", "window", "latent", "state")
 #: the largest state one layer of one request may hold on one rank (Mamba-2's are a few MiB)
@@ -119,8 +119,12 @@ def read_blocks(group: LayerGroup, num_tokens: int, block_size: int) -> int:
         return 0
     if group.kind != "window":
         return blocks
-    first = max(0, num_tokens - group.window) // block_size
-    return blocks - first
+    return blocks - window_start(group.window, num_tokens, block_size)
+
+
+def window_start(window: int, num_tokens: int, block_size: int) -> int:
+    """The block of a ``num_tokens``-token cache its last ``window`` tokens start in."""
+    return max(0, num_tokens - window) // block_size
 
 
 def checkpoint_floor(groups: Sequence[LayerGroup], blocks: int, block_size: int) -> int:

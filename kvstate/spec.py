@@ -25,7 +25,7 @@ import numpy as np
 
 from .dtypes import DTYPES
 from .errors import ConfigError, ValidationError
-from .layers import LayerGroup, check_groups, read_blocks
+from .layers import LayerGroup, check_groups, read_blocks, window_start
 from .validate import MAX_DIM, check_int
 
 __all__ = ["CacheSpec", "CACHE_KINDS", "SCALE_DTYPE", "check_pair", "paired"]
@@ -276,8 +276,8 @@ class CacheSpec:
     def window_first_block(self, num_tokens: int) -> int:
         """The first block a cache of ``num_tokens`` tokens needs from its window groups (0:
         every block, or no window group)."""
-        windows = [g.window for g in self.groups if g.kind == "window"]
-        return max(0, num_tokens - max(windows)) // self.block_size if windows else 0
+        return min((window_start(g.window, num_tokens, self.block_size) for g in self.groups if g.kind == "window"),
+                   default=0)
 
     def resume_blocks(self, whole: int, window_end: int, window_from: int, blocks: int) -> int:
         """Leading blocks a cache can be continued from after a read that took ``whole``

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 from conftest import Rig
-from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, fill_p, handoff
+from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, handoff
 
 from kvstate import CacheSpec, ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle
 from kvstate import commands as C
@@ -206,14 +206,7 @@ def long_prompt_rig(**kw):
 
 def test_d_reads_a_long_handoff_from_its_window_and_never_shares_the_early_blocks():
     rig, toks = long_prompt_rig(prefix_cache=True)
-    rig.D.reserve("r", toks)
-    rig.P.admit("r", toks)
-    rig.pd.run_until_idle()
-    [sp] = rig.notices(rig.pd, C.StartPrefill)
-    fill_p(rig, "r", toks, sp.block_ids)
-    rig.P.prefill_done("r", 7)
-    rig.pd.run_until_idle()
-    deliver(rig, rig.notices(rig.pd))
+    deliver(rig, handoff(rig, "r", toks))
     rig.dd.pump()
     [read] = [c for c in rig.D.pending_commands() if isinstance(c, C.ReadBlocks)]
     assert read.window_from == 8 and len(read.keys) == 10
@@ -247,14 +240,7 @@ def test_a_preempted_long_cache_writes_back_only_whole_blocks_and_reloads():
 def test_a_failed_window_read_recomputes_from_the_start():
     rig, toks = long_prompt_rig(policy=dataclasses.replace(Policy(transfer_timeout=10.0, fence_grace=5.0),
                                                    read_failure="recompute"))
-    rig.D.reserve("r", toks)
-    notices = []
-    rig.P.admit("r", toks)
-    rig.pd.run_until_idle()
-    [sp] = rig.notices(rig.pd, C.StartPrefill)
-    rig.P.prefill_done("r", 7)
-    rig.pd.run_until_idle()
-    notices = rig.notices(rig.pd)
+    notices = handoff(rig, "r", toks)
     rig.store.evict([rank_key(block_keys(toks, 4)[9], k, 0, 0) for k in rig.spec.kinds])  # a window block
     deliver(rig, notices)
     rig.dd.run_until_idle()

@@ -66,8 +66,8 @@ class Side:
         self.tp = s.cluster.tp
         full = s.cache_spec()
         self.state_bytes = full.state_bytes_per_rank  #: a request's states on one rank (moved with its blocks)
-        #: tokens between a state group's checkpoints (0: none): a stored prefix is reused down to one
-        self.checkpoint = max((g.checkpoint for g in full.groups if g.kind == "state"), default=0)
+        #: the state groups: a stored prefix is reused down to a checkpoint of each
+        self.state_groups = tuple(g for g in full.groups if g.kind == "state")
         self.cache_spec = spec = full.paged()  #: what the lifecycles hold: the paged layers
         #: a rank's bytes of a block in window groups (left out of blocks before a read's window)
         self.window_bytes = sum(len(g.layers) for g in spec.groups if g.kind == "window") * \
