@@ -80,3 +80,81 @@ def test_pool_sizes_and_counts_are_refused_naming_the_value():
     with pytest.raises(KVStateError, match=r"BlockPool: headroom .*-1"):
         pool.allocate(1, headroom=-1)
     assert pool.num_free == 4
+
+
+def _idle_cache(total: int, cached: int) -> PrefixCachingPool:
+    """A prefix cache of ``total`` blocks, ``cached`` of them idle and published (k0, k1, ...)."""
+    pool = PrefixCachingPool(total)
+    ids = pool.allocate(cached)
+    pool.publish([f"k{i}" for i in range(cached)], ids)
+    assert pool.release(ids) == cached
+    return pool
+
+
+@pytest.mark.parametrize("n, headroom, name", [
+    (1, -1, "headroom"), (1, 1.5, "headroom"), (1, True, "headroom"), (-2, 0, "n"), (1.5, 0, "n"), (True, 0, "n"),
+])
+def test_a_prefix_cache_refuses_bad_counts_evicting_nothing(n, headroom, name):
+    pool = _idle_cache(4, 4)  # every free block is idle: a slipped check would evict one
+    with pytest.raises(KVStateError, match=rf"^BlockPool: {name} must be"):
+        pool.allocate(n, headroom)
+    assert len(pool.cached_blocks()) == 4 and pool.num_free == 4 and pool.prefix_stats().evictions == 0
+
+
+def test_a_prefix_cache_evicts_only_what_the_free_list_lacks():
+    pool = _idle_cache(4, 2)
+    assert len(pool.allocate(2)) == 2 and len(pool.cached_blocks()) == 2  # two keyless blocks were free
+    pool.allocate(1)
+    pool.allocate(1)
+    assert pool.prefix_stats().evictions == 2 and not pool.cached_blocks()  # counted across evictions
+    with pytest.raises(KVStateError, match=r"^cannot allocate 1 block\(s\) keeping 0 free: 0 of 4 are free$"):
+        pool.allocate(1)
+
+
+def test_a_prefix_cache_counts_like_a_pool():
+    pool = _idle_cache(6, 2)
+    a = pool.allocate(3)
+    pool.share(a[:1])
+    assert pool.release(a) == 2 and pool.release(a[:1]) == 1
+    st = pool.stats()
+    assert (st.total, st.free, st.used, st.shared, st.peak_used) == (6, 6, 0, 0, 3)
+    assert (st.allocations, st.frees, st.cached) == (5, 5, 2)
+    pool.share(pool.allocate(1))
+    assert pool.stats().shared == 1
+
+
+def test_allocate_after_keeps_no_headroom_by_default():
+    pool = _idle_cache(4, 2)
+    got = pool.allocate_after(["k0", "k1", "x"], 4)
+    assert got is not None and got[1] == 2 and pool.num_free == 0
+
+
+def test_host_pool_errors_name_the_call_the_key_and_the_count():
+    with pytest.raises(KVStateError, match=r"^HostBlockPool: num_slots must be"):
+        HostBlockPool(0)
+    host = HostBlockPool(2)
+    host.acquire(["a"])
+    with pytest.raises(KVStateError, match=r"^host tier: 2 new block\(s\) needed, 1 free and 0 evictable of 2$"):
+        host.acquire(["a", "b", "c"])
+    with pytest.raises(KVStateError, match=r"a key appears twice in \['x', 'x', 'y', 'z'\]\.\.\.$"):
+        host.acquire(["x", "x", "y", "z", "w"])
+    long = "0123456789abcdefGHIJ"
+    for op in ("slots", "retain", "commit", "release"):
+        with pytest.raises(KVStateError, match=rf"^HostBlockPool\.{op}: key '0123456789abcdef'\.\.\. holds no slot$"):
+            getattr(host, op)([long])
+    host.acquire([long])
+    host.commit([long])
+    host.release([long])  # ready, kept, unreferenced
+    with pytest.raises(KVStateError, match=r"^HostBlockPool\.release: key '0123456789abcdef'\.\.\. has no reference"):
+        host.release([long])
+    assert host.refcount("a") == 1 and host.refcount(long) == 0 and host.stats().entries == 2
+
+
+def test_host_pool_counts_each_eviction():
+    host = HostBlockPool(1)
+    for key in ("a", "b", "c"):
+        host.acquire([key])
+        host.commit([key])
+        host.release([key])  # ready and unreferenced: evictable
+    st = host.stats()
+    assert (st.slots, st.free, st.entries, st.evictions) == (1, 0, 1, 2)
