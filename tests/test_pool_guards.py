@@ -2,12 +2,19 @@
 boundaries, a free block's refcount, and errors naming the call and the rule broken."""
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
+from conftest import Rig
+from test_mutant_guards import first_token_code, no_retry, p_writing
 
 from kvstate import KVStateError
+from kvstate.events import Completion
 from kvstate.hostpool import HostBlockPool
 from kvstate.pool import BlockPool
 from kvstate.prefixcache import PrefixCachingPool
+from kvstate.timers import FENCE, TRANSFER, WAIT, Timers
 
 POOLS = [BlockPool, PrefixCachingPool]
 
@@ -96,7 +103,8 @@ def _idle_cache(total: int, cached: int) -> PrefixCachingPool:
 ])
 def test_a_prefix_cache_refuses_bad_counts_evicting_nothing(n, headroom, name):
     pool = _idle_cache(4, 4)  # every free block is idle: a slipped check would evict one
-    with pytest.raises(KVStateError, match=rf"^BlockPool: {name} must be"):
+    bad = headroom if name == "headroom" else n
+    with pytest.raises(KVStateError, match=rf"^BlockPool: {name} must be .*{re.escape(repr(bad))}"):
         pool.allocate(n, headroom)
     assert len(pool.cached_blocks()) == 4 and pool.num_free == 4 and pool.prefix_stats().evictions == 0
 
@@ -158,3 +166,35 @@ def test_host_pool_counts_each_eviction():
         host.release([key])  # ready and unreferenced: evictable
     st = host.stats()
     assert (st.slots, st.free, st.entries, st.evictions) == (1, 0, 1, 2)
+
+
+@pytest.mark.parametrize("rank, count, lost, needle", [
+    (5, 0, False, r"rank 5 is not one of its ranks \(0, 1\)"),
+    (0, 99, False, r"count 99 outside 0\.\.2"),
+    (0, 0, "yes", r"a lost answer is lost=True with count 0, got lost='yes', count 0"),
+])
+def test_a_bad_answer_names_its_command_request_and_rule(rank, count, lost, needle):
+    rig = Rig(tp=2, policy=no_retry())
+    cmd = p_writing(rig)
+    where = rf"^command {cmd.command_id} of request 'r': "
+    with pytest.raises(KVStateError, match=where + needle):
+        rig.P.complete(Completion(cmd.command_id, rank, count, lost=lost))
+    assert rig.P.state_of("r") == "writing"
+
+
+def test_numpy_ints_are_ranks_and_counts():
+    rig = Rig(tp=2, policy=no_retry())
+    cmd = p_writing(rig)
+    for rank in (0, 1):
+        rig.pd.drop(cmd.command_id, rank)
+        rig.P.complete(Completion(cmd.command_id, np.int64(rank), np.int32(len(cmd.keys))))
+    assert first_token_code(rig) == 200
+
+
+def test_timers_stay_in_order_when_the_clock_goes_back():
+    timers = Timers()
+    for when, ident in ((1.0, "a"), (5.0, "b"), (9.0, "c"), (3.0, "d"), (5.0, "e")):
+        timers.push(TRANSFER, when, ident)  # d and e were set after the clock went back
+    timers.push(WAIT, 5.0, "w")
+    timers.push(FENCE, 4.0, "f")
+    assert [i for _, i in timers.due(100.0)] == ["a", "d", "f", "b", "e", "w", "c"]  # equal times: first set first
