@@ -7,10 +7,14 @@ One schema for a real run and a simulated one, so the two open side by side:
   (``"X"``) events named by the state, from when the state was first seen to when the next one
   was, and an instant (``"i"``) event when the request ended;
 - a thread per TP rank (``rank <r>``) holding each transfer command's part on that rank, from
-  its submission to the rank's answer, named by the command's kind, its answer in ``args``;
+  its submission to the rank's answer, named by the command's kind, its answer in ``args``.
+  Parts that overlap on one rank (a read beside a write) go to the rank's next free lane,
+  ``rank <r> #<lane>``: Perfetto drops a complete event that overlaps another on its thread
+  without nesting in it;
 - a ``steps`` thread holding compute steps (the simulator's forwards; an engine may add its own).
 
-Times are microseconds (``ts``, ``dur``) from the first event recorded. States are read by
+Times are whole microseconds (``ts``, ``dur``) from the first event recorded, and a span's end
+is rounded once, so consecutive spans meet exactly instead of overlapping by a rounding error. States are read by
 polling (:meth:`Timeline.states`, once per loop turn): the lifecycles emit no event per state
 change, and a turn is the finest time an engine acts at anyway. A :class:`Timeline` keeps every
 event in memory until written: it is a debugging and planning aid for runs of thousands of
@@ -42,7 +46,9 @@ class Timeline:
         self.events: list[dict[str, Any]] = []
         self._t0: float | None = None
         self._state: dict[tuple[str, str], tuple[str, float]] = {}  # (instance, request) -> state, since
-        self._open: dict[tuple[str, int, int], tuple[str, str, float]] = {}  # (inst, cid, rank) -> kind, req, since
+        #: (instance, command id, rank) -> kind, request, since, lane
+        self._open: dict[tuple[str, int, int], tuple[str, str, float, int]] = {}
+        self._lanes: dict[tuple[str, int], set[int]] = {}  # (inst, rank) -> lanes an open part holds
 
     def _now(self) -> float:
         """The clock now; the first reading is the trace's zero."""
@@ -51,12 +57,13 @@ class Timeline:
             self._t0 = now
         return now
 
-    def _us(self, t: float) -> float:
-        return round((t - (self._t0 if self._t0 is not None else t)) * 1e6, 3)
+    def _us(self, t: float) -> int:
+        return round((t - (self._t0 if self._t0 is not None else t)) * 1e6)
 
     def _span(self, pid: str, tid: str, name: str, start: float, end: float, **args: Any) -> None:
-        self.events.append({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": self._us(start),
-                            "dur": round(max(0.0, end - start) * 1e6, 3), "args": args})
+        ts = self._us(start)
+        self.events.append({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts,
+                            "dur": max(0, self._us(end) - ts), "args": args})
 
     def states(self, instance: str, lifecycle: Any) -> None:
         """Note the state of every live request of ``lifecycle`` now; a request no longer live
@@ -84,7 +91,10 @@ class Timeline:
         for cmd in cmds:
             if isinstance(cmd, C.TransferCommand):
                 for r in cmd.ranks:
-                    self._open[(instance, cmd.command_id, r)] = (type(cmd).__name__, cmd.request_id, now)
+                    held = self._lanes.setdefault((instance, r), set())
+                    lane = min(set(range(len(held) + 1)) - held)
+                    held.add(lane)
+                    self._open[(instance, cmd.command_id, r)] = (type(cmd).__name__, cmd.request_id, now, lane)
 
     def completed(self, instance: str, completions: Iterable[Completion]) -> None:
         """Close each answered part (an answer to a command not seen submitted is skipped)."""
@@ -92,8 +102,10 @@ class Timeline:
         for c in completions:
             opened = self._open.pop((instance, c.command_id, c.rank), None)
             if opened is not None:
-                kind, rid, since = opened
-                self._span(instance, f"rank {c.rank}", kind, since, now, request=rid, count=c.count,
+                kind, rid, since, lane = opened
+                self._lanes[(instance, c.rank)].discard(lane)
+                track = f"rank {c.rank}" + (f" #{lane + 1}" if lane else "")
+                self._span(instance, track, kind, since, now, request=rid, count=c.count,
                            error=c.error, lost=c.lost)
 
     def step(self, instance: str, start: float, end: float, name: str = "step", **args: Any) -> None:
@@ -105,7 +117,7 @@ class Timeline:
         """The trace: its events, open states and transfers closed at the clock's time now."""
         now = self._now()
         tail = [{"name": state, "ph": "X", "pid": inst, "tid": f"req {rid}", "ts": self._us(since),
-                 "dur": round(max(0.0, now - since) * 1e6, 3), "args": {"open": True}}
+                 "dur": max(0, self._us(now) - self._us(since)), "args": {"open": True}}
                 for (inst, rid), (state, since) in self._state.items()]
         return {"traceEvents": self.events + tail, "displayTimeUnit": "ms"}
 

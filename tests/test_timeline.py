@@ -14,11 +14,29 @@ from kvstate import commands as C
 from kvstate.app.cli import main
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
 from kvstate.errors import KVStateError
+from kvstate.events import Completion
 from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks
 from kvstate.timeline import Timeline
 
-TIDS = re.compile(r"^(req \S+|rank \d+|steps)$")
+TIDS = re.compile(r"^(req \S+|rank \d+( #\d+)?|steps)$")
+
+
+def check_nesting(events: list[dict]) -> None:
+    """Complete events on one thread nest or follow each other: Perfetto drops one that starts
+    inside another and ends after it (``slice_drop_overlapping_complete_event``)."""
+    threads: dict[tuple[str, str], list[dict]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            threads.setdefault((e["pid"], e["tid"]), []).append(e)
+    for thread, spans in threads.items():
+        open_ends: list[float] = []
+        for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and open_ends[-1] <= e["ts"]:
+                open_ends.pop()
+            end = e["ts"] + e["dur"]
+            assert not open_ends or end <= open_ends[-1], (thread, e)
+            open_ends.append(end)
 
 
 def check_trace(trace: dict) -> list[dict]:
@@ -30,12 +48,13 @@ def check_trace(trace: dict) -> list[dict]:
         assert isinstance(e["name"], str) and e["name"]
         assert e["ph"] in ("X", "i")
         assert isinstance(e["pid"], str) and TIDS.match(e["tid"]), e
-        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        assert isinstance(e["ts"], int) and e["ts"] >= 0
         if e["ph"] == "X":
-            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0
+            assert isinstance(e["dur"], int) and e["dur"] >= 0
         else:
             assert e["s"] == "t"
         assert isinstance(e["args"], dict)
+    check_nesting(events)
     json.dumps(trace)  # plain JSON
     return events
 
@@ -116,3 +135,24 @@ def test_a_real_run_records_the_same_schema():
 def test_a_driver_takes_only_a_timeline():
     with pytest.raises(KVStateError, match="Timeline"):
         ThreadedDriver(ReferenceBackend(small_spec(1), 4, MemoryStore(1 << 20)), 1, timeline=object())
+
+
+def part(cls: type, cid: int, rid: str) -> C.TransferCommand:
+    return cls(command_id=cid, request_id=rid, ranks=(0,), block_ids=(cid,), keys=(rid,), deadline=99.0)
+
+
+def test_parts_overlapping_on_a_rank_take_separate_lanes_and_spans_meet_exactly():
+    now = [10.0]
+    tl = Timeline(clock=lambda: now[0])
+    tl.submitted("P0", [part(C.ReadBlocks, 1, "a")])
+    now[0] += 0.1
+    tl.submitted("P0", [part(C.WriteBlocks, 2, "b")])
+    now[0] += 0.1
+    tl.completed("P0", [Completion(1, 0, 1)])  # the read ends while the write runs
+    tl.submitted("P0", [part(C.ReadBlocks, 3, "c")])
+    now[0] += 0.1
+    tl.completed("P0", [Completion(2, 0, 1), Completion(3, 0, 1)])
+    spans = {e["args"]["request"]: e for e in check_trace(tl.to_json())}
+    assert spans["a"]["tid"] == spans["c"]["tid"] == "rank 0"  # a freed lane is reused
+    assert spans["b"]["tid"] == "rank 0 #2"
+    assert spans["a"]["ts"] + spans["a"]["dur"] == spans["c"]["ts"] == 200_000
