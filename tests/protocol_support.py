@@ -109,10 +109,12 @@ def snapshot(lc) -> tuple:
             tuple(sorted(lc.counters.items())))
 
 
-#: cache layouts drawn: one full group; a window group (W = 2 blocks) beside a full layer; a
-#: latent (MLA) cache, one replicated head stored once
+#: cache layouts drawn: one full group; a window group (W = 2 blocks) beside a full layer, the
+#: window layer second but its group first, so the stored order (group by group) is not the
+#: layers' own; a latent
+#: (MLA) cache, one replicated head stored once
 LAYOUTS = {"plain": {},
-           "window": {"groups": (LayerGroup("window", (0,), window=2 * BS), LayerGroup("full", (1,)))},
+           "window": {"groups": (LayerGroup("window", (1,), window=2 * BS), LayerGroup("full", (0,)))},
            "latent": {"kv_heads": 1, "total_kv_heads": 1, "has_value": False,
                       "groups": (LayerGroup("latent", (0, 1)),)}}
 

@@ -83,7 +83,7 @@ def public_parameters() -> list[tuple[str, str, inspect.Parameter]]:
     out = []
     for target, (cls, _) in TARGETS.items():
         for name, fn in inspect.getmembers(cls, inspect.isfunction):
-            if name.startswith("_"):
+            if name.startswith("_") or "ǁ" in name:  # private, or mutmut's copy of a method
                 continue
             for p in list(inspect.signature(fn).parameters.values())[1:]:
                 if f"{p.name}: {p.annotation}" not in OPAQUE:

@@ -255,3 +255,23 @@ def test_window_groups_are_refused_layer_wise():
             make()
     with pytest.raises(KVStateError, match="moves no layer-wise transfer"):
         ReferenceBackend(windowed(), 16, MemoryStore(1 << 20)).read(0, ["k"], [0], arrived=lambda n, e: None)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_write_back_from_host_memory_stores_each_group_s_own_layers(tp):
+    """Interleaved groups (Gemma 3's twelve layers: full at 5 and 11) are stored group by group;
+    the host tier holds a block's layers in their own order, so a write-back from it must
+    reorder them as a write from the GPU does."""
+    spec = gemma_like(num_layers=12, window=WIN, tp_size=tp, total_kv_heads=2 * tp)
+    assert spec.storage_order != tuple(range(12))
+    store = MemoryStore(1 << 24)
+    p, d = ReferenceBackend(spec, 8, store, host_blocks=4), ReferenceBackend(spec, 8, store)
+    rng = np.random.default_rng(7)
+    for r in range(tp):
+        for kind in spec.kinds:
+            for arr in p.caches[r][kind]:
+                arr[...] = rng.standard_normal(arr.shape).astype(arr.dtype)
+        assert p.swap_out(r, [3], [1]) == 1
+        assert p.flush_host(r, ["from-host"], [1]) == 1
+        assert d.read(r, ["from-host"], [6]) == 1
+        assert all(d.block_bytes(r, k, 6) == p.block_bytes(r, k, 3) for k in spec.kinds)

@@ -176,11 +176,11 @@ class StoreBackend(Manifested, TransferBackend):
         arenas = {kind: self._arena(rank, kind) for kind in self.spec.kinds}
         done, spec = len(slots), self.spec
         for g, part in enumerate(spec.parts(rank)):
-            if spec.head_groups == 1:  # zero-copy views of the arena's rows
+            if spec.head_groups == 1 and not spec.splits_groups:  # zero-copy views of the arena's rows
                 views = self._object_views(arenas, slots)
-            else:  # a head group is strided in a row: copied out
-                a, b = g * spec.object_heads, (g + 1) * spec.object_heads
-                views = self._object_views({k: np.ascontiguousarray(arr[list(slots[:done]), :, a:b])
+            else:  # a head group strided in a row, or layers stored group by group: copied out in order
+                a, b, order = g * spec.object_heads, (g + 1) * spec.object_heads, list(spec.storage_order)
+                views = self._object_views({k: np.ascontiguousarray(arr[list(slots[:done])][:, order, a:b])
                                             for k, arr in arenas.items()}, range(done))
             done = self._put_objects(part, keys[n:n + done], None, views[:done * self._per(None)])
         self.bytes_moved += done * self.spec.bytes_per_block_per_rank
