@@ -305,13 +305,43 @@ def test_checksums_taken_on_the_gpu_catch_corruption_and_cross_with_the_host():
 
 
 @gpu
-def test_window_layer_groups_are_refused_naming_the_backend_that_moves_them():
-    from kvstate import CacheSpec, ConfigError
-    from kvstate.backends import MemoryStore
+@pytest.mark.parametrize("tp", [1, 2])
+def test_interleaved_window_groups_move_as_the_reference_backend_moves_them(tp):
+    """Gemma 3's pattern (full at layers 5 and 11 of 12) stored group by group: P's CUDA write,
+    the reference backend's read of it, D's CUDA read of the window groups from their last
+    window on, and a write-back from P's host tier all agree byte for byte."""
+    import numpy as np
+
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore, ReferenceBackend
     from kvstate.backends.cuda import CudaBackend
     from kvstate.layers import LayerGroup
+    from kvstate.testing import fill_blocks
 
-    spec = CacheSpec(num_layers=6, kv_heads=2, block_size=4, head_dim=8, groups=(
-        LayerGroup("window", (0, 1, 2, 3, 4), window=8), LayerGroup("full", (5,))))
-    with pytest.raises(ConfigError, match="the reference backend moves them"):
-        CudaBackend(spec, 8, MemoryStore(1 << 20))
+    full = (5, 11)
+    spec = CacheSpec(num_layers=12, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=tp,
+                     total_kv_heads=2 * tp, groups=(LayerGroup("window", tuple(i for i in range(12) if i not in full),
+                                                               window=8), LayerGroup("full", full)))
+    store, keys = MemoryStore(1 << 24), [f"w{i}" for i in range(6)]
+    p, d = CudaBackend(spec, 16, store, host_blocks=4), CudaBackend(spec, 16, store)
+    ref = ReferenceBackend(spec, 16, store)
+    try:
+        fill_blocks(p, keys, list(range(6)))
+        for r in range(tp):
+            assert p.write(r, keys, list(range(6))) == 6
+            assert ref.read(r, keys, list(range(6))) == 6  # one stored layout for both backends
+            assert all(ref.block_bytes(r, k, i) == p.block_bytes(r, k, i) for k in spec.kinds for i in range(6))
+            assert d.read(r, keys, list(range(10, 16)), window_from=4) == 6  # 24 tokens: the window is blocks 4, 5
+            for kind in spec.kinds:
+                for layer in range(12):
+                    got = d.caches(r, kind).views[layer][10:16].get().view(np.uint8)  # bytes: NaN != NaN
+                    want = p.caches(r, kind).views[layer][0:6].get().view(np.uint8)
+                    first = 0 if layer in full else 4
+                    assert np.array_equal(got[first:], want[first:]), (r, kind, layer)
+                    assert not got[:first].any()  # the early window blocks were never read
+            assert p.swap_out(r, [2], [1]) == 1 and p.flush_host(r, ["from-host"], [1]) == 1
+            assert ref.read(r, ["from-host"], [9]) == 1
+            assert all(ref.block_bytes(r, k, 9) == p.block_bytes(r, k, 2) for k in spec.kinds)
+    finally:
+        p.close()
+        d.close()

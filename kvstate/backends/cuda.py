@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ValidationError
+from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
@@ -49,9 +49,6 @@ class CudaBackend(DeviceSums, StoreBackend):
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
                  host_blocks: int = 0, ranks: Sequence[int] | None = None) -> None:
         self._setup(spec, num_blocks, store, ranks)
-        if spec.splits_groups:  # its kernels gather consecutive layers; window groups interleave
-            raise ConfigError("CudaBackend: window layer groups are stored group by group: the reference "
-                              "backend moves them; the CUDA backend does not yet")
         check_int(host_blocks, "CudaBackend: host_blocks", minimum=0)
         self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
         per_block = spec.bytes_per_block_per_rank
@@ -157,7 +154,8 @@ class CudaBackend(DeviceSums, StoreBackend):
         arr, spec = self._slots[rank][slot][kind], self.spec
         if group is None and spec.head_groups == 1:
             return arr[:m]
-        shape = (m, spec.layers if group is None else spec.group_layers) + spec.object_shape(kind)
+        a, b = (0, spec.layers) if group is None else spec.group_span(group)
+        shape = (m, b - a) + spec.object_shape(kind)
         return arr.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
     def _piece_views(self, rank: int, slot: int, m: int, group: int | None) -> list[memoryview]:
@@ -287,6 +285,10 @@ class CudaBackend(DeviceSums, StoreBackend):
              arrived: Callable[[int, Any], None] | None = None, window_from: int = 0) -> int:
         self._check_open()
         self._check_transfer(rank, keys, block_ids)
+        check_int(window_from, "CudaBackend.read: window_from", minimum=0, maximum=len(keys))
+        if window_from and self.spec.splits_groups:  # window groups from their last window on
+            return self._each_part(rank, len(keys), lambda part, m, _: self._read_window(
+                part, keys, block_ids, m, window_from, lambda g, ks, ids: self._get(rank, part, ks, ids, guard, g)))
         count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
             rank, part, keys[:m], block_ids[:m], guard, arrived if whole else None))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank

@@ -52,8 +52,11 @@ def bind_rank(cp: Any, sw: CudaSwapper, spec: CacheSpec, num_blocks: int, device
     if bound.shape != want or len(bound) != spec.layers:
         raise ValidationError(f"CudaBackend: {name} must be {spec.layers} layers "
                               f"of {want}, got {len(bound)} of {bound.shape}")
-    parts = bound if spec.head_groups == 1 else sw.bind(
-        [v.reshape((num_blocks * spec.head_groups,) + spec.object_shape(kind)) for v in bound.views],
-        f"{name} by head group")
-    groups = [sw.bind(parts.views[a:b], f"{name}[{a}:{b}]") for a, b in map(spec.group_span, range(spec.layer_groups))]
-    return bound, parts, groups if spec.layer_groups > 1 else []
+    if spec.head_groups == 1 and not spec.splits_groups:
+        parts = bound
+    else:  # by head group, and the layers in the stored order (window groups: group by group)
+        parts = sw.bind([bound.views[i].reshape((num_blocks * spec.head_groups,) + spec.object_shape(kind))
+                         for i in spec.storage_order], f"{name} by head group, in the stored order")
+    spans = [spec.group_span(g) for g in range(spec.object_groups)]
+    groups = [sw.bind(parts.views[a:b], f"{name}[{a}:{b}]") for a, b in spans]
+    return bound, parts, groups if spec.object_groups > 1 else []

@@ -139,28 +139,12 @@ class ReferenceBackend(StoreBackend):
         check_int(window_from, "ReferenceBackend.read: window_from", minimum=0, maximum=len(keys))
         if window_from and self.spec.splits_groups:
             return self._each_part(rank, len(keys), lambda part, m, _: self._read_window(
-                rank, part, keys, block_ids, guard, m, window_from))
+                part, keys, block_ids, m, window_from,
+                lambda g, ks, ids: self._get_layers(rank, part, ks, ids, guard, g, len(ks))))
         count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
             rank, part, keys, block_ids, guard, arrived if whole else None, m))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
-
-    def _read_window(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
-                     guard: Guard | None, m: int, window_from: int) -> int:
-        """Read the first ``m`` blocks of one head group: the full groups' every block, the
-        window groups' from ``window_from`` on; the leading blocks it can be continued from
-        (:meth:`~kvstate.spec.CacheSpec.resume_blocks`)."""
-        spec, whole, window_end = self.spec, m, m
-        per_layer = sum(spec.chunk_bytes(k) for k in spec.kinds) // spec.head_groups
-        for g, group in enumerate(spec.stored_groups):
-            lo = min(window_from, m) if group.kind == "window" else 0
-            got = self._get_layers(rank, part, keys[lo:], block_ids[lo:], guard, g, m - lo) if m > lo else 0
-            self.bytes_moved += got * len(group.layers) * per_layer
-            if group.kind == "window":
-                window_end = min(window_end, lo + got)
-            else:
-                whole = min(whole, got)
-        return spec.resume_blocks(whole, window_end, window_from, m)
 
     def _read_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None, arrived: Callable[[int, Any], None] | None, m: int) -> int:
