@@ -22,7 +22,9 @@ Rules:
   one the cache's last window starts in (``window_from``). The blocks before hold no window
   layers, so the request never shares them: no prefix-cache publish, no swap into the host
   tier (it falls back per ``Policy.swap_fallback``), a write-back only from that block on;
-  a recompute from token 0 makes them whole again.
+  a recompute from token 0 makes them whole again. A short read recomputes from its count
+  only where the count's last window was read (``CacheSpec.resume_blocks``), else from token
+  0: a count that a window-first read cannot give is not trusted.
 - Layer-wise (``layerwise=True``): D's store reads are ``LoadLayers``: a rank reads and scatters
   one layer group at a time and signals each group's arrival to the engine, which may start
   the request's next decode step as soon as the load goes out, waiting per layer before its
@@ -281,7 +283,10 @@ class DecodeLifecycle(SwapActions):
         return req.base + value >= len(req.stored_keys or ())
 
     def _recompute_after_read(self, req: Request, value: int) -> None:
-        self._start_recompute(req, req.base + value)
+        start = req.base + value
+        if req.window_from:  # blocks before window_from hold no window layers: continue only past a whole window
+            start = self.spec.resume_blocks(start, start, req.window_from, len(req.stored_keys or ()))
+        self._start_recompute(req, start)
 
     def _recompute_on_miss(self, req: Request, value: int) -> bool:
         return self.policy.read_failure == "recompute"

@@ -248,6 +248,24 @@ def test_a_failed_window_read_recomputes_from_the_start():
     assert rc.from_token == 0
 
 
+@pytest.mark.parametrize("n_tokens, count, want", [(40, 1, 0), (40, 9, 0), (42, 9, 0), (42, 10, 40)])
+def test_a_short_window_read_s_count_is_trusted_only_past_its_last_window(n_tokens, count, want):
+    """D's read takes the window groups from block 8 (W = 2 blocks of 4 tokens). A short
+    answer is continued from only if its blocks hold a whole window before the next token
+    (42 tokens: blocks 8 and 9 cover tokens 34-39; 40 tokens: only all 10 blocks would);
+    otherwise D recomputes from token 0, never past a block whose window layers were not read."""
+    rig, _ = long_prompt_rig(policy=dataclasses.replace(Policy(transfer_timeout=10.0, fence_grace=5.0),
+                                                        read_failure="recompute"))
+    deliver(rig, handoff(rig, "r", list(range(300, 300 + n_tokens))))
+    rig.dd.pump()
+    [read] = [c for c in rig.D.pending_commands() if isinstance(c, C.ReadBlocks)]
+    assert read.window_from == 8
+    rig.dd.complete(read.command_id, 0, count)
+    rig.dd.run_until_idle()
+    [rc] = rig.notices(rig.dd, C.Recompute)
+    assert rc.from_token == want
+
+
 def test_window_groups_are_refused_layer_wise():
     for make in (lambda: PrefillLifecycle(windowed(), 8, layerwise=True),
                  lambda: DecodeLifecycle(windowed(), 8, layerwise=True)):
