@@ -225,3 +225,42 @@ def test_abort_in_every_state_leaks_nothing(model, state):
     assert r.abort_in is None, f"the run never reached {state}"
     assert r.ended is not None and r.ended[0] == "aborted", r.ended
     assert_exact(model, reqs, skip=(r.rid,))
+
+
+@pytest.fixture(scope="module")
+def window_model():
+    """Gemma 2's pattern: a sliding window of two blocks on every other layer."""
+    from model import LlamaConfig, TinyLlama
+
+    return TinyLlama(LlamaConfig(window=2 * BS, window_layers=(0, 2)), seed=0)
+
+
+def window_read_bytes(spec, reqs) -> int:
+    """What D reads of every prompt: each full layer's blocks, each window layer's from the
+    block its last window starts in."""
+    full = sum(len(g.layers) for g in spec.groups if g.kind == "full")
+    window = spec.layers - full
+    per_layer = sum(spec.chunk_bytes(k) for k in spec.kinds) * spec.tp_size
+    blocks = [(-(-len(r.prompt) // BS), spec.window_first_block(len(r.prompt))) for r in reqs]
+    return sum((full * n + window * (n - w)) * per_layer for n, w in blocks)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_sliding_window_model_is_token_exact_reading_only_its_last_windows(window_model, tp):
+    reqs = workload(12)
+    eng, leaks = serve(window_model, reqs, tp=tp)
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(window_model, reqs)
+    want = window_read_bytes(eng.d_spec, reqs)
+    assert eng.backends[1].bytes_moved == want < sum(-(-len(r.prompt) // BS) for r in reqs) * (
+        eng.d_spec.bytes_per_block_per_rank * tp)
+
+
+@pytest.mark.parametrize("fault", [0, 1, "fail"])
+def test_a_sliding_window_model_recomputes_exactly_after_a_failed_read(window_model, fault):
+    from kvstate import Policy
+
+    reqs = workload(8, per_request={i: {"read_fault": fault} for i in (4, 5, 7)})
+    _, leaks = serve(window_model, reqs, policy=Policy(read_failure="recompute"))
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(window_model, reqs)

@@ -20,17 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from model import PagedCache, TinyLlama
+from model import LlamaConfig, PagedCache, TinyLlama
 
 from kvstate import CacheSpec, Policy
 from kvstate import commands as C
 from kvstate.backends import StepDriver, Store
 from kvstate.backends.cuda import CudaBackend
 from kvstate.decode import DecodeLifecycle
+from kvstate.layers import LayerGroup
 from kvstate.prefill import PrefillLifecycle
 from kvstate.spec import paired
 
-__all__ = ["Request", "PDEngine", "monolithic"]
+__all__ = ["Request", "PDEngine", "layer_groups", "monolithic"]
 
 
 @dataclass
@@ -77,6 +78,15 @@ def monolithic(model: TinyLlama, requests: list[Request], block_size: int) -> di
     return out
 
 
+def layer_groups(cfg: LlamaConfig) -> tuple[LayerGroup, ...]:
+    """The cache's groups: none for a model of full-attention layers only; else its window
+    layers (stored apart, D reading them from their last window on) and its full ones."""
+    if not cfg.window_layers:
+        return ()
+    full = tuple(i for i in range(cfg.layers) if i not in cfg.window_layers)
+    return (LayerGroup("window", cfg.window_layers, window=cfg.window), LayerGroup("full", full))
+
+
 class PDEngine:
     """One P instance of ``tp`` ranks and one D instance of ``d_tp`` (default ``tp``) on one
     GPU, sharing ``store``: of different TP degrees, they store head groups both can split
@@ -93,7 +103,8 @@ class PDEngine:
         d_tp = d_tp or tp
         p_spec, d_spec = (CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // n, block_size=block_size,
                                     head_dim=cfg.head_dim, dtype="bfloat16", tp_size=n,
-                                    layer_groups=cfg.layers if layerwise else 1) for n in (tp, d_tp))
+                                    layer_groups=cfg.layers if layerwise else 1, groups=layer_groups(cfg))
+                          for n in (tp, d_tp))
         self.spec, self.d_spec = (p_spec, d_spec) if tp == d_tp else paired(p_spec, d_spec)
         policy = policy or Policy()
         clock: Callable[[], float] = lambda: self.now  # noqa: E731

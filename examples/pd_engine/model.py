@@ -1,4 +1,5 @@
-"""A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU) whose KV cache is kvstate's pages.
+"""A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU) whose KV cache is kvstate's pages,
+with optional sliding-window layers interleaved with full-attention ones (Gemma 2's pattern).
 
 Per TP rank, layer and kind the cache is ``[num_blocks, kv_heads_per_rank, block_size,
 head_dim]`` — the layout kvstate moves — and a request's block table lists its blocks in token
@@ -6,6 +7,10 @@ order. Attention gathers a request's pages through the table: slow, but exact, a
 arithmetic of a chunk depends only on its tokens, its positions and the cached bytes, never on
 which physical blocks hold them. That is what lets a handoff (P computes, D reads the bytes
 back into other blocks) reproduce a monolithic run bit for bit.
+
+A window layer (``window`` tokens, on the layers ``window_layers``) lets a token attend to
+itself and the ``window - 1`` before it, and gathers only the pages from the block its chunk's
+earliest window starts in: pages before it are never touched, so D need not read them.
 
 Weights are random from a fixed seed; nothing is downloaded.
 """
@@ -31,6 +36,15 @@ class LlamaConfig:
     ffn: int = 512
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    window: int = 0  #: tokens a window layer attends to (0: every layer is full attention)
+    window_layers: tuple[int, ...] = ()  #: the layers with a sliding window
+
+    def first_position(self, layer: int, start: int, block_size: int) -> int:
+        """The first position layer ``layer`` gathers for a chunk starting at ``start``: 0, or
+        for a window layer the start of the block its chunk's earliest window begins in."""
+        if layer not in self.window_layers:
+            return 0
+        return max(0, start - self.window + 1) // block_size * block_size
 
 
 class PagedCache:
@@ -55,13 +69,14 @@ class PagedCache:
         for r, by_kind in enumerate(self.caches):
             by_kind[kind][layer][blk, :, off, :] = x[:, r * h:(r + 1) * h].to(by_kind[kind][layer].dtype)
 
-    def get(self, layer: int, kind: str, table: torch.Tensor, length: int) -> torch.Tensor:
-        """The request's first ``length`` positions, ``[kv_heads, length, head_dim]`` in float32."""
-        nblk = -(-length // self.block_size)
+    def get(self, layer: int, kind: str, table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+        """The request's positions ``first..length-1`` (``first`` on a block boundary),
+        ``[kv_heads, length - first, head_dim]`` in float32."""
+        nblk, lo = -(-length // self.block_size), first // self.block_size
         parts = []
         for by_kind in self.caches:
-            pages = by_kind[kind][layer][table[:nblk]]  # [nblk, h, bs, d]
-            parts.append(pages.permute(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, :length])
+            pages = by_kind[kind][layer][table[lo:nblk]]  # [nblk - lo, h, bs, d]
+            parts.append(pages.permute(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, :length - first])
         return torch.cat(parts, 0).float()
 
 
@@ -97,6 +112,14 @@ class TinyLlama:
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
 
+    def _visible(self, layer: int, pos: torch.Tensor, first: int, length: int) -> torch.Tensor:
+        """``[m, length - first]``: which gathered positions each query may attend to."""
+        keys = torch.arange(first, length, device=pos.device)[None, :]
+        seen = pos[:, None] >= keys
+        if layer in self.cfg.window_layers:
+            seen &= pos[:, None] - keys < self.cfg.window
+        return seen
+
     @torch.no_grad()
     def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int],
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -107,17 +130,17 @@ class TinyLlama:
         m, length = len(tokens), start + len(tokens)
         pos = torch.arange(start, length, device=dev)
         tab = torch.tensor(table, dtype=torch.long, device=dev)
-        causal = pos[:, None] >= torch.arange(length, device=dev)[None, :]  # [m, length]
         x = self.embed[torch.tensor(tokens, device=dev)]
         for i, p in enumerate(self.layers):
             h = self._rms(x, p["norm1"])
             q = self._rope((h @ p["wq"]).view(m, c.heads, c.head_dim), pos)
             cache.put(i, "key", tab, pos, self._rope((h @ p["wk"]).view(m, c.kv_heads, c.head_dim), pos))
             cache.put(i, "value", tab, pos, (h @ p["wv"]).view(m, c.kv_heads, c.head_dim))
-            k = cache.get(i, "key", tab, length).repeat_interleave(c.heads // c.kv_heads, 0)
-            v = cache.get(i, "value", tab, length).repeat_interleave(c.heads // c.kv_heads, 0)
+            first = c.first_position(i, start, cache.block_size)
+            k = cache.get(i, "key", tab, length, first).repeat_interleave(c.heads // c.kv_heads, 0)
+            v = cache.get(i, "value", tab, length, first).repeat_interleave(c.heads // c.kv_heads, 0)
             s = torch.einsum("mhd,hld->hml", q, k) / math.sqrt(c.head_dim)
-            a = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+            a = torch.softmax(s.masked_fill(~self._visible(i, pos, first, length), float("-inf")), -1)
             x = x + torch.einsum("hml,hld->mhd", a, v).reshape(m, -1) @ p["wo"]
             h = self._rms(x, p["norm2"])
             x = x + (torch.nn.functional.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
