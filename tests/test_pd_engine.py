@@ -264,3 +264,35 @@ def test_a_sliding_window_model_recomputes_exactly_after_a_failed_read(window_mo
     _, leaks = serve(window_model, reqs, policy=Policy(read_failure="recompute"))
     assert leaks == {"P": 0, "D": 0, "pinned": 0}
     assert_exact(window_model, reqs)
+
+
+@pytest.fixture(scope="module")
+def mla_model():
+    """DeepSeek-V2-shaped attention: a latent of 64 + 16 rotated values a token, no value cache."""
+    from model import LlamaConfig, TinyLlama
+
+    return TinyLlama(LlamaConfig(kv_lora_rank=64, rope_dim=16), seed=0)
+
+
+def test_an_mla_model_is_token_exact_and_stores_its_latent_once(mla_model):
+    from kvstate.backends import MemoryStore
+
+    used = {}
+    for tp in (1, 2):
+        store, reqs = MemoryStore(1 << 30), workload(12)
+        eng, leaks = serve(mla_model, reqs, store=store, tp=tp)
+        assert leaks == {"P": 0, "D": 0, "pinned": 0}
+        assert_exact(mla_model, reqs)  # at TP 2 each D rank's heads come from its own copy
+        assert eng.spec.kinds == ("key",) and eng.spec.bytes_per_block_per_rank == eng.spec.layers * BS * 80 * 2
+        used[tp] = store.used_bytes
+    assert used[1] == used[2] > 0  # rank 0 writes: TP 2 stores no second copy
+
+
+@pytest.mark.parametrize("fault", [1, "fail"])
+def test_an_mla_model_recomputes_exactly_after_a_failed_read(mla_model, fault):
+    from kvstate import Policy
+
+    reqs = workload(8, per_request={i: {"read_fault": fault} for i in (4, 5, 7)})
+    _, leaks = serve(mla_model, reqs, tp=2, policy=Policy(read_failure="recompute"))
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert_exact(mla_model, reqs)

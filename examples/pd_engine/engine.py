@@ -31,7 +31,7 @@ from kvstate.layers import LayerGroup
 from kvstate.prefill import PrefillLifecycle
 from kvstate.spec import paired
 
-__all__ = ["Request", "PDEngine", "layer_groups", "monolithic"]
+__all__ = ["Request", "PDEngine", "cache_spec", "layer_groups", "monolithic"]
 
 
 @dataclass
@@ -79,12 +79,24 @@ def monolithic(model: TinyLlama, requests: list[Request], block_size: int) -> di
 
 
 def layer_groups(cfg: LlamaConfig) -> tuple[LayerGroup, ...]:
-    """The cache's groups: none for a model of full-attention layers only; else its window
-    layers (stored apart, D reading them from their last window on) and its full ones."""
+    """The cache's groups: one latent group for an MLA model (stored once, read by every
+    rank); none for a model of full-attention layers only; else its window layers (stored
+    apart, D reading them from their last window on) and its full ones."""
+    if cfg.latent:
+        return (LayerGroup("latent", tuple(range(cfg.layers))),)
     if not cfg.window_layers:
         return ()
     full = tuple(i for i in range(cfg.layers) if i not in cfg.window_layers)
     return (LayerGroup("window", cfg.window_layers, window=cfg.window), LayerGroup("full", full))
+
+
+def cache_spec(cfg: LlamaConfig, tp: int, block_size: int, layerwise: bool = False) -> CacheSpec:
+    """The cache of ``cfg`` at TP ``tp`` as kvstate describes it (MLA: one replicated latent
+    head, no value cache)."""
+    heads = dict(kv_heads=1, total_kv_heads=1, head_dim=cfg.latent, has_value=False) if cfg.latent else \
+        dict(kv_heads=cfg.kv_heads // tp, head_dim=cfg.head_dim)
+    return CacheSpec(num_layers=cfg.layers, block_size=block_size, dtype="bfloat16", tp_size=tp,
+                     layer_groups=cfg.layers if layerwise else 1, groups=layer_groups(cfg), **heads)
 
 
 class PDEngine:
@@ -101,10 +113,7 @@ class PDEngine:
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         d_tp = d_tp or tp
-        p_spec, d_spec = (CacheSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads // n, block_size=block_size,
-                                    head_dim=cfg.head_dim, dtype="bfloat16", tp_size=n,
-                                    layer_groups=cfg.layers if layerwise else 1, groups=layer_groups(cfg))
-                          for n in (tp, d_tp))
+        p_spec, d_spec = (cache_spec(cfg, n, block_size, layerwise) for n in (tp, d_tp))
         self.spec, self.d_spec = (p_spec, d_spec) if tp == d_tp else paired(p_spec, d_spec)
         policy = policy or Policy()
         clock: Callable[[], float] = lambda: self.now  # noqa: E731

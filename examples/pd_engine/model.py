@@ -1,5 +1,6 @@
 """A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU) whose KV cache is kvstate's pages,
-with optional sliding-window layers interleaved with full-attention ones (Gemma 2's pattern).
+with optional sliding-window layers interleaved with full-attention ones (Gemma 2's pattern),
+or DeepSeek-V2's multi-head latent attention (MLA) in place of GQA.
 
 Per TP rank, layer and kind the cache is ``[num_blocks, kv_heads_per_rank, block_size,
 head_dim]`` — the layout kvstate moves — and a request's block table lists its blocks in token
@@ -11,6 +12,11 @@ back into other blocks) reproduce a monolithic run bit for bit.
 A window layer (``window`` tokens, on the layers ``window_layers``) lets a token attend to
 itself and the ``window - 1`` before it, and gathers only the pages from the block its chunk's
 earliest window starts in: pages before it are never touched, so D need not read them.
+
+With ``kv_lora_rank`` (MLA), a token's cache is one latent vector: ``kv_lora_rank`` values
+(normalised) and ``rope_dim`` rotated key values, the same on every TP rank. Each rank keeps its
+own copy and computes its share of the heads from it, decompressing keys and values through
+``w_uk`` and ``w_uv``, as DeepSeek-V2's deployments do; there is no value cache.
 
 Weights are random from a fixed seed; nothing is downloaded.
 """
@@ -38,6 +44,13 @@ class LlamaConfig:
     eps: float = 1e-5
     window: int = 0  #: tokens a window layer attends to (0: every layer is full attention)
     window_layers: tuple[int, ...] = ()  #: the layers with a sliding window
+    kv_lora_rank: int = 0  #: MLA's latent size (0: GQA); its rotated key part has ``rope_dim`` values
+    rope_dim: int = 16
+
+    @property
+    def latent(self) -> int:
+        """Values a token's MLA cache holds (0: GQA)."""
+        return self.kv_lora_rank + self.rope_dim if self.kv_lora_rank else 0
 
     def first_position(self, layer: int, start: int, block_size: int) -> int:
         """The first position layer ``layer`` gathers for a chunk starting at ``start``: 0, or
@@ -55,26 +68,32 @@ class PagedCache:
 
     def __init__(self, cfg: LlamaConfig, num_blocks: int, block_size: int, tp: int = 1,
                  dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> None:
-        if cfg.kv_heads % tp:
+        if not cfg.latent and cfg.kv_heads % tp:
             raise ValueError(f"kv_heads {cfg.kv_heads} do not split over {tp} ranks")
-        self.block_size, self.tp, self.heads_per_rank = block_size, tp, cfg.kv_heads // tp
-        shape = (num_blocks, self.heads_per_rank, block_size, cfg.head_dim)
+        self.block_size, self.tp = block_size, tp
+        self.replicated = bool(cfg.latent)  #: MLA: one latent head, the same on every rank
+        self.heads_per_rank = 1 if cfg.latent else cfg.kv_heads // tp
+        kinds = ("key",) if cfg.latent else ("key", "value")
+        shape = (num_blocks, self.heads_per_rank, block_size, cfg.latent or cfg.head_dim)
         self.caches = [{kind: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.layers)]
-                        for kind in ("key", "value")} for _ in range(tp)]
+                        for kind in kinds} for _ in range(tp)]
 
     def put(self, layer: int, kind: str, table: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
-        """Store ``x`` ``[m, kv_heads, head_dim]`` for positions ``pos`` of the request."""
+        """Store ``x`` ``[m, kv_heads, head_dim]`` for positions ``pos`` of the request (MLA:
+        ``[m, 1, latent]``, on every rank)."""
         blk, off = table[pos // self.block_size], pos % self.block_size
         h = self.heads_per_rank
         for r, by_kind in enumerate(self.caches):
-            by_kind[kind][layer][blk, :, off, :] = x[:, r * h:(r + 1) * h].to(by_kind[kind][layer].dtype)
+            part = x if self.replicated else x[:, r * h:(r + 1) * h]
+            by_kind[kind][layer][blk, :, off, :] = part.to(by_kind[kind][layer].dtype)
 
-    def get(self, layer: int, kind: str, table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    def get(self, layer: int, kind: str, table: torch.Tensor, length: int, first: int = 0,
+            rank: int | None = None) -> torch.Tensor:
         """The request's positions ``first..length-1`` (``first`` on a block boundary),
-        ``[kv_heads, length - first, head_dim]`` in float32."""
+        ``[kv_heads, length - first, head_dim]`` in float32: every rank's heads, or ``rank``'s."""
         nblk, lo = -(-length // self.block_size), first // self.block_size
         parts = []
-        for by_kind in self.caches:
+        for by_kind in self.caches if rank is None else self.caches[rank:rank + 1]:
             pages = by_kind[kind][layer][table[lo:nblk]]  # [nblk - lo, h, bs, d]
             parts.append(pages.permute(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, :length - first])
         return torch.cat(parts, 0).float()
@@ -92,22 +111,30 @@ class TinyLlama:
 
         c = cfg
         self.embed = torch.randn(c.vocab, c.hidden, generator=g).to(device)
-        self.layers = [dict(norm1=1 + 0.1 * torch.randn(c.hidden, generator=g).to(device),
-                            wq=w(c.hidden, c.heads * c.head_dim), wk=w(c.hidden, c.kv_heads * c.head_dim),
-                            wv=w(c.hidden, c.kv_heads * c.head_dim), wo=w(c.heads * c.head_dim, c.hidden),
+
+        def attention() -> dict[str, torch.Tensor]:
+            if not c.latent:
+                return dict(wq=w(c.hidden, c.heads * c.head_dim), wk=w(c.hidden, c.kv_heads * c.head_dim),
+                            wv=w(c.hidden, c.kv_heads * c.head_dim))
+            return dict(wq=w(c.hidden, c.heads * (c.head_dim + c.rope_dim)), wdkv=w(c.hidden, c.latent),
+                        kv_norm=1 + 0.1 * torch.randn(c.kv_lora_rank, generator=g).to(device),
+                        wuk=w(c.kv_lora_rank, c.heads * c.head_dim), wuv=w(c.kv_lora_rank, c.heads * c.head_dim))
+
+        self.layers = [dict(norm1=1 + 0.1 * torch.randn(c.hidden, generator=g).to(device), **attention(),
+                            wo=w(c.heads * c.head_dim, c.hidden),
                             norm2=1 + 0.1 * torch.randn(c.hidden, generator=g).to(device),
                             wg=w(c.hidden, c.ffn), wu=w(c.hidden, c.ffn), wd=w(c.ffn, c.hidden))
                        for _ in range(c.layers)]
         self.norm = torch.ones(c.hidden, device=device)
         self.lm_head = w(c.hidden, c.vocab)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        self.inv_freq = inv.to(device)
+        self.inv_freq = {d: (1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(device)
+                         for d in {c.head_dim, c.rope_dim}}
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps) * weight
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        ang = pos.float()[:, None] * self.inv_freq[None, :]  # [m, d/2]
+        ang = pos.float()[:, None] * self.inv_freq[x.shape[-1]][None, :]  # [m, d/2]
         cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
@@ -119,6 +146,46 @@ class TinyLlama:
         if layer in self.cfg.window_layers:
             seen &= pos[:, None] - keys < self.cfg.window
         return seen
+
+    def _gqa(self, i: int, p: dict[str, torch.Tensor], h: torch.Tensor, pos: torch.Tensor, start: int,
+             cache: PagedCache, tab: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention of layer ``i`` over a chunk from ``start``: ``[m, heads, head_dim]``."""
+        c, m = self.cfg, len(pos)
+        length = start + m
+        q = self._rope((h @ p["wq"]).view(m, c.heads, c.head_dim), pos)
+        cache.put(i, "key", tab, pos, self._rope((h @ p["wk"]).view(m, c.kv_heads, c.head_dim), pos))
+        cache.put(i, "value", tab, pos, (h @ p["wv"]).view(m, c.kv_heads, c.head_dim))
+        first = c.first_position(i, start, cache.block_size)
+        k = cache.get(i, "key", tab, length, first).repeat_interleave(c.heads // c.kv_heads, 0)
+        v = cache.get(i, "value", tab, length, first).repeat_interleave(c.heads // c.kv_heads, 0)
+        s = torch.einsum("mhd,hld->hml", q, k) / math.sqrt(c.head_dim)
+        a = torch.softmax(s.masked_fill(~self._visible(i, pos, first, length), float("-inf")), -1)
+        return torch.einsum("hml,hld->mhd", a, v)
+
+    def _mla(self, i: int, p: dict[str, torch.Tensor], h: torch.Tensor, pos: torch.Tensor, start: int,
+             cache: PagedCache, tab: torch.Tensor) -> torch.Tensor:
+        """Multi-head latent attention of layer ``i`` over a chunk from ``start``: each TP
+        rank's heads from its own copy of the latent cache; ``[m, heads, head_dim]``. Every
+        rank's pass computes all heads and keeps its own, so the arithmetic, and the result
+        bit for bit, does not depend on the TP degree."""
+        c, m = self.cfg, len(pos)
+        length = start + m
+        q = (h @ p["wq"]).view(m, c.heads, c.head_dim + c.rope_dim)
+        q_nope, q_pe = q[..., :c.head_dim], self._rope(q[..., c.head_dim:], pos)
+        lat = h @ p["wdkv"]
+        k_pe = self._rope(lat[:, None, c.kv_lora_rank:], pos)[:, 0]
+        cache.put(i, "key", tab, pos, torch.cat((self._rms(lat[:, :c.kv_lora_rank], p["kv_norm"]), k_pe), -1)[:, None])
+        per_rank, out = c.heads // cache.tp, []
+        for r in range(cache.tp):
+            cached = cache.get(i, "key", tab, length, 0, rank=r)[0]  # [length, latent]
+            ckv, kpe = cached[:, :c.kv_lora_rank], cached[:, c.kv_lora_rank:]
+            k = (ckv @ p["wuk"]).view(length, c.heads, c.head_dim)
+            v = (ckv @ p["wuv"]).view(length, c.heads, c.head_dim)
+            s = (torch.einsum("mhd,lhd->hml", q_nope, k)
+                 + torch.einsum("mhd,ld->hml", q_pe, kpe)) / math.sqrt(c.head_dim + c.rope_dim)
+            a = torch.softmax(s.masked_fill(~self._visible(i, pos, 0, length), float("-inf")), -1)
+            out.append(torch.einsum("hml,lhd->mhd", a, v)[:, r * per_rank:(r + 1) * per_rank])
+        return torch.cat(out, 1)
 
     @torch.no_grad()
     def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int],
@@ -133,15 +200,8 @@ class TinyLlama:
         x = self.embed[torch.tensor(tokens, device=dev)]
         for i, p in enumerate(self.layers):
             h = self._rms(x, p["norm1"])
-            q = self._rope((h @ p["wq"]).view(m, c.heads, c.head_dim), pos)
-            cache.put(i, "key", tab, pos, self._rope((h @ p["wk"]).view(m, c.kv_heads, c.head_dim), pos))
-            cache.put(i, "value", tab, pos, (h @ p["wv"]).view(m, c.kv_heads, c.head_dim))
-            first = c.first_position(i, start, cache.block_size)
-            k = cache.get(i, "key", tab, length, first).repeat_interleave(c.heads // c.kv_heads, 0)
-            v = cache.get(i, "value", tab, length, first).repeat_interleave(c.heads // c.kv_heads, 0)
-            s = torch.einsum("mhd,hld->hml", q, k) / math.sqrt(c.head_dim)
-            a = torch.softmax(s.masked_fill(~self._visible(i, pos, first, length), float("-inf")), -1)
-            x = x + torch.einsum("hml,hld->mhd", a, v).reshape(m, -1) @ p["wo"]
+            attend = self._mla if c.latent else self._gqa
+            x = x + attend(i, p, h, pos, start, cache, tab).reshape(m, -1) @ p["wo"]
             h = self._rms(x, p["norm2"])
             x = x + (torch.nn.functional.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
             if on_layer is not None:

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine import Request, monolithic, prefill_chunks
+from engine import Request, cache_spec, monolithic, prefill_chunks
 from model import LlamaConfig, PagedCache, TinyLlama
 
-from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle
+from kvstate import DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate import commands as C
 from kvstate.distributed import ProcessDriver
 from kvstate.distributed.cudaipc import share_caches
@@ -54,8 +54,7 @@ class Side:
         self.role, self.cfg = role, cfg
         self.model = TinyLlama(LlamaConfig(), seed=0)
         mc, tp, bs, nb = self.model.cfg, cfg["tp"], cfg["block_size"], cfg["blocks"]
-        self.spec = CacheSpec(num_layers=mc.layers, kv_heads=mc.kv_heads // tp, block_size=bs,
-                              head_dim=mc.head_dim, dtype="bfloat16", tp_size=tp)
+        self.spec = cache_spec(mc, tp, bs)
         self.cache = PagedCache(mc, nb, bs, tp)
         cls = PrefillLifecycle if role == "prefill" else DecodeLifecycle
         self.lc = cls(self.spec, nb, Policy(transfer_timeout=30.0, fence_grace=10.0))
