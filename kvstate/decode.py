@@ -31,11 +31,20 @@ Rules:
   attention. The request is runnable, and that step's token counts, only once ``StartDecode``
   follows; a load that stops short recomputes or fails as a read does, and the engine drops
   the step.
+- When every layer is a window layer (``CacheSpec.frees_behind_window``), ``append_tokens``
+  frees the blocks wholly behind the next step's window; the request's table reads
+  ``kvstate.pool.FREED`` there. With any full layer, every block stays (a block holds every
+  layer of its tokens).
 - Decoded tokens grow the request block by block. Preemption from ``running`` writes the cache
   out first when the policy says ``write`` and frees the blocks only once that write answered
   (a failed write-back falls back to recomputing); from reading, reloading or recomputing it
   frees at once (an unanswered read keeps its pins). ``resume`` reloads a stored cache, or
   recomputes.
+- A recompute goes out only once no read or swap-in the request gave up on (its deadline
+  passed, its fence not yet) can still land in its blocks: until then it is held back, and
+  it leaves when that transfer answers or its fence passes. A late read brings a cache's
+  bytes as they were stored; after the recompute, decode steps change the last block, and a
+  read landing then would overwrite them.
 - With a host tier, preemption can swap the cache to host memory and back: its rules, rows
   and actions are in :mod:`kvstate.decode_swap`, whose rows come first in the table.
 - Every failure row recycles in the same step; ``abort`` leaves every live state. A late first
@@ -54,6 +63,7 @@ from .errors import ConfigError, InvalidTransitionError, OutOfBlocksError, Valid
 from .keys import KeyCache, full_blocks
 from .machine import CompiledMachine, MachineDef
 from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, Policy, prefill_reason
+from .pool import FREED
 from .registry import Request
 from .spec import CacheSpec
 from .validate import check_int, check_layerwise, check_token, check_tokens, is_int
@@ -61,6 +71,8 @@ from .validate import check_int, check_layerwise, check_token, check_tokens, is_
 __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
 
 ERROR_NO_FIRST_TOKEN = ERROR_TIMEOUT  #: D's wait for P's first token passed its deadline
+#: transfers that scatter into GPU blocks: one given up on may still land until its fence
+LANDING = (C.ReadBlocks, C.LoadLayers, C.SwapIn)
 
 _LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading",
          *SWAP_STATES)
@@ -188,7 +200,22 @@ class DecodeLifecycle(SwapActions):
         req.blocks.extend(added)
         req.tokens.extend(new)
         req.stored_keys = None  # the store no longer holds the whole cache
+        if self.spec.frees_behind_window:
+            self._free_behind_window(req)
         return tuple(added)
+
+    def _free_behind_window(self, req: Request) -> None:
+        """Free the blocks wholly behind the window of the request's next step (every layer a
+        window layer): their table entries become :data:`~kvstate.pool.FREED`, and the
+        request is one whose early blocks hold nothing (``window_from``)."""
+        first = self.spec.window_first_block(len(req.tokens) - 1)
+        behind = [b for b in req.blocks[:first] if b != FREED]
+        if not behind:
+            return
+        self._transfers.pin(req)  # a transfer it abandoned may still touch them: pinned until answered
+        req.blocks[:first] = [FREED] * first
+        req.window_from = max(req.window_from, first)
+        self.pool.release(behind)  # D queues no work on free blocks: nothing to wake
 
     def preempt(self, request_id: str) -> None:
         """Take the request's blocks back: write its cache out first if the policy says so.
@@ -301,7 +328,24 @@ class DecodeLifecycle(SwapActions):
         start = req.hits if value is None else value
         if not start:
             req.window_from = 0  # every block is computed again, window layers included
-        self._out.append(C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size))
+        cmd = C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size)
+        req.deferred = cmd if self._landing(req) else None
+        if req.deferred is None:
+            self._out.append(cmd)
+
+    @staticmethod
+    def _landing(req: Request) -> bool:
+        """Whether a read or swap-in of the request that it gave up on (its deadline passed, its
+        fence not yet) may still scatter into its blocks."""
+        return any(t.cmd.__class__ in LANDING for t in req.inflight)
+
+    def _retire(self, t: Any) -> None:
+        """Retire ``t``; a recompute held back for it goes out once nothing can land any more."""
+        req = t.req
+        super()._retire(t)
+        if req is not None and req.deferred is not None and req.state == "recomputing" and not self._landing(req):
+            cmd, req.deferred = req.deferred, None
+            self._out.append(cmd)
 
     def _start_decode(self, req: Request, value: Any) -> None:
         if self.prefix_cache is not None and not req.window_from:  # its blocks hold its whole cache now

@@ -36,7 +36,7 @@ from .keys import KeyCache, keys_of_packed
 from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
 from .policy import ERROR_ABORTED, Policy
-from .pool import BlockPool
+from .pool import FREED, BlockPool
 from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
@@ -140,7 +140,7 @@ class Lifecycle:
         return self._transfers.pinned_blocks()
 
     def owned_blocks(self) -> dict[str, tuple[int, ...]]:
-        return {rid: tuple(r.blocks) for rid, r in self._reqs.items()}
+        return {rid: tuple(r.blocks) for rid, r in self._reqs.items()}  # by position: FREED where freed
 
     def queued_commands(self) -> int:
         """Commands queued since the last :meth:`poll_commands`."""
@@ -336,7 +336,7 @@ class Lifecycle:
                 self._out.append(C.CancelCommand(req.id, req.cmd))
             req.cmd = 0
         self._transfers.pin(req)
-        blocks, req.blocks = req.blocks, []
+        blocks, req.blocks = [b for b in req.blocks if b != FREED], []
         if ended is not None:
             ended.block_ids = tuple(blocks)
             self._out.append(ended)

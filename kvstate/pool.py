@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from .errors import BlockError, OutOfBlocksError
 from .validate import MAX_BLOCKS, check_int, is_int
 
-__all__ = ["BlockPool", "PoolStats"]
+__all__ = ["BlockPool", "FREED", "PoolStats"]
+
+#: a block table entry whose block a request freed behind its sliding window (see
+#: :attr:`~kvstate.spec.CacheSpec.frees_behind_window`): no block, never read or written
+FREED = -1
 
 
 @dataclass(frozen=True, slots=True)

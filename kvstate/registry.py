@@ -23,7 +23,7 @@ class Request:
 
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base", "retries",
                  "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight", "host_keys",
-                 "host_fresh", "hits", "layers", "saved", "window_from")
+                 "host_fresh", "hits", "layers", "saved", "window_from", "deferred")
 
     def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
@@ -50,6 +50,8 @@ class Request:
         self.saved = 0  #: P, layer-wise: leading keys its save stored, when it answered before the prefill ended
         #: D: its blocks before this one hold no window layers (read without them): never shared
         self.window_from = 0
+        #: D: a Recompute held back while an abandoned read or swap-in may still land in its blocks
+        self.deferred: Any = None
 
 
 class Registry:

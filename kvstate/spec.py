@@ -279,6 +279,12 @@ class CacheSpec:
         return min((window_start(g.window, num_tokens, self.block_size) for g in self.groups if g.kind == "window"),
                    default=0)
 
+    @property
+    def frees_behind_window(self) -> bool:
+        """Whether every paged layer is a window layer (Mistral's pattern): then no layer needs
+        a block wholly behind the window, and a decoding request frees it."""
+        return bool(self.stored_groups) and all(g.kind == "window" for g in self.stored_groups)
+
     def resume_blocks(self, whole: int, window_end: int, window_from: int, blocks: int) -> int:
         """Leading blocks a cache can be continued from after a read that took ``whole``
         leading blocks of its full groups and its window groups' blocks ``[window_from,

@@ -79,6 +79,6 @@ def mismatched_needed(backend: Any, keys: Sequence[str], block_ids: Sequence[int
     groups other than window ones (a window-first read brings no other)."""
     spec = backend.spec
     first = min(spec.window_first_block(num_tokens), len(keys))
-    full = [i for g in spec.groups if g.kind != "window" for i in g.layers] or None
-    return mismatched_blocks(backend, keys[:first], block_ids, layers=full) + \
-        [(first + i, r, k) for i, r, k in mismatched_blocks(backend, keys[first:], block_ids[first:])]
+    full = [i for g in spec.groups if g.kind != "window" for i in g.layers]
+    early = mismatched_blocks(backend, keys[:first], block_ids, layers=full or None) if full or not first else []
+    return early + [(first + i, r, k) for i, r, k in mismatched_blocks(backend, keys[first:], block_ids[first:])]

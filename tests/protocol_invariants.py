@@ -9,6 +9,7 @@ from collections import Counter
 from hypothesis.stateful import invariant
 from protocol_support import BS, STATS, fill
 
+from kvstate.pool import FREED
 from kvstate.testing import mismatched_blocks
 
 __all__ = ["PoolInvariants", "DrainedAtTeardown"]
@@ -27,7 +28,7 @@ class PoolInvariants:
         STATS["steps"] += hasattr(self, "rig")
         for lc in self._sides():
             owned = lc.owned_blocks()
-            owners = Counter(b for blocks in owned.values() for b in blocks)
+            owners = Counter(b for blocks in owned.values() for b in blocks if b != FREED)
             if owners:
                 STATS["invariant:block_owned_by_one_request_unless_a_cached_prefix"] += 1
                 twice = {b for b, c in owners.items() if c > 1}
@@ -64,7 +65,7 @@ class PoolInvariants:
             refs = lc.pool.refcounts()
             if any(refs):
                 STATS["invariant:refcount_equals_owners_plus_pins"] += 1
-                owners = Counter(b for blocks in lc.owned_blocks().values() for b in blocks)
+                owners = Counter(b for blocks in lc.owned_blocks().values() for b in blocks if b != FREED)
                 pins = lc.pinned_blocks()
                 bad = [b for b, r in enumerate(refs) if r != owners.get(b, 0) + pins.get(b, 0)]
                 assert not bad, f"refcount_equals_owners_plus_pins: block {bad[0]} has {refs[bad[0]]}"
@@ -119,6 +120,22 @@ class PoolInvariants:
                 for cmd, blocks, pinned, held in views:  # (a flush from host memory touches no GPU block)
                     assert not blocks or (pinned or held) and all(refs[b] >= 1 for b in blocks), \
                         f"transfer_blocks_held_by_their_request_or_pinned: command {cmd.command_id}"
+
+    @invariant()
+    def no_transfer_touches_a_block_freed_behind_the_window(self):
+        """Blocks a decoding request freed behind its window (``FREED`` in its table, a
+        layout whose every layer is a window layer) lead its table and are in no transfer."""
+        d = self.rig.D if hasattr(self, "rig") else None
+        freed = [rid for rid in d.live_requests() if FREED in d.blocks_of(rid)] if d is not None else []
+        if freed:
+            STATS["invariant:no_transfer_touches_a_block_freed_behind_the_window"] += 1
+            for rid in freed:
+                table = d.blocks_of(rid)
+                k = table.count(FREED)
+                assert table[:k] == (FREED,) * k, f"no_transfer_touches_a_block_freed_behind_the_window: {rid} {table}"
+            for cmd, blocks, _, _ in d.transfers():
+                assert FREED not in blocks, \
+                    f"no_transfer_touches_a_block_freed_behind_the_window: command {cmd.command_id} {blocks}"
 
     @invariant()
     def host_refs_equal_holders_plus_copies(self):

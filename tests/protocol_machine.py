@@ -3,8 +3,7 @@ faults, preemptions, aborts and clock ticks, and checks the invariants after eve
 
 Shared by ``tests/test_protocol.py`` (the CI profile, with fault quotas) and
 ``benchmarks/protocol.py`` (the report; ``KVSTATE_PROTOCOL_PROFILE=deep`` for the deep run).
-Every run adds to :data:`~protocol_support.STATS`: examples, steps, injected faults per class,
-invariant checks (the pool's in :mod:`protocol_invariants`, the drained state at teardown).
+Every run adds to :data:`~protocol_support.STATS`: examples, steps, faults per class, invariant checks.
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from collections import Counter
 from conftest import Rig, small_spec
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from protocol_decode import DecodeRules
 from protocol_invariants import DrainedAtTeardown, PoolInvariants
 from protocol_layers import LayerRules
 from protocol_support import BS, KIND, LAYOUTS, STATS, StoreSwitch, decode_mismatches, fill, snapshot
@@ -23,7 +23,7 @@ from kvstate import commands as C
 from kvstate.backends import MemoryStore
 
 
-class Protocol(SwapRules, LayerRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
+class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
     CHECK_DRAINED = True  #: teardown checks the drained state (tests of single invariants turn it off)
 
     @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
@@ -32,13 +32,13 @@ class Protocol(SwapRules, LayerRules, PoolInvariants, DrainedAtTeardown, RuleBas
                 host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]),
                 swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans(),
                 layerwise=st.booleans(), groups=st.sampled_from([1, 2]),
-                layout=st.sampled_from(["plain", "plain", "window", "latent"]))
+                layout=st.sampled_from(["plain", "plain", "window", "sliding", "latent"]))
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
               prefix_cache, layerwise, groups, layout):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1
-        layout = "plain" if layerwise and layout == "window" else layout  # stored by group: not layer-wise
+        layout = "plain" if layerwise and layout in ("window", "sliding") else layout  # by group: not layer-wise
         STATS[f"layout:{layout}"] += 1
-        groups = 1 if layout == "window" else groups
+        groups = 1 if layout in ("window", "sliding") else groups
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,

@@ -41,6 +41,7 @@ INVARIANTS = (
     "transfer_blocks_held_by_their_request_or_pinned",
     "runnable_only_after_full_read_on_every_rank_with_p_bytes", "host_refs_equal_holders_plus_copies",
     "gpu_cached_block_holds_its_keys_bytes", "drained_all_terminal_and_empty",
+    "no_transfer_touches_a_block_freed_behind_the_window",
 )
 STATS: Counter[str] = Counter()
 #: the fault-class stem of each transfer command
@@ -111,10 +112,11 @@ def snapshot(lc) -> tuple:
 
 #: cache layouts drawn: one full group; a window group (W = 2 blocks) beside a full layer, the
 #: window layer second but its group first, so the stored order (group by group) is not the
-#: layers' own; a latent
+#: layers' own; every layer a window layer of one block (Mistral's pattern: D frees blocks behind it); a latent
 #: (MLA) cache, one replicated head stored once
 LAYOUTS = {"plain": {},
            "window": {"groups": (LayerGroup("window", (1,), window=2 * BS), LayerGroup("full", (0,)))},
+           "sliding": {"groups": (LayerGroup("window", (0, 1), window=BS),)},
            "latent": {"kv_heads": 1, "total_kv_heads": 1, "has_value": False,
                       "groups": (LayerGroup("latent", (0, 1)),)}}
 

@@ -15,6 +15,7 @@ from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend
 from kvstate.keys import block_keys, rank_key
 from kvstate.layers import LayerGroup, checkpoint_floor, read_blocks
+from kvstate.pool import FREED
 from kvstate.spec import check_pair
 from kvstate.testing import mismatched_blocks
 
@@ -264,6 +265,55 @@ def test_a_short_window_read_s_count_is_trusted_only_past_its_last_window(n_toke
     rig.dd.run_until_idle()
     [rc] = rig.notices(rig.dd, C.Recompute)
     assert rc.from_token == want
+
+
+def sliding_rig(**kw):
+    """A D whose every layer has a window of two blocks (Mistral's pattern), its 40-token prompt
+    handed off and running."""
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=1,
+                     groups=(G("window", (0, 1), window=WIN),))
+    assert spec.frees_behind_window and not windowed().frees_behind_window
+    rig, toks = Rig(tp=1, spec=spec, **kw), list(range(300, 340))
+    deliver(rig, handoff(rig, "r", toks))
+    rig.dd.run_until_idle()
+    rig.notices(rig.dd)
+    assert rig.D.state_of("r") == "running"
+    return rig, toks
+
+
+def test_a_request_frees_the_blocks_behind_the_window_as_it_decodes():
+    rig, _ = sliding_rig()
+    used, table = rig.D.pool.num_used, rig.D.blocks_of("r")
+    assert len(table) == 11 and FREED not in table  # 40 tokens and the first: 11 blocks
+    for i in range(8):  # the cache grows to 48 tokens: the next step attends to tokens 41..48
+        rig.D.append_tokens("r", [i])
+    now = rig.D.blocks_of("r")
+    assert now[:10] == (FREED,) * 10 and FREED not in now[10:] and now[10] == table[10]
+    assert rig.D.pool.num_used == used - 10 + 2  # ten behind the window freed, two new ones
+    assert set(table[:10]) <= set(rig.D.pool.free_ids()) | set(now[11:])  # free, or taken again as it grew
+    rig.D.finish("r")
+    assert_clean(rig)
+
+
+def test_a_request_with_freed_blocks_writes_back_its_window_and_reloads_it():
+    rig, toks = sliding_rig(policy=dataclasses.replace(Policy(transfer_timeout=10.0, fence_grace=5.0),
+                                                       preempt="write"))
+    for i in range(8):
+        rig.D.append_tokens("r", [i])
+    rig.D.preempt("r")
+    rig.dd.pump()
+    [wb] = [c for c in rig.D.pending_commands() if isinstance(c, C.WriteBlocks)]
+    assert FREED not in wb.block_ids and len(wb.keys) == 2  # the window's whole blocks only
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "preempted"
+    rig.D.resume("r")
+    rig.dd.pump()
+    [read] = [c for c in rig.D.pending_commands() if isinstance(c, C.ReadBlocks)]
+    assert read.window_from == 10
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running"
+    rig.D.finish("r")
+    assert_clean(rig)
 
 
 def test_window_groups_are_refused_layer_wise():

@@ -283,7 +283,7 @@ class StoreBackend(Manifested, TransferBackend):
         return count
 
     def _read_window(self, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int], m: int,
-                     window_from: int, get: Callable[[int, Sequence[str], Sequence[int]], int]) -> int:
+                     window_from: int, get: Callable[[int | None, Sequence[str], Sequence[int]], int]) -> int:
         """Read the first ``m`` blocks of one head group: the full groups' every block, the
         window groups' from ``window_from`` on, each group by ``get(group, keys, block_ids)``
         (leading blocks it scattered); the leading blocks the cache can be continued from
@@ -292,7 +292,8 @@ class StoreBackend(Manifested, TransferBackend):
         per_layer = sum(spec.chunk_bytes(k) for k in spec.kinds) // spec.head_groups
         for g, group in enumerate(spec.stored_groups):
             lo = min(window_from, m) if group.kind == "window" else 0
-            got = get(g, keys[lo:m], block_ids[lo:m]) if m > lo else 0
+            named = g if spec.object_groups > 1 else None  # one group (every layer a window layer): plain names
+            got = get(named, keys[lo:m], block_ids[lo:m]) if m > lo else 0
             self.bytes_moved += got * len(group.layers) * per_layer
             if group.kind == "window":
                 window_end = min(window_end, lo + got)
