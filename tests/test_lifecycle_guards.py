@@ -1,0 +1,59 @@
+"""Behaviours the mutation run of the lifecycle modules found untested (docs/benchmarks.md,
+"Mutation testing"): each test here failed against one or more of its surviving mutants."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import Clock, small_spec
+from lifecycle_helpers import answer_only
+
+from kvstate import MACHINES, InvalidTransitionError, PrefillLifecycle, ValidationError
+from kvstate import commands as C
+from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
+from kvstate.decode import DECODE, DecodeLifecycle
+from kvstate.machine import StockMachine, mermaid
+
+
+@pytest.mark.parametrize("trigger", ["finish", "no_such_event"])
+def test_the_stock_machine_refuses_an_event_naming_request_state_event_and_machine(trigger):
+    machine = StockMachine(DECODE, DecodeLifecycle(small_spec(1), 8))
+    with pytest.raises(InvalidTransitionError) as e:
+        machine.fire(SimpleNamespace(id="r", state="reserved"), trigger)
+    assert (e.value.request_id, e.value.state, e.value.event, e.value.machine) == ("r", "reserved", trigger, "decode")
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+def test_the_diagram_has_its_title_initial_state_and_conditions_and_no_extra_events(name):
+    defn, text = MACHINES[name], mermaid(MACHINES[name])
+    assert text.startswith(f"---\nkvstate {name} lifecycle\n---\n")
+    assert f"[*] --> {defn.initial}" in text
+    for tr in defn.transitions:
+        for cond in [tr["conditions"]] if isinstance(tr.get("conditions"), str) else tr.get("conditions", []):
+            assert f"[{cond}]" in text, cond
+    assert ": to_" not in text  # transitions' automatic to_<state> events are not the machine's
+
+
+def layerwise_prefill():
+    spec = small_spec(tp=1, num_layers=4, layer_groups=2)
+    lc = PrefillLifecycle(spec, 16, clock=Clock(), layerwise=True)
+    drv = StepDriver(lc, ReferenceBackend(spec, 16, MemoryStore(1 << 22)))
+    lc.admit("r", list(range(10)))
+    answer_only(drv, C.ReadBlocks)  # the prefix lookup; the save waits for layers
+    drv.pump()
+    assert lc.state_of("r") == "prefilling" and any(isinstance(c, C.SaveLayers) for c in drv.pending.values())
+    return lc
+
+
+def test_layer_reports_count_from_one_and_name_their_request():
+    lc = layerwise_prefill()
+    with pytest.raises(ValidationError, match=r"layers_done must be an int > 0, got 0"):
+        lc.layers_done("r", 0)
+    assert lc.layers_done("r", 1)
+    [ready] = [c for c in lc.poll_commands() if isinstance(c, C.LayersReady)]
+    assert ready.request_id == "r" and ready.layers == 1
+    lc.abort("r")
+    lc.poll_commands()
+    assert lc.layers_done("r", 2) is False
+    [late] = [c for c in lc.poll_commands() if isinstance(c, C.LateEvent)]
+    assert late.request_id == "r" and late.event == "layers_done"
