@@ -57,3 +57,23 @@ def test_layer_reports_count_from_one_and_name_their_request():
     assert lc.layers_done("r", 2) is False
     [late] = [c for c in lc.poll_commands() if isinstance(c, C.LateEvent)]
     assert late.request_id == "r" and late.event == "layers_done"
+
+
+def test_typed_events_reach_their_method_and_a_foreign_one_is_refused_by_name():
+    from kvstate import events as E
+
+    d = DecodeLifecycle(small_spec(1), 8, clock=Clock())
+    assert d.handle(E.Reserve("r", [1, 2, 3])) == d.blocks_of("r") == (0,)
+    assert d.handle(E.Tick()) == 0
+    assert d.handle(E.Abort("r")) is True and d.live_requests() == []
+    with pytest.raises(ValidationError, match="^DecodeLifecycle does not take Admit events$"):
+        d.handle(E.Admit("q", [1]))
+    assert d.live_requests() == []
+
+
+def test_stats_name_live_requests_pending_commands_and_the_pool():
+    d = DecodeLifecycle(small_spec(1), 8, clock=Clock())
+    d.reserve("r", list(range(9)))  # 3 blocks: 9 tokens and the first
+    st = d.stats()
+    assert st["live"] == 1 and st["pending_commands"] == 0
+    assert st["pool"].used == 3 and st["pool"].free == 5

@@ -133,3 +133,14 @@ def test_swap_in_of_a_partial_copy_is_caught(monkeypatch):
     """A swap-in that declares a partial copy complete starts decoding on wrong bytes."""
     monkeypatch.setattr(DecodeLifecycle, "_swap_in_complete", lambda self, req, value: True)
     fires("runnable_only_after_full_read_on_every_rank_with_p_bytes")
+
+
+def test_no_transfer_touches_a_block_freed_behind_the_window(monkeypatch):
+    real = DecodeLifecycle._free_behind_window
+
+    def forgets_where_the_window_starts(self, req):
+        before = req.window_from
+        real(self, req)
+        req.window_from = before  # a write-back or reload would start before the window
+    monkeypatch.setattr(DecodeLifecycle, "_free_behind_window", forgets_where_the_window_starts)
+    fires("no_transfer_touches_a_block_freed_behind_the_window")
