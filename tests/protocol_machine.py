@@ -32,7 +32,7 @@ class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTear
                 host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]),
                 swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans(),
                 layerwise=st.booleans(), groups=st.sampled_from([1, 2]),
-                layout=st.sampled_from(["plain", "plain", "window", "sliding", "latent"]))
+                layout=st.sampled_from(["plain", "plain", "plain", "window", "sliding", "latent"]))
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
               prefix_cache, layerwise, groups, layout):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1

@@ -51,7 +51,7 @@ CORPUS = Path(__file__).with_name("protocol_corpus")
 LOCAL_FAILURES = Path(__file__).resolve().parents[1] / ".hypothesis" / "protocol"
 
 PROFILES = {  # examples, steps per example
-    "ci": (1000, 60),
+    "ci": (1200, 60),
     "deep": (2500, 60),
     "quick": (60, 40),
 }

@@ -1,5 +1,5 @@
 """Protocol assurance on every CI run: the stateful machine of ``protocol_machine.py`` under the
-CI profile (1,000 examples of up to 60 steps), then the quotas: >= 10,000 steps and every fault
+CI profile (1,200 examples of up to 60 steps), then the quotas: >= 10,000 steps and every fault
 class injected >= 100 times. ``KVSTATE_PROTOCOL_PROFILE=deep`` runs the deep profile instead."""
 from __future__ import annotations
 
