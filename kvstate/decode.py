@@ -137,6 +137,7 @@ class DecodeLifecycle(SwapActions):
         self.counters["host_read_blocks"] = 0  # blocks of P's caches found in the host tier
         self.counters["gpu_read_blocks"] = 0  # ... and found on the GPU (prefix cache): not read
         self._running: set[str] = set()
+        self._frees_behind_window = spec.frees_behind_window  # read on every append_tokens
 
     # -- engine API --------------------------------------------------------------------------
     def can_reserve(self, num_tokens: int) -> bool:
@@ -200,7 +201,7 @@ class DecodeLifecycle(SwapActions):
         req.blocks.extend(added)
         req.tokens.extend(new)
         req.stored_keys = None  # the store no longer holds the whole cache
-        if self.spec.frees_behind_window:
+        if self._frees_behind_window:
             self._free_behind_window(req)
         return tuple(added)
 
@@ -209,9 +210,9 @@ class DecodeLifecycle(SwapActions):
         window layer): their table entries become :data:`~kvstate.pool.FREED`, and the
         request is one whose early blocks hold nothing (``window_from``)."""
         first = self.spec.window_first_block(len(req.tokens) - 1)
-        behind = [b for b in req.blocks[:first] if b != FREED]
-        if not behind:
+        if not first or req.blocks[first - 1] == FREED:  # freed entries lead the table: nothing new behind
             return
+        behind = [b for b in req.blocks[:first] if b != FREED]
         self._transfers.pin(req)  # a transfer it abandoned may still touch them: pinned until answered
         req.blocks[:first] = [FREED] * first
         req.window_from = max(req.window_from, first)

@@ -80,5 +80,5 @@ def mismatched_needed(backend: Any, keys: Sequence[str], block_ids: Sequence[int
     spec = backend.spec
     first = min(spec.window_first_block(num_tokens), len(keys))
     full = [i for g in spec.groups if g.kind != "window" for i in g.layers]
-    early = mismatched_blocks(backend, keys[:first], block_ids, layers=full or None) if full or not first else []
+    early = mismatched_blocks(backend, keys[:first], block_ids, layers=full) if full else []  # window-only: none
     return early + [(first + i, r, k) for i, r, k in mismatched_blocks(backend, keys[first:], block_ids[first:])]

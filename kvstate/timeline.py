@@ -14,11 +14,11 @@ One schema for a real run and a simulated one, so the two open side by side:
 - a ``steps`` thread holding compute steps (the simulator's forwards; an engine may add its own).
 
 Times are whole microseconds (``ts``, ``dur``) from the first event recorded, and a span's end
-is rounded once, so consecutive spans meet exactly instead of overlapping by a rounding error. States are read by
-polling (:meth:`Timeline.states`, once per loop turn): the lifecycles emit no event per state
-change, and a turn is the finest time an engine acts at anyway. A :class:`Timeline` keeps every
-event in memory until written: it is a debugging and planning aid for runs of thousands of
-requests, not an always-on log.
+is rounded once, so consecutive spans meet exactly instead of overlapping by a rounding error.
+States are read by polling (:meth:`Timeline.states`, once per loop turn): the lifecycles emit
+no event per state change, and a turn is the finest time an engine acts at anyway. A
+:class:`Timeline` keeps every event in memory until written: it is a debugging and planning
+aid for runs of thousands of requests, not an always-on log.
 """
 from __future__ import annotations
 
@@ -60,10 +60,14 @@ class Timeline:
     def _us(self, t: float) -> int:
         return round((t - (self._t0 if self._t0 is not None else t)) * 1e6)
 
-    def _span(self, pid: str, tid: str, name: str, start: float, end: float, **args: Any) -> None:
+    def _complete(self, pid: str, tid: str, name: str, start: float, end: float, **args: Any) -> dict[str, Any]:
+        """A complete ("X") event from ``start`` to ``end`` (clock seconds), its end rounded once."""
         ts = self._us(start)
-        self.events.append({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts,
-                            "dur": max(0, self._us(end) - ts), "args": args})
+        return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": max(0, self._us(end) - ts),
+                "args": args}
+
+    def _span(self, pid: str, tid: str, name: str, start: float, end: float, **args: Any) -> None:
+        self.events.append(self._complete(pid, tid, name, start, end, **args))
 
     def states(self, instance: str, lifecycle: Any) -> None:
         """Note the state of every live request of ``lifecycle`` now; a request no longer live
@@ -116,8 +120,7 @@ class Timeline:
     def to_json(self) -> dict[str, Any]:
         """The trace: its events, open states and transfers closed at the clock's time now."""
         now = self._now()
-        tail = [{"name": state, "ph": "X", "pid": inst, "tid": f"req {rid}", "ts": self._us(since),
-                 "dur": max(0, self._us(now) - self._us(since)), "args": {"open": True}}
+        tail = [self._complete(inst, f"req {rid}", state, since, now, open=True)
                 for (inst, rid), (state, since) in self._state.items()]
         return {"traceEvents": self.events + tail, "displayTimeUnit": "ms"}
 
