@@ -2,6 +2,7 @@
 "Mutation testing"): each test here failed against one or more of its surviving mutants."""
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from kvstate import MACHINES, InvalidTransitionError, PrefillLifecycle, Validati
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
 from kvstate.decode import DECODE, DecodeLifecycle
-from kvstate.machine import StockMachine, mermaid
+from kvstate.machine import CompiledMachine, MachineDef, StockMachine, mermaid, stock_machine
 
 
 @pytest.mark.parametrize("trigger", ["finish", "no_such_event"])
@@ -77,3 +78,67 @@ def test_stats_name_live_requests_pending_commands_and_the_pool():
     st = d.stats()
     assert st["live"] == 1 and st["pending_commands"] == 0
     assert st["pool"].used == 3 and st["pool"].free == 5
+
+
+TOY = MachineDef(name="toy", states=("a", "b", "done"), initial="a", terminal=("done",), transitions=(
+    {"trigger": "go", "source": "a", "dest": "b", "conditions": "ok", "after": "note"},
+    {"trigger": "end", "source": "b", "dest": "done"},
+))
+#: the toy with the callback kinds only transitions runs (the compiled machine refuses them)
+TOY_STOCK = dataclasses.replace(TOY, transitions=(
+    {**TOY.transitions[0], "unless": "blocked", "before": "note"}, TOY.transitions[1]))
+
+
+class ToyOwner:
+    """The toy machine's callbacks: ``ok`` says whether ``go`` may fire."""
+
+    def __init__(self, ok: bool) -> None:
+        self.allowed, self.notes = ok, []
+
+    def ok(self, req, value):
+        return self.allowed
+
+    def blocked(self, req, value):
+        return False
+
+    def note(self, req, value):
+        self.notes.append(req.state)
+
+
+@pytest.mark.parametrize("machine_cls", [CompiledMachine, StockMachine])
+def test_a_trigger_whose_conditions_fail_leaves_the_state_and_says_so(machine_cls):
+    req = SimpleNamespace(id="r", state="a")
+    machine = machine_cls(TOY, ToyOwner(ok=False))
+    assert machine.fire(req, "go") is False and req.state == "a"
+    with pytest.raises(InvalidTransitionError) as e:
+        machine.fire(req, "end")
+    assert (e.value.request_id, e.value.state, e.value.event, e.value.machine) == ("r", "a", "end", "toy")
+
+
+def test_the_stock_machine_binds_every_callback_kind_to_the_owner_and_adds_no_events():
+    owner, req = ToyOwner(ok=True), SimpleNamespace(id="r", state="a")
+    assert StockMachine(TOY_STOCK, owner).fire(req, "go") is True and req.state == "b"
+    assert owner.notes == ["a", "b"]  # before the state changed, and after
+    stock = stock_machine(TOY_STOCK)
+    assert set(stock.events) == {"go", "end"} and stock.initial == "a"
+    assert stock_machine(TOY, queued=True).has_queue  # transitions' own options pass through
+
+
+def test_the_first_token_releases_every_layer_to_the_save_once():
+    lc = layerwise_prefill()
+    [save] = [c for c in lc.pending_commands() if isinstance(c, C.SaveLayers)]
+    lc.layers_done("r", 1)
+    lc.poll_commands()
+    lc.prefill_done("r", 7)  # the cache is whole: the save may store every layer
+    [ready] = [c for c in lc.poll_commands() if isinstance(c, C.LayersReady)]
+    assert (ready.request_id, ready.command_id, ready.layers) == ("r", save.command_id, 4)
+    other = layerwise_prefill()
+    other.layers_done("r", 4)
+    other.poll_commands()
+    other.prefill_done("r", 7)  # every layer was reported already: nothing more to release
+    assert not [c for c in other.poll_commands() if isinstance(c, C.LayersReady)]
+    plain = PrefillLifecycle(small_spec(1), 8, clock=Clock())
+    plain.admit("p", list(range(8)))
+    answer_only(StepDriver(plain, ReferenceBackend(small_spec(1), 8, MemoryStore(1 << 20))), C.ReadBlocks)
+    plain.prefill_done("p", 7)
+    assert not [c for c in plain.poll_commands() if isinstance(c, C.LayersReady)]
