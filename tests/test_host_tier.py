@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import Rig
-from lifecycle_helpers import SWAP, TOKS, answer_only, d_matches, fill_p, running, swapping_rig
+from lifecycle_helpers import SWAP, TOKS, answer_only, d_matches, deliver, fill_p, running, swapping_rig
 
 from kvstate import commands as C
 from kvstate.errors import ConfigError, ValidationError
@@ -220,6 +220,22 @@ def test_d_reads_what_its_host_tier_holds_from_there_and_the_rest_from_the_store
     rig.dd.run_until_idle()
     assert rig.D.state_of("b") == "running" and rig.D.counters["host_read_blocks"] == 2
     assert d_matches(rig, TOKS, rig.D.blocks_of("b"))
+    rig.D.reserve("c", TOKS)  # P's cache is stored: D finds a's blocks in host memory again
+    rig.D.deliver_first_token("c", 7)
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("c") == "running" and rig.D.counters["host_read_blocks"] == 4
+    one = TOKS[:4] + [50, 51, 52, 53, 54]  # shares only a's first block
+    rig.D.reserve("e", one)
+    rig.P.admit("e", one)
+    rig.pd.run_until_idle()
+    [sp] = rig.notices(rig.pd, C.StartPrefill)
+    fill_p(rig, "e", one, sp.block_ids, sp.num_cached_tokens // 4)
+    rig.P.prefill_done("e", 7)
+    rig.pd.run_until_idle()
+    deliver(rig, rig.notices(rig.pd, C.SendFirstToken))
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("e") == "running" and rig.D.counters["host_read_blocks"] == 5  # a hit of one block
+    assert d_matches(rig, one, rig.D.blocks_of("e"))
 
 
 # -- write-through: the swapped cache also in the store ------------------------------------------------
@@ -319,3 +335,21 @@ def test_a_write_back_in_flight_never_blocks_or_leaks(then):
         rig.D.finish("r")
     assert rig.D.pool.num_used == 0
     host_clean(rig)
+
+
+def test_after_a_failed_write_through_a_partial_swap_in_recomputes_instead_of_reading_the_store():
+    rig = swapping_rig(swap_write="through", write_retries=0)
+    decoding(rig)
+    rig.D.preempt("r")
+    answer_only(rig.dd, C.SwapOut)
+    rig.dd.pump()
+    for key in list(rig.dd.pending):
+        rig.dd.complete(*key, "fail")  # the store holds nothing of it
+    rig.D.resume("r")
+    rig.dd.pump()
+    [cid] = {c for c, _ in rig.dd.pending}
+    rig.dd.complete(cid, 0, 1)  # one block of four swapped in
+    rig.dd.complete(cid, 1)
+    rig.dd.pump()
+    assert not [c for c in rig.dd.pending.values() if isinstance(c, C.ReadBlocks)]
+    assert rig.D.state_of("r") == "recomputing"

@@ -247,6 +247,10 @@ def test_a_failed_window_read_recomputes_from_the_start():
     rig.dd.run_until_idle()
     [rc] = rig.notices(rig.dd, C.Recompute)
     assert rc.from_token == 0
+    rig.D.recompute_done("r")  # every block recomputed, window layers included
+    rig.D.preempt("r")
+    [wb] = [c for c in rig.D.poll_commands() if isinstance(c, C.WriteBlocks)]
+    assert wb.keys[0] == block_keys(toks, 4)[0]  # so the write-back starts at block 0
 
 
 @pytest.mark.parametrize("n_tokens, count, want", [(40, 1, 0), (40, 9, 0), (42, 9, 0), (42, 10, 40)])
@@ -343,3 +347,29 @@ def test_a_write_back_from_host_memory_stores_each_group_s_own_layers(tp):
         assert p.flush_host(r, ["from-host"], [1]) == 1
         assert d.read(r, ["from-host"], [6]) == 1
         assert all(d.block_bytes(r, k, 6) == p.block_bytes(r, k, 3) for k in spec.kinds)
+
+
+def test_each_decode_step_frees_exactly_the_blocks_its_next_step_no_longer_attends():
+    rig, toks = sliding_rig()
+    n = len(toks) + 1  # the prompt and the first token
+    for i in range(12):
+        rig.D.append_tokens("r", [i])
+        n += 1
+        behind = max(0, n - 1 - WIN) // 4  # the next step attends to the last WIN tokens before it
+        table = rig.D.blocks_of("r")
+        assert table[:behind] == (FREED,) * behind and FREED not in table[behind:], (n, table)
+
+
+def test_blocks_the_gpu_prefix_cache_gave_whole_are_written_back_whole():
+    rig, _ = long_prompt_rig(prefix_cache=True)
+    short = list(range(300, 308))  # 2 whole blocks, inside the window: read whole, then cached
+    deliver(rig, handoff(rig, "s", short))
+    rig.dd.run_until_idle()
+    rig.D.finish("s")
+    longer = short + list(range(400, 408))  # its window starts at block 2: where the cache's hits end
+    deliver(rig, handoff(rig, "r", longer))
+    rig.dd.run_until_idle()
+    assert rig.D.state_of("r") == "running" and rig.D.counters["gpu_read_blocks"] == 2
+    rig.D.preempt("r")
+    [wb] = [c for c in rig.D.poll_commands() if isinstance(c, C.WriteBlocks)]
+    assert list(wb.keys) == block_keys(longer, 4)  # blocks 0 and 1 hold every layer: written too
