@@ -3,16 +3,18 @@
 token ids, the memory of ended requests, and the refusals' wording."""
 from __future__ import annotations
 
+import re
 from array import array
 
 import numpy as np
 import pytest
 from conftest import Clock, small_spec
 
-from kvstate import DecodeLifecycle, KVStateError, PrefillLifecycle, ValidationError
+from kvstate import ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
 from kvstate.keys import KeyCache, block_keys, keys_of_packed, rank_key
 from kvstate.registry import ENDED_MEMORY
+from kvstate.validate import check_int, is_int
 
 
 def test_keys_with_extra_keys_keep_their_stored_format():
@@ -86,3 +88,40 @@ def test_an_unknown_prefill_error_ends_the_request_as_prefill_failed():
     d.deliver_first_token("r", None, 500)
     [ended] = [c for c in d.poll_commands() if isinstance(c, C.RequestEnded)]
     assert (ended.error_code, ended.reason) == (500, "prefill_failed")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"read_failure": "x"}, "Policy.read_failure must be 'fail' or 'recompute', got 'x'"),
+    ({"preempt": "x"}, "Policy.preempt must be one of ('write', 'recompute', 'swap'), got 'x'"),
+    ({"swap_write": "x"}, "Policy.swap_write must be one of ('host', 'through', 'back'), got 'x'"),
+    ({"swap_fallback": "x"}, "Policy.swap_fallback must be one of ('write', 'recompute'), got 'x'"),
+    ({"write_retries": -1}, "Policy.write_retries must be an int >= 0 and <= 1000, got -1"),
+    ({"decode_headroom_blocks": -1}, "Policy.decode_headroom_blocks must be an int >= 0 and <= 2147483648, got -1"),
+])
+def test_a_bad_policy_is_refused_word_for_word(fields, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        Policy(**fields)
+
+
+def test_token_lists_ids_and_numbers_are_checked_by_what_they_hold():
+    class Rid(str):
+        """An engine's own id type."""
+
+    p = PrefillLifecycle(small_spec(1), 64, clock=Clock())
+    for i, toks in enumerate(([1, 2], (1, 2), array("I", [1, 2]))):
+        p.admit(f"r{i}", toks)
+    p.admit(Rid("mine"), [1, 2])
+    bools = r"^request 'b': token ids must be ints in 0\.\.2\*\*32-1, not bools \(index 1: True\)$"
+    for bad, message in (([1, True], bools),
+                         ({1: 2}, r"^request 'b': token_ids must be a sequence of ints$"),
+                         ([], r"^request 'b': token_ids is empty$"),
+                         ("ab", r"^request 'b': token_ids must be a sequence of ints$")):
+        with pytest.raises(ValidationError, match=message):
+            p.admit("b", bad)
+    with pytest.raises(ValidationError, match=r"^request id must be a non-empty str, got ''$"):
+        p.admit("", [1])
+    with pytest.raises(ValidationError, match="^token ids must be a sequence of ints, not a string$"):
+        block_keys("abc", 4)
+    assert not is_int(np.float64(3)) and is_int(np.int64(3))
+    with pytest.raises(ValidationError, match=r"^n must be an int <= 5, got 'x'$"):
+        check_int("x", "n", maximum=5)

@@ -373,3 +373,10 @@ def test_blocks_the_gpu_prefix_cache_gave_whole_are_written_back_whole():
     rig.D.preempt("r")
     [wb] = [c for c in rig.D.poll_commands() if isinstance(c, C.WriteBlocks)]
     assert list(wb.keys) == block_keys(longer, 4)  # blocks 0 and 1 hold every layer: written too
+
+
+def test_a_read_is_continued_from_every_block_or_a_prefix_whose_last_window_came():
+    spec = windowed(tp_size=1)  # a window of 2 blocks
+    assert spec.resume_blocks(3, 3, 2, 3) == 3  # every block read: continue after them all
+    assert spec.resume_blocks(1, 1, 0, 5) == 1  # no block lacks its window layers: the prefix read
+    assert spec.resume_blocks(4, 4, 2, 9) == 4 and spec.resume_blocks(3, 3, 2, 9) == 0  # its last window came, or not
