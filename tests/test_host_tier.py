@@ -275,7 +275,8 @@ def test_write_through_partial_swap_in_reloads_from_the_store():
     host_clean(rig)
 
 
-def test_a_failed_write_through_leaves_the_cache_swapped_in_host_memory():
+def failed_write_through() -> Rig:
+    """A request swapped out whose write-through to the store failed: only host memory has it."""
     rig = swapping_rig(swap_write="through", write_retries=0)
     decoding(rig)
     rig.D.preempt("r")
@@ -283,6 +284,11 @@ def test_a_failed_write_through_leaves_the_cache_swapped_in_host_memory():
     rig.dd.pump()
     for key in list(rig.dd.pending):
         rig.dd.complete(*key, "fail")
+    return rig
+
+
+def test_a_failed_write_through_leaves_the_cache_swapped_in_host_memory():
+    rig = failed_write_through()
     assert rig.D.state_of("r") == "swapped" and rig.D.pool.num_used == 0
     new = rig.D.resume("r")
     rig.dd.run_until_idle()
@@ -338,13 +344,7 @@ def test_a_write_back_in_flight_never_blocks_or_leaks(then):
 
 
 def test_after_a_failed_write_through_a_partial_swap_in_recomputes_instead_of_reading_the_store():
-    rig = swapping_rig(swap_write="through", write_retries=0)
-    decoding(rig)
-    rig.D.preempt("r")
-    answer_only(rig.dd, C.SwapOut)
-    rig.dd.pump()
-    for key in list(rig.dd.pending):
-        rig.dd.complete(*key, "fail")  # the store holds nothing of it
+    rig = failed_write_through()  # the store holds nothing of it
     rig.D.resume("r")
     rig.dd.pump()
     [cid] = {c for c, _ in rig.dd.pending}
