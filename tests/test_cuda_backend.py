@@ -345,3 +345,48 @@ def test_interleaved_window_groups_move_as_the_reference_backend_moves_them(tp):
     finally:
         p.close()
         d.close()
+
+
+@gpu
+def test_a_piecewise_handoff_puts_and_gets_its_manifests_once():
+    """A write of several pieces puts its SUM64 manifests in one batch after every object (the
+    GPU sums while the host copies); a read gets them in one batch before any object; a
+    manifest that did not store leaves its block, and those after it, unstored."""
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+    from kvstate.testing import fill_blocks, mismatched_blocks
+
+    class Recording(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__(1 << 28)
+            self.log: list[tuple[str, bool]] = []
+            self.refuse: set[str] = set()
+
+        def batch_put_from(self, keys, buffers):
+            self.log += [("put", all("_sum_" in k for k in keys))]
+            out = super().batch_put_from(keys, buffers)
+            return [-1 if k in self.refuse else st for k, st in zip(keys, out)]
+
+        def batch_get_into(self, keys, buffers):
+            self.log += [("get", all("_sum_" in k for k in keys))]
+            return super().batch_get_into(keys, buffers)
+
+    spec = CacheSpec(num_layers=4, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=1)
+    store = Recording()
+    small = 3 * spec.bytes_per_block_per_rank * 2  # three blocks a slot: four pieces for ten blocks
+    p, d = CudaBackend(spec, 32, store, staging_bytes=small), CudaBackend(spec, 32, store, staging_bytes=small)
+    try:
+        keys = [f"m{i}" for i in range(10)]
+        fill_blocks(p, keys, list(range(10)))
+        assert p.write(0, keys, list(range(10))) == 10
+        assert store.log == [("put", False)] * 4 + [("put", True)]
+        store.log.clear()
+        assert d.read(0, keys, list(range(20, 30))) == 10 and not mismatched_blocks(d, keys, list(range(20, 30)))
+        assert store.log == [("get", True)] + [("get", False)] * 4
+        store.refuse = {"m6_sum_0"}
+        other = [f"n{i}" for i in range(10)]
+        assert p.write(0, other[:6] + keys[6:], list(range(10))) == 6
+    finally:
+        p.close()
+        d.close()

@@ -29,7 +29,8 @@ from ..validate import check_int
 from .base import Guard, Store, check_fence
 from .cuda_caches import bind_rank, caches_by_rank
 from .cuda_sums import DeviceSums
-from .manifested import Deferred
+from .integrity import SUM64
+from .manifested import Deferred, manifest_slice
 from .objects import StoreBackend
 
 __all__ = ["CudaBackend"]
@@ -256,7 +257,7 @@ class CudaBackend(DeviceSums, StoreBackend):
         sw, n = self._swappers[rank], len(keys)
         m, groups = self._pieces(group)
         pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
-        count, sums = 0, None
+        count, pending, sizes = 0, None, list[int]()
         with self._on(rank):
             events: list[Any] = [None, None]
             if ready is not True:
@@ -271,12 +272,15 @@ class CudaBackend(DeviceSums, StoreBackend):
                                                             part[0])
                     sw.wait(events[k % 2])
                     if k == 0:  # the first piece gathered: the layers are computed; every block summed at once
-                        sums = self._device_sums(rank, part[0], block_ids, groups)
-                    done = self._put_objects(part[1], keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group),
-                                             self._flat(sums, a, b))
+                        pending = self._launch_sums(rank, part[0], block_ids, groups)
+                    done = self._put_piece(part[1], keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group),
+                                           None if pending is None else sizes)  # SUM64: manifests once, at the end
                     count += done
                     if done < b - a:
                         break
+                if pending is not None and count:
+                    count = self._put_manifests(part[1], keys[:count], groups, sizes,
+                                                self._flat(pending(), 0, count) or [], SUM64)
             finally:  # nothing may still write a slot when we leave
                 self._wait_all(sw, events)
         return count
@@ -353,10 +357,11 @@ class CudaBackend(DeviceSums, StoreBackend):
         sw, n = self._swappers[rank], len(keys)
         m, groups = self._pieces(group)
         deferred: Deferred | None = [] if self.verify else None  # SUM64 blocks: verified where they land, at the end
-        count = 0
+        count, per = 0, len(self._groups_of(groups))
         with self._on(rank):
             events: list[Any] = [None, None]
             try:
+                manifests = self._read_manifests(part[1], keys, groups) if self.verify else None  # all at once
                 for k, a in enumerate(range(0, n, m)):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
@@ -367,7 +372,8 @@ class CudaBackend(DeviceSums, StoreBackend):
 
                     # a block counts only if every object arrived whole (and verified)
                     done = self._get_objects(part[1], keys[a:b], groups, self._piece_views(rank, slot, b - a, group),
-                                             scatter, deferred if count == len(deferred or ()) else None)
+                                             scatter, deferred if count == len(deferred or ()) else None,
+                                             None if manifests is None else manifest_slice(manifests, a, b, per))
                     count += done
                     if done < b - a:
                         break

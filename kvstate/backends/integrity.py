@@ -5,7 +5,8 @@ Rules:
 - Beside a block's objects on one rank (one per kind, for one layer group), a backend stores a
   *manifest*: a format version, the cache geometry the bytes belong to (layers of the group,
   heads per object and the model's, block size, head dim, each kind's dtype and size), and each object's length
-  and XXH3-64 checksum. It is put right after the objects.
+  and XXH3-64 checksum. It is put after the objects (a write of several pieces may put every
+  manifest after its last piece).
 - A block counts as stored only when its objects and its manifest all are.
 - A read verifies each block before it counts: the manifest is one of this format version and
   of this geometry, and each object arrived at its recorded length with its recorded checksum.

@@ -20,7 +20,7 @@ from ..keys import rank_key
 from .base import TOO_LARGE, Store, leading
 from .integrity import SUM64, XXH3, ManifestError, manifest_size, pack_manifest, sum64, unpack_manifest
 
-__all__ = ["Manifested", "MANIFEST_KIND", "Scatter", "Deferred"]
+__all__ = ["Manifested", "MANIFEST_KIND", "Scatter", "Deferred", "Manifests", "manifest_slice"]
 
 MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key(key, "sum", part[, group])``)
 
@@ -28,6 +28,14 @@ MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key
 Scatter = Callable[[int], None]
 #: what a deferred get leaves to verify: (key, each of its objects' expected SUM64), block by block
 Deferred = list[tuple[str, list[int]]]
+#: manifests read: (bytes read per manifest, the leading ones parsed as (algorithm, entries))
+Manifests = tuple[list[int], list[tuple[int, list[tuple[int, int]]]]]
+
+
+def manifest_slice(manifests: Manifests, a: int, b: int, per_block: int) -> Manifests:
+    """The manifests of blocks ``a..b`` of those read (``per_block`` manifests a block)."""
+    read, vouched = manifests
+    return read[a * per_block:b * per_block], vouched[a * per_block:b * per_block]
 
 
 class Manifested:
@@ -72,21 +80,44 @@ class Manifested:
         """Put the objects of ``keys``' blocks, then their manifests; leading blocks stored whole.
         ``sums``: the objects' SUM64, taken on the device; without, XXH3 as they are copied.
         A trusted store (``verify`` off) gets the objects alone."""
-        names = self._names(part, keys, groups)
         if not self.verify:
-            status, per = self.store.batch_put_from(names, list(views)), self._per(groups)
-            return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(len(keys)))
+            return self._put_bare(part, keys, groups, views)
         if sums is None:
-            status, sums = self.store.batch_put_hashed(names, list(views))
-            algorithm = XXH3
+            status, sums = self.store.batch_put_hashed(self._names(part, keys, groups), list(views))
+            per, algorithm = self._per(groups), XXH3
+            count = leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(len(keys)))
         else:
-            status, algorithm = self.store.batch_put_from(names, list(views)), SUM64
+            count, algorithm = self._put_bare(part, keys, groups, views), SUM64
+        return self._put_manifests(part, keys[:count], groups, [v.nbytes for v in views], sums, algorithm) \
+            if count else 0
+
+    def _put_bare(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
+                  views: Sequence[memoryview]) -> int:
+        """Put the objects of ``keys``' blocks alone (a backend putting the manifests later, once,
+        for a whole transfer, as :meth:`_put_manifests`); leading blocks whose objects all stored."""
+        status, per = self.store.batch_put_from(self._names(part, keys, groups), list(views)), self._per(groups)
+        return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(len(keys)))
+
+    def _put_piece(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
+                   views: Sequence[memoryview], sizes: list[int] | None) -> int:
+        """One piece of a write: its objects and manifests; or, given ``sizes`` (a write whose
+        SUM64 manifests are put once, after every object), its objects alone, their sizes
+        appended to ``sizes``. Leading blocks stored."""
+        if sizes is None:
+            return self._put_objects(part, keys, groups, views)
+        sizes += [v.nbytes for v in views]
+        return self._put_bare(part, keys, groups, views)
+
+    def _put_manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, sizes: Sequence[int],
+                       sums: Sequence[int], algorithm: int) -> int:
+        """Put the manifests of ``keys``' blocks, whose objects are stored (``sizes`` and ``sums``
+        per object, in ``_names``' order), in one batch; leading blocks whose manifests stored."""
         gs = self._groups_of(groups)
-        manifests = [pack_manifest(self._geometry[g], [(views[j].nbytes, sums[j])
+        manifests = [pack_manifest(self._geometry[g], [(sizes[j], sums[j])
                                                        for j in self._objects_of(i, gi, len(gs))], algorithm)
                      for i in range(len(keys)) for gi, g in enumerate(gs)]
-        status += self.store.batch_put_from(self._manifest_names(part, keys, groups), manifests)
-        return self._leading_blocks(keys, groups, [st == 0 for st in status])
+        status = self.store.batch_put_from(self._manifest_names(part, keys, groups), manifests)
+        return leading(all(st == 0 for st in status[i * len(gs):(i + 1) * len(gs)]) for i in range(len(keys)))
 
     def _per(self, groups: Sequence[int] | None) -> int:
         """Objects a block has in ``_names``' order (every kind, every group named)."""
@@ -94,13 +125,15 @@ class Manifested:
 
     def _get_objects(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                      views: Sequence[memoryview], scatter: Scatter | None = None,
-                     deferred: Deferred | None = None) -> int:
+                     deferred: Deferred | None = None, manifests: Manifests | None = None) -> int:
         """Get the objects of ``keys``' blocks into ``views``; leading blocks that arrived whole
         and verified (see the module's docstring). With ``scatter``, every block counted has
         been put in place by it. With ``deferred`` too, blocks whose manifests hold SUM64 are
         scattered and counted once they arrived whole, and left to verify where they landed:
         their keys and expected checksums are appended to ``deferred``
-        (:meth:`_verify_deferred`)."""
+        (:meth:`_verify_deferred`). ``manifests``: these blocks' manifests, read already (a
+        backend reading a transfer piece by piece reads them all at once, by
+        :meth:`_read_manifests`, and hands each piece its slice, :func:`manifest_slice`)."""
         names, per = self._names(part, keys, groups), self._per(groups)
         if not self.verify:
             got = self.store.batch_get_into(names, list(views))
@@ -108,15 +141,8 @@ class Manifested:
             if scatter is not None and n:
                 scatter(n)
             return n
-        gs, nk = self._groups_of(groups), len(self.spec.kinds)
-        heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
-        read = self.store.batch_get_into(self._manifest_names(part, keys, groups), heads)
-        vouched = []  # per manifest, in order, while each parses: (algorithm, entries)
-        for m, (head, n) in enumerate(zip(heads, read)):
-            try:
-                vouched.append(unpack_manifest(head, n, self._geometry[gs[m % len(gs)]], nk))
-            except ManifestError:
-                break
+        gs = self._groups_of(groups)
+        read, vouched = self._read_manifests(part, keys, groups) if manifests is None else manifests
         hashed = any(algorithm == XXH3 for algorithm, _ in vouched)  # hash as the store copies
         got, host = (self.store.batch_get_hashed(names, list(views)) if hashed
                      else (self.store.batch_get_into(names, list(views)), None))
@@ -133,6 +159,21 @@ class Manifested:
         if scatter is not None and count:
             scatter(count)
         return count
+
+    def _read_manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> Manifests:
+        """Read the manifests of ``keys``' blocks in one batch: (bytes read per manifest, the
+        leading ones that parse as (algorithm, entries)); reading stops vouching at the first
+        that does not."""
+        gs, nk = self._groups_of(groups), len(self.spec.kinds)
+        heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
+        read = self.store.batch_get_into(self._manifest_names(part, keys, groups), heads)
+        vouched = []  # per manifest, in order, while each parses: (algorithm, entries)
+        for m, (head, n) in enumerate(zip(heads, read)):
+            try:
+                vouched.append(unpack_manifest(head, n, self._geometry[gs[m % len(gs)]], nk))
+            except ManifestError:
+                break
+        return read, vouched
 
     def _expected(self, i: int, gs: list[int | None], vouched: list[tuple[int, list[tuple[int, int]]]]) -> list[int]:
         """Block ``i``'s objects' recorded checksums, in object order (kind, then group)."""

@@ -47,19 +47,31 @@ extern "C" __global__ void sum64_rows(const unsigned long long* const* layers, c
 _THREADS = 256
 
 
-def block_sums(cp: Any, views: Sequence[Any], ids: Sequence[int], cache: dict[Any, Any]) -> np.ndarray:
+def block_sums(cp: Any, views: Sequence[Any], ids: Any, cache: dict[Any, Any], fetch: bool = True,
+               out: Any = None) -> Any:
     """SUM64 of each block's object made of ``views``' layers (per-layer GPU arrays ``[blocks,
-    ...]`` of one shape, in object order): a uint64 array, one per id. ``cache`` keeps the
-    compiled kernel and each set of layers' device pointer array between calls."""
+    ...]`` of one shape, in object order): a uint64 array, one per id (``ids``: a sequence, or
+    an int64 device array already uploaded). With ``fetch`` off, the device array, still being
+    summed (a caller with other work fetches it later rather than wait for the kernel now);
+    with ``out`` (a zeroed uint64 device array, one per id), the sums land there. ``cache``
+    keeps the compiled kernel and, per list of layers, its device pointer table: a backend's
+    layers are fixed, so a call reads none of their attributes again."""
     kernel = cache.get("kernel")
     if kernel is None:
         kernel = cache["kernel"] = cp.RawKernel(_SOURCE, "sum64_rows")
-    ptrs = tuple(int(v.data.ptr) for v in views)
-    table = cache.get(ptrs)
-    if table is None:
-        table = cache[ptrs] = cp.asarray(np.asarray(ptrs, np.uint64))
-    words = views[0].nbytes // views[0].shape[0] // 8
-    ids_d = cp.asarray(np.asarray(ids, np.int64))
-    out = cp.zeros(len(ids), dtype=cp.uint64)
-    kernel((len(ids), len(views)), (_THREADS,), (table, ids_d, np.int64(words), out))
-    return cp.asnumpy(out)
+    table, words = _table(cp, views, cache)
+    ids_d = ids if isinstance(ids, cp.ndarray) else cp.asarray(np.asarray(ids, np.int64))
+    if out is None:
+        out = cp.zeros(len(ids_d), dtype=cp.uint64)
+    kernel((len(ids_d), len(views)), (_THREADS,), (table, ids_d, np.int64(words), out))
+    return cp.asnumpy(out) if fetch else out
+
+
+def _table(cp: Any, views: Sequence[Any], cache: dict[Any, Any]) -> tuple[Any, int]:
+    """The layers' device pointer table and words per row, made once per list of layers (kept
+    in ``cache`` with the list, so its id is not reused while the entry lives)."""
+    entry = cache.get(("layers", id(views)))
+    if entry is None or entry[0] is not views:
+        ptrs = np.asarray([int(v.data.ptr) for v in views], np.uint64)
+        entry = cache[("layers", id(views))] = (views, cp.asarray(ptrs), views[0].nbytes // views[0].shape[0] // 8)
+    return entry[1], entry[2]
