@@ -185,7 +185,8 @@ def overhead(cp, sw) -> dict:
 def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int, trusted=None) -> tuple[float, ...]:
     """Median seconds of the handoff, of each stage alone (over whole-request pinned buffers)
     and of the handoff through a trusted store (no checksums: ``trusted``), interleaved rep by
-    rep so that drift on a shared machine hits them all alike."""
+    rep so that drift on a shared machine hits them all alike; last, the median of each rep's
+    handoff over its trusted handoff (the pair run back to back)."""
     nblocks = len(src)
     with CudaSwapper() as sw:
         bufs = {k: sw.pinned((nblocks, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
@@ -216,7 +217,8 @@ def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int, trusted=None) 
                 fn()
                 cp.cuda.runtime.deviceSynchronize()
                 times[name].append(time.perf_counter() - t)
-    return tuple(float(np.median(times[k])) for k in stages)
+    paired = float(np.median(np.asarray(times["handoff"]) / np.asarray(times["trusted"])))
+    return tuple(float(np.median(times[k])) for k in stages) + (paired,)
 
 
 def handoff(cp, reps: int) -> dict:
@@ -247,8 +249,8 @@ def handoff(cp, reps: int) -> dict:
             assert pt.write(0, keys, src) == nblocks
             assert dt.read(0, keys, dst) == nblocks
 
-        t_handoff, t_d2h, t_store, t_h2d, t_trusted = _stage_times(cp, spec, p, d, store, run, src, dst, reps,
-                                                                   run_trusted)
+        t_handoff, t_d2h, t_store, t_h2d, t_trusted, paired = _stage_times(cp, spec, p, d, store, run, src, dst,
+                                                                           reps, run_trusted)
         ok = all(bool((pv[cp.asarray(src)] == dv[cp.asarray(dst)]).all())
                  for kind in spec.kinds
                  for pv, dv in zip(p.caches(0, kind).views, d.caches(0, kind).views))
@@ -256,6 +258,7 @@ def handoff(cp, reps: int) -> dict:
         return {"request_tokens": 8192, "bytes": total, "handoff_ms": t_handoff * 1e3, "d2h_ms": t_d2h * 1e3,
                 "store_copy_ms": t_store * 1e3, "h2d_ms": t_h2d * 1e3, "ratio_to_slowest_stage": t_handoff / slowest,
                 "trusted_handoff_ms": t_trusted * 1e3, "checksum_cost": t_handoff / t_trusted,
+                "checksum_cost_paired": paired, "reps": reps,
                 "pinned_staging_bytes": p.pinned_bytes + d.pinned_bytes, "correct": ok}
     finally:
         for b in (p, d, pt, dt):
@@ -268,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="limits,overhead,layout,handoff",
                     help="comma-separated: limits (always run), overhead, layout, handoff, engine")
     ap.add_argument("--anchor", help="with the engine section: the anchor probe swap_small.py, raced at 105 B")
+    ap.add_argument("--handoff-reps", type=int, default=11,
+                    help="repetitions of the handoff and of each stage (a median: the host's copy speed is noisy)")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--json", action="store_true", help="print the JSON object last")
     args = ap.parse_args(argv)
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if "engine" in sections:
             out["engine"] = engine_section(cp, sw, 3 if args.quick else 9, args.anchor, out)
     if "handoff" in sections:
-        out["handoff"] = handoff(cp, 5)
+        out["handoff"] = handoff(cp, args.handoff_reps)
         print(json.dumps(out["handoff"]), flush=True)
     report(out)
     if args.out:
@@ -331,7 +336,8 @@ def report(out: dict) -> None:
               f"alone: d2h {h['d2h_ms']:.1f}, "
               f"store {h['store_copy_ms']:.1f}, h2d {h['h2d_ms']:.1f} ms -> {h['ratio_to_slowest_stage']:.2f}x "
               f"slowest; pinned {h['pinned_staging_bytes'] / 2**20:.0f} MiB; correct {h['correct']}; "
-              f"checksums cost {h['checksum_cost']:.3f}x (trusted store {h['trusted_handoff_ms']:.1f} ms)")
+              f"checksums cost {h['checksum_cost']:.3f}x, paired {h['checksum_cost_paired']:.3f}x "
+              f"(trusted store {h['trusted_handoff_ms']:.1f} ms)")
 
 
 def layout_report(out: dict) -> None:
