@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's run for checksummed stores: the GPU tests, the 8k-token handoff with and
-# without checksums, the embedded stores against memory bandwidth, the host hash, the host tier.
+# without checksums, the embedded stores against memory bandwidth, the host hash, the checksum
+# work timed inside the handoff.
 # From the repo root, with the wheels of transitions, simpy, pyzmq and xxhash in .dev/whl/
 # (git-ignored, carried by the device tool). Results go to $OUT (default ./results).
 set -o pipefail
@@ -13,3 +14,4 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ${PYTEST_ARGS
 timeout 120 python3 benchmarks/store_speed.py --json "$OUT/store_speed.json" 2>&1 | tee "$OUT/store_speed.log"
 timeout 60 python3 benchmarks/integrity_soak.py --hash --json "$OUT/hash.json" 2>&1 | tee "$OUT/hash.log"
 timeout 200 python3 benchmarks/kernels.py --sections limits,handoff --out "$OUT/kernels.json" 2>&1 | tail -8 | tee "$OUT/kernels.log"
+timeout 120 python3 benchmarks/checksum_work.py --json "$OUT/checksum_work.json" 2>&1 | tail -12 | tee "$OUT/checksum_work.log"
