@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import Rig
-from lifecycle_helpers import SWAP, TOKS, answer_only, d_matches, deliver, fill_p, running, swapping_rig
+from lifecycle_helpers import SWAP, TOKS, answer_only, d_matches, deliver, handoff, running, swapping_rig
 
 from kvstate import commands as C
 from kvstate.errors import ConfigError, ValidationError
@@ -207,15 +207,7 @@ def test_d_reads_what_its_host_tier_holds_from_there_and_the_rest_from_the_store
     rig.D.preempt("a")
     rig.dd.run_until_idle()
     rig.D.abort("a")  # its entries stay, idle and ready
-    rig.D.reserve("b", TOKS)  # b's prompt: the same 10 tokens, so a's first two full blocks
-    rig.P.admit("b", TOKS)
-    rig.pd.run_until_idle()
-    [sp] = rig.notices(rig.pd, C.StartPrefill)
-    fill_p(rig, "b", TOKS, sp.block_ids, sp.num_cached_tokens // 4)
-    rig.P.prefill_done("b", 7)
-    rig.pd.run_until_idle()
-    for n in rig.notices(rig.pd, C.SendFirstToken):
-        rig.D.deliver_first_token(n.request_id, n.token, n.error_code)
+    deliver(rig, handoff(rig, "b"))  # b's prompt: the same 10 tokens, so a's first two full blocks
     assert rig.D.state_of("b") == "loading"
     rig.dd.run_until_idle()
     assert rig.D.state_of("b") == "running" and rig.D.counters["host_read_blocks"] == 2
@@ -225,14 +217,7 @@ def test_d_reads_what_its_host_tier_holds_from_there_and_the_rest_from_the_store
     rig.dd.run_until_idle()
     assert rig.D.state_of("c") == "running" and rig.D.counters["host_read_blocks"] == 4
     one = TOKS[:4] + [50, 51, 52, 53, 54]  # shares only a's first block
-    rig.D.reserve("e", one)
-    rig.P.admit("e", one)
-    rig.pd.run_until_idle()
-    [sp] = rig.notices(rig.pd, C.StartPrefill)
-    fill_p(rig, "e", one, sp.block_ids, sp.num_cached_tokens // 4)
-    rig.P.prefill_done("e", 7)
-    rig.pd.run_until_idle()
-    deliver(rig, rig.notices(rig.pd, C.SendFirstToken))
+    deliver(rig, handoff(rig, "e", one))
     rig.dd.run_until_idle()
     assert rig.D.state_of("e") == "running" and rig.D.counters["host_read_blocks"] == 5  # a hit of one block
     assert d_matches(rig, one, rig.D.blocks_of("e"))
