@@ -38,6 +38,11 @@ def manifest_slice(manifests: Manifests, a: int, b: int, per_block: int) -> Mani
     return read[a * per_block:b * per_block], vouched[a * per_block:b * per_block]
 
 
+def _stored(status: Sequence[int], per: int, n: int) -> int:
+    """Leading blocks of ``n`` whose ``per`` put statuses each (in order) are all successes."""
+    return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(n))
+
+
 class Manifested:
     """The manifest half of a store backend (mixed into ``StoreBackend``, which provides the
     names, the store and the geometry ids)."""
@@ -85,7 +90,7 @@ class Manifested:
         if sums is None:
             status, sums = self.store.batch_put_hashed(self._names(part, keys, groups), list(views))
             per, algorithm = self._per(groups), XXH3
-            count = leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(len(keys)))
+            count = _stored(status, per, len(keys))
         else:
             count, algorithm = self._put_bare(part, keys, groups, views), SUM64
         return self._put_manifests(part, keys[:count], groups, [v.nbytes for v in views], sums, algorithm) \
@@ -96,7 +101,7 @@ class Manifested:
         """Put the objects of ``keys``' blocks alone (a backend putting the manifests later, once,
         for a whole transfer, as :meth:`_put_manifests`); leading blocks whose objects all stored."""
         status, per = self.store.batch_put_from(self._names(part, keys, groups), list(views)), self._per(groups)
-        return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(len(keys)))
+        return _stored(status, per, len(keys))
 
     def _put_piece(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                    views: Sequence[memoryview], sizes: list[int] | None) -> int:
@@ -117,7 +122,7 @@ class Manifested:
                                                        for j in self._objects_of(i, gi, len(gs))], algorithm)
                      for i in range(len(keys)) for gi, g in enumerate(gs)]
         status = self.store.batch_put_from(self._manifest_names(part, keys, groups), manifests)
-        return leading(all(st == 0 for st in status[i * len(gs):(i + 1) * len(gs)]) for i in range(len(keys)))
+        return _stored(status, len(gs), len(keys))
 
     def _per(self, groups: Sequence[int] | None) -> int:
         """Objects a block has in ``_names``' order (every kind, every group named)."""
