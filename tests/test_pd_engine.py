@@ -6,21 +6,14 @@ logits with a monolithic run of the same model — bit for bit — and checks th
 
 Marked ``gpu``: skipped with a reason where CuPy, PyTorch or a CUDA device is missing.
 """
-import random
-import sys
-from pathlib import Path
-
 import pytest
 from conftest import has_module
+from pd_helpers import BS, assert_exact, serve, window_read_bytes, workload
 
 from kvstate.kernels.cuda import cuda_available
 
 GPU = has_module("cupy") and has_module("torch") and cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy, PyTorch and a CUDA device")]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "pd_engine"))
-
-BS = 32
-LENGTHS = [1, 2, 31, 32, 33, 64, 95, 257, 500, 1000, 1024, 1500, 2048, 3000, 4000, 4096]
 
 
 @pytest.fixture(scope="module")
@@ -28,51 +21,6 @@ def model():
     from model import LlamaConfig, TinyLlama
 
     return TinyLlama(LlamaConfig(), seed=0)
-
-
-def workload(n: int = 16, max_new: int = 6, per_request: dict | None = None, seed: int = 1):
-    """Prompts of every length in LENGTHS (partial last blocks among them); some share a
-    prefix with an earlier prompt, so P reads it from the store."""
-    from engine import Request
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length = LENGTHS[i % len(LENGTHS)]
-        prompt = [rng.randrange(512) for _ in range(length)]
-        if out and i % 3 == 0:
-            donor = max(out, key=lambda r: len(r.prompt)).prompt
-            k = min(len(donor), length - 1) // BS * BS
-            prompt[:k] = donor[:k]
-        out.append(Request(f"r{i:02d}", prompt, max_new, **(per_request or {}).get(i, {})))
-    return out
-
-
-def serve(model, reqs, store=None, **kw):
-    from engine import PDEngine
-
-    from kvstate.backends import MemoryStore
-
-    store = store if store is not None else MemoryStore(1 << 30)  # an empty store is falsy
-    eng = PDEngine(model, store, block_size=BS, num_blocks=kw.pop("num_blocks", 1024), **kw)
-    try:
-        eng.run(reqs)
-        return eng, eng.leaks()
-    finally:
-        eng.close()
-
-
-def assert_exact(model, reqs, skip=()):
-    from engine import monolithic
-
-    ref = monolithic(model, [r for r in reqs if r.rid not in skip], BS)
-    for rid, (tokens, logits) in ref.items():
-        r = next(x for x in reqs if x.rid == rid)
-        assert r.ended is not None and r.ended[0] == "done", (rid, r.ended)
-        assert r.tokens == tokens, rid
-        assert len(r.logits) == len(logits)
-        for i, (a, b) in enumerate(zip(r.logits, logits)):
-            assert (a == b).all().item(), f"{rid}: logits of token {i} differ"
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -233,16 +181,6 @@ def window_model():
     from model import LlamaConfig, TinyLlama
 
     return TinyLlama(LlamaConfig(window=2 * BS, window_layers=(0, 2)), seed=0)
-
-
-def window_read_bytes(spec, reqs) -> int:
-    """What D reads of every prompt: each full layer's blocks, each window layer's from the
-    block its last window starts in."""
-    full = sum(len(g.layers) for g in spec.groups if g.kind == "full")
-    window = spec.layers - full
-    per_layer = sum(spec.chunk_bytes(k) for k in spec.kinds) * spec.tp_size
-    blocks = [(-(-len(r.prompt) // BS), spec.window_first_block(len(r.prompt))) for r in reqs]
-    return sum((full * n + window * (n - w)) * per_layer for n, w in blocks)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

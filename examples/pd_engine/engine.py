@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from model import LlamaConfig, PagedCache, TinyLlama
+from model import LlamaConfig, Model, PagedCache
 
 from kvstate import CacheSpec, Policy
 from kvstate import commands as C
@@ -49,7 +49,7 @@ class Request:
     running: bool = False
 
 
-def prefill_chunks(model: TinyLlama, cache: PagedCache, table: list[int], tokens: list[int],
+def prefill_chunks(model: Model, cache: PagedCache, table: list[int], tokens: list[int],
                    start: int, stop: int, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
     """Compute positions ``start..stop-1`` in chunks that end on block boundaries (so every
     run cuts a prompt the same way); the last chunk's logits. ``on_layer(i)`` runs as the
@@ -62,7 +62,7 @@ def prefill_chunks(model: TinyLlama, cache: PagedCache, table: list[int], tokens
     return out
 
 
-def monolithic(model: TinyLlama, requests: list[Request], block_size: int) -> dict[str, tuple[list[int], list]]:
+def monolithic(model: Model, requests: list[Request], block_size: int) -> dict[str, tuple[list[int], list]]:
     """The reference: each request prefilled and decoded in place, no handoff."""
     out = {}
     for r in requests:
@@ -104,7 +104,7 @@ class PDEngine:
     GPU, sharing ``store``: of different TP degrees, they store head groups both can split
     (``kvstate.spec.paired``)."""
 
-    def __init__(self, model: TinyLlama, store: Store, *, block_size: int = 16, num_blocks: int = 512,
+    def __init__(self, model: Model, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
                  p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False,
                  d_tp: int | None = None) -> None:
@@ -133,6 +133,7 @@ class PDEngine:
         self.queue: list[Request] = []  #: not admitted yet (D had no room)
         self.work: list[tuple[Callable[[Request, Any], None], Request, Any]] = []
         self.p_ended: dict[str, str] = {}
+        self.recomputed: list[str] = []  #: requests D recomputed, once per recompute
 
     def close(self) -> None:
         for b in self.backends:
@@ -185,6 +186,7 @@ class PDEngine:
         for pos in range(max(n, cmd.from_token), len(known)):
             self.model.forward(known[pos:pos + 1], pos, self.d_cache, table)
         torch.cuda.synchronize()
+        self.recomputed.append(r.rid)
         self.D.recompute_done(r.rid)
 
     # -- the loop ----------------------------------------------------------------------------

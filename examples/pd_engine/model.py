@@ -25,10 +25,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-__all__ = ["LlamaConfig", "PagedCache", "TinyLlama"]
+__all__ = ["LlamaConfig", "Model", "PagedCache", "TinyLlama"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,17 @@ class PagedCache:
             pages = by_kind[kind][layer][table[lo:nblk]]  # [nblk - lo, h, bs, d]
             parts.append(pages.permute(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, :length - first])
         return torch.cat(parts, 0).float()
+
+
+class Model(Protocol):
+    """What the engine asks of a model: its cache's shape, and a forward over one chunk of a
+    request's tokens that reads and writes the request's pages (``TinyLlama``, and
+    transformers' models in ``hf.py``)."""
+
+    cfg: LlamaConfig
+
+    def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor: ...
 
 
 class TinyLlama:
