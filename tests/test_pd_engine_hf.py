@@ -1,4 +1,4 @@
-"""transformers' own Gemma 2 and DeepSeek-V2 through P → store → D on the GPU (examples/pd_engine/hf.py).
+"""transformers' own Gemma 2, Mistral and DeepSeek-V2 through P → store → D on the GPU (examples/pd_engine/hf.py).
 
 Both are built from configs with random weights (nothing downloaded) and keep their cache in
 kvstate's pages. Each test compares D's greedy tokens and logits with transformers' own run
@@ -7,7 +7,8 @@ kvstate's pages. Each test compares D's greedy tokens and logits with transforme
 - Gemma 2 (a sliding window of two blocks on every other layer): D reads the window layers only
   from their last window, at TP 1 and 2 and from P at TP 2 to D at TP 1; a failed or partial
   read is recomputed; a preempted request is written back and reloaded.
-- Both: P reads a prefix an earlier request stored and computes only the rest.
+- Mistral (a sliding window on every layer): a decoding request frees the blocks behind it.
+- Gemma 2 and DeepSeek-V2: P reads a prefix an earlier request stored and computes only the rest.
 - DeepSeek-V2 (MLA and MoE): the latent is stored once whatever the TP degree, and every D rank
   reads that one object; a failed or partial read is recomputed.
 
@@ -32,6 +33,13 @@ def gemma():
     from hf import gemma2
 
     return gemma2(window=2 * BS)
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    from hf import mistral
+
+    return mistral(window=2 * BS)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +100,28 @@ def test_a_prefix_read_from_the_store_equals_transformers_run(name, request):
         assert leaks == NO_LEAK
     assert [r.cached_tokens for r in reqs if r.cached_tokens] == [32, 128]
     assert_exact(model, reqs, reference=transformers_run(model))
+
+
+def test_mistral_frees_the_blocks_behind_its_window_and_equals_transformers_run(mistral, monkeypatch):
+    """Every layer a window layer: D reads each prompt's last window only, and a decoding
+    request frees the blocks wholly behind its window, which its steps then never touch."""
+    from kvstate.pool import FREED
+
+    freed_steps = []
+    forward = mistral.forward
+
+    def spy(tokens, start, cache, table, on_layer=None):
+        freed_steps.append(FREED in table)
+        return forward(tokens, start, cache, table, on_layer)
+
+    monkeypatch.setattr(mistral, "forward", spy)
+    reqs = hf_workload(max_new=40)
+    eng, leaks = serve(mistral, reqs, tp=2)
+    monkeypatch.undo()
+    assert leaks == NO_LEAK and eng.d_spec.frees_behind_window
+    assert sum(freed_steps) > 20  # decode steps over tables whose early blocks were freed
+    assert eng.backends[1].bytes_moved == window_read_bytes(eng.d_spec, reqs)
+    assert_exact(mistral, reqs, reference=transformers_run(mistral))
 
 
 @pytest.mark.parametrize("fault", [0, 1, "fail"])

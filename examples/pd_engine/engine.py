@@ -81,13 +81,14 @@ def monolithic(model: Model, requests: list[Request], block_size: int) -> dict[s
 def layer_groups(cfg: LlamaConfig) -> tuple[LayerGroup, ...]:
     """The cache's groups: one latent group for an MLA model (stored once, read by every
     rank); none for a model of full-attention layers only; else its window layers (stored
-    apart, D reading them from their last window on) and its full ones."""
+    apart, D reading them from their last window on) and its full ones, if any."""
     if cfg.latent:
         return (LayerGroup("latent", tuple(range(cfg.layers))),)
     if not cfg.window_layers:
         return ()
     full = tuple(i for i in range(cfg.layers) if i not in cfg.window_layers)
-    return (LayerGroup("window", cfg.window_layers, window=cfg.window), LayerGroup("full", full))
+    window = LayerGroup("window", cfg.window_layers, window=cfg.window)
+    return (window, LayerGroup("full", full)) if full else (window,)
 
 
 def cache_spec(cfg: LlamaConfig, tp: int, block_size: int, layerwise: bool = False) -> CacheSpec:

@@ -1,5 +1,6 @@
 """transformers' own models served on kvstate's pages: Gemma 2 (sliding-window layers
-interleaved with full-attention ones) and DeepSeek-V2 (multi-head latent attention, MoE).
+interleaved with full-attention ones), Mistral (a sliding window on every layer) and DeepSeek-V2
+(multi-head latent attention, MoE).
 
 An HF model keeps its keys and values in a ``Cache`` object for the life of a generation.
 Here the request's pages (:class:`model.PagedCache`, the layout kvstate moves) are the only
@@ -11,7 +12,7 @@ computes with, and the engine (``engine.py``) serves :class:`HFModel` as it serv
 
 What the pages hold per layer and token:
 
-- Gemma 2: the keys (after rotary) and values of the layer's KV heads, split over TP ranks;
+- Gemma 2 and Mistral: the keys (after rotary) and values of the layer's KV heads, split over TP ranks;
   a sliding layer's pages before its window are never gathered (D need not read them): the
   HF cache gets zeros there, positions its sliding mask hides.
 - DeepSeek-V2: what transformers' DeepSeek-V2 caches, the normalised latent
@@ -33,9 +34,17 @@ from typing import Any
 
 import torch
 from model import LlamaConfig, PagedCache
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache, Gemma2Config, Gemma2ForCausalLM
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
-__all__ = ["HFModel", "PagesCache", "gemma2", "deepseek_v2", "native"]
+__all__ = ["HFModel", "PagesCache", "gemma2", "mistral", "deepseek_v2", "native"]
 
 Sink = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -57,7 +66,9 @@ class PagesCache(DynamicCache):
 
 def shape_of(config: Any) -> LlamaConfig:
     """The cache's shape as the engine's ``PagedCache`` and ``cache_spec`` read it."""
-    layers, types = config.num_hidden_layers, getattr(config, "layer_types", None) or ()
+    layers, types = config.num_hidden_layers, getattr(config, "layer_types", None)
+    if not types:  # Mistral: a sliding window on every layer, if any
+        types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers
     if getattr(config, "kv_lora_rank", None):
         return LlamaConfig(vocab=config.vocab_size, hidden=config.hidden_size, layers=layers,
                            heads=config.num_attention_heads, kv_heads=1, kv_lora_rank=config.kv_lora_rank,
@@ -145,6 +156,16 @@ def gemma2(seed: int = 0, window: int = 64, layers: int = 4, device: str = "cuda
                           sliding_window=window, max_position_embeddings=8192, initializer_range=0.1,
                           tie_word_embeddings=False, attn_implementation="eager")
     return _built(Gemma2ForCausalLM, config, seed, device)
+
+
+def mistral(seed: int = 0, window: int = 64, layers: int = 4, device: str = "cuda") -> HFModel:
+    """A small Mistral: a ``window``-token sliding window on every layer, so a decoding request
+    frees the blocks wholly behind it (``CacheSpec.frees_behind_window``)."""
+    config = MistralConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=32, sliding_window=window,
+                           max_position_embeddings=8192, initializer_range=0.1, tie_word_embeddings=False,
+                           attn_implementation="eager")
+    return _built(MistralForCausalLM, config, seed, device)
 
 
 def deepseek_v2(seed: int = 0, layers: int = 4, device: str = "cuda") -> HFModel:
