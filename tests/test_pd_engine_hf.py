@@ -8,7 +8,8 @@ kvstate's pages. Each test compares D's greedy tokens and logits with transforme
   from their last window, at TP 1 and 2 and from P at TP 2 to D at TP 1; a failed or partial
   read is recomputed; a preempted request is written back and reloaded.
 - Mistral (a sliding window on every layer): a decoding request frees the blocks behind it.
-- Gemma 2 and DeepSeek-V2: P reads a prefix an earlier request stored and computes only the rest.
+- Gemma 2 and DeepSeek-V2: P reads a prefix an earlier request stored, or finds it on its GPU
+  (prefix cache), and computes only the rest.
 - DeepSeek-V2 (MLA and MoE): the latent is stored once whatever the TP degree, and every D rank
   reads that one object; a failed or partial read is recomputed.
 
@@ -122,6 +123,28 @@ def test_mistral_frees_the_blocks_behind_its_window_and_equals_transformers_run(
     assert sum(freed_steps) > 20  # decode steps over tables whose early blocks were freed
     assert eng.backends[1].bytes_moved == window_read_bytes(eng.d_spec, reqs)
     assert_exact(mistral, reqs, reference=transformers_run(mistral))
+
+
+@pytest.mark.parametrize("name", ["gemma", "deepseek"])
+def test_the_gpu_prefix_cache_equals_transformers_run(name, request):
+    """One engine serves the requests in turn with its GPU prefix caches on: P computes only
+    past the blocks an earlier prompt left on its GPU, and the store is not asked for them."""
+    from engine import PDEngine
+
+    from kvstate.backends import MemoryStore
+
+    model, reqs = request.getfixturevalue(name), hf_workload()
+    eng = PDEngine(model, MemoryStore(1 << 30), block_size=BS, num_blocks=1024, prefix_cache=True)
+    try:
+        for r in reqs:
+            eng.run([r])
+        leaks, p = eng.leaks(), eng.P.stats()
+    finally:
+        eng.close()
+    assert leaks == NO_LEAK
+    assert [r.cached_tokens for r in reqs if r.cached_tokens] == [32, 128]
+    assert p["gpu_prefix_blocks"] * BS == 160 and p["store_prefix_blocks"] == 0
+    assert_exact(model, reqs, reference=transformers_run(model))
 
 
 @pytest.mark.parametrize("fault", [0, 1, "fail"])
