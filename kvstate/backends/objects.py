@@ -30,6 +30,7 @@ from ..validate import is_int
 from .base import Guard, Store, TransferBackend, as_bytes_view, leading
 from .integrity import Hasher, geometry_id
 from .manifested import MANIFEST_KIND, Manifested
+from .stores import default_threads
 
 __all__ = ["StoreBackend", "MANIFEST_KIND"]
 
@@ -54,7 +55,7 @@ class StoreBackend(Manifested, TransferBackend):
         self.bytes_swapped = 0  #: payload bytes copied to and from the host tier
         #: manifests written and reads verified (the store's setting: a trusted pool turns it off)
         self.verify = bool(getattr(store, "verify", True))
-        self._hash = Hasher()
+        self._hash = Hasher(default_threads())  # a transfer's host checksums on a thread a core, up to 8
         self._geometry = {g: geometry_id(spec, g) for g in (None, *range(spec.object_groups))}
         self._slot_sums: dict[tuple[int, int], list[int]] = {}  # (rank, host slot) -> checksum per kind
         self.broken_blocks = 0  #: blocks a read found broken (and evicted from the store)
@@ -133,10 +134,17 @@ class StoreBackend(Manifested, TransferBackend):
         """Copy the blocks into the slots, then note each slot's checksums (what a swap-in
         or a write-back from host memory checks the slot against)."""
         n = self._swap(rank, block_ids, host_slots, "d2h", guard)
-        arenas = [self._arena(rank, kind) for kind in self.spec.kinds]
-        for slot in host_slots[:n]:
-            self._slot_sums[(rank, slot)] = self._hash([as_bytes_view(a[slot]) for a in arenas])
+        for slot, sums in zip(host_slots[:n], self._slot_hashes(rank, host_slots[:n])):
+            self._slot_sums[(rank, slot)] = sums
         return n
+
+    def _slot_hashes(self, rank: int, host_slots: Sequence[int]) -> list[list[int]]:
+        """Each slot's checksums, one per kind: the slots of a transfer hashed in one call, so
+        its threads share them all (a slot at a time left most of them idle)."""
+        arenas = [self._arena(rank, kind) for kind in self.spec.kinds]
+        sums = self._hash([as_bytes_view(a[slot]) for slot in host_slots for a in arenas])
+        k = len(arenas)
+        return [sums[i * k:(i + 1) * k] for i in range(len(host_slots))]
 
     def swap_in(self, rank: int, host_slots: Sequence[int], block_ids: Sequence[int],
                 guard: Guard | None = None) -> int:
@@ -148,10 +156,11 @@ class StoreBackend(Manifested, TransferBackend):
 
     def _verified_slots(self, rank: int, host_slots: Sequence[int]) -> int:
         """Leading slots whose bytes match the checksums their swap-out noted."""
-        arenas = [self._arena(rank, kind) for kind in self.spec.kinds]
+        known = [slot for slot in host_slots if (rank, slot) in self._slot_sums]
+        got = dict(zip(known, self._slot_hashes(rank, known)))
         for i, slot in enumerate(host_slots):
             want = self._slot_sums.get((rank, slot))
-            if want is None or self._hash([as_bytes_view(a[slot]) for a in arenas]) != want:
+            if want is None or got[slot] != want:
                 self.broken_slots += want is not None
                 self._slot_sums.pop((rank, slot), None)
                 return i

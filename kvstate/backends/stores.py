@@ -22,6 +22,7 @@ import xxhash
 from ..errors import StoreError, ValidationError
 from ..validate import check_int
 from .base import MISSING, TOO_LARGE, Store, check_batch, check_keys, check_verify
+from .hostcopy import copy_into
 
 __all__ = ["MemoryStore", "FileStore", "default_threads", "PARALLEL_BYTES"]
 
@@ -40,7 +41,8 @@ class MemoryStore(Store):
 
     Objects are numpy byte arrays: their copies in and out release the GIL, so a transfer
     thread storing a cache does not stall the engine thread launching the model, and a large
-    put or get copies its objects on several threads, outside the pool's lock. The arrays
+    put or get copies its objects on several threads, outside the pool's lock, with streaming
+    stores where it can (:mod:`kvstate.backends.hostcopy`). The arrays
     of evicted or overwritten objects are kept as spares for later puts of the same size, so
     a full pool in steady state allocates (and page-faults) nothing; stored and spare bytes
     together stay within ``capacity_bytes``; an array a get is still copying out is never
@@ -129,7 +131,7 @@ class MemoryStore(Store):
                 buf = np.frombuffer(v, np.uint8, count=len(arr))
                 dst, src = (buf, arr) if out else (arr, buf)
                 if sums is None:
-                    np.copyto(dst, src)
+                    copy_into(dst, src)  # streaming: neither side's copy is read again soon
                     continue
                 h = xxhash.xxh3_64()
                 for a in range(0, len(arr), HASH_PIECE):

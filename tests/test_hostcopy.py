@@ -1,0 +1,67 @@
+"""Large host copies (kvstate.backends.hostcopy): the same bytes as numpy, streamed or not."""
+import numpy as np
+import pytest
+
+from kvstate.backends import MemoryStore, hostcopy
+
+SIZES = [0, 1, 15, 16, 63, 64, 65, 127, 4096 + 5, hostcopy.STREAM_BYTES - 1, hostcopy.STREAM_BYTES,
+         hostcopy.STREAM_BYTES + 77, (1 << 20) + 3]
+
+
+def pairs():
+    """Source and destination views at every offset mod 4 (so neither is 16- or 64-byte aligned)."""
+    rng = np.random.default_rng(0)
+    for n in SIZES:
+        for off in range(4):
+            src = rng.integers(0, 256, n + 8, dtype=np.uint8)[off:off + n]
+            dst = np.zeros(n + 8, np.uint8)[3 - off:3 - off + n]
+            yield src, dst
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_copies_every_byte_at_every_size_and_alignment(streamed):
+    if streamed and not hostcopy.STREAMING:
+        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
+    from kvstate.backends.hostcopy import copy_into
+
+    stream = hostcopy.stream_copy if streamed else None
+    for src, dst in pairs():
+        padded = dst.base.copy()
+        copy_into(dst, src, stream)
+        assert np.array_equal(dst, src), len(src)
+        outside = np.ones(len(padded), bool)
+        start = dst.__array_interface__["data"][0] - dst.base.__array_interface__["data"][0]
+        outside[start:start + len(dst)] = False
+        assert np.array_equal(dst.base[outside], padded[outside])  # nothing written around it
+
+
+def test_the_streaming_helper_refuses_lengths_that_differ():
+    if not hostcopy.STREAMING:
+        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
+    dst = np.zeros(100, np.uint8)
+    with pytest.raises(ValueError, match="101 bytes into 100"):
+        hostcopy.stream_copy(dst, np.ones(101, np.uint8))
+    with pytest.raises(TypeError):
+        hostcopy.stream_copy(b"read-only", b"read-only")
+    assert not dst.any()
+
+
+def test_copy_into_refuses_lengths_that_differ_and_writes_nothing():
+    dst = np.zeros(1 << 20, np.uint8)
+    with pytest.raises(ValueError, match="1048577 bytes into 1048576"):
+        hostcopy.copy_into(dst, np.ones((1 << 20) + 1, np.uint8))
+    assert not dst.any()
+
+
+def test_memory_store_round_trips_large_objects_through_streamed_copies():
+    rng = np.random.default_rng(1)
+    objs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (hostcopy.STREAM_BYTES + 1, 3 << 20, 100)]
+    store = MemoryStore(1 << 26, copy_threads=2, verify=False)
+    try:
+        keys = [f"k{i}" for i in range(len(objs))]
+        assert store.batch_put_from(keys, objs) == [0, 0, 0]
+        out = [np.zeros(len(o), np.uint8) for o in objs]
+        assert store.batch_get_into(keys, out) == [len(o) for o in objs]
+        assert all(np.array_equal(a, b) for a, b in zip(out, objs))
+    finally:
+        store.close()
