@@ -40,7 +40,7 @@ class DeviceSums:
     _groups_of: Callable[[Sequence[int] | None], list[int | None]]  # the backend's (Manifested's)
     _part_ids: Callable[[Sequence[int], int], list[int]]  # the backend's (StoreBackend's)
     _slot_sums: dict[tuple[int, int], list[int]]
-    broken_slots: int
+    _matching_slots: Callable[[int, Sequence[int], dict[int, list[int]]], int]  # the backend's (StoreBackend's)
     _on: Callable[[int], Any]  # the backend's: its rank's lock, its device current
     _swap: Callable[..., int]
     _arena: Callable[[int, str], Any]
@@ -119,12 +119,8 @@ class DeviceSums:
         self._check_swap(rank, block_ids, host_slots)
         k = next((i for i, s in enumerate(host_slots) if (rank, s) not in self._slot_sums), len(host_slots))
         n = self._swap(rank, block_ids[:k], host_slots[:k], "h2d", guard) if k else 0
-        for i, (slot, sums) in enumerate(zip(host_slots[:n], self._gpu_block_sums(rank, block_ids[:n]) if n else [])):
-            if sums != self._slot_sums[(rank, slot)]:
-                self.broken_slots += 1
-                self._slot_sums.pop((rank, slot), None)
-                return i
-        return n
+        got = dict(zip(host_slots[:n], self._gpu_block_sums(rank, block_ids[:n]) if n else []))
+        return self._matching_slots(rank, host_slots[:n], got)
 
     def _slot_hashes(self, rank: int, host_slots: Sequence[int]) -> list[list[int]]:
         """Slots' sums as a swap-out notes them, taken on the host (a write-back from host memory

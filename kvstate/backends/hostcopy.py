@@ -20,7 +20,6 @@ import numpy as np
 __all__ = ["copy_into", "stream_copy", "STREAMING", "STREAM_BYTES"]
 
 
-
 def _compiled() -> Callable[[Any, Any], None] | None:
     try:
         from .streamcopy import copy

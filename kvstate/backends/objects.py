@@ -157,10 +157,14 @@ class StoreBackend(Manifested, TransferBackend):
     def _verified_slots(self, rank: int, host_slots: Sequence[int]) -> int:
         """Leading slots whose bytes match the checksums their swap-out noted."""
         known = [slot for slot in host_slots if (rank, slot) in self._slot_sums]
-        got = dict(zip(known, self._slot_hashes(rank, known)))
+        return self._matching_slots(rank, host_slots, dict(zip(known, self._slot_hashes(rank, known))))
+
+    def _matching_slots(self, rank: int, host_slots: Sequence[int], got: dict[int, list[int]]) -> int:
+        """Leading slots whose checksums taken now (``got``) are those their swap-out noted; the
+        first that differs is counted broken and forgotten."""
         for i, slot in enumerate(host_slots):
             want = self._slot_sums.get((rank, slot))
-            if want is None or got[slot] != want:
+            if want is None or got.get(slot) != want:
                 self.broken_slots += want is not None
                 self._slot_sums.pop((rank, slot), None)
                 return i
