@@ -35,7 +35,10 @@ class Command:
 
 @dataclass(slots=True)
 class TransferCommand(Command):
-    """Moves ``block_ids[i]`` under ``keys[i]`` (see :class:`ReadBlocks`, :class:`WriteBlocks`)."""
+    """Moves ``block_ids[i]`` under ``keys[i]`` (see :class:`ReadBlocks`, :class:`WriteBlocks`),
+    and with state groups the ``states`` after some of them: a write stores each state whose
+    blocks it stored, a read loads into its page the last candidate whose blocks it read, and
+    either answers the ``end`` of the last state it moved (:mod:`kvstate.statepages`)."""
 
     command_id: int
     ranks: tuple[int, ...]
@@ -43,6 +46,9 @@ class TransferCommand(Command):
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]
     fence: float = field(default=math.inf, kw_only=True)
+    #: state groups (:mod:`kvstate.statepages`): ``(end, page)``, the request's states after the
+    #: command's leading ``end`` blocks, in state page ``page``; stored with ``keys[end - 1]``
+    states: tuple[tuple[int, int], ...] = field(default=(), kw_only=True)
 
 
 @dataclass(slots=True)
@@ -130,25 +136,36 @@ class SendFirstToken(Command):
 
 @dataclass(slots=True)
 class StartPrefill(Command):
-    """Blocks are ready: compute the prompt from token ``num_cached_tokens`` on."""
+    """Blocks are ready: compute the prompt from token ``num_cached_tokens`` on.
+
+    With state groups, ``state_pages[0]`` holds the running state (the state after
+    ``num_cached_tokens`` tokens, or nothing yet at 0), and ``checkpoint`` (0: none) is a
+    token count the prefill passes: copy the state after it into ``state_pages[1]``."""
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
+    state_pages: tuple[int, ...] = field(default=(), kw_only=True)
+    checkpoint: int = field(default=0, kw_only=True)
 
 
 @dataclass(slots=True)
 class StartDecode(Command):
-    """Every needed block holds its cache on every rank: the request may decode."""
+    """Every needed block holds its cache on every rank: the request may decode (with state
+    groups, from the state in ``state_pages[0]``)."""
 
     block_ids: tuple[int, ...]
+    state_pages: tuple[int, ...] = field(default=(), kw_only=True)
 
 
 @dataclass(slots=True)
 class Recompute(Command):
-    """Recompute the cache from token ``from_token`` on, then report ``recompute_done``."""
+    """Recompute the cache from token ``from_token`` on, then report ``recompute_done`` (with
+    state groups, from the state in ``state_pages[0]``: the state after ``from_token`` tokens,
+    or none at 0)."""
 
     block_ids: tuple[int, ...]
     from_token: int
+    state_pages: tuple[int, ...] = field(default=(), kw_only=True)
 
 
 @dataclass(slots=True)

@@ -47,6 +47,10 @@ Rules:
   read landing then would overwrite them.
 - With a host tier, preemption can swap the cache to host memory and back: its rules, rows
   and actions are in :mod:`kvstate.decode_swap`, whose rows come first in the table.
+- With state groups (:mod:`kvstate.statepages`), a request holds a state page while it holds
+  blocks. A read loads the state stored with the cache (or, short, with the last checkpoint
+  its blocks reach): a recompute starts from the count only where every rank loaded that
+  state, else from token 0. A write-back stores the state with the cache.
 - Every failure row recycles in the same step; ``abort`` leaves every live state. A late first
   token, recompute result or abort for a request that already ended is dropped and counted.
 """
@@ -71,8 +75,6 @@ from .validate import check_int, check_layerwise, check_token, check_tokens, is_
 __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
 
 ERROR_NO_FIRST_TOKEN = ERROR_TIMEOUT  #: D's wait for P's first token passed its deadline
-#: transfers that scatter into GPU blocks: one given up on may still land until its fence
-LANDING = (C.ReadBlocks, C.LoadLayers, C.SwapIn)
 
 _LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "preempted", "reloading",
          *SWAP_STATES)
@@ -121,16 +123,19 @@ class DecodeLifecycle(SwapActions):
 
     DEFINITION = DECODE
     TIMED_WAITS = ("swapped",)
+    SETTLES_IN = "recomputing"
 
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
-                 host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False) -> None:
+                 host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False,
+                 num_states: int = 0) -> None:
         """``layerwise``: read the cache layer group by group (see the rules); the others as
         :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
-                         machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache)
+                         machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
+                         num_states=num_states, layerwise=layerwise)
         self.layerwise = layerwise
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
@@ -143,6 +148,8 @@ class DecodeLifecycle(SwapActions):
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
         check_int(num_tokens, "num_tokens", minimum=1)
+        if self.states and not self.states.pool.num_free:  # type: ignore[union-attr]
+            return False  # no state page
         return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
 
     def reserve(self, request_id: str, token_ids: Sequence[int],
@@ -154,6 +161,7 @@ class DecodeLifecycle(SwapActions):
         n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline (hot path)
         if n > self.pool.num_blocks:
             self._check_fits(req, n)  # raises
+        self.states.check_free(req.id, "reserve")
         if self.prefix_cache is None:
             try:
                 req.blocks = self.pool.allocate(n, self._headroom())
@@ -165,6 +173,7 @@ class DecodeLifecycle(SwapActions):
             raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks keeping "
                                    f"{self._headroom()} free: {self.pool.num_free} are free")
         req.stored_keys = req.keys
+        self.states.take(req, 1)
         self._reqs[request_id] = req
         self._wait(req, self.policy.first_token_timeout)
         return tuple(req.blocks)
@@ -235,6 +244,7 @@ class DecodeLifecycle(SwapActions):
         if req.state != "preempted" and req.state != "swapped":
             raise InvalidTransitionError(request_id, req.state, "resume", DECODE.name)
         n = self.spec.blocks_for(len(req.tokens))
+        self.states.check_free(req.id, "resume")
         if self.prefix_cache is None:
             try:
                 req.blocks = self.pool.allocate(n)
@@ -243,6 +253,7 @@ class DecodeLifecycle(SwapActions):
         elif not self._take_cached(req, n, req.keys[:full_blocks(req.keys)]):
             raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks: "
                                    f"{self.pool.num_free} are free")
+        self.states.take(req, 1)
         self._fire(req, "resume")
         return tuple(req.blocks)
 
@@ -282,7 +293,7 @@ class DecodeLifecycle(SwapActions):
         first = self.spec.window_first_block(len(req.tokens) - 1)  # the cache: every token but the newest
         req.window_from = max(req.window_from, first if first > start else 0)
         self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:len(keys)],
-                       window_from=max(0, first - start))
+                       window_from=max(0, first - start), states=self.states.candidates(req, start, len(keys), True))
 
     # -- actions (named in DECODE) ----------------------------------------------------------------
     def _token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:
@@ -329,30 +340,14 @@ class DecodeLifecycle(SwapActions):
         start = req.hits if value is None else value
         if not start:
             req.window_from = 0  # every block is computed again, window layers included
-        cmd = C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size)
-        req.deferred = cmd if self._landing(req) else None
-        if req.deferred is None:
-            self._out.append(cmd)
-
-    @staticmethod
-    def _landing(req: Request) -> bool:
-        """Whether a read or swap-in of the request that it gave up on (its deadline passed, its
-        fence not yet) may still scatter into its blocks."""
-        return any(t.cmd.__class__ in LANDING for t in req.inflight)
-
-    def _retire(self, t: Any) -> None:
-        """Retire ``t``; a recompute held back for it goes out once nothing can land any more."""
-        req = t.req
-        super()._retire(t)
-        if req is not None and req.deferred is not None and req.state == "recomputing" and not self._landing(req):
-            cmd, req.deferred = req.deferred, None
-            self._out.append(cmd)
+        self._send_settled(req, C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size,
+                                            state_pages=tuple(req.pages)))
 
     def _start_decode(self, req: Request, value: Any) -> None:
         if self.prefix_cache is not None and not req.window_from:  # its blocks hold its whole cache now
             self.prefix_cache.publish(req.keys, req.blocks)
         self._running.add(req.id)
-        self._out.append(C.StartDecode(req.id, tuple(req.blocks)))
+        self._out.append(C.StartDecode(req.id, tuple(req.blocks), state_pages=tuple(req.pages)))
 
     def _writes_back(self, req: Request, value: Any) -> bool:
         p = self.policy

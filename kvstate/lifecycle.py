@@ -1,6 +1,7 @@
 """What the P and D lifecycles share: the sans-I/O loop of events in, commands out.
 
-A lifecycle owns a block pool (:mod:`~kvstate.pool`), its live requests
+A lifecycle owns a block pool (:mod:`~kvstate.pool`) and, with state groups, a state page
+pool (:mod:`~kvstate.statepages`), its live requests
 (:mod:`~kvstate.registry`), their outstanding transfers and pins (:mod:`~kvstate.pins`) and
 deadlines (:mod:`~kvstate.timers`), and one compiled machine (:mod:`~kvstate.machine`) built
 from its role's table (:mod:`~kvstate.prefill`, :mod:`~kvstate.decode`). It consumes events
@@ -32,6 +33,7 @@ from . import commands as C
 from . import events as E
 from .errors import ValidationError
 from .hostpool import HostBlockPool
+from .inspection import Inspection, TransferView
 from .keys import KeyCache, keys_of_packed
 from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
@@ -40,32 +42,41 @@ from .pool import FREED, BlockPool
 from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
+from .statepages import StatePages, usable_count
 from .timers import FENCE, TRANSFER, WAIT, Timers
 from .validate import check_int, check_request_id, check_tokens, is_int, read_clock
 
-__all__ = ["Lifecycle", "TransferView"]
+__all__ = ["Lifecycle", "TransferView", "LANDING"]
 
-TransferView = tuple[C.TransferCommand, tuple[int, ...], bool, bool]  #: command, blocks, pinned, held
+#: transfers that scatter into GPU blocks or state pages: one given up on may still land until its fence
+LANDING = (C.ReadBlocks, C.LoadLayers, C.SwapIn)
 
 
-class Lifecycle:
-    """The pool, requests, transfers and deadlines one role's machine drives."""
+class Lifecycle(Inspection):
+    """The pool, requests, transfers and deadlines one role's machine drives (its read-only
+    views are :class:`~kvstate.inspection.Inspection`'s)."""
 
     DEFINITION: MachineDef
     #: states besides the initial one whose wait has a deadline (``_wait``; fires ``timed_out``)
     TIMED_WAITS: tuple[str, ...] = ()
+    #: the state in which a command held back by :meth:`_send_settled` is still wanted
+    SETTLES_IN = ""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
-                 host_blocks: int = 0, prefix_cache: bool = False) -> None:
-        """``host_blocks``: host tier slots (0: none); ``prefix_cache``: see :mod:`kvstate.prefixcache`."""
+                 host_blocks: int = 0, prefix_cache: bool = False, num_states: int = 0,
+                 layerwise: bool = False) -> None:
+        """``host_blocks``: host tier slots (0: none); ``prefix_cache``: see :mod:`kvstate.prefixcache`;
+        ``num_states``: state pages, for a spec with state groups (:mod:`kvstate.statepages`)."""
         check_int(host_blocks, "host_blocks", minimum=0)
+        check_int(num_states, "num_states", minimum=0)
         if prefix_cache.__class__ is not bool:
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
-        spec.check_moved(type(self).__name__)
+        self.states = StatePages(spec, num_states, type(self).__name__, host_blocks=host_blocks,
+                                 prefix_cache=prefix_cache, layerwise=layerwise)  #: state pages, with state groups
         if policy is not None and not isinstance(policy, Policy):
             raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
         if not callable(clock):
@@ -82,7 +93,7 @@ class Lifecycle:
         self._requests = Registry(self.DEFINITION.name)
         self._reqs = self._requests.live  # the live requests by id (hot paths read it directly)
         self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
-        self._transfers = Transfers(self.pool, self.host)
+        self._transfers = Transfers(self.pool, self.host, self.states.pool)
         self._pending = self._transfers.pending
         self._timers = Timers()
         self._out: list[C.Command] = []  # swapped out whole by poll_commands
@@ -95,61 +106,6 @@ class Lifecycle:
              "late_events", "forced_releases", "retries", "lost_answers"), 0)
         # any class of CompiledMachine's shape: StockMachine runs the same table on stock transitions
         self._machine = machine_cls(self.DEFINITION, self)
-
-    # -- inspection --------------------------------------------------------------------------
-    def state_of(self, request_id: str) -> str:
-        return self._requests.get(request_id).state
-
-    def blocks_of(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._requests.get(request_id).blocks)
-
-    def keys_of(self, request_id: str) -> tuple[str, ...]:
-        """The content keys of the cache the request's leading blocks hold (or will)."""
-        return tuple(self._requests.get(request_id).keys)
-
-    def waiting_for(self, request_id: str) -> int:
-        """The command whose answer the request waits for (0: none)."""
-        return self._requests.get(request_id).cmd
-
-    def live_requests(self) -> list[str]:
-        return list(self._reqs)
-
-    def is_live(self, request_id: str) -> bool:
-        """Whether ``request_id`` (a str, else refused) is live here (admitted or reserved)."""
-        return check_request_id(request_id) in self._reqs
-
-    def next_deadline(self) -> float | None:
-        """The clock time at which :meth:`tick` next has work, or None when no timer is set.
-
-        An engine may sleep until then (or until an event arrives): calling ``tick()`` any
-        earlier fires nothing."""
-        return self._timers.next(self._live_timer)
-
-    def pending_commands(self) -> list[C.TransferCommand]:
-        """Transfer commands still awaiting at least one rank's answer."""
-        return [t.cmd for t in self._pending.values()]
-
-    def transfers(self) -> list[TransferView]:
-        """Each outstanding transfer: its command, blocks, whether it pins them, and whether its
-        request still holds the very block list it was cut from."""
-        return [(t.cmd, tuple(t.blocks), t.pinned, t.req is not None and t.req.blocks is t.held)
-                for t in self._pending.values()]
-
-    def pinned_blocks(self) -> dict[int, int]:
-        """Block id -> number of in-flight transfers pinning it."""
-        return self._transfers.pinned_blocks()
-
-    def owned_blocks(self) -> dict[str, tuple[int, ...]]:
-        return {rid: tuple(r.blocks) for rid, r in self._reqs.items()}  # by position: FREED where freed
-
-    def queued_commands(self) -> int:
-        """Commands queued since the last :meth:`poll_commands`."""
-        return len(self._out)
-
-    def stats(self) -> dict[str, Any]:
-        cache = self.prefix_cache.prefix_stats() if self.prefix_cache is not None else None
-        return {"live": len(self._reqs), "pending_commands": len(self._pending),
-                "pool": self.pool.stats(), "prefix_cache": cache, **self.counters}
 
     # -- commands out, completions and time in -------------------------------------------------
     def poll_commands(self) -> list[C.Command]:
@@ -290,7 +246,7 @@ class Lifecycle:
 
     # -- transfers -------------------------------------------------------------------------------
     def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
-                  host_slots: Sequence[int] | None = None, awaited: bool = True, **fields: int) -> None:
+                  host_slots: Sequence[int] | None = None, awaited: bool = True, **fields: Any) -> None:
         """Send a transfer of ``keys`` into / from ``blocks`` (and, for a swap, host tier
         ``host_slots``, whose entries it references until it retires); ``trigger`` takes its
         answer, unless the request does not wait for it (``awaited=False``: a copy that only
@@ -318,13 +274,32 @@ class Lifecycle:
         req.cmd = 0
         counts = t.counts
         # TP: the minimum over every rank; a rank that never answered counts 0
-        self._fire(req, t.trigger, min(counts.values()) if len(counts) == len(t.cmd.ranks) else 0)
+        value = min(counts.values()) if len(counts) == len(t.cmd.ranks) else 0
+        if value and self.states:  # floored to a state's end; a read's ranks must agree
+            value = usable_count(t.cmd, counts, t.trigger != "written")
+        self._fire(req, t.trigger, value)
 
     def _retire(self, t: Transfer) -> None:
+        """Forget ``t``; a command held back for it goes out once nothing can land any more."""
+        req = t.req
         if self._transfers.retire(t):
             self._freed = True
             if not self._depth:
                 self._settle()
+        if req is not None and req.deferred is not None and req.state == self.SETTLES_IN and not self._landing(req):
+            cmd, req.deferred = req.deferred, None
+            self._out.append(cmd)
+
+    def _send_settled(self, req: Request, cmd: C.Command) -> None:
+        """Send ``cmd`` (a recompute, a prefill) once no read or swap-in the request gave up on
+        (its deadline passed, its fence not yet) may still land in its blocks or pages."""
+        req.deferred = cmd if self._landing(req) else None
+        if req.deferred is None:
+            self._out.append(cmd)
+
+    @staticmethod
+    def _landing(req: Request) -> bool:
+        return any(t.cmd.__class__ in LANDING for t in req.inflight)
 
     def _release(self, req: Request, ended: C.RequestEnded | None = None) -> None:
         """Drop the request's blocks; the notice (``ended``, else a FreeBlocks) goes out first,
@@ -342,7 +317,10 @@ class Lifecycle:
             self._out.append(ended)
         elif blocks:
             self._out.append(C.FreeBlocks(req.id, tuple(blocks)))
-        if blocks and self.pool.release(blocks):
+        freed = self.states.release(req)  # its pages, as its blocks
+        if blocks:
+            freed += self.pool.release(blocks)
+        if freed:
             self._freed = True
 
     # -- requests in ------------------------------------------------------------------------------
@@ -396,4 +374,5 @@ class Lifecycle:
     def _write(self, req: Request, base: int, cls: type = C.WriteBlocks) -> None:
         req.base = base
         keys = req.keys
-        self._transfer(req, cls, "written", keys[base:], req.blocks[base:len(keys)])
+        self._transfer(req, cls, "written", keys[base:], req.blocks[base:len(keys)],
+                       states=self.states.written(req, base, len(keys)))

@@ -6,7 +6,8 @@ the request holds its blocks, that hold covers the transfer too. When the reques
 them (it ends, fails, or is preempted) with transfers still unanswered, each such transfer
 *pins* its blocks: one more reference each, dropped when it retires. So a block returns to
 the free list only when neither an owner nor an in-flight transfer holds it, and the common
-life (every transfer answered before its request lets go) pays no pin at all.
+life (every transfer answered before its request lets go) pays no pin at all. A transfer's
+state pages (:mod:`kvstate.statepages`) are pinned the same way, in their own pool.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Transfer:
     """One outstanding transfer command: its per-rank answers and the blocks it touches."""
 
     __slots__ = ("cmd", "req", "trigger", "blocks", "counts", "left", "limit", "resolved", "pinned",
-                 "held", "inflight", "host_keys", "lost")
+                 "held", "inflight", "host_keys", "lost", "pages")
 
     def __init__(self, cmd: TransferCommand, req: Request, trigger: str, blocks: Sequence[int],
                  host_keys: Sequence[str] = ()) -> None:
@@ -47,6 +48,7 @@ class Transfer:
         self.inflight = req.inflight
         self.host_keys = host_keys  #: host tier entries it references until it retires
         self.lost = False  #: a rank was declared lost: retire at the fence, not at the last answer
+        self.pages = tuple(dict.fromkeys(p for _, p in cmd.states))  #: the state pages it touches
         req.inflight.append(self)
 
     def check_answer(self, rank: object, count: object, lost: object, error: object = None) -> None:
@@ -70,12 +72,13 @@ class Transfer:
 class Transfers:
     """The outstanding transfers of one lifecycle, by command id."""
 
-    __slots__ = ("pending", "_pool", "host")
+    __slots__ = ("pending", "_pool", "host", "_pages")
 
-    def __init__(self, pool: BlockPool, host: HostBlockPool | None = None) -> None:
+    def __init__(self, pool: BlockPool, host: HostBlockPool | None = None, pages: BlockPool | None = None) -> None:
         self.pending: dict[int, Transfer] = {}  #: read directly on hot paths
         self._pool = pool
         self.host = host  #: the host tier, whose entries swap transfers reference
+        self._pages = pages  #: the state page pool, whose pages state transfers pin
 
     def open(self, cmd: TransferCommand, req: Request, trigger: str, blocks: Sequence[int],
              host_keys: Sequence[str] = ()) -> Transfer:
@@ -94,9 +97,13 @@ class Transfers:
                 t.pinned = True
                 if t.blocks:
                     self._pool.retain(t.blocks)
+                if t.pages:
+                    assert self._pages is not None
+                    self._pages.retain(t.pages)
 
     def retire(self, t: Transfer) -> int:
-        """Forget ``t`` (answered, or its fence passed); returns how many blocks its unpinning freed."""
+        """Forget ``t`` (answered, or its fence passed); returns how many blocks and pages its
+        unpinning freed."""
         del self.pending[t.cmd.command_id]
         t.inflight.remove(t)
         if t.host_keys:
@@ -105,7 +112,10 @@ class Transfers:
             if t.cmd.__class__ is SwapOut and len(counts) == len(t.cmd.ranks) and min(counts.values()) >= t.limit:
                 self.host.commit(t.host_keys)  # every rank copied every block whole: the entries hold
             self.host.release(t.host_keys)
-        return self._pool.release(t.blocks) if t.pinned else 0
+        if not t.pinned:
+            return 0
+        pages = self._pages.release(t.pages) if t.pages and self._pages is not None else 0
+        return self._pool.release(t.blocks) + pages
 
     def pinned_blocks(self) -> dict[int, int]:
         """Block id -> number of transfers pinning it."""

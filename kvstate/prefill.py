@@ -35,6 +35,11 @@ Rules:
   request ended change nothing.
 - Only a cache stored whole sends the first token (200); P's blocks are then recycled. A write
   that keeps failing sends the first token with 503 and recycles (reason ``write_failed``).
+- With state groups (:mod:`kvstate.statepages`), a prompt waits for state pages with its
+  blocks; the prefix read takes the longest stored prefix ending at a checkpoint whose state
+  every rank read, and the write stores the prompt's state and that of the last checkpoint
+  the prefill passed. A prefill goes out only once no prefix read the request gave up on can
+  still land in its state page (as D's recompute waits: :mod:`kvstate.decode`).
 - ``abort`` leaves every live state; blocks a transfer still touches stay pinned until it
   answers or its fence passes. A result that comes after the request ended is dropped.
 """
@@ -102,16 +107,19 @@ class PrefillLifecycle(Lifecycle):
     """The P instance's side (see the module's rules)."""
 
     DEFINITION = PREFILL
+    SETTLES_IN = "prefilling"
 
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
-                 host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False) -> None:
+                 host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False,
+                 num_states: int = 0) -> None:
         """``layerwise``: save the cache layer by layer while the prefill runs (see the rules); the others as
         :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
-                         machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache)
+                         machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
+                         num_states=num_states, layerwise=layerwise)
         self.layerwise = layerwise
         self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()
@@ -124,6 +132,10 @@ class PrefillLifecycle(Lifecycle):
         Returns the request's state (``"waiting"`` when it queues for blocks)."""
         req = self._new_request(request_id, token_ids, extra_keys)
         self._check_fits(req, len(req.keys))
+        if self.states and self.states.pages_for(req) > self.states.pool.num_blocks:  # type: ignore[union-attr]
+            raise ValidationError(f"request {request_id!r}: its prompt passes a state checkpoint, so it needs 2 state "
+                                  f"pages (one keeps the checkpoint's state), more than the pool's "
+                                  f"{self.states.pool.num_blocks}")  # type: ignore[union-attr]
         self._reqs[request_id] = req
         self._waiting.append(req)
         self._start_waiting()
@@ -191,8 +203,11 @@ class PrefillLifecycle(Lifecycle):
                 waiting.popleft()
                 continue
             n = len(req.keys)
+            if self.states and not self.states.take(req, self.states.pages_for(req)):
+                return  # no free state page: nothing allocated
             if self.prefix_cache is None:
                 if pool.num_free < n:
+                    self.states.release(req)
                     return
                 req.blocks = pool.allocate(n)
             elif self._take_cached(req, n, req.keys[:self._prefix_limit(req)]):
@@ -211,13 +226,15 @@ class PrefillLifecycle(Lifecycle):
         return (len(req.tokens) - 1) // self.spec.block_size
 
     # -- actions (named in PREFILL) ---------------------------------------------------------------
-    def _wants_prefix(self, req: Request, value: Any) -> bool:
-        return self.policy.read_prefix and self._prefix_limit(req) > req.hits
+    def _wants_prefix(self, req: Request, value: Any) -> bool:  # with state groups, only past a checkpoint
+        return self.policy.read_prefix and self._prefix_limit(req) > req.hits and \
+            (not self.states or self._prefix_limit(req) >= self.states.step)
 
     def _send_prefix_read(self, req: Request, value: Any) -> None:
         n = self._prefix_limit(req)
         start = req.base = req.hits  # past the blocks the GPU prefix cache gave
-        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n])
+        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n],
+                       states=self.states.candidates(req, start, n, whole=False))
 
     def _start_prefill(self, req: Request, value: int | None) -> None:
         """Prefill after a store read of ``value`` blocks past ``req.base`` (``None``: no
@@ -227,7 +244,16 @@ class PrefillLifecycle(Lifecycle):
         self._prefill_from(req, req.hits if value is None else req.base + value)
 
     def _prefill_from(self, req: Request, blocks: int) -> None:
-        self._out.append(C.StartPrefill(req.id, tuple(req.blocks), blocks * self.spec.block_size))
+        bs = self.spec.block_size
+        if len(req.pages) > 1:  # state groups: the prefill keeps the state of a checkpoint it passes
+            snap = self.states.snapshot(req)
+            req.snap = snap if snap > blocks else 0
+        cmd = C.StartPrefill(req.id, tuple(req.blocks), blocks * bs, state_pages=tuple(req.pages),
+                             checkpoint=req.snap * bs)
+        if req.pages:  # a read it gave up on would overwrite the running state: wait until none can land
+            self._send_settled(req, cmd)
+        else:  # blocks are keyed by content: a late read brings the bytes the prefill computes
+            self._out.append(cmd)
         if self.layerwise:  # the save goes out now; its ranks wait for LayersReady
             self._write(req, 0, C.SaveLayers)
 

@@ -14,6 +14,8 @@ Rules of the stored layout (rank-neutral):
   layer groups, block size, head dim, dtype, kinds, heads per object, the model's heads): see
   :func:`check_pair`. Block sizes must be equal: a block's key chains over its tokens, so a
   block of 64 tokens has no key in common with four of 16, and a size pair is refused.
+- A state group's states (:mod:`kvstate.statepages`) are one object per rank, holding that
+  rank's share: P and D of a model with state layers use one TP degree.
 """
 from __future__ import annotations
 
@@ -216,12 +218,17 @@ class CacheSpec:
         groups = () if all(g.kind == "full" for g in kept) else kept
         return replace(self, num_layers=self.num_layers - len(state), groups=groups)
 
-    def check_moved(self, who: str) -> None:
-        """Refuse a spec with state groups where bytes move: their states are modeled in the
-        simulator and the spec; no lifecycle or backend moves them yet."""
-        if any(g.kind == "state" for g in self.groups):
-            raise ConfigError(f"{who}: state layer groups (Mamba, linear attention) are planned by the simulator; "
-                              "no lifecycle or backend moves their states yet")
+    def check_moved(self, who: str, states: bool = False) -> None:
+        """Refuse what ``who`` cannot move: state groups, unless it moves states (``states``:
+        the lifecycles and the reference backend, :mod:`kvstate.statepages`), and state groups
+        beside window groups, whose resume rules no lifecycle combines yet."""
+        kinds = {g.kind for g in self.groups}
+        if "state" in kinds and not states:
+            raise ConfigError(f"{who}: state layer groups (Mamba, linear attention) are moved by the lifecycles "
+                              f"and the reference backend; {who} does not move states")
+        if {"state", "window"} <= kinds:
+            raise ConfigError(f"{who}: state groups beside window groups: no lifecycle combines a state's "
+                              "checkpoints with a window's resume rule yet")
 
     def read_bytes_per_rank(self, num_tokens: int) -> int:
         """Bytes one rank reads to continue a ``num_tokens``-token cache: every paged group's
@@ -325,6 +332,9 @@ def check_pair(p: CacheSpec, d: CacheSpec) -> None:
     field of :data:`_SHARED` must agree (block sizes included: see the module's docstring)."""
     if not isinstance(p, CacheSpec) or not isinstance(d, CacheSpec):
         raise ConfigError("check_pair: P's and D's specs must be CacheSpecs")
+    if p.state_bytes_per_rank and p.tp_size != d.tp_size:
+        raise ConfigError(f"P (TP {p.tp_size}) and D (TP {d.tp_size}): a state group's states are stored per "
+                          "rank, so P and D of a model with state layers use one TP degree")
     for name in _SHARED:
         a, b = getattr(p, name), getattr(d, name)
         if a != b:

@@ -178,8 +178,9 @@ class Store(ABC):
 
 class TransferBackend(ABC):
     """What a driver needs from a backend, per rank: ``query`` (how many leading keys are
-    stored; asked before a write, to skip them), ``write`` and ``read`` of blocks. ``write`` and
-    ``read`` ask ``guard`` right before they gather or scatter blocks."""
+    stored; asked before a write, to skip them), ``write`` and ``read`` of blocks (and, with
+    state groups, ``write_states`` and ``read_state``). Each asks ``guard`` right before it
+    gathers or scatters blocks or pages."""
 
     spec: CacheSpec
 
@@ -226,6 +227,17 @@ class TransferBackend(ABC):
         """Store host tier slot ``host_slots[i]`` under ``keys[i]`` (a write-back from host
         memory); how many leading keys are stored afterwards."""
         raise ValidationError(f"{type(self).__name__} has no host tier: build it with host_blocks > 0")
+
+    def write_states(self, rank: int, keys: Sequence[str], pages: Sequence[int], guard: Guard | None = None) -> int:
+        """Store state page ``pages[i]`` as the state after block ``keys[i]``
+        (:mod:`kvstate.statepages`); how many leading states were stored. Backends without
+        state pages raise."""
+        raise ValidationError(f"{type(self).__name__} moves no state pages (state layer groups)")
+
+    def read_state(self, rank: int, key: str, page: int, guard: Guard | None = None) -> bool:
+        """Load the state stored after block ``key`` into state page ``page``; whether it
+        arrived whole and verified."""
+        raise ValidationError(f"{type(self).__name__} moves no state pages (state layer groups)")
 
     def close(self) -> None:  # noqa: B027 - a default, not an abstract method: the reference backend holds nothing
         """Release buffers and devices (idempotent)."""

@@ -28,27 +28,30 @@ from ..spec import CacheSpec
 from ..validate import check_int
 from .base import Guard, Store, check_fence
 from .cuda_caches import bind_rank, caches_by_rank
+from .cuda_states import DeviceStates
 from .cuda_sums import DeviceSums
 from .integrity import SUM64
 from .manifested import Deferred, manifest_slice
 from .objects import StoreBackend
+from .stateobjects import paged_of
 
 __all__ = ["CudaBackend"]
 
 
-class CudaBackend(DeviceSums, StoreBackend):
+class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
     """Per-rank GPU caches over a :class:`~kvstate.backends.stores.Store`, through pinned staging.
 
-    ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
-    when given, is ``caches[rank][kind]`` = a list of per-layer GPU tensors ``[num_blocks,
-    heads, block_size, dim]`` (the engine's own cache, or one another process shares through
-    CUDA IPC): a list with one entry per TP rank, or a dict of the ranks held; otherwise
-    zeroed CuPy arrays are allocated. ``staging_bytes`` is the pinned staging per rank.
-    """
+    ``ranks`` (default: all) are the TP ranks held here. ``caches``, when given, is
+    ``caches[rank][kind]`` = per-layer GPU tensors ``[num_blocks, heads, block_size, dim]`` (the
+    engine's, or shared through CUDA IPC): a list with one entry per TP rank, or a dict of the
+    ranks held; otherwise zeroed CuPy arrays are allocated. ``staging_bytes`` is the pinned
+    staging per rank. ``num_states``, ``states``: state pages (:mod:`~kvstate.backends.cuda_states`)."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
-                 host_blocks: int = 0, ranks: Sequence[int] | None = None) -> None:
+                 host_blocks: int = 0, ranks: Sequence[int] | None = None, num_states: int = 0,
+                 states: Any = None) -> None:
+        full, spec = spec, paged_of(spec, "CudaBackend")
         self._setup(spec, num_blocks, store, ranks)
         check_int(host_blocks, "CudaBackend: host_blocks", minimum=0)
         self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
@@ -56,8 +59,7 @@ class CudaBackend(DeviceSums, StoreBackend):
         if not isinstance(staging_bytes, int) or staging_bytes < 2 * per_block:
             raise ValidationError(f"CudaBackend: staging_bytes must hold two blocks ({2 * per_block} bytes "
                                   f"for this spec), got {staging_bytes!r}")
-        if caches is not None:
-            caches = caches_by_rank(spec, self.ranks, caches)
+        caches = None if caches is None else caches_by_rank(spec, self.ranks, caches)
         self.cp = load_cupy()
         self.device = device
         self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
@@ -85,6 +87,7 @@ class CudaBackend(DeviceSums, StoreBackend):
                 if host_blocks:  # the host tier: block-major, slot i at the same place on every rank
                     self._host[r] = {k: sw.pinned((host_blocks, spec.layers) + spec.block_shape(k),
                                                   spec.kind_dtype(k)) for k in spec.kinds}
+            self._bind_states(full, num_states, states, device)
         except BaseException:
             self.close()
             raise
@@ -392,8 +395,6 @@ class CudaBackend(DeviceSums, StoreBackend):
         for sw in self._swappers.values():
             sw.close()
         self._swappers.clear()
-        self._layers, self._parts, self._groups = {}, {}, {}
-        self._slots = {}
-        self._host = {}
-        self._sum_cache = {}
+        self._layers, self._parts, self._groups, self._slots, self._host, self._sum_cache = {}, {}, {}, {}, {}, {}
+        self.state_pages = {}
         super().close()

@@ -8,7 +8,10 @@ scatters the blocks that arrived whole (``"h2d"``). The backend knows nothing of
 states: it answers how many *leading* blocks it stored, read or found.
 
 With ``host_blocks`` each rank also holds the host tier's block-major arena; a swap moves
-blocks between the caches and its slots with the same op.
+blocks between the caches and its slots with the same op. With state groups
+(:mod:`kvstate.statepages`), each rank holds ``num_states`` state pages, ``state_pages[rank]``
+``[num_states, state bytes]``, stored as :mod:`~kvstate.backends.stateobjects` says; the
+blocks are those of the spec's paged layers (``CacheSpec.paged``: ``self.spec``).
 
 The ``guard`` (see :mod:`kvstate.backends.base`) is asked just before blocks are gathered or
 scattered. Only the slow store operation runs between the check and the end of the command;
@@ -22,16 +25,18 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ValidationError
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
 from .base import Guard, Store, check_caches, check_fence
 from .objects import StoreBackend
+from .stateobjects import StateObjects, paged_of
 
 __all__ = ["ReferenceBackend"]
 
 
-class ReferenceBackend(StoreBackend):
+class ReferenceBackend(StateObjects, StoreBackend):
     """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`.
 
     ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
@@ -39,9 +44,13 @@ class ReferenceBackend(StoreBackend):
     memory another process created, say); otherwise zeroed arrays are allocated."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0,
-                 ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None
-                 ) -> None:
+                 ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None,
+                 num_states: int = 0) -> None:
+        full, spec = spec, paged_of(spec, "ReferenceBackend")
         self._setup(spec, num_blocks, store, ranks)
+        self._setup_states(full, num_states)
+        #: state_pages[rank] -> [num_states, state bytes] (with state groups)
+        self.state_pages = {r: np.zeros((num_states, self.state_size), np.uint8) for r in self.ranks}
         check_int(host_blocks, "ReferenceBackend: host_blocks", minimum=0)
         if caches is not None:
             check_caches(spec, num_blocks, self.ranks, caches, "ReferenceBackend")
@@ -71,6 +80,24 @@ class ReferenceBackend(StoreBackend):
         for i, layer in enumerate(layers):
             layer[block_id] = np.frombuffer(data, layer.dtype, offset=i * chunk,
                                             count=layer[block_id].size).reshape(layer.shape[1:])
+
+    def state_bytes(self, rank: int, page: int) -> bytes:
+        """One state page's bytes on ``rank`` (as stored)."""
+        self._check_states(rank, ["page"], [page])
+        return self.state_pages[rank][page].tobytes()
+
+    def fill_state(self, rank: int, page: int, data: bytes) -> None:
+        """Overwrite one state page on ``rank``."""
+        self._check_states(rank, ["page"], [page])
+        if not isinstance(data, bytes) or len(data) != self.state_size:
+            raise ValidationError(f"ReferenceBackend.fill_state: expected {self.state_size} bytes")
+        self.state_pages[rank][page] = np.frombuffer(data, np.uint8)
+
+    def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
+        out[:] = self.state_pages[rank][page]
+
+    def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
+        self.state_pages[rank][page] = data
 
     def _arena(self, rank: int, kind: str) -> np.ndarray:
         return self.host[rank][kind]

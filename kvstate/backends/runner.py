@@ -49,32 +49,56 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
     if cmd.__class__ is C.SaveLayers and layers is None:
         raise ValidationError(f"command {cmd.command_id}: a SaveLayers needs a layer gate (layers=)")
     try:
-        if cmd.__class__ is C.SaveLayers:
-            n = backend.query(rank, keys)  # a full hit answers at once, computed or not
-            if n < len(keys):
-                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard, layers=layers)
-        elif isinstance(cmd, C.WriteBlocks):
-            # skip the leading keys already stored (same key, same bytes), write the rest
-            n = backend.query(rank, keys)
-            if n < len(keys):
-                n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
-        elif cmd.__class__ is C.LoadLayers:
-            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, arrived=arrived or _ignore)
-        elif isinstance(cmd, C.ReadBlocks):
-            # only when set: a backend reading every block whole may not take window_from
-            window: dict[str, Any] = {"window_from": min(cmd.window_from, len(keys))} if cmd.window_from else {}
-            n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, **window)
-        elif isinstance(cmd, C.SwapOut):
-            n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
-        elif isinstance(cmd, C.SwapIn):
-            n = backend.swap_in(rank, cmd.host_slots[:len(keys)], cmd.block_ids[:len(keys)], guard)
-        elif isinstance(cmd, C.FlushHost):
-            n = backend.flush_host(rank, keys, cmd.host_slots[:len(keys)])
-        else:
-            raise ValidationError(f"cannot execute {type(cmd).__name__}")
+        n = _move_blocks(backend, cmd, rank, keys, guard, layers, arrived)
+        if cmd.states:
+            n = _move_states(backend, cmd, rank, keys, n, guard)
     except (KVStateError, OSError) as e:
         return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
     return Completion(cmd.command_id, rank, n)
+
+
+def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], guard: Any,
+                 layers: Callable[..., Any] | None, arrived: Callable[[int, Any], None] | None) -> int:
+    """The blocks of one rank's part of ``cmd``: how many leading ones moved."""
+    if cmd.__class__ is C.SaveLayers:
+        n = backend.query(rank, keys)  # a full hit answers at once, computed or not
+        if n < len(keys):
+            n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard, layers=layers)
+    elif isinstance(cmd, C.WriteBlocks):
+        # skip the leading keys already stored (same key, same bytes), write the rest
+        n = backend.query(rank, keys)
+        if n < len(keys):
+            n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
+    elif cmd.__class__ is C.LoadLayers:
+        n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, arrived=arrived or _ignore)
+    elif isinstance(cmd, C.ReadBlocks):
+        # only when set: a backend reading every block whole may not take window_from
+        window: dict[str, Any] = {"window_from": min(cmd.window_from, len(keys))} if cmd.window_from else {}
+        n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, **window)
+    elif isinstance(cmd, C.SwapOut):
+        n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
+    elif isinstance(cmd, C.SwapIn):
+        n = backend.swap_in(rank, cmd.host_slots[:len(keys)], cmd.block_ids[:len(keys)], guard)
+    elif isinstance(cmd, C.FlushHost):
+        n = backend.flush_host(rank, keys, cmd.host_slots[:len(keys)])
+    else:
+        raise ValidationError(f"cannot execute {type(cmd).__name__}")
+    return n
+
+
+def _move_states(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], n: int,
+                 guard: Any) -> int:
+    """The states of a transfer whose blocks moved ``n`` leading: a write stores each whose
+    blocks were stored, in order; a read loads the last candidate it can. Answers the end of the
+    last state moved (0: none), as :mod:`kvstate.statepages` says."""
+    states = [(e, p) for e, p in cmd.states if e <= n]
+    if isinstance(cmd, C.WriteBlocks):
+        stored = backend.write_states(rank, [keys[e - 1] for e, _ in states], [p for _, p in states], guard)
+        return states[stored - 1][0] if stored else 0
+    for e, p in reversed(states):
+        if backend.read_state(rank, keys[e - 1], p, guard):
+            return e
+    return 0
 
 
 def _ignore(layers: int, event: Any) -> None:

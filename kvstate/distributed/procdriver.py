@@ -73,6 +73,7 @@ class ProcessDriver:
                  spin_us: float = 200.0, name: str = "kvstate") -> None:
         if not isinstance(spec, CacheSpec):
             raise ConfigError("ProcessDriver: spec must be a CacheSpec")
+        spec.check_moved("ProcessDriver")  # the wire carries no state pages (kvstate.statepages)
         check_int(num_blocks, "ProcessDriver: num_blocks", minimum=1, error=ConfigError)
         for what, v in (("heartbeat_s", heartbeat_s), ("dead_after_s", dead_after_s),
                         ("submit_timeout", submit_timeout)):

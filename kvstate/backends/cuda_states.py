@@ -1,0 +1,76 @@
+"""State pages on the GPU: the CUDA backend's side of :mod:`~kvstate.backends.stateobjects`.
+
+Each rank holds its state pages as one device array ``[num_states, state bytes]`` of uint8:
+zeroed CuPy memory, or the engine's own (any CUDA array CuPy takes: a PyTorch or Paddle tensor
+viewed as bytes). A state moves between its page and a host buffer with one copy, under the
+rank's lock on the backend's device; the store puts and gets it as the stateobjects rules say.
+A state is a few MiB at most, so it is copied whole, without the blocks' staging ring.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..spec import CacheSpec
+from .stateobjects import StateObjects
+
+__all__ = ["DeviceStates"]
+
+
+class DeviceStates(StateObjects):
+    """Mixed into :class:`~kvstate.backends.cuda.CudaBackend`, which gives ``cp``, its ranks and ``_on``."""
+
+    cp: Any
+    ranks: tuple[int, ...]
+
+    def _on(self, rank: int) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _bind_states(self, spec: CacheSpec, num_states: int, pages: Mapping[int, Any] | None, device: int) -> None:
+        """``num_states`` pages a rank on ``device``: ``pages[rank]`` when given (checked), else zeroed."""
+        self._setup_states(spec, num_states)
+        shape = (num_states, self.state_size)
+        self.state_pages: dict[int, Any] = {}
+        if pages is not None and not isinstance(pages, Mapping):
+            raise ValidationError(f"{type(self).__name__}: states must map each rank to its state pages")
+        for r in self.ranks:
+            if pages is None:
+                with self.cp.cuda.Device(device):
+                    self.state_pages[r] = self.cp.zeros(shape, self.cp.uint8)
+                continue
+            a = self.cp.asarray(pages[r]) if r in pages else None
+            if a is None or a.shape != shape or a.dtype != np.uint8 or not a.flags.c_contiguous:
+                raise ValidationError(f"{type(self).__name__}: state pages of rank {r} must be a contiguous "
+                                      f"uint8 device array of shape {shape}")
+            self.state_pages[r] = a
+
+    @contextlib.contextmanager
+    def _page(self, rank: int, page: int) -> Iterator[Any]:
+        with self._on(rank):
+            yield self.state_pages[rank][page]
+
+    def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
+        with self._page(rank, page) as p:
+            p.get(out=out)
+
+    def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
+        with self._page(rank, page) as p:
+            p.set(data)
+
+    def state_bytes(self, rank: int, page: int) -> bytes:
+        """One state page's bytes on ``rank`` (tests)."""
+        self._check_states(rank, ["page"], [page])
+        out = np.empty(self.state_size, np.uint8)
+        self._gather_state(rank, page, out)
+        return out.tobytes()
+
+    def fill_state(self, rank: int, page: int, data: bytes) -> None:
+        """Overwrite one state page on ``rank`` (tests, an engine's fake compute)."""
+        self._check_states(rank, ["page"], [page])
+        if not isinstance(data, bytes) or len(data) != self.state_size:
+            raise ValidationError(f"{type(self).__name__}.fill_state: expected {self.state_size} bytes")
+        self._scatter_state(rank, page, np.frombuffer(data, np.uint8))

@@ -1,0 +1,152 @@
+"""State pages: where a request's recurrent states live on the GPU (the state layer groups of
+:mod:`kvstate.layers`: Mamba, linear attention), and which stored states a transfer moves.
+
+Rules:
+
+- A spec with state groups gives every live request *state pages* from a pool of
+  ``num_states`` (one page holds a request's states of every state layer, on each rank:
+  ``CacheSpec.state_bytes_per_rank``), as vLLM's hybrid allocator gives a state group its own
+  table. ``pages[0]`` holds the running state. P takes a second page when its prompt passes a
+  checkpoint: its prefill copies the state there into it (``StartPrefill.checkpoint``), so the
+  write can store it. A request without free pages waits (P) or is refused (D), as for blocks.
+- A stored state belongs to the prefix it follows: the state after a cache's leading ``n``
+  blocks is stored with block ``n - 1``'s key. States are stored at checkpoints (every
+  ``checkpoint`` tokens) and where a cache is written whole (P's prompt, D's write-back), so
+  a prefix is reusable from a checkpoint only (or whole).
+- A transfer lists its states as ``(end, page)`` pairs (``TransferCommand.states``; ``end``
+  counts the command's blocks). A write stores each state whose blocks it stored, in order;
+  a read loads into its page the last candidate whose blocks it read. Either answers the end
+  of the last state it moved (0: none): blocks past it cannot be continued from.
+- The lifecycle trusts no count beyond that: it floors each rank's to a state's end. A read
+  whose ranks stop at different ends counts 0, since each rank's page holds the state of its
+  own end and no position has its state on every rank. A write counts the minimum: each rank
+  stored every state up to its count.
+- Pages are released with the request's blocks; a transfer still running when its request lets
+  go pins its pages as it pins its blocks (:mod:`kvstate.pins`).
+- Not combined yet, and refused when built: a host tier, a GPU prefix cache, layer-wise
+  transfers, and window groups beside state groups (:meth:`~kvstate.spec.CacheSpec.check_moved`).
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
+
+from .commands import TransferCommand
+from .errors import ConfigError, OutOfBlocksError
+from .pool import BlockPool
+from .registry import Request
+from .spec import CacheSpec
+
+__all__ = ["StatePages", "usable_count"]
+
+
+def usable_count(cmd: TransferCommand, counts: Mapping[int, int], reads: bool) -> int:
+    """The count a state-moving transfer resolves to, from its ranks' answers (every rank
+    answered): each floored to a state's end, then their minimum for a write, or their one
+    common value for a read (0 if the ranks differ; 0 for a transfer moving no state)."""
+    ends = [e for e, _ in cmd.states]
+    floors = {ends[i - 1] if (i := bisect_right(ends, c)) else 0 for c in counts.values()} or {0}
+    if reads and len(floors) > 1:
+        return 0
+    return min(floors)
+
+
+class StatePages:
+    """The state page pool of one lifecycle and what its requests' transfers move."""
+
+    __slots__ = ("pool", "block_size", "step")
+    pool: BlockPool | None  #: the state pages (None: no state group)
+
+    def __init__(self, spec: CacheSpec, num_states: int, who: str, *, host_blocks: int, prefix_cache: bool,
+                 layerwise: bool) -> None:
+        steps = [g.checkpoint // spec.block_size for g in spec.groups if g.kind == "state"]
+        if not steps:
+            if num_states:
+                raise ConfigError(f"{who}: num_states {num_states}, but the spec has no state group")
+            self.pool, self.block_size, self.step = None, spec.block_size, 0
+            return
+        spec.check_moved(who, states=True)
+        if num_states < 1:
+            raise ConfigError(f"{who}: the spec has state groups: give num_states >= 1 (state pages)")
+        for what, on in (("a host tier", host_blocks), ("a GPU prefix cache", prefix_cache),
+                         ("layer-wise transfers", layerwise)):
+            if on:
+                raise ConfigError(f"{who}: state groups with {what}: not built (kvstate.statepages)")
+        self.pool = BlockPool(num_states)
+        self.block_size = spec.block_size
+        self.step = max(steps)  # checkpoints are whole blocks; every state group checkpoints at their multiples
+        for s in steps:
+            if self.step % s:
+                raise ConfigError(f"{who}: state groups checkpoint every {s} and {self.step} blocks: "
+                                  "one must divide the other")
+
+    def __bool__(self) -> bool:
+        return self.pool is not None
+
+    # -- pages ----------------------------------------------------------------------------------
+    def pages_for(self, req: Request) -> int:
+        """Pages ``req`` needs: P (whose write stores a checkpoint it passes) two when its
+        prompt passes one, else one."""
+        return 2 if self.snapshot(req) else 1
+
+    def snapshot(self, req: Request) -> int:
+        """Blocks of the last checkpoint strictly inside P's prompt's full blocks (0: none)."""
+        full = (len(req.tokens) - 1) // self.block_size
+        return full - full % self.step
+
+    def take(self, req: Request, n: int) -> bool:
+        """Give ``req`` ``n`` pages (none without state groups); False, changing nothing, when
+        fewer are free."""
+        if self.pool is None:
+            return True
+        if self.pool.num_free < n:
+            return False
+        req.pages = self.pool.allocate(n)
+        return True
+
+    def check_free(self, request_id: str, op: str) -> None:
+        """Refuse ``op`` (before it allocates anything) when no state page is free."""
+        if self.pool is not None and not self.pool.num_free:
+            raise OutOfBlocksError(f"request {request_id!r}: cannot {op}: none of the {self.pool.num_blocks} "
+                                   "state pages is free")
+
+    def release(self, req: Request) -> int:
+        """``req`` lets go of its pages (a transfer still running pinned them first); returns
+        how many came free."""
+        if not req.pages:
+            return 0
+        assert self.pool is not None
+        freed = self.pool.release(req.pages)
+        req.pages = []
+        return freed
+
+    # -- what transfers move ----------------------------------------------------------------------
+    def candidates(self, req: Request, start: int, end: int, whole: bool) -> tuple[tuple[int, int], ...]:
+        """A read of blocks ``[start, end)``: every checkpoint past ``start`` (and ``end``
+        itself when ``whole``: a cache stored whole), relative to ``start``, into pages[0]."""
+        if not self:
+            return ()
+        page = req.pages[0]
+        first = (start // self.step + 1) * self.step
+        out = [(e - start, page) for e in range(first, end + 1, self.step)]
+        if whole and (not out or out[-1][0] != end - start) and end > start:
+            out.append((end - start, page))
+        return tuple(out)
+
+    def written(self, req: Request, base: int, end: int) -> tuple[tuple[int, int], ...]:
+        """A write of blocks ``[base, end)``: the checkpoint P's prefill copied (``req.snap``
+        blocks, into pages[1], when past ``base``), then the running state at ``end``."""
+        if not self:
+            return ()
+        out = []
+        checkpoint = req.snap
+        if base < checkpoint < end:
+            out.append((checkpoint - base, req.pages[1]))
+        if end > base:
+            out.append((end - base, req.pages[0]))
+        return tuple(out)
+
+    @staticmethod
+    def page_ids(states: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+        """The distinct pages a transfer's states touch (what it pins)."""
+        return tuple(dict.fromkeys(p for _, p in states))
