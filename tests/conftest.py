@@ -73,8 +73,9 @@ class Rig:
                                   layerwise=layerwise, **lifecycle_kwargs)
         self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
                                  layerwise=layerwise, **lifecycle_kwargs)
-        self.pb = ReferenceBackend(self.spec, p_blocks, self.store, host_blocks=host_blocks)
-        self.db = ReferenceBackend(self.spec, blocks, self.store, host_blocks=host_blocks)
+        states = lifecycle_kwargs.get("num_states", 0)
+        self.pb = ReferenceBackend(self.spec, p_blocks, self.store, host_blocks=host_blocks, num_states=states)
+        self.db = ReferenceBackend(self.spec, blocks, self.store, host_blocks=host_blocks, num_states=states)
         self.pd = StepDriver(self.P, self.pb)
         self.dd = StepDriver(self.D, self.db)
 

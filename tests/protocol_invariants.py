@@ -165,7 +165,10 @@ class DrainedAtTeardown:
         rig, rid = self.rig, n.request_id
         wanted = rid in rig.D.live_requests() and rig.D.state_of(rid) == "recomputing"
         if wanted and rig.D.blocks_of(rid) == n.block_ids:
-            fill(rig.db, self.tokens[rid][:-1], n.block_ids, n.from_token // BS)
+            toks = self.tokens[rid][:-1]
+            self._start_from_state(rig.db, n.state_pages, toks, n.from_token, f"{rid}'s recompute")
+            fill(rig.db, toks, n.block_ids, n.from_token // BS)
+            self._compute_state(rig.db, n.state_pages, toks)
             rig.D.recompute_done(rid)
             return True
         return False

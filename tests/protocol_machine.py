@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from protocol_decode import DecodeRules
 from protocol_invariants import DrainedAtTeardown, PoolInvariants
 from protocol_layers import LayerRules
+from protocol_states import StateRules
 from protocol_support import BS, KIND, LAYOUTS, STATS, StoreSwitch, decode_mismatches, fill, snapshot
 from protocol_swaps import SwapRules
 
@@ -23,7 +24,8 @@ from kvstate import commands as C
 from kvstate.backends import MemoryStore
 
 
-class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTeardown, RuleBasedStateMachine):
+class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTeardown,
+               RuleBasedStateMachine):
     CHECK_DRAINED = True  #: teardown checks the drained state (tests of single invariants turn it off)
 
     @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
@@ -32,19 +34,22 @@ class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTear
                 host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]),
                 swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans(),
                 layerwise=st.booleans(), groups=st.sampled_from([1, 2]),
-                layout=st.sampled_from(["plain", "plain", "plain", "window", "sliding", "latent"]))
+                layout=st.sampled_from(["plain", "plain", "plain", "window", "sliding", "latent", "state"]))
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
               prefix_cache, layerwise, groups, layout):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1
         layout = "plain" if layerwise and layout in ("window", "sliding") else layout  # by group: not layer-wise
         STATS[f"layout:{layout}"] += 1
-        groups = 1 if layout in ("window", "sliding") else groups
+        groups = 1 if layout in ("window", "sliding", "state") else groups
+        if layout == "state":  # state pages: no host tier, prefix cache or layer-wise transfers (kvstate.statepages)
+            prefix_cache, layerwise, host_blocks, preempt = False, False, 0, preempt.replace("swap", "write")
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
                                      transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
                                      swap_fallback=swap_fallback, swap_write=swap_write, swapped_timeout=15.0),
                        first_token_timeout=12.0, prefix_cache=prefix_cache, layerwise=layerwise,
+                       num_states=6 if layout == "state" else 0,
                        spec=small_spec(tp, layer_groups=groups, **LAYOUTS[layout]))
         self.reported: dict[str, int] = {}  # layers each layer-wise prefill reported
         self.tokens: dict[str, list[int]] = {}
@@ -126,6 +131,7 @@ class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTear
             bad = decode_mismatches(rig.db, toks, n.block_ids)
             assert not bad, \
                 f"runnable_only_after_full_read_on_every_rank_with_p_bytes: {rid} (block, rank, kind) {bad[:3]}"
+            self._check_decode_state(rid, n.state_pages)
         elif isinstance(n, C.Recompute):
             self.recomputes.append(n)  # the engine computes it later (rule recompute)
         elif isinstance(n, C.RequestEnded) and drv is rig.dd:
@@ -229,7 +235,10 @@ class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTear
     def _run_prefill(self, n) -> None:
         rig, rid = self.rig, n.request_id
         if rid in rig.P.live_requests() and rig.P.state_of(rid) in ("prefilling", "saved"):
-            fill(rig.pb, self.tokens[rid][:self.plen[rid]], n.block_ids, n.num_cached_tokens // BS)
+            toks = self.tokens[rid][:self.plen[rid]]
+            self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill")
+            fill(rig.pb, toks, n.block_ids, n.num_cached_tokens // BS)
+            self._compute_state(rig.pb, n.state_pages, toks, n.checkpoint)
             rig.P.prefill_done(rid, 1)
 
     @precondition(lambda self: self.prefills)
@@ -307,6 +316,7 @@ class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTear
                 # (keys of every block but the newest token's change with it): as an engine would
                 toks = self.tokens[rid][:-1]
                 fill(rig.db, toks, rig.D.blocks_of(rid), (len(toks) - 1) // BS)
+                self._compute_state(rig.db, rig.D.pages_of(rid), toks)
             elif action == "finish":
                 rig.D.finish(rid)
             else:
@@ -315,63 +325,6 @@ class Protocol(SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTear
                 self.tokens[rid] = self.tokens[rid][:self.plen[rid]] + [2]
         except (InvalidTransitionError, OutOfBlocksError):
             assert rig.D.state_of(rid) == state  # rejected events change nothing
-        self._process_notices()
-
-    def _running(self) -> list[str]:
-        return sorted(r for r in self.rig.D.live_requests() if self.rig.D.state_of(r) == "running")
-
-    def _run_to_running(self) -> bool:
-        """Run the engine a little until some request is running on D; whether one is."""
-        rig = self.rig
-        for _ in range(4):
-            if self._running() or not (self.prefills or rig.pd.pending or rig.dd.pending):
-                break
-            self.progress()
-        return bool(self._running())
-
-    @precondition(lambda self: self.rig.D.live_requests())
-    @rule(data=st.data(), stage=st.sampled_from([0, 1, 2, 2, 2]), action=st.sampled_from(["cancel", "preempt"]))
-    def deep_preempt(self, data, stage, action):
-        """Preempt a running request (running the engine until one is), then take it deeper
-        (write-back answered, resumed) before a cancel or a second preemption: reaches
-        preempt_writing, preempted and reloading, which one-event rules rarely meet."""
-        rig = self.rig
-        if not self._run_to_running():
-            return
-        rid = data.draw(st.sampled_from(self._running()))
-        self.faults["preempt"] += 1
-        self.faults["preempt:running"] += 1
-        rig.D.preempt(rid)
-        self._process_notices()
-        if stage >= 1 and rig.D.state_of(rid) in ("preempt_writing", "swapping_out"):
-            self._answer_command("D", rid)
-        if stage >= 2 and rid in rig.D.live_requests() and rig.D.state_of(rid) in ("preempted", "swapped"):
-            try:
-                rig.D.resume(rid)
-            except OutOfBlocksError:
-                pass
-            self._process_notices()
-        if rid not in rig.D.live_requests():
-            return
-        state = rig.D.state_of(rid)
-        if state in ("preempt_writing", "swapping_out"):  # a second preemption while the copy runs: rejected
-            self.faults["preempt"] += 1
-            self.faults[f"preempt:{state}"] += 1
-            snap = snapshot(rig.D)
-            try:
-                rig.D.preempt(rid)
-                raise AssertionError(f"{rid} preempted twice")
-            except InvalidTransitionError:
-                assert snapshot(rig.D) == snap
-        if action == "cancel":
-            self._cancel("D", rid)
-        else:
-            self.faults["preempt"] += 1
-            self.faults[f"preempt:{state}"] += 1
-            try:
-                rig.D.preempt(rid)
-            except InvalidTransitionError:
-                assert rig.D.state_of(rid) == state
         self._process_notices()
 
     @precondition(lambda self: self.ended)

@@ -42,6 +42,7 @@ INVARIANTS = (
     "runnable_only_after_full_read_on_every_rank_with_p_bytes", "host_refs_equal_holders_plus_copies",
     "gpu_cached_block_holds_its_keys_bytes", "drained_all_terminal_and_empty",
     "no_transfer_touches_a_block_freed_behind_the_window",
+    "state_reused_only_at_its_checkpoint", "runnable_only_with_the_caches_state",
 )
 STATS: Counter[str] = Counter()
 #: the fault-class stem of each transfer command
@@ -103,8 +104,9 @@ class StoreSwitch(Store):
 
 
 def snapshot(lc) -> tuple:
-    """Everything observable of a lifecycle: requests, states, blocks, pins, pool, queued commands."""
-    return (tuple(sorted((rid, lc.state_of(rid), lc.blocks_of(rid)) for rid in lc.live_requests())),
+    """Everything observable of a lifecycle: requests, states, blocks and state pages, pins, pool,
+    queued commands."""
+    return (tuple(sorted((rid, lc.state_of(rid), lc.blocks_of(rid), lc.pages_of(rid)) for rid in lc.live_requests())),
             tuple(sorted(lc.pinned_blocks().items())), lc.pool.stats(),
             tuple(c.command_id for c in lc.pending_commands()), lc.queued_commands(),
             tuple(sorted(lc.counters.items())))
@@ -113,12 +115,15 @@ def snapshot(lc) -> tuple:
 #: cache layouts drawn: one full group; a window group (W = 2 blocks) beside a full layer, the
 #: window layer second but its group first, so the stored order (group by group) is not the
 #: layers' own; every layer a window layer of one block (Mistral's pattern: D frees blocks behind it); a latent
-#: (MLA) cache, one replicated head stored once
+#: (MLA) cache, one replicated head stored once; a full layer beside two state layers (Mamba) checkpointing
+#: every 2 blocks
 LAYOUTS = {"plain": {},
            "window": {"groups": (LayerGroup("window", (1,), window=2 * BS), LayerGroup("full", (0,)))},
            "sliding": {"groups": (LayerGroup("window", (0, 1), window=BS),)},
            "latent": {"kv_heads": 1, "total_kv_heads": 1, "has_value": False,
-                      "groups": (LayerGroup("latent", (0, 1)),)}}
+                      "groups": (LayerGroup("latent", (0, 1)),)},
+           "state": {"num_layers": 3, "groups": (LayerGroup("full", (0,)),
+                                                 LayerGroup("state", (1, 2), state_bytes=16, checkpoint=2 * BS))}}
 
 
 def decode_mismatches(backend, toks, block_ids) -> list:

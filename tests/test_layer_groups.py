@@ -10,7 +10,7 @@ import pytest
 from conftest import Rig
 from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, handoff
 
-from kvstate import CacheSpec, ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle
+from kvstate import CacheSpec, ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend
 from kvstate.keys import block_keys, rank_key
@@ -84,13 +84,15 @@ def test_state_groups_count_their_state_and_resume_from_checkpoints_only():
     assert checkpoint_floor(spec.groups, 11, 4) == 8 and checkpoint_floor((), 11, 4) == 11
 
 
-def test_state_groups_are_refused_where_bytes_move():
+def test_state_groups_without_state_pages_are_refused_where_bytes_move():
     spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=8,
                      groups=(G("state", (0, 1, 2), state_bytes=1000, checkpoint=16), G("full", (3,))))
-    for make in (lambda: PrefillLifecycle(spec, 8), lambda: DecodeLifecycle(spec, 8),
-                 lambda: ReferenceBackend(spec, 8, MemoryStore(1 << 20))):
-        with pytest.raises(ConfigError, match="no lifecycle or backend moves their states yet"):
+    for make, message in ((lambda: PrefillLifecycle(spec, 8), "give num_states >= 1"),
+                          (lambda: DecodeLifecycle(spec, 8), "give num_states >= 1"),
+                          (lambda: ReferenceBackend(spec, 8, MemoryStore(1 << 20)), "needs state pages")):
+        with pytest.raises((ConfigError, ValidationError), match=message):
             make()
+    assert ReferenceBackend(spec, 8, MemoryStore(1 << 20), num_states=2).spec == spec.paged()
 
 
 def test_a_short_cache_is_read_whole_and_the_bytes_arrive():

@@ -43,9 +43,9 @@ def test_a_bad_constructor_argument_is_refused_naming_it(cls, kwargs, message):
 
 
 @pytest.mark.parametrize("cls", LIFECYCLES)
-def test_a_spec_with_state_groups_is_refused_naming_the_lifecycle(cls):
+def test_a_spec_with_state_groups_and_no_state_pages_is_refused_naming_the_lifecycle(cls):
     spec = small_spec(1, groups=(LayerGroup("full", (0,)), LayerGroup("state", (1,), state_bytes=64, checkpoint=4)))
-    with pytest.raises(ConfigError, match=rf"^{cls.__name__}: state layer groups"):
+    with pytest.raises(ConfigError, match=rf"^{cls.__name__}: the spec has state groups: give num_states >= 1"):
         cls(spec, 8, clock=Clock())
 
 

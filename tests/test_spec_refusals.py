@@ -106,10 +106,11 @@ def test_a_spec_s_own_checks_and_conversions_name_their_rule():
     paged = spec.paged()
     assert paged.groups == () and paged.num_layers == 2  # full layers only: the single-kind spec
     assert spec.block_bytes() == spec.block_bytes("key") > 0
-    moved = ("X: state layer groups (Mamba, linear attention) are planned by the simulator; no lifecycle or "
-             "backend moves their states yet")
+    moved = ("X: state layer groups (Mamba, linear attention) are moved by the lifecycles and the reference "
+             "backend; X does not move states")
     with pytest.raises(ConfigError, match=f"^{re.escape(moved)}$"):
         spec.check_moved("X")
+    spec.check_moved("X", states=True)  # a mover of states takes it
     assert spec.read_bytes_per_rank(0) == 16 and spec.read_bytes_per_rank(1 << 40) > 0  # the states alone, then
     for bad in (-1, (1 << 40) + 1):
         with pytest.raises(ValidationError, match=rf"^CacheSpec\.read_bytes_per_rank: num_tokens must be an int >= 0 "
