@@ -148,7 +148,7 @@ class DecodeLifecycle(SwapActions):
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
         check_int(num_tokens, "num_tokens", minimum=1)
-        if self.states and not self.states.pool.num_free:  # type: ignore[union-attr]
+        if not self.states.can_take():
             return False  # no state page
         return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
 

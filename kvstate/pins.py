@@ -18,6 +18,7 @@ from .commands import SwapOut
 from .errors import ValidationError
 from .hostpool import HostBlockPool
 from .pool import BlockPool
+from .statepages import StatePages
 from .validate import is_int
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +49,7 @@ class Transfer:
         self.inflight = req.inflight
         self.host_keys = host_keys  #: host tier entries it references until it retires
         self.lost = False  #: a rank was declared lost: retire at the fence, not at the last answer
-        self.pages = tuple(dict.fromkeys(p for _, p in cmd.states))  #: the state pages it touches
+        self.pages = StatePages.page_ids(cmd.states) if cmd.states else ()  #: the state pages it touches
         req.inflight.append(self)
 
     def check_answer(self, rank: object, count: object, lost: object, error: object = None) -> None:

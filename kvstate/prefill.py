@@ -132,10 +132,7 @@ class PrefillLifecycle(Lifecycle):
         Returns the request's state (``"waiting"`` when it queues for blocks)."""
         req = self._new_request(request_id, token_ids, extra_keys)
         self._check_fits(req, len(req.keys))
-        if self.states and self.states.pages_for(req) > self.states.pool.num_blocks:  # type: ignore[union-attr]
-            raise ValidationError(f"request {request_id!r}: its prompt passes a state checkpoint, so it needs 2 state "
-                                  f"pages (one keeps the checkpoint's state), more than the pool's "
-                                  f"{self.states.pool.num_blocks}")  # type: ignore[union-attr]
+        self.states.check_fits(req)
         self._reqs[request_id] = req
         self._waiting.append(req)
         self._start_waiting()

@@ -32,7 +32,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 
 from .commands import TransferCommand
-from .errors import ConfigError, OutOfBlocksError
+from .errors import ConfigError, OutOfBlocksError, ValidationError
 from .pool import BlockPool
 from .registry import Request
 from .spec import CacheSpec
@@ -97,12 +97,22 @@ class StatePages:
     def take(self, req: Request, n: int) -> bool:
         """Give ``req`` ``n`` pages (none without state groups); False, changing nothing, when
         fewer are free."""
-        if self.pool is None:
-            return True
-        if self.pool.num_free < n:
+        if not self.can_take(n):
             return False
-        req.pages = self.pool.allocate(n)
+        if self.pool is not None:
+            req.pages = self.pool.allocate(n)
         return True
+
+    def can_take(self, n: int = 1) -> bool:
+        """Whether ``n`` pages are free (always, without state groups)."""
+        return self.pool is None or self.pool.num_free >= n
+
+    def check_fits(self, req: Request) -> None:
+        """Refuse a P request needing more pages than the pool has (it would wait forever)."""
+        if self.pool is not None and self.pages_for(req) > self.pool.num_blocks:
+            raise ValidationError(f"request {req.id!r}: its prompt passes a state checkpoint, so it needs 2 state "
+                                  f"pages (one keeps the checkpoint's state), more than the pool's "
+                                  f"{self.pool.num_blocks}")
 
     def check_free(self, request_id: str, op: str) -> None:
         """Refuse ``op`` (before it allocates anything) when no state page is free."""

@@ -60,17 +60,3 @@ class DeviceStates(StateObjects):
     def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
         with self._page(rank, page) as p:
             p.set(data)
-
-    def state_bytes(self, rank: int, page: int) -> bytes:
-        """One state page's bytes on ``rank`` (tests)."""
-        self._check_states(rank, ["page"], [page])
-        out = np.empty(self.state_size, np.uint8)
-        self._gather_state(rank, page, out)
-        return out.tobytes()
-
-    def fill_state(self, rank: int, page: int, data: bytes) -> None:
-        """Overwrite one state page on ``rank`` (tests, an engine's fake compute)."""
-        self._check_states(rank, ["page"], [page])
-        if not isinstance(data, bytes) or len(data) != self.state_size:
-            raise ValidationError(f"{type(self).__name__}.fill_state: expected {self.state_size} bytes")
-        self._scatter_state(rank, page, np.frombuffer(data, np.uint8))

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
@@ -80,18 +79,6 @@ class ReferenceBackend(StateObjects, StoreBackend):
         for i, layer in enumerate(layers):
             layer[block_id] = np.frombuffer(data, layer.dtype, offset=i * chunk,
                                             count=layer[block_id].size).reshape(layer.shape[1:])
-
-    def state_bytes(self, rank: int, page: int) -> bytes:
-        """One state page's bytes on ``rank`` (as stored)."""
-        self._check_states(rank, ["page"], [page])
-        return self.state_pages[rank][page].tobytes()
-
-    def fill_state(self, rank: int, page: int, data: bytes) -> None:
-        """Overwrite one state page on ``rank``."""
-        self._check_states(rank, ["page"], [page])
-        if not isinstance(data, bytes) or len(data) != self.state_size:
-            raise ValidationError(f"ReferenceBackend.fill_state: expected {self.state_size} bytes")
-        self.state_pages[rank][page] = np.frombuffer(data, np.uint8)
 
     def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
         out[:] = self.state_pages[rank][page]

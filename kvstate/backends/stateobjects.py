@@ -96,6 +96,20 @@ class StateObjects:
     def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
         raise NotImplementedError
 
+    def state_bytes(self, rank: int, page: int) -> bytes:
+        """One state page's bytes on ``rank`` (tests, an engine's checks)."""
+        self._check_states(rank, ["page"], [page])
+        out = np.empty(self.state_size, np.uint8)
+        self._gather_state(rank, page, out)
+        return out.tobytes()
+
+    def fill_state(self, rank: int, page: int, data: bytes) -> None:
+        """Overwrite one state page on ``rank`` (tests, an engine's fake compute)."""
+        self._check_states(rank, ["page"], [page])
+        if not isinstance(data, bytes) or len(data) != self.state_size:
+            raise ValidationError(f"{type(self).__name__}.fill_state: expected {self.state_size} bytes")
+        self._scatter_state(rank, page, np.frombuffer(data, np.uint8))
+
     # -- TransferBackend ---------------------------------------------------------------------------
     def write_states(self, rank: int, keys: Sequence[str], pages: Sequence[int], guard: Guard | None = None) -> int:
         """Store page ``pages[i]`` as the state after ``keys[i]``; how many leading states were stored."""
