@@ -111,9 +111,9 @@ def test_mistral_frees_the_blocks_behind_its_window_and_equals_transformers_run(
     freed_steps = []
     forward = mistral.forward
 
-    def spy(tokens, start, cache, table, on_layer=None):
+    def spy(tokens, start, cache, table, on_layer=None, state=None):
         freed_steps.append(FREED in table)
-        return forward(tokens, start, cache, table, on_layer)
+        return forward(tokens, start, cache, table, on_layer, state)
 
     monkeypatch.setattr(mistral, "forward", spy)
     reqs = hf_workload(max_new=40)

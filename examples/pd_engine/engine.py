@@ -50,14 +50,20 @@ class Request:
 
 
 def prefill_chunks(model: Model, cache: PagedCache, table: list[int], tokens: list[int],
-                   start: int, stop: int, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+                   start: int, stop: int, on_layer: Callable[[int], None] | None = None,
+                   pages: tuple[int, ...] = (), checkpoint: int = 0) -> torch.Tensor | None:
     """Compute positions ``start..stop-1`` in chunks that end on block boundaries (so every
     run cuts a prompt the same way); the last chunk's logits. ``on_layer(i)`` runs as the
-    last chunk launches layer ``i``: a layer is complete only once every chunk computed it."""
+    last chunk launches layer ``i``: a layer is complete only once every chunk computed it.
+    A hybrid model's state runs in ``pages[0]``; the state after ``checkpoint`` tokens (0:
+    none) is copied to ``pages[1]``."""
     bs, out = cache.block_size, None
     while start < stop:
         end = min(stop, (start // bs + 1) * bs)
-        out = model.forward(tokens[start:end], start, cache, table, on_layer if end == stop else None)
+        out = model.forward(tokens[start:end], start, cache, table, on_layer if end == stop else None,
+                            state=pages[0] if pages else None)
+        if checkpoint and end == checkpoint:
+            cache.copy_state(pages[0], pages[1])
         start = end
     return out
 
@@ -78,12 +84,16 @@ def monolithic(model: Model, requests: list[Request], block_size: int) -> dict[s
     return out
 
 
-def layer_groups(cfg: LlamaConfig) -> tuple[LayerGroup, ...]:
+def layer_groups(cfg: LlamaConfig, tp: int = 1) -> tuple[LayerGroup, ...]:
     """The cache's groups: one latent group for an MLA model (stored once, read by every
-    rank); none for a model of full-attention layers only; else its window layers (stored
-    apart, D reading them from their last window on) and its full ones, if any."""
+    rank); a hybrid model's full layers and its state layers (each rank's share of a state);
+    none for a model of full-attention layers only; else its window layers (stored apart, D
+    reading them from their last window on) and its full ones, if any."""
     if cfg.latent:
         return (LayerGroup("latent", tuple(range(cfg.layers))),)
+    if cfg.state_layers:
+        return (LayerGroup("full", cfg.paged_layers),
+                LayerGroup("state", cfg.state_layers, state_bytes=cfg.state_bytes // tp, checkpoint=cfg.checkpoint))
     if not cfg.window_layers:
         return ()
     full = tuple(i for i in range(cfg.layers) if i not in cfg.window_layers)
@@ -97,7 +107,7 @@ def cache_spec(cfg: LlamaConfig, tp: int, block_size: int, layerwise: bool = Fal
     heads = dict(kv_heads=1, total_kv_heads=1, head_dim=cfg.latent, has_value=False) if cfg.latent else \
         dict(kv_heads=cfg.kv_heads // tp, head_dim=cfg.head_dim)
     return CacheSpec(num_layers=cfg.layers, block_size=block_size, dtype="bfloat16", tp_size=tp,
-                     layer_groups=cfg.layers if layerwise else 1, groups=layer_groups(cfg), **heads)
+                     layer_groups=cfg.layers if layerwise else 1, groups=layer_groups(cfg, tp), **heads)
 
 
 class PDEngine:
@@ -108,25 +118,29 @@ class PDEngine:
     def __init__(self, model: Model, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
                  p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False,
-                 d_tp: int | None = None) -> None:
+                 d_tp: int | None = None, num_states: int = 64) -> None:
         """``layerwise``: P saves each layer as it is computed, in one stored object per layer,
-        and D loads layer by layer (here in this thread, so a step starts after the load)."""
+        and D loads layer by layer (here in this thread, so a step starts after the load).
+        ``num_states``: state pages on each side, for a hybrid model (P takes two a prompt
+        that passes a checkpoint, D one a request)."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         d_tp = d_tp or tp
         p_spec, d_spec = (cache_spec(cfg, n, block_size, layerwise) for n in (tp, d_tp))
         self.spec, self.d_spec = (p_spec, d_spec) if tp == d_tp else paired(p_spec, d_spec)
         policy = policy or Policy()
+        num_states = num_states if cfg.state_layers else 0
         clock: Callable[[], float] = lambda: self.now  # noqa: E731
         p_blocks = p_blocks or num_blocks  # P's pool (smaller: prompts wait at P for blocks)
         self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock, prefix_cache=prefix_cache,
-                                  layerwise=layerwise)
+                                  layerwise=layerwise, num_states=num_states)
         self.D = DecodeLifecycle(self.d_spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache,
-                                 layerwise=layerwise)
-        self.p_cache = PagedCache(cfg, p_blocks, block_size, tp)
-        self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp)
+                                 layerwise=layerwise, num_states=num_states)
+        self.p_cache = PagedCache(cfg, p_blocks, block_size, tp, num_states=num_states)
+        self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp, num_states=num_states)
         sides = ((self.spec, p_blocks, self.p_cache), (self.d_spec, num_blocks, self.d_cache))
-        self.backends = [CudaBackend(spec, n, store, caches=c.caches, staging_bytes=staging_bytes)
+        self.backends = [CudaBackend(spec, n, store, caches=c.caches, staging_bytes=staging_bytes,
+                                     num_states=num_states, states=dict(enumerate(c.states)) if num_states else None)
                          for spec, n, c in sides]
         self.p_drv = StepDriver(self.P, self.backends[0], on_notice=self._on_prefill)
         self.d_drv = StepDriver(self.D, self.backends[1], on_notice=self._on_decode)
@@ -170,8 +184,8 @@ class PDEngine:
             ev.record()
             self.P.layers_done(r.rid, i + 1, ev)
 
-        logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt,
-                                cmd.num_cached_tokens, len(r.prompt), done if self.P.layerwise else None)
+        logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt, cmd.num_cached_tokens,
+                                len(r.prompt), done if self.P.layerwise else None, cmd.state_pages, cmd.checkpoint)
         assert logits is not None  # the lifecycle leaves at least one token to compute
         torch.cuda.synchronize()  # the cache is complete before the write reads it
         r.logits.append(logits)
@@ -183,9 +197,10 @@ class PDEngine:
             return
         # the prompt in P's chunks, generated tokens one at a time: as they were computed
         table, n, known = list(cmd.block_ids), len(r.prompt), r.prompt + r.tokens[:-1]
-        prefill_chunks(self.model, self.d_cache, table, known, cmd.from_token, n)
+        state = cmd.state_pages[0] if cmd.state_pages else None
+        prefill_chunks(self.model, self.d_cache, table, known, cmd.from_token, n, pages=cmd.state_pages[:1])
         for pos in range(max(n, cmd.from_token), len(known)):
-            self.model.forward(known[pos:pos + 1], pos, self.d_cache, table)
+            self.model.forward(known[pos:pos + 1], pos, self.d_cache, table, state=state)
         torch.cuda.synchronize()
         self.recomputed.append(r.rid)
         self.D.recompute_done(r.rid)
@@ -226,7 +241,8 @@ class PDEngine:
 
     def _decode_step(self, r: Request) -> None:
         table, pos = list(self.D.blocks_of(r.rid)), len(r.prompt) + len(r.tokens) - 1
-        logits = self.model.forward(r.tokens[-1:], pos, self.d_cache, table)
+        pages = self.D.pages_of(r.rid)
+        logits = self.model.forward(r.tokens[-1:], pos, self.d_cache, table, state=pages[0] if pages else None)
         r.logits.append(logits)
         tok = int(torch.argmax(logits))
         r.tokens.append(tok)

@@ -1,6 +1,7 @@
 """transformers' own models served on kvstate's pages: Gemma 2 (sliding-window layers
-interleaved with full-attention ones), Mistral (a sliding window on every layer) and DeepSeek-V2
-(multi-head latent attention, MoE).
+interleaved with full-attention ones), Mistral (a sliding window on every layer), DeepSeek-V2
+(multi-head latent attention, MoE) and Qwen3-Next (gated linear-attention layers, whose state
+has a fixed size, beside full-attention ones; MoE).
 
 An HF model keeps its keys and values in a ``Cache`` object for the life of a generation.
 Here the request's pages (:class:`model.PagedCache`, the layout kvstate moves) are the only
@@ -18,6 +19,11 @@ What the pages hold per layer and token:
 - DeepSeek-V2: what transformers' DeepSeek-V2 caches, the normalised latent
   (``kv_lora_rank`` values) and the rotated key part (``qk_rope_head_dim``), side by side in
   one "head", the same on every TP rank (kvstate's ``latent`` group: stored once).
+- Qwen3-Next: its full-attention layers' keys and values as Gemma 2's; its linear-attention
+  layers keep no pages. Their state (each layer's causal-convolution window, bf16, and its
+  gated-delta-rule matrix, float32, as transformers keeps them) is the request's state page
+  (kvstate's ``state`` group): read into the HF cache before a forward at a position past 0,
+  written back after it, so it is always the state after the tokens computed so far.
 
 Why a run equals transformers' own run bit for bit (:func:`native`, HF's ``DynamicCache``, the
 same chunks): the HF cache a forward sees holds the same bytes, in tensors of the same shapes,
@@ -29,6 +35,7 @@ downloaded.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +49,11 @@ from transformers import (
     Gemma2ForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
-__all__ = ["HFModel", "PagesCache", "gemma2", "mistral", "deepseek_v2", "native"]
+__all__ = ["HFModel", "PagesCache", "gemma2", "mistral", "deepseek_v2", "qwen3_next", "native"]
 
 Sink = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -64,9 +73,26 @@ class PagesCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def shape_of(config: Any) -> LlamaConfig:
-    """The cache's shape as the engine's ``PagedCache`` and ``cache_spec`` read it."""
+def linear_state_shapes(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A Qwen3-Next linear-attention layer's state as transformers keeps it for one request: the
+    convolution's window over the mixed q, k, v (bf16) and the recurrent matrix (float32)."""
+    k = config.linear_num_key_heads * config.linear_key_head_dim
+    v = config.linear_num_value_heads * config.linear_value_head_dim
+    return ((1, 2 * k + v, config.linear_conv_kernel_dim),
+            (1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
+
+
+def shape_of(config: Any, checkpoint: int = 0) -> LlamaConfig:
+    """The cache's shape as the engine's ``PagedCache`` and ``cache_spec`` read it
+    (``checkpoint``: tokens between a hybrid model's stored states)."""
     layers, types = config.num_hidden_layers, getattr(config, "layer_types", None)
+    if types and "linear_attention" in types:
+        conv, rec = linear_state_shapes(config)
+        return LlamaConfig(vocab=config.vocab_size, hidden=config.hidden_size, layers=layers,
+                           heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                           head_dim=config.head_dim, checkpoint=checkpoint,
+                           state_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                           state_bytes=math.prod(conv) * 2 + math.prod(rec) * 4)
     if not types:  # Mistral: a sliding window on every layer, if any
         types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers
     if getattr(config, "kv_lora_rank", None):
@@ -83,9 +109,9 @@ def shape_of(config: Any) -> LlamaConfig:
 class HFModel:
     """A transformers causal LM (bf16, eager attention) whose cache is the request's pages."""
 
-    def __init__(self, hf: Any) -> None:
+    def __init__(self, hf: Any, checkpoint: int = 0) -> None:
         self.hf = hf.eval()
-        self.cfg = shape_of(hf.config)
+        self.cfg = shape_of(hf.config, checkpoint)
         self.device = next(hf.parameters()).device
         self._on_layer: Callable[[int], None] | None = None
         for i, layer in enumerate(hf.model.layers):  # a layer-wise save hears of each layer once it ran
@@ -93,14 +119,19 @@ class HFModel:
 
     @torch.no_grad()
     def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None, state: int | None = None) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..`` over the pages of positions before them,
-        writing their keys and values into the pages; the last token's logits (float32)."""
+        writing their keys and values into the pages; the last token's logits (float32).
+        A hybrid model's state comes from state page ``state`` and goes back to it."""
+        if self.cfg.state_layers and state is None:
+            raise RuntimeError("a hybrid model's forward needs the request's state page")
         tab = torch.tensor(table, dtype=torch.long, device=self.device)
         past = PagesCache(self.hf.config)
         if start:
-            for i in range(self.cfg.layers):
+            for i in self.cfg.paged_layers:
                 past.update(*self._gather(cache, tab, i, start), i)
+            if self.cfg.state_layers:
+                self._load_state(past, cache.state(state))
         pos = torch.arange(start, start + len(tokens), device=self.device)
         past.sink = lambda i, k, v: self._put(cache, tab, i, pos, k, v)
         self._on_layer = on_layer
@@ -109,7 +140,41 @@ class HFModel:
                           past_key_values=past, use_cache=True)
         finally:
             self._on_layer = None
+        if self.cfg.state_layers:
+            cache.put_state(state, self._state_of(past))
         return out.logits[0, -1].float()
+
+    def _load_state(self, past: PagesCache, flat: torch.Tensor) -> None:
+        """Put a state page's bytes into the linear-attention layers of ``past``, as if it had
+        computed the tokens before (transformers then continues from that state)."""
+        off = 0
+        for i in self.cfg.state_layers:
+            parts = []
+            for shape, dtype in zip(linear_state_shapes(self.hf.config), (torch.bfloat16, torch.float32)):
+                n = math.prod(shape) * dtype.itemsize
+                parts.append(flat[off:off + n].clone().view(dtype).view(shape))
+                off += n
+            layer = past.layers[i]
+            layer.lazy_initialization(conv_states=parts[0], recurrent_states=parts[1])
+            layer.conv_states[0].copy_(parts[0])
+            layer.recurrent_states[0].copy_(parts[1])
+            layer.has_previous_state[0] = True
+
+    def _state_of(self, past: PagesCache) -> torch.Tensor:
+        """The linear-attention layers' state in ``past`` after a forward, as a page's bytes."""
+        parts = []
+        for i in self.cfg.state_layers:
+            layer = past.layers[i]
+            for t, dtype in ((layer.conv_states[0], torch.bfloat16), (layer.recurrent_states[0], torch.float32)):
+                if t is None or t.dtype != dtype:
+                    raise RuntimeError(f"layer {i}: this transformers keeps a linear-attention state of "
+                                       f"{None if t is None else t.dtype}, not {dtype}")
+                parts.append(t.contiguous().view(torch.uint8).flatten())
+        flat = torch.cat(parts)
+        if flat.numel() != len(self.cfg.state_layers) * self.cfg.state_bytes:
+            raise RuntimeError(f"the linear-attention state is {flat.numel()} bytes, the config says "
+                               f"{len(self.cfg.state_layers) * self.cfg.state_bytes}")
+        return flat
 
     def _gather(self, cache: PagedCache, tab: torch.Tensor, layer: int, start: int) -> tuple[torch.Tensor, ...]:
         """Layer ``layer``'s cache of positions ``0..start-1`` as HF holds it: ``[1, heads,
@@ -143,9 +208,9 @@ class HFModel:
         cache.put(layer, "value", tab, pos, v[0].transpose(0, 1))
 
 
-def _built(model_cls: Any, config: Any, seed: int, device: str) -> HFModel:
+def _built(model_cls: Any, config: Any, seed: int, device: str, checkpoint: int = 0) -> HFModel:
     torch.manual_seed(seed)
-    return HFModel(model_cls(config).to(device=device, dtype=torch.bfloat16))
+    return HFModel(model_cls(config).to(device=device, dtype=torch.bfloat16), checkpoint)
 
 
 def gemma2(seed: int = 0, window: int = 64, layers: int = 4, device: str = "cuda") -> HFModel:
@@ -178,6 +243,20 @@ def deepseek_v2(seed: int = 0, layers: int = 4, device: str = "cuda") -> HFModel
                               first_k_dense_replace=1, max_position_embeddings=8192, initializer_range=0.1,
                               tie_word_embeddings=False, attn_implementation="eager")
     return _built(DeepseekV2ForCausalLM, config, seed, device)
+
+
+def qwen3_next(seed: int = 0, layers: int = 4, checkpoint: int = 64, device: str = "cuda") -> HFModel:
+    """A small Qwen3-Next: three gated linear-attention (gated delta rule) layers, then a gated
+    full-attention one, MoE everywhere (8 experts, top 2, a shared one). Its state is stored
+    every ``checkpoint`` tokens of a prompt, and at the prompt's end."""
+    config = Qwen3NextConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+                             linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                             linear_num_value_heads=4, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                             num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                             max_position_embeddings=8192, initializer_range=0.1, tie_word_embeddings=False,
+                             attn_implementation="eager")
+    return _built(Qwen3NextForCausalLM, config, seed, device, checkpoint)
 
 
 @torch.no_grad()

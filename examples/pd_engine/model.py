@@ -18,6 +18,11 @@ With ``kv_lora_rank`` (MLA), a token's cache is one latent vector: ``kv_lora_ran
 own copy and computes its share of the heads from it, decompressing keys and values through
 ``w_uk`` and ``w_uv``, as DeepSeek-V2's deployments do; there is no value cache.
 
+A hybrid model's state layers (``state_layers``: linear attention, Mamba) keep no pages: each
+request's recurrent state, ``state_bytes`` a layer, lives in a state page (``PagedCache.states``,
+split evenly over the TP ranks), and the engine copies it to a second page at a checkpoint.
+This file's own model has no state layers; ``hf.py`` serves transformers' Qwen3-Next.
+
 Weights are random from a fixed seed; nothing is downloaded.
 """
 from __future__ import annotations
@@ -47,6 +52,14 @@ class LlamaConfig:
     window_layers: tuple[int, ...] = ()  #: the layers with a sliding window
     kv_lora_rank: int = 0  #: MLA's latent size (0: GQA); its rotated key part has ``rope_dim`` values
     rope_dim: int = 16
+    state_layers: tuple[int, ...] = ()  #: layers keeping a recurrent state instead of pages
+    state_bytes: int = 0  #: one state layer's state of one request, all TP ranks together
+    checkpoint: int = 0  #: tokens between the states stored with a prefix (a state group's checkpoint)
+
+    @property
+    def paged_layers(self) -> tuple[int, ...]:
+        """The layers whose cache is paged (every layer but the state layers), in order."""
+        return tuple(i for i in range(self.layers) if i not in self.state_layers)
 
     @property
     def latent(self) -> int:
@@ -64,29 +77,50 @@ class LlamaConfig:
 class PagedCache:
     """Key and value pages of every layer, split by KV head over ``tp`` ranks.
 
-    ``caches[rank]["key" | "value"]`` is the per-layer list kvstate's ``CudaBackend`` binds.
+    ``caches[rank]["key" | "value"]`` is the per-layer list kvstate's ``CudaBackend`` binds (the
+    paged layers only); ``states[rank]``, ``[num_states, bytes]`` of uint8, its state pages.
     """
 
     def __init__(self, cfg: LlamaConfig, num_blocks: int, block_size: int, tp: int = 1,
-                 dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: str = "cuda", num_states: int = 0) -> None:
         if not cfg.latent and cfg.kv_heads % tp:
             raise ValueError(f"kv_heads {cfg.kv_heads} do not split over {tp} ranks")
+        if cfg.state_bytes % tp:
+            raise ValueError(f"a state layer's {cfg.state_bytes} bytes do not split over {tp} ranks")
         self.block_size, self.tp = block_size, tp
+        self.slot = {layer: i for i, layer in enumerate(cfg.paged_layers)}  #: a paged layer's index in ``caches``
+        share = len(cfg.state_layers) * cfg.state_bytes // tp
+        self.states = [torch.zeros((num_states, share), dtype=torch.uint8, device=device)
+                       for _ in range(tp)] if share else []
         self.replicated = bool(cfg.latent)  #: MLA: one latent head, the same on every rank
         self.heads_per_rank = 1 if cfg.latent else cfg.kv_heads // tp
         kinds = ("key",) if cfg.latent else ("key", "value")
         shape = (num_blocks, self.heads_per_rank, block_size, cfg.latent or cfg.head_dim)
-        self.caches = [{kind: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.layers)]
+        self.caches = [{kind: [torch.zeros(shape, dtype=dtype, device=device) for _ in self.slot]
                         for kind in kinds} for _ in range(tp)]
+
+    def state(self, page: int) -> torch.Tensor:
+        """State page ``page``'s bytes, every rank's share in rank order (a new tensor)."""
+        return torch.cat([s[page] for s in self.states])
+
+    def put_state(self, page: int, data: torch.Tensor) -> None:
+        """Write a request's whole state (uint8) into page ``page``, an equal share a rank."""
+        for r, part in enumerate(data.view(self.tp, -1)):
+            self.states[r][page].copy_(part)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy state page ``src`` to ``dst`` on every rank (a checkpoint)."""
+        for s in self.states:
+            s[dst].copy_(s[src])
 
     def put(self, layer: int, kind: str, table: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x`` ``[m, kv_heads, head_dim]`` for positions ``pos`` of the request (MLA:
         ``[m, 1, latent]``, on every rank)."""
         blk, off = table[pos // self.block_size], pos % self.block_size
-        h = self.heads_per_rank
+        h, slot = self.heads_per_rank, self.slot[layer]
         for r, by_kind in enumerate(self.caches):
             part = x if self.replicated else x[:, r * h:(r + 1) * h]
-            by_kind[kind][layer][blk, :, off, :] = part.to(by_kind[kind][layer].dtype)
+            by_kind[kind][slot][blk, :, off, :] = part.to(by_kind[kind][slot].dtype)
 
     def get(self, layer: int, kind: str, table: torch.Tensor, length: int, first: int = 0,
             rank: int | None = None) -> torch.Tensor:
@@ -95,7 +129,7 @@ class PagedCache:
         nblk, lo = -(-length // self.block_size), first // self.block_size
         parts = []
         for by_kind in self.caches if rank is None else self.caches[rank:rank + 1]:
-            pages = by_kind[kind][layer][table[lo:nblk]]  # [nblk - lo, h, bs, d]
+            pages = by_kind[kind][self.slot[layer]][table[lo:nblk]]  # [nblk - lo, h, bs, d]
             parts.append(pages.permute(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, :length - first])
         return torch.cat(parts, 0).float()
 
@@ -108,7 +142,9 @@ class Model(Protocol):
     cfg: LlamaConfig
 
     def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor: ...
+                on_layer: Callable[[int], None] | None = None, state: int | None = None) -> torch.Tensor:
+        """The last token's logits; ``state``: the request's state page (a hybrid model:
+        read at ``start > 0``, written with the state after the chunk)."""
 
 
 class TinyLlama:
@@ -201,7 +237,7 @@ class TinyLlama:
 
     @torch.no_grad()
     def forward(self, tokens: list[int], start: int, cache: PagedCache, table: list[int],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None, state: int | None = None) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..``, writing their keys and values into the
         request's pages (``table``), attending to every position before them; returns the
         logits of the last token (float32). ``on_layer(i)`` runs once layer ``i`` is launched."""
