@@ -28,7 +28,7 @@ def cmd(cls=C.WriteBlocks, cid=1, keys=("a", "b"), blocks=(3, 4), **kw):
 
 # -- the wire format --------------------------------------------------------------------------------
 @pytest.mark.parametrize("c", [cmd(), cmd(C.ReadBlocks), cmd(C.ReadBlocks, window_from=1), cmd(C.LoadLayers),
-                               cmd(C.SaveLayers),
+                               cmd(C.SaveLayers), cmd(states=((1, 0), (2, 3))), cmd(C.ReadBlocks, states=((2, 1),)),
                                cmd(C.SwapOut, host_slots=(0, 1)), cmd(C.SwapIn, host_slots=(5, 6)),
                                cmd(C.FlushHost, blocks=(), host_slots=(1, 2))])
 def test_every_command_crosses_the_wire_for_one_rank(c):
@@ -40,20 +40,25 @@ def test_every_command_crosses_the_wire_for_one_rank(c):
         (c.command_id, c.request_id, c.keys, c.block_ids, c.deadline, c.fence)
     assert getattr(back, "host_slots", ()) == getattr(c, "host_slots", ())
     assert getattr(back, "window_from", 0) == getattr(c, "window_from", 0)
+    assert back.states == c.states
 
 
 @pytest.mark.parametrize("items, needle", [
-    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0, 0], "command kind"),
-    ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0, 0], "command id"),
-    ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0, 0], "request id"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0, 0], "do not fit"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [True], [], 1.0, 2.0, 0], "block ids"),
-    ([wire.CMD, 1, 1, 1, "r", [1], [1], [], 1.0, 2.0, 0], "a key"),
-    ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [], 1.0, 2.0, 0], "do not fit"),
-    ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0, 0], "deadline"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 2], "window's first key"),
-    ([wire.CMD, 1, 3, 1, "r", ["k"], [1], [], 1.0, 2.0, 1], "a WriteBlocks has no window"),
-    ([wire.CMD, 1, 1, 1, "r", [], [], [], 1.0, 2.0], "items after its type"),
+    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0, 0, []], "command kind"),
+    ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0, 0, []], "command id"),
+    ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0, 0, []], "request id"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0, 0, []], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [True], [], 1.0, 2.0, 0, []], "block ids"),
+    ([wire.CMD, 1, 1, 1, "r", [1], [1], [], 1.0, 2.0, 0, []], "a key"),
+    ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, []], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0, 0, []], "deadline"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 2, []], "window's first key"),
+    ([wire.CMD, 1, 3, 1, "r", ["k"], [1], [], 1.0, 2.0, 1, []], "a WriteBlocks has no window"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [1]], "states must be"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [2, 0]], "states must be"),
+    ([wire.CMD, 1, 1, 1, "r", ["k", "j"], [1, 2], [], 1.0, 2.0, 0, [2, 0, 1, 1]], "states must be"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [1, -1]], "states"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], [], 1.0, 2.0, 0], "items after its type"),
 ])
 def test_a_bad_command_is_refused_with_the_rule(items, needle):
     with pytest.raises(ProtocolError, match=needle):

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ValidationError
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
 from ..validate import check_int
@@ -44,12 +45,14 @@ class ReferenceBackend(StateObjects, StoreBackend):
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0,
                  ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None,
-                 num_states: int = 0) -> None:
+                 num_states: int = 0, states: Mapping[int, np.ndarray] | None = None) -> None:
         full, spec = spec, paged_of(spec, "ReferenceBackend")
         self._setup(spec, num_blocks, store, ranks)
         self._setup_states(full, num_states)
-        #: state_pages[rank] -> [num_states, state bytes] (with state groups)
-        self.state_pages = {r: np.zeros((num_states, self.state_size), np.uint8) for r in self.ranks}
+        #: state_pages[rank] -> [num_states, state bytes] (with state groups): ``states[rank]``
+        #: when given (e.g. shared memory, :class:`~kvstate.distributed.shm.SharedCaches`), else zeroed
+        self.state_pages = {r: np.zeros((num_states, self.state_size), np.uint8) for r in self.ranks} \
+            if states is None else {r: self._state_array(states, r) for r in self.ranks}
         check_int(host_blocks, "ReferenceBackend: host_blocks", minimum=0)
         if caches is not None:
             check_caches(spec, num_blocks, self.ranks, caches, "ReferenceBackend")
@@ -99,6 +102,16 @@ class ReferenceBackend(StateObjects, StoreBackend):
                 swap_cache_layout(self.caches[rank][kind], arena, list(block_ids), list(host_slots), direction)
         self.bytes_swapped += len(block_ids) * self.spec.bytes_per_block_per_rank
         return len(block_ids)
+
+    def _state_array(self, states: Mapping[int, np.ndarray], rank: int) -> np.ndarray:
+        """Rank ``rank``'s given state pages, checked: a writable ``[num_states, state bytes]`` uint8 array."""
+        a = states.get(rank) if isinstance(states, Mapping) else None
+        shape = (self.num_states, self.state_size)
+        if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != np.uint8 or not a.flags.c_contiguous \
+                or not a.flags.writeable:
+            raise ValidationError(f"ReferenceBackend: state pages of rank {rank} must be a writable contiguous "
+                                  f"uint8 array of shape {shape}")
+        return a
 
     def _host(self, n: int) -> dict[str, np.ndarray]:
         """The host tier's arena: whole blocks of the rank, every head."""

@@ -70,11 +70,13 @@ class ProcessDriver:
 
     def __init__(self, spec: CacheSpec, num_blocks: int, *, address: str = "ipc", heartbeat_s: float = 0.2,
                  dead_after_s: float = 2.0, restart: bool = True, submit_timeout: float = 30.0,
-                 spin_us: float = 200.0, name: str = "kvstate") -> None:
+                 spin_us: float = 200.0, name: str = "kvstate", num_states: int = 0) -> None:
         if not isinstance(spec, CacheSpec):
             raise ConfigError("ProcessDriver: spec must be a CacheSpec")
-        spec.check_moved("ProcessDriver")  # the wire carries no state pages (kvstate.statepages)
+        spec.check_moved("ProcessDriver", states=True)
         check_int(num_blocks, "ProcessDriver: num_blocks", minimum=1, error=ConfigError)
+        check_int(num_states, "ProcessDriver: num_states", minimum=0, error=ConfigError)
+        self.num_states = num_states  #: state pages a rank (state groups): every worker's must match
         for what, v in (("heartbeat_s", heartbeat_s), ("dead_after_s", dead_after_s),
                         ("submit_timeout", submit_timeout)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 3600:
@@ -103,7 +105,7 @@ class ProcessDriver:
         except BaseException:
             self._close_sockets()
             raise
-        self.control = RankControl(spec, wire.geometry(spec, num_blocks), heartbeat_s=heartbeat_s,
+        self.control = RankControl(spec, wire.geometry(spec, num_blocks, num_states), heartbeat_s=heartbeat_s,
                                    dead_after_s=dead_after_s, restart=bool(restart), ranks=ranks, lock=self._lock,
                                    counters=self.counters, send=self._send, on_down=self._lose_all,
                                    on_up=self._rank_up, on_arrived=self.ledger.arrived, name=f"ProcessDriver {name}")
@@ -180,7 +182,7 @@ class ProcessDriver:
         spec = {f: getattr(self.spec, f) for f in self.spec.__dataclass_fields__}
         cfg = WorkerConfig(rank=rank, spec=spec, num_blocks=self.num_blocks, command_address=self.addresses[0],
                            reply_address=self.addresses[1], control_address=self.addresses[2], store=store,
-                           heartbeat_s=self.heartbeat_s, parent_pid=os.getpid(), **kw)
+                           heartbeat_s=self.heartbeat_s, parent_pid=os.getpid(), num_states=self.num_states, **kw)
         cfg.validate()
         return cfg
 

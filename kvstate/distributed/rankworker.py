@@ -63,7 +63,8 @@ class WorkerConfig:
     :class:`~kvstate.backends.mooncake.MooncakeConfig`). ``caches``: ``{"kind": "shm", "paths":
     {rank: file}}`` (:class:`~kvstate.distributed.shm.SharedCaches`), ``{"kind": "cuda-ipc",
     ...}`` (:mod:`~kvstate.distributed.cudaipc`) or ``{"kind": "own"}`` (zeroed caches of its
-    own: benchmarks of the transport alone)."""
+    own: benchmarks of the transport alone). ``num_states``: state pages, for a spec with state
+    groups (in the shared file with ``shm``; CUDA IPC carries none yet)."""
 
     rank: int
     spec: dict[str, Any]
@@ -76,6 +77,7 @@ class WorkerConfig:
     backend: str = "reference"
     device: int = 0
     host_blocks: int = 0
+    num_states: int = 0
     lanes: int = 4
     heartbeat_s: float = 0.2
     parent_pid: int = 0
@@ -91,7 +93,8 @@ class WorkerConfig:
         check_int(self.rank, "WorkerConfig.rank", minimum=0, error=ConfigError)
         if self.rank >= spec.tp_size:
             raise ConfigError(f"WorkerConfig.rank {self.rank} is outside the spec's {spec.tp_size} TP ranks")
-        for name, low in (("num_blocks", 1), ("host_blocks", 0), ("lanes", 1), ("device", 0), ("parent_pid", 0)):
+        for name, low in (("num_blocks", 1), ("host_blocks", 0), ("num_states", 0), ("lanes", 1), ("device", 0),
+                          ("parent_pid", 0)):
             check_int(getattr(self, name), f"WorkerConfig.{name}", minimum=low, error=ConfigError)
         for name in ("command_address", "reply_address", "control_address"):
             v = getattr(self, name)
@@ -106,7 +109,15 @@ class WorkerConfig:
                               f"other processes reach too), got {self.store!r}")
         if not isinstance(self.caches, dict) or self.caches.get("kind") not in _CACHES:
             raise ConfigError(f"WorkerConfig.caches must be a dict whose kind is one of {list(_CACHES)}")
+        self._check_states(spec)
         return spec
+
+    def _check_states(self, spec: CacheSpec) -> None:
+        if bool(self.num_states) != bool(spec.state_bytes_per_rank):
+            raise ConfigError(f"WorkerConfig.num_states {self.num_states} with {spec.state_bytes_per_rank} state bytes "
+                              "a rank: a spec with state groups needs state pages, one without has none")
+        if self.num_states and self.caches["kind"] == "cuda-ipc":
+            raise ConfigError("WorkerConfig: CUDA IPC caches carry no state pages yet (use shm, or own)")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -157,6 +168,7 @@ class RankWorker:
         store = self._store = build_store(cfg.store)
         self._resources.append(store.close)
         caches: Any = None
+        states: Any = None
         kind = cfg.caches["kind"]
         if kind == "shm":
             from .shm import SharedCaches
@@ -164,9 +176,10 @@ class RankWorker:
             paths = {int(r): p for r, p in cfg.caches["paths"].items() if int(r) == self.rank}
             if not paths:
                 raise ConfigError(f"rank {self.rank}: the shared caches name no file for this rank")
-            shared = SharedCaches.attach(spec, cfg.num_blocks, paths)
+            shared = SharedCaches.attach(spec, cfg.num_blocks, paths, cfg.num_states)
             self._resources.append(shared.close)
             caches = {self.rank: shared.caches[self.rank]}
+            states = {self.rank: shared.states[self.rank]} if cfg.num_states else None
         elif kind == "cuda-ipc":
             from .cudaipc import open_caches
 
@@ -176,12 +189,13 @@ class RankWorker:
             from ..backends.cuda import CudaBackend
 
             backend: TransferBackend = CudaBackend(spec, cfg.num_blocks, store, caches=caches, device=cfg.device,
-                                                   host_blocks=cfg.host_blocks, ranks=(self.rank,))
+                                                   host_blocks=cfg.host_blocks, ranks=(self.rank,),
+                                                   num_states=cfg.num_states)
         else:
             from ..backends.reference import ReferenceBackend
 
             backend = ReferenceBackend(spec, cfg.num_blocks, store, host_blocks=cfg.host_blocks, ranks=(self.rank,),
-                                       caches=caches)
+                                       caches=caches, num_states=cfg.num_states, states=states)
         self._resources.append(backend.close)
         return backend
 
@@ -215,9 +229,9 @@ class RankWorker:
         return int(getattr(self._runner.backend, "bytes_moved", 0)) if hasattr(self, "_runner") else 0
 
     def _hello(self) -> None:
-        self._push("control").send(wire.pack(wire.HELLO, self.rank, self.incarnation, os.getpid(),
-                                              self.spec.tp_size, wire.geometry(self.spec, self.config.num_blocks),
-                                              self.config.lanes))
+        cfg = self.config
+        self._push("control").send(wire.pack(wire.HELLO, self.rank, self.incarnation, os.getpid(), self.spec.tp_size,
+                                              wire.geometry(self.spec, cfg.num_blocks, cfg.num_states), cfg.lanes))
 
     # -- the threads ------------------------------------------------------------------------------
     def serve(self) -> int:

@@ -7,7 +7,8 @@ its part of a transfer command; a rank worker answers each with one ``DONE``:
 type        items after the type                                        direction
 ========== =========================================================== ==================
 ``CMD``     incarnation, kind, command id, request id, keys, block ids, driver -> worker
-            host slots, deadline, fence
+            host slots, deadline, fence, window's first key,
+            states (end, page, end, page, ...)
 ``CANCEL``  incarnation, command id                                     driver -> worker
 ``LAYERS``  incarnation, command id, layers computed                    driver -> worker
 ``WELCOME`` incarnation (the worker's hello was accepted)               driver -> worker
@@ -125,13 +126,14 @@ def command_message(cmd: C.TransferCommand, incarnation: int) -> bytes:
     """One rank's part of ``cmd`` (the rank is the worker's own)."""
     slots = list(cmd.host_slots) if isinstance(cmd, _SLOTTED) else []
     window = cmd.window_from if isinstance(cmd, C.ReadBlocks) else 0
+    states = [x for pair in cmd.states for x in pair]
     return pack(CMD, incarnation, _CODES[cmd.__class__], cmd.command_id, cmd.request_id, list(cmd.keys),
-                list(cmd.block_ids), slots, cmd.deadline, cmd.fence, window)
+                list(cmd.block_ids), slots, cmd.deadline, cmd.fence, window, states)
 
 
 def command_of(items: list[Any], rank: int) -> C.TransferCommand:
     """The command a ``CMD`` message carries, for ``rank`` alone."""
-    _arity(items, 11, "CMD")
+    _arity(items, 12, "CMD")
     code = _int(items[2], "the command kind", 1, 8)
     cls = KINDS[code]
     cid = _int(items[3], "the command id", 1)
@@ -157,7 +159,19 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
         extra = {}
     if window and "window_from" not in extra:
         raise ProtocolError(f"command {cid}: a {cls.__name__} has no window to start from")
-    return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, **extra)
+    states = _states(items[11], cid, len(keys))
+    return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, states=states, **extra)
+
+
+def _states(x: Any, cid: int, keys: int) -> tuple[tuple[int, int], ...]:
+    """A command's states (:mod:`kvstate.statepages`): pairs of the blocks a state follows (1 to
+    the command's keys, increasing) and the state page holding it."""
+    flat = _ints(x, f"command {cid}: states")
+    pairs = tuple(zip(flat[::2], flat[1::2]))
+    ends = [end for end, _ in pairs]
+    if len(flat) % 2 or any(not 1 <= e <= keys for e in ends) or ends != sorted(set(ends)):
+        raise ProtocolError(f"command {cid}: states must be (end, page) pairs with ends increasing in 1..{keys}")
+    return pairs
 
 
 # -- worker -> driver ------------------------------------------------------------------------------
@@ -225,7 +239,8 @@ def from_worker(data: bytes) -> Hello | Beat | Done | Arrived | Bye:
     raise ProtocolError(f"unknown message type {kind!r} from a worker")
 
 
-def geometry(spec: CacheSpec, num_blocks: int) -> str:
+def geometry(spec: CacheSpec, num_blocks: int, num_states: int = 0) -> str:
     """What a scheduler and its rank workers must agree on, as one string: every field of the
-    cache spec, and the blocks per rank."""
-    return "|".join(f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec)) + f"|blocks={num_blocks}"
+    cache spec, the blocks per rank and the state pages per rank."""
+    fields = "|".join(f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec))
+    return f"{fields}|blocks={num_blocks}|states={num_states}"
