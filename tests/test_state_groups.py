@@ -162,12 +162,14 @@ def test_refusals_of_state_specs_name_the_rule():
         PrefillLifecycle(windowed, 8, num_states=2)
     with pytest.raises(ConfigError, match=r"one TP degree"):
         check_pair(hybrid(2), hybrid(1))
-    with pytest.raises(ConfigError, match=r"^ProcessDriver: state layer groups .* ProcessDriver does not move states"):
-        ProcessDriver(hybrid(), 8)  # refused before a process starts
+    with pytest.raises(ConfigError, match=r"^ProcessDriver: state groups beside window groups"):
+        ProcessDriver(windowed, 8)  # refused before a process starts
     with pytest.raises(ValidationError, match=r"^request 'a': its prompt passes a state checkpoint, so it needs 2 "):
         PrefillLifecycle(hybrid(), 8, num_states=1).admit("a", TOKS)
     with pytest.raises(ValidationError, match=r"a spec with state groups needs state pages"):
         ReferenceBackend(hybrid(), 8, MemoryStore(1 << 20))
+    with pytest.raises(ValidationError, match=r"state pages of rank 1 must be a writable contiguous uint8 array"):
+        ReferenceBackend(hybrid(), 8, MemoryStore(1 << 20), num_states=4, states={0: np.zeros((4, 96), np.uint8)})
     with pytest.raises(ValidationError, match=r"state page 4 outside 0..3"):
         ReferenceBackend(hybrid(), 8, MemoryStore(1 << 20), num_states=4).write_states(0, ["k"], [4])
 
