@@ -113,6 +113,7 @@ class WorkerConfig:
         return spec
 
     def _check_states(self, spec: CacheSpec) -> None:
+        """State pages exactly when the spec has state groups, and only where they can be shared."""
         if bool(self.num_states) != bool(spec.state_bytes_per_rank):
             raise ConfigError(f"WorkerConfig.num_states {self.num_states} with {spec.state_bytes_per_rank} state bytes "
                               "a rank: a spec with state groups needs state pages, one without has none")
