@@ -56,6 +56,9 @@ from transformers import (
 __all__ = ["HFModel", "PagesCache", "gemma2", "mistral", "deepseek_v2", "qwen3_next", "native"]
 
 Sink = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: the dtypes of a Qwen3-Next linear-attention layer's two state tensors, as transformers keeps
+#: them: the convolution window (the model's bf16) and the recurrent matrix (float32)
+STATE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class PagesCache(DynamicCache):
@@ -87,12 +90,12 @@ def shape_of(config: Any, checkpoint: int = 0) -> LlamaConfig:
     (``checkpoint``: tokens between a hybrid model's stored states)."""
     layers, types = config.num_hidden_layers, getattr(config, "layer_types", None)
     if types and "linear_attention" in types:
-        conv, rec = linear_state_shapes(config)
         return LlamaConfig(vocab=config.vocab_size, hidden=config.hidden_size, layers=layers,
                            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                            head_dim=config.head_dim, checkpoint=checkpoint,
                            state_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
-                           state_bytes=math.prod(conv) * 2 + math.prod(rec) * 4)
+                           state_bytes=sum(math.prod(shape) * dtype.itemsize
+                                           for shape, dtype in zip(linear_state_shapes(config), STATE_DTYPES)))
     if not types:  # Mistral: a sliding window on every layer, if any
         types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers
     if getattr(config, "kv_lora_rank", None):
@@ -150,7 +153,7 @@ class HFModel:
         off = 0
         for i in self.cfg.state_layers:
             parts = []
-            for shape, dtype in zip(linear_state_shapes(self.hf.config), (torch.bfloat16, torch.float32)):
+            for shape, dtype in zip(linear_state_shapes(self.hf.config), STATE_DTYPES):
                 n = math.prod(shape) * dtype.itemsize
                 parts.append(flat[off:off + n].clone().view(dtype).view(shape))
                 off += n
@@ -165,7 +168,7 @@ class HFModel:
         parts = []
         for i in self.cfg.state_layers:
             layer = past.layers[i]
-            for t, dtype in ((layer.conv_states[0], torch.bfloat16), (layer.recurrent_states[0], torch.float32)):
+            for t, dtype in zip((layer.conv_states[0], layer.recurrent_states[0]), STATE_DTYPES):
                 if t is None or t.dtype != dtype:
                     raise RuntimeError(f"layer {i}: this transformers keeps a linear-attention state of "
                                        f"{None if t is None else t.dtype}, not {dtype}")
