@@ -11,7 +11,7 @@ Rules:
   them, and a prompt held whole is runnable with its first token. A request's full blocks are
   published when it becomes runnable and when it is preempted from ``running``; ``resume``
   claims back those still on the GPU, and the reload, swap-in or recompute starts after them.
-  ``can_reserve`` does not count hits.
+  ``can_reserve`` does not count hits. With state groups D claims none (no state to start from).
 - With the token, D reads the cache into the reserved blocks; with a host tier, the leading
   blocks ready there are copied in first (``loading``, a ``SwapIn``) and the store serves only
   the rest (counted in ``counters['host_read_blocks']``). A request is runnable only when
@@ -167,7 +167,7 @@ class DecodeLifecycle(SwapActions):
                 req.blocks = self.pool.allocate(n, self._headroom())
             except OutOfBlocksError as e:
                 raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
-        elif self._take_cached(req, n, req.keys[:full_blocks(req.keys)], self._headroom()):
+        elif self._take_cached(req, n, self._cached_lookup(req), self._headroom()):
             self.counters["gpu_read_blocks"] += req.hits
         else:
             raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks keeping "
@@ -250,7 +250,7 @@ class DecodeLifecycle(SwapActions):
                 req.blocks = self.pool.allocate(n)
             except OutOfBlocksError as e:
                 raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks ({e})") from None
-        elif not self._take_cached(req, n, req.keys[:full_blocks(req.keys)]):
+        elif not self._take_cached(req, n, self._cached_lookup(req)):
             raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks: "
                                    f"{self.pool.num_free} are free")
         self.states.take(req, 1)
@@ -282,6 +282,11 @@ class DecodeLifecycle(SwapActions):
 
     def _headroom(self) -> int:
         return self.policy.decode_headroom_blocks * len(self._running)
+
+    def _cached_lookup(self, req: Request) -> list[str]:
+        """The keys D claims from the GPU prefix cache: the full blocks', and none with state
+        groups (D keeps no checkpoint state to start from: :mod:`kvstate.statepages`)."""
+        return [] if self.states else req.keys[:full_blocks(req.keys)]
 
     def _read(self, req: Request, start: int = 0) -> None:
         """Read the stored cache past ``start`` blocks (already in place); a window group's

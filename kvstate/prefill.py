@@ -36,10 +36,12 @@ Rules:
 - Only a cache stored whole sends the first token (200); P's blocks are then recycled. A write
   that keeps failing sends the first token with 503 and recycles (reason ``write_failed``).
 - With state groups (:mod:`kvstate.statepages`), a prompt waits for state pages with its
-  blocks; the prefix read takes the longest stored prefix ending at a checkpoint whose state
-  every rank read, and the write stores the prompt's state and that of the last checkpoint
-  the prefill passed. A prefill goes out only once no prefix read the request gave up on can
-  still land in its state page (as D's recompute waits: :mod:`kvstate.decode`).
+  blocks; the GPU prefix cache gives blocks only up to a checkpoint whose state it kept, and
+  the prefill starts from that state (``StartPrefill.state_from``); the prefix read takes
+  the longest stored prefix ending at a checkpoint whose state every rank read, and the write
+  stores the prompt's state and that of the last checkpoint the prefill passed. A prefill
+  goes out only once no prefix read the request gave up on can still land in its state page
+  (as D's recompute waits: :mod:`kvstate.decode`).
 - ``abort`` leaves every live state; blocks a transfer still touches stay pinned until it
   answers or its fence passes. A result that comes after the request ended is dropped.
 """
@@ -193,26 +195,38 @@ class PrefillLifecycle(Lifecycle):
 
     # -- waiting for blocks ----------------------------------------------------------------------
     def _start_waiting(self) -> None:
-        waiting, pool = self._waiting, self.pool
+        waiting = self._waiting
         while waiting:
             req = waiting[0]
             if req.state != PREFILL.initial:  # it ended while it waited
                 waiting.popleft()
                 continue
-            n = len(req.keys)
-            if self.states and not self.states.take(req, self.states.pages_for(req)):
-                return  # no free state page: nothing allocated
-            if self.prefix_cache is None:
-                if pool.num_free < n:
-                    self.states.release(req)
-                    return
-                req.blocks = pool.allocate(n)
-            elif self._take_cached(req, n, req.keys[:self._prefix_limit(req)]):
-                self.counters["gpu_prefix_blocks"] += req.hits
-            else:
+            if not self._allocate(req):
                 return
             waiting.popleft()
             self._fire(req, "start")
+
+    def _allocate(self, req: Request) -> bool:
+        """Give ``req`` its state pages and blocks, the leading ones claimed from the GPU prefix
+        cache (with state groups, up to a checkpoint whose state it cached); False, holding
+        nothing, when too few are free."""
+        n, lookup = len(req.keys), req.keys[:self._prefix_limit(req)]
+        if self.states and self.prefix_cache is not None:
+            lookup = lookup[:self.states.claim_start(req, lookup, self.prefix_cache)]
+        if self.states and not self.states.take(req, self.states.pages_for(req)):
+            self.states.release(req)  # the cached page it claimed, if any
+            return False
+        if self.prefix_cache is None:
+            if self.pool.num_free < n:
+                self.states.release(req)
+                return False
+            req.blocks = self.pool.allocate(n)
+        elif self._take_cached(req, n, lookup):
+            self.counters["gpu_prefix_blocks"] += req.hits
+        else:
+            self.states.release(req)
+            return False
+        return True
 
     def _blocks_freed(self) -> None:
         if self._waiting:
@@ -245,8 +259,9 @@ class PrefillLifecycle(Lifecycle):
         if len(req.pages) > 1:  # state groups: the prefill keeps the state of a checkpoint it passes
             snap = self.states.snapshot(req)
             req.snap = snap if snap > blocks else 0
+        start = req.from_page if blocks and blocks == req.hits else -1  # the cached state it claimed
         cmd = C.StartPrefill(req.id, tuple(req.blocks), blocks * bs, state_pages=tuple(req.pages),
-                             checkpoint=req.snap * bs)
+                             checkpoint=req.snap * bs, state_from=start)
         if req.pages:  # a read it gave up on would overwrite the running state: wait until none can land
             self._send_settled(req, cmd)
         else:  # blocks are keyed by content: a late read brings the bytes the prefill computes
@@ -300,6 +315,7 @@ class PrefillLifecycle(Lifecycle):
         req.token = value
         if self.prefix_cache is not None:
             self.prefix_cache.publish(req.keys, req.blocks)
+            self.states.publish(req)
         if req.cmd and req.layers < self.spec.layers:  # the layer-wise save may store every layer
             req.layers = self.spec.layers
             self._out.append(C.LayersReady(req.id, req.cmd, req.layers))

@@ -23,8 +23,17 @@ Rules:
   stored every state up to its count.
 - Pages are released with the request's blocks; a transfer still running when its request lets
   go pins its pages as it pins its blocks (:mod:`kvstate.pins`).
-- Not combined yet, and refused when built: a host tier, a GPU prefix cache, layer-wise
-  transfers, and window groups beside state groups (:meth:`~kvstate.spec.CacheSpec.check_moved`).
+- With a GPU prefix cache, the pages are a :class:`~kvstate.prefixcache.PrefixCachingPool`
+  too: once P's prefill is done, its checkpoint page is *published* under the key of the block
+  the checkpoint follows, and kept, idle, when P lets go of it (evicted as blocks are). A later
+  prompt claims cached blocks only up to the last checkpoint whose state is cached
+  (:meth:`StatePages.claim_start`), claims that page too (shared: ``Request.from_page``), and
+  its prefill copies it into its own running page first (``StartPrefill.state_from``); P lets
+  go of the page once its prefill is done. D claims no cached blocks: it keeps no checkpoint
+  states (its reads bring the cache's own state), so a block it holds has no state to start
+  from.
+- Not combined yet, and refused when built: a host tier, layer-wise transfers, and window
+  groups beside state groups (:meth:`~kvstate.spec.CacheSpec.check_moved`).
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from .commands import TransferCommand
 from .errors import ConfigError, OutOfBlocksError, ValidationError
 from .pool import BlockPool
+from .prefixcache import PrefixCachingPool
 from .registry import Request
 from .spec import CacheSpec
 
@@ -68,11 +78,10 @@ class StatePages:
         spec.check_moved(who, states=True)
         if num_states < 1:
             raise ConfigError(f"{who}: the spec has state groups: give num_states >= 1 (state pages)")
-        for what, on in (("a host tier", host_blocks), ("a GPU prefix cache", prefix_cache),
-                         ("layer-wise transfers", layerwise)):
+        for what, on in (("a host tier", host_blocks), ("layer-wise transfers", layerwise)):
             if on:
                 raise ConfigError(f"{who}: state groups with {what}: not built (kvstate.statepages)")
-        self.pool = BlockPool(num_states)
+        self.pool = PrefixCachingPool(num_states) if prefix_cache else BlockPool(num_states)
         self.block_size = spec.block_size
         self.step = max(steps)  # checkpoints are whole blocks; every state group checkpoints at their multiples
         for s in steps:
@@ -121,14 +130,45 @@ class StatePages:
                                    "state pages is free")
 
     def release(self, req: Request) -> int:
-        """``req`` lets go of its pages (a transfer still running pinned them first); returns
-        how many came free."""
-        if not req.pages:
+        """``req`` lets go of its pages and of a cached page it claimed (a transfer still
+        running pinned them first); returns how many came free."""
+        freed = self.let_go_of_start(req)
+        if req.pages:
+            assert self.pool is not None
+            freed += self.pool.release(req.pages)
+            req.pages = []
+        return freed
+
+    # -- the GPU prefix cache's states (P) ----------------------------------------------------------
+    def claim_start(self, req: Request, lookup: Sequence[str], blocks: PrefixCachingPool) -> int:
+        """How many leading ``lookup`` keys P may claim from the GPU prefix cache ``blocks``:
+        up to the last checkpoint whose blocks and state are both cached (0: none). Its state
+        page is claimed into ``req.from_page``."""
+        pages = self.pool
+        if not isinstance(pages, PrefixCachingPool):
+            return 0
+        hits = blocks.cached_prefix(lookup)[0]
+        for end in range(hits - hits % self.step, 0, -self.step):
+            key = lookup[end - 1]
+            if pages.cached_prefix((key,))[0]:
+                req.from_page = pages.claim((key,))[0]
+                return end
+        return 0
+
+    def publish(self, req: Request) -> None:
+        """P's prefill is done: its checkpoint page holds the state after ``req.snap``
+        blocks, which later prompts may start from; the page it started from is let go."""
+        if isinstance(self.pool, PrefixCachingPool) and req.snap:
+            self.pool.publish((req.keys[req.snap - 1],), (req.pages[1],))
+        self.let_go_of_start(req)
+
+    def let_go_of_start(self, req: Request) -> int:
+        """``req`` lets go of the cached page it claimed, if any; returns how many came free."""
+        if req.from_page < 0:
             return 0
         assert self.pool is not None
-        freed = self.pool.release(req.pages)
-        req.pages = []
-        return freed
+        page, req.from_page = req.from_page, -1
+        return self.pool.release((page,))
 
     # -- what transfers move ----------------------------------------------------------------------
     def candidates(self, req: Request, start: int, end: int, whole: bool) -> tuple[tuple[int, int], ...]:

@@ -41,8 +41,8 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         layout = "plain" if layerwise and layout in ("window", "sliding") else layout  # by group: not layer-wise
         STATS[f"layout:{layout}"] += 1
         groups = 1 if layout in ("window", "sliding", "state") else groups
-        if layout == "state":  # state pages: no host tier, prefix cache or layer-wise transfers (kvstate.statepages)
-            prefix_cache, layerwise, host_blocks, preempt = False, False, 0, preempt.replace("swap", "write")
+        if layout == "state":  # state pages: no host tier or layer-wise transfers (kvstate.statepages)
+            layerwise, host_blocks, preempt = False, 0, preempt.replace("swap", "write")
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
@@ -236,7 +236,8 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         rig, rid = self.rig, n.request_id
         if rid in rig.P.live_requests() and rig.P.state_of(rid) in ("prefilling", "saved"):
             toks = self.tokens[rid][:self.plen[rid]]
-            self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill")
+            STATS["cached_state_starts"] += n.state_from >= 0  # from a state P's GPU prefix cache kept
+            self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill", n.state_from)
             fill(rig.pb, toks, n.block_ids, n.num_cached_tokens // BS)
             self._compute_state(rig.pb, n.state_pages, toks, n.checkpoint)
             rig.P.prefill_done(rid, 1)

@@ -25,17 +25,17 @@ def fake_state(toks, rank: int, nbytes: int) -> bytes:
 class StateRules:
     """``self.rig`` and ``self.tokens`` are the machine's; each hook does nothing without state pages."""
 
-    def _start_from_state(self, backend, pages, toks, start: int, what: str) -> None:
+    def _start_from_state(self, backend, pages, toks, start: int, what: str, cached: int = -1) -> None:
         if pages and start:
-            self.state_reused_only_at_its_checkpoint(backend, pages, toks, start, what)
+            self.state_reused_only_at_its_checkpoint(backend, pages[0] if cached < 0 else cached, toks, start, what)
 
-    def state_reused_only_at_its_checkpoint(self, backend, pages, toks, start: int, what: str) -> None:
+    def state_reused_only_at_its_checkpoint(self, backend, page: int, toks, start: int, what: str) -> None:
         """A prefill or recompute starts at token ``start``: a checkpoint, whose state every
-        rank's running page holds."""
+        rank's ``page`` holds (its running page, or a page the GPU prefix cache kept)."""
         STATS["invariant:state_reused_only_at_its_checkpoint"] += 1
         assert start % STEP == 0, f"state_reused_only_at_its_checkpoint: {what} starts at token {start}"
         for r in range(backend.spec.tp_size):
-            assert backend.state_bytes(r, pages[0]) == fake_state(toks[:start], r, backend.state_size), \
+            assert backend.state_bytes(r, page) == fake_state(toks[:start], r, backend.state_size), \
                 f"state_reused_only_at_its_checkpoint: {what} at token {start}, rank {r}: not the state there"
 
     def _compute_state(self, backend, pages, toks, checkpoint: int = 0) -> None:

@@ -52,13 +52,14 @@ def assert_state(backend, page: int, key: str | None) -> None:
 
 def prefill(rig: Rig, rid: str, toks=TOKS, first: int = 7) -> C.StartPrefill:
     """P's engine: admit, read, check the page holds the state it starts from, compute blocks
-    and states (the checkpoint's into pages[1]), report; returns the StartPrefill."""
+    and states (the checkpoint's into pages[1]; from a cached page, ``state_from``), report;
+    returns the StartPrefill."""
     rig.P.admit(rid, toks)
     rig.pd.run_until_idle()
     [sp] = rig.notices(rig.pd, C.StartPrefill)
     keys, start = block_keys(toks, BS), sp.num_cached_tokens // BS
-    if start:
-        assert_state(rig.pb, sp.state_pages[0], keys[start - 1])  # reused only at a stored checkpoint
+    if start:  # reused only at a checkpoint: read into the running page, or a page the GPU cache kept
+        assert_state(rig.pb, sp.state_pages[0] if sp.state_from < 0 else sp.state_from, keys[start - 1])
     fill_p(rig, rid, toks, sp.block_ids, start)
     for r in range(2):
         if sp.checkpoint:

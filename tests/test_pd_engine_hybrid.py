@@ -9,6 +9,7 @@ own run (its ``DynamicCache``, the same chunks), bit for bit, and checks that no
 
 - the handoff at TP 1 and 2 (each rank stores its share of the state);
 - a prefix reused from a stored checkpoint, and not from a prefix no state was stored for;
+- a prefix reused from a checkpoint state P's GPU prefix cache kept;
 - a failed or partial read, recomputed from the last checkpoint every rank read, or from 0;
 - a state object corrupted on one rank: detected, evicted, recomputed;
 - a request preempted mid-decode: its running state written back and reloaded, or recomputed.
@@ -93,6 +94,31 @@ def test_a_prefix_is_reused_from_a_stored_checkpoint_only(qwen):
         _, leaks = serve(qwen, [r], store)
         assert leaks == NO_LEAK
     assert [r.cached_tokens for r in reqs] == [0, 192, 0]
+    assert_exact(qwen, reqs, reference=transformers_run(qwen))
+
+
+def test_p_starts_a_prompt_from_a_checkpoint_state_its_gpu_prefix_cache_kept(qwen):
+    """With P's GPU prefix cache, P keeps its state page of a prompt's last checkpoint. A later
+    prompt sharing past it claims the cached blocks up to it and starts from a copy of that
+    state (nothing read from the store); one sharing only 150 tokens computes from 0. All
+    equal transformers' run."""
+    from engine import PDEngine, Request
+
+    from kvstate.backends import MemoryStore
+
+    rng = random.Random(5)
+    fresh = lambda n: [rng.randrange(512) for _ in range(n)]  # noqa: E731
+    donor = fresh(200)  # checkpoints at 64, 128, 192: P keeps 192's
+    reqs = [Request("a", donor, 6), Request("b", donor + fresh(50), 6), Request("c", donor[:150] + fresh(100), 6)]
+    eng = PDEngine(qwen, MemoryStore(1 << 30), block_size=BS, num_blocks=1024, prefix_cache=True)
+    try:
+        for r in reqs:  # one after another, so b finds a's cached blocks and state
+            eng.run([r])
+        assert eng.leaks() == NO_LEAK and eng.P.states.pool.num_used == eng.D.states.pool.num_used == 0
+    finally:
+        eng.close()
+    assert [r.cached_tokens for r in reqs] == [0, 192, 0]
+    assert eng.P.counters["gpu_prefix_blocks"] == 192 // BS and eng.P.counters["store_prefix_blocks"] == 0
     assert_exact(qwen, reqs, reference=transformers_run(qwen))
 
 

@@ -184,6 +184,8 @@ class PDEngine:
             ev.record()
             self.P.layers_done(r.rid, i + 1, ev)
 
+        if cmd.state_from >= 0:  # a state P's GPU prefix cache kept (shared): the prompt's own page starts as it
+            self.p_cache.copy_state(cmd.state_from, cmd.state_pages[0])
         logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt, cmd.num_cached_tokens,
                                 len(r.prompt), done if self.P.layerwise else None, cmd.state_pages, cmd.checkpoint)
         assert logits is not None  # the lifecycle leaves at least one token to compute
