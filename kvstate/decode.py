@@ -139,6 +139,9 @@ class DecodeLifecycle(SwapActions):
         self.layerwise = layerwise
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
+        if self.states and self.host is not None and self.policy.swap_write == "back":
+            raise ConfigError("DecodeLifecycle: state groups with Policy.swap_write='back': a write-back from host "
+                              "memory has no state to store (kvstate.statepages); use 'host' or 'through'")
         self.counters["host_read_blocks"] = 0  # blocks of P's caches found in the host tier
         self.counters["gpu_read_blocks"] = 0  # ... and found on the GPU (prefix cache): not read
         self._running: set[str] = set()
@@ -244,7 +247,8 @@ class DecodeLifecycle(SwapActions):
         if req.state != "preempted" and req.state != "swapped":
             raise InvalidTransitionError(request_id, req.state, "resume", DECODE.name)
         n = self.spec.blocks_for(len(req.tokens))
-        self.states.check_free(req.id, "resume")
+        if not req.pages:  # a swapped request still holds its page
+            self.states.check_free(req.id, "resume")
         if self.prefix_cache is None:
             try:
                 req.blocks = self.pool.allocate(n)
@@ -253,7 +257,8 @@ class DecodeLifecycle(SwapActions):
         elif not self._take_cached(req, n, self._cached_lookup(req)):
             raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks: "
                                    f"{self.pool.num_free} are free")
-        self.states.take(req, 1)
+        if not req.pages:
+            self.states.take(req, 1)
         self._fire(req, "resume")
         return tuple(req.blocks)
 
@@ -327,7 +332,7 @@ class DecodeLifecycle(SwapActions):
         return req.base + value >= len(req.stored_keys or ())
 
     def _recompute_after_read(self, req: Request, value: int) -> None:
-        start = req.base + value
+        start = req.base + value if value or not self.states else 0  # a read moving no state: no state past 0
         if req.window_from:  # blocks before window_from hold no window layers: continue only past a whole window
             start = self.spec.resume_blocks(start, start, req.window_from, len(req.stored_keys or ()))
         self._start_recompute(req, start)

@@ -17,6 +17,8 @@ Rules (the rest of D's are in :mod:`kvstate.decode`; these rows come first in it
   reloaded from the store instead of recomputed, and a failed store write leaves it swapped.
   With ``"back"`` the store write runs from host memory after the GPU blocks are freed
   (``FlushHost``, while the request waits swapped); a resume does not wait for it.
+- With state groups, a swapped request keeps its state page and host memory serves no cache's
+  last block (:mod:`kvstate.statepages` gives the rules).
 """
 from __future__ import annotations
 
@@ -42,25 +44,25 @@ SWAP_ROWS: tuple[dict[str, Any], ...] = (
     dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_swapped_through",
          after=["_keep_swap", "_send_write_back"]),
     dict(trigger="swapped_out", source="swapping_out", dest="swapped", conditions="_swapped_back",
-         after=["_keep_swap", "_release_blocks", "_park", "_send_flush"]),
+         after=["_keep_swap", "_release_swapped", "_park", "_send_flush"]),
     dict(trigger="swapped_out", source="swapping_out", dest="swapped", conditions="_swap_complete",
-         after=["_keep_swap", "_release_blocks", "_park"]),
+         after=["_keep_swap", "_release_swapped", "_park"]),
     dict(trigger="swapped_out", source="swapping_out", dest="preempt_writing", conditions="_falls_back_to_write",
          after=["_drop_swap", "_send_write_back"]),
     dict(trigger="swapped_out", source="swapping_out", dest="preempted", after=["_drop_swap", "_drop_write_back"]),
     dict(trigger="written", source="preempt_writing", dest="swapped", conditions="_stored_with_host",
-         after=["_keep_write_back", "_release_blocks", "_park"]),
+         after=["_keep_write_back", "_release_swapped", "_park"]),
     dict(trigger="written", source="preempt_writing", dest="swapped", conditions="_host_only_now",
-         after=["_forget_store", "_release_blocks", "_park"]),
+         after=["_forget_store", "_release_swapped", "_park"]),
     # the write-back from host memory answered (while swapped, or preempted once that timed out)
     dict(trigger="flushed", source="swapped", dest="swapped", conditions="_flush_complete", after="_keep_write_back"),
     dict(trigger="flushed", source="swapped", dest="swapped"),
     dict(trigger="flushed", source="preempted", dest="preempted", conditions="_flush_complete",
          after="_keep_write_back"),
     dict(trigger="flushed", source="preempted", dest="preempted"),
-    dict(trigger="timed_out", source="swapped", dest="preempted", after="_drop_host"),
+    dict(trigger="timed_out", source="swapped", dest="preempted", after=["_drop_host", "_release_pages"]),
     dict(trigger="resume", source="swapped", dest="swapping_in", after="_send_swap_in"),
-    dict(trigger="preempt", source="swapping_in", dest="swapped", after=["_release_blocks", "_park"]),
+    dict(trigger="preempt", source="swapping_in", dest="swapped", after=["_release_swapped", "_park"]),
     dict(trigger="swapped_in", source="swapping_in", dest="running", conditions="_swap_in_complete",
          after=["_drop_swap", "_start_decode"]),
     dict(trigger="swapped_in", source="swapping_in", dest="reloading", conditions="_has_stored",
@@ -85,15 +87,22 @@ class SwapActions(Lifecycle):
         """Request id -> the host tier keys it references (swapping out, swapped, swapping in)."""
         return {rid: tuple(r.host_keys) for rid, r in self._reqs.items() if r.host_keys is not None}
 
+    def _host_servable(self, req: Request) -> list[str]:
+        """The keys of a handed-off cache that host memory may serve, past the GPU prefix
+        cache's hits: with state groups not the last, which the store serves with the state."""
+        assert req.stored_keys is not None
+        keys = req.stored_keys[req.hits:]
+        return keys[:-1] if self.states else keys
+
     def _token_ok_host_hit(self, req: Request, value: tuple[int | None, int]) -> bool:
         return value[1] == 200 and self.host is not None and req.stored_keys is not None \
-            and self.host.ready_prefix(req.stored_keys[req.hits:]) > 0
+            and self.host.ready_prefix(self._host_servable(req)) > 0
 
     def _send_host_load(self, req: Request, value: tuple[int, int]) -> None:
         assert self.host is not None and req.stored_keys is not None
         req.tokens.append(value[0])
         start = req.base = req.hits  # past the blocks the GPU prefix cache gave
-        keys = req.stored_keys[start:start + self.host.lookup(req.stored_keys[start:])]
+        keys = req.stored_keys[start:start + self.host.lookup(self._host_servable(req))]
         self._transfer(req, C.SwapIn, "host_loaded", keys, req.blocks[start:start + len(keys)],
                        self.host.slots(keys))
 
@@ -156,6 +165,16 @@ class SwapActions(Lifecycle):
         self.host.commit(req.host_fresh)
         req.host_fresh = ()
 
+    def _release_swapped(self, req: Request, value: Any = None) -> None:
+        """Swapped: the GPU blocks go, the state page stays (host memory holds no state)."""
+        self._running.discard(req.id)
+        self._release(req, pages=False)
+
+    def _release_pages(self, req: Request, value: Any = None) -> None:
+        """Its host entries went: so does the state page it kept (a resume reads or recomputes)."""
+        if self.states.release(req):
+            self._freed = True
+
     def _park(self, req: Request, value: Any) -> None:
         self._wait(req, self.policy.swapped_timeout)  # its host entries are held until resume or then
 
@@ -186,5 +205,7 @@ class SwapActions(Lifecycle):
         return req.host_keys is not None and req.base + value >= len(req.host_keys)
 
     def _recompute_after_swap_in(self, req: Request, value: int) -> None:
-        self._start_recompute(req, req.base + value)
+        """A partial swap-in: continue past what came in, or, with state groups, from token 0
+        (the page holds the whole cache's state, no shorter prefix's)."""
+        self._start_recompute(req, 0 if self.states else req.base + value)
 

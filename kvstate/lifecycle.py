@@ -50,6 +50,8 @@ __all__ = ["Lifecycle", "TransferView", "LANDING"]
 
 #: transfers that scatter into GPU blocks or state pages: one given up on may still land until its fence
 LANDING = (C.ReadBlocks, C.LoadLayers, C.SwapIn)
+#: the host tier's transfers: they move blocks only (a state stays in its page), so their counts are blocks
+HOST_COPIES = (C.SwapOut, C.SwapIn, C.FlushHost)
 
 
 class Lifecycle(Inspection):
@@ -75,8 +77,8 @@ class Lifecycle(Inspection):
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
-        self.states = StatePages(spec, num_states, type(self).__name__, host_blocks=host_blocks,
-                                 prefix_cache=prefix_cache, layerwise=layerwise)  #: state pages, with state groups
+        self.states = StatePages(spec, num_states, type(self).__name__, prefix_cache=prefix_cache,
+                                 layerwise=layerwise)  #: state pages, with state groups
         if policy is not None and not isinstance(policy, Policy):
             raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
         if not callable(clock):
@@ -275,7 +277,8 @@ class Lifecycle(Inspection):
         counts = t.counts
         # TP: the minimum over every rank; a rank that never answered counts 0
         value = min(counts.values()) if len(counts) == len(t.cmd.ranks) else 0
-        if value and self.states:  # floored to a state's end; a read's ranks must agree
+        if value and self.states and t.cmd.__class__ not in HOST_COPIES:
+            # floored to a state's end; a read's ranks must agree
             value = usable_count(t.cmd, counts, t.trigger != "written")
         self._fire(req, t.trigger, value)
 
@@ -301,9 +304,10 @@ class Lifecycle(Inspection):
     def _landing(req: Request) -> bool:
         return any(t.cmd.__class__ in LANDING for t in req.inflight)
 
-    def _release(self, req: Request, ended: C.RequestEnded | None = None) -> None:
-        """Drop the request's blocks; the notice (``ended``, else a FreeBlocks) goes out first,
-        before blocks freed here can start a waiting request."""
+    def _release(self, req: Request, ended: C.RequestEnded | None = None, pages: bool = True) -> None:
+        """Drop the request's blocks (and its state pages, unless ``pages`` is False); the notice
+        (``ended``, else a FreeBlocks) goes out first, before blocks freed here can start a
+        waiting request."""
         if req.cmd:  # it no longer waits for its transfer: cancel it (its answers still unpin)
             t = self._pending.get(req.cmd)
             if t is not None:
@@ -317,7 +321,7 @@ class Lifecycle(Inspection):
             self._out.append(ended)
         elif blocks:
             self._out.append(C.FreeBlocks(req.id, tuple(blocks)))
-        freed = self.states.release(req)  # its pages, as its blocks
+        freed = self.states.release(req) if pages else 0  # its pages, as its blocks
         if blocks:
             freed += self.pool.release(blocks)
         if freed:

@@ -13,7 +13,9 @@ Rules:
   lookups below start after them, and their blocks are published once the prefill is done.
 - With a host tier (``host_blocks``), the prefix is looked up by tier: the leading blocks ready
   in host memory are copied in first (``loading_prefix``, a ``SwapIn``), and only the rest is
-  read from the store; a partial copy prefills from where it stopped. Blocks found per tier are
+  read from the store; a partial copy prefills from where it stopped. With state groups host
+  memory serves blocks before the prefix's last checkpoint only, and the store the rest with
+  that checkpoint's state. Blocks found per tier are
   counted (``counters['host_prefix_blocks']``, ``counters['store_prefix_blocks']``).
 - Once the cache is stored and the first token sent, P also copies it into its host tier
   (write-through: the store always holds it, for D), keys already there being shared. The
@@ -252,7 +254,8 @@ class PrefillLifecycle(Lifecycle):
         lookup, past the GPU prefix cache's hits only)."""
         if value:
             self.counters["store_prefix_blocks"] += value
-        self._prefill_from(req, req.hits if value is None else req.base + value)
+        no_state = self.states and not value  # with state groups, a read moving no state continues nothing
+        self._prefill_from(req, req.hits if value is None or no_state else req.base + value)
 
     def _prefill_from(self, req: Request, blocks: int) -> None:
         bs = self.spec.block_size
@@ -270,14 +273,21 @@ class PrefillLifecycle(Lifecycle):
             self._write(req, 0, C.SaveLayers)
 
     # -- the host tier: prefix lookup before the store, write-through after it ----------------
+    def _host_limit(self, req: Request) -> int:
+        """Where the host lookup stops: the prefix's limit, or with state groups the block
+        before its last checkpoint (host memory holds no state: the store serves the rest
+        with the checkpoint's)."""
+        n = self._prefix_limit(req)
+        return max(req.hits, n - n % self.states.step - 1) if self.states else n
+
     def _host_has_prefix(self, req: Request, value: Any) -> bool:
         return self.host is not None and self._wants_prefix(req, value) and \
-            self.host.ready_prefix(req.keys[req.hits:self._prefix_limit(req)]) > 0
+            self.host.ready_prefix(req.keys[req.hits:self._host_limit(req)]) > 0
 
     def _send_host_prefix(self, req: Request, value: Any) -> None:
         assert self.host is not None
         start = req.hits  # past the blocks the GPU prefix cache gave
-        n = self.host.lookup(req.keys[start:self._prefix_limit(req)])
+        n = self.host.lookup(req.keys[start:self._host_limit(req)])
         keys = req.keys[start:start + n]
         req.base = start + n  # where the store's part starts once every host hit came in
         self._transfer(req, C.SwapIn, "host_prefix", keys, req.blocks[start:start + n], self.host.slots(keys))
@@ -289,11 +299,14 @@ class PrefillLifecycle(Lifecycle):
         self.counters["host_prefix_blocks"] += value
         n = self._prefix_limit(req)
         start = req.base = req.hits + value
-        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n])
+        self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n],
+                       states=self.states.candidates(req, start, n, whole=False))
 
     def _start_prefill_from_host(self, req: Request, value: int) -> None:
+        """Some host hits did not come in: prefill past those that did (with state groups, past
+        the GPU prefix cache's hits: no state is at the host copy's end)."""
         self.counters["host_prefix_blocks"] += value
-        self._prefill_from(req, req.hits + value)
+        self._prefill_from(req, req.hits if self.states else req.hits + value)
 
     def _copy_to_host(self, req: Request, value: Any) -> None:
         host = self.host

@@ -32,8 +32,17 @@ Rules:
   go of the page once its prefill is done. D claims no cached blocks: it keeps no checkpoint
   states (its reads bring the cache's own state), so a block it holds has no state to start
   from.
-- Not combined yet, and refused when built: a host tier, layer-wise transfers, and window
-  groups beside state groups (:meth:`~kvstate.spec.CacheSpec.check_moved`).
+- D's host tier moves blocks, not states: a request swapped out keeps its state page, which
+  holds its whole cache's state until it swaps back in (a partial swap-in recomputes from
+  token 0; its state belongs to no shorter prefix). The page goes when its host entries do
+  (``Policy.swapped_timeout``). A cache read by tier takes at most its blocks before the last
+  from host memory: the store serves the rest and the state stored with it. P's prefix lookup
+  takes from host memory the blocks before the prefix's last checkpoint only; the store serves
+  the rest with that checkpoint's state (a read that brings none prefills from the GPU prefix
+  cache's hits, or 0). A write-back from host memory (``swap_write="back"``) would have no
+  state to store, so it is refused.
+- Not combined yet, and refused when built: layer-wise transfers, and window groups beside
+  state groups (:meth:`~kvstate.spec.CacheSpec.check_moved`).
 """
 from __future__ import annotations
 
@@ -67,8 +76,7 @@ class StatePages:
     __slots__ = ("pool", "block_size", "step")
     pool: BlockPool | None  #: the state pages (None: no state group)
 
-    def __init__(self, spec: CacheSpec, num_states: int, who: str, *, host_blocks: int, prefix_cache: bool,
-                 layerwise: bool) -> None:
+    def __init__(self, spec: CacheSpec, num_states: int, who: str, *, prefix_cache: bool, layerwise: bool) -> None:
         steps = [g.checkpoint // spec.block_size for g in spec.groups if g.kind == "state"]
         if not steps:
             if num_states:
@@ -78,9 +86,8 @@ class StatePages:
         spec.check_moved(who, states=True)
         if num_states < 1:
             raise ConfigError(f"{who}: the spec has state groups: give num_states >= 1 (state pages)")
-        for what, on in (("a host tier", host_blocks), ("layer-wise transfers", layerwise)):
-            if on:
-                raise ConfigError(f"{who}: state groups with {what}: not built (kvstate.statepages)")
+        if layerwise:
+            raise ConfigError(f"{who}: state groups with layer-wise transfers: not built (kvstate.statepages)")
         self.pool = PrefixCachingPool(num_states) if prefix_cache else BlockPool(num_states)
         self.block_size = spec.block_size
         self.step = max(steps)  # checkpoints are whole blocks; every state group checkpoints at their multiples

@@ -209,8 +209,9 @@ class DrainedAtTeardown:
             if self._drain_round():
                 break
         for lc in (self.rig.P, self.rig.D) if self.CHECK_DRAINED else ():
-            left = (lc.live_requests(), lc.pool.num_used, lc.pending_commands())
-            assert left == ([], 0, []), f"drained_all_terminal_and_empty: {lc.DEFINITION.name} left {left}"
+            pages = lc.states.pool.num_used if lc.states.pool is not None else 0  # state pages, with state groups
+            left = (lc.live_requests(), lc.pool.num_used, lc.pending_commands(), pages)
+            assert left == ([], 0, [], 0), f"drained_all_terminal_and_empty: {lc.DEFINITION.name} left {left}"
         for lc in (self.rig.P, self.rig.D) if self.CHECK_DRAINED else ():
             if lc.host is not None:
                 host = lc.host.stats()
@@ -219,4 +220,6 @@ class DrainedAtTeardown:
         for side, lc in (("P", self.rig.P), ("D", self.rig.D)):  # shared GPU blocks the run produced
             if lc.prefix_cache is not None:
                 STATS[f"gpu_prefix_hit_blocks:{side}"] += lc.prefix_cache.prefix_stats().hit_blocks
+        if self.rig.P.states:  # blocks a hybrid prompt took from P's host tier
+            STATS["state_host_prefix_blocks"] += self.rig.P.counters["host_prefix_blocks"]
         STATS.update({f"fault:{k}": v for k, v in self.faults.items()})

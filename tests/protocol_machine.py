@@ -41,8 +41,8 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         layout = "plain" if layerwise and layout in ("window", "sliding") else layout  # by group: not layer-wise
         STATS[f"layout:{layout}"] += 1
         groups = 1 if layout in ("window", "sliding", "state") else groups
-        if layout == "state":  # state pages: no host tier or layer-wise transfers (kvstate.statepages)
-            layerwise, host_blocks, preempt = False, 0, preempt.replace("swap", "write")
+        if layout == "state":  # state pages: no layer-wise transfers or write-back from host memory
+            layerwise, swap_write = False, swap_write.replace("back", "through")
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,

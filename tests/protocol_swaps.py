@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from protocol_support import BS, KIND
+from protocol_support import BS, KIND, STATS
 
 from kvstate import OutOfBlocksError
 from kvstate.keys import block_keys
@@ -61,6 +61,7 @@ class SwapRules:
         if rid in rig.D.live_requests() and rig.D.state_of(rid) == "preempt_writing" and out == "ok":
             self._answer_command("D", rid)  # written through to the store as well
         if back is not None and rid in rig.D.live_requests() and rig.D.state_of(rid) == "swapped":
+            STATS["state_swapped"] += bool(rig.D.pages_of(rid))  # kept its state page while swapped
             try:
                 rig.D.resume(rid)
             except OutOfBlocksError:

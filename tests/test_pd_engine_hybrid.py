@@ -12,7 +12,8 @@ own run (its ``DynamicCache``, the same chunks), bit for bit, and checks that no
 - a prefix reused from a checkpoint state P's GPU prefix cache kept;
 - a failed or partial read, recomputed from the last checkpoint every rank read, or from 0;
 - a state object corrupted on one rank: detected, evicted, recomputed;
-- a request preempted mid-decode: its running state written back and reloaded, or recomputed.
+- a request preempted mid-decode: its running state written back and reloaded, or recomputed,
+  or its blocks swapped to D's host tier while its state page stays.
 
 Marked ``gpu``: skipped with a reason where CuPy, PyTorch, transformers or a CUDA device is missing.
 """
@@ -183,12 +184,17 @@ def test_a_state_corrupt_on_one_rank_is_evicted_and_recomputed(qwen):
     assert_exact(qwen, [first, second, third], reference=transformers_run(qwen))
 
 
-@pytest.mark.parametrize("preemption", ["write", "recompute"])
+@pytest.mark.parametrize("preemption", ["write", "recompute", "swap"])
 def test_a_request_preempted_mid_decode_equals_transformers_run(qwen, preemption):
+    """Write-back, recompute, or a swap into D's host tier (the blocks go to host memory, the
+    state page stays on the GPU)."""
     from kvstate import Policy
 
     reqs = workload(8, lengths=LENGTHS, max_new=10,
                     per_request={i: {"preempt_after": 3 + i % 4} for i in range(0, 8, 2)})
-    _, leaks = serve(qwen, reqs, tp=2, policy=Policy(preempt=preemption))
-    assert leaks == NO_LEAK
+    eng, leaks = serve(qwen, reqs, tp=2, policy=Policy(preempt=preemption),
+                       host_blocks=256 if preemption == "swap" else 0)
+    assert leaks == NO_LEAK and eng.D.states.pool.num_used == 0
+    if preemption == "swap":  # every preempted request came back from host memory, none recomputed
+        assert eng.recomputed == [] and eng.backends[1].bytes_swapped > 0
     assert_exact(qwen, reqs, reference=transformers_run(qwen))

@@ -118,11 +118,12 @@ class PDEngine:
     def __init__(self, model: Model, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
                  p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False,
-                 d_tp: int | None = None, num_states: int = 64) -> None:
+                 d_tp: int | None = None, num_states: int = 64, host_blocks: int = 0) -> None:
         """``layerwise``: P saves each layer as it is computed, in one stored object per layer,
         and D loads layer by layer (here in this thread, so a step starts after the load).
         ``num_states``: state pages on each side, for a hybrid model (P takes two a prompt
-        that passes a checkpoint, D one a request)."""
+        that passes a checkpoint, D one a request). ``host_blocks``: D's host tier, in blocks
+        (``Policy(preempt="swap")`` swaps preempted requests into it)."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         d_tp = d_tp or tp
@@ -135,13 +136,13 @@ class PDEngine:
         self.P = PrefillLifecycle(self.spec, p_blocks, policy, clock=clock, prefix_cache=prefix_cache,
                                   layerwise=layerwise, num_states=num_states)
         self.D = DecodeLifecycle(self.d_spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache,
-                                 layerwise=layerwise, num_states=num_states)
+                                 layerwise=layerwise, num_states=num_states, host_blocks=host_blocks)
         self.p_cache = PagedCache(cfg, p_blocks, block_size, tp, num_states=num_states)
         self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp, num_states=num_states)
-        sides = ((self.spec, p_blocks, self.p_cache), (self.d_spec, num_blocks, self.d_cache))
-        self.backends = [CudaBackend(spec, n, store, caches=c.caches, staging_bytes=staging_bytes,
+        sides = ((self.spec, p_blocks, self.p_cache, 0), (self.d_spec, num_blocks, self.d_cache, host_blocks))
+        self.backends = [CudaBackend(spec, n, store, caches=c.caches, staging_bytes=staging_bytes, host_blocks=h,
                                      num_states=num_states, states=dict(enumerate(c.states)) if num_states else None)
-                         for spec, n, c in sides]
+                         for spec, n, c, h in sides]
         self.p_drv = StepDriver(self.P, self.backends[0], on_notice=self._on_prefill)
         self.d_drv = StepDriver(self.D, self.backends[1], on_notice=self._on_decode)
         self.reqs: dict[str, Request] = {}
@@ -276,7 +277,7 @@ class PDEngine:
         for r in list(self.reqs.values()):
             if r.running and self.D.is_live(r.rid):
                 self._decode_step(r)
-            elif self.D.is_live(r.rid) and self.D.state_of(r.rid) == "preempted":
+            elif self.D.is_live(r.rid) and self.D.state_of(r.rid) in ("preempted", "swapped"):
                 self.D.resume(r.rid)
         self._abort_due()
         self.now += 0.001
