@@ -144,7 +144,7 @@ def test_no_transfer_touches_a_block_freed_behind_the_window(monkeypatch):
         real(self, req)
         req.window_from = before  # a write-back or reload would start before the window
     monkeypatch.setattr(DecodeLifecycle, "_free_behind_window", forgets_where_the_window_starts)
-    fires("no_transfer_touches_a_block_freed_behind_the_window", 1000)
+    fires("no_transfer_touches_a_block_freed_behind_the_window", 2500)
 
 
 def test_state_reused_only_at_its_checkpoint(monkeypatch):
