@@ -67,6 +67,46 @@ def test_rank_workers_move_blocks_of_caches_shared_through_cuda_ipc(tp, tmp_path
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+def test_rank_workers_move_state_pages_shared_through_cuda_ipc(tp, tmp_path):
+    """A hybrid spec (one full layer, two state layers): P's caches and state pages (PyTorch,
+    random) shared through CUDA IPC, written by P's rank workers with the state after their
+    blocks, read back by D's into zeros: D's blocks and the page it named equal P's, bit for
+    bit, and D's other pages stay zero."""
+    import torch
+
+    from kvstate.distributed import ProcessDriver
+    from kvstate.distributed.cudaipc import share_caches
+    from kvstate.layers import LayerGroup
+
+    spec = CacheSpec(num_layers=3, kv_heads=4 // tp, block_size=16, head_dim=64, dtype="bfloat16", tp_size=tp,
+                     groups=(LayerGroup("full", (0,)), LayerGroup("state", (1, 2), state_bytes=2048, checkpoint=32)))
+    nb, ns, size = 32, 4, spec.state_bytes_per_rank
+    shape = (nb, spec.kv_heads, spec.block_size, spec.head_dim)
+    p_caches = {r: {k: [torch.randn(shape, device="cuda").to(torch.bfloat16)] for k in spec.kinds} for r in range(tp)}
+    d_caches = {r: {k: [torch.zeros(shape, device="cuda", dtype=torch.bfloat16)] for k in spec.kinds}
+                for r in range(tp)}
+    p_pages = {r: torch.randint(0, 256, (ns, size), dtype=torch.uint8, device="cuda") for r in range(tp)}
+    d_pages = {r: torch.zeros((ns, size), dtype=torch.uint8, device="cuda") for r in range(tp)}
+    store = {"kind": "file", "root": str(tmp_path)}
+    with ProcessDriver(spec, nb, name="P", num_states=ns) as p, ProcessDriver(spec, nb, name="D", num_states=ns) as d:
+        for drv, caches, pages in ((p, p_caches, p_pages), (d, d_caches, d_pages)):
+            for r in range(tp):
+                drv.spawn(r, store, caches=share_caches(caches, states=pages), backend="cuda")
+            drv.wait_ready(120)
+        keys, src, dst = tuple(f"blk{i}" for i in range(4)), (3, 9, 10, 11), (0, 1, 2, 17)
+        now = time.monotonic()
+        p.submit(C.WriteBlocks("r", 1, tuple(range(tp)), now + 60, keys, src, fence=now + 90, states=((4, 1),)))
+        assert [(a.count, a.error) for a in answers(p, tp)] == [(4, None)] * tp
+        d.submit(C.ReadBlocks("r", 2, tuple(range(tp)), now + 60, keys, dst, fence=now + 90, states=((4, 2),)))
+        assert [(a.count, a.error) for a in answers(d, tp)] == [(4, None)] * tp
+    torch.cuda.synchronize()
+    for r in range(tp):
+        assert torch.equal(d_pages[r][2], p_pages[r][1]) and not d_pages[r][[0, 1, 3]].any()
+        for k in spec.kinds:
+            assert torch.equal(d_caches[r][k][0][list(dst)], p_caches[r][k][0][list(src)])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 def test_the_pd_engine_split_into_processes_is_token_and_logit_exact(tp):
     """P and D as processes (each a scheduler plus rank workers on CUDA IPC), a FileStore on
     tmpfs between them: every token and every logit equals the monolithic run's."""

@@ -161,7 +161,7 @@ def test_state_pages_across_processes_are_refused_where_they_cannot_go(tmp_path)
                 store={"kind": "file", "root": str(tmp_path)})
     with pytest.raises(ConfigError, match="needs state pages"):
         WorkerConfig(**base).validate()
-    with pytest.raises(ConfigError, match="CUDA IPC caches carry no state pages"):
+    with pytest.raises(ConfigError, match="must share the state pages too"):
         WorkerConfig(**base, num_states=4, caches={"kind": "cuda-ipc"}).validate()
     with SharedCaches.create(spec, 8, num_states=4) as mine, pytest.raises(ConfigError, match="geometries differ"):
         SharedCaches.attach(spec, 8, mine.paths, num_states=2)

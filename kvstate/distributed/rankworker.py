@@ -117,8 +117,9 @@ class WorkerConfig:
         if bool(self.num_states) != bool(spec.state_bytes_per_rank):
             raise ConfigError(f"WorkerConfig.num_states {self.num_states} with {spec.state_bytes_per_rank} state bytes "
                               "a rank: a spec with state groups needs state pages, one without has none")
-        if self.num_states and self.caches["kind"] == "cuda-ipc":
-            raise ConfigError("WorkerConfig: CUDA IPC caches carry no state pages yet (use shm, or own)")
+        if self.num_states and self.caches["kind"] == "cuda-ipc" and not isinstance(self.caches.get("states"), dict):
+            raise ConfigError("WorkerConfig: CUDA IPC caches of a spec with state groups must share the state pages "
+                              "too (share_caches(..., states=))")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -184,14 +185,16 @@ class RankWorker:
         elif kind == "cuda-ipc":
             from .cudaipc import open_caches
 
-            caches, closer = open_caches(spec, cfg.num_blocks, self.rank, cfg.caches, cfg.device)
+            caches, states, closer = open_caches(spec, cfg.num_blocks, self.rank, cfg.caches, cfg.device,
+                                                 cfg.num_states)
             self._resources.append(closer)
         if cfg.backend == "cuda":
             from ..backends.cuda import CudaBackend
 
             backend: TransferBackend = CudaBackend(spec, cfg.num_blocks, store, caches=caches, device=cfg.device,
                                                    host_blocks=cfg.host_blocks, ranks=(self.rank,),
-                                                   num_states=cfg.num_states)
+                                                   num_states=cfg.num_states,
+                                                   states=states if kind == "cuda-ipc" else None)
         else:
             from ..backends.reference import ReferenceBackend
 
