@@ -68,7 +68,9 @@ class LoadLayers(ReadBlocks):
     """A layer-wise read: as :class:`ReadBlocks`, but a rank reads and scatters one layer group
     (``CacheSpec.layer_groups``) at a time and signals each group's arrival to the engine
     (the driver's ``arrivals(command_id, rank)``), which may run the request's next decode
-    step meanwhile, waiting per layer. The step counts only once ``StartDecode`` follows."""
+    step meanwhile, waiting per layer. The step counts only once ``StartDecode`` follows.
+    With state groups a rank loads the whole cache's state before its first group, so a
+    group's arrival says the state arrived too (and counts the paged layers)."""
 
 
 @dataclass(slots=True)
@@ -93,7 +95,9 @@ class LayersReady(Command):
     """The prefill computed the first ``layers`` layers of :class:`SaveLayers`
     ``command_id``'s blocks: their groups may be stored. ``event`` None: finished on the
     GPU; otherwise only launched, and ``event`` (a device event recorded after them) is what
-    the save's copies wait for on the device."""
+    the save's copies wait for on the device. With state groups ``layers`` counts the layers
+    whose blocks are stored (the backends' paged layers:
+    :meth:`~kvstate.spec.CacheSpec.paged_layers_done`)."""
 
     command_id: int
     layers: int

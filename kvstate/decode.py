@@ -135,7 +135,7 @@ class DecodeLifecycle(SwapActions):
         check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
-                         num_states=num_states, layerwise=layerwise)
+                         num_states=num_states)
         self.layerwise = layerwise
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")

@@ -67,8 +67,7 @@ class Lifecycle(Inspection):
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
-                 host_blocks: int = 0, prefix_cache: bool = False, num_states: int = 0,
-                 layerwise: bool = False) -> None:
+                 host_blocks: int = 0, prefix_cache: bool = False, num_states: int = 0) -> None:
         """``host_blocks``: host tier slots (0: none); ``prefix_cache``: see :mod:`kvstate.prefixcache`;
         ``num_states``: state pages, for a spec with state groups (:mod:`kvstate.statepages`)."""
         check_int(host_blocks, "host_blocks", minimum=0)
@@ -77,8 +76,8 @@ class Lifecycle(Inspection):
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
-        self.states = StatePages(spec, num_states, type(self).__name__, prefix_cache=prefix_cache,
-                                 layerwise=layerwise)  #: state pages, with state groups
+        #: state pages, with state groups
+        self.states = StatePages(spec, num_states, type(self).__name__, prefix_cache=prefix_cache)
         if policy is not None and not isinstance(policy, Policy):
             raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
         if not callable(clock):

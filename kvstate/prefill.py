@@ -123,7 +123,7 @@ class PrefillLifecycle(Lifecycle):
         check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
-                         num_states=num_states, layerwise=layerwise)
+                         num_states=num_states)
         self.layerwise = layerwise
         self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()
@@ -154,7 +154,9 @@ class PrefillLifecycle(Lifecycle):
         may store them. Report layers in order, each once: either after the GPU finished
         them (``event`` None), or as soon as they are launched, with ``event``, a device
         event (PyTorch or CuPy) recorded after them on the stream computing them. The save's
-        copies then wait for it on the device, so the engine never waits for its GPU.
+        copies then wait for it on the device, so the engine never waits for its GPU. With
+        state groups, report the last layer only once the state pages hold the request's
+        states (the save stores them then; ``prefill_done`` reports it too).
         Returns False for a request that already ended (the report is dropped)."""
         check_int(layers, f"request {request_id!r}: layers_done", minimum=1)
         if isinstance(event, (bool, int, float, str, bytes)):
@@ -175,7 +177,7 @@ class PrefillLifecycle(Lifecycle):
                                   f"report layers in order, each once")
         req.layers = layers
         if req.cmd:  # the save still runs: its ranks may store these layers
-            self._out.append(C.LayersReady(req.id, req.cmd, layers, event))
+            self._out.append(C.LayersReady(req.id, req.cmd, self.spec.paged_layers_done(layers), event))
         return True
 
     def prefill_done(self, request_id: str, first_token: int) -> bool:
@@ -331,7 +333,7 @@ class PrefillLifecycle(Lifecycle):
             self.states.publish(req)
         if req.cmd and req.layers < self.spec.layers:  # the layer-wise save may store every layer
             req.layers = self.spec.layers
-            self._out.append(C.LayersReady(req.id, req.cmd, req.layers))
+            self._out.append(C.LayersReady(req.id, req.cmd, self.spec.paged_layers_done(req.layers)))
 
     # -- layer-wise save -------------------------------------------------------------------------
     def _saving(self, req: Request, value: Any) -> bool:

@@ -76,8 +76,6 @@ class CacheSpec:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size", "layer_groups"):
             check_int(getattr(self, name), f"CacheSpec.{name}", minimum=1, maximum=MAX_DIM, error=ConfigError)
         check_int(self.extra_layers, "CacheSpec.extra_layers", minimum=0, maximum=MAX_DIM, error=ConfigError)
-        if self.layers % self.layer_groups:
-            raise ConfigError(f"CacheSpec.layer_groups {self.layer_groups} must divide the {self.layers} layers")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"CacheSpec.dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
         if not isinstance(self.fp8_scales, bool) or not isinstance(self.has_value, bool):
@@ -88,6 +86,10 @@ class CacheSpec:
         self._check_heads()
         check_groups(self.groups, self.layers, self.block_size, latent_layout=self.kv_heads == 1 and
                      self.heads_total == 1 and not self.has_value)
+        paged = self.layers - len(self._state_layers())
+        if paged % self.layer_groups:  # stored objects split the layers whose blocks are stored
+            raise ConfigError(f"CacheSpec.layer_groups {self.layer_groups} must divide the {paged} layers"
+                              + (" whose blocks are stored (state layers have none)" if paged != self.layers else ""))
         if self.splits_groups and self.layer_groups != 1:
             raise ConfigError("CacheSpec: window groups are stored group by group: layer_groups must be 1")
 
@@ -207,10 +209,24 @@ class CacheSpec:
         """One request's recurrent state on one rank, every state layer."""
         return sum(g.state_bytes * len(g.layers) for g in self.groups if g.kind == "state")
 
+    def _state_layers(self) -> frozenset[int]:
+        return frozenset(i for g in self.groups if g.kind == "state" for i in g.layers)
+
+    def paged_layers_done(self, layers: int) -> int:
+        """The layers of :meth:`paged` (a backend's count) ready once the model's first
+        ``layers`` are computed: ``layers`` without state groups; with them, the paged layers
+        among those, the last one only once every layer is, since the states stored after the
+        last paged group may come from a later layer."""
+        state = self._state_layers()
+        if not state:
+            return layers
+        done = layers - sum(1 for i in state if i < layers)
+        return done if layers >= self.layers else min(done, self.layers - len(state) - 1)
+
     def paged(self) -> CacheSpec:
         """This spec without its state layers: the paged cache that lifecycles and backends
         hold (state groups' states are counted apart: :attr:`state_bytes_per_rank`)."""
-        state = {i for g in self.groups if g.kind == "state" for i in g.layers}
+        state = self._state_layers()
         if not state:
             return self
         index = {old: new for new, old in enumerate(i for i in range(self.layers) if i not in state)}

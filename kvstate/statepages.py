@@ -41,8 +41,11 @@ Rules:
   the rest with that checkpoint's state (a read that brings none prefills from the GPU prefix
   cache's hits, or 0). A write-back from host memory (``swap_write="back"``) would have no
   state to store, so it is refused.
-- Not combined yet, and refused when built: layer-wise transfers, and window groups beside
-  state groups (:meth:`~kvstate.spec.CacheSpec.check_moved`).
+- Layer-wise, a save stores its states once every layer is computed (the last paged layer
+  group is held back until then: :meth:`~kvstate.spec.CacheSpec.paged_layers_done`), and a load
+  reads the whole cache's state before its first layer group.
+- Not combined yet, and refused when built: window groups beside state groups
+  (:meth:`~kvstate.spec.CacheSpec.check_moved`).
 """
 from __future__ import annotations
 
@@ -76,7 +79,7 @@ class StatePages:
     __slots__ = ("pool", "block_size", "step")
     pool: BlockPool | None  #: the state pages (None: no state group)
 
-    def __init__(self, spec: CacheSpec, num_states: int, who: str, *, prefix_cache: bool, layerwise: bool) -> None:
+    def __init__(self, spec: CacheSpec, num_states: int, who: str, *, prefix_cache: bool) -> None:
         steps = [g.checkpoint // spec.block_size for g in spec.groups if g.kind == "state"]
         if not steps:
             if num_states:
@@ -86,8 +89,6 @@ class StatePages:
         spec.check_moved(who, states=True)
         if num_states < 1:
             raise ConfigError(f"{who}: the spec has state groups: give num_states >= 1 (state pages)")
-        if layerwise:
-            raise ConfigError(f"{who}: state groups with layer-wise transfers: not built (kvstate.statepages)")
         self.pool = PrefixCachingPool(num_states) if prefix_cache else BlockPool(num_states)
         self.block_size = spec.block_size
         self.step = max(steps)  # checkpoints are whole blocks; every state group checkpoints at their multiples

@@ -15,6 +15,11 @@ __all__ = ["LayerRules"]
 LAUNCHED = object()  # a report's stand-in device event: the core and the drivers pass it on untouched
 
 
+def stored_layers(spec, k: int) -> int:
+    """Of the model's first ``k`` layers, those whose blocks are stored (a state layer has none)."""
+    return k - sum(i < k for g in spec.groups if g.kind == "state" for i in g.layers)
+
+
 class LayerRules:
     """A layer-wise save may store only layers P reported, so a group stored early holds stale
     bytes, which D's byte check on ``StartDecode`` reports (``self.rig``, ``self.prefills``
@@ -35,8 +40,15 @@ class LayerRules:
             return
         upto = data.draw(st.integers(done + 1, rig.spec.layers))
         toks = self.tokens[rid][:self.plen[rid]]
-        fill_layers(rig.pb, block_keys(toks, BS), n.block_ids, (done, upto), n.num_cached_tokens // BS)
+        if not done:  # the layers start from the prefill's state (with state groups), checked as it starts
+            self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill", n.state_from)
+            self.started.add(rid)
+        span = (stored_layers(rig.spec, done), stored_layers(rig.spec, upto))
+        fill_layers(rig.pb, block_keys(toks, BS), n.block_ids, span, n.num_cached_tokens // BS)
+        if upto == rig.spec.layers:  # every layer computed: the states too
+            self._compute_state(rig.pb, n.state_pages, toks, n.checkpoint)
         assert rig.P.layers_done(rid, upto, data.draw(st.sampled_from([None, LAUNCHED])))
         self.reported[rid] = upto
         STATS["layer_reports"] += 1
+        STATS["state_layer_reports"] += bool(n.state_pages)  # a hybrid prefill's (the state layout's)
         self._process_notices()

@@ -41,8 +41,8 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         layout = "plain" if layerwise and layout in ("window", "sliding") else layout  # by group: not layer-wise
         STATS[f"layout:{layout}"] += 1
         groups = 1 if layout in ("window", "sliding", "state") else groups
-        if layout == "state":  # state pages: no layer-wise transfers or write-back from host memory
-            layerwise, swap_write = False, swap_write.replace("back", "through")
+        if layout == "state":  # state pages: no write-back from host memory
+            swap_write = swap_write.replace("back", "through")
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
@@ -52,6 +52,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                        num_states=6 if layout == "state" else 0,
                        spec=small_spec(tp, layer_groups=groups, **LAYOUTS[layout]))
         self.reported: dict[str, int] = {}  # layers each layer-wise prefill reported
+        self.started: set[str] = set()  # prefills whose starting state was checked
         self.tokens: dict[str, list[int]] = {}
         self.plen: dict[str, int] = {}  # prompt length per request
         self.n = 0
@@ -237,7 +238,9 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         if rid in rig.P.live_requests() and rig.P.state_of(rid) in ("prefilling", "saved"):
             toks = self.tokens[rid][:self.plen[rid]]
             STATS["cached_state_starts"] += n.state_from >= 0  # from a state P's GPU prefix cache kept
-            self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill", n.state_from)
+            if rid not in self.started:  # (checked when its first layers were reported, if they were)
+                self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill",
+                                       n.state_from)
             fill(rig.pb, toks, n.block_ids, n.num_cached_tokens // BS)
             self._compute_state(rig.pb, n.state_pages, toks, n.checkpoint)
             rig.P.prefill_done(rid, 1)

@@ -7,7 +7,7 @@ state (a convolution window and a gated-delta-rule matrix) in a state page, whic
 with the prefix it follows. Each test compares D's greedy tokens and logits with transformers'
 own run (its ``DynamicCache``, the same chunks), bit for bit, and checks that nothing leaks:
 
-- the handoff at TP 1 and 2 (each rank stores its share of the state);
+- the handoff at TP 1 and 2 (each rank stores its share of the state), also layer-wise;
 - a prefix reused from a stored checkpoint, and not from a prefix no state was stored for;
 - a prefix reused from a checkpoint state P's GPU prefix cache kept;
 - a failed or partial read, recomputed from the last checkpoint every rank read, or from 0;
@@ -76,6 +76,24 @@ def test_the_handoff_equals_transformers_run(qwen, tp):
         last = block_keys(r.prompt, BS)[-1]
         assert {rank_key(last, "state", rank) for rank in range(tp)} <= names, r.rid
     assert eng.backends[1].broken_states == 0
+
+
+@pytest.mark.parametrize("tp, layers", [(1, 4), (2, 4), (2, 8)])
+def test_a_layerwise_handoff_equals_transformers_run(qwen, tp, layers):
+    """P saves the full-attention layers' blocks group by group as the prefill launches them
+    (one group in the 4-layer model, two in an 8-layer one, layers 3 and 7), the last group
+    and the states once every layer is done; D loads the state before its first group."""
+    from hf import qwen3_next
+
+    from kvstate.backends import MemoryStore
+
+    model = qwen if layers == 4 else qwen3_next(layers=layers, checkpoint=CHECKPOINT)
+    assert model.cfg.paged_layers == tuple(range(3, layers, 4))
+    reqs = workload(8, lengths=LENGTHS)
+    eng, leaks = serve(model, reqs, MemoryStore(1 << 30), tp=tp, layerwise=True)
+    assert leaks == NO_LEAK and eng.P.layerwise and eng.D.layerwise and eng.spec.layer_groups == layers // 4
+    assert eng.P.stats()["retries"] == 0 and eng.recomputed == []  # every save and load whole at once
+    assert_exact(model, reqs, reference=transformers_run(model))
 
 
 def test_a_prefix_is_reused_from_a_stored_checkpoint_only(qwen):

@@ -41,6 +41,7 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     assert STATS["cached_state_starts"] >= 1, STATS  # P started prefills from states its GPU cache kept (~12)
     assert STATS["state_swapped"] >= 1, STATS  # D swapped hybrid requests, keeping their pages (~100)
     assert STATS["state_host_prefix_blocks"] >= 1, STATS  # hybrid prompts took blocks from P's host tier (~200)
+    assert STATS["state_layer_reports"] >= 1, STATS  # hybrid prefills reported layers to layer-wise saves
     assert STATS["window_runnable"] >= 5, STATS
     # running requests decoded token by token (the window-only layout frees blocks behind it)
     assert STATS["decode_steps"] >= 500, STATS

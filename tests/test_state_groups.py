@@ -145,7 +145,6 @@ def test_an_abandoned_read_pins_its_page_until_it_answers():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({}, r"^DecodeLifecycle: the spec has state groups: give num_states >= 1"),
-    ({"num_states": 2, "layerwise": True}, r"^DecodeLifecycle: state groups with layer-wise transfers: not built"),
 ])
 def test_a_lifecycle_refuses_what_state_groups_cannot_use(kwargs, message):
     with pytest.raises(ConfigError, match=message):

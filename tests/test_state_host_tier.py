@@ -62,6 +62,39 @@ def test_a_swapped_request_keeps_its_state_page_and_swaps_back_in_whole():
     assert rig.D.states.pool.num_used == 0 and rig.D.host.stats().referenced == 0
 
 
+def runs_from_the_caches_state(rig: Rig, rid: str = "r") -> None:
+    """``rid`` became runnable, its page holding the state of its whole cache."""
+    rig.dd.run_until_idle()
+    [sd] = rig.notices(rig.dd, C.StartDecode)
+    assert rig.D.state_of(rid) == "running"
+    assert_state(rig.db, sd.state_pages[0], KEYS[-1])
+
+
+def held_in_host_memory(rig: Rig) -> None:
+    """``a`` swapped out, back in and finished: its blocks stay ready in D's host tier."""
+    swapped(rig, "a")
+    rig.D.resume("a")
+    rig.dd.run_until_idle()
+    rig.D.finish("a")
+
+
+def read_after_host_load(drv) -> C.ReadBlocks:
+    """Answer ``drv``'s host load in full; the store read of the rest that follows it."""
+    drv.pump()
+    for key, cmd in list(drv.pending.items()):
+        if isinstance(cmd, C.SwapIn):
+            drv.complete(*key)
+    drv.pump()
+    [read] = list({id(c): c for c in drv.pending.values() if isinstance(c, C.ReadBlocks)}.values())
+    return read
+
+
+def fail(drv, read: C.ReadBlocks) -> None:
+    """Every rank of ``read`` fails."""
+    for rank in read.ranks:
+        drv.complete(read.command_id, rank, "fail")
+
+
 def swap_in_partly(rig: Rig, n: int) -> None:
     """Resume ``r`` and let its swap-in bring back only ``n`` blocks on every rank."""
     rig.D.resume("r")
@@ -75,10 +108,7 @@ def test_a_partial_swap_in_of_a_stored_cache_reloads_it_with_its_state():
     rig = host_rig()
     swapped(rig)
     swap_in_partly(rig, 3)  # 3 of 6 blocks came back: the store still holds the handed-off cache
-    rig.dd.run_until_idle()
-    [sd] = rig.notices(rig.dd, C.StartDecode)
-    assert rig.D.state_of("r") == "running"
-    assert_state(rig.db, sd.state_pages[0], KEYS[-1])
+    runs_from_the_caches_state(rig)
 
 
 def test_a_partial_swap_in_of_a_grown_cache_recomputes_from_token_0():
@@ -106,18 +136,12 @@ def test_the_page_goes_with_the_host_entries_and_a_resume_reloads_the_state():
     rig.D.tick()
     assert rig.D.state_of("r") == "preempted" and rig.D.states.pool.num_used == 0
     rig.D.resume("r")  # takes a page again, and reads the stored cache with its state
-    rig.dd.run_until_idle()
-    [sd] = rig.notices(rig.dd, C.StartDecode)
-    assert rig.D.state_of("r") == "running"
-    assert_state(rig.db, sd.state_pages[0], KEYS[-1])
+    runs_from_the_caches_state(rig)
 
 
 def test_a_cache_read_by_tier_takes_its_last_block_and_state_from_the_store():
     rig = host_rig()
-    swapped(rig, "a")
-    rig.D.resume("a")
-    rig.dd.run_until_idle()
-    rig.D.finish("a")  # its 6 blocks stay ready in the host tier
+    held_in_host_memory(rig)
     handed_off(rig, "b")
     assert rig.D.counters["host_read_blocks"] == len(KEYS) - 1
     [page] = rig.D.pages_of("b")
@@ -126,22 +150,13 @@ def test_a_cache_read_by_tier_takes_its_last_block_and_state_from_the_store():
 
 def test_a_failed_read_after_a_host_load_recomputes_from_token_0():
     rig = host_rig()
-    swapped(rig, "a")
-    rig.D.resume("a")
-    rig.dd.run_until_idle()
-    rig.D.finish("a")
+    held_in_host_memory(rig)
     rig.D.reserve("b", TOKS)
     prefill(rig, "b")
     deliver(rig, rig.notices(rig.pd))
-    rig.dd.pump()
-    for key, cmd in list(rig.dd.pending.items()):  # the host load answers in full
-        if isinstance(cmd, C.SwapIn):
-            rig.dd.complete(*key)
-    rig.dd.pump()
-    [read] = list({id(c): c for c in rig.dd.pending.values() if isinstance(c, C.ReadBlocks)}.values())
+    read = read_after_host_load(rig.dd)
     assert len(read.keys) == 1 and read.states == ((1, rig.D.pages_of("b")[0]),)
-    for rank in range(2):
-        rig.dd.complete(read.command_id, rank, "fail")
+    fail(rig.dd, read)
     [rc] = rig.notices(rig.dd, C.Recompute)
     assert rc.from_token == 0  # no state at the host load's end: blocks 0-4 are computed again
 
@@ -165,15 +180,9 @@ def test_ps_host_tier_serves_blocks_before_the_last_checkpoint_and_the_store_its
 def test_ps_store_read_bringing_no_state_after_a_host_load_prefills_from_0():
     rig = p_host_rig()
     rig.P.admit("b", TOKS)
-    rig.pd.pump()
-    for key, cmd in list(rig.pd.pending.items()):  # the host load answers in full
-        if isinstance(cmd, C.SwapIn):
-            rig.pd.complete(*key)
-    rig.pd.pump()
-    [read] = list({id(c): c for c in rig.pd.pending.values() if isinstance(c, C.ReadBlocks)}.values())
+    read = read_after_host_load(rig.pd)
     assert read.states == ((1, rig.P.pages_of("b")[0]),)  # the checkpoint after block 3
-    for rank in range(2):
-        rig.pd.complete(read.command_id, rank, "fail")
+    fail(rig.pd, read)
     [sp] = rig.notices(rig.pd, C.StartPrefill)
     assert sp.num_cached_tokens == 0  # blocks 0-2 came from host memory, but no state is at their end
 

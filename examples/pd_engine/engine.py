@@ -106,8 +106,9 @@ def cache_spec(cfg: LlamaConfig, tp: int, block_size: int, layerwise: bool = Fal
     head, no value cache)."""
     heads = dict(kv_heads=1, total_kv_heads=1, head_dim=cfg.latent, has_value=False) if cfg.latent else \
         dict(kv_heads=cfg.kv_heads // tp, head_dim=cfg.head_dim)
+    stored = len(cfg.paged_layers) if cfg.state_layers else cfg.layers  # layer-wise: an object a stored layer
     return CacheSpec(num_layers=cfg.layers, block_size=block_size, dtype="bfloat16", tp_size=tp,
-                     layer_groups=cfg.layers if layerwise else 1, groups=layer_groups(cfg, tp), **heads)
+                     layer_groups=stored if layerwise else 1, groups=layer_groups(cfg, tp), **heads)
 
 
 class PDEngine:
@@ -181,6 +182,8 @@ class PDEngine:
         if not (self.P.is_live(r.rid) and self.P.state_of(r.rid) in ("prefilling", "saved")):
             return  # aborted meanwhile
         def done(i: int) -> None:  # a layer-wise P reports each layer as it is launched, with
+            if i + 1 == self.model.cfg.layers and self.model.cfg.state_layers:
+                return  # the states reach their pages after the forward: prefill_done reports the last layer
             ev = torch.cuda.Event()  # the event after it: the save's copies wait for it on the GPU
             ev.record()
             self.P.layers_done(r.rid, i + 1, ev)
@@ -238,7 +241,8 @@ class PDEngine:
     def _answerable(self, drv: StepDriver, cmd: C.TransferCommand) -> bool:
         """Every pending answer, but a layer-wise save's only once its layers are all reported
         (a threaded driver's worker would wait for them) or its request ended."""
-        if cmd.__class__ is not C.SaveLayers or drv.layers.get(cmd.command_id, 0) == self.spec.layers:
+        every = self.spec.paged_layers_done(self.spec.layers)  # reports count the layers whose blocks are stored
+        if cmd.__class__ is not C.SaveLayers or drv.layers.get(cmd.command_id, 0) == every:
             return True
         return not self.P.is_live(cmd.request_id) or self.P.waiting_for(cmd.request_id) != cmd.command_id
 

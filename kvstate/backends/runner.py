@@ -49,9 +49,12 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
     if cmd.__class__ is C.SaveLayers and layers is None:
         raise ValidationError(f"command {cmd.command_id}: a SaveLayers needs a layer gate (layers=)")
     try:
+        early = _load_state_first(backend, cmd, rank, keys, guard) if cmd.__class__ is C.LoadLayers else 0
         n = _move_blocks(backend, cmd, rank, keys, guard, layers, arrived)
         if cmd.states:
-            n = _move_states(backend, cmd, rank, keys, n, guard)
+            if cmd.__class__ is C.SaveLayers:
+                _computed(layers, backend.spec.layers)
+            n = _move_states(backend, cmd, rank, keys, n, guard, early)
     except (KVStateError, OSError) as e:
         return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
     return Completion(cmd.command_id, rank, n)
@@ -60,6 +63,8 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
 def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], guard: Any,
                  layers: Callable[..., Any] | None, arrived: Callable[[int, Any], None] | None) -> int:
     """The blocks of one rank's part of ``cmd``: how many leading ones moved."""
+    if cmd.__class__ in (C.SaveLayers, C.LoadLayers) and backend.spec.layer_groups == 1:
+        return _one_layer_group(backend, cmd, rank, keys, guard, layers, arrived)
     if cmd.__class__ is C.SaveLayers:
         n = backend.query(rank, keys)  # a full hit answers at once, computed or not
         if n < len(keys):
@@ -86,17 +91,56 @@ def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, ke
     return n
 
 
+def _one_layer_group(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...],
+                     guard: Any, layers: Callable[..., Any] | None, arrived: Callable[[int, Any], None] | None) -> int:
+    """A layer-wise transfer whose blocks are one object a kind (``layer_groups`` 1, e.g. a
+    hybrid model with one paged layer): a save stores them once every layer is computed, a load
+    reports every layer once they are in place."""
+    if cmd.__class__ is C.LoadLayers:
+        n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
+        (arrived or _ignore)(backend.spec.layers, None)
+        return n
+    n = backend.query(rank, keys)
+    if n < len(keys):
+        assert layers is not None  # execute() refuses a save without a gate
+        _computed(layers, backend.spec.layers)
+        if layers(backend.spec.layers, False):  # the gate did not close meanwhile
+            n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
+    return n
+
+
+def _load_state_first(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...],
+                      guard: Any) -> int:
+    """A layer-wise load's whole-cache state, loaded before its first layer group arrives (the
+    engine may run layers as groups arrive): its end, or 0 when it has none or it failed."""
+    if not cmd.states or cmd.states[-1][0] != len(keys):
+        return 0
+    end, page = cmd.states[-1]
+    return end if backend.read_state(rank, keys[end - 1], page, guard) else 0
+
+
+def _computed(layers: Callable[..., Any] | None, paged: int) -> None:
+    """A layer-wise save's states are gathered once every layer is computed: its paged layers
+    all reported (:meth:`~kvstate.spec.CacheSpec.paged_layers_done` holds the last back until
+    then), and the device past the event reported with them."""
+    ready = layers(paged) if layers is not None else True
+    sync = getattr(ready, "synchronize", None)  # a device event (PyTorch or CuPy); a CPU engine gives none
+    if sync is not None:
+        sync()  # the states may still be computing
+
+
 def _move_states(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], n: int,
-                 guard: Any) -> int:
+                 guard: Any, early: int = 0) -> int:
     """The states of a transfer whose blocks moved ``n`` leading: a write stores each whose
-    blocks were stored, in order; a read loads the last candidate it can. Answers the end of the
-    last state moved (0: none), as :mod:`kvstate.statepages` says."""
+    blocks were stored, in order; a read loads the last candidate it can (``early``: the end of
+    one it loaded first). Answers the end of the last state moved (0: none), as
+    :mod:`kvstate.statepages` says."""
     states = [(e, p) for e, p in cmd.states if e <= n]
     if isinstance(cmd, C.WriteBlocks):
         stored = backend.write_states(rank, [keys[e - 1] for e, _ in states], [p for _, p in states], guard)
         return states[stored - 1][0] if stored else 0
     for e, p in reversed(states):
-        if backend.read_state(rank, keys[e - 1], p, guard):
+        if e == early or backend.read_state(rank, keys[e - 1], p, guard):
             return e
     return 0
 
