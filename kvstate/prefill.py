@@ -15,8 +15,8 @@ Rules:
   in host memory are copied in first (``loading_prefix``, a ``SwapIn``), and only the rest is
   read from the store; a partial copy prefills from where it stopped. With state groups host
   memory serves blocks before the prefix's last checkpoint only, and the store the rest with
-  that checkpoint's state. Blocks found per tier are
-  counted (``counters['host_prefix_blocks']``, ``counters['store_prefix_blocks']``).
+  that checkpoint's state. Blocks found per tier are counted
+  (``counters['host_prefix_blocks']``, ``counters['store_prefix_blocks']``).
 - Once the cache is stored and the first token sent, P also copies it into its host tier
   (write-through: the store always holds it, for D), keys already there being shared. The
   copy is not awaited: the request ends ``done`` at once, the copy pins its blocks until it

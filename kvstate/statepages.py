@@ -21,8 +21,9 @@ Rules:
   whose ranks stop at different ends counts 0, since each rank's page holds the state of its
   own end and no position has its state on every rank. A write counts the minimum: each rank
   stored every state up to its count.
-- Pages are released with the request's blocks; a transfer still running when its request lets
-  go pins its pages as it pins its blocks (:mod:`kvstate.pins`).
+- Pages are released with the request's blocks (a swapped request's excepted: below); a
+  transfer still running when its request lets go pins its pages as it pins its blocks
+  (:mod:`kvstate.pins`).
 - With a GPU prefix cache, the pages are a :class:`~kvstate.prefixcache.PrefixCachingPool`
   too: once P's prefill is done, its checkpoint page is *published* under the key of the block
   the checkpoint follows, and kept, idle, when P lets go of it (evicted as blocks are). A later
@@ -32,7 +33,7 @@ Rules:
   go of the page once its prefill is done. D claims no cached blocks: it keeps no checkpoint
   states (its reads bring the cache's own state), so a block it holds has no state to start
   from.
-- D's host tier moves blocks, not states: a request swapped out keeps its state page, which
+- The host tier moves blocks, not states. On D, a request swapped out keeps its state page, which
   holds its whole cache's state until it swaps back in (a partial swap-in recomputes from
   token 0; its state belongs to no shorter prefix). The page goes when its host entries do
   (``Policy.swapped_timeout``). A cache read by tier takes at most its blocks before the last
