@@ -235,16 +235,11 @@ class CacheSpec:
         return replace(self, num_layers=self.num_layers - len(state), groups=groups)
 
     def check_moved(self, who: str, states: bool = False) -> None:
-        """Refuse what ``who`` cannot move: state groups, unless it moves states (``states``:
-        the lifecycles and the reference backend, :mod:`kvstate.statepages`), and state groups
-        beside window groups, whose resume rules no lifecycle combines yet."""
-        kinds = {g.kind for g in self.groups}
-        if "state" in kinds and not states:
+        """Refuse state groups where ``who`` cannot move them: only what moves states does
+        (``states``: the lifecycles, the backends' state pages, :mod:`kvstate.statepages`)."""
+        if not states and any(g.kind == "state" for g in self.groups):
             raise ConfigError(f"{who}: state layer groups (Mamba, linear attention) are moved by the lifecycles "
                               f"and the reference backend; {who} does not move states")
-        if {"state", "window"} <= kinds:
-            raise ConfigError(f"{who}: state groups beside window groups: no lifecycle combines a state's "
-                              "checkpoints with a window's resume rule yet")
 
     def read_bytes_per_rank(self, num_tokens: int) -> int:
         """Bytes one rank reads to continue a ``num_tokens``-token cache: every paged group's

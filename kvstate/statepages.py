@@ -45,8 +45,9 @@ Rules:
 - Layer-wise, a save stores its states once every layer is computed (the last paged layer
   group is held back until then: :meth:`~kvstate.spec.CacheSpec.paged_layers_done`), and a load
   reads the whole cache's state before its first layer group.
-- Not combined yet, and refused when built: window groups beside state groups
-  (:meth:`~kvstate.spec.CacheSpec.check_moved`).
+- With window groups as well (a model of sliding-window, full and state layers), a read or
+  recompute continues from a state's end only where the blocks of its last window were read
+  too (:meth:`~kvstate.spec.CacheSpec.resume_blocks`), and from token 0 otherwise.
 """
 from __future__ import annotations
 
@@ -87,7 +88,6 @@ class StatePages:
                 raise ConfigError(f"{who}: num_states {num_states}, but the spec has no state group")
             self.pool, self.block_size, self.step = None, spec.block_size, 0
             return
-        spec.check_moved(who, states=True)
         if num_states < 1:
             raise ConfigError(f"{who}: the spec has state groups: give num_states >= 1 (state pages)")
         self.pool = PrefixCachingPool(num_states) if prefix_cache else BlockPool(num_states)

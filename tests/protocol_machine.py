@@ -27,6 +27,7 @@ from kvstate.backends import MemoryStore
 class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTeardown,
                RuleBasedStateMachine):
     CHECK_DRAINED = True  #: teardown checks the drained state (tests of single invariants turn it off)
+    LAYOUTS_ONLY: tuple[str, ...] = ()  #: draw only these layouts (a hunt for one layout's bug); () all
 
     @initialize(tp=st.integers(1, 4), read_failure=st.sampled_from(["fail", "recompute"]),
                 preempt=st.sampled_from(["write", "recompute", "swap", "swap", "swap"]), retries=st.integers(0, 2),
@@ -34,14 +35,18 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                 host_blocks=st.sampled_from([24, 24, 3]), swap_fallback=st.sampled_from(["write", "recompute"]),
                 swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans(),
                 layerwise=st.booleans(), groups=st.sampled_from([1, 2]),
-                layout=st.sampled_from(["plain", "plain", "plain", "window", "sliding", "latent", "state"]))
+                layout=st.sampled_from(["plain", "plain", "plain", "window", "sliding", "latent", "state",
+                                        "window_state"]))
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
               prefix_cache, layerwise, groups, layout):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1
-        layout = "plain" if layerwise and layout in ("window", "sliding") else layout  # by group: not layer-wise
+        if self.LAYOUTS_ONLY:  # a hunt for one layout's bug: every draw becomes one of them
+            layout = self.LAYOUTS_ONLY[sorted(LAYOUTS).index(layout) % len(self.LAYOUTS_ONLY)]
+        if layerwise and layout in ("window", "sliding", "window_state"):  # stored by group: not layer-wise
+            layout = "plain"
         STATS[f"layout:{layout}"] += 1
-        groups = 1 if layout in ("window", "sliding", "state") else groups
-        if layout == "state":  # state pages: no write-back from host memory
+        groups = 1 if layout != "plain" and layout != "latent" else groups
+        if "state" in layout:  # state pages: no write-back from host memory
             swap_write = swap_write.replace("back", "through")
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
@@ -49,7 +54,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                                      transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
                                      swap_fallback=swap_fallback, swap_write=swap_write, swapped_timeout=15.0),
                        first_token_timeout=12.0, prefix_cache=prefix_cache, layerwise=layerwise,
-                       num_states=6 if layout == "state" else 0,
+                       num_states=6 if "state" in layout else 0,
                        spec=small_spec(tp, layer_groups=groups, **LAYOUTS[layout]))
         self.reported: dict[str, int] = {}  # layers each layer-wise prefill reported
         self.started: set[str] = set()  # prefills whose starting state was checked

@@ -123,7 +123,10 @@ LAYOUTS = {"plain": {},
            "latent": {"kv_heads": 1, "total_kv_heads": 1, "has_value": False,
                       "groups": (LayerGroup("latent", (0, 1)),)},
            "state": {"num_layers": 3, "groups": (LayerGroup("full", (0,)),
-                                                 LayerGroup("state", (1, 2), state_bytes=16, checkpoint=2 * BS))}}
+                                                 LayerGroup("state", (1, 2), state_bytes=16, checkpoint=2 * BS))},
+           "window_state": {"num_layers": 4, "groups": (
+               LayerGroup("full", (0,)), LayerGroup("window", (1,), window=2 * BS),
+               LayerGroup("state", (2, 3), state_bytes=16, checkpoint=2 * BS))}}
 
 
 def decode_mismatches(backend, toks, block_ids) -> list:

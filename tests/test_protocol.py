@@ -37,7 +37,7 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     # window layer (16 in one CI-profile run, 20 and more in others: the floor proves only that
     # the path is reached, far below what the drawn examples give)
     assert STATS["layout:window"] >= 50 and STATS["layout:latent"] >= 50 and STATS["layout:sliding"] >= 50, STATS
-    assert STATS["layout:state"] >= 50, STATS
+    assert STATS["layout:state"] >= 50 and STATS["layout:window_state"] >= 50, STATS
     assert STATS["cached_state_starts"] >= 1, STATS  # P started prefills from states its GPU cache kept (~12)
     assert STATS["state_swapped"] >= 1, STATS  # D swapped hybrid requests, keeping their pages (~100)
     assert STATS["state_host_prefix_blocks"] >= 1, STATS  # hybrid prompts took blocks from P's host tier (~200)

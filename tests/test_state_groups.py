@@ -15,7 +15,6 @@ from kvstate.decode import DecodeLifecycle
 from kvstate.distributed import ProcessDriver
 from kvstate.errors import ConfigError, OutOfBlocksError, ValidationError
 from kvstate.keys import block_keys, rank_key
-from kvstate.layers import LayerGroup
 from kvstate.policy import Policy
 from kvstate.prefill import PrefillLifecycle
 from kvstate.spec import check_pair
@@ -154,14 +153,10 @@ def test_a_lifecycle_refuses_what_state_groups_cannot_use(kwargs, message):
 def test_refusals_of_state_specs_name_the_rule():
     with pytest.raises(ConfigError, match=r"^PrefillLifecycle: num_states 2, but the spec has no state group$"):
         PrefillLifecycle(small_spec(1), 8, num_states=2)
-    windowed = small_spec(1, num_layers=3, groups=(LayerGroup("window", (0,), window=8), LayerGroup("full", (1,)),
-                                                   LayerGroup("state", (2,), state_bytes=8, checkpoint=8)))
-    with pytest.raises(ConfigError, match=r"state groups beside window groups"):
-        PrefillLifecycle(windowed, 8, num_states=2)
     with pytest.raises(ConfigError, match=r"one TP degree"):
         check_pair(hybrid(2), hybrid(1))
-    with pytest.raises(ConfigError, match=r"^ProcessDriver: state groups beside window groups"):
-        ProcessDriver(windowed, 8)  # refused before a process starts
+    with pytest.raises(ConfigError, match=r"^ProcessDriver: num_states 0 with 96 state bytes"):
+        ProcessDriver(hybrid(), 8)  # refused before a process starts
     with pytest.raises(ValidationError, match=r"^request 'a': its prompt passes a state checkpoint, so it needs 2 "):
         PrefillLifecycle(hybrid(), 8, num_states=1).admit("a", TOKS)
     with pytest.raises(ValidationError, match=r"a spec with state groups needs state pages"):
