@@ -51,7 +51,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
                  host_blocks: int = 0, ranks: Sequence[int] | None = None, num_states: int = 0,
                  states: Any = None) -> None:
-        full, spec = spec, paged_of(spec, "CudaBackend")
+        full, spec = spec, paged_of(spec)
         self._setup(spec, num_blocks, store, ranks)
         check_int(host_blocks, "CudaBackend: host_blocks", minimum=0)
         self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank

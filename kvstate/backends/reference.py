@@ -46,7 +46,7 @@ class ReferenceBackend(StateObjects, StoreBackend):
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0,
                  ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None,
                  num_states: int = 0, states: Mapping[int, np.ndarray] | None = None) -> None:
-        full, spec = spec, paged_of(spec, "ReferenceBackend")
+        full, spec = spec, paged_of(spec)
         self._setup(spec, num_blocks, store, ranks)
         self._setup_states(full, num_states)
         #: state_pages[rank] -> [num_states, state bytes] (with state groups): ``states[rank]``

@@ -45,9 +45,9 @@ def state_geometry(spec: CacheSpec) -> int:
     return xxhash.xxh3_64_intdigest(f"kvstate/state/{FORMAT_VERSION}/tp {spec.tp_size}/{groups}".encode())
 
 
-def paged_of(spec: Any, who: str) -> Any:
+def paged_of(spec: Any) -> Any:
     """The paged part of ``spec`` (:meth:`~kvstate.spec.CacheSpec.paged`), which a backend's
-    blocks hold (anything else passes through, for ``who``'s own checks to refuse)."""
+    blocks hold (anything else passes through, for the backend's own checks to refuse)."""
     return spec.paged() if isinstance(spec, CacheSpec) else spec
 
 
