@@ -234,12 +234,21 @@ class CacheSpec:
         groups = () if all(g.kind == "full" for g in kept) else kept
         return replace(self, num_layers=self.num_layers - len(state), groups=groups)
 
-    def check_moved(self, who: str, states: bool = False) -> None:
-        """Refuse state groups where ``who`` cannot move them: only what moves states does
-        (``states``: the lifecycles, the backends' state pages, :mod:`kvstate.statepages`)."""
-        if not states and any(g.kind == "state" for g in self.groups):
+    def check_moved(self, who: str) -> None:
+        """Refuse state groups where ``who`` (a backend given the whole spec, not its
+        :meth:`paged` part) cannot move them: the backends' state pages do
+        (:mod:`kvstate.backends.stateobjects`)."""
+        if any(g.kind == "state" for g in self.groups):
             raise ConfigError(f"{who}: state layer groups (Mamba, linear attention) are moved by the lifecycles "
                               f"and the reference backend; {who} does not move states")
+
+    def check_num_states(self, who: str, num_states: int, error: type[ConfigError | ValidationError] = ConfigError
+                         ) -> None:
+        """Refuse ``num_states`` state pages a rank that do not match the spec: some exactly
+        when it has state groups (``who`` names the holder; ``error`` is its kind of refusal)."""
+        if bool(num_states) != bool(self.state_bytes_per_rank):
+            raise error(f"{who}: num_states {num_states} with {self.state_bytes_per_rank} state bytes a rank: "
+                        "a spec with state groups needs state pages, one without has none")
 
     def read_bytes_per_rank(self, num_tokens: int) -> int:
         """Bytes one rank reads to continue a ``num_tokens``-token cache: every paged group's

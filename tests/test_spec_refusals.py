@@ -110,7 +110,11 @@ def test_a_spec_s_own_checks_and_conversions_name_their_rule():
              "backend; X does not move states")
     with pytest.raises(ConfigError, match=f"^{re.escape(moved)}$"):
         spec.check_moved("X")
-    spec.check_moved("X", states=True)  # a mover of states takes it
+    spec.check_num_states("X", 4)  # state pages for a spec with state groups
+    with pytest.raises(ConfigError, match=r"^X: num_states 0 with 16 state bytes a rank: a spec with state groups"):
+        spec.check_num_states("X", 0)
+    with pytest.raises(ValidationError, match=r"^Y: num_states 2 with 0 state bytes a rank"):
+        spec.paged().check_num_states("Y", 2, ValidationError)
     assert spec.read_bytes_per_rank(0) == 16 and spec.read_bytes_per_rank(1 << 40) > 0  # the states alone, then
     for bad in (-1, (1 << 40) + 1):
         with pytest.raises(ValidationError, match=rf"^CacheSpec\.read_bytes_per_rank: num_tokens must be an int >= 0 "

@@ -65,10 +65,8 @@ class StateObjects:
         name = type(self).__name__
         if not is_int(num_states) or num_states < 0:
             raise ValidationError(f"{name}: num_states must be an int >= 0, got {num_states!r}")
+        spec.check_num_states(name, num_states, ValidationError)
         self.state_size = spec.state_bytes_per_rank  #: bytes of one page on one rank
-        if bool(num_states) != bool(self.state_size):
-            raise ValidationError(f"{name}: num_states {num_states} with {self.state_size} state bytes a rank: "
-                                  "a spec with state groups needs state pages, one without has none")
         self.num_states = num_states  #: state pages per rank
         self.broken_states = 0  #: state objects a read found broken (and evicted)
         self._state_geometry = state_geometry(spec)

@@ -75,9 +75,7 @@ class ProcessDriver:
             raise ConfigError("ProcessDriver: spec must be a CacheSpec")
         check_int(num_blocks, "ProcessDriver: num_blocks", minimum=1, error=ConfigError)
         check_int(num_states, "ProcessDriver: num_states", minimum=0, error=ConfigError)
-        if bool(num_states) != bool(spec.state_bytes_per_rank):  # the workers' state pages
-            raise ConfigError(f"ProcessDriver: num_states {num_states} with {spec.state_bytes_per_rank} state bytes "
-                              "a rank: a spec with state groups needs state pages, one without has none")
+        spec.check_num_states("ProcessDriver", num_states)  # the workers' state pages
         self.num_states = num_states  #: state pages a rank (state groups): every worker's must match
         for what, v in (("heartbeat_s", heartbeat_s), ("dead_after_s", dead_after_s),
                         ("submit_timeout", submit_timeout)):

@@ -64,7 +64,7 @@ class WorkerConfig:
     {rank: file}}`` (:class:`~kvstate.distributed.shm.SharedCaches`), ``{"kind": "cuda-ipc",
     ...}`` (:mod:`~kvstate.distributed.cudaipc`) or ``{"kind": "own"}`` (zeroed caches of its
     own: benchmarks of the transport alone). ``num_states``: state pages, for a spec with state
-    groups (in the shared file with ``shm``; CUDA IPC carries none yet)."""
+    groups (in the shared file with ``shm``; beside the caches with ``cuda-ipc``)."""
 
     rank: int
     spec: dict[str, Any]
@@ -114,9 +114,7 @@ class WorkerConfig:
 
     def _check_states(self, spec: CacheSpec) -> None:
         """State pages exactly when the spec has state groups, and only where they can be shared."""
-        if bool(self.num_states) != bool(spec.state_bytes_per_rank):
-            raise ConfigError(f"WorkerConfig.num_states {self.num_states} with {spec.state_bytes_per_rank} state bytes "
-                              "a rank: a spec with state groups needs state pages, one without has none")
+        spec.check_num_states("WorkerConfig", self.num_states)
         if self.num_states and self.caches["kind"] == "cuda-ipc" and not isinstance(self.caches.get("states"), dict):
             raise ConfigError("WorkerConfig: CUDA IPC caches of a spec with state groups must share the state pages "
                               "too (share_caches(..., states=))")

@@ -64,9 +64,7 @@ class SharedCaches:
             raise ValidationError("SharedCaches: spec must be a CacheSpec")
         check_int(num_blocks, "SharedCaches: num_blocks", minimum=1)
         check_int(num_states, "SharedCaches: num_states", minimum=0)
-        if bool(num_states) != bool(spec.state_bytes_per_rank):
-            raise ValidationError(f"SharedCaches: num_states {num_states} with {spec.state_bytes_per_rank} state "
-                                  "bytes a rank: a spec with state groups needs state pages, one without has none")
+        spec.check_num_states("SharedCaches", num_states, ValidationError)
         self.spec, self.num_blocks, self.num_states, self.owner = spec, num_blocks, num_states, owner
         self.paths: dict[int, str] = dict(paths)  #: rank -> file: the handle a worker attaches with
         self._maps: list[mmap.mmap] = []
