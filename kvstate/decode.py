@@ -332,7 +332,7 @@ class DecodeLifecycle(SwapActions):
         return req.base + value >= len(req.stored_keys or ())
 
     def _recompute_after_read(self, req: Request, value: int) -> None:
-        start = req.base + value if value or not self.states else 0  # a read moving no state: no state past 0
+        start = self.states.continued(req.base, value, 0)
         if req.window_from:  # blocks before window_from hold no window layers: continue only past a whole window
             start = self.spec.resume_blocks(start, start, req.window_from, len(req.stored_keys or ()))
         self._start_recompute(req, start)

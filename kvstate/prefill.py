@@ -218,19 +218,17 @@ class PrefillLifecycle(Lifecycle):
         if self.states and self.prefix_cache is not None:
             lookup = lookup[:self.states.claim_start(req, lookup, self.prefix_cache)]
         if self.states and not self.states.take(req, self.states.pages_for(req)):
-            self.states.release(req)  # the cached page it claimed, if any
-            return False
-        if self.prefix_cache is None:
-            if self.pool.num_free < n:
-                self.states.release(req)
-                return False
-            req.blocks = self.pool.allocate(n)
-        elif self._take_cached(req, n, lookup):
-            self.counters["gpu_prefix_blocks"] += req.hits
+            got = False
+        elif self.prefix_cache is None:
+            got = self.pool.num_free >= n
+            if got:
+                req.blocks = self.pool.allocate(n)
         else:
-            self.states.release(req)
-            return False
-        return True
+            got = self._take_cached(req, n, lookup)
+            self.counters["gpu_prefix_blocks"] += req.hits if got else 0
+        if not got:
+            self.states.release(req)  # its pages, and the cached page it claimed
+        return got
 
     def _blocks_freed(self) -> None:
         if self._waiting:
@@ -256,8 +254,7 @@ class PrefillLifecycle(Lifecycle):
         lookup, past the GPU prefix cache's hits only)."""
         if value:
             self.counters["store_prefix_blocks"] += value
-        no_state = self.states and not value  # with state groups, a read moving no state continues nothing
-        self._prefill_from(req, req.hits if value is None or no_state else req.base + value)
+        self._prefill_from(req, req.hits if value is None else self.states.continued(req.base, value, req.hits))
 
     def _prefill_from(self, req: Request, blocks: int) -> None:
         bs = self.spec.block_size

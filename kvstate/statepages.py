@@ -205,6 +205,12 @@ class StatePages:
             out.append((end - base, req.pages[0]))
         return tuple(out)
 
+    def continued(self, base: int, value: int, fallback: int) -> int:
+        """Blocks a cache continues from after a read of ``value`` blocks past ``base``: all of
+        them, or with state groups ``fallback`` (where the request has a state: the GPU prefix
+        cache's hits, or 0) when the read moved no state, since none is at ``base``."""
+        return base + value if value or self.pool is None else fallback
+
     @staticmethod
     def page_ids(states: Sequence[tuple[int, int]]) -> tuple[int, ...]:
         """The distinct pages a transfer's states touch (what it pins)."""
