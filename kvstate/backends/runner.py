@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import commands as C
@@ -63,17 +63,18 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
 def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], guard: Any,
                  layers: Callable[..., Any] | None, arrived: Callable[[int, Any], None] | None) -> int:
     """The blocks of one rank's part of ``cmd``: how many leading ones moved."""
-    if cmd.__class__ in (C.SaveLayers, C.LoadLayers) and backend.spec.layer_groups == 1:
-        return _one_layer_group(backend, cmd, rank, keys, guard, layers, arrived)
     if cmd.__class__ is C.SaveLayers:
         n = backend.query(rank, keys)  # a full hit answers at once, computed or not
         if n < len(keys):
-            n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard, layers=layers)
+            n += _save(backend, rank, keys[n:], cmd.block_ids[n:len(keys)], guard, layers)
     elif isinstance(cmd, C.WriteBlocks):
         # skip the leading keys already stored (same key, same bytes), write the rest
         n = backend.query(rank, keys)
         if n < len(keys):
             n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
+    elif cmd.__class__ is C.LoadLayers and backend.spec.layer_groups == 1:  # one object a kind: read whole
+        n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
+        (arrived or _ignore)(backend.spec.layers, None)
     elif cmd.__class__ is C.LoadLayers:
         n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, arrived=arrived or _ignore)
     elif isinstance(cmd, C.ReadBlocks):
@@ -91,22 +92,17 @@ def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, ke
     return n
 
 
-def _one_layer_group(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...],
-                     guard: Any, layers: Callable[..., Any] | None, arrived: Callable[[int, Any], None] | None) -> int:
-    """A layer-wise transfer whose blocks are one object a kind (``layer_groups`` 1, e.g. a
-    hybrid model with one paged layer): a save stores them once every layer is computed, a load
-    reports every layer once they are in place."""
-    if cmd.__class__ is C.LoadLayers:
-        n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
-        (arrived or _ignore)(backend.spec.layers, None)
-        return n
-    n = backend.query(rank, keys)
-    if n < len(keys):
-        assert layers is not None  # execute() refuses a save without a gate
-        _computed(layers, backend.spec.layers)
-        if layers(backend.spec.layers, False):  # the gate did not close meanwhile
-            n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
-    return n
+def _save(backend: TransferBackend, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Any,
+          layers: Callable[..., Any] | None) -> int:
+    """A layer-wise save's blocks not stored yet: group by group as the gate reports their
+    layers, or, when they are one object a kind (``layer_groups`` 1, e.g. a hybrid model with
+    one paged layer), at once when every layer is computed (nothing if the gate closed)."""
+    if backend.spec.layer_groups > 1:
+        return backend.write(rank, keys, block_ids, guard, layers=layers)
+    _computed(layers, backend.spec.layers)
+    if layers is not None and not layers(backend.spec.layers, False):
+        return 0  # the gate closed (its fence passed) before every layer was reported
+    return backend.write(rank, keys, block_ids, guard)
 
 
 def _load_state_first(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...],
