@@ -76,3 +76,26 @@ def test_layer_groups_benchmark_stores_a_latent_cache_once(tmp_path):
     read = res["window_read"]  # measured: 2 full layers of 12 and the window's 64 blocks of 512
     assert read["window"]["bytes_right"] and read["window"]["blocks_answered"] == read["blocks"]
     assert abs(read["ratio"] - (2 / 12 + 10 / 12 * 64 / 512)) < 1e-9
+
+
+def test_groundtruth_replay_writes_the_scenario_a_user_would(tmp_path):
+    """The replay's inputs: the server's scheduler, the published front end (or the one asked
+    for), a Mooncake trace whose prompts of one group share their system prompt's blocks."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import vllm_groundtruth as gt
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from kvstate.sim import load_scenario
+    run = {"name": "r", "model_id": "org/m", "max_model_len": 4096,
+           "config": {"tensor_parallelism": 2, "kv_blocks_total_gpu": 1000, "max_num_batched_tokens": 2048,
+                      "max_num_seqs": 128, "block_size": 16},
+           "gen": {"num_groups": 2, "num_prompts_per_group": 2, "system_prompt_len": 40, "question_len": 30,
+                   "output_len": 9},
+           "requests": [{"index": i, "arrival_time_us": 1000 * i, "input_tokens": 72} for i in range(6)]}
+    s = load_scenario(gt.write_inputs(run, tmp_path / "a"))
+    assert (s.scheduler.frontend_ms, s.cluster.tp, s.cluster.gpu_blocks) == (gt.FRONTEND_MS, 2, 1000)
+    assert load_scenario(gt.write_inputs(run, tmp_path / "b", frontend_ms=0.0)).scheduler.frontend_ms == 0.0
+    recs = [json.loads(line) for line in (tmp_path / "a" / "trace.jsonl").read_text().splitlines()]
+    assert recs[0]["hash_ids"][:2] == recs[1]["hash_ids"][:2] != recs[2]["hash_ids"][:2]  # groups 0, 0, 1
+    assert recs[4] == {**recs[0], "timestamp": 4.0}  # request 4 repeats prompt 0

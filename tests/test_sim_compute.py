@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -28,11 +29,28 @@ def gemm_efficiency(cm: ComputeModel, tokens: int) -> float:
 
 
 def test_gemm_efficiency_grows_with_the_tokens_in_a_step():
-    """One efficiency cannot fit every shape: ~40 % of peak at 256 tokens, ~70 % from 2k up."""
+    """One efficiency cannot fit every shape: a decode-sized GEMM is memory-bound, a 256-token
+    one short of the large GEMMs' ~75-80 % of peak (Hopper, measured by `kvstate profile`)."""
     cm = model()
-    assert 0.3 < gemm_efficiency(cm, 256) < 0.5
-    assert gemm_efficiency(cm, 2048) > 0.65 and gemm_efficiency(cm, 8192) > 0.7
-    assert gemm_efficiency(cm, 8) < 0.05  # a decode-sized GEMM is memory-bound
+    assert gemm_efficiency(cm, 8) < 0.05
+    assert 0.45 < gemm_efficiency(cm, 256) < gemm_efficiency(cm, 2048) < gemm_efficiency(cm, 8192) < 0.8
+    assert gemm_efficiency(cm, 8192) > 0.7
+
+
+@pytest.mark.parametrize("name", [n for n in Profile.shipped_names() if "mixtral" not in n])
+def test_the_roofline_gemms_agree_with_the_kernels_measured_on_the_h200(name):
+    """The default curve against every dense GEMM of the shipped H200 profiles, 1 to 8k tokens:
+    6-14 % off on average (log error) by profile, 50 % at worst (TP 8's small matrices); the
+    curve fitted to Vidur's older H100 profile (0.75 x T / (T + 192)) is 17-24 % off on average."""
+    prof = Profile.load(Profile.shipped(name))
+    preset = next(m for m in MODELS.values() if m.hidden == prof.model["hidden"] and
+                  m.intermediate == prof.model["intermediate"] and m.num_layers)
+    cm = model(preset.name, tp=prof.tp, gpu="H200")
+    errors = []
+    for mat, k, n in cm.attn_mats + cm.dense_mats:
+        for tokens, seconds in ((t, prof.gemm[mat](t)) for t in (1, 8, 64, 128, 256, 512, 1024, 2048, 8192)):
+            errors.append(abs(math.log(cm.gemm(mat, tokens, k, n) / seconds)))
+    assert sum(errors) / len(errors) < 0.15 and max(errors) < 0.5, (name, max(errors))
 
 
 def test_a_small_gemm_costs_its_weights_at_the_memory_bandwidth_plus_a_launch():

@@ -143,8 +143,9 @@ class GpuSpec(Section):
     tflops: float = setting(989.0, "dense bf16 peak, TFLOP/s (datasheet)")
     fp8_tflops: float = setting(1979.0, "dense fp8 peak, TFLOP/s (datasheet; fp8 weights run there)")
     hbm_gbps: float = setting(3350.0, "HBM bandwidth, GB/s (datasheet)")
-    mfu: float = setting(0.75, "fraction of peak a large GEMM reaches (the efficiency curve's top)")
-    gemm_half_tokens: float = setting(192.0, "tokens in a step at which a GEMM reaches half of mfu (small "
+    mfu: float = setting(0.79, "fraction of peak a large GEMM reaches (the efficiency curve's top; Hopper's "
+                                "GEMMs measured by `kvstate profile`)")
+    gemm_half_tokens: float = setting(24.0, "tokens in a step at which a GEMM reaches half of mfu (small "
                                              "GEMMs fill few tiles)")
     attn_mfu: float = setting(0.55, "fraction of peak a long prefill's attention reaches")
     mbu: float = setting(0.85, "fraction of HBM bandwidth a GEMM reading its weights, or an element-wise kernel, "
