@@ -257,7 +257,7 @@ def stages(backend: Any, spec: CacheSpec, tokens: int, reps: int = 3) -> dict[st
 
 
 def simulated(reqs: list[Req], args: argparse.Namespace, bandwidth_gbps: float, blocks: int,
-              figures: tuple[float, float, float]) -> dict[str, Any]:
+              figures: tuple[float, float, float, float]) -> dict[str, Any]:
     """The simulator on the same arrivals and lengths (a trace with no shared blocks)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "workload.jsonl")
@@ -328,7 +328,8 @@ def report(res: dict[str, Any]) -> None:
     print(f"handoff stages alone, {st['blocks']} blocks ({st['bytes'] / 2**20:.0f} MiB): write "
           f"{st['write_s'] * 1e3:.1f} ms, read {st['read_s'] * 1e3:.1f} ms -> storage {res['storage_gbps']:.2f} GB/s")
     print(f"compute model fitted on the engine's forwards: mfu {fit['mfu']}, mbu {fit['mbu']}, overhead "
-          f"{fit['overhead_ms']} ms; largest error {fit['fit_max_error']:.1%} fitted, "
+          f"{fit['overhead_ms']} ms, GEMM half point {fit['gemm_half_tokens']:g} tokens; largest error "
+          f"{fit['fit_max_error']:.1%} fitted, "
           f"{fit['held_out_max_error']:.1%} held out")
     for r in fit["points"]:
         print(f"  {r['kind']:<8}{r['tokens']:>6}{r['context']:>6}{r['measured_ms']:>9.2f} ms"
@@ -353,6 +354,8 @@ def main() -> int:
     ap.add_argument("--mfu", type=float, default=0.61)
     ap.add_argument("--mbu", type=float, default=0.95)
     ap.add_argument("--overhead-ms", type=float, default=3.0)
+    ap.add_argument("--half-tokens", type=float, default=192.0, help="the GEMM curve's half point the given "
+                    "figures were fitted with")
     ap.add_argument("--dry", action="store_true", help="CPU: stand-in model and the numpy backend")
     ap.add_argument("--layers", type=int, default=32, help="fewer for a quick smoke run (the simulator and "
                                                             "the fit keep Llama-3-8B's 32: figures then mean nothing)")
@@ -374,8 +377,9 @@ def main() -> int:
     bandwidth = st["bytes"] / ((st["write_s"] + st["read_s"]) / 2) / 1e9
     e = medians([r.first - r.arrival for r in reqs], [(r.finish - r.first) / (r.output - 1) for r in reqs])
     sims = {}
-    for name, figures in (("fitted on this engine", (fit["mfu"], fit["mbu"], fit["overhead_ms"])),
-                          ("given", (args.mfu, args.mbu, args.overhead_ms))):
+    for name, figures in (("fitted on this engine", (fit["mfu"], fit["mbu"], fit["overhead_ms"],
+                                                      fit["gemm_half_tokens"])),
+                          ("given", (args.mfu, args.mbu, args.overhead_ms, args.half_tokens))):
         r = simulated(reqs, args, bandwidth, d_blocks, figures)
         sims[name] = {"figures": figures, "ttft_ms_p50": r["ttft_ms"]["p50"], "tpot_ms_p50": r["tpot_ms"]["p50"],
                       "reasons": r["reasons"]}

@@ -258,35 +258,45 @@ def forwards(model: Any, max_prompt: int, max_context: int, slots: int) -> list[
     return rows
 
 
-def figures_overrides(mfu: float, mbu: float, overhead_ms: float) -> dict[str, Any]:
+def figures_overrides(mfu: float, mbu: float, overhead_ms: float, half_tokens: float) -> dict[str, Any]:
     """The scenario fields the fitted figures set (attention reads the cache at the weights' ``mbu``)."""
-    return {"gpu.mfu": mfu, "gpu.mbu": mbu, "gpu.attn_mbu": mbu, "gpu.step_overhead_ms": overhead_ms}
+    return {"gpu.mfu": mfu, "gpu.mbu": mbu, "gpu.attn_mbu": mbu, "gpu.step_overhead_ms": overhead_ms,
+            "gpu.gemm_half_tokens": half_tokens}
 
 
-def predict(rows: list[dict[str, Any]], mfu: float, mbu: float, overhead_ms: float) -> np.ndarray:
+def predict(rows: list[dict[str, Any]], mfu: float, mbu: float, overhead_ms: float,
+            half_tokens: float) -> np.ndarray:
     """The simulator's compute model's times (ms) for ``rows`` (one GPU) with these figures."""
     from kvstate.sim.compute import ComputeModel
     from kvstate.sim.scenario import Scenario
     from kvstate.sim.scenario_io import with_overrides
 
-    cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1, **figures_overrides(mfu, mbu, overhead_ms)}))
+    figures = figures_overrides(mfu, mbu, overhead_ms, half_tokens)
+    cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1, **figures}))
     return np.array([1e3 * (cm.prefill_time([(r["tokens"], 0)]) if r["kind"] == "prefill"
                             else cm.decode_step_time(r["batch"], r["batch"] * r["context"])) for r in rows])
 
 
-def fit(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float], float]:
-    """(mfu, mbu, overhead ms) minimising the largest relative error over ``rows``: a grid over
-    the first two, and for each the best overhead (a constant added to every step)."""
+#: the GEMM curves' half-efficiency points the fit tries (the engine's GEMMs, not the defaults')
+HALF_TOKENS = (24.0, 64.0, 128.0, 192.0, 256.0)
+
+
+def fit(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float], float]:
+    """(mfu, mbu, overhead ms, gemm_half_tokens) minimising the largest relative error over
+    ``rows``: a grid over mfu, mbu and the curve's half point, and for each the best overhead
+    (a constant added to every step)."""
     meas = np.array([r["measured_ms"] for r in rows])
     ov = np.concatenate([np.arange(0.0, 5.0, 0.05), np.arange(5.0, 40.0, 0.25)])[:, None]
-    best: tuple[float, tuple[float, float, float]] = (np.inf, (0.0, 0.0, 0.0))
-    for mfu in np.arange(0.20, 1.001, 0.05):
-        for mbu in np.arange(0.30, 1.001, 0.05):
-            base = predict(rows, float(mfu), float(mbu), 0.0)
-            err = np.abs((base[None, :] + ov) / meas - 1).max(-1)
-            k = int(np.argmin(err))
-            if err[k] < best[0]:
-                best = (float(err[k]), (round(float(mfu), 2), round(float(mbu), 2), round(float(ov[k, 0]), 2)))
+    best: tuple[float, tuple[float, float, float, float]] = (np.inf, (0.0, 0.0, 0.0, 0.0))
+    for half in HALF_TOKENS:
+        for mfu in np.arange(0.20, 1.001, 0.05):
+            for mbu in np.arange(0.30, 1.001, 0.05):
+                base = predict(rows, float(mfu), float(mbu), 0.0, half)
+                err = np.abs((base[None, :] + ov) / meas - 1).max(-1)
+                k = int(np.argmin(err))
+                if err[k] < best[0]:
+                    figures = (round(float(mfu), 2), round(float(mbu), 2), round(float(ov[k, 0]), 2), half)
+                    best = (float(err[k]), figures)
     return best[1], best[0]
 
 
@@ -294,12 +304,12 @@ def fitted(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The compute model's figures fitted on half the points; its errors on the held-out half.
     (kvstate's own engine against the simulator's structure: the figures describe this engine,
     not the defaults, which are set from published kernel profiles.)"""
-    (mfu, mbu, ov), fit_err = fit([r for r in rows if not r["held_out"]])
+    (mfu, mbu, ov, half), fit_err = fit([r for r in rows if not r["held_out"]])
     held = [r for r in rows if r["held_out"]]
-    err = predict(held, mfu, mbu, ov) / np.array([r["measured_ms"] for r in held]) - 1
+    err = predict(held, mfu, mbu, ov, half) / np.array([r["measured_ms"] for r in held]) - 1
     for r, e in zip(held, err):
         r["model_error"] = float(e)
-    return {"mfu": mfu, "mbu": mbu, "overhead_ms": ov, "fit_max_error": fit_err,
+    return {"mfu": mfu, "mbu": mbu, "overhead_ms": ov, "gemm_half_tokens": half, "fit_max_error": fit_err,
             "held_out_max_error": float(np.abs(err).max()), "points": rows}
 
 
@@ -316,7 +326,8 @@ def main() -> int:
     for r in fit["points"]:
         held = f"  held out, model {r['model_error']:+.1%}" if r["held_out"] else ""
         print(f"{r['kind']:<8}{r['tokens']:>6}{r['context']:>6}{r['measured_ms']:>9.2f} ms{held}")
-    print(f"mfu {fit['mfu']}, mbu {fit['mbu']}, overhead {fit['overhead_ms']} ms; largest error "
+    print(f"mfu {fit['mfu']}, mbu {fit['mbu']}, overhead {fit['overhead_ms']} ms, GEMM half point "
+          f"{fit['gemm_half_tokens']:g} tokens; largest error "
           f"{fit['fit_max_error']:.1%} fitted, {fit['held_out_max_error']:.1%} held out")
     return 0
 
