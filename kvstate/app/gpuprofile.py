@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..sim.profile import FORMAT, SHAPE_FIELDS
 from ..sim.served import ModelSpec
 
-__all__ = ["measure_profile", "TOKENS", "allreduce_worker"]
+__all__ = ["measure_profile", "TOKENS", "allreduce_curve", "allreduce_worker"]
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL = (16, 64, 256, 1024, 2048, 4096, 8192, 16384)
@@ -177,13 +177,20 @@ def _allreduce(torch: Any, m: ModelSpec, tp: int) -> list[list[float]]:
     GPUs are here; empty otherwise (the scenario's link figures apply)."""
     if tp < 2 or torch.cuda.device_count() < tp:
         return []
+    return allreduce_curve([t * m.hidden * 2 for t in (1, 8, 64, 512, 2048, 8192)], tp)
+
+
+def allreduce_curve(sizes: list[int], tp: int, backend: str = "nccl") -> list[list[float]]:
+    """``[[bytes, seconds], ...]``: the median all-reduce of each size over ``tp`` processes
+    (``nccl``: one GPU each; ``gloo``: CPU tensors, which checks the harness where one GPU is
+    all there is)."""
     import torch.multiprocessing as mp
 
-    sizes = [t * m.hidden * 2 for t in (1, 8, 64, 512, 2048, 8192)]
     ctx = mp.get_context("spawn")
-    result = ctx.Manager().dict()
-    mp.spawn(allreduce_worker, args=(tp, sizes, result, _free_port()), nprocs=tp, join=True)
-    return [[n, result[n]] for n in sizes]
+    with ctx.Manager() as manager:
+        result = manager.dict()
+        mp.spawn(allreduce_worker, args=(tp, sizes, result, _free_port(), backend), nprocs=tp, join=True)
+        return [[n, float(result[n])] for n in sizes]
 
 
 def _free_port() -> int:
@@ -196,28 +203,40 @@ def _free_port() -> int:
 
 def allreduce_worker(rank: int, tp: int, sizes: list[int], result: Any, port: int,
                      backend: str = "nccl") -> None:
-    """One rank of the all-reduce timing (``torch.multiprocessing.spawn``'s target): a graph
-    of all-reduces per size, replayed; rank 0 records the median."""
+    """One rank of the all-reduce timing (``torch.multiprocessing.spawn``'s target): 5 warm-up
+    all-reduces per size, then 20 timed one by one (CUDA events on a GPU, the host clock on
+    CPU tensors); rank 0 records the median."""
+    import datetime
+    import time
+
     import torch
     import torch.distributed as dist
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                            timeout=datetime.timedelta(seconds=120))  # a rank that never comes fails the run
+    gpu = backend == "nccl"
     try:
-        torch.cuda.set_device(rank)
+        if gpu:
+            torch.cuda.set_device(rank)
         for n in sizes:
-            x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda") if gpu else torch.randn(n // 4)
             for _ in range(5):
                 dist.all_reduce(x)
-            torch.cuda.synchronize()
             times = []
             for _ in range(20):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dist.all_reduce(x)
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b) / 1000.0)
+                if gpu:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    a.record()
+                    dist.all_reduce(x)
+                    b.record()
+                    torch.cuda.synchronize()
+                    times.append(a.elapsed_time(b) / 1000.0)
+                else:
+                    t0 = time.perf_counter()
+                    dist.all_reduce(x)
+                    times.append(time.perf_counter() - t0)
             if rank == 0:
                 result[n] = sorted(times)[len(times) // 2]
     finally:
