@@ -71,3 +71,25 @@ def test_a_layerwise_load_reads_the_state_before_its_first_group_arrives():
         done = execute(d, load, r, arrived=lambda n, ev, r=r, seen=seen: seen.append((n, d.state_bytes(r, 2))))
         assert done.count == 3 and [n for n, _ in seen] == [1, 2]
         assert all(page == fake_state(keys[-1], r) for _, page in seen)  # there from the first group on
+
+
+@pytest.mark.parametrize("layer_groups", [1, 2])
+def test_a_save_whose_blocks_are_stored_keeps_no_state_its_layers_have_not_computed(layer_groups):
+    """Every block of the save is stored already (another prompt wrote them), so its blocks
+    answer at once; its states exist only once every layer is computed. A gate that closes
+    first (its fence passed, or a step driver answering before the report) stores none and
+    answers 0: the protocol suite found a save storing its pages' leftovers as the states."""
+    spec = SPEC if layer_groups == 2 else hybrid()
+    store = MemoryStore(1 << 24)
+    be = ReferenceBackend(spec, 16, store, num_states=4)
+    keys = tuple(f"k{i}" for i in range(3))
+    fill_blocks(be, keys, [0, 1, 2])
+    assert execute(be, C.WriteBlocks("w", 1, (0, 1), 9.0, keys, (0, 1, 2)), 0).count == 3  # blocks, no state
+    for r in range(2):
+        be.fill_state(r, 1, b"\x07" * be.state_size)  # an earlier request's leftovers
+    save = C.SaveLayers("s", 2, (0, 1), 9.0, keys, (0, 1, 2), states=((3, 1),))
+    for r in range(2):
+        assert execute(be, save, r, layers=lambda n, block=True: False).count == 0
+        assert not be.read_state(r, keys[-1], 2)
+        assert execute(be, save, r, layers=lambda n, block=True: True).count == 3  # computed: stored
+        assert be.read_state(r, keys[-1], 2) and be.state_bytes(r, 2) == b"\x07" * be.state_size

@@ -51,10 +51,9 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
     try:
         early = _load_state_first(backend, cmd, rank, keys, guard) if cmd.__class__ is C.LoadLayers else 0
         n = _move_blocks(backend, cmd, rank, keys, guard, layers, arrived)
-        if cmd.states:
-            if cmd.__class__ is C.SaveLayers:
-                _computed(layers, backend.spec.layers)
-            n = _move_states(backend, cmd, rank, keys, n, guard, early)
+        if cmd.states:  # a save's states exist once every layer is computed; never past its gate's close
+            saved = cmd.__class__ is not C.SaveLayers or _computed(layers, backend.spec.layers)
+            n = _move_states(backend, cmd, rank, keys, n, guard, early) if saved else 0
     except (KVStateError, OSError) as e:
         return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
     return Completion(cmd.command_id, rank, n)
@@ -99,8 +98,7 @@ def _save(backend: TransferBackend, rank: int, keys: Sequence[str], block_ids: S
     one paged layer), at once when every layer is computed (nothing if the gate closed)."""
     if backend.spec.layer_groups > 1:
         return backend.write(rank, keys, block_ids, guard, layers=layers)
-    _computed(layers, backend.spec.layers)
-    if layers is not None and not layers(backend.spec.layers, False):
+    if not _computed(layers, backend.spec.layers):
         return 0  # the gate closed (its fence passed) before every layer was reported
     return backend.write(rank, keys, block_ids, guard)
 
@@ -115,14 +113,19 @@ def _load_state_first(backend: TransferBackend, cmd: C.TransferCommand, rank: in
     return end if backend.read_state(rank, keys[end - 1], page, guard) else 0
 
 
-def _computed(layers: Callable[..., Any] | None, paged: int) -> None:
-    """A layer-wise save's states are gathered once every layer is computed: its paged layers
-    all reported (:meth:`~kvstate.spec.CacheSpec.paged_layers_done` holds the last back until
-    then), and the device past the event reported with them."""
+def _computed(layers: Callable[..., Any] | None, paged: int) -> bool:
+    """Whether a layer-wise save's layers are all computed: its paged layers all reported
+    (:meth:`~kvstate.spec.CacheSpec.paged_layers_done` holds the last back until every layer
+    is, states included), and the device past the event reported with them. False when the
+    gate closed first (its fence passed, or the layers will never come): nothing computed
+    may be stored then, blocks or states."""
     ready = layers(paged) if layers is not None else True
+    if not ready:
+        return False
     sync = getattr(ready, "synchronize", None)  # a device event (PyTorch or CuPy); a CPU engine gives none
     if sync is not None:
         sync()  # the states may still be computing
+    return True
 
 
 def _move_states(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], n: int,
