@@ -135,7 +135,8 @@ def test_state_layers_cost_the_same_at_any_context_and_move_their_state():
     grow_plain = plain.decode_step_time(4, 4 * 10000) - plain.decode_step_time(4, 4 * 100)
     assert grow == pytest.approx(grow_plain / 2, rel=1e-6)  # half the layers read the context
     side = Services(s).sides["prefill"]
-    assert side.state_bytes == 6 * (1 << 19) and [g.checkpoint for g in side.state_groups] == [64]  # half a state each
+    checkpoints = [g.checkpoint for g in side.lifecycle_spec.groups if g.kind == "state"]
+    assert side.state_bytes == 6 * (1 << 19) and checkpoints == [64]  # half a state each
     with_state = side.link_seconds("d2h", 4)
     side.state_bytes = 0
     assert with_state > side.link_seconds("d2h", 4) and side.link_seconds("d2h", 0) == 0
@@ -143,16 +144,21 @@ def test_state_layers_cost_the_same_at_any_context_and_move_their_state():
 
 def test_a_stored_prefix_is_reused_from_a_state_checkpoint_only():
     """Prompts share 600-token prefixes: a model without state layers reuses them to the block
-    (16 tokens); with states checkpointed every 256 tokens, only to 512, so it finds less."""
+    (592 tokens); with states checkpointed every 256 tokens, P stores the state of its prompt's
+    last checkpoint only (kvstate.statepages), so a 700-token prompt's (512) is reused and a
+    1,200-token prompt's (1,024, past the shared part) never is."""
     from kvstate.sim.run import simulate
 
     work = {"workload.num_requests": 60, "workload.rate": 4.0, "workload.prefix_groups": 2,
-            "workload.prefix_tokens": 600, "workload.input_mean": 1200.0, "workload.input_dist": "fixed",
+            "workload.prefix_tokens": 600, "workload.input_dist": "fixed",
             "workload.output_mean": 8.0, "workload.output_dist": "fixed"}
-    plain = simulate(with_overrides(model(), work))
-    state = simulate(with_overrides(model(state_layers=6, state_bytes=1 << 16, state_checkpoint=256), work))
-    assert plain["prefix_hit_rate"] > 0 and 0 < state["prefix_hit_rate"] < plain["prefix_hit_rate"]
-    assert state["prefix_hit_rate"] == pytest.approx(512 / 1200 * plain["prefix_hit_rate"] / (592 / 1200), rel=0.05)
+    states = dict(state_layers=6, state_bytes=1 << 16, state_checkpoint=256)
+    for prompt, reused in ((700.0, 512), (1200.0, 0)):
+        w = {**work, "workload.input_mean": prompt}
+        plain = simulate(with_overrides(model(), w))
+        state = simulate(with_overrides(model(**states), w))
+        assert plain["prefix_hit_rate"] > 0 and state["states"] == {"done": 60}
+        assert state["prefix_hit_rate"] == pytest.approx(reused / 592 * plain["prefix_hit_rate"], rel=0.05, abs=1e-9)
 
 
 def test_d_reads_window_layers_from_their_last_window_only():

@@ -17,6 +17,9 @@ Rules (first come, first served):
   the cached blocks of its longest cached prefix (leaving its last token to compute: the
   step must sample), and a finished request's blocks stay cached, idle, until evicted least
   recently used. Generated tokens' blocks are not published (no later prompt repeats them).
+  A model with state layers takes a cached prefix back from its last checkpoint only (the
+  states kept at block-aligned checkpoints, as vLLM's Mamba prefix caching keeps them); each
+  seat's state page is memory taken from the blocks (:meth:`Scenario.state_pages`).
 - A step computes its chunks and one token of every decoding request together; its time is
   :meth:`~kvstate.sim.compute.ComputeModel.step_time`. A prompt whose last chunk ran samples a
   token at the step's end (its first token: TTFT); a decoding request makes one a step.
@@ -38,6 +41,7 @@ from typing import Any
 import simpy
 
 from ..keys import full_blocks, keys_of_packed
+from ..layers import checkpoint_floor
 from ..pool import BlockPool
 from ..prefixcache import PrefixCachingPool
 from .request import SimRequest
@@ -78,6 +82,8 @@ class ColocatedInstance:
         self.bs, self.namespace = s.model.block_size, s.model.name
         self.budget, self.max_seqs, self.chunked = sch.max_num_batched_tokens, sch.max_num_seqs, sch.chunked_prefill
         self.prefix = sch.prefix_caching
+        #: a hybrid model's state groups: a cached prefix is taken back from a checkpoint only
+        self.state_groups = tuple(g for g in s.cache_spec().groups if g.kind == "state")
         self.pool: BlockPool = PrefixCachingPool(gpu_blocks) if self.prefix else BlockPool(gpu_blocks)
         self.counters, self._ended = counters, ended
         self.key_cache: Any = None
@@ -182,6 +188,8 @@ class ColocatedInstance:
             if self.prefix:
                 pool: Any = self.pool
                 hits = pool.cached_prefix(q.keys[:min(full_blocks(q.keys), (q.target - 1) // self.bs)])[0]
+                if self.state_groups:
+                    hits = checkpoint_floor(self.state_groups, hits, self.bs)
             n = q.target - hits * self.bs
             if n > budget and not self.chunked:
                 return

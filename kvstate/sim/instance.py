@@ -130,9 +130,9 @@ class Instance:
         self.sv, self.idx, self.env = sv, idx, env
         self.side = side = sv.sides[self.role]  #: this role's TP degree, geometry, blocks and compute
         self.name = f"{self.role[0].upper()}{idx}"
-        self.lc = self.lifecycle_cls(side.cache_spec, side.gpu_blocks, sv.policy,
+        self.lc = self.lifecycle_cls(side.lifecycle_spec, side.gpu_blocks, sv.policy,
                                      clock=lambda: env.now, namespace=s.model.name, key_cache=sv.key_cache,
-                                     **self.lifecycle_options(s))
+                                     num_states=side.num_states, **self.lifecycle_options(s))
         tp = side.tp
         self.link_free = [0.0] * tp
         self.cancelled: set[int] = set()
@@ -199,8 +199,9 @@ class Instance:
         else:
             found, evictions = task.seen[rank]
             known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
-            c = Completion(cmd.command_id, rank, self._stored(rank, cmd.keys, write, known,
-                                                              getattr(cmd, "window_from", 0)))
+            n = self._stored(rank, cmd.keys, write, known, getattr(cmd, "window_from", 0))
+            c = Completion(cmd.command_id, rank, cl.store.states_moved(rank, cmd.keys, cmd.states, n, write)
+                           if cmd.states else n)
             # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
             if self.role == "decode" and not write and c.count < len(cmd.keys):
                 cl.counters["partial_reads"] += 1

@@ -19,7 +19,6 @@ from collections import deque
 from typing import TYPE_CHECKING, cast
 
 from .. import commands as C
-from ..layers import checkpoint_floor
 from ..prefill import PrefillLifecycle
 from .instance import Instance, LayerSave
 from .services import Services
@@ -57,10 +56,7 @@ class PrefillInstance(Instance):
         cl = self.sv
         t = cmd.__class__
         if t is C.StartPrefill:
-            cached = cast(C.StartPrefill, cmd).num_cached_tokens
-            if self.side.state_groups:  # a state layer resumes from its last checkpoint only
-                bs = self.side.cache_spec.block_size
-                cached = checkpoint_floor(self.side.state_groups, cached // bs, bs) * bs
+            cached = cast(C.StartPrefill, cmd).num_cached_tokens  # with state groups: from a state (the lifecycle's)
             req = cl.reqs[cmd.request_id]
             req.cached_tokens = cached
             new = req.input_len - cached

@@ -64,11 +64,11 @@ class Side:
     def __init__(self, scenario: Scenario, cost: TransferCostModel) -> None:
         s = scenario
         self.tp = s.cluster.tp
-        full = s.cache_spec()
+        #: what the lifecycles hold: every layer group, and a page of states a request with state groups
+        self.lifecycle_spec = full = s.cache_spec()
+        self.num_states = s.state_pages()
         self.state_bytes = full.state_bytes_per_rank  #: a request's states on one rank (moved with its blocks)
-        #: the state groups: a stored prefix is reused down to a checkpoint of each
-        self.state_groups = tuple(g for g in full.groups if g.kind == "state")
-        self.cache_spec = spec = full.paged()  #: what the lifecycles hold: the paged layers
+        self.cache_spec = spec = full.paged()  #: the paged layers: what the blocks and the pool hold
         #: a rank's bytes of a block in window groups (left out of blocks before a read's window)
         self.window_bytes = sum(len(g.layers) for g in spec.groups if g.kind == "window") * \
             sum(spec.chunk_bytes(k) for k in spec.kinds)

@@ -38,6 +38,7 @@ class SimStore:
         self.peak = 0
         self._lru_moves = 0  # LRU reorderings so far (reads, writes)
         self._last_read: tuple[Sequence[str], int, int] | None = None  # keys, count, reordering after it
+        self._states: dict[str, int] = {}  # key -> bitmask of the TP ranks whose state after it is stored
         self.busy_until = 0.0
         self.stats = dict.fromkeys(("puts", "gets", "queries", "bytes_written", "bytes_read",
                                     "evicted_blocks", "hits", "misses"), 0)
@@ -114,6 +115,19 @@ class SimStore:
         self.peak = max(self.peak, self.used)
         return len(keys)
 
+    def states_moved(self, rank: int, keys: Sequence[str], states: Sequence[tuple[int, int]], n: int,
+                     write: bool) -> int:
+        """A rank's answer to a transfer with states (:mod:`kvstate.statepages`) whose blocks
+        moved ``n`` leading: a write stores each state whose blocks were stored, a read loads
+        the last candidate stored; either answers the end of the last state moved (0: none).
+        A state is stored with the key of the last block it follows, and goes when it does."""
+        moved = [e for e, _ in states if e <= n]
+        if write:
+            for e in moved:
+                self._states[keys[e - 1]] = self._states.get(keys[e - 1], 0) | 1 << rank
+            return moved[-1] if moved else 0
+        return next((e for e in reversed(moved) if self._states.get(keys[e - 1], 0) >> rank & 1), 0)
+
     def _evict(self) -> None:
         blocks, shard, holders = self._blocks, self.shard_bytes, self._holders
         width = self._width
@@ -130,6 +144,9 @@ class SimStore:
         for m, keys in gone.items():
             for stored in holders[m]:
                 stored.difference_update(keys)
+            if self._states:
+                for k in keys:
+                    self._states.pop(k, None)
         self.used = self.capacity + excess
         self.stats["evicted_blocks"] += n
 
