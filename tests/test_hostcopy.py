@@ -65,3 +65,32 @@ def test_memory_store_round_trips_large_objects_through_streamed_copies():
         assert all(np.array_equal(a, b) for a, b in zip(out, objs))
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_copy_all_copies_every_pair_and_nothing_around_them(batched):
+    if batched and not hostcopy.STREAMING:
+        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
+    many = hostcopy.stream_copy_many if batched else None
+    got = list(pairs())
+    before = [dst.base.copy() for _, dst in got]
+    hostcopy.copy_all([memoryview(dst) for _, dst in got], [src for src, _ in got], many)
+    for (src, dst), padded in zip(got, before):
+        assert np.array_equal(dst, src), len(src)
+        start = dst.__array_interface__["data"][0] - dst.base.__array_interface__["data"][0]
+        outside = np.ones(len(padded), bool)
+        outside[start:start + len(dst)] = False
+        assert np.array_equal(dst.base[outside], padded[outside])
+
+
+def test_the_batch_copy_checks_every_pair_before_moving_a_byte():
+    if not hostcopy.STREAMING:
+        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
+    dsts = [np.zeros(8, np.uint8), np.zeros(100, np.uint8)]
+    with pytest.raises(ValueError, match="pair 1: 101 bytes into 100"):
+        hostcopy.stream_copy_many(dsts, [np.ones(8, np.uint8), np.ones(101, np.uint8)], 0)
+    with pytest.raises(BufferError):
+        hostcopy.stream_copy_many([dsts[0], b"read-only"], [np.ones(8, np.uint8), b"read-onlx"], 0)
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        hostcopy.stream_copy_many(dsts, [np.ones(8, np.uint8)], 0)
+    assert not any(d.any() for d in dsts)

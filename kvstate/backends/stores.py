@@ -22,7 +22,7 @@ import xxhash
 from ..errors import StoreError, ValidationError
 from ..validate import check_int
 from .base import MISSING, TOO_LARGE, Store, check_batch, check_keys, check_verify
-from .hostcopy import copy_into
+from .hostcopy import copy_all
 
 __all__ = ["MemoryStore", "FileStore", "default_threads", "PARALLEL_BYTES"]
 
@@ -127,12 +127,17 @@ class MemoryStore(Store):
         i)``), a cache-sized piece at a time. A batch of 8 MiB or more is split over the copy
         threads (numpy copies and xxhash release the GIL)."""
         def run(part: list[tuple[str, np.ndarray, memoryview, int]]) -> None:
+            if sums is None:  # one call for the part (the GIL let go once); streaming: neither side is read soon
+                views = [v[:len(arr)] for _, arr, v, _ in part]
+                arrays = [arr for _, arr, _, _ in part]
+                if out:
+                    copy_all(views, arrays)
+                else:
+                    copy_all(arrays, views)
+                return
             for _, arr, v, i in part:
                 buf = np.frombuffer(v, np.uint8, count=len(arr))
                 dst, src = (buf, arr) if out else (arr, buf)
-                if sums is None:
-                    copy_into(dst, src)  # streaming: neither side's copy is read again soon
-                    continue
                 h = xxhash.xxh3_64()
                 for a in range(0, len(arr), HASH_PIECE):
                     np.copyto(dst[a:a + HASH_PIECE], src[a:a + HASH_PIECE])
