@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -207,7 +208,6 @@ def allreduce_worker(rank: int, tp: int, sizes: list[int], result: Any, port: in
     all-reduces per size, then 20 timed one by one (CUDA events on a GPU, the host clock on
     CPU tensors); rank 0 records the median."""
     import datetime
-    import time
 
     import torch
     import torch.distributed as dist
@@ -223,21 +223,23 @@ def allreduce_worker(rank: int, tp: int, sizes: list[int], result: Any, port: in
             x = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda") if gpu else torch.randn(n // 4)
             for _ in range(5):
                 dist.all_reduce(x)
-            times = []
-            for _ in range(20):
-                if gpu:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    a.record()
-                    dist.all_reduce(x)
-                    b.record()
-                    torch.cuda.synchronize()
-                    times.append(a.elapsed_time(b) / 1000.0)
-                else:
-                    t0 = time.perf_counter()
-                    dist.all_reduce(x)
-                    times.append(time.perf_counter() - t0)
+            times = [_one_allreduce(torch, dist, x, gpu) for _ in range(20)]
             if rank == 0:
                 result[n] = sorted(times)[len(times) // 2]
     finally:
         dist.destroy_process_group()
+
+
+def _one_allreduce(torch: Any, dist: Any, x: Any, gpu: bool) -> float:
+    """Seconds of one all-reduce of ``x``: between CUDA events on a GPU, by the host clock on CPU."""
+    if not gpu:
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        return time.perf_counter() - t0
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    dist.all_reduce(x)
+    b.record()
+    torch.cuda.synchronize()
+    return float(a.elapsed_time(b)) / 1000.0

@@ -17,9 +17,9 @@ Rules (first come, first served):
   the cached blocks of its longest cached prefix (leaving its last token to compute: the
   step must sample), and a finished request's blocks stay cached, idle, until evicted least
   recently used. Generated tokens' blocks are not published (no later prompt repeats them).
-  A model with state layers takes a cached prefix back from its last checkpoint only (the
-  states kept at block-aligned checkpoints, as vLLM's Mamba prefix caching keeps them); each
-  seat's state page is memory taken from the blocks (:meth:`Scenario.state_pages`).
+  A model with state layers takes a cached prefix back from its last checkpoint only (its
+  states are kept at block-aligned checkpoints); each seat's state page is memory taken from
+  the blocks (:meth:`Scenario.state_pages`).
 - A step computes its chunks and one token of every decoding request together; its time is
   :meth:`~kvstate.sim.compute.ComputeModel.step_time`. A prompt whose last chunk ran samples a
   token at the step's end (its first token: TTFT); a decoding request makes one a step.

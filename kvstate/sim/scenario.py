@@ -301,12 +301,12 @@ class Scenario(Section):
         if free <= 0:
             raise ConfigError(f"{self.source}: [gpu] mem_gib: the weights of {self.model.name} "
                               f"({self.weight_bytes / 2**30:.1f} GiB over TP {self.cluster.tp}) do not fit")
-        pages = self.state_pages() * self.cache_spec().state_bytes_per_rank
-        if pages >= free:
-            raise ConfigError(f"{self.source}: [cluster] state_pages: {self.state_pages():,} state pages of "
-                              f"{self.cache_spec().state_bytes_per_rank / 2**20:.1f} MiB a rank leave no memory "
-                              f"for KV blocks ({free / 2**30:.1f} GiB after the weights): set fewer")
-        blocks = int((free - pages) // self.block_bytes_per_rank)
+        n, page = self.state_pages(), self.cache_spec().state_bytes_per_rank
+        if n * page >= free:
+            raise ConfigError(f"{self.source}: [cluster] state_pages: {n:,} state pages of {page / 2**20:.1f} MiB "
+                              f"a rank leave no memory for KV blocks ({free / 2**30:.1f} GiB after the weights): "
+                              "set fewer")
+        blocks = int((free - n * page) // self.block_bytes_per_rank)
         instances = self.cluster.instances
         if blocks * instances > MAX_BLOCKS:
             raise ConfigError(f"{self.source}: [gpu] mem_gib: {self.gpu.mem_gib:g} GiB leaves {blocks:,} KV blocks "
