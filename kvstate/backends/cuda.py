@@ -63,7 +63,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
         self.cp = load_cupy()
         self.device = device
         self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
-        self._sum_cache: dict[Any, Any] = {}  # the SUM64 kernel and layer pointer tables
+        self._sum_cache: dict[Any, Any] = {}  # SUM64 kernel, layer pointer tables, sum streams
         self._swappers: dict[int, CudaSwapper] = {}
         self._locks = {r: threading.Lock() for r in self.ranks}
         self._closed = False

@@ -64,12 +64,24 @@ class DeviceSums:
         objects = self._object_layers(rank, groups)
         if not all(self._summable(layers.views) for layers in objects):
             return None
-        cp = self.cp
-        rows = cp.asarray(np.asarray(self._part_ids(ids, g), np.int64))
-        out = cp.zeros((len(objects), len(ids)), dtype=cp.uint64)
-        for j, layers in enumerate(objects):
-            block_sums(cp, layers.views, rows, self._sum_cache, fetch=False, out=out[j])
-        return lambda: cp.asnumpy(out).T.tolist()  # one copy back; per block, its objects' sums
+        cp, stream = self.cp, self._sum_stream(rank)
+        with stream:
+            rows = cp.asarray(np.asarray(self._part_ids(ids, g), np.int64))
+            out = cp.zeros((len(objects), len(ids)), dtype=cp.uint64)
+            for j, layers in enumerate(objects):
+                block_sums(cp, layers.views, rows, self._sum_cache, fetch=False, out=out[j])
+        return lambda: cp.asnumpy(out, stream=stream).T.tolist()  # one copy back; per block, its objects' sums
+
+    def _sum_stream(self, rank: int) -> Any:
+        """The rank's stream for checksums, its own and non-blocking: every caller has waited on
+        the host for the transfer whose blocks it sums, so the sums need no order with the
+        transfer streams, and on CUDA's legacy default stream they would queue behind whatever
+        an engine computes there (and behind every other rank's sums). Kept in the sum cache,
+        which the backend drops when it closes."""
+        key = ("stream", rank)
+        if key not in self._sum_cache:
+            self._sum_cache[key] = self.cp.cuda.Stream(non_blocking=True)
+        return self._sum_cache[key]
 
     def _object_layers(self, rank: int, groups: Sequence[int] | None) -> list[Any]:
         """The layer lists of a block's objects on ``rank``, in object order (kind, then layer group)."""
