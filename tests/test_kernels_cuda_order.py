@@ -250,3 +250,38 @@ def test_short_calls_back_to_back_read_what_the_one_before_wrote():
             caches[0].fill(7)  # CuPy's own kernel, on the swapper's stream
         sw.swap_cache_layout(caches, out, list(range(n)), list(range(n)), "d2h", strategy="zero_copy")
         assert (out[:n, 0] == 7).all()
+
+
+
+@gpu
+def test_ids_of_a_call_held_back_outlive_uploads_on_another_stream():
+    """Calls of over 128 blocks upload their ids into a ring of four slots. A staged h2d on the
+    own stream (ids inline), its kernels held by a spinning kernel, fills the staging slots; a
+    staged d2h on a second stream then waits for them before its gathers, its ids uploaded
+    already. Four calls on a third, idle stream reuse every ring slot meanwhile: the held
+    call must still gather the blocks it was given."""
+    import cupy as cp
+
+    from kvstate.kernels.cuda import CudaSwapper
+
+    with CudaSwapper(staging_bytes=4 << 20, inline_ids=128) as sw:
+        rig = (sw, [cp.zeros((N_GPU,) + CHUNK, cp.uint16) for _ in range(LAYERS)],
+               sw.pinned((N_HOST, LAYERS) + CHUNK, np.uint16))
+        want_c, want_h = _fill(rig, 7)
+        caches, host = rig[1], rig[2]
+        sw.swap_cache_layout(caches, host, [0], [0], "h2d", strategy="staged")  # the copy stream is caught up
+        held = [(list(range(128)), "h2d", None), (list(range(128, 288)), "d2h", cp.cuda.Stream(non_blocking=True))]
+        idle, rest = cp.cuda.Stream(non_blocking=True), list(range(288, 512))
+        _hold(sw.stream, 200_000_000)  # ~100 ms
+        ends = []
+        for blocks, direction, stream in held:
+            reference.swap_cache_layout(want_c, want_h, blocks, blocks, direction)
+            ends.append(sw.swap_cache_layout_async(caches, host, blocks, blocks, direction, stream=stream,
+                                                   strategy="staged"))
+        reference.swap_cache_layout(want_c, want_h, rest, rest, "d2h")
+        for _ in range(4):
+            sw.wait(sw.swap_cache_layout_async(caches, host, rest, rest, "d2h", stream=idle, strategy="zero_copy"))
+        for ev in ends:
+            sw.wait(ev)
+        sw.wait(sw.stream)
+        _check(rig, want_c, want_h)

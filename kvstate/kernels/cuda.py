@@ -353,9 +353,11 @@ class CudaSwapper:
         prev = cp.cuda.runtime.getDevice()
         if prev != self.device:
             cp.cuda.runtime.setDevice(self.device)
-        ev = None
+        ev, uploads = None, self._params.uploads
         try:
             end = self._mover.run(strategy, plan, layers, host_ptrs, stream, inline)
+            if self._params.uploads != uploads:  # its ids stay until it has run, whatever the stream
+                self._params.held_until(end)
             if sptr is not None:
                 ev = cp.cuda.Event(block=False, disable_timing=True)
                 ev.record(end)

@@ -253,8 +253,10 @@ class Kernels:
 class ParamRing:
     """Uploads small int64 arrays (block ids) to the device on a stream, through
     ``_PARAM_SLOTS`` pinned/device slots grown on demand; a slot is reused only once the event
-    of its previous upload passed. Allocations come from ``alloc`` and go back to ``release``
-    (the owner's), waits go through ``wait`` (the owner's, with its timeout)."""
+    of its previous use passed: its upload, and after :meth:`held_until` the call reading it
+    (calls on different streams share the slots, and a staged call's last kernels read its ids
+    long after they landed). Allocations come from ``alloc`` and go back to ``release`` (the
+    owner's), waits go through ``wait`` (the owner's, with its timeout)."""
 
     def __init__(self, cp: Any, new_event: Callable[[], Any], alloc: Callable[[int, bool], Buffer],
                  release: Callable[[Buffer | None], None], wait: Callable[[Any], None]) -> None:
@@ -266,6 +268,7 @@ class ParamRing:
         self.events = [new_event() for _ in range(_PARAM_SLOTS)]
         self.used = [False] * _PARAM_SLOTS
         self.next = 0
+        self.last = -1  # the slot of the latest upload
         self.uploads = 0  #: uploads made (a call with its ids inline makes none)
 
     def _grow(self, need: int) -> None:
@@ -302,8 +305,14 @@ class ParamRing:
         self.cp.cuda.runtime.memcpyAsync(self.dev.ptr + base, self.host.ptr + base, off * 8, H2D, stream.ptr)
         ev.record(stream)
         self.used[s] = True
+        self.last = s
         self.uploads += 1
         return ptrs
+
+    def held_until(self, stream: Any) -> None:
+        """Keep the latest upload's slot until the work queued on ``stream`` so far has run (the
+        call that uploaded it has been enqueued and ends there)."""
+        self.events[self.last].record(stream)
 
 
 @dataclass(frozen=True, eq=False)
