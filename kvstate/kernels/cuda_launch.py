@@ -9,7 +9,8 @@
   at most ``INLINE_IDS`` blocks passes its ids inside the parameters (a ``__grid_constant__``
   ``IdList``), so it needs no upload before the kernel.
 - :class:`ParamRing` uploads the ids of larger calls through a small ring of pinned and device
-  slots, each reused only after its previous upload's event has passed.
+  slots, each reused only after the call that last uploaded into it has run (on whatever
+  stream: a staged call's last kernels read their ids long after the upload).
 """
 from __future__ import annotations
 
