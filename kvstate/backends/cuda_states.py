@@ -4,12 +4,14 @@ Each rank holds its state pages as one device array ``[num_states, state bytes]`
 zeroed CuPy memory, or the engine's own (any CUDA array CuPy takes: a PyTorch or Paddle tensor
 viewed as bytes). A state moves between its page and a host buffer with one copy, under the
 rank's lock on the backend's device; the store puts and gets it as the stateobjects rules say.
-A state is a few MiB at most, so it is copied whole, without the blocks' staging ring.
+A state is a few MiB at most, so it is copied whole, without the blocks' staging ring, on the
+rank's side stream (never CUDA's legacy default stream, where an engine's queued work would
+hold the copy), and waited for there before the call returns.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ class DeviceStates(StateObjects):
 
     cp: Any
     ranks: tuple[int, ...]
+    _side_stream: Callable[[int], Any]  # the backend's (DeviceSums'): a rank's own stream
 
     def _on(self, rank: int) -> contextlib.AbstractContextManager[None]:
         raise NotImplementedError
@@ -49,14 +52,15 @@ class DeviceStates(StateObjects):
             self.state_pages[r] = a
 
     @contextlib.contextmanager
-    def _page(self, rank: int, page: int) -> Iterator[Any]:
+    def _page(self, rank: int, page: int) -> Iterator[tuple[Any, Any]]:
         with self._on(rank):
-            yield self.state_pages[rank][page]
+            yield self.state_pages[rank][page], self._side_stream(rank)
 
     def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
-        with self._page(rank, page) as p:
-            p.get(out=out)
+        with self._page(rank, page) as (p, stream):
+            p.get(stream=stream, out=out)  # waits for the copy
 
     def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
-        with self._page(rank, page) as p:
-            p.set(data)
+        with self._page(rank, page) as (p, stream):
+            p.set(data, stream=stream)
+            stream.synchronize()  # in place before the caller counts it

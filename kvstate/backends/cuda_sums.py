@@ -64,7 +64,7 @@ class DeviceSums:
         objects = self._object_layers(rank, groups)
         if not all(self._summable(layers.views) for layers in objects):
             return None
-        cp, stream = self.cp, self._sum_stream(rank)
+        cp, stream = self.cp, self._side_stream(rank)
         with stream:
             rows = cp.asarray(np.asarray(self._part_ids(ids, g), np.int64))
             out = cp.zeros((len(objects), len(ids)), dtype=cp.uint64)
@@ -72,12 +72,12 @@ class DeviceSums:
                 block_sums(cp, layers.views, rows, self._sum_cache, fetch=False, out=out[j])
         return lambda: cp.asnumpy(out, stream=stream).T.tolist()  # one copy back; per block, its objects' sums
 
-    def _sum_stream(self, rank: int) -> Any:
-        """The rank's stream for checksums, its own and non-blocking: every caller has waited on
-        the host for the transfer whose blocks it sums, so the sums need no order with the
-        transfer streams, and on CUDA's legacy default stream they would queue behind whatever
-        an engine computes there (and behind every other rank's sums). Kept in the sum cache,
-        which the backend drops when it closes."""
+    def _side_stream(self, rank: int) -> Any:
+        """The rank's stream for checksums and state pages, its own and non-blocking. Every
+        caller has waited on the host for the transfer whose blocks it sums, so the sums need no
+        order with the transfer streams; on CUDA's legacy default stream they would queue behind
+        whatever an engine computes there, and behind every other rank's work. Kept in the sum
+        cache, which the backend drops when it closes."""
         key = ("stream", rank)
         if key not in self._sum_cache:
             self._sum_cache[key] = self.cp.cuda.Stream(non_blocking=True)
