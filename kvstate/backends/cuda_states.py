@@ -6,7 +6,7 @@ viewed as bytes). A state moves between its page and a host buffer with one copy
 rank's lock on the backend's device; the store puts and gets it as the stateobjects rules say.
 A state is a few MiB at most, so it is copied whole, without the blocks' staging ring, on the
 rank's side stream (never CUDA's legacy default stream, where an engine's queued work would
-hold the copy), and waited for there before the call returns.
+hold the copy), and waited for there, within the swapper's timeout, before the call returns.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class DeviceStates(StateObjects):
     cp: Any
     ranks: tuple[int, ...]
     _side_stream: Callable[[int], Any]  # the backend's (DeviceSums'): a rank's own stream
+    _side_wait: Callable[[int], None]  # the backend's (DeviceSums'): wait for it, with a timeout
 
     def _on(self, rank: int) -> contextlib.AbstractContextManager[None]:
         raise NotImplementedError
@@ -58,9 +59,10 @@ class DeviceStates(StateObjects):
 
     def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
         with self._page(rank, page) as (p, stream):
-            p.get(stream=stream, out=out)  # waits for the copy
+            self._side_wait(rank)  # the stream's earlier work, within the timeout
+            p.get(stream=stream, out=out)  # then the copy, which the get waits for
 
     def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
         with self._page(rank, page) as (p, stream):
             p.set(data, stream=stream)
-            stream.synchronize()  # in place before the caller counts it
+            self._side_wait(rank)  # in place before the caller counts it

@@ -42,6 +42,7 @@ class DeviceSums:
     _slot_sums: dict[tuple[int, int], list[int]]
     _matching_slots: Callable[[int, Sequence[int], dict[int, list[int]]], int]  # the backend's (StoreBackend's)
     _on: Callable[[int], Any]  # the backend's: its rank's lock, its device current
+    _swappers: dict[int, Any]  # the backend's: a CudaSwapper a rank (its timeout)
     _swap: Callable[..., int]
     _arena: Callable[[int, str], Any]
     _check_swap: Callable[[int, Sequence[int], Sequence[int]], None]
@@ -70,7 +71,11 @@ class DeviceSums:
             out = cp.zeros((len(objects), len(ids)), dtype=cp.uint64)
             for j, layers in enumerate(objects):
                 block_sums(cp, layers.views, rows, self._sum_cache, fetch=False, out=out[j])
-        return lambda: cp.asnumpy(out, stream=stream).T.tolist()  # one copy back; per block, its objects' sums
+
+        def fetch() -> list[list[int]]:  # one copy back; per block, its objects' sums
+            self._side_wait(rank)
+            return cp.asnumpy(out, stream=stream).T.tolist()
+        return fetch
 
     def _side_stream(self, rank: int) -> Any:
         """The rank's stream for checksums and state pages, its own and non-blocking. Every
@@ -82,6 +87,12 @@ class DeviceSums:
         if key not in self._sum_cache:
             self._sum_cache[key] = self.cp.cuda.Stream(non_blocking=True)
         return self._sum_cache[key]
+
+    def _side_wait(self, rank: int) -> None:
+        """Wait, within the rank's swapper's timeout, for the work queued on its side stream."""
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self._side_stream(rank))
+        self._swappers[rank].wait(ev)
 
     def _object_layers(self, rank: int, groups: Sequence[int] | None) -> list[Any]:
         """The layer lists of a block's objects on ``rank``, in object order (kind, then layer group)."""
