@@ -48,13 +48,14 @@ from .. import commands as C
 from ..backends.gate import LayerArrivals
 from ..errors import ConfigError, DriverError, KVStateError, ProtocolError
 from ..events import Completion
+from ..kernels.cuda_launch import wait_event
 from ..spec import CacheSpec
 from ..validate import check_int
 from . import wire
 from .control import RankControl
 from .ledger import Ledger, Send
 from .liveness import RankDown, RankTable, RankUp
-from .rankworker import WorkerConfig
+from .rankworker import EVENT_TIMEOUT_S, WorkerConfig
 from .supervise import ChildProcess, remove_orphans
 
 __all__ = ["ProcessDriver"]
@@ -348,8 +349,8 @@ class ProcessDriver:
             if report is None:
                 return
             try:
-                report.event.synchronize()
-            except Exception:  # noqa: BLE001 - a failed event: its layers are never reported, the save stops
+                wait_event(report.event, EVENT_TIMEOUT_S, f"the layers of command {report.command_id}")
+            except Exception:  # noqa: BLE001 - a failed or lost event: its layers are never reported, the save stops
                 continue
             if not self._closed:
                 self._forward(C.LayersReady(report.request_id, report.command_id, report.layers))

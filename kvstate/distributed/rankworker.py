@@ -44,12 +44,18 @@ from .. import commands as C
 from ..backends.base import Store, TransferBackend
 from ..backends.runner import CommandRunner
 from ..errors import ConfigError, KVStateError, ProtocolError
+from ..kernels.cuda_launch import wait_event
 from ..spec import CacheSpec
 from ..validate import check_int
 from . import wire
 from .supervise import die_with_parent, parent_alive
 
-__all__ = ["WorkerConfig", "RankWorker", "main", "build_store"]
+__all__ = ["WorkerConfig", "RankWorker", "main", "build_store", "EVENT_TIMEOUT_S"]
+
+#: how long a thread waits for a CUDA event of a transfer or of an engine's layers (the CUDA
+#: backend's default transfer timeout): past it the GPU is taken as hung, and the wait fails
+#: rather than keep its thread, and the work queued behind it, forever
+EVENT_TIMEOUT_S = 60.0
 
 _STORES = ("file", "mooncake")
 _CACHES = ("own", "shm", "cuda-ipc")
@@ -223,8 +229,8 @@ class RankWorker:
         return s
 
     def _arrived(self, command_id: int, rank: int, layers: int, event: Any) -> None:
-        if event is not None:
-            event.synchronize()  # the scheduler's process cannot wait on this process's device event
+        if event is not None:  # the scheduler's process cannot wait on this process's device event
+            wait_event(event, EVENT_TIMEOUT_S, f"rank {rank}'s read of command {command_id}")
         self._push("control").send(wire.pack(wire.ARRIVED, self.rank, self.incarnation, command_id, layers))
 
     def _moved(self) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import as_16bit_ints, numpy_dtype
-from ..errors import DriverError, ValidationError
+from ..errors import ValidationError
 from ..validate import check_int
 from .cuda_launch import (
     Buffer,
@@ -44,6 +43,7 @@ from .cuda_launch import (
     external_stream,
     load_cupy,
     stream_ptr,
+    wait_event,
 )
 from .cuda_src import INLINE_IDS
 from .cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
@@ -370,15 +370,8 @@ class CudaSwapper:
 
     # -- waiting -------------------------------------------------------------------------------
     def wait(self, ev: Any) -> None:
-        """Wait for the CUDA event (or stream) ``ev`` within ``timeout`` (spin, then back off)."""
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while not ev.done:
-            spins += 1
-            if spins > 2000:
-                if time.monotonic() > deadline:
-                    raise DriverError(f"a CUDA transfer did not finish within {self.timeout} s")
-                time.sleep(min(1e-3, 1e-6 * spins / 100))
+        """Wait for the CUDA event (or stream) ``ev`` within ``timeout`` (:func:`wait_event`)."""
+        wait_event(ev, self.timeout, "a CUDA transfer")
 
     def wait_on_device(self, event: Any) -> None:
         """Make work queued on this swapper's own stream from now on wait, on the device, for

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,9 +28,8 @@ from .cuda_src import INLINE_IDS, KERNEL_SOURCE, SPAN_PIECE
 from .ids import narrow_into
 from .plan import LayerSet
 
-__all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "external_stream", "Buffer", "Kernels",
-           "DeviceLayers",
-           "ParamRing", "H2D", "D2H"]
+__all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "wait_event", "external_stream", "Buffer",
+           "Kernels", "DeviceLayers", "ParamRing", "H2D", "D2H"]
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 _THREADS = 256
@@ -80,6 +80,21 @@ def event_ptr(event: Any) -> int:
         if isinstance(p, int) and p:
             return p
     raise ValidationError(f"expected a recorded CuPy or PyTorch CUDA event, got {type(event).__name__}")
+
+
+def wait_event(event: Any, timeout: float, what: str = "a CUDA event") -> None:
+    """Wait on the host for a CuPy event or stream (``done``) or a PyTorch one (``query()``)
+    within ``timeout`` seconds: spin first (a transfer's end is usually microseconds away),
+    then back off to sleeps of up to 1 ms. A GPU that never gets there raises
+    :class:`~kvstate.errors.DriverError` instead of hanging the waiting thread."""
+    done: Callable[[], bool] = (lambda: bool(event.done)) if hasattr(event, "done") else event.query
+    deadline, spins = time.monotonic() + timeout, 0
+    while not done():
+        spins += 1
+        if spins > 2000:
+            if time.monotonic() > deadline:
+                raise DriverError(f"{what} did not finish within {timeout} s")
+            time.sleep(min(1e-3, 1e-6 * spins / 100))
 
 
 class _ExtStream:

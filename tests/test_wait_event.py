@@ -1,0 +1,48 @@
+"""Host waits on CUDA events are bounded (kvstate.kernels.cuda_launch.wait_event).
+
+The swapper's transfers, a rank worker's reads and a process driver's layer reports all wait
+through it: an event that never completes (a hung GPU) fails the wait after its timeout
+instead of keeping the thread forever. Runs without a GPU: the events are stand-ins with
+CuPy's ``done`` and PyTorch's ``query()``.
+"""
+import time
+
+import pytest
+
+from kvstate.errors import DriverError, KVStateError
+from kvstate.kernels.cuda_launch import wait_event
+
+
+class CupyLike:
+    def __init__(self, after: int) -> None:
+        self.polls, self.after = 0, after
+
+    @property
+    def done(self) -> bool:
+        self.polls += 1
+        return self.polls > self.after
+
+
+class TorchLike:
+    def __init__(self, after: int) -> None:
+        self.polls, self.after = 0, after
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.polls > self.after
+
+
+@pytest.mark.parametrize("kind", [CupyLike, TorchLike])
+def test_an_event_that_completes_ends_the_wait(kind):
+    ev = kind(after=5000)  # past the spinning phase: into the sleeps
+    wait_event(ev, 10.0)
+    assert ev.polls == 5001
+
+
+@pytest.mark.parametrize("kind", [CupyLike, TorchLike])
+def test_an_event_that_never_completes_fails_the_wait_after_its_timeout(kind):
+    t = time.monotonic()
+    with pytest.raises(DriverError, match="rank 1's read of command 7 did not finish within 0.2 s") as e:
+        wait_event(kind(after=10**12), 0.2, "rank 1's read of command 7")
+    assert 0.2 <= time.monotonic() - t < 5.0
+    assert isinstance(e.value, KVStateError)
