@@ -103,6 +103,25 @@ def test_attaching_with_another_geometry_is_refused():
         SharedCaches.attach(SPEC, 16, mine.paths)
 
 
+@pytest.mark.parametrize("cfg,needle", [
+    ({"kind": "file"}, "takes a root"),
+    ({"kind": "file", "root": "ROOT", "size": 1}, "takes a root and a capacity_bytes only"),
+    ({"kind": "file", "root": "ROOT", "capacity_bytes": -5}, "capacity_bytes"),
+    ({"kind": "memory"}, "no store of kind 'memory'"),
+])
+def test_a_workers_store_configuration_is_checked_before_it_opens(tmp_path, cfg, needle):
+    from kvstate import KVStateError
+    from kvstate.distributed.rankworker import build_store
+
+    root = tmp_path / "pool"
+    cfg = {k: str(root) if v == "ROOT" else v for k, v in cfg.items()}
+    with pytest.raises(KVStateError, match=needle):
+        build_store(cfg)
+    assert not root.exists()
+    store = build_store({"kind": "file", "root": str(root), "capacity_bytes": 64})
+    assert store.capacity_bytes == 64
+
+
 # -- the process driver -----------------------------------------------------------------------------
 def test_the_handoff_through_rank_worker_processes_is_byte_exact(tmp_path):
     rig = ProcRig(str(tmp_path))

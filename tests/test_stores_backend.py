@@ -147,6 +147,34 @@ def test_file_store_survives_restart_and_writes_atomically(tmp_path):
     assert again.evict(["k:partial:3"]) == 1 and again.batch_is_exist(["k:partial:3"]) == [0]
 
 
+def test_file_store_keeps_each_clients_objects_within_its_capacity(tmp_path):
+    """Two clients of one directory, 100 bytes each: a client removes the objects it wrote
+    first (a re-put counting as new), never another's; the directory holds at most both
+    capacities, and every object still there reads back as written."""
+    a, b = FileStore(tmp_path, capacity_bytes=100), FileStore(tmp_path, capacity_bytes=100)
+    data = {f"k{i}": bytes([i]) * 40 for i in range(8)}
+    assert a.batch_put_from(["k0", "k1"], [data["k0"], data["k1"]]) == [0, 0]
+    assert b.batch_put_from(["k4", "k5"], [data["k4"], data["k5"]]) == [0, 0]
+    assert a.batch_put_from(["k0"], [data["k0"]]) == [0]  # k0 is a's newest now
+    assert a.batch_put_from(["k2"], [data["k2"]]) == [0]  # 120 bytes: k1, a's oldest, goes
+    assert a.batch_is_exist([f"k{i}" for i in range(6)]) == [1, 0, 1, 0, 1, 1] and a.evictions == 1
+    assert b.batch_put_from(["k6", "k7"], [data["k6"], data["k7"]]) == [0, 0]  # b's k4, k5 go
+    assert b.batch_is_exist(["k0", "k2", "k4", "k5", "k6", "k7"]) == [1, 1, 0, 0, 1, 1] and b.evictions == 2
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()) <= 200
+    for k in ("k0", "k2", "k6", "k7"):
+        buf = bytearray(40)
+        assert a.batch_get_into([k], [buf]) == [40] and bytes(buf) == data[k]
+    assert a.evict(["k0"]) == 1  # evicted by hand: no longer counted
+    assert a.batch_put_from(["k3"], [data["k3"]]) == [0] and a.batch_is_exist(["k2", "k3"]) == [1, 1]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "100", True])
+def test_file_store_refuses_a_capacity_that_is_not_a_positive_int(tmp_path, bad):
+    with pytest.raises(ValidationError, match="capacity_bytes"):
+        FileStore(tmp_path / "pool", capacity_bytes=bad)
+    assert not (tmp_path / "pool").exists()
+
+
 def test_file_store_unwritable_directory(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

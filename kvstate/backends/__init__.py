@@ -6,10 +6,11 @@ demand: their packages are optional.
 """
 from .base import MISSING, Guard, Store, TransferBackend, check_fence, leading
 from .drivers import StepDriver, ThreadedDriver
+from .filestore import FileStore
 from .objects import StoreBackend
 from .reference import ReferenceBackend
 from .runner import CommandRunner, execute
-from .stores import FileStore, MemoryStore
+from .stores import MemoryStore
 
 __all__ = ["Store", "MemoryStore", "FileStore", "MISSING", "TransferBackend", "StoreBackend", "ReferenceBackend",
            "Guard", "check_fence", "leading", "StepDriver", "ThreadedDriver", "CommandRunner", "execute"]

@@ -1,30 +1,26 @@
-"""Embedded storage pools (the :class:`~kvstate.backends.base.Store` interface): in memory and in files.
+"""The in-memory embedded storage pool (the :class:`~kvstate.backends.base.Store` interface).
 
 A full :class:`MemoryStore` evicts its least recently used objects silently, as a full
-Mooncake pool does, so later reads can miss. A :class:`FileStore` keeps one file per object
-and survives a restart.
+Mooncake pool does, so later reads can miss. Its file-backed sibling is
+:class:`~kvstate.backends.filestore.FileStore`.
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from ..errors import StoreError, ValidationError
 from ..validate import check_int
 from .base import MISSING, TOO_LARGE, Store, check_batch, check_keys, check_verify
 from .hostcopy import copy_all
 
-__all__ = ["MemoryStore", "FileStore", "default_threads", "PARALLEL_BYTES"]
+__all__ = ["MemoryStore", "default_threads", "PARALLEL_BYTES", "HASH_PIECE"]
 
 PARALLEL_BYTES = 8 << 20  #: batches at least this large are copied on several threads
 HASH_PIECE = 256 << 10  #: bytes copied then hashed at a time: still in cache when hashed
@@ -236,121 +232,3 @@ class MemoryStore(Store):
             self._spare.clear()
             self._spare_bytes = 0
             self._used = 0
-
-
-class FileStore(Store):
-    """One file per object under a directory; writes are atomic (temp file + rename), so a
-    crash never leaves a torn object and the pool survives a restart."""
-
-    def __init__(self, directory: str | os.PathLike[str], *, verify: bool = True,
-                 io_threads: int | None = None) -> None:
-        """``verify``: as :class:`MemoryStore`'s; every client of one directory must agree.
-        ``io_threads``: threads writing or reading a large batch's files in parallel (file
-        reads and writes release the GIL; default: up to 8, one a core; 1: the caller's)."""
-        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
-            raise ValidationError(f"FileStore: directory must be a path, got {directory!r}")
-        self.verify = check_verify(verify, "FileStore")
-        io_threads = default_threads() if io_threads is None else io_threads
-        check_int(io_threads, "FileStore: io_threads", minimum=1)
-        self._threads = io_threads
-        self._pool: ThreadPoolExecutor | None = None
-        try:
-            self.root = Path(directory)
-            self.root.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe-", delete=True):
-                pass
-        except OSError as e:
-            raise StoreError(f"FileStore: directory {str(directory)!r} is not writable ({e})") from None
-
-    def _path(self, key: str) -> Path:
-        h = hashlib.sha256(key.encode()).hexdigest()
-        return self.root / h[:2] / h
-
-    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = check_batch(keys, "FileStore.batch_put_from", buffers)
-        return [st for st, _ in self._each(lambda k, v: self._put(k, v, False), keys, views)]
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = check_batch(keys, "FileStore.batch_get_into", buffers)
-        return [n for n, _ in self._each(lambda k, v: self._get(k, v, False), keys, views)]
-
-    def batch_put_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
-        views = check_batch(keys, "FileStore.batch_put_hashed", buffers)
-        pairs = self._each(lambda k, v: self._put(k, v, True), keys, views)
-        return [st for st, _ in pairs], [h for _, h in pairs]
-
-    def batch_get_hashed(self, keys: Sequence[str], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
-        views = check_batch(keys, "FileStore.batch_get_hashed", buffers)
-        pairs = self._each(lambda k, v: self._get(k, v, True), keys, views)
-        return [n for n, _ in pairs], [h for _, h in pairs]
-
-    def _each(self, fn: Any, keys: Sequence[str], views: list[memoryview]) -> list[tuple[int, int]]:
-        """``fn(key, view)`` for each object: on the I/O threads when the batch is large."""
-        if self._threads == 1 or len(keys) < 2 or sum(v.nbytes for v in views) < PARALLEL_BYTES:
-            return [fn(k, v) for k, v in zip(keys, views)]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, "kvstate-filestore")
-        return list(self._pool.map(fn, keys, views))
-
-    def _put(self, key: str, view: memoryview, hashed: bool) -> tuple[int, int]:
-        """Write one object (atomically: a temp file renamed over it); (status, its XXH3-64 if
-        ``hashed``, taken a piece at a time right after the piece is written)."""
-        path, h = self._path(key), xxhash.xxh3_64() if hashed else None
-        try:
-            path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    if h is None:
-                        f.write(view)
-                    else:
-                        for a in range(0, view.nbytes, HASH_PIECE):
-                            f.write(view[a:a + HASH_PIECE])
-                            h.update(view[a:a + HASH_PIECE])
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-            return 0, h.intdigest() if h is not None else 0
-        except OSError:
-            return MISSING, 0
-
-    def _get(self, key: str, view: memoryview, hashed: bool) -> tuple[int, int]:
-        """Read one object into ``view``; (bytes read or MISSING, their XXH3-64 if ``hashed``)."""
-        try:
-            with open(self._path(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > view.nbytes:
-                    return TOO_LARGE, 0
-                if not hashed:
-                    return f.readinto(view[:size]), 0
-                h, n = xxhash.xxh3_64(), 0
-                while n < size:
-                    got = f.readinto(view[n:min(size, n + HASH_PIECE)])
-                    if not got:
-                        break
-                    h.update(view[n:n + got])
-                    n += got
-                return n, h.intdigest()
-        except OSError:
-            return MISSING, 0
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        check_keys(keys, "FileStore.batch_is_exist")
-        return [1 if self._path(k).is_file() else 0 for k in keys]
-
-    def evict(self, keys: Sequence[str]) -> int:
-        check_keys(keys, "FileStore.evict")
-        n = 0
-        for k in keys:
-            try:
-                self._path(k).unlink()
-                n += 1
-            except FileNotFoundError:
-                pass
-        return n

@@ -55,7 +55,7 @@ from . import wire
 from .control import RankControl
 from .ledger import Ledger, Send
 from .liveness import RankDown, RankTable, RankUp
-from .rankworker import EVENT_TIMEOUT_S, WorkerConfig
+from .rankworker import WorkerConfig
 from .supervise import ChildProcess, remove_orphans
 
 __all__ = ["ProcessDriver"]
@@ -349,7 +349,7 @@ class ProcessDriver:
             if report is None:
                 return
             try:
-                wait_event(report.event, EVENT_TIMEOUT_S, f"the layers of command {report.command_id}")
+                wait_event(report.event, what=f"the layers of command {report.command_id}")
             except Exception:  # noqa: BLE001 - a failed or lost event: its layers are never reported, the save stops
                 continue
             if not self._closed:

@@ -50,12 +50,7 @@ from ..validate import check_int
 from . import wire
 from .supervise import die_with_parent, parent_alive
 
-__all__ = ["WorkerConfig", "RankWorker", "main", "build_store", "EVENT_TIMEOUT_S"]
-
-#: how long a thread waits for a CUDA event of a transfer or of an engine's layers (the CUDA
-#: backend's default transfer timeout): past it the GPU is taken as hung, and the wait fails
-#: rather than keep its thread, and the work queued behind it, forever
-EVENT_TIMEOUT_S = 60.0
+__all__ = ["WorkerConfig", "RankWorker", "main", "build_store"]
 
 _STORES = ("file", "mooncake")
 _CACHES = ("own", "shm", "cuda-ipc")
@@ -65,7 +60,8 @@ _CACHES = ("own", "shm", "cuda-ipc")
 class WorkerConfig:
     """Everything a rank worker needs, as JSON-able data (it crosses a process boundary).
 
-    ``store``: ``{"kind": "file", "root": DIR}`` or ``{"kind": "mooncake", ...}`` (the fields of
+    ``store``: ``{"kind": "file", "root": DIR}`` (and ``"capacity_bytes"`` to bound this
+    worker's objects) or ``{"kind": "mooncake", ...}`` (the fields of
     :class:`~kvstate.backends.mooncake.MooncakeConfig`). ``caches``: ``{"kind": "shm", "paths":
     {rank: file}}`` (:class:`~kvstate.distributed.shm.SharedCaches`), ``{"kind": "cuda-ipc",
     ...}`` (:mod:`~kvstate.distributed.cudaipc`) or ``{"kind": "own"}`` (zeroed caches of its
@@ -140,9 +136,12 @@ class WorkerConfig:
 def build_store(cfg: dict[str, Any]) -> Store:
     """The store client a configuration names (each worker opens its own)."""
     if cfg.get("kind") == "file":
-        from ..backends.stores import FileStore
+        from ..backends.filestore import FileStore
 
-        return FileStore(cfg["root"])
+        extra = set(cfg) - {"kind", "root", "capacity_bytes"}
+        if extra or "root" not in cfg:
+            raise ConfigError(f"a file store takes a root and a capacity_bytes only, got {sorted(cfg)}")
+        return FileStore(cfg["root"], capacity_bytes=cfg.get("capacity_bytes"))
     if cfg.get("kind") == "mooncake":
         from ..backends.mooncake import MooncakeConfig, MooncakeStore
 
@@ -230,7 +229,7 @@ class RankWorker:
 
     def _arrived(self, command_id: int, rank: int, layers: int, event: Any) -> None:
         if event is not None:  # the scheduler's process cannot wait on this process's device event
-            wait_event(event, EVENT_TIMEOUT_S, f"rank {rank}'s read of command {command_id}")
+            wait_event(event, what=f"rank {rank}'s read of command {command_id}")
         self._push("control").send(wire.pack(wire.ARRIVED, self.rank, self.incarnation, command_id, layers))
 
     def _moved(self) -> int:

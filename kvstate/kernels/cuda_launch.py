@@ -28,8 +28,8 @@ from .cuda_src import INLINE_IDS, KERNEL_SOURCE, SPAN_PIECE
 from .ids import narrow_into
 from .plan import LayerSet
 
-__all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "wait_event", "external_stream", "Buffer",
-           "Kernels", "DeviceLayers", "ParamRing", "H2D", "D2H"]
+__all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "wait_event", "EVENT_TIMEOUT_S",
+           "external_stream", "Buffer", "Kernels", "DeviceLayers", "ParamRing", "H2D", "D2H"]
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 _THREADS = 256
@@ -82,7 +82,12 @@ def event_ptr(event: Any) -> int:
     raise ValidationError(f"expected a recorded CuPy or PyTorch CUDA event, got {type(event).__name__}")
 
 
-def wait_event(event: Any, timeout: float, what: str = "a CUDA event") -> None:
+#: the default limit of :func:`wait_event` (the CUDA backend's transfer timeout's default): a
+#: transfer or a few layers' compute that has not finished by then is taken as a hung GPU
+EVENT_TIMEOUT_S = 60.0
+
+
+def wait_event(event: Any, timeout: float = EVENT_TIMEOUT_S, what: str = "a CUDA event") -> None:
     """Wait on the host for a CuPy event or stream (``done``) or a PyTorch one (``query()``)
     within ``timeout`` seconds: spin first (a transfer's end is usually microseconds away),
     then back off to sleeps of up to 1 ms. A GPU that never gets there raises
