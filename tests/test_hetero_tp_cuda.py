@@ -69,3 +69,41 @@ def test_cuda_moves_each_d_rank_exactly_its_heads(heads, p_tp, d_tp, sides, laye
     finally:
         for b in (p, d):
             b.close()
+
+
+@pytest.mark.parametrize("fault", ["flipped", "missing"])
+@pytest.mark.parametrize("group", [0, 1])
+def test_a_bad_object_of_one_head_group_stops_the_read_at_its_block(fault, group):
+    """D at TP 2 reads each block from two head groups' objects (P at TP 4 wrote them). One
+    object of block 1 in one group is spoiled or gone: the read counts block 0 only, whatever
+    the group, evicts a spoiled object, and block 0 holds exactly its heads."""
+    from kvstate.keys import rank_key
+
+    p_spec, d_spec = paired(spec_for(8, 4, dtype="bfloat16"), spec_for(8, 2, dtype="bfloat16"))
+    assert d_spec.head_groups == 2
+    store = MemoryStore(1 << 26)
+    full = monolithic(p_spec)
+    p, d = backend("cuda", p_spec, store, full), backend("cuda", d_spec, store)
+    keys = block_keys(list(range(3 * BLOCK)), BLOCK)
+    try:
+        for r in range(4):
+            assert p.write(r, keys, P_IDS) == 3
+        name = rank_key(keys[1], "value", group)  # D rank 0's group ``group``
+        if fault == "missing":
+            store.evict([name])
+        else:
+            buf = bytearray(1 << 22)
+            [size] = store.batch_get_into([name], [buf])
+            assert size > 0
+            buf[size // 2] ^= 0x40  # full length, one bit wrong
+            store.batch_put_from([name], [bytes(buf[:size])])
+        assert d.read(0, keys, D_IDS) == 1
+        assert d.broken_blocks == (fault == "flipped") and store.batch_is_exist([name]) == [0]
+        assert d.read(1, keys, D_IDS) == 3  # rank 1's groups are whole
+        for kind in d_spec.kinds:
+            for layer, mine in zip(full[kind], d_layers(d, 0, kind)):
+                np.testing.assert_array_equal(mine[D_IDS[:1]].view(np.uint16),
+                                              layer[P_IDS[:1]][:, heads_of(d_spec, 0)].view(np.uint16))
+    finally:
+        for b in (p, d):
+            b.close()
