@@ -143,15 +143,16 @@ class StartPrefill(Command):
     """Blocks are ready: compute the prompt from token ``num_cached_tokens`` on.
 
     With state groups, ``state_pages[0]`` holds the running state (the state after
-    ``num_cached_tokens`` tokens, or nothing yet at 0), and ``checkpoint`` (0: none) is a
-    token count the prefill passes: copy the state after it into ``state_pages[1]``. A
+    ``num_cached_tokens`` tokens, or nothing yet at 0), and ``checkpoints`` are token counts
+    the prefill passes, in order: copy the state after ``checkpoints[i]`` into
+    ``state_pages[1 + i]`` (a prefill in chunks cut there does it between chunks). A
     ``state_from`` page (-1: none) holds the state after ``num_cached_tokens`` instead, one
     the GPU prefix cache kept and shares: copy it into ``state_pages[0]`` first."""
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
     state_pages: tuple[int, ...] = field(default=(), kw_only=True)
-    checkpoint: int = field(default=0, kw_only=True)
+    checkpoints: tuple[int, ...] = field(default=(), kw_only=True)
     state_from: int = field(default=-1, kw_only=True)
 
 

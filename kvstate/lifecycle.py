@@ -76,10 +76,11 @@ class Lifecycle(Inspection):
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"spec must be a CacheSpec, got {type(spec).__name__}")
-        #: state pages, with state groups
-        self.states = StatePages(spec, num_states, type(self).__name__, prefix_cache=prefix_cache)
         if policy is not None and not isinstance(policy, Policy):
             raise ValidationError(f"policy must be a Policy, got {type(policy).__name__}")
+        #: state pages, with state groups
+        self.states = StatePages(spec, num_states, type(self).__name__, prefix_cache=prefix_cache,
+                                 keep=(policy or Policy()).state_checkpoints)
         if not callable(clock):
             raise ValidationError("clock must be callable")
         read_clock(clock)  # a clock that cannot tell a finite time is refused now

@@ -15,6 +15,7 @@ PREEMPT_MODES = ("write", "recompute", "swap")  #: ``Policy.preempt``
 SWAP_FALLBACKS = ("write", "recompute")  #: ``Policy.swap_fallback``
 SWAP_WRITES = ("host", "through", "back")  #: ``Policy.swap_write``
 MAX_RETRIES = 1000  #: ``Policy.write_retries`` at most
+MAX_STATE_CHECKPOINTS = 64  #: ``Policy.state_checkpoints`` at most (a state page each, per prefill)
 
 ERROR_READ_FAILED = 502  #: D could not read the cache P wrote
 ERROR_WRITE_FAILED = 503  #: P could not write the cache; its first token carries this code
@@ -71,6 +72,10 @@ class Policy:
       grace must cover one local gather or scatter (milliseconds), not the store operation.
     - ``decode_headroom_blocks``: blocks D keeps free per running request when P asks it
       for blocks (room for running requests to grow).
+    - ``state_checkpoints`` (models with state layers): how many of its prompt's checkpoints
+      P stores a state at, the last ones (:mod:`kvstate.statepages`). Each takes a state page
+      during the prefill; more let later prompts that share only the prompt's beginning (a
+      system prompt) start from a state.
     """
 
     read_prefix: bool = True
@@ -85,6 +90,7 @@ class Policy:
     queue_timeout: float = 30.0
     fence_grace: float = 60.0
     decode_headroom_blocks: int = 1
+    state_checkpoints: int = 1
 
     def __post_init__(self) -> None:
         if self.read_failure not in READ_FAILURE_MODES:
@@ -99,6 +105,8 @@ class Policy:
             raise ConfigError(f"Policy.read_prefix must be a bool, got {self.read_prefix!r}")
         check_int(self.write_retries, "Policy.write_retries", minimum=0, maximum=MAX_RETRIES, error=ConfigError)
         check_int(self.decode_headroom_blocks, "Policy.decode_headroom_blocks", minimum=0, maximum=MAX_BLOCKS,
+                  error=ConfigError)
+        check_int(self.state_checkpoints, "Policy.state_checkpoints", minimum=1, maximum=MAX_STATE_CHECKPOINTS,
                   error=ConfigError)
         for name in ("transfer_timeout", "first_token_timeout", "queue_timeout", "fence_grace", "swapped_timeout"):
             v = getattr(self, name)  # a bool is no time, and every wait must end: finite

@@ -258,12 +258,11 @@ class PrefillLifecycle(Lifecycle):
 
     def _prefill_from(self, req: Request, blocks: int) -> None:
         bs = self.spec.block_size
-        if len(req.pages) > 1:  # state groups: the prefill keeps the state of a checkpoint it passes
-            snap = self.states.snapshot(req)
-            req.snap = snap if snap > blocks else 0
+        if len(req.pages) > 1:  # state groups: the prefill keeps the states of checkpoints it passes
+            req.snaps = tuple(s for s in self.states.snapshots(req) if s > blocks)
         start = req.from_page if blocks and blocks == req.hits else -1  # the cached state it claimed
         cmd = C.StartPrefill(req.id, tuple(req.blocks), blocks * bs, state_pages=tuple(req.pages),
-                             checkpoint=req.snap * bs, state_from=start)
+                             checkpoints=tuple(s * bs for s in req.snaps), state_from=start)
         if req.pages:  # a read it gave up on would overwrite the running state: wait until none can land
             self._send_settled(req, cmd)
         else:  # blocks are keyed by content: a late read brings the bytes the prefill computes

@@ -23,7 +23,7 @@ class Request:
 
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base", "retries",
                  "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight", "host_keys",
-                 "host_fresh", "hits", "layers", "saved", "window_from", "deferred", "pages", "snap",
+                 "host_fresh", "hits", "layers", "saved", "window_from", "deferred", "pages", "snaps",
                  "from_page")
 
     def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
@@ -54,7 +54,8 @@ class Request:
         #: D: a Recompute held back while an abandoned read or swap-in may still land in its blocks
         self.deferred: Any = None
         self.pages: list[int] = []  #: its state pages (:mod:`kvstate.statepages`): the running state first
-        self.snap = 0  #: P: the checkpoint (in blocks) its prefill copies into pages[1] (0: none)
+        #: P: the checkpoints (in blocks) its prefill copies into pages[1:], in order
+        self.snaps: tuple[int, ...] = ()
         self.from_page = -1  #: P: a cached state page it claimed, its prefill's start (-1: none)
 
 

@@ -6,9 +6,10 @@ Rules:
 - A spec with state groups gives every live request *state pages* from a pool of
   ``num_states`` (one page holds a request's states of every state layer, on each rank:
   ``CacheSpec.state_bytes_per_rank``), as vLLM's hybrid allocator gives a state group its own
-  table. ``pages[0]`` holds the running state. P takes a second page when its prompt passes a
-  checkpoint: its prefill copies the state there into it (``StartPrefill.checkpoint``), so the
-  write can store it. A request without free pages waits (P) or is refused (D), as for blocks.
+  table. ``pages[0]`` holds the running state. P takes a page more for each checkpoint its
+  prompt passes, up to the last ``Policy.state_checkpoints`` of them: its prefill copies the
+  state there into it (``StartPrefill.checkpoints``), so the write can store it. A request
+  without free pages waits (P) or is refused (D), as for blocks.
 - A stored state belongs to the prefix it follows: the state after a cache's leading ``n``
   blocks is stored with block ``n - 1``'s key. States are stored at checkpoints (every
   ``checkpoint`` tokens) and where a cache is written whole (P's prompt, D's write-back), so
@@ -25,8 +26,8 @@ Rules:
   transfer still running when its request lets go pins its pages as it pins its blocks
   (:mod:`kvstate.pins`).
 - With a GPU prefix cache, the pages are a :class:`~kvstate.prefixcache.PrefixCachingPool`
-  too: once P's prefill is done, its checkpoint page is *published* under the key of the block
-  the checkpoint follows, and kept, idle, when P lets go of it (evicted as blocks are). A later
+  too: once P's prefill is done, its checkpoint pages are *published* under the key of the block
+  each checkpoint follows, and kept, idle, when P lets go of them (evicted as blocks are). A later
   prompt claims cached blocks only up to the last checkpoint whose state is cached
   (:meth:`StatePages.claim_start`), claims that page too (shared: ``Request.from_page``), and
   its prefill copies it into its own running page first (``StartPrefill.state_from``); P lets
@@ -78,10 +79,12 @@ def usable_count(cmd: TransferCommand, counts: Mapping[int, int], reads: bool) -
 class StatePages:
     """The state page pool of one lifecycle and what its requests' transfers move."""
 
-    __slots__ = ("pool", "block_size", "step")
+    __slots__ = ("pool", "block_size", "step", "keep")
     pool: BlockPool | None  #: the state pages (None: no state group)
 
-    def __init__(self, spec: CacheSpec, num_states: int, who: str, *, prefix_cache: bool) -> None:
+    def __init__(self, spec: CacheSpec, num_states: int, who: str, *, prefix_cache: bool, keep: int = 1) -> None:
+        """``keep``: checkpoints P stores a state at, the last its prompt passes (a page each)."""
+        self.keep = keep
         steps = [g.checkpoint // spec.block_size for g in spec.groups if g.kind == "state"]
         if not steps:
             if num_states:
@@ -103,14 +106,16 @@ class StatePages:
 
     # -- pages ----------------------------------------------------------------------------------
     def pages_for(self, req: Request) -> int:
-        """Pages ``req`` needs: P (whose write stores a checkpoint it passes) two when its
-        prompt passes one, else one."""
-        return 2 if self.snapshot(req) else 1
+        """Pages ``req`` needs: one, and on P (whose write stores the checkpoints it passes) one
+        more for each checkpoint it keeps."""
+        return 1 + len(self.snapshots(req))
 
-    def snapshot(self, req: Request) -> int:
-        """Blocks of the last checkpoint strictly inside P's prompt's full blocks (0: none)."""
+    def snapshots(self, req: Request) -> tuple[int, ...]:
+        """The checkpoints (in blocks) P keeps for ``req``'s prompt: the last ``keep`` inside its
+        full blocks, in order (none: a prompt shorter than a checkpoint)."""
         full = (len(req.tokens) - 1) // self.block_size
-        return full - full % self.step
+        last = full - full % self.step
+        return tuple(range(max(self.step, last - (self.keep - 1) * self.step), last + 1, self.step)) if last else ()
 
     def take(self, req: Request, n: int) -> bool:
         """Give ``req`` ``n`` pages (none without state groups); False, changing nothing, when
@@ -128,9 +133,9 @@ class StatePages:
     def check_fits(self, req: Request) -> None:
         """Refuse a P request needing more pages than the pool has (it would wait forever)."""
         if self.pool is not None and self.pages_for(req) > self.pool.num_blocks:
-            raise ValidationError(f"request {req.id!r}: its prompt passes a state checkpoint, so it needs 2 state "
-                                  f"pages (one keeps the checkpoint's state), more than the pool's "
-                                  f"{self.pool.num_blocks}")
+            raise ValidationError(f"request {req.id!r}: its prompt passes state checkpoints, so it needs "
+                                  f"{self.pages_for(req)} state pages (one a checkpoint it keeps), more than the "
+                                  f"pool's {self.pool.num_blocks}")
 
     def check_free(self, request_id: str, op: str) -> None:
         """Refuse ``op`` (before it allocates anything) when no state page is free."""
@@ -165,10 +170,10 @@ class StatePages:
         return 0
 
     def publish(self, req: Request) -> None:
-        """P's prefill is done: its checkpoint page holds the state after ``req.snap``
+        """P's prefill is done: its checkpoint pages hold the states after ``req.snaps``
         blocks, which later prompts may start from; the page it started from is let go."""
-        if isinstance(self.pool, PrefixCachingPool) and req.snap:
-            self.pool.publish((req.keys[req.snap - 1],), (req.pages[1],))
+        if isinstance(self.pool, PrefixCachingPool) and req.snaps:
+            self.pool.publish(tuple(req.keys[s - 1] for s in req.snaps), tuple(req.pages[1:1 + len(req.snaps)]))
         self.let_go_of_start(req)
 
     def let_go_of_start(self, req: Request) -> int:
@@ -193,14 +198,11 @@ class StatePages:
         return tuple(out)
 
     def written(self, req: Request, base: int, end: int) -> tuple[tuple[int, int], ...]:
-        """A write of blocks ``[base, end)``: the checkpoint P's prefill copied (``req.snap``
-        blocks, into pages[1], when past ``base``), then the running state at ``end``."""
+        """A write of blocks ``[base, end)``: the checkpoints P's prefill copied (``req.snaps``
+        blocks, into pages[1:], those past ``base``), then the running state at ``end``."""
         if not self:
             return ()
-        out = []
-        checkpoint = req.snap
-        if base < checkpoint < end:
-            out.append((checkpoint - base, req.pages[1]))
+        out = [(s - base, page) for s, page in zip(req.snaps, req.pages[1:]) if base < s < end]
         if end > base:
             out.append((end - base, req.pages[0]))
         return tuple(out)

@@ -46,7 +46,7 @@ class LayerRules:
         span = (stored_layers(rig.spec, done), stored_layers(rig.spec, upto))
         fill_layers(rig.pb, block_keys(toks, BS), n.block_ids, span, n.num_cached_tokens // BS)
         if upto == rig.spec.layers:  # every layer computed: the states too
-            self._compute_state(rig.pb, n.state_pages, toks, n.checkpoint)
+            self._compute_state(rig.pb, n.state_pages, toks, n.checkpoints)
         assert rig.P.layers_done(rid, upto, data.draw(st.sampled_from([None, LAUNCHED])))
         self.reported[rid] = upto
         STATS["layer_reports"] += 1

@@ -45,6 +45,8 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         if layerwise and layout in ("window", "sliding", "window_state"):  # stored by group: not layer-wise
             layout = "plain"
         STATS[f"layout:{layout}"] += 1
+        keep = 1 + groups  # the groups draw (only plain layouts use it): the checkpoints P keeps, 2 or 3
+        STATS[f"state_checkpoints:{keep}"] += "state" in layout
         groups = 1 if layout != "plain" and layout != "latent" else groups
         if "state" in layout:  # state pages: no write-back from host memory
             swap_write = swap_write.replace("back", "through")
@@ -52,10 +54,13 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
                                      transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
-                                     swap_fallback=swap_fallback, swap_write=swap_write, swapped_timeout=15.0),
+                                     swap_fallback=swap_fallback, swap_write=swap_write, swapped_timeout=15.0,
+                                     state_checkpoints=keep),
                        first_token_timeout=12.0, prefix_cache=prefix_cache, layerwise=layerwise,
                        num_states=6 if "state" in layout else 0,
                        spec=small_spec(tp, layer_groups=groups, **LAYOUTS[layout]))
+        #: prompts of state layouts are drawn twice over (up to P's pool), so they pass several checkpoints
+        self.stretch = 2 if "state" in layout else 1
         self.reported: dict[str, int] = {}  # layers each layer-wise prefill reported
         self.started: set[str] = set()  # prefills whose starting state was checked
         self.tokens: dict[str, list[int]] = {}
@@ -149,10 +154,11 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         rig = self.rig
         rid = f"r{self.n}"
         self.n += 1
-        toks = [data.draw(st.integers(0, 3)) for _ in range(length)]
+        toks = [data.draw(st.integers(0, 3)) for _ in range(length)] * self.stretch
+        toks = toks[:rig.P.pool.num_blocks * BS]
         if share and self.tokens:
             donor = self.tokens[data.draw(st.sampled_from(sorted(self.tokens)))]
-            toks[:min(len(donor), length) - 1] = donor[:min(len(donor), length) - 1]
+            toks[:min(len(donor), len(toks)) - 1] = donor[:min(len(donor), len(toks)) - 1]
         if not rig.D.can_reserve(len(toks)):
             return
         self._admit(rid, toks)
@@ -247,7 +253,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                 self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill",
                                        n.state_from)
             fill(rig.pb, toks, n.block_ids, n.num_cached_tokens // BS)
-            self._compute_state(rig.pb, n.state_pages, toks, n.checkpoint)
+            self._compute_state(rig.pb, n.state_pages, toks, n.checkpoints)
             rig.P.prefill_done(rid, 1)
 
     @precondition(lambda self: self.prefills)

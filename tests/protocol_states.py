@@ -38,12 +38,13 @@ class StateRules:
             assert backend.state_bytes(r, page) == fake_state(toks[:start], r, backend.state_size), \
                 f"state_reused_only_at_its_checkpoint: {what} at token {start}, rank {r}: not the state there"
 
-    def _compute_state(self, backend, pages, toks, checkpoint: int = 0) -> None:
+    def _compute_state(self, backend, pages, toks, checkpoints=()) -> None:
         """The engine ran the request's layers over ``toks``: the running page holds the state
-        after them, and ``pages[1]`` the state after token ``checkpoint`` (P's copy)."""
+        after them, and ``pages[1 + i]`` the state after token ``checkpoints[i]`` (P's copies)."""
+        STATS["prefills_keeping_checkpoints:2+"] += len(checkpoints) > 1
         for r in range(backend.spec.tp_size if pages else 0):
-            if checkpoint:
-                backend.fill_state(r, pages[1], fake_state(toks[:checkpoint], r, backend.state_size))
+            for page, checkpoint in zip(pages[1:], checkpoints):
+                backend.fill_state(r, page, fake_state(toks[:checkpoint], r, backend.state_size))
             backend.fill_state(r, pages[0], fake_state(toks, r, backend.state_size))
 
     def _check_decode_state(self, rid: str, pages) -> None:

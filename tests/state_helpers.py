@@ -62,8 +62,8 @@ def prefill(rig: Rig, rid: str, toks=TOKS, first: int = 7) -> C.StartPrefill:
         assert_state(rig.pb, sp.state_pages[0] if sp.state_from < 0 else sp.state_from, keys[start - 1])
     fill_p(rig, rid, toks, sp.block_ids, start)
     for r in range(2):
-        if sp.checkpoint:
-            rig.pb.fill_state(r, sp.state_pages[1], fake_state(keys[sp.checkpoint // BS - 1], r))
+        for page, checkpoint in zip(sp.state_pages[1:], sp.checkpoints):
+            rig.pb.fill_state(r, page, fake_state(keys[checkpoint // BS - 1], r))
         rig.pb.fill_state(r, sp.state_pages[0], fake_state(keys[-1], r))
     rig.P.prefill_done(rid, first)
     rig.pd.run_until_idle()

@@ -98,8 +98,8 @@ def prefill(sides, rid, toks):
     loaded = [P.view.state_bytes(r, sp.state_pages[0]) for r in range(2)]
     fill_blocks(P.view, keys, sp.block_ids, sp.num_cached_tokens // BS)
     for r in range(2):
-        if sp.checkpoint:
-            P.view.fill_state(r, sp.state_pages[1], fake_state(keys[sp.checkpoint // BS - 1], r))
+        for page, checkpoint in zip(sp.state_pages[1:], sp.checkpoints):
+            P.view.fill_state(r, page, fake_state(keys[checkpoint // BS - 1], r))
         P.view.fill_state(r, sp.state_pages[0], fake_state(keys[-1], r))
     P.lc.prefill_done(rid, 7)
     first = wait_for(sides, C.SendFirstToken, rid, P)

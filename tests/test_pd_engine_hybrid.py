@@ -8,7 +8,8 @@ with the prefix it follows. Each test compares D's greedy tokens and logits with
 own run (its ``DynamicCache``, the same chunks), bit for bit, and checks that nothing leaks:
 
 - the handoff at TP 1 and 2 (each rank stores its share of the state), also layer-wise;
-- a prefix reused from a stored checkpoint, and not from a prefix no state was stored for;
+- a prefix reused from a stored checkpoint, and not from a prefix no state was stored for
+  (unless P keeps more of a prompt's checkpoints: ``Policy.state_checkpoints``);
 - a prefix reused from a checkpoint state P's GPU prefix cache kept;
 - a failed or partial read, recomputed from the last checkpoint every rank read, or from 0;
 - a state object corrupted on one rank: detected, evicted, recomputed;
@@ -113,6 +114,27 @@ def test_a_prefix_is_reused_from_a_stored_checkpoint_only(qwen):
         _, leaks = serve(qwen, [r], store)
         assert leaks == NO_LEAK
     assert [r.cached_tokens for r in reqs] == [0, 192, 0]
+    assert_exact(qwen, reqs, reference=transformers_run(qwen))
+
+
+def test_p_keeping_every_checkpoint_lets_a_shorter_shared_prefix_resume(qwen):
+    """With ``Policy(state_checkpoints=3)`` P's prefill copies the states at 64, 128 and 192
+    tokens into pages of their own and stores them all: the prompt sharing only 150 tokens
+    now resumes at 128. All equal transformers' run."""
+    from engine import Request
+
+    from kvstate.backends import MemoryStore
+    from kvstate.policy import Policy
+
+    rng = random.Random(5)
+    fresh = lambda n: [rng.randrange(512) for _ in range(n)]  # noqa: E731
+    donor = fresh(200)
+    reqs = [Request("a", donor, 6), Request("b", donor + fresh(50), 6), Request("c", donor[:150] + fresh(100), 6)]
+    store = MemoryStore(1 << 30)
+    for r in reqs:
+        _, leaks = serve(qwen, [r], store, policy=Policy(state_checkpoints=3))
+        assert leaks == NO_LEAK
+    assert [r.cached_tokens for r in reqs] == [0, 192, 128]
     assert_exact(qwen, reqs, reference=transformers_run(qwen))
 
 

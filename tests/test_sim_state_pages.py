@@ -62,3 +62,16 @@ def test_a_colocated_prefix_is_taken_back_from_a_checkpoint_only():
     state = simulate(with_overrides(model(**STATES), work))
     assert plain["prefix_hit_rate"] > 0 and state["states"] == {"done": 60}
     assert state["prefix_hit_rate"] == pytest.approx(512 / 592 * plain["prefix_hit_rate"], rel=1e-3)
+
+
+def test_p_keeping_more_checkpoints_lets_prompts_sharing_a_system_prompt_reuse_it():
+    """1,200-token prompts sharing 600 tokens, states every 256: P keeps the states at 1,024
+    (one kept), 768 and 1,024 (two), or 512, 768 and 1,024 (three). Only with three does a
+    prompt find a stored state inside the shared 600 tokens: it reuses 512 and prefills less."""
+    work = {"workload.num_requests": 60, "workload.rate": 5.0, "workload.prefix_groups": 2,
+            "workload.prefix_tokens": 600, "workload.input_mean": 1200.0, "workload.input_dist": "fixed"}
+    runs = {k: simulate(with_overrides(model(**STATES), {**work, "policy.state_checkpoints": k})) for k in (1, 2, 3)}
+    assert all(r["states"] == {"done": 60} for r in runs.values())
+    assert runs[1]["prefix_hit_rate"] == runs[2]["prefix_hit_rate"] == 0
+    assert runs[3]["prefix_hit_rate"] == pytest.approx(512 / 1200 * 58 / 60, rel=0.05)
+    assert runs[3]["ttft_ms"]["mean"] < runs[1]["ttft_ms"]["mean"]

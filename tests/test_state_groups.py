@@ -25,7 +25,7 @@ def test_a_hybrid_handoff_moves_the_prompts_state_and_its_last_checkpoint():
     rig.D.reserve("a", TOKS)
     sp = prefill(rig, "a")
     keys = block_keys(TOKS, BS)
-    assert sp.num_cached_tokens == 0 and len(sp.state_pages) == 2 and sp.checkpoint == 16
+    assert sp.num_cached_tokens == 0 and len(sp.state_pages) == 2 and sp.checkpoints == (16,)
     for r in range(2):  # stored: the prompt's state and the state after block 4 (token 16), not block 2's
         assert rig.store.batch_is_exist([rank_key(keys[k], STATE_KIND, r) for k in (5, 3, 1)]) == [1, 1, 0]
     deliver(rig, rig.notices(rig.pd))
@@ -157,7 +157,7 @@ def test_refusals_of_state_specs_name_the_rule():
         check_pair(hybrid(2), hybrid(1))
     with pytest.raises(ConfigError, match=r"^ProcessDriver: num_states 0 with 96 state bytes"):
         ProcessDriver(hybrid(), 8)  # refused before a process starts
-    with pytest.raises(ValidationError, match=r"^request 'a': its prompt passes a state checkpoint, so it needs 2 "):
+    with pytest.raises(ValidationError, match=r"^request 'a': its prompt passes state checkpoints, so it needs 2 "):
         PrefillLifecycle(hybrid(), 8, num_states=1).admit("a", TOKS)
     with pytest.raises(ValidationError, match=r"a spec with state groups needs state pages"):
         ReferenceBackend(hybrid(), 8, MemoryStore(1 << 20))
@@ -188,3 +188,38 @@ def test_a_prefill_waits_until_a_prefix_read_it_gave_up_on_cannot_land():
     rig.pd.complete(cid, 1)  # it lands now, then the prefill goes out
     [sp] = rig.notices(rig.pd, C.StartPrefill)
     assert sp.request_id == "b" and sp.num_cached_tokens == 0
+
+
+def test_more_checkpoints_kept_let_a_prompt_sharing_only_the_beginning_start_from_a_state():
+    """With ``state_checkpoints=2``, P's prefill keeps the states after blocks 1 and 3 (tokens 8
+    and 16) in a page each and stores both with the prompt's: a prompt sharing blocks 0-2 only
+    starts from token 8 (with one checkpoint kept it starts from 0), from the very bytes."""
+    rig = state_rig(policy=Policy(transfer_timeout=10.0, fence_grace=5.0, read_failure="recompute",
+                                  state_checkpoints=2))
+    sp = prefill(rig, "a")
+    keys = block_keys(TOKS, BS)
+    assert sp.checkpoints == (8, 16) and len(sp.state_pages) == 3
+    for r in range(2):
+        assert rig.store.batch_is_exist([rank_key(keys[k], STATE_KIND, r) for k in (1, 3, 5, 0, 2, 4)]) == \
+            [1, 1, 1, 0, 0, 0]
+    shares = TOKS[:12] + [7] * 9  # blocks 0-2 in common: checkpoint 2 (token 8) is the last inside
+    sp = prefill(rig, "b", shares)  # asserts the running page holds the state after block 1
+    assert sp.num_cached_tokens == 8 and sp.checkpoints == (16,)  # block 3 on: computed, its checkpoint kept
+    assert rig.P.states.pool.num_used == 0
+    one = state_rig()  # the default keeps the last checkpoint only
+    prefill(one, "a")
+    assert prefill(one, "b", shares).num_cached_tokens == 0
+
+
+def test_a_prompt_keeps_no_more_checkpoints_than_it_passes_nor_than_asked():
+    from kvstate.statepages import StatePages
+
+    class Req:
+        def __init__(self, n):
+            self.tokens = list(range(n))
+
+    pages = StatePages(hybrid(), 8, "P", prefix_cache=False, keep=3)
+    assert [pages.snapshots(Req(n)) for n in (8, 9, 17, 25, 41)] == [(), (2,), (2, 4), (2, 4, 6), (6, 8, 10)]
+    assert [pages.pages_for(Req(n)) for n in (8, 9, 41)] == [1, 2, 4]
+    with pytest.raises(ConfigError, match="state_checkpoints"):
+        Policy(state_checkpoints=0)

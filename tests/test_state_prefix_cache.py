@@ -17,13 +17,13 @@ def cached_rig():
 def test_a_prompt_starts_from_the_checkpoint_state_the_gpu_cache_kept():
     rig = cached_rig()
     a = prefill(rig, "a")
-    assert a.checkpoint == 16 and a.state_from == -1
+    assert a.checkpoints == (16,) and a.state_from == -1
     kept = a.state_pages[1]
     pages = rig.P.states.pool
     assert rig.P.live_requests() == [] and pages.num_used == 0
     assert pages.cached_blocks() == {block_keys(TOKS, BS)[3]: kept}  # the checkpoint's page, idle
     b = prefill(rig, "b")  # asserts the page it starts from holds the state after block 3
-    assert (b.num_cached_tokens, b.state_from, b.checkpoint) == (16, kept, 0)
+    assert (b.num_cached_tokens, b.state_from, b.checkpoints) == (16, kept, ())
     assert rig.P.counters["gpu_prefix_blocks"] == 4 and rig.P.counters["store_prefix_blocks"] == 0
     assert pages.num_used == 0 and pages.cached_blocks() == {block_keys(TOKS, BS)[3]: kept}
 
@@ -85,3 +85,16 @@ def test_the_claimed_page_goes_back_once_the_prefill_is_done_not_when_the_write_
     assert rig.P.state_of("b") == "writing" and pages.num_used == 2  # its own two, until the write answers
     rig.pd.run_until_idle()
     assert rig.P.live_requests() == [] and rig.P.counters["done"] == 2 and pages.num_used == 0
+
+
+def test_the_gpu_cache_keeps_every_checkpoint_state_a_prefill_kept():
+    from kvstate.policy import Policy
+
+    rig = state_rig(prefix_cache=True, policy=Policy(transfer_timeout=10.0, fence_grace=5.0, state_checkpoints=2))
+    a = prefill(rig, "a")
+    keys, pages = block_keys(TOKS, BS), rig.P.states.pool
+    assert a.checkpoints == (8, 16)
+    assert pages.cached_blocks() == {keys[1]: a.state_pages[1], keys[3]: a.state_pages[2]}
+    sp = prefill(rig, "b", TOKS[:12] + [5] * 11)  # shares blocks 0-2: starts from the state kept at block 1
+    assert (sp.num_cached_tokens, sp.state_from) == (8, a.state_pages[1])
+    assert rig.P.counters["gpu_prefix_blocks"] == 2

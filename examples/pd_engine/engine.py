@@ -51,19 +51,19 @@ class Request:
 
 def prefill_chunks(model: Model, cache: PagedCache, table: list[int], tokens: list[int],
                    start: int, stop: int, on_layer: Callable[[int], None] | None = None,
-                   pages: tuple[int, ...] = (), checkpoint: int = 0) -> torch.Tensor | None:
+                   pages: tuple[int, ...] = (), checkpoints: tuple[int, ...] = ()) -> torch.Tensor | None:
     """Compute positions ``start..stop-1`` in chunks that end on block boundaries (so every
     run cuts a prompt the same way); the last chunk's logits. ``on_layer(i)`` runs as the
     last chunk launches layer ``i``: a layer is complete only once every chunk computed it.
-    A hybrid model's state runs in ``pages[0]``; the state after ``checkpoint`` tokens (0:
-    none) is copied to ``pages[1]``."""
+    A hybrid model's state runs in ``pages[0]``; the state after ``checkpoints[i]`` tokens is
+    copied to ``pages[1 + i]``."""
     bs, out = cache.block_size, None
     while start < stop:
         end = min(stop, (start // bs + 1) * bs)
         out = model.forward(tokens[start:end], start, cache, table, on_layer if end == stop else None,
                             state=pages[0] if pages else None)
-        if checkpoint and end == checkpoint:
-            cache.copy_state(pages[0], pages[1])
+        if end in checkpoints:
+            cache.copy_state(pages[0], pages[1 + checkpoints.index(end)])
         start = end
     return out
 
@@ -122,9 +122,10 @@ class PDEngine:
                  d_tp: int | None = None, num_states: int = 64, host_blocks: int = 0) -> None:
         """``layerwise``: P saves each layer as it is computed, in one stored object per layer,
         and D loads layer by layer (here in this thread, so a step starts after the load).
-        ``num_states``: state pages on each side, for a hybrid model (P takes two a prompt
-        that passes a checkpoint, D one a request). ``host_blocks``: D's host tier, in blocks
-        (``Policy(preempt="swap")`` swaps preempted requests into it)."""
+        ``num_states``: state pages on each side, for a hybrid model (P takes one a prompt, and
+        one more a checkpoint it keeps: ``Policy.state_checkpoints``; D one a request).
+        ``host_blocks``: D's host tier, in blocks (``Policy(preempt="swap")`` swaps preempted
+        requests into it)."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         d_tp = d_tp or tp
@@ -191,7 +192,7 @@ class PDEngine:
         if cmd.state_from >= 0:  # a state P's GPU prefix cache kept (shared): the prompt's own page starts as it
             self.p_cache.copy_state(cmd.state_from, cmd.state_pages[0])
         logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt, cmd.num_cached_tokens,
-                                len(r.prompt), done if self.P.layerwise else None, cmd.state_pages, cmd.checkpoint)
+                                len(r.prompt), done if self.P.layerwise else None, cmd.state_pages, cmd.checkpoints)
         assert logits is not None  # the lifecycle leaves at least one token to compute
         torch.cuda.synchronize()  # the cache is complete before the write reads it
         r.logits.append(logits)

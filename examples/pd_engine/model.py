@@ -20,7 +20,7 @@ own copy and computes its share of the heads from it, decompressing keys and val
 
 A hybrid model's state layers (``state_layers``: linear attention, Mamba) keep no pages: each
 request's recurrent state, ``state_bytes`` a layer, lives in a state page (``PagedCache.states``,
-split evenly over the TP ranks), and the engine copies it to a second page at a checkpoint.
+split evenly over the TP ranks), and the engine copies it to a page of its own at each checkpoint it keeps.
 This file's own model has no state layers; ``hf.py`` serves transformers' Qwen3-Next.
 
 Weights are random from a fixed seed; nothing is downloaded.

@@ -20,7 +20,8 @@ POLICY_FIELDS = {"preempt": "preempt", "swap_fallback": "swap_fallback", "swap_w
                  "read_failure": "read_failure", "write_retries": "write_retries",
                  "decode_headroom_blocks": "decode_headroom_blocks", "transfer_timeout_s": "transfer_timeout",
                  "first_token_timeout_s": "first_token_timeout", "queue_timeout_s": "queue_timeout",
-                 "fence_grace_s": "fence_grace", "swapped_timeout_s": "swapped_timeout", "read_prefix": "read_prefix"}
+                 "fence_grace_s": "fence_grace", "swapped_timeout_s": "swapped_timeout", "read_prefix": "read_prefix",
+                 "state_checkpoints": "state_checkpoints"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class PolicySpec(Section):
     fence_grace_s: float = setting(_LIB.fence_grace, "how long a timed-out transfer's blocks stay pinned")
     swapped_timeout_s: float = setting(_LIB.swapped_timeout, "how long a swapped request keeps its host entries")
     read_prefix: bool = setting(_LIB.read_prefix, "P reads the longest stored prefix of a prompt before prefill")
+    state_checkpoints: int = setting(_LIB.state_checkpoints, "a model with state layers: how many of its prompt's "
+                                     "checkpoints P stores a state at, the last ones (a state page each while it "
+                                     "prefills)")
 
     def check(self) -> None:
         self.choice("preempt", PREEMPT_MODES)
@@ -52,6 +56,7 @@ class PolicySpec(Section):
         self.choice("swap_write", SWAP_WRITES)
         self.choice("read_failure", READ_FAILURE_MODES)
         self.non_negative("write_retries", "decode_headroom_blocks")
+        self.positive("state_checkpoints")
         self.positive("transfer_timeout_s", "first_token_timeout_s", "queue_timeout_s", "fence_grace_s",
                       "swapped_timeout_s")
 
