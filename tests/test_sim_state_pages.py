@@ -75,3 +75,8 @@ def test_p_keeping_more_checkpoints_lets_prompts_sharing_a_system_prompt_reuse_i
     assert runs[1]["prefix_hit_rate"] == runs[2]["prefix_hit_rate"] == 0
     assert runs[3]["prefix_hit_rate"] == pytest.approx(512 / 1200 * 58 / 60, rel=0.05)
     assert runs[3]["ttft_ms"]["mean"] < runs[1]["ttft_ms"]["mean"]
+
+
+def test_a_colocated_instance_refuses_p_s_checkpoint_count():
+    with pytest.raises(ConfigError, match=r"\[policy\] state_checkpoints: a PD setting"):
+        with_overrides(model(**STATES), {"cluster.mode": "colocated", "policy.state_checkpoints": 3})

@@ -213,6 +213,9 @@ class Scenario(Section):
                               "degrees are not modeled for it")
         if self.policy.preempt == "swap" and not self.cluster.host_blocks:
             raise ConfigError("[policy] preempt = \"swap\" needs a host tier: set [cluster] host_blocks > 0")
+        if self.cluster.mode == "colocated" and self.policy.state_checkpoints != 1:
+            raise ConfigError("[policy] state_checkpoints: a PD setting; a co-located instance keeps the state at "
+                              "every checkpoint its prefix cache holds")
         try:
             self.cache_spec()  # the geometry's own rules: a window or a checkpoint in whole blocks
         except ConfigError as e:
