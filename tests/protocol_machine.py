@@ -47,6 +47,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         STATS[f"layout:{layout}"] += 1
         keep = 1 + groups  # the groups draw (only plain layouts use it): the checkpoints P keeps, 2 or 3
         STATS[f"state_checkpoints:{keep}"] += "state" in layout
+        layerwise = layerwise or (layout == "state" and keep == 3)  # 3 in 4: a hybrid's layer reports are few
         groups = 1 if layout != "plain" and layout != "latent" else groups
         if "state" in layout:  # state pages: no write-back from host memory
             swap_write = swap_write.replace("back", "through")
@@ -59,7 +60,8 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                        first_token_timeout=12.0, prefix_cache=prefix_cache, layerwise=layerwise,
                        num_states=6 if "state" in layout else 0,
                        spec=small_spec(tp, layer_groups=groups, **LAYOUTS[layout]))
-        #: prompts of state layouts are drawn twice over (up to P's pool), so they pass several checkpoints
+        #: prompts of state layouts are drawn twice over (up to half P's pool: others still fit beside
+        #: them), so they pass several checkpoints
         self.stretch = 2 if "state" in layout else 1
         self.reported: dict[str, int] = {}  # layers each layer-wise prefill reported
         self.started: set[str] = set()  # prefills whose starting state was checked
@@ -154,8 +156,9 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         rig = self.rig
         rid = f"r{self.n}"
         self.n += 1
-        toks = [data.draw(st.integers(0, 3)) for _ in range(length)] * self.stretch
-        toks = toks[:rig.P.pool.num_blocks * BS]
+        toks = [data.draw(st.integers(0, 3)) for _ in range(length)]
+        if self.stretch > 1:
+            toks = (toks * self.stretch)[:rig.P.pool.num_blocks * BS // 2]
         if share and self.tokens:
             donor = self.tokens[data.draw(st.sampled_from(sorted(self.tokens)))]
             toks[:min(len(donor), len(toks)) - 1] = donor[:min(len(donor), len(toks)) - 1]

@@ -39,7 +39,7 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     assert STATS["layout:window"] >= 50 and STATS["layout:latent"] >= 50 and STATS["layout:sliding"] >= 50, STATS
     assert STATS["layout:state"] >= 50 and STATS["layout:window_state"] >= 50, STATS
     # hybrid prefills kept several checkpoints' states (Policy.state_checkpoints)
-    assert STATS["prefills_keeping_checkpoints:2+"] >= 50, STATS  # 244 in one CI-profile run
+    assert STATS["prefills_keeping_checkpoints:2+"] >= 50, STATS  # 85-251 in CI-profile runs
     assert STATS["cached_state_starts"] >= 1, STATS  # P started prefills from states its GPU cache kept (~12)
     assert STATS["state_swapped"] >= 1, STATS  # D swapped hybrid requests, keeping their pages (~100)
     assert STATS["state_host_prefix_blocks"] >= 1, STATS  # hybrid prompts took blocks from P's host tier (~200)
