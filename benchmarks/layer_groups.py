@@ -13,6 +13,11 @@
   16 KV heads of 128), and measured on the reference backend (12 layers of 2 heads of 64, the
   same mix): D's read from the window on (``window_from``, as its lifecycle asks) against a
   whole read, and whether every byte it needs arrived.
+- **Held on D**: the GPU bytes D's lifecycle holds for that conversation after 64 decode steps,
+  with one block table (a block holds every layer: nothing behind the window is freed while a
+  full layer needs it) and with a table per layer group (:mod:`kvstate.tables`: the window
+  groups' blocks behind the window freed), on the Gemma-2 (alternating, 46 layers) and Gemma-3
+  (five to one, 62 layers; its window layers cut into groups as large as the full group) shapes.
 """
 from __future__ import annotations
 
@@ -103,6 +108,47 @@ def window_case(tokens: int = 32768) -> dict[str, Any]:
             "matches_hand_count": needed == by_hand}
 
 
+def gemma_groups(layers: int, every: int, window: int, split: bool) -> tuple[LayerGroup, ...]:
+    """Every ``every``-th layer full, the rest windows of ``window`` tokens; ``split``: the window
+    layers cut into groups as large as the full group (a block table each, blocks of one size)."""
+    full = tuple(range(every - 1, layers, every))
+    local = [i for i in range(layers) if i not in full]
+    size = len(full) if split else len(local)
+    return (LayerGroup("full", full),) + tuple(LayerGroup("window", tuple(local[i:i + size]), window=window)
+                                                for i in range(0, len(local), size))
+
+
+def window_held(tokens: int = 32768, steps: int = 64) -> dict[str, Any]:
+    """GPU bytes D's lifecycle holds per rank for one conversation of ``tokens`` tokens after
+    ``steps`` decode steps (W = 4,096, blocks of 64, 16 KV heads of 128 in bf16), one block
+    table against a table per group (:mod:`kvstate.tables`): the pool's blocks held times the
+    bytes of a block (every layer, or a page of the largest group's layers)."""
+    from kvstate import DecodeLifecycle
+    from kvstate.events import Completion
+    from kvstate.tables import page_layers
+
+    out: dict[str, Any] = {}
+    for shape, layers, every in (("gemma2", 46, 2), ("gemma3", 62, 6)):
+        for tables in (False, True):
+            spec = CacheSpec(num_layers=layers, kv_heads=16, block_size=BLOCK, head_dim=128, group_tables=tables,
+                             groups=gemma_groups(layers, every, 4096, split=tables))
+            d = DecodeLifecycle(spec, 4 * spec.blocks_for(tokens + steps) * len(spec.groups))
+            d.reserve("r", list(range(tokens)))
+            d.deliver_first_token("r", 1)
+            [read] = d.poll_commands()
+            d.complete(Completion(read.command_id, 0, len(read.keys)))
+            for i in range(steps):
+                d.append_tokens("r", [i % 7])
+            page = page_layers(spec) * 2 * spec.chunk_bytes()
+            out[f"{shape}/{'group tables' if tables else 'one table'}"] = {
+                "blocks_held": d.pool.num_used, "block_bytes": page, "held_bytes": d.pool.num_used * page,
+                "read_blocks": len(read.keys) * (1 + len(read.tables))}
+            d.finish("r")
+    for shape in ("gemma2", "gemma3"):
+        out[f"{shape}/ratio"] = out[f"{shape}/group tables"]["held_bytes"] / out[f"{shape}/one table"]["held_bytes"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -125,9 +171,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{read['blocks']}: {read['window']['bytes_read'] / 2**20:.1f} MiB against "
           f"{read['whole']['bytes_read'] / 2**20:.1f} MiB whole ({read['ratio']:.3f}); bytes right: "
           f"{read['window']['bytes_right']}")
+    held = window_held()
+    print("\nheld on D after 64 decode steps of a 32768-token conversation (W = 4096), per rank:")
+    print(f"{'shape / layout':<28}{'blocks':>8}{'block MiB':>11}{'held GiB':>10}")
+    for name, r in held.items():
+        if not name.endswith("ratio"):
+            mib, gib = r["block_bytes"] / 2**20, r["held_bytes"] / 2**30
+            print(f"{name:<28}{r['blocks_held']:>8}{mib:>11.2f}{gib:>10.2f}")
+    print(f"group tables / one table: Gemma-2 shape {held['gemma2/ratio']:.3f}, "
+          f"Gemma-3 shape {held['gemma3/ratio']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mla": mla, "mla_stored_ratio": ratio, "window": win, "window_read": read}, f, indent=1)
+            json.dump({"mla": mla, "mla_stored_ratio": ratio, "window": win, "window_read": read, "held": held}, f,
+                      indent=1)
     return 0
 
 

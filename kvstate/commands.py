@@ -49,6 +49,9 @@ class TransferCommand(Command):
     #: state groups (:mod:`kvstate.statepages`): ``(end, page)``, the request's states after the
     #: command's leading ``end`` blocks, in state page ``page``; stored with ``keys[end - 1]``
     states: tuple[tuple[int, int], ...] = field(default=(), kw_only=True)
+    #: with group tables (:mod:`kvstate.tables`): the other layer groups' blocks, a tuple per
+    #: group aligned with ``block_ids`` (whose blocks are group 0's)
+    tables: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
 
 
 @dataclass(slots=True)
@@ -147,11 +150,13 @@ class StartPrefill(Command):
     the prefill passes, in order: copy the state after ``checkpoints[i]`` into
     ``state_pages[1 + i]`` (a prefill in chunks cut there does it between chunks). A
     ``state_from`` page (-1: none) holds the state after ``num_cached_tokens`` instead, one
-    the GPU prefix cache kept and shares: copy it into ``state_pages[0]`` first."""
+    the GPU prefix cache kept and shares: copy it into ``state_pages[0]`` first. ``tables``
+    are the other layer groups' blocks, with group tables (:mod:`kvstate.tables`)."""
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
     state_pages: tuple[int, ...] = field(default=(), kw_only=True)
+    tables: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
     checkpoints: tuple[int, ...] = field(default=(), kw_only=True)
     state_from: int = field(default=-1, kw_only=True)
 
@@ -159,21 +164,24 @@ class StartPrefill(Command):
 @dataclass(slots=True)
 class StartDecode(Command):
     """Every needed block holds its cache on every rank: the request may decode (with state
-    groups, from the state in ``state_pages[0]``)."""
+    groups, from the state in ``state_pages[0]``; with group tables, the other groups' blocks
+    in ``tables``)."""
 
     block_ids: tuple[int, ...]
     state_pages: tuple[int, ...] = field(default=(), kw_only=True)
+    tables: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
 
 
 @dataclass(slots=True)
 class Recompute(Command):
     """Recompute the cache from token ``from_token`` on, then report ``recompute_done`` (with
     state groups, from the state in ``state_pages[0]``: the state after ``from_token`` tokens,
-    or none at 0)."""
+    or none at 0; with group tables, the other groups' blocks in ``tables``)."""
 
     block_ids: tuple[int, ...]
     from_token: int
     state_pages: tuple[int, ...] = field(default=(), kw_only=True)
+    tables: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
 
 
 @dataclass(slots=True)

@@ -70,6 +70,7 @@ from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, Policy, prefill_reason
 from .pool import FREED
 from .registry import Request
 from .spec import CacheSpec
+from .tables import cut, free_behind, held, window_tables
 from .validate import check_int, check_layerwise, check_token, check_tokens, is_int
 
 __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
@@ -146,6 +147,7 @@ class DecodeLifecycle(SwapActions):
         self.counters["gpu_read_blocks"] = 0  # ... and found on the GPU (prefix cache): not read
         self._running: set[str] = set()
         self._frees_behind_window = spec.frees_behind_window  # read on every append_tokens
+        self._window_tables = window_tables(spec)  # the tables it frees from
 
     # -- engine API --------------------------------------------------------------------------
     def can_reserve(self, num_tokens: int) -> bool:
@@ -153,21 +155,22 @@ class DecodeLifecycle(SwapActions):
         check_int(num_tokens, "num_tokens", minimum=1)
         if not self.states.can_take():
             return False  # no state page
-        return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
+        return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1) * self._per_block, self._headroom())
 
     def reserve(self, request_id: str, token_ids: Sequence[int],
                 extra_keys: Mapping[int, Sequence[str]] | None = None) -> tuple[int, ...]:
-        """P asks for blocks: reserve room for the prompt plus the first token.
+        """P asks for blocks: reserve room for the prompt plus the first token. Returns the
+        blocks reserved (with group tables, every table's, table by table).
 
         Raises :class:`OutOfBlocksError` (reserving nothing) when the headroom cannot be kept."""
         req = self._new_request(request_id, token_ids, extra_keys)
         n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline (hot path)
-        if n > self.pool.num_blocks:
+        if n * self._per_block > self.pool.num_blocks:
             self._check_fits(req, n)  # raises
         self.states.check_free(req.id, "reserve")
         if self.prefix_cache is None:
             try:
-                req.blocks = self.pool.allocate(n, self._headroom())
+                self._take_blocks(req, n, self._headroom())
             except OutOfBlocksError as e:
                 raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
         elif self._take_cached(req, n, self._cached_lookup(req), self._headroom()):
@@ -179,7 +182,7 @@ class DecodeLifecycle(SwapActions):
         self.states.take(req, 1)
         self._reqs[request_id] = req
         self._wait(req, self.policy.first_token_timeout)
-        return tuple(req.blocks)
+        return tuple(held(req))
 
     def deliver_first_token(self, request_id: str, token: int | None, error_code: int = 200) -> bool:
         """P's first token arrived (``error_code`` 200), or P reports it has no cache (!= 200).
@@ -207,10 +210,9 @@ class DecodeLifecycle(SwapActions):
         new = check_tokens(request_id, token_ids)
         need = self.spec.blocks_for(len(req.tokens) + len(new)) - len(req.blocks)
         try:
-            added = self.pool.allocate(max(need, 0))
+            added = self._take_blocks(req, max(need, 0))
         except OutOfBlocksError as e:
             raise OutOfBlocksError(f"request {request_id!r}: cannot grow by {need} blocks ({e})") from None
-        req.blocks.extend(added)
         req.tokens.extend(new)
         req.stored_keys = None  # the store no longer holds the whole cache
         if self._frees_behind_window:
@@ -218,15 +220,15 @@ class DecodeLifecycle(SwapActions):
         return tuple(added)
 
     def _free_behind_window(self, req: Request) -> None:
-        """Free the blocks wholly behind the window of the request's next step (every layer a
-        window layer): their table entries become :data:`~kvstate.pool.FREED`, and the
-        request is one whose early blocks hold nothing (``window_from``)."""
+        """Free the blocks of the window tables (:mod:`kvstate.tables`) wholly behind the window
+        of the request's next step: their entries become :data:`~kvstate.pool.FREED`, and the
+        request is one whose early blocks hold no window layers (``window_from``)."""
         first = self.spec.window_first_block(len(req.tokens) - 1)
-        if not first or req.blocks[first - 1] == FREED:  # freed entries lead the table: nothing new behind
-            return
-        behind = [b for b in req.blocks[:first] if b != FREED]
+        t = self._window_tables[0]
+        if not first or (req.blocks if t == 0 else req.tables[t - 1])[first - 1] == FREED:
+            return  # freed entries lead the tables: nothing new behind
         self._transfers.pin(req)  # a transfer it abandoned may still touch them: pinned until answered
-        req.blocks[:first] = [FREED] * first
+        behind = free_behind(req, self._window_tables, first)
         req.window_from = max(req.window_from, first)
         self.pool.release(behind)  # D queues no work on free blocks: nothing to wake
 
@@ -251,7 +253,7 @@ class DecodeLifecycle(SwapActions):
             self.states.check_free(req.id, "resume")
         if self.prefix_cache is None:
             try:
-                req.blocks = self.pool.allocate(n)
+                self._take_blocks(req, n)
             except OutOfBlocksError as e:
                 raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks ({e})") from None
         elif not self._take_cached(req, n, self._cached_lookup(req)):
@@ -260,7 +262,7 @@ class DecodeLifecycle(SwapActions):
         if not req.pages:
             self.states.take(req, 1)
         self._fire(req, "resume")
-        return tuple(req.blocks)
+        return tuple(held(req))
 
     def recompute_done(self, request_id: str) -> bool:
         """The engine recomputed the cache a :class:`~kvstate.commands.Recompute` asked for.
@@ -302,8 +304,9 @@ class DecodeLifecycle(SwapActions):
         cls = C.LoadLayers if self.layerwise else C.ReadBlocks
         first = self.spec.window_first_block(len(req.tokens) - 1)  # the cache: every token but the newest
         req.window_from = max(req.window_from, first if first > start else 0)
-        self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:len(keys)],
-                       window_from=max(0, first - start), states=self.states.candidates(req, start, len(keys), True))
+        end = len(keys)
+        self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:end], window_from=max(0, first - start),
+                       states=self.states.candidates(req, start, end, True), tables=cut(req, start, end))
 
     # -- actions (named in DECODE) ----------------------------------------------------------------
     def _token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:
@@ -351,13 +354,14 @@ class DecodeLifecycle(SwapActions):
         if not start:
             req.window_from = 0  # every block is computed again, window layers included
         self._send_settled(req, C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size,
-                                            state_pages=tuple(req.pages)))
+                                            state_pages=tuple(req.pages), tables=cut(req, 0, len(req.blocks))))
 
     def _start_decode(self, req: Request, value: Any) -> None:
         if self.prefix_cache is not None and not req.window_from:  # its blocks hold its whole cache now
             self.prefix_cache.publish(req.keys, req.blocks)
         self._running.add(req.id)
-        self._out.append(C.StartDecode(req.id, tuple(req.blocks), state_pages=tuple(req.pages)))
+        self._out.append(C.StartDecode(req.id, tuple(req.blocks), state_pages=tuple(req.pages),
+                                       tables=cut(req, 0, len(req.blocks))))
 
     def _writes_back(self, req: Request, value: Any) -> bool:
         p = self.policy

@@ -2,9 +2,11 @@
 for engines, drivers, metrics and the protocol suite. None of them changes anything."""
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from . import commands as C
+from .tables import rows
 from .validate import check_request_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +43,15 @@ class Inspection:
         return self._requests.get(request_id).state
 
     def blocks_of(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table (with group tables, group 0's: :meth:`rows_of`)."""
         return tuple(self._requests.get(request_id).blocks)
+
+    def rows_of(self, request_id: str) -> list[Any]:
+        """The request's logical blocks as backends' test helpers take them
+        (:func:`kvstate.tables.rows`): block ids, or with group tables a tuple per logical
+        block of its blocks, table by table (``FREED`` where freed)."""
+        req = self._requests.get(request_id)
+        return rows(req.blocks, req.tables)
 
     def pages_of(self, request_id: str) -> tuple[int, ...]:
         """The request's state pages (:mod:`kvstate.statepages`): its running state's first."""
@@ -84,7 +94,8 @@ class Inspection:
         return self._transfers.pinned_blocks()
 
     def owned_blocks(self) -> dict[str, tuple[int, ...]]:
-        return {rid: tuple(r.blocks) for rid, r in self._reqs.items()}  # by position: FREED where freed
+        # by position, table after table: FREED where freed
+        return {rid: tuple(chain(r.blocks, *r.tables)) for rid, r in self._reqs.items()}
 
     def queued_commands(self) -> int:
         """Commands queued since the last :meth:`poll_commands`."""

@@ -38,11 +38,12 @@ from .keys import KeyCache, keys_of_packed
 from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
 from .policy import ERROR_ABORTED, Policy
-from .pool import FREED, BlockPool
+from .pool import BlockPool
 from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
 from .statepages import StatePages, usable_count
+from .tables import check_layout, cut, give, held, per_block
 from .timers import FENCE, TRANSFER, WAIT, Timers
 from .validate import check_int, check_request_id, check_tokens, is_int, read_clock
 
@@ -88,7 +89,9 @@ class Lifecycle(Inspection):
             raise ValidationError(f"namespace must be a str, got {type(namespace).__name__}")
         if key_cache is not None and not isinstance(key_cache, KeyCache):
             raise ValidationError(f"key_cache must be a KeyCache, got {type(key_cache).__name__}")
+        check_layout(spec, prefix_cache, host_blocks, type(self).__name__)
         self.spec, self.policy = spec, policy or Policy()
+        self._per_block = per_block(spec)  # pool blocks a logical block costs (its tables)
         self.prefix_cache = PrefixCachingPool(num_blocks) if prefix_cache else None  #: the pool, when it caches
         self.pool: BlockPool = self.prefix_cache or BlockPool(num_blocks)
         self.clock, self.namespace, self.key_cache = clock, namespace, key_cache
@@ -259,7 +262,7 @@ class Lifecycle(Inspection):
         fence = deadline + self.policy.fence_grace
         if host_slots is None:
             cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, **fields)
-            self._transfers.open(cmd, req, trigger, ids)
+            self._transfers.open(cmd, req, trigger, ids + sum(cmd.tables, ()) if cmd.tables else ids)
         else:
             cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, host_slots=tuple(host_slots))
             self._transfers.open(cmd, req, trigger, ids, cmd.keys)
@@ -315,7 +318,7 @@ class Lifecycle(Inspection):
                 self._out.append(C.CancelCommand(req.id, req.cmd))
             req.cmd = 0
         self._transfers.pin(req)
-        blocks, req.blocks = [b for b in req.blocks if b != FREED], []
+        blocks, req.blocks, req.tables = held(req), [], [[] for _ in req.tables]
         if ended is not None:
             ended.block_ids = tuple(blocks)
             self._out.append(ended)
@@ -338,7 +341,16 @@ class Lifecycle(Inspection):
             keys = keys_of_packed(tokens, self.spec.block_size, extra_keys, self.namespace, self.key_cache)
         except ValidationError as e:
             raise ValidationError(f"request {request_id!r}: {e}") from None
-        return Request(request_id, self.DEFINITION.initial, tokens, keys, extra_keys)
+        req = Request(request_id, self.DEFINITION.initial, tokens, keys, extra_keys)
+        req.tables = [[] for _ in range(self._per_block - 1)]
+        return req
+
+    def _take_blocks(self, req: Request, n: int, headroom: int = 0) -> list[int]:
+        """Give ``req`` ``n`` more logical blocks, in every table (keeping ``headroom`` free);
+        the blocks allocated. Raises :class:`~kvstate.errors.OutOfBlocksError`, changing nothing."""
+        ids = self.pool.allocate(n * self._per_block, headroom)
+        give(req, ids)
+        return ids
 
     def _take_cached(self, req: Request, n: int, lookup: Sequence[str], headroom: int = 0) -> bool:
         """With the GPU prefix cache: give ``req`` ``n`` blocks, the leading ones claimed where
@@ -351,9 +363,10 @@ class Lifecycle(Inspection):
         return True
 
     def _check_fits(self, req: Request, nblocks: int) -> None:
-        if nblocks > self.pool.num_blocks:
+        if nblocks * self._per_block > self.pool.num_blocks:
+            tables = f" in each of {self._per_block} block tables" if self._per_block > 1 else ""
             raise ValidationError(f"request {req.id!r}: {len(req.tokens)} tokens need {nblocks} blocks of "
-                                  f"{self.spec.block_size}, more than the pool's {self.pool.num_blocks}")
+                                  f"{self.spec.block_size}{tables}, more than the pool's {self.pool.num_blocks}")
 
     # -- actions both tables name (called as action(request, value)) -------------------------------
     def _recycle(self, req: Request, value: Any = None) -> None:
@@ -379,4 +392,4 @@ class Lifecycle(Inspection):
         req.base = base
         keys = req.keys
         self._transfer(req, cls, "written", keys[base:], req.blocks[base:len(keys)],
-                       states=self.states.written(req, base, len(keys)))
+                       states=self.states.written(req, base, len(keys)), tables=cut(req, base, len(keys)))

@@ -63,6 +63,7 @@ from .machine import CompiledMachine, MachineDef
 from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED, Policy
 from .registry import Request
 from .spec import CacheSpec
+from .tables import cut
 from .validate import check_int, check_layerwise, check_token
 
 __all__ = ["PREFILL", "PrefillLifecycle"]
@@ -220,9 +221,9 @@ class PrefillLifecycle(Lifecycle):
         if self.states and not self.states.take(req, self.states.pages_for(req)):
             got = False
         elif self.prefix_cache is None:
-            got = self.pool.num_free >= n
+            got = self.pool.num_free >= n * self._per_block
             if got:
-                req.blocks = self.pool.allocate(n)
+                self._take_blocks(req, n)
         else:
             got = self._take_cached(req, n, lookup)
             self.counters["gpu_prefix_blocks"] += req.hits if got else 0
@@ -247,7 +248,7 @@ class PrefillLifecycle(Lifecycle):
         n = self._prefix_limit(req)
         start = req.base = req.hits  # past the blocks the GPU prefix cache gave
         self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n],
-                       states=self.states.candidates(req, start, n, whole=False))
+                       states=self.states.candidates(req, start, n, whole=False), tables=cut(req, start, n))
 
     def _start_prefill(self, req: Request, value: int | None) -> None:
         """Prefill after a store read of ``value`` blocks past ``req.base`` (``None``: no
@@ -262,7 +263,8 @@ class PrefillLifecycle(Lifecycle):
             req.snaps = tuple(s for s in self.states.snapshots(req) if s > blocks)
         start = req.from_page if blocks and blocks == req.hits else -1  # the cached state it claimed
         cmd = C.StartPrefill(req.id, tuple(req.blocks), blocks * bs, state_pages=tuple(req.pages),
-                             checkpoints=tuple(s * bs for s in req.snaps), state_from=start)
+                             checkpoints=tuple(s * bs for s in req.snaps), state_from=start,
+                             tables=cut(req, 0, len(req.blocks)))
         if req.pages:  # a read it gave up on would overwrite the running state: wait until none can land
             self._send_settled(req, cmd)
         else:  # blocks are keyed by content: a late read brings the bytes the prefill computes
@@ -298,7 +300,7 @@ class PrefillLifecycle(Lifecycle):
         n = self._prefix_limit(req)
         start = req.base = req.hits + value
         self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n],
-                       states=self.states.candidates(req, start, n, whole=False))
+                       states=self.states.candidates(req, start, n, whole=False), tables=cut(req, start, n))
 
     def _start_prefill_from_host(self, req: Request, value: int) -> None:
         """Some host hits did not come in: prefill past those that did (with state groups, past

@@ -21,7 +21,7 @@ ENDED_MEMORY = 4096  #: ended ids remembered, so late events for them are told f
 class Request:
     """A live request's record."""
 
-    __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "cmd", "base", "retries",
+    __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "tables", "cmd", "base", "retries",
                  "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight", "host_keys",
                  "host_fresh", "hits", "layers", "saved", "window_from", "deferred", "pages", "snaps",
                  "from_page")
@@ -34,6 +34,8 @@ class Request:
         self.keys = keys
         self.extra_keys = extra_keys
         self.blocks: list[int] = []
+        #: with group tables, the other paged groups' block tables (:mod:`kvstate.tables`)
+        self.tables: list[list[int]] = []
         self.cmd = 0  #: the command whose answer the request waits for (0: none)
         self.base = 0  #: the first key of its current write
         self.retries = 0

@@ -51,6 +51,9 @@ class CacheSpec:
 
     ``groups`` describes the layers as :class:`~kvstate.layers.LayerGroup`\ s of kinds (full,
     sliding window, latent, state; :mod:`kvstate.layers` gives the rules); none is one full group.
+    ``group_tables`` gives each paged group a block table of its own, so a window group's blocks
+    behind its window are freed while a full group keeps its own (:mod:`kvstate.tables`). It is
+    the GPU's layout, not the store's: a P and a D may differ on it.
 
     ``total_kv_heads`` is the model's KV heads (0: ``kv_heads * tp_size``; fewer than
     ``tp_size``: each rank holds one head, replicated). ``store_heads`` is the heads per stored
@@ -71,6 +74,7 @@ class CacheSpec:
     total_kv_heads: int = 0
     store_heads: int = 0
     groups: tuple[LayerGroup, ...] = ()
+    group_tables: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size", "layer_groups"):
@@ -92,6 +96,9 @@ class CacheSpec:
                               + (" whose blocks are stored (state layers have none)" if paged != self.layers else ""))
         if self.splits_groups and self.layer_groups != 1:
             raise ConfigError("CacheSpec: window groups are stored group by group: layer_groups must be 1")
+        if not isinstance(self.group_tables, bool) or (self.group_tables and not self.splits_groups):
+            raise ConfigError(f"CacheSpec.group_tables {self.group_tables!r}: a block table per layer group "
+                              "(kvstate.tables) is a bool, True only for a spec with a window group")
 
     def _check_heads(self) -> None:
         """``total_kv_heads`` split over the ranks (or replicated), ``store_heads`` a divisor."""
@@ -308,9 +315,10 @@ class CacheSpec:
 
     @property
     def frees_behind_window(self) -> bool:
-        """Whether every paged layer is a window layer (Mistral's pattern): then no layer needs
-        a block wholly behind the window, and a decoding request frees it."""
-        return bool(self.stored_groups) and all(g.kind == "window" for g in self.stored_groups)
+        """Whether a decoding request frees blocks behind its window: every paged layer is a
+        window layer (Mistral's pattern), or each group has a block table of its own
+        (``group_tables``: the window groups' tables free them, :mod:`kvstate.tables`)."""
+        return self.group_tables or (bool(self.stored_groups) and all(g.kind == "window" for g in self.stored_groups))
 
     def resume_blocks(self, whole: int, window_end: int, window_from: int, blocks: int) -> int:
         """Leading blocks a cache can be continued from after a read that took ``whole``

@@ -63,8 +63,9 @@ class Rig:
     def __init__(self, tp: int = 2, blocks: int = 64, policy: Policy | None = None, spec=None,
                  store=None, first_token_timeout: float = 100.0, p_blocks: int | None = None,
                  host_blocks: int = 0, layerwise: bool = False, p_host_blocks: int | None = None,
-                 **lifecycle_kwargs) -> None:
-        """``p_host_blocks``: P's host tier when it differs from D's (``host_blocks``)."""
+                 d_spec=None, **lifecycle_kwargs) -> None:
+        """``p_host_blocks``: P's host tier when it differs from D's (``host_blocks``); ``d_spec``:
+        D's spec when it differs from P's (``spec``), in a layout both store alike."""
         self.clock = Clock()
         self.spec = spec or small_spec(tp)
         self.policy = dataclasses.replace(policy or Policy(transfer_timeout=10.0, fence_grace=5.0),
@@ -74,11 +75,12 @@ class Rig:
         p_host = host_blocks if p_host_blocks is None else p_host_blocks
         self.P = PrefillLifecycle(self.spec, p_blocks, self.policy, clock=self.clock, host_blocks=p_host,
                                   layerwise=layerwise, **lifecycle_kwargs)
-        self.D = DecodeLifecycle(self.spec, blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
+        self.d_spec = d_spec or self.spec
+        self.D = DecodeLifecycle(self.d_spec, blocks, self.policy, clock=self.clock, host_blocks=host_blocks,
                                  layerwise=layerwise, **lifecycle_kwargs)
         states = lifecycle_kwargs.get("num_states", 0)
         self.pb = ReferenceBackend(self.spec, p_blocks, self.store, host_blocks=p_host, num_states=states)
-        self.db = ReferenceBackend(self.spec, blocks, self.store, host_blocks=host_blocks, num_states=states)
+        self.db = ReferenceBackend(self.d_spec, blocks, self.store, host_blocks=host_blocks, num_states=states)
         self.pd = StepDriver(self.P, self.pb)
         self.dd = StepDriver(self.D, self.db)
 

@@ -32,7 +32,7 @@ class DecodeRules:
                 break
             self.tokens[rid].append(tok)
             toks = self.tokens[rid][:-1]
-            fill(rig.db, toks, rig.D.blocks_of(rid), (len(toks) - 1) // BS)
+            fill(rig.db, toks, rig.D.rows_of(rid), (len(toks) - 1) // BS)
             self._compute_state(rig.db, rig.D.pages_of(rid), toks)
             STATS["decode_steps"] += 1
         self._process_notices()

@@ -10,6 +10,7 @@ from hypothesis.stateful import invariant
 from protocol_support import BS, STATS, fill
 
 from kvstate.pool import FREED
+from kvstate.tables import rows, window_tables
 from kvstate.testing import mismatched_blocks
 
 __all__ = ["PoolInvariants", "DrainedAtTeardown"]
@@ -123,16 +124,22 @@ class PoolInvariants:
 
     @invariant()
     def no_transfer_touches_a_block_freed_behind_the_window(self):
-        """Blocks a decoding request freed behind its window (``FREED`` in its table, a
-        layout whose every layer is a window layer) lead its table and are in no transfer."""
+        """Blocks a decoding request freed behind its window (``FREED`` in a table: a layout
+        whose every layer is a window layer, or a window group's own table) lead the table, and
+        are in no transfer; a full group's table frees none."""
         d = self.rig.D if hasattr(self, "rig") else None
-        freed = [rid for rid in d.live_requests() if FREED in d.blocks_of(rid)] if d is not None else []
+        tables = {rid: list(zip(*d.rows_of(rid))) if d.spec.group_tables else [d.blocks_of(rid)]
+                  for rid in d.live_requests()} if d is not None else {}
+        freed = [rid for rid, ts in tables.items() if any(FREED in t for t in ts)]
         if freed:
             STATS["invariant:no_transfer_touches_a_block_freed_behind_the_window"] += 1
+            STATS["window_tables_freed"] += d.spec.group_tables
+            windows = window_tables(d.spec)
             for rid in freed:
-                table = d.blocks_of(rid)
-                k = table.count(FREED)
-                assert table[:k] == (FREED,) * k, f"no_transfer_touches_a_block_freed_behind_the_window: {rid} {table}"
+                for i, table in enumerate(tables[rid]):
+                    k = table.count(FREED)
+                    assert table[:k] == (FREED,) * k and (not k or i in windows), \
+                        f"no_transfer_touches_a_block_freed_behind_the_window: {rid} table {i} {table}"
             for cmd, blocks, _, _ in d.transfers():
                 assert FREED not in blocks, \
                     f"no_transfer_touches_a_block_freed_behind_the_window: command {cmd.command_id} {blocks}"
@@ -164,10 +171,10 @@ class DrainedAtTeardown:
         """The engine's recompute, if the request still wants it (as the command said)."""
         rig, rid = self.rig, n.request_id
         wanted = rid in rig.D.live_requests() and rig.D.state_of(rid) == "recomputing"
-        if wanted and rig.D.blocks_of(rid) == n.block_ids:
+        if wanted and rig.D.rows_of(rid) == rows(n.block_ids, n.tables):
             toks = self.tokens[rid][:-1]
             self._start_from_state(rig.db, n.state_pages, toks, n.from_token, f"{rid}'s recompute")
-            fill(rig.db, toks, n.block_ids, n.from_token // BS)
+            fill(rig.db, toks, rows(n.block_ids, n.tables), n.from_token // BS)
             self._compute_state(rig.db, n.state_pages, toks)
             rig.D.recompute_done(rid)
             return True

@@ -7,6 +7,7 @@ Every run adds to :data:`~protocol_support.STATS`: examples, steps, faults per c
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from conftest import Rig, small_spec
@@ -22,6 +23,7 @@ from protocol_swaps import SwapRules
 from kvstate import InvalidTransitionError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
 from kvstate.backends import MemoryStore
+from kvstate.tables import per_block, rows
 
 
 class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTeardown,
@@ -36,14 +38,17 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                 swap_write=st.sampled_from(["host", "through", "back"]), prefix_cache=st.booleans(),
                 layerwise=st.booleans(), groups=st.sampled_from([1, 2]),
                 layout=st.sampled_from(["plain", "plain", "plain", "window", "sliding", "latent", "state",
-                                        "window_state"]))
+                                        "window_state", "window_tables"]))
     def setup(self, tp, read_failure, preempt, retries, capacity, p_blocks, host_blocks, swap_fallback, swap_write,
               prefix_cache, layerwise, groups, layout):  # a small P pool makes requests queue for blocks ("waiting")
         STATS["examples"] += 1
         if self.LAYOUTS_ONLY:  # a hunt for one layout's bug: every draw becomes one of them
             layout = self.LAYOUTS_ONLY[sorted(LAYOUTS).index(layout) % len(self.LAYOUTS_ONLY)]
-        if layerwise and layout in ("window", "sliding", "window_state"):  # stored by group: not layer-wise
+        if layerwise and layout in ("window", "sliding", "window_state", "window_tables"):  # stored by group
             layout = "plain"
+        if layout == "window_tables":  # group tables: no GPU prefix cache or host tier (kvstate.tables)
+            prefix_cache, host_blocks = False, 0
+            preempt = "write" if preempt == "swap" else preempt
         STATS[f"layout:{layout}"] += 1
         keep = 1 + groups  # the groups draw (only plain layouts use it): the checkpoints P keeps, 2 or 3
         STATS[f"state_checkpoints:{keep}"] += "state" in layout
@@ -52,6 +57,10 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
         if "state" in layout:  # state pages: no write-back from host memory
             swap_write = swap_write.replace("back", "through")
         self.switch = StoreSwitch(MemoryStore(capacity))  # a 3-slot host tier is too small: the swap fallback runs
+        spec = small_spec(tp, layer_groups=groups, **LAYOUTS[layout])
+        # with group tables, P keeps one table half the time: the store's layout is the same
+        p_spec = dataclasses.replace(spec, group_tables=False) if spec.group_tables and keep == 2 else spec
+        p_blocks *= per_block(p_spec)  # as many logical blocks whatever P's tables
         self.rig = Rig(tp=tp, blocks=24, p_blocks=p_blocks, store=self.switch, host_blocks=host_blocks,
                        policy=Policy(read_failure=read_failure, preempt=preempt, write_retries=retries,
                                      transfer_timeout=5.0, fence_grace=3.0, queue_timeout=8.0,
@@ -59,7 +68,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                                      state_checkpoints=keep),
                        first_token_timeout=12.0, prefix_cache=prefix_cache, layerwise=layerwise,
                        num_states=6 if "state" in layout else 0,
-                       spec=small_spec(tp, layer_groups=groups, **LAYOUTS[layout]))
+                       spec=p_spec, d_spec=spec)
         #: prompts of state layouts are drawn twice over (up to half P's pool: others still fit beside
         #: them), so they pass several checkpoints
         self.stretch = 2 if "state" in layout else 1
@@ -141,7 +150,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
             # D is runnable only with every needed block read on every rank, byte-equal to P's
             toks = self.tokens[rid][:-1]
             STATS["invariant:runnable_only_after_full_read_on_every_rank_with_p_bytes"] += bool(toks)
-            bad = decode_mismatches(rig.db, toks, n.block_ids)
+            bad = decode_mismatches(rig.db, toks, rows(n.block_ids, n.tables))
             assert not bad, \
                 f"runnable_only_after_full_read_on_every_rank_with_p_bytes: {rid} (block, rank, kind) {bad[:3]}"
             self._check_decode_state(rid, n.state_pages)
@@ -255,7 +264,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
             if rid not in self.started:  # (checked when its first layers were reported, if they were)
                 self._start_from_state(rig.pb, n.state_pages, toks, n.num_cached_tokens, f"{rid}'s prefill",
                                        n.state_from)
-            fill(rig.pb, toks, n.block_ids, n.num_cached_tokens // BS)
+            fill(rig.pb, toks, rows(n.block_ids, n.tables), n.num_cached_tokens // BS)
             self._compute_state(rig.pb, n.state_pages, toks, n.checkpoints)
             rig.P.prefill_done(rid, 1)
 
@@ -333,7 +342,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
                 # the decode step that produced ``tok`` computed the cache of the token before it
                 # (keys of every block but the newest token's change with it): as an engine would
                 toks = self.tokens[rid][:-1]
-                fill(rig.db, toks, rig.D.blocks_of(rid), (len(toks) - 1) // BS)
+                fill(rig.db, toks, rig.D.rows_of(rid), (len(toks) - 1) // BS)
                 self._compute_state(rig.db, rig.D.pages_of(rid), toks)
             elif action == "finish":
                 rig.D.finish(rid)

@@ -116,7 +116,8 @@ def snapshot(lc) -> tuple:
 #: window layer second but its group first, so the stored order (group by group) is not the
 #: layers' own; every layer a window layer of one block (Mistral's pattern: D frees blocks behind it); a latent
 #: (MLA) cache, one replicated head stored once; a full layer beside two state layers (Mamba) checkpointing
-#: every 2 blocks
+#: every 2 blocks; the window layout with a block table per group (D's, and P's half the time): D frees
+#: the window group's blocks behind the window and keeps the full group's
 LAYOUTS = {"plain": {},
            "window": {"groups": (LayerGroup("window", (1,), window=2 * BS), LayerGroup("full", (0,)))},
            "sliding": {"groups": (LayerGroup("window", (0, 1), window=BS),)},
@@ -127,6 +128,7 @@ LAYOUTS = {"plain": {},
            "window_state": {"num_layers": 4, "groups": (
                LayerGroup("full", (0,)), LayerGroup("window", (1,), window=2 * BS),
                LayerGroup("state", (2, 3), state_bytes=16, checkpoint=2 * BS))}}
+LAYOUTS["window_tables"] = {**LAYOUTS["window"], "group_tables": True}
 
 
 def decode_mismatches(backend, toks, block_ids) -> list:

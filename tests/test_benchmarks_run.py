@@ -76,6 +76,11 @@ def test_layer_groups_benchmark_stores_a_latent_cache_once(tmp_path):
     read = res["window_read"]  # measured: 2 full layers of 12 and the window's 64 blocks of 512
     assert read["window"]["bytes_right"] and read["window"]["blocks_answered"] == read["blocks"]
     assert abs(read["ratio"] - (2 / 12 + 10 / 12 * 64 / 512)) < 1e-9
+    held = res["held"]  # 514 blocks (32768 + 64 tokens + the next), the window's 64 and the one it starts in
+    assert held["gemma2/one table"]["blocks_held"] == held["gemma3/one table"]["blocks_held"] == 514
+    assert held["gemma2/group tables"]["blocks_held"] == 514 + 65  # 23 full and 23 window layers a block
+    assert held["gemma3/group tables"]["blocks_held"] == 514 + 6 * 65  # 10 full, 52 window in 6 tables
+    assert abs(held["gemma2/ratio"] - (514 + 65) / 514 / 2) < 1e-9 and held["gemma3/ratio"] < 0.3
 
 
 def test_groundtruth_replay_writes_the_scenario_a_user_would(tmp_path):

@@ -30,7 +30,8 @@ def cmd(cls=C.WriteBlocks, cid=1, keys=("a", "b"), blocks=(3, 4), **kw):
 @pytest.mark.parametrize("c", [cmd(), cmd(C.ReadBlocks), cmd(C.ReadBlocks, window_from=1), cmd(C.LoadLayers),
                                cmd(C.SaveLayers), cmd(states=((1, 0), (2, 3))), cmd(C.ReadBlocks, states=((2, 1),)),
                                cmd(C.SwapOut, host_slots=(0, 1)), cmd(C.SwapIn, host_slots=(5, 6)),
-                               cmd(C.FlushHost, blocks=(), host_slots=(1, 2))])
+                               cmd(C.FlushHost, blocks=(), host_slots=(1, 2)), cmd(tables=((5, 6), (7, 8))),
+                               cmd(C.ReadBlocks, window_from=1, tables=((5, 6),))])
 def test_every_command_crosses_the_wire_for_one_rank(c):
     items = wire.unpack(wire.command_message(c, 77))
     assert items[1] == 77
@@ -40,25 +41,28 @@ def test_every_command_crosses_the_wire_for_one_rank(c):
         (c.command_id, c.request_id, c.keys, c.block_ids, c.deadline, c.fence)
     assert getattr(back, "host_slots", ()) == getattr(c, "host_slots", ())
     assert getattr(back, "window_from", 0) == getattr(c, "window_from", 0)
-    assert back.states == c.states
+    assert back.states == c.states and back.tables == c.tables
 
 
 @pytest.mark.parametrize("items, needle", [
-    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0, 0, []], "command kind"),
-    ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0, 0, []], "command id"),
-    ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0, 0, []], "request id"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0, 0, []], "do not fit"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [True], [], 1.0, 2.0, 0, []], "block ids"),
-    ([wire.CMD, 1, 1, 1, "r", [1], [1], [], 1.0, 2.0, 0, []], "a key"),
-    ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, []], "do not fit"),
-    ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0, 0, []], "deadline"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 2, []], "window's first key"),
-    ([wire.CMD, 1, 3, 1, "r", ["k"], [1], [], 1.0, 2.0, 1, []], "a WriteBlocks has no window"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [1]], "states must be"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [2, 0]], "states must be"),
-    ([wire.CMD, 1, 1, 1, "r", ["k", "j"], [1, 2], [], 1.0, 2.0, 0, [2, 0, 1, 1]], "states must be"),
-    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [1, -1]], "states"),
-    ([wire.CMD, 1, 1, 1, "r", [], [], [], 1.0, 2.0, 0], "items after its type"),
+    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0, 0, [], []], "command kind"),
+    ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0, 0, [], []], "command id"),
+    ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0, 0, [], []], "request id"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0, 0, [], []], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [True], [], 1.0, 2.0, 0, [], []], "block ids"),
+    ([wire.CMD, 1, 1, 1, "r", [1], [1], [], 1.0, 2.0, 0, [], []], "a key"),
+    ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [], []], "do not fit"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0, 0, [], []], "deadline"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 2, [], []], "window's first key"),
+    ([wire.CMD, 1, 3, 1, "r", ["k"], [1], [], 1.0, 2.0, 1, [], []], "a WriteBlocks has no window"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [1], []], "states must be"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [2, 0], []], "states must be"),
+    ([wire.CMD, 1, 1, 1, "r", ["k", "j"], [1, 2], [], 1.0, 2.0, 0, [2, 0, 1, 1], []], "states must be"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [1, -1], []], "states"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [], [[2, 3]]], "each group table must hold 1"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [], [3]], "a group table"),
+    ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [], {}], "group tables must be a list"),
+    ([wire.CMD, 1, 1, 1, "r", [], [], [], 1.0, 2.0, 0, []], "items after its type"),
 ])
 def test_a_bad_command_is_refused_with_the_rule(items, needle):
     with pytest.raises(ProtocolError, match=needle):
@@ -136,19 +140,23 @@ def test_the_handoff_through_rank_worker_processes_is_byte_exact(tmp_path):
     assert not [p for p in pids if alive(p)]
 
 
-def test_window_first_reads_run_in_the_workers_and_bring_every_needed_byte(tmp_path):
+@pytest.mark.parametrize("group_tables", [False, True])
+def test_window_first_reads_run_in_the_workers_and_bring_every_needed_byte(tmp_path, group_tables):
     """A window layer (8 tokens) beside a full one: D's reads of prompts up to 48 tokens leave
-    the window layer's early blocks in the store, and every byte D's decode needs is P's."""
+    the window layer's early blocks in the store, and every byte D's decode needs is P's; with
+    a block table per group, the commands carry the full group's table to the workers."""
     from kvstate.layers import LayerGroup
 
     spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2,
-                     groups=(LayerGroup("window", (0,), window=8), LayerGroup("full", (1,))))
+                     groups=(LayerGroup("window", (0,), window=8), LayerGroup("full", (1,))), group_tables=group_tables)
     rig = ProcRig(str(tmp_path), spec=spec)
     windows = []
     try:
-        r = rig.run(24, on_submit=lambda side, c: windows.append(getattr(c, "window_from", 0)) if side == "D" else 0)
+        r = rig.run(24, on_submit=lambda side, c: windows.append((getattr(c, "window_from", 0), len(c.tables)))
+                    if isinstance(c, C.TransferCommand) else None)
         assert (r["ended"], r["leaked"], r["pending"], r["live"], r["mismatched"]) == (24, 0, 0, 0, 0)
-        assert max(windows) > 0 and r["checked"] > 100
+        assert max(w for w, _ in windows) > 0 and r["checked"] > 100
+        assert {t for _, t in windows} == {int(group_tables)}
     finally:
         rig.close()
 

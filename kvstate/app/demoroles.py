@@ -15,13 +15,14 @@ while it decodes), 20 % preempted once while decoding.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import commands as C
 from ..errors import OutOfBlocksError
 from ..keys import block_keys
+from ..tables import rows
 from ..testing import fill_blocks, mismatched_blocks, mismatched_needed
 
 __all__ = ["Plan", "make_plans", "PrefillRole", "DecodeRole"]
@@ -78,8 +79,9 @@ class _Role:
         self.rng = random.Random(seed)
         self.checked = self.mismatched = 0
 
-    def check(self, keys: list[str], blocks: tuple[int, ...], upto: int, tokens: int = 0) -> None:
-        """Count the bytes of the first ``upto`` blocks that differ from the writer's; with
+    def check(self, keys: list[str], blocks: Sequence[Any], upto: int, tokens: int = 0) -> None:
+        """Count the bytes of the first ``upto`` logical blocks (:func:`kvstate.tables.rows`)
+        that differ from the writer's; with
         ``tokens`` (D's whole cache), only where continuing it needs them (window groups)."""
         spec = self.lc.spec
         self.checked += upto * spec.tp_size * len(spec.kinds)
@@ -115,12 +117,12 @@ class PrefillRole(_Role):
             keys = block_keys(prompt, self.block_size)
             cached = cmd.num_cached_tokens // self.block_size
             self.prefix_blocks_read += cached
-            self.check(keys, cmd.block_ids, cached)  # the prefix read from storage
+            self.check(keys, rows(cmd.block_ids, cmd.tables), cached)  # the prefix read from storage
             if abort_at == "prefill":
                 self.lc.abort(cmd.request_id)
                 self.abort_peer(cmd.request_id)
                 return
-            fill_blocks(self.view, keys, cmd.block_ids, cached)
+            fill_blocks(self.view, keys, rows(cmd.block_ids, cmd.tables), cached)
             self.lc.prefill_done(cmd.request_id, self.rng.randrange(50_000))
         elif isinstance(cmd, C.SendFirstToken):
             self.send_first_token(cmd.request_id, cmd.token, cmd.error_code)
@@ -171,14 +173,14 @@ class DecodeRole(_Role):
             return
         if isinstance(cmd, C.StartDecode):
             keys = block_keys(plan.tokens[:-1], self.block_size)
-            self.check(keys, cmd.block_ids, len(keys), len(plan.tokens) - 1)
+            self.check(keys, rows(cmd.block_ids, cmd.tables), len(keys), len(plan.tokens) - 1)
             if plan.abort_at == "running":
                 self.lc.abort(plan.rid)
                 return
             plan.running = True
         elif isinstance(cmd, C.Recompute):
             keys = block_keys(plan.tokens[:-1], self.block_size)
-            fill_blocks(self.view, keys, cmd.block_ids, cmd.from_token // self.block_size)
+            fill_blocks(self.view, keys, rows(cmd.block_ids, cmd.tables), cmd.from_token // self.block_size)
             self.lc.recompute_done(plan.rid)
         elif isinstance(cmd, C.RequestEnded):
             plan.running = False
@@ -215,7 +217,7 @@ class DecodeRole(_Role):
             plan.preempt_at = None
             # materialize the cache D computed so far, then preempt (write-back, free)
             keys = block_keys(plan.tokens[:-1], self.block_size)
-            fill_blocks(self.view, keys, self.lc.blocks_of(plan.rid), 0)
+            fill_blocks(self.view, keys, self.lc.rows_of(plan.rid), 0)
             plan.running = False
             plan.preempted = True
             self.preemptions += 1

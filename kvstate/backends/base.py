@@ -190,8 +190,10 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
-              layers: Callable[..., Any] | None = None) -> int:
+              layers: Callable[..., Any] | None = None, tables: Sequence[Sequence[int]] = ()) -> int:
         """Store block ``block_ids[i]`` under ``keys[i]``; how many leading blocks were stored.
+        With group tables (:mod:`kvstate.tables`; passed only then) ``block_ids`` are the first
+        layer group's blocks and ``tables`` the others', aligned with them.
 
         ``layers`` (a layer-wise save, a :meth:`~kvstate.backends.gate.LayerGate.ready`):
         store layer group by group, each only once ``layers(end)`` says its layers ``[0,
@@ -201,8 +203,10 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
-             arrived: Callable[[int, Any], None] | None = None, window_from: int = 0) -> int:
-        """Read ``keys[i]`` into block ``block_ids[i]``; how many leading blocks arrived whole.
+             arrived: Callable[[int, Any], None] | None = None, window_from: int = 0,
+             tables: Sequence[Sequence[int]] = ()) -> int:
+        """Read ``keys[i]`` into block ``block_ids[i]`` (and ``tables``, as in :meth:`write`);
+        how many leading blocks arrived whole.
 
         ``arrived`` (a layer-wise load): read layer group by group, calling ``arrived(end,
         event)`` once layers ``[0, end)`` of every block are scattered (``event``: a device

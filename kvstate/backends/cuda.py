@@ -27,6 +27,7 @@ from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
 from .base import Guard, Store, check_fence
+from .blockaccess import BlockAccess
 from .cuda_caches import bind_rank, caches_by_rank
 from .cuda_states import DeviceStates
 from .cuda_sums import DeviceSums
@@ -38,7 +39,7 @@ from .stateobjects import paged_of
 __all__ = ["CudaBackend"]
 
 
-class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
+class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
     """Per-rank GPU caches over a :class:`~kvstate.backends.stores.Store`, through pinned staging.
 
     ``ranks`` (default: all) are the TP ranks held here. ``caches``, when given, is
@@ -52,8 +53,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
                  host_blocks: int = 0, ranks: Sequence[int] | None = None, num_states: int = 0,
                  states: Any = None) -> None:
         full, spec = spec, paged_of(spec)
-        self._setup(spec, num_blocks, store, ranks)
-        check_int(host_blocks, "CudaBackend: host_blocks", minimum=0)
+        self._setup(spec, num_blocks, store, ranks, host_blocks)
         self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
         per_block = spec.bytes_per_block_per_rank
         if not isinstance(staging_bytes, int) or staging_bytes < 2 * per_block:
@@ -99,22 +99,15 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
         """The bound per-layer GPU caches of ``kind`` on ``rank``."""
         return self._layers[rank][kind]
 
-    def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
-        """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
+    def _layer_views(self, rank: int, kind: str) -> Any:
         self._check_open()
-        self._check_keys(rank, ())
-        self._check_block(block_id)
-        return b"".join(v[block_id].get().tobytes() for v in self._layers[rank][kind].views)
+        return self._layers[rank][kind].views
 
-    def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:
-        """Overwrite one block of ``kind`` on ``rank`` (block-major bytes, as stored)."""
-        self._check_open()
-        self._check_fill(rank, kind, block_id, data)
-        views = self._layers[rank][kind].views
-        chunk = views[0][block_id].nbytes
-        for i, v in enumerate(views):
-            part = np.frombuffer(data, v.dtype, offset=i * chunk, count=v[block_id].size)
-            v[block_id] = self.cp.asarray(part.reshape(v.shape[1:]))
+    def _chunk_bytes(self, chunk: Any) -> bytes:
+        return bytes(chunk.get().tobytes())
+
+    def _set_chunk(self, layer: Any, block: int, data: np.ndarray) -> None:
+        layer[block] = self.cp.asarray(data)
 
     def _arena(self, rank: int, kind: str) -> np.ndarray:
         self._check_open()
@@ -187,14 +180,19 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
                                             rows, np.arange(m, dtype=np.int64), direction)
         return ev  # one stream: the last event covers every kind
 
-    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-              guard: Guard | None = None, layers: Callable[..., Any] | None = None) -> int:
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
+              layers: Callable[..., Any] | None = None, tables: Sequence[Sequence[int]] = ()) -> int:
         self._check_open()
-        self._check_transfer(rank, keys, block_ids)
+        self._check_transfer(rank, keys, block_ids, tables)
         if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
             return len(keys)
-        count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
-            rank, part, keys[:m], block_ids[:m], guard, layers))
+        if tables:  # group tables: each group from its own blocks
+            ids = self._group_ids(block_ids, tables)
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._each_group(
+                m, lambda g, k: self._put(rank, part, keys[:k], ids[g][:k], guard, g)))
+        else:
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
+                rank, part, keys[:m], block_ids[:m], guard, layers))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
@@ -289,13 +287,15 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend):
         return count
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
-             arrived: Callable[[int, Any], None] | None = None, window_from: int = 0) -> int:
+             arrived: Callable[[int, Any], None] | None = None, window_from: int = 0,
+             tables: Sequence[Sequence[int]] = ()) -> int:
         self._check_open()
-        self._check_transfer(rank, keys, block_ids)
+        self._check_transfer(rank, keys, block_ids, tables)
         check_int(window_from, "CudaBackend.read: window_from", minimum=0, maximum=len(keys))
-        if window_from and self.spec.splits_groups:  # window groups from their last window on
+        if (window_from and self.spec.splits_groups) or tables:  # group by group (window ones from window_from)
             return self._each_part(rank, len(keys), lambda part, m, _: self._read_window(
-                part, keys, block_ids, m, window_from, lambda g, ks, ids: self._get(rank, part, ks, ids, guard, g)))
+                part, keys, self._group_ids(block_ids, tables), m, window_from,
+                lambda g, ks, ids: self._get(rank, part, ks, ids, guard, g)))
         count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
             rank, part, keys[:m], block_ids[:m], guard, arrived if whole else None))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank

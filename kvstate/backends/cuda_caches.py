@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers
 from ..spec import CacheSpec
+from ..tables import page_layers, slot_of_layer
 
 __all__ = ["caches_by_rank", "bind_rank", "Bound"]
 
@@ -42,10 +43,11 @@ def bind_rank(cp: Any, sw: CudaSwapper, spec: CacheSpec, num_blocks: int, device
               layers: Any) -> Bound:
     """Bind rank ``r``'s caches of ``kind`` (zeroed ones allocated when ``layers`` is None), and
     each head group's and layer group's views of them."""
-    if layers is None:
+    if layers is None:  # with group tables, the layers at one slot of a block share an array (kvstate.tables)
         with cp.cuda.Device(device):
-            layers = [cp.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
-                      for _ in range(spec.layers)]
+            slots = [cp.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
+                     for _ in range(page_layers(spec))]
+        layers = [slots[i] for i in slot_of_layer(spec)]
     name = f"caches[{r}][{kind!r}]"
     bound = sw.bind(list(layers), name)
     want = (num_blocks,) + spec.block_shape(kind)

@@ -26,7 +26,8 @@ import numpy as np
 from ..errors import ValidationError
 from ..keys import rank_key
 from ..spec import CacheSpec
-from ..validate import is_int
+from ..tables import check_layout, per_block
+from ..validate import check_int, is_int
 from .base import Guard, Store, TransferBackend, as_bytes_view, leading
 from .integrity import Hasher, geometry_id
 from .manifested import MANIFEST_KIND, Manifested
@@ -39,11 +40,14 @@ class StoreBackend(Manifested, TransferBackend):
     """One object per (block, kind, rank, layer group) in a :class:`Store`: checks, names,
     views, query, whole blocks."""
 
-    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store, ranks: Sequence[int] | None = None) -> None:
+    def _setup(self, spec: CacheSpec, num_blocks: int, store: Store, ranks: Sequence[int] | None = None,
+               host_blocks: int = 0) -> None:
         name = type(self).__name__
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"{name}: spec must be a CacheSpec")
         spec.check_moved(name)
+        check_int(host_blocks, f"{name}: host_blocks", minimum=0)
+        check_layout(spec, False, host_blocks, name)
         if not is_int(num_blocks) or num_blocks <= 0:
             raise ValidationError(f"{name}: num_blocks must be an int > 0, got {num_blocks!r}")
         if not isinstance(store, Store):
@@ -86,18 +90,41 @@ class StoreBackend(Manifested, TransferBackend):
                 or not all(isinstance(k, str) and k for k in keys):
             raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
 
-    def _check_transfer(self, rank: int, keys: Sequence[str], block_ids: Sequence[int]) -> None:
-        """As :meth:`_check_keys`, and block ids one per key, ints in range and distinct."""
+    def _check_transfer(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+                        tables: Sequence[Sequence[int]] = ()) -> None:
+        """As :meth:`_check_keys`, and block ids one per key, ints in range and distinct, in
+        group 0's table and, with group tables (:mod:`kvstate.tables`), each other group's."""
         self._check_keys(rank, keys)
         name = type(self).__name__
-        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
-            raise ValidationError(f"{name}: block ids must be a sequence of ints, got {block_ids!r}")
-        if len(block_ids) != len(keys):
-            raise ValidationError(f"{name}: {len(keys)} keys but {len(block_ids)} block ids")
-        for b in block_ids:
-            self._check_block(b)
-        if len(set(block_ids)) != len(block_ids):
-            raise ValidationError(f"{name}: block ids {list(block_ids)} name a block twice")
+        want = per_block(self.spec) - 1
+        if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence) or len(tables) != want:
+            raise ValidationError(f"{name}: {want} other block tables expected (one per layer group past the "
+                                  f"first, kvstate.tables), got {tables!r}")
+        every: list[int] = []
+        for ids in (block_ids, *tables):
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+                raise ValidationError(f"{name}: block ids must be a sequence of ints, got {ids!r}")
+            if len(ids) != len(keys):
+                raise ValidationError(f"{name}: {len(keys)} keys but {len(ids)} block ids")
+            for b in ids:
+                self._check_block(b)
+            every += ids
+        if len(set(every)) != len(every):
+            raise ValidationError(f"{name}: block ids {every} name a block twice")
+
+    def _group_ids(self, block_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+        """Each stored group's block ids: its own table's with group tables, else ``block_ids``."""
+        return [block_ids, *tables] if tables else [block_ids] * self.spec.object_groups
+
+    def _each_group(self, n: int, move: Callable[[int, int], int]) -> int:
+        """Run ``move(group, m)`` for each stored group over the first ``m`` blocks every earlier
+        group reached; the leading blocks every group moved."""
+        count = n
+        for g in range(self.spec.object_groups):
+            count = min(count, move(g, count))
+            if not count:
+                break
+        return count
 
     def _check_swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
         """A swap's rank, block ids (as a transfer's) and host slots: one per block, in range, distinct."""
@@ -295,18 +322,19 @@ class StoreBackend(Manifested, TransferBackend):
                 break
         return count
 
-    def _read_window(self, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int], m: int,
+    def _read_window(self, part: tuple[int, int], keys: Sequence[str], group_ids: Sequence[Sequence[int]], m: int,
                      window_from: int, get: Callable[[int | None, Sequence[str], Sequence[int]], int]) -> int:
         """Read the first ``m`` blocks of one head group: the full groups' every block, the
         window groups' from ``window_from`` on, each group by ``get(group, keys, block_ids)``
-        (leading blocks it scattered); the leading blocks the cache can be continued from
+        into its blocks (``group_ids``: :meth:`_group_ids`), answering the leading blocks it
+        scattered; the leading blocks the cache can be continued from
         (:meth:`~kvstate.spec.CacheSpec.resume_blocks`)."""
         spec, whole, window_end = self.spec, m, m
         per_layer = sum(spec.chunk_bytes(k) for k in spec.kinds) // spec.head_groups
         for g, group in enumerate(spec.stored_groups):
             lo = min(window_from, m) if group.kind == "window" else 0
             named = g if spec.object_groups > 1 else None  # one group (every layer a window layer): plain names
-            got = get(named, keys[lo:m], block_ids[lo:m]) if m > lo else 0
+            got = get(named, keys[lo:m], group_ids[g][lo:m]) if m > lo else 0
             self.bytes_moved += got * len(group.layers) * per_layer
             if group.kind == "window":
                 window_end = min(window_end, lo + got)

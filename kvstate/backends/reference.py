@@ -28,15 +28,17 @@ import numpy as np
 from ..errors import ValidationError
 from ..kernels.reference import swap_cache_layout
 from ..spec import CacheSpec
+from ..tables import page_layers, slot_of_layer
 from ..validate import check_int
 from .base import Guard, Store, check_caches, check_fence
+from .blockaccess import BlockAccess
 from .objects import StoreBackend
 from .stateobjects import StateObjects, paged_of
 
 __all__ = ["ReferenceBackend"]
 
 
-class ReferenceBackend(StateObjects, StoreBackend):
+class ReferenceBackend(StateObjects, StoreBackend, BlockAccess):
     """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`.
 
     ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
@@ -47,41 +49,34 @@ class ReferenceBackend(StateObjects, StoreBackend):
                  ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None,
                  num_states: int = 0, states: Mapping[int, np.ndarray] | None = None) -> None:
         full, spec = spec, paged_of(spec)
-        self._setup(spec, num_blocks, store, ranks)
+        self._setup(spec, num_blocks, store, ranks, host_blocks)
         self._setup_states(full, num_states)
         #: state_pages[rank] -> [num_states, state bytes] (with state groups): ``states[rank]``
         #: when given (e.g. shared memory, :class:`~kvstate.distributed.shm.SharedCaches`), else zeroed
         self.state_pages = {r: np.zeros((num_states, self.state_size), np.uint8) for r in self.ranks} \
             if states is None else {r: self._state_array(states, r) for r in self.ranks}
-        check_int(host_blocks, "ReferenceBackend: host_blocks", minimum=0)
         if caches is not None:
             check_caches(spec, num_blocks, self.ranks, caches, "ReferenceBackend")
         self.host_blocks = host_blocks  #: slots of the host tier arena, per rank
         #: host[rank][kind] -> block-major arena [host_blocks, layers, heads, block_size, dim]
         self.host = {r: self._host(host_blocks) for r in self.ranks} if host_blocks else {}
         #: caches[rank][kind] -> list of per-layer arrays [num_blocks, heads, block_size, dim]
+        #: (with group tables, layers at one slot of a block share an array: :mod:`kvstate.tables`)
         self.caches: dict[int, dict[str, list[np.ndarray]]] = {
             r: ({kind: list(caches[r][kind]) for kind in spec.kinds} if caches is not None else
-                {kind: [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
-                        for _ in range(spec.layers)] for kind in spec.kinds})
+                {kind: self._layer_arrays(num_blocks, kind) for kind in spec.kinds})
             for r in self.ranks}
 
-    # -- block access (tests, the demo's fake compute) -----------------------------------------
-    def block_bytes(self, rank: int, kind: str, block_id: int) -> bytes:
-        """One block of ``kind`` on ``rank``, all layers, in the stored (block-major) layout."""
-        self._check_keys(rank, ())
-        self._check_block(block_id)
-        self.spec.block_shape(kind)  # a kind of this cache
-        return b"".join(layer[block_id].tobytes() for layer in self.caches[rank][kind])
+    def _layer_arrays(self, num_blocks: int, kind: str) -> list[np.ndarray]:
+        """Zeroed caches of ``kind``, one array per layer slot of a block, listed per layer."""
+        spec = self.spec
+        slots = [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
+                 for _ in range(page_layers(spec))]
+        return [slots[i] for i in slot_of_layer(spec)]
 
-    def fill_block(self, rank: int, kind: str, block_id: int, data: bytes) -> None:
-        """Overwrite one block of ``kind`` on ``rank`` (block-major bytes, as stored)."""
-        self._check_fill(rank, kind, block_id, data)
-        layers = self.caches[rank][kind]
-        chunk = layers[0][block_id].nbytes
-        for i, layer in enumerate(layers):
-            layer[block_id] = np.frombuffer(data, layer.dtype, offset=i * chunk,
-                                            count=layer[block_id].size).reshape(layer.shape[1:])
+    # -- block access (tests, the demo's fake compute) -----------------------------------------
+    def _layer_views(self, rank: int, kind: str) -> list[np.ndarray]:
+        return self.caches[rank][kind]
 
     def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
         out[:] = self.state_pages[rank][page]
@@ -119,12 +114,18 @@ class ReferenceBackend(StateObjects, StoreBackend):
         return {k: np.zeros((n, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-              guard: Guard | None = None, layers: Callable[..., Any] | None = None) -> int:
-        self._check_transfer(rank, keys, block_ids)
+              guard: Guard | None = None, layers: Callable[..., Any] | None = None,
+              tables: Sequence[Sequence[int]] = ()) -> int:
+        self._check_transfer(rank, keys, block_ids, tables)
         if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
             return len(keys)
-        count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
-            rank, part, keys, block_ids, guard, layers, m))
+        if tables:  # group tables: each group from its own blocks
+            ids = self._group_ids(block_ids, tables)
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._each_group(
+                m, lambda g, k: self._put_layers(rank, part, keys, ids[g], guard, g, k)))
+        else:
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
+                rank, part, keys, block_ids, guard, layers, m))
         self.bytes_moved += count * self.spec.bytes_per_block_per_rank
         return count
 
@@ -161,12 +162,12 @@ class ReferenceBackend(StateObjects, StoreBackend):
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None,
-             window_from: int = 0) -> int:
-        self._check_transfer(rank, keys, block_ids)
+             window_from: int = 0, tables: Sequence[Sequence[int]] = ()) -> int:
+        self._check_transfer(rank, keys, block_ids, tables)
         check_int(window_from, "ReferenceBackend.read: window_from", minimum=0, maximum=len(keys))
-        if window_from and self.spec.splits_groups:
+        if (window_from and self.spec.splits_groups) or tables:  # group by group
             return self._each_part(rank, len(keys), lambda part, m, _: self._read_window(
-                part, keys, block_ids, m, window_from,
+                part, keys, self._group_ids(block_ids, tables), m, window_from,
                 lambda g, ks, ids: self._get_layers(rank, part, ks, ids, guard, g, len(ks))))
         count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
             rank, part, keys, block_ids, guard, arrived if whole else None, m))

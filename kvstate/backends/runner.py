@@ -70,7 +70,7 @@ def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, ke
         # skip the leading keys already stored (same key, same bytes), write the rest
         n = backend.query(rank, keys)
         if n < len(keys):
-            n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard)
+            n += backend.write(rank, keys[n:], cmd.block_ids[n:len(keys)], guard, **_tables(cmd, n, len(keys)))
     elif cmd.__class__ is C.LoadLayers and backend.spec.layer_groups == 1:  # one object a kind: read whole
         n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard)
         (arrived or _ignore)(backend.spec.layers, None)
@@ -79,7 +79,7 @@ def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, ke
     elif isinstance(cmd, C.ReadBlocks):
         # only when set: a backend reading every block whole may not take window_from
         window: dict[str, Any] = {"window_from": min(cmd.window_from, len(keys))} if cmd.window_from else {}
-        n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, **window)
+        n = backend.read(rank, keys, cmd.block_ids[:len(keys)], guard, **window, **_tables(cmd, 0, len(keys)))
     elif isinstance(cmd, C.SwapOut):
         n = backend.swap_out(rank, cmd.block_ids[:len(keys)], cmd.host_slots[:len(keys)], guard)
     elif isinstance(cmd, C.SwapIn):
@@ -89,6 +89,12 @@ def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, ke
     else:
         raise ValidationError(f"cannot execute {type(cmd).__name__}")
     return n
+
+
+def _tables(cmd: C.TransferCommand, start: int, end: int) -> dict[str, Any]:
+    """The other groups' blocks ``[start, end)`` of a command with group tables, as a keyword
+    (none without: a backend without group tables need not take it)."""
+    return {"tables": [t[start:end] for t in cmd.tables]} if cmd.tables else {}
 
 
 def _save(backend: TransferBackend, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Any,

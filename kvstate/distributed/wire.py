@@ -8,7 +8,8 @@ type        items after the type                                        directio
 ========== =========================================================== ==================
 ``CMD``     incarnation, kind, command id, request id, keys, block ids, driver -> worker
             host slots, deadline, fence, window's first key,
-            states (end, page, end, page, ...)
+            states (end, page, end, page, ...), the other
+            group tables' block ids (a list each)
 ``CANCEL``  incarnation, command id                                     driver -> worker
 ``LAYERS``  incarnation, command id, layers computed                    driver -> worker
 ``WELCOME`` incarnation (the worker's hello was accepted)               driver -> worker
@@ -128,12 +129,12 @@ def command_message(cmd: C.TransferCommand, incarnation: int) -> bytes:
     window = cmd.window_from if isinstance(cmd, C.ReadBlocks) else 0
     states = [x for pair in cmd.states for x in pair]
     return pack(CMD, incarnation, _CODES[cmd.__class__], cmd.command_id, cmd.request_id, list(cmd.keys),
-                list(cmd.block_ids), slots, cmd.deadline, cmd.fence, window, states)
+                list(cmd.block_ids), slots, cmd.deadline, cmd.fence, window, states, [list(t) for t in cmd.tables])
 
 
 def command_of(items: list[Any], rank: int) -> C.TransferCommand:
     """The command a ``CMD`` message carries, for ``rank`` alone."""
-    _arity(items, 12, "CMD")
+    _arity(items, 13, "CMD")
     code = _int(items[2], "the command kind", 1, 8)
     cls = KINDS[code]
     cid = _int(items[3], "the command id", 1)
@@ -160,7 +161,19 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
     if window and "window_from" not in extra:
         raise ProtocolError(f"command {cid}: a {cls.__name__} has no window to start from")
     states = _states(items[11], cid, len(keys))
-    return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, states=states, **extra)
+    return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, states=states,
+               tables=_tables(items[12], cid, len(blocks)), **extra)
+
+
+def _tables(x: Any, cid: int, blocks: int) -> tuple[tuple[int, ...], ...]:
+    """A command's other group tables (:mod:`kvstate.tables`): lists of block ids, each as long
+    as its block ids."""
+    if not isinstance(x, list) or len(x) > _MAX_ITEMS:
+        raise ProtocolError(f"command {cid}: group tables must be a list of lists")
+    tables = tuple(_ints(t, f"command {cid}: a group table") for t in x)
+    if any(len(t) != blocks for t in tables):
+        raise ProtocolError(f"command {cid}: each group table must hold {blocks} block ids")
+    return tables
 
 
 def _states(x: Any, cid: int, keys: int) -> tuple[tuple[int, int], ...]:
