@@ -82,7 +82,12 @@ class WriteBlocks(TransferCommand):
 
     Keys are content hashes, so a key already stored holds these very bytes: a rank first
     asks the store how many leading keys it holds and gathers and writes only the rest
-    (a full hit moves nothing)."""
+    (a full hit moves nothing). ``window_from`` (with group tables, :mod:`kvstate.tables`):
+    the window groups' blocks before ``keys[window_from]`` were freed behind the window, so
+    only the other groups are stored there; a block counts as stored when every group that
+    holds it is."""
+
+    window_from: int = field(default=0, kw_only=True)
 
 
 @dataclass(slots=True)

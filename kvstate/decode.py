@@ -371,7 +371,8 @@ class DecodeLifecycle(SwapActions):
         self._running.discard(req.id)
         req.keys = self._cache_keys(req)
         req.retries = 0
-        self._write(req, req.window_from)  # blocks without their window layers are never stored
+        # blocks without their window layers: stored only in their own groups' tables, or not at all
+        self._write(req, 0 if self._per_block > 1 else req.window_from)
 
     def _keep_write_back(self, req: Request, value: int) -> None:
         req.stored_keys = req.keys  # the write-back answered in full on every rank

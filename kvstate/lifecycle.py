@@ -43,7 +43,7 @@ from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
 from .statepages import StatePages, usable_count
-from .tables import check_layout, cut, give, held, per_block
+from .tables import check_layout, cut, give, held, per_block, pinned
 from .timers import FENCE, TRANSFER, WAIT, Timers
 from .validate import check_int, check_request_id, check_tokens, is_int, read_clock
 
@@ -262,7 +262,7 @@ class Lifecycle(Inspection):
         fence = deadline + self.policy.fence_grace
         if host_slots is None:
             cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, **fields)
-            self._transfers.open(cmd, req, trigger, ids + sum(cmd.tables, ()) if cmd.tables else ids)
+            self._transfers.open(cmd, req, trigger, pinned(ids, cmd.tables))
         else:
             cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, host_slots=tuple(host_slots))
             self._transfers.open(cmd, req, trigger, ids, cmd.keys)
@@ -391,5 +391,7 @@ class Lifecycle(Inspection):
     def _write(self, req: Request, base: int, cls: type = C.WriteBlocks) -> None:
         req.base = base
         keys = req.keys
+        # group tables: the window groups' blocks freed behind the window are not stored (kvstate.tables)
+        window: dict[str, Any] = {"window_from": max(0, req.window_from - base)} if req.tables else {}
         self._transfer(req, cls, "written", keys[base:], req.blocks[base:len(keys)],
-                       states=self.states.written(req, base, len(keys)), tables=cut(req, base, len(keys)))
+                       states=self.states.written(req, base, len(keys)), tables=cut(req, base, len(keys)), **window)

@@ -19,6 +19,9 @@ Rules:
 - Transfer commands carry the other tables' entries for their blocks (``tables``, aligned with
   ``block_ids``), and so do the engine's notices (``StartPrefill``, ``StartDecode``,
   ``Recompute``); ``FreeBlocks`` and ``RequestEnded`` list every block released.
+- A write-back stores every block of the full groups and the window groups' from the window on
+  (``WriteBlocks.window_from``; their entries before it are ``FREED``), so a reload reads the
+  whole cache window-first as the handoff did.
 - A table layout the lifecycle does not yet move per group is refused where it is configured:
   a GPU prefix cache and a host tier (their entries are single blocks).
 """
@@ -32,7 +35,7 @@ from .errors import ConfigError
 from .pool import FREED
 
 __all__ = ["per_block", "page_layers", "table_of_layer", "slot_of_layer", "window_tables", "rows", "cut",
-           "held", "give", "free_behind", "check_layout"]
+           "held", "give", "free_behind", "check_layout", "pinned"]
 
 
 def per_block(spec: Any) -> int:
@@ -89,6 +92,13 @@ def rows(block_ids: Sequence[int], tables: Sequence[Sequence[int]] = ()) -> list
 def cut(req: Any, start: int, end: int) -> tuple[tuple[int, ...], ...]:
     """The other tables' entries for logical blocks ``[start, end)`` (for a command's ``tables``)."""
     return tuple(tuple(t[start:end]) for t in req.tables)
+
+
+def pinned(block_ids: tuple[int, ...], tables: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The blocks a transfer of ``block_ids`` and ``tables`` touches (freed entries left out)."""
+    if not tables:
+        return block_ids
+    return tuple(b for b in chain(block_ids, *tables) if b != FREED)
 
 
 def held(req: Any) -> list[int]:

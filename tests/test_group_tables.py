@@ -110,22 +110,30 @@ def test_a_long_conversation_holds_its_full_blocks_and_one_window_of_the_window_
     assert_clean(rig)
 
 
-def test_a_write_back_stores_the_window_and_a_reload_brings_it_back_to_every_table():
-    rig, toks = split_rig(policy=Policy(transfer_timeout=10.0, fence_grace=5.0, preempt="write"))
+def test_a_write_back_stores_the_full_group_whole_and_a_reload_continues_the_cache():
+    """After decoding past the window, the write-back stores every block of the full group and
+    the window group's from the window on, so the reload reads window-first and D continues
+    without recomputing, holding every byte its decode needs."""
+    rig, toks = split_rig(policy=Policy(transfer_timeout=10.0, fence_grace=5.0, preempt="write",
+                                        read_failure="recompute"))
+    cache = toks + [7] + list(range(8))  # the prompt, the first token, 8 decoded
     for i in range(8):
         rig.D.append_tokens("r", [i])
+    fill_blocks(rig.db, block_keys(cache[:-1], 4), rig.D.rows_of("r"), 10)  # the engine computed them
     rig.D.preempt("r")
     rig.dd.pump()
     [wb] = [c for c in rig.D.pending_commands() if isinstance(c, C.WriteBlocks)]
-    assert len(wb.keys) == 2 and len(wb.tables) == 1 and FREED not in wb.block_ids + wb.tables[0]
+    assert len(wb.keys) == 12 and wb.window_from == 10
+    assert wb.block_ids[:10] == (FREED,) * 10 and FREED not in wb.block_ids[10:] + wb.tables[0]
     rig.dd.run_until_idle()
     assert rig.D.state_of("r") == "preempted" and rig.D.pool.num_used == 0
     rig.D.resume("r")
     rig.dd.pump()
     [read] = [c for c in rig.D.pending_commands() if isinstance(c, C.ReadBlocks)]
-    assert read.window_from == 10 and len(read.tables[0]) == len(read.keys)
+    assert read.window_from == 10 and len(read.tables[0]) == len(read.keys) == 12
     rig.dd.run_until_idle()
-    assert rig.D.state_of("r") == "running"
+    assert rig.D.state_of("r") == "running" and not rig.notices(rig.dd, C.Recompute)
+    assert mismatched_needed(rig.db, block_keys(cache[:-1], 4), rig.D.rows_of("r"), len(cache) - 1) == []
     rig.D.finish("r")
     assert_clean(rig)
 

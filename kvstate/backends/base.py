@@ -190,10 +190,12 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
-              layers: Callable[..., Any] | None = None, tables: Sequence[Sequence[int]] = ()) -> int:
+              layers: Callable[..., Any] | None = None, tables: Sequence[Sequence[int]] = (),
+              window_from: int = 0) -> int:
         """Store block ``block_ids[i]`` under ``keys[i]``; how many leading blocks were stored.
         With group tables (:mod:`kvstate.tables`; passed only then) ``block_ids`` are the first
-        layer group's blocks and ``tables`` the others', aligned with them.
+        layer group's blocks and ``tables`` the others', aligned with them, and the window
+        groups are stored only from ``window_from`` on (:class:`~kvstate.commands.WriteBlocks`).
 
         ``layers`` (a layer-wise save, a :meth:`~kvstate.backends.gate.LayerGate.ready`):
         store layer group by group, each only once ``layers(end)`` says its layers ``[0,

@@ -35,8 +35,8 @@ class BlockAccess:
         raise NotImplementedError
 
     def _chunk_bytes(self, chunk: Any) -> bytes:
-        """One (layer, block) chunk's bytes (host arrays: as they are)."""
-        return bytes(chunk.tobytes())
+        """One (layer, block) chunk's bytes (a device array is copied to the host first)."""
+        return bytes((chunk.get() if hasattr(chunk, "get") else chunk).tobytes())
 
     def _set_chunk(self, layer: Any, block: int, data: np.ndarray) -> None:
         layer[block] = data

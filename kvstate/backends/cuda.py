@@ -103,9 +103,6 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         self._check_open()
         return self._layers[rank][kind].views
 
-    def _chunk_bytes(self, chunk: Any) -> bytes:
-        return bytes(chunk.get().tobytes())
-
     def _set_chunk(self, layer: Any, block: int, data: np.ndarray) -> None:
         layer[block] = self.cp.asarray(data)
 
@@ -181,15 +178,16 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         return ev  # one stream: the last event covers every kind
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
-              layers: Callable[..., Any] | None = None, tables: Sequence[Sequence[int]] = ()) -> int:
+              layers: Callable[..., Any] | None = None, tables: Sequence[Sequence[int]] = (),
+              window_from: int = 0) -> int:
         self._check_open()
-        self._check_transfer(rank, keys, block_ids, tables)
+        self._check_transfer(rank, keys, block_ids, tables, window_from)
         if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
             return len(keys)
         if tables:  # group tables: each group from its own blocks
             ids = self._group_ids(block_ids, tables)
-            count = self._each_part(rank, len(keys), lambda part, m, _: self._each_group(
-                m, lambda g, k: self._put(rank, part, keys[:k], ids[g][:k], guard, g)))
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_groups(
+                keys[:m], ids, window_from, lambda g, ks, b: self._put(rank, part, ks, b, guard, g)))
         else:
             count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
                 rank, part, keys[:m], block_ids[:m], guard, layers))

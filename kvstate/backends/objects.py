@@ -25,8 +25,9 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..keys import rank_key
+from ..pool import FREED
 from ..spec import CacheSpec
-from ..tables import check_layout, per_block
+from ..tables import check_layout, per_block, window_tables
 from ..validate import check_int, is_int
 from .base import Guard, Store, TransferBackend, as_bytes_view, leading
 from .integrity import Hasher, geometry_id
@@ -91,21 +92,26 @@ class StoreBackend(Manifested, TransferBackend):
             raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
 
     def _check_transfer(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-                        tables: Sequence[Sequence[int]] = ()) -> None:
+                        tables: Sequence[Sequence[int]] = (), window_from: int = 0) -> None:
         """As :meth:`_check_keys`, and block ids one per key, ints in range and distinct, in
-        group 0's table and, with group tables (:mod:`kvstate.tables`), each other group's."""
+        group 0's table and, with group tables (:mod:`kvstate.tables`), each other group's
+        (a window group's may be ``FREED`` before ``window_from``: not moved)."""
         self._check_keys(rank, keys)
         name = type(self).__name__
         want = per_block(self.spec) - 1
         if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence) or len(tables) != want:
             raise ValidationError(f"{name}: {want} other block tables expected (one per layer group past the "
                                   f"first, kvstate.tables), got {tables!r}")
+        windows = window_tables(self.spec) if tables else ()
         every: list[int] = []
-        for ids in (block_ids, *tables):
+        for t, ids in enumerate((block_ids, *tables)):
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
                 raise ValidationError(f"{name}: block ids must be a sequence of ints, got {ids!r}")
             if len(ids) != len(keys):
                 raise ValidationError(f"{name}: {len(keys)} keys but {len(ids)} block ids")
+            lo = window_from if t in windows else 0
+            if FREED in ids[:lo]:
+                ids = [b for b in ids[:lo] if b != FREED] + list(ids[lo:])
             for b in ids:
                 self._check_block(b)
             every += ids
@@ -116,14 +122,16 @@ class StoreBackend(Manifested, TransferBackend):
         """Each stored group's block ids: its own table's with group tables, else ``block_ids``."""
         return [block_ids, *tables] if tables else [block_ids] * self.spec.object_groups
 
-    def _each_group(self, n: int, move: Callable[[int, int], int]) -> int:
-        """Run ``move(group, m)`` for each stored group over the first ``m`` blocks every earlier
-        group reached; the leading blocks every group moved."""
-        count = n
-        for g in range(self.spec.object_groups):
-            count = min(count, move(g, count))
-            if not count:
-                break
+    def _write_groups(self, keys: Sequence[str], group_ids: Sequence[Sequence[int]], window_from: int,
+                      put: Callable[[int, Sequence[str], Sequence[int]], int]) -> int:
+        """Store one head group's blocks group by group, each by ``put(group, keys, block_ids)``
+        from its own table (``group_ids``): the full groups' every block, the window groups'
+        from ``window_from`` on; the leading blocks every group holding them stored."""
+        count = m = len(keys)
+        for g, group in enumerate(self.spec.stored_groups):
+            lo = min(window_from, m) if group.kind == "window" else 0
+            if m > lo:
+                count = min(count, lo + put(g, keys[lo:m], group_ids[g][lo:m]))
         return count
 
     def _check_swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:

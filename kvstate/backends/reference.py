@@ -115,14 +115,14 @@ class ReferenceBackend(StateObjects, StoreBackend, BlockAccess):
 
     def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
               guard: Guard | None = None, layers: Callable[..., Any] | None = None,
-              tables: Sequence[Sequence[int]] = ()) -> int:
-        self._check_transfer(rank, keys, block_ids, tables)
+              tables: Sequence[Sequence[int]] = (), window_from: int = 0) -> int:
+        self._check_transfer(rank, keys, block_ids, tables, window_from)
         if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
             return len(keys)
         if tables:  # group tables: each group from its own blocks
             ids = self._group_ids(block_ids, tables)
-            count = self._each_part(rank, len(keys), lambda part, m, _: self._each_group(
-                m, lambda g, k: self._put_layers(rank, part, keys, ids[g], guard, g, k)))
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_groups(
+                keys[:m], ids, window_from, lambda g, ks, b: self._put_layers(rank, part, ks, b, guard, g, len(ks))))
         else:
             count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
                 rank, part, keys, block_ids, guard, layers, m))

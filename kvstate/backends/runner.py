@@ -92,9 +92,13 @@ def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, ke
 
 
 def _tables(cmd: C.TransferCommand, start: int, end: int) -> dict[str, Any]:
-    """The other groups' blocks ``[start, end)`` of a command with group tables, as a keyword
-    (none without: a backend without group tables need not take it)."""
-    return {"tables": [t[start:end] for t in cmd.tables]} if cmd.tables else {}
+    """The other groups' blocks ``[start, end)`` of a command with group tables, and a write's
+    ``window_from`` past ``start``, as keywords (none without group tables: a backend without
+    them need not take them)."""
+    if not cmd.tables:
+        return {}
+    window = max(0, cmd.window_from - start) if isinstance(cmd, C.WriteBlocks) else 0
+    return {"tables": [t[start:end] for t in cmd.tables], **({"window_from": window} if window else {})}
 
 
 def _save(backend: TransferBackend, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Any,

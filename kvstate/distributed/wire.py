@@ -126,7 +126,7 @@ def _arity(items: list[Any], n: int, name: str) -> None:
 def command_message(cmd: C.TransferCommand, incarnation: int) -> bytes:
     """One rank's part of ``cmd`` (the rank is the worker's own)."""
     slots = list(cmd.host_slots) if isinstance(cmd, _SLOTTED) else []
-    window = cmd.window_from if isinstance(cmd, C.ReadBlocks) else 0
+    window = cmd.window_from if isinstance(cmd, (C.ReadBlocks, C.WriteBlocks)) else 0
     states = [x for pair in cmd.states for x in pair]
     return pack(CMD, incarnation, _CODES[cmd.__class__], cmd.command_id, cmd.request_id, list(cmd.keys),
                 list(cmd.block_ids), slots, cmd.deadline, cmd.fence, window, states, [list(t) for t in cmd.tables])
@@ -154,7 +154,7 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
     window = _int(items[10], f"command {cid}: the window's first key", 0, len(keys) + 1)
     if cls in _SLOTTED:
         extra: dict[str, Any] = {"host_slots": slots}
-    elif issubclass(cls, C.ReadBlocks):
+    elif issubclass(cls, (C.ReadBlocks, C.WriteBlocks)):
         extra = {"window_from": window}
     else:
         extra = {}
