@@ -125,6 +125,33 @@ def test_mistral_frees_the_blocks_behind_its_window_and_equals_transformers_run(
     assert_exact(mistral, reqs, reference=transformers_run(mistral))
 
 
+@pytest.mark.parametrize("preempt", [None, "write", "recompute"])
+def test_gemma2_with_a_table_per_group_frees_its_window_and_equals_transformers_run(gemma, monkeypatch, preempt):
+    """D gives Gemma 2's window and full layers a block table each (kvstate.tables): decoding
+    frees the window layers' blocks behind the window while the full layers keep theirs, and
+    tokens and logits stay transformers' own, through preemption too (a write-back stores the
+    full layers' every block and the window's, so a reload continues without recomputing)."""
+    from kvstate import Policy
+    from kvstate.pool import FREED
+
+    freed_steps = []
+    forward = gemma.forward
+
+    def spy(tokens, start, cache, table, on_layer=None, state=None):
+        freed_steps.append(any(isinstance(b, tuple) and FREED in b for b in table))
+        return forward(tokens, start, cache, table, on_layer, state)
+
+    monkeypatch.setattr(gemma, "forward", spy)
+    per = {i: {"preempt_after": 20 + i} for i in range(0, 8, 2)} if preempt else None
+    reqs = hf_workload(max_new=40, per_request=per)
+    eng, leaks = serve(gemma, reqs, tp=2, group_tables=True, policy=Policy(preempt=preempt or "write"))
+    monkeypatch.undo()
+    assert leaks == NO_LEAK and eng.d_spec.group_tables and eng.d_cache.caches[0]["key"][0] is \
+        eng.d_cache.caches[0]["key"][1]  # a window and a full layer share a block's first slot
+    assert sum(freed_steps) > 20  # decode steps whose window column was freed behind the window
+    assert_exact(gemma, reqs, reference=transformers_run(gemma))
+
+
 @pytest.mark.parametrize("name", ["gemma", "deepseek"])
 def test_the_gpu_prefix_cache_equals_transformers_run(name, request):
     """One engine serves the requests in turn with its GPU prefix caches on: P computes only

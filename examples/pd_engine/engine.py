@@ -16,7 +16,7 @@ injected fault); an engine with a transfer thread uses ``ThreadedDriver`` the sa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from kvstate.decode import DecodeLifecycle
 from kvstate.layers import LayerGroup
 from kvstate.prefill import PrefillLifecycle
 from kvstate.spec import paired
+from kvstate.tables import rows
 
 __all__ = ["Request", "PDEngine", "cache_spec", "layer_groups", "monolithic"]
 
@@ -119,18 +120,21 @@ class PDEngine:
     def __init__(self, model: Model, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
                  p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False,
-                 d_tp: int | None = None, num_states: int = 64, host_blocks: int = 0) -> None:
+                 d_tp: int | None = None, num_states: int = 64, host_blocks: int = 0,
+                 group_tables: bool = False) -> None:
         """``layerwise``: P saves each layer as it is computed, in one stored object per layer,
         and D loads layer by layer (here in this thread, so a step starts after the load).
         ``num_states``: state pages on each side, for a hybrid model (P takes one a prompt, and
         one more a checkpoint it keeps: ``Policy.state_checkpoints``; D one a request).
         ``host_blocks``: D's host tier, in blocks (``Policy(preempt="swap")`` swaps preempted
-        requests into it)."""
+        requests into it). ``group_tables``: D gives each layer group a block table of its own
+        (``kvstate.tables``), freeing a window group's blocks behind the window as it decodes."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
         d_tp = d_tp or tp
         p_spec, d_spec = (cache_spec(cfg, n, block_size, layerwise) for n in (tp, d_tp))
         self.spec, self.d_spec = (p_spec, d_spec) if tp == d_tp else paired(p_spec, d_spec)
+        self.d_spec = replace(self.d_spec, group_tables=group_tables)
         policy = policy or Policy()
         num_states = num_states if cfg.state_layers else 0
         clock: Callable[[], float] = lambda: self.now  # noqa: E731
@@ -139,8 +143,8 @@ class PDEngine:
                                   layerwise=layerwise, num_states=num_states)
         self.D = DecodeLifecycle(self.d_spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache,
                                  layerwise=layerwise, num_states=num_states, host_blocks=host_blocks)
-        self.p_cache = PagedCache(cfg, p_blocks, block_size, tp, num_states=num_states)
-        self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp, num_states=num_states)
+        self.p_cache = PagedCache(cfg, p_blocks, block_size, tp, num_states=num_states, spec=self.spec)
+        self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp, num_states=num_states, spec=self.d_spec)
         sides = ((self.spec, p_blocks, self.p_cache, 0), (self.d_spec, num_blocks, self.d_cache, host_blocks))
         self.backends = [CudaBackend(spec, n, store, caches=c.caches, staging_bytes=staging_bytes, host_blocks=h,
                                      num_states=num_states, states=dict(enumerate(c.states)) if num_states else None)
@@ -191,7 +195,8 @@ class PDEngine:
 
         if cmd.state_from >= 0:  # a state P's GPU prefix cache kept (shared): the prompt's own page starts as it
             self.p_cache.copy_state(cmd.state_from, cmd.state_pages[0])
-        logits = prefill_chunks(self.model, self.p_cache, list(cmd.block_ids), r.prompt, cmd.num_cached_tokens,
+        table = rows(cmd.block_ids, cmd.tables)
+        logits = prefill_chunks(self.model, self.p_cache, table, r.prompt, cmd.num_cached_tokens,
                                 len(r.prompt), done if self.P.layerwise else None, cmd.state_pages, cmd.checkpoints)
         assert logits is not None  # the lifecycle leaves at least one token to compute
         torch.cuda.synchronize()  # the cache is complete before the write reads it
@@ -203,7 +208,7 @@ class PDEngine:
         if not (self.D.is_live(r.rid) and self.D.state_of(r.rid) == "recomputing"):
             return
         # the prompt in P's chunks, generated tokens one at a time: as they were computed
-        table, n, known = list(cmd.block_ids), len(r.prompt), r.prompt + r.tokens[:-1]
+        table, n, known = rows(cmd.block_ids, cmd.tables), len(r.prompt), r.prompt + r.tokens[:-1]
         state = cmd.state_pages[0] if cmd.state_pages else None
         prefill_chunks(self.model, self.d_cache, table, known, cmd.from_token, n, pages=cmd.state_pages[:1])
         for pos in range(max(n, cmd.from_token), len(known)):
@@ -248,7 +253,7 @@ class PDEngine:
         return not self.P.is_live(cmd.request_id) or self.P.waiting_for(cmd.request_id) != cmd.command_id
 
     def _decode_step(self, r: Request) -> None:
-        table, pos = list(self.D.blocks_of(r.rid)), len(r.prompt) + len(r.tokens) - 1
+        table, pos = self.D.rows_of(r.rid), len(r.prompt) + len(r.tokens) - 1
         pages = self.D.pages_of(r.rid)
         logits = self.model.forward(r.tokens[-1:], pos, self.d_cache, table, state=pages[0] if pages else None)
         r.logits.append(logits)

@@ -34,6 +34,9 @@ from typing import Protocol
 
 import torch
 
+from kvstate.spec import CacheSpec
+from kvstate.tables import slot_of_layer, table_of_layer
+
 __all__ = ["LlamaConfig", "Model", "PagedCache", "TinyLlama"]
 
 
@@ -82,7 +85,11 @@ class PagedCache:
     """
 
     def __init__(self, cfg: LlamaConfig, num_blocks: int, block_size: int, tp: int = 1,
-                 dtype: torch.dtype = torch.bfloat16, device: str = "cuda", num_states: int = 0) -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: str = "cuda", num_states: int = 0,
+                 spec: CacheSpec | None = None) -> None:
+        """``spec``: kvstate's spec of these caches; with group tables (``kvstate.tables``) a
+        block is a page of layer slots the groups share, and a request's table has a column
+        per group."""
         if not cfg.latent and cfg.kv_heads % tp:
             raise ValueError(f"kv_heads {cfg.kv_heads} do not split over {tp} ranks")
         if cfg.state_bytes % tp:
@@ -96,8 +103,20 @@ class PagedCache:
         self.heads_per_rank = 1 if cfg.latent else cfg.kv_heads // tp
         kinds = ("key",) if cfg.latent else ("key", "value")
         shape = (num_blocks, self.heads_per_rank, block_size, cfg.latent or cfg.head_dim)
-        self.caches = [{kind: [torch.zeros(shape, dtype=dtype, device=device) for _ in self.slot]
-                        for kind in kinds} for _ in range(tp)]
+        tables = spec is not None and spec.group_tables
+        slots = slot_of_layer(spec) if tables else tuple(range(len(self.slot)))  # type: ignore[arg-type]
+        #: a paged layer's column in a request's table (with group tables: its group's)
+        self.column = table_of_layer(spec) if tables else (0,) * len(self.slot)  # type: ignore[arg-type]
+
+        def layers() -> list[torch.Tensor]:
+            pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(max(slots) + 1)]
+            return [pages[s] for s in slots]
+
+        self.caches = [{kind: layers() for kind in kinds} for _ in range(tp)]
+
+    def _table(self, table: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s blocks of a request's table (its group's column, with group tables)."""
+        return table if table.dim() == 1 else table[:, self.column[self.slot[layer]]]
 
     def state(self, page: int) -> torch.Tensor:
         """State page ``page``'s bytes, every rank's share in rank order (a new tensor)."""
@@ -116,7 +135,7 @@ class PagedCache:
     def put(self, layer: int, kind: str, table: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x`` ``[m, kv_heads, head_dim]`` for positions ``pos`` of the request (MLA:
         ``[m, 1, latent]``, on every rank)."""
-        blk, off = table[pos // self.block_size], pos % self.block_size
+        blk, off = self._table(table, layer)[pos // self.block_size], pos % self.block_size
         h, slot = self.heads_per_rank, self.slot[layer]
         for r, by_kind in enumerate(self.caches):
             part = x if self.replicated else x[:, r * h:(r + 1) * h]
@@ -129,7 +148,7 @@ class PagedCache:
         nblk, lo = -(-length // self.block_size), first // self.block_size
         parts = []
         for by_kind in self.caches if rank is None else self.caches[rank:rank + 1]:
-            pages = by_kind[kind][self.slot[layer]][table[lo:nblk]]  # [nblk - lo, h, bs, d]
+            pages = by_kind[kind][self.slot[layer]][self._table(table, layer)[lo:nblk]]  # [nblk - lo, h, bs, d]
             parts.append(pages.permute(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, :length - first])
         return torch.cat(parts, 0).float()
 
