@@ -38,7 +38,8 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     # the path is reached, far below what the drawn examples give)
     assert STATS["layout:window"] >= 50 and STATS["layout:latent"] >= 50 and STATS["layout:sliding"] >= 50, STATS
     assert STATS["layout:state"] >= 50 and STATS["layout:window_state"] >= 50, STATS
-    assert STATS["layout:window_tables"] >= 50 and STATS["window_tables_freed"] >= 20, STATS  # D freed by group
+    # D freed by group (43-87 window_tables examples a CI-profile run: a layer-wise draw makes half plain)
+    assert STATS["layout:window_tables"] >= 25 and STATS["window_tables_freed"] >= 20, STATS
     # hybrid prefills kept several checkpoints' states (Policy.state_checkpoints)
     assert STATS["prefills_keeping_checkpoints:2+"] >= 50, STATS  # 85-251 in CI-profile runs
     assert STATS["cached_state_starts"] >= 1, STATS  # P started prefills from states its GPU cache kept (~12)
