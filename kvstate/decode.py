@@ -31,10 +31,12 @@ Rules:
   attention. The request is runnable, and that step's token counts, only once ``StartDecode``
   follows; a load that stops short recomputes or fails as a read does, and the engine drops
   the step.
-- When every layer is a window layer (``CacheSpec.frees_behind_window``), ``append_tokens``
-  frees the blocks wholly behind the next step's window; the request's table reads
-  ``kvstate.pool.FREED`` there. With any full layer, every block stays (a block holds every
-  layer of its tokens).
+- When every layer is a window layer, or each layer group has a block table of its own
+  (``CacheSpec.frees_behind_window``; :mod:`kvstate.tables`), ``append_tokens`` frees the
+  window tables' blocks wholly behind the next step's window; those tables read
+  ``kvstate.pool.FREED`` there. With one table and any full layer, every block stays (a block
+  holds every layer of its tokens). With group tables a write-back stores the full groups'
+  every block and the window groups' from ``window_from`` on.
 - Decoded tokens grow the request block by block. Preemption from ``running`` writes the cache
   out first when the policy says ``write`` and frees the blocks only once that write answered
   (a failed write-back falls back to recomputing); from reading, reloading or recomputing it

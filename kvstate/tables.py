@@ -22,8 +22,8 @@ Rules:
 - A write-back stores every block of the full groups and the window groups' from the window on
   (``WriteBlocks.window_from``; their entries before it are ``FREED``), so a reload reads the
   whole cache window-first as the handoff did.
-- A table layout the lifecycle does not yet move per group is refused where it is configured:
-  a GPU prefix cache and a host tier (their entries are single blocks).
+- A GPU prefix cache and a host tier hold single blocks, so beside group tables they are
+  refused where they are configured (:func:`check_layout`).
 """
 from __future__ import annotations
 
