@@ -72,7 +72,7 @@ from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, Policy, prefill_reason
 from .pool import FREED
 from .registry import Request
 from .spec import CacheSpec
-from .tables import cut, free_behind, held, window_tables
+from .tables import cut, free_behind, held, table, window_tables
 from .validate import check_int, check_layerwise, check_token, check_tokens, is_int
 
 __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
@@ -226,8 +226,7 @@ class DecodeLifecycle(SwapActions):
         of the request's next step: their entries become :data:`~kvstate.pool.FREED`, and the
         request is one whose early blocks hold no window layers (``window_from``)."""
         first = self.spec.window_first_block(len(req.tokens) - 1)
-        t = self._window_tables[0]
-        if not first or (req.blocks if t == 0 else req.tables[t - 1])[first - 1] == FREED:
+        if not first or table(req, self._window_tables[0])[first - 1] == FREED:
             return  # freed entries lead the tables: nothing new behind
         self._transfers.pin(req)  # a transfer it abandoned may still touch them: pinned until answered
         behind = free_behind(req, self._window_tables, first)

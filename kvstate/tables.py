@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .pool import FREED
 
 __all__ = ["per_block", "page_layers", "table_of_layer", "slot_of_layer", "window_tables", "rows", "cut",
-           "held", "give", "free_behind", "check_layout", "pinned"]
+           "held", "give", "free_behind", "check_layout", "pinned", "table"]
 
 
 def per_block(spec: Any) -> int:
@@ -106,8 +106,16 @@ def held(req: Any) -> list[int]:
     return [b for b in chain(req.blocks, *req.tables) if b != FREED]
 
 
+def table(req: Any, t: int) -> list[int]:
+    """The request's table ``t`` (0: ``Request.blocks``)."""
+    return req.blocks if t == 0 else req.tables[t - 1]
+
+
 def give(req: Any, ids: Sequence[int]) -> None:
     """Append freshly allocated ``ids`` (``n`` a table, table after table) to the request's tables."""
+    if not req.tables:  # one table: the common case, on every decode step that crosses a block
+        req.blocks.extend(ids)
+        return
     n = len(ids) // (1 + len(req.tables))
     req.blocks.extend(ids[:n])
     for t, table in enumerate(req.tables):
@@ -118,9 +126,9 @@ def free_behind(req: Any, tables: Sequence[int], first: int) -> list[int]:
     """Mark logical blocks ``[0, first)`` of ``tables`` freed; the blocks that frees."""
     out: list[int] = []
     for t in tables:
-        table = req.blocks if t == 0 else req.tables[t - 1]
-        out += [b for b in table[:first] if b != FREED]
-        table[:first] = [FREED] * first
+        entries = table(req, t)
+        out += [b for b in entries[:first] if b != FREED]
+        entries[:first] = [FREED] * first
     return out
 
 
