@@ -67,7 +67,7 @@ def test_the_offered_rate_is_the_one_over_the_window_printed(capsys):
     assert r["offered_rps"] > 2 * 50 / r["duration_s"]  # not the run's 50 requests over its length
     assert main(["simulate", "--quiet", "--num-prompts", "50"]) == 0
     label = {"steady": "steady window", "arrival span": "arrival span"}[r["window"]]
-    assert f"over the {label} {a:.1f}-{b:.1f} s" in capsys.readouterr().out
+    assert f"arrivals of the {label} {a:.1f}-{b:.1f} s, which every rate below counts" in capsys.readouterr().out
 
 
 def test_a_short_run_that_misses_an_slo_still_fails(capsys):

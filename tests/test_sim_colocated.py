@@ -177,7 +177,7 @@ def test_plan_weighs_pd_against_colocated_on_the_same_gpus(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(["plan", "--quiet", "--num-prompts", "200", "--workers", "1", "--sweep", "cluster.mode=pd,colocated",
                "--set", "cluster.n_instances=4", "--out", str(out)])
-    assert rc in (0, 1)
+    assert rc in (0, 1, 4)  # 200 requests may be too short to judge: the subject is the GPUs compared
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == {"pd", "colocated"}
     assert {r["gpus"] for r in rows} == {8}  # 2 P + 2 D at TP 2, and 4 co-located at TP 2

@@ -35,7 +35,7 @@ from .run import simulate
 from .scenario import Scenario, WorkloadSpec
 from .scenario_io import field_names, with_overrides
 from .sweep import run_all
-from .workload import offered_rate
+from .workload import check_workload, offered_rate
 
 __all__ = ["plan", "parse_sweep", "Row"]
 
@@ -103,6 +103,7 @@ def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
         "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p99_ms": r["tpot_ms"]["p99"],
         "ttft_at_target_ms": slo["ttft_at_target_ms"], "tpot_at_target_ms": slo["tpot_at_target_ms"],
         "preemptions": r["preemptions"], "partial_reads": r.get("partial_reads", 0), "reasons": r["reasons"],
+        "failed": r["failed"], "failed_rps": r["failed_rps"], "service_stretch": r["service_stretch"],
         "mode": r["mode"],
     }
 
@@ -139,6 +140,7 @@ def _jobs(base: Scenario, sweep: Mapping[str, Sequence[Any]], fixed: dict[str, A
         try:
             s = with_overrides(base, {**fixed, **config})
             s.gpu_blocks()  # the model must fit the GPU
+            check_workload(s.workload, s.model.context, s.time_limit_s)  # and its workload be realizable
             jobs.append((s, config))
         except ConfigError as e:
             jobs.append((str(e), config))

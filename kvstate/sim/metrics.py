@@ -5,23 +5,27 @@
   between consecutive tokens of an answer, preemptions and reads included; nearest rank over
   tokens) and E2E (arrival → last token);
 - the steady window: from the time 10 % of the requests had ended (warm-up) to the last
-  arrival (after it the queues only drain); the offered rate is its arrivals per second.
-  Throughput, goodput and tokens/s count the requests that finished in the *finish window*,
-  the steady window shifted by the median end-to-end latency of the requests offered in it,
-  per second of it: a request is counted when it finishes, so a cluster that keeps up shows
-  its offered rate even when the window is only a few latencies long and arrivals come in
-  bursts, and one that falls behind shows the rate it sustains. A run too short for a steady
-  window (it would span under 10 % of the run) uses the arrivals' span the same way, and
-  says so; the offered rate is then (n - 1) over that span;
-- SLO attainment: the share of *all* requests that finished meeting the TTFT SLO, the TPOT
-  SLO, and both;
+  arrival (after it the queues only drain). A run too short for one (it would span under
+  10 % of the run) uses the arrivals' span, and says so;
+- one cohort for every rate: the requests that arrived in the window. The offered rate is
+  its arrivals per second; throughput and goodput are the same requests that finished, and
+  that met every SLO, at the rate each arrival stands for, times the *service stretch*
+  (:func:`service_stretch`: below 1 when latency climbs across the window, as it does for a
+  cluster falling behind). So no rate exceeds the offered one; a cluster that keeps up shows
+  its offered rate, one that falls behind the rate it sustains, and a failed request counts
+  against goodput;
+- SLO attainment over the requests that reached each latency: TTFT over those whose first
+  token came, TPOT over those that finished; a request that failed before a latency is
+  counted against goodput, not against that latency;
 - the verdict: ``meets`` when the run drained, both attainments reach the target and goodput
-  reaches target × offered rate; ``fails`` when one of these does not hold; ``too short``
-  when only goodput falls short, by no more than the counted finishes' own uncertainty
-  (:func:`rate_uncertainty`): the run cannot tell a cluster that keeps up from one that does
-  not, and the verdict says about how many requests would;
-- utilisation over the run: compute busy; on D also the batch slots used (time-weighted
-  batch size / ``decode_max_batch``); blocks used (time-weighted / blocks per instance).
+  reaches target × offered rate beyond the stretch's own uncertainty
+  (:func:`rate_uncertainty`); ``fails`` when one of these does not hold beyond it; ``too
+  short`` when the goodput test falls within it, or the run had no steady window: the run
+  cannot tell a cluster that keeps up from one that does not, and the verdict says about how
+  many requests would;
+- utilisation over the run: compute busy (the share of the run an instance spent in forward
+  passes, not its FLOP efficiency); on D also the batch slots used (time-weighted batch size
+  / ``decode_max_batch``); blocks used (time-weighted / blocks per instance).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import numpy as np
 from .request import SimRequest
 from .scenario_io import scenario_to_dict
 
-__all__ = ["summarize", "steady_window", "finish_window", "rate_uncertainty", "verdict_of", "at_target",
+__all__ = ["summarize", "steady_window", "cohort", "service_stretch", "rate_uncertainty", "verdict_of", "at_target",
            "latency_stats", "weighted_stats", "Run", "sample_series", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
 
 class Run(Protocol):
@@ -107,44 +111,64 @@ def steady_window(reqs: list[SimRequest]) -> tuple[float, float, bool]:
     return (first, last_arrival, False) if last_arrival > first else (first, last_end, False)
 
 
-def _window_latencies(reqs: list[SimRequest], start: float, end: float) -> list[float]:
-    """End-to-end latencies of the window's arrivals that finished ``done``, in arrival order."""
-    return [r.finish - r.arrival for r in sorted(reqs, key=lambda r: r.arrival)
-            if start <= r.arrival <= end and r.state == "done" and r.finish is not None]
+def cohort(reqs: list[SimRequest], start: float, end: float, steady: bool) -> list[SimRequest]:
+    """The requests every rate is counted over: those that arrived in the steady window (every
+    request, without one)."""
+    return [r for r in reqs if start <= r.arrival <= end] if steady else list(reqs)
 
 
-def finish_window(reqs: list[SimRequest], start: float, end: float, steady: bool) -> tuple[float, float]:
-    """Where finishes are counted: the window shifted by the median end-to-end latency of its
-    arrivals that finished ``done``, its end clipped to the last finish."""
-    e2e = _window_latencies(reqs, start, end)
-    lag = float(np.median(e2e)) if e2e else 0.0
-    last = max((r.finish for r in reqs if r.finish is not None), default=end)
-    a, b = start + lag, min(end + lag, last)
-    return (a, b) if b > a else (start, end)
+def _quarters(arrivals: list[float], latencies: list[float]) -> tuple[np.ndarray, np.ndarray, int, float] | None:
+    """The cohort's arrivals and latencies in arrival order, a quarter's size, and the time
+    between the median arrivals of its first and last quarter (None: fewer than two requests,
+    or no time between them)."""
+    if len(arrivals) < 2:
+        return None
+    order = np.argsort(np.asarray(arrivals), kind="stable")
+    t, lat, k = np.asarray(arrivals)[order], np.asarray(latencies)[order], max(1, len(arrivals) // 4)
+    span = float(np.median(t[-k:]) - np.median(t[:k]))
+    return (t, lat, k, span) if span > 0 else None
+
+
+def service_stretch(arrivals: list[float], latencies: list[float]) -> float:
+    """How fast a cohort was served against how fast it came, at most 1: the time between the
+    median arrivals of its first and last quarter, over that time plus how far the median
+    end-to-end latency climbed between those quarters.
+
+    A cluster that keeps up serves its last requests as fast as its first: 1. One that falls
+    behind queues every arrival a little longer than the one before; at a sustained rate mu
+    against an offered lambda the climb is span x (lambda / mu - 1), so this is mu / lambda.
+    Medians keep a few slow answers from reading as a climb; the cap at 1 means no rate can
+    read above the rate offered (a falling latency is a cluster catching up, not serving faster
+    than requests come)."""
+    q = _quarters(arrivals, latencies)
+    if q is None:
+        return 1.0
+    _, lat, k, span = q
+    climb = float(np.median(lat[-k:]) - np.median(lat[:k]))
+    return span / (span + climb) if climb > 0 else 1.0
 
 
 NEIGHBOURS = 51  #: arrivals a latency is compared with to tell its noise from a trend
 
 
-def rate_uncertainty(reqs: list[SimRequest], start: float, end: float) -> float:
-    """How far finishes counted in the shifted window may fall short of the arrivals for a
-    cluster that keeps up, as a share of them: at the window's end, requests whose latency
-    exceeds the median's finish past it, and nothing arrives after the last arrival to make up
-    for them; at its start, the warm-up's arrivals make up for the early finishes only in part
-    (they met an emptier cluster). Both are bounded by the mean spread of latency about its
-    running median over :data:`NEIGHBOURS` neighbours in arrival order, over the window's
-    length; so a cluster falling behind, whose latencies climb across the window, shows its
-    noise here and its shortfall in the rates."""
-    e2e = np.asarray(_window_latencies(reqs, start, end))
-    if end <= start or not e2e.size:
+def rate_uncertainty(arrivals: list[float], latencies: list[float]) -> float:
+    """How far :func:`service_stretch` may fall short of 1 by chance for a cluster that keeps up,
+    as a share of the offered rate: the stretch a climb of two standard errors of the difference
+    of the two quarters' median latencies would give. A latency's noise is its distance from
+    the running median of its :data:`NEIGHBOURS` neighbours in arrival order (the median
+    distance scaled to a standard deviation), so a cluster falling behind, whose latencies climb
+    across the window, shows its noise here and its shortfall in the stretch."""
+    q = _quarters(arrivals, latencies)
+    if q is None:
         return math.inf
-    k = min(NEIGHBOURS, e2e.size)
-    k -= 1 - k % 2  # odd: the median of a window centred on each latency
-    padded = np.pad(e2e, k // 2, mode="edge")
-    local = np.median(np.lib.stride_tricks.sliding_window_view(padded, k), axis=1)
-    d = e2e - local
-    edge = float(np.abs(d).mean())
-    return edge / (end - start)
+    _, lat, k, span = q
+    n = min(NEIGHBOURS, lat.size)
+    n -= 1 - n % 2  # odd: the median of a window centred on each latency
+    padded = np.pad(lat, n // 2, mode="edge")
+    local = np.median(np.lib.stride_tricks.sliding_window_view(padded, n), axis=1)
+    sigma = 1.4826 * float(np.median(np.abs(lat - local)))
+    climb = 2 * 1.2533 * sigma * math.sqrt(2 / k)  # two standard errors of a difference of medians
+    return climb / (span + climb)
 
 
 class _Done(NamedTuple):
@@ -189,17 +213,26 @@ def at_target(seconds: list[float], n: int, free: int, target: float) -> float |
     return round(1000.0 * float(np.partition(np.asarray(seconds), k - 1)[k - 1]), 3)
 
 
+def _reached_ttft(r: SimRequest) -> bool:
+    """The request's first token came while it was live (a token after D gave up reached no one)."""
+    return r.first_token is not None and (r.finish is None or r.first_token <= r.finish)
+
+
 def _attainment(s: Any, reqs: list[SimRequest], ok: list[_Done]) -> dict[str, Any]:
+    """Each latency SLO's attainment over the requests that reached it: TTFT over those whose
+    first token came, TPOT over those that finished. A request that failed first counts against
+    goodput (:func:`_rates`), not against a latency it never had."""
     slo_t, slo_p, target = s.slo.ttft_ms / 1000.0, s.slo.tpot_ms / 1000.0, s.slo.attainment
-    n = len(reqs) or 1
+    firsts = [r.first_token - r.arrival for r in reqs if r.first_token is not None and _reached_ttft(r)]
     ttft_ok = {r.rid for r in ok if r.ttft <= slo_t}
     tpot_ok = {r.rid for r in ok if r.out <= 1 or r.tpot <= slo_p}
     multi = [r.tpot for r in ok if r.out > 1]
     return {"ttft_ms": s.slo.ttft_ms, "tpot_ms": s.slo.tpot_ms, "target": target,
-            "ttft_attainment": round(len(ttft_ok) / n, 4), "tpot_attainment": round(len(tpot_ok) / n, 4),
-            "attainment": round(len(ttft_ok & tpot_ok) / n, 4),
-            "ttft_at_target_ms": at_target([r.ttft for r in ok], len(reqs), 0, target),
-            "tpot_at_target_ms": at_target(multi, len(reqs), len(ok) - len(multi), target),
+            "ttft_attainment": round(sum(t <= slo_t for t in firsts) / max(len(firsts), 1), 4),
+            "tpot_attainment": round(len(tpot_ok) / max(len(ok), 1), 4),
+            "attainment": round(len(ttft_ok & tpot_ok) / max(len(ok), 1), 4),
+            "ttft_at_target_ms": at_target(firsts, len(firsts), 0, target),
+            "tpot_at_target_ms": at_target(multi, len(ok), len(ok) - len(multi), target),
             "_good": ttft_ok & tpot_ok}
 
 
@@ -220,44 +253,67 @@ WINDOW_LABELS = {"steady": "steady window", "arrival span": "arrival span", "who
 
 
 def _rates(reqs: list[SimRequest], ok: list[_Done], good: set[str]) -> dict[str, Any]:
+    """Offered rate, throughput and goodput over one cohort: the window's arrivals. Each
+    request of it stands for ``offered / len(cohort)`` requests per second; those that finished,
+    and those that met every SLO, count at that rate times the service stretch (below 1 only
+    when the cohort took longer to serve than to arrive). So throughput <= offered always."""
     start, end, steady = steady_window(reqs)
-    a, b = finish_window(reqs, start, end, steady)
-    span = b - a
-    inside = [r for r in ok if a <= r.finish <= b]
-    per_s = (lambda x: round(x / span, 4)) if span > 0 else (lambda x: 0.0)
+    group = cohort(reqs, start, end, steady)
+    ids = {r.rid for r in group}
+    done = [r for r in ok if r.rid in ids]
+    arrivals, e2e = [r.arrival for r in done], [r.e2e for r in done]
+    stretch = service_stretch(arrivals, e2e)
+    offered = _offered(reqs, start, end, steady) if reqs else 0.0
+    each = offered / len(group) * stretch if group else 0.0  # req/s one request of the cohort stands for
     at_once = not steady and all(r.arrival == reqs[0].arrival for r in reqs)
+    failed = [r for r in group if r.state != "done"]
     return {
         "window_s": [round(start, 6), round(end, 6)],
         "window": "whole run" if at_once else WINDOW_NAMES[steady],
-        "finish_window_s": [round(a, 6), round(b, 6)],
-        "rate_uncertainty": round(min(rate_uncertainty(reqs, start, end), 1e9), 4),
-        "offered_rps": round(_offered(reqs, start, end, steady), 4) if reqs else 0.0,
-        "throughput_rps": per_s(len(inside)),
-        "goodput_rps": per_s(sum(1 for r in inside if r.rid in good)),
-        "output_tokens_per_s": round(per_s(sum(r.generated for r in inside)), 2),
-        "total_tokens_per_s": round(per_s(sum(r.generated + r.input_len for r in inside)), 2),
+        "cohort": len(group),
+        "service_stretch": round(stretch, 4),
+        "rate_uncertainty": round(min(rate_uncertainty(arrivals, e2e), 1.0), 4),
+        "offered_rps": round(offered, 4),
+        "throughput_rps": round(len(done) * each, 4),
+        "goodput_rps": round(sum(1 for r in done if r.rid in good) * each, 4),
+        "failed_rps": round(len(failed) * offered / len(group), 4) if group else 0.0,
+        "output_tokens_per_s": round(sum(r.generated for r in done) * each, 2),
+        "total_tokens_per_s": round(sum(r.generated + r.input_len for r in done) * each, 2),
     }
 
 
-def _too_short(rates: dict[str, Any], target: float, n: int) -> tuple[str | None, int | None]:
+def _too_short(rates: dict[str, Any], target: float, n: int, e2e: list[float]) -> tuple[str | None, int | None]:
     """(why the goodput test cannot be judged on this run, about how many requests would), or
-    (None, None) when it can. Edge effects only ever make the counted finishes fall short, by
-    at most ``rate_uncertainty``: goodput at ``target`` x offered passes whatever the
-    uncertainty, goodput short of it by more than the uncertainty fails, and in between the run
-    is too short to tell. The uncertainty shrinks as the window grows with the requests."""
+    (None, None) when it can.
+
+    The service stretch is measured to within ``rate_uncertainty`` either way, so goodput short
+    of ``target`` x offered by more than that fails however short the run, and goodput passes
+    only when it clears the target by more than that. A run without a steady window that did
+    not fail never held its load: its arrivals ended before a tenth of its requests had, so it
+    shows a burst, not a rate the cluster sustains; it takes arrivals lasting a few latencies
+    (about three times the p90 end-to-end latency) to fill the cluster and measure it. The
+    uncertainty shrinks as n^-1.5 (the quarters' medians sharpen as the window lengthens), which
+    gives the requests that would tell."""
     u, offered = rates["rate_uncertainty"], rates["offered_rps"]
     ratio = rates["goodput_rps"] / offered if offered > 0 else 0.0
-    if ratio >= target or ratio < target - u:
-        return None, None
     if rates["window"] == "whole run":
         return "too short to judge: every request arrived at once, so no rate was offered to sustain", None
     a, b = rates["window_s"]
-    allowed = (1.0 - target) / 2
-    more = _round_up(n * u / allowed) if allowed > 0 else None
+    if ratio < target - u:
+        return None, None  # short beyond any chance: it fell behind even in a burst
+    if rates["window"] == "arrival span":
+        p90 = float(np.percentile(e2e, 90)) if e2e else b - a
+        fill = _round_up(max(2 * n, offered * 3 * p90))
+        return (f"too short to judge: its arrivals ({a:.1f}-{b:.1f} s) ended before a tenth of its requests had, "
+                f"so the cluster never held the load; about {fill:,} requests would tell"), fill
+    if ratio - u >= target:
+        return None, None
+    room = max(abs(ratio - target), (1.0 - target) / 4, 1e-3)
+    more: int | None = _round_up(1.2 * n * (u / room) ** (2 / 3)) if math.isfinite(u) else None
     hint = f"; about {more:,} requests would tell" if more else ""
-    return (f"too short to judge: goodput {rates['goodput_rps']:.2f} req/s < {target} x offered {offered:.2f}, "
-            f"but over its {WINDOW_LABELS[rates['window']]} ({b - a:.1f} s) latency spread alone may hide "
-            f"{100 * min(u, 9.99):.1f} % of the finishes{hint}"), more
+    return (f"too short to judge: goodput {rates['goodput_rps']:.2f} req/s against {target} x offered {offered:.2f}, "
+            f"but over its {WINDOW_LABELS[rates['window']]} ({b - a:.1f} s, {rates['cohort']:,} arrivals) latency "
+            f"noise alone may move it {100 * min(u, 9.99):.1f} %{hint}"), more
 
 
 def _round_up(x: float) -> int:
@@ -266,8 +322,8 @@ def _round_up(x: float) -> int:
     return int(math.ceil(x / k) * k)
 
 
-def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any],
-             n: int) -> tuple[list[str], str | None, int | None]:
+def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any], n: int,
+             e2e: list[float]) -> tuple[list[str], str | None, int | None]:
     """(why the run does not meet the SLOs, why it cannot be judged, requests that would do):
     the first two empty when it meets them.
     A run that misses on drain or attainment fails however short; one that would be judged on
@@ -279,9 +335,13 @@ def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any],
         why.append(f"TTFT attainment {slo['ttft_attainment']:.3f} < {target}")
     if slo["tpot_attainment"] < target:
         why.append(f"TPOT attainment {slo['tpot_attainment']:.3f} < {target}")
-    short, more = _too_short(rates, target, n)
+    short, more = _too_short(rates, target, n, e2e)
+    if rates["failed_rps"] > (1 - target) * rates["offered_rps"]:
+        short, more = None, None  # failures alone sink goodput: no spread of latency explains them
     if short is None and rates["goodput_rps"] < target * rates["offered_rps"]:
-        why.append(f"goodput {rates['goodput_rps']:.2f} req/s < {target} x offered {rates['offered_rps']:.2f}")
+        failed = f", {rates['failed_rps']:.2f} req/s of it failed" if rates["failed_rps"] else ""
+        why.append(f"goodput {rates['goodput_rps']:.2f} req/s < {target} x offered {rates['offered_rps']:.2f}"
+                   f"{failed}")
     return (why, None, None) if why else (why, short, more)
 
 
@@ -291,12 +351,14 @@ def verdict_of(slo: dict[str, Any]) -> str:
 
 
 def _counts(reqs: list[SimRequest]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {"states": {}, "reasons": {}, "errors": {}}
+    """Requests by terminal state, by reason, by error code, and those that failed by reason."""
+    out: dict[str, dict[str, int]] = {"states": {}, "reasons": {}, "errors": {}, "failed": {}}
     for r in reqs:
         out["states"][r.state] = out["states"].get(r.state, 0) + 1
         out["reasons"][r.reason] = out["reasons"].get(r.reason, 0) + 1
         if r.state != "done":
             out["errors"][str(r.error)] = out["errors"].get(str(r.error), 0) + 1
+            out["failed"][r.reason] = out["failed"].get(r.reason, 0) + 1
     return {k: dict(sorted(v.items())) for k, v in out.items()}
 
 
@@ -310,7 +372,7 @@ def summarize(cl: Run, raw: dict[str, Any]) -> dict[str, Any]:
     itl = cl.itl()
     slo = _attainment(s, reqs, ok)
     rates = _rates(reqs, ok, slo.pop("_good"))
-    why, short, more = _verdict(raw["drained"] and not raw["deadlock"], slo, rates, len(reqs))
+    why, short, more = _verdict(raw["drained"] and not raw["deadlock"], slo, rates, len(reqs), [r.e2e for r in ok])
     prompt = sum(r.input_len for r in reqs)
     return {
         "scenario": scenario_to_dict(s), "requests": len(reqs), **_counts(reqs),
@@ -325,7 +387,7 @@ def summarize(cl: Run, raw: dict[str, Any]) -> dict[str, Any]:
         "slo": {**slo, "meets": not why and not short, "unmet": why, "too_short": short,
                 "requests_needed": more},
         "prefix_hit_rate": round(sum(r.cached_tokens for r in reqs) / prompt, 4) if prompt else 0.0,
-        "mode": s.cluster.mode, "preemptions": cl.counters["preemptions"],
+        "mode": s.cluster.mode, "gpus": s.cluster.gpus, "preemptions": cl.counters["preemptions"],
         "rejected_too_long": cl.counters["rejected_too_long"],
         "preemption_round_trip_ms": latency_stats(cl.round_trips),
         "gpu_blocks_per_instance": cl.gpu_blocks, "series": cl.series,

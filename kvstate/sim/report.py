@@ -26,10 +26,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def _finishes(r: dict[str, Any]) -> str:
-    """Where throughput and goodput were counted, when that is not the window itself."""
-    a, b = r["finish_window_s"]
-    return "" if [a, b] == r["window_s"] else f" (finishes counted over {a:.1f}-{b:.1f} s)"
+def _stretch(x: float) -> str:
+    """The service stretch in words: whether latency climbed across the window, and so by how
+    much the cluster fell behind its arrivals."""
+    if x >= 0.9995:
+        return "latency level across the window"
+    return f"latency climbing across the window: served at {100 * x:.1f} % of the rate offered"
 
 
 def _replay(w: dict[str, Any]) -> str:
@@ -53,11 +55,13 @@ def _header(r: dict[str, Any]) -> list[str]:
                  f"{'on' if sch['prefix_caching'] else 'off'})")
     else:
         where = f"{c['n_prefill']} P + {c['n_decode']} D (disaggregated)"
+    gpus = r["gpus"]
     return [
-        f"kvstate simulate: {s['model']['name']} on {where}, TP {c['tp']}, {s['gpu']['name']}; {load}, "
-        f"seed {s['seed']}",
-        f"offered {r['offered_rps']:.2f} req/s over the {WINDOW_LABELS[r['window']]} "
-        f"{r['window_s'][0]:.1f}-{r['window_s'][1]:.1f} s{_finishes(r)}; run {r['duration_s']:.1f} s simulated{wall}",
+        f"kvstate simulate: {s['model']['name']} on {where}, TP {c['tp']}: {gpus} GPU{'s' if gpus != 1 else ''} "
+        f"({s['gpu']['name']}); {load}, seed {s['seed']}",
+        f"offered {r['offered_rps']:.2f} req/s: the {r['cohort']:,} arrivals of the {WINDOW_LABELS[r['window']]} "
+        f"{r['window_s'][0]:.1f}-{r['window_s'][1]:.1f} s, which every rate below counts; "
+        f"run {r['duration_s']:.1f} s simulated{wall}",
         f"requests {r['requests']:,}, ended: {_counts(r['reasons'])}",
     ]
 
@@ -74,9 +78,12 @@ def _slo(r: dict[str, Any]) -> list[str]:
     slo = r["slo"]
     verdict = ("meets the SLOs" if slo["meets"] else slo["too_short"] if slo["too_short"]
                else "does not meet the SLOs: " + "; ".join(slo["unmet"]))
+    failed = sum(r["failed"].values())
     return [
-        f"throughput {r['throughput_rps']:.2f} req/s, goodput {r['goodput_rps']:.2f} req/s; "
+        f"throughput {r['throughput_rps']:.2f} req/s, goodput {r['goodput_rps']:.2f} req/s "
+        f"({_stretch(r['service_stretch'])}; latency noise alone may read {_pct(r['rate_uncertainty'])} short); "
         f"output {r['output_tokens_per_s']:,.0f} tok/s, total {r['total_tokens_per_s']:,.0f} tok/s",
+        f"failed {failed:,}" + (f" ({_counts(r['failed'])}): counted against goodput, not latency" if failed else ""),
         f"SLOs: TTFT <= {slo['ttft_ms']:g} ms met by {_pct(slo['ttft_attainment'])}, TPOT <= {slo['tpot_ms']:g} ms "
         f"by {_pct(slo['tpot_attainment'])}, both by {_pct(slo['attainment'])} (target {_pct(slo['target'])})",
         f"verdict: {verdict}",
@@ -94,7 +101,8 @@ def _colocated(r: dict[str, Any]) -> list[str]:
     if gpu:
         lines.append(f"GPU prefix cache: {gpu['cached_blocks']:,} blocks cached at the end, "
                      f"{gpu['evictions']:,} evictions")
-    lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):")
+    lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each; compute: share of the run in "
+                 "forward steps, not FLOP use):")
     for name, i in r["instances"].items():
         lines.append(f"  {name:<4} compute {_pct(i['compute_busy'])}, seats {_pct(i['seats_used'])}, blocks "
                      f"{_pct(i['blocks_used'])} (peak {_pct(i['peak_blocks_used'])}), {i['steps']:,} steps")
@@ -130,7 +138,8 @@ def _resources(r: dict[str, Any]) -> list[str]:
     if gpu:
         lines.append(f"GPU prefix cache: prefix hits {_pct(gpu['prefix_hit_rate_gpu'])} of prompt tokens at P, "
                      f"{_pct(gpu['decode_hit_rate_gpu'])} not read at D; {gpu['evictions']:,} evictions")
-    lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each):")
+    lines.append(f"instances ({r['gpu_blocks_per_instance']:,} GPU blocks each; compute: share of the run in "
+                 "forward steps, not FLOP use):")
     for name, i in r["instances"].items():
         slots = f", batch slots {_pct(i['batch_slots_used'])}" if "batch_slots_used" in i else ""
         lines.append(f"  {name:<4} compute {_pct(i['compute_busy'])}{slots}, blocks {_pct(i['blocks_used'])} "
