@@ -60,6 +60,18 @@ def test_version_and_exit_codes_in_help(capsys):
     (["simulate", "--model", "no-such-model"], "not a preset"),
     (["scenario", "no-such-preset"], "no scenario preset 'no-such-preset'"),
     (["demo", "--store-dir", "x"], "--store-dir goes with --store file"),
+    (["simulate", "--rate", "1e-9"], "take 1,999,000,000,000 s, past the run's time limit of 36,000 s"),
+    (["simulate", "--rate", "1e12"], "1e+12 req/s puts arrivals less than a microsecond apart"),
+    (["simulate", "--mode", "colocated", "--n-prefill", "2"], "--n-prefill: a pd setting; this run's mode is co"),
+    (["simulate", "--n-instances", "3"], "--n-instances: a colocated setting; this run's mode is pd"),
+    (["plan", "--mode", "colocated", "--n-decode", "2", "--sweep", "cluster.tp=1,2"], "--n-decode: a pd setting"),
+    (["plan", "--n-instances", "2", "--sweep", "cluster.tp=1,2"], "--n-instances: a colocated setting"),
+    (["simulate", "--model", "llama-2-7b", "--set", "workload.input_max=8192"],
+     "prompts of up to 8,192 tokens, longer than the model's context of 4,096 tokens"),
+    (["simulate", "--trace", str(ROOT / "data" / "mooncake_synthetic_trace.jsonl"), "--num-prompts", "5000"],
+     "5,000 requests, but " + str(ROOT / "data" / "mooncake_synthetic_trace.jsonl") + " holds 3,993"),
+    (["simulate", "--trace", str(ROOT / "data" / "mooncake_synthetic_trace.jsonl"), "--model", "llama-2-7b"],
+     "-token prompt, longer than the model's context of 4,096 tokens"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_runs(argv, needle, capsys, monkeypatch):
     no_simulation(monkeypatch)
@@ -200,7 +212,7 @@ def test_plan_marks_infeasible_configurations_with_a_reason_and_goes_on(tmp_path
     assert "do not split over 3 ranks" in rows[(3, 8.0)]["reason"]
     assert "do not fit" in rows[(1, 900.0)]["reason"]
     assert rows[(1, 8.0)]["feasible"] and rows[(1, 8.0)]["gpus"] == 4
-    assert rc == (0 if rows[(1, 8.0)]["meets_slo"] else 1)
+    assert rc == {"meets": 0, "too short": 4}.get(rows[(1, 8.0)]["verdict"], 1)
     assert "infeasible" in capsys.readouterr().out
 
 

@@ -27,7 +27,7 @@ EXIT_CODES = {
     2: "bad input: an option, a scenario or trace file, an output path",
     3: "simulate: the run did not drain (a deadlock, or its time limit passed)",
     4: "plan: a configuration at most as cheap as any that meets the SLOs was too short to judge",
-    130: "interrupted (Ctrl-C); plan keeps the rows so far in its --out file",
+    130: "interrupted (Ctrl-C); plan keeps the rows so far in its --out file, if given",
     141: "stdout was closed early (e.g. piped into head)",
 }
 
@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--ray", metavar="ADDRESS", help="run the configurations as tasks on a Ray cluster: 'auto' "
                     "(the one this machine runs), HOST:PORT or ray://HOST:PORT (needs the ray extra; results "
                     "are the same as with local processes)")
-    pl.add_argument("--out", default="plan.json", help="JSON result file, rewritten as rows come (default plan.json)")
+    pl.add_argument("--out", metavar="FILE", help="write the JSON result to FILE, rewritten as rows come (none "
+                    "without it)")
     pl.add_argument("--plot", metavar="DIR", help="write plan.png (every configuration) into DIR")
     pl.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     sc = sub.add_parser("scenario", help="print the default scenario, or a preset, as commented TOML")

@@ -16,10 +16,11 @@ from ..sim.models import resolve_model
 from ..sim.presets import PRESETS, describe, preset
 from ..sim.scenario import ModelSpec, Scenario
 from ..sim.scenario_io import load_scenario, to_toml, with_overrides
+from ..sim.workload import check_workload
 from .progress import Progress
 
-__all__ = ["simulate", "plan", "scenario", "build_scenario", "check_output_file", "check_output_dir", "write_json",
-           "Interrupted"]
+__all__ = ["simulate", "plan", "scenario", "build_scenario", "check_mode_options", "check_output_file",
+           "check_output_dir", "write_json", "Interrupted"]
 
 
 class Interrupted(Exception):
@@ -70,6 +71,20 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     if args.seed is not None:
         over["seed"] = args.seed
     return with_overrides(sc, over) if over else sc
+
+
+#: the shortcut options that mean something in one mode only
+_MODE_OPTIONS = {"n_instances": "colocated", "n_prefill": "pd", "n_decode": "pd"}
+
+
+def check_mode_options(args: argparse.Namespace, modes: set[str]) -> None:
+    """Refuse a shortcut option that no mode of the run (``modes``: a plan may sweep both) uses:
+    ``--n-instances`` counts co-located instances, ``--n-prefill`` and ``--n-decode`` PD's."""
+    for opt, mode in _MODE_OPTIONS.items():
+        if getattr(args, opt, None) is not None and mode not in modes:
+            flag = "--" + opt.replace("_", "-")
+            raise ConfigError(f"{flag}: a {mode} setting; this run's mode is {' and '.join(sorted(modes))} "
+                              f"(--mode {mode} to use it)")
 
 
 def _check_layer_kinds(source: str, model: ModelSpec, sets: dict[str, Any]) -> None:
@@ -156,7 +171,9 @@ def simulate(args: argparse.Namespace) -> int:
     from ..sim.run import simulate as run
 
     sc = build_scenario(args)
+    check_mode_options(args, {sc.cluster.mode})
     sc.gpu_blocks()  # the model fits, within the run's bounds: said before the run
+    check_workload(sc.workload, sc.model.context, sc.time_limit_s)
     plot_dir = check_output_dir(args.plot, "--plot") if args.plot else None
     trace = check_output_file(args.timeline, "--timeline") if args.timeline else None
     if plot_dir is not None:
@@ -200,7 +217,9 @@ def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
     lines = [f"target {res['rate']:g} req/s offered; SLOs TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
              f"each met by >= {100 * res['attainment']:.0f} % of requests, goodput >= that x offered",
              "".join(f"{n.split('.')[-1]:>14}" for n in names) + f"{'GPUs':>6}{'offered':>9}{'goodput':>9}"
-             f"{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}  verdict"]
+             f"{'failed':>8}{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}  verdict",
+             "(rates in req/s over the steady window's arrivals; failed: requests that ended without an answer; "
+             "TTFT ok and TPOT ok: of the requests that reached each)"]
     for r in res["rows"]:
         cells = "".join(f"{r['config'][n]!s:>14}" for n in names)
         if not r["feasible"] and r["gpus"] is None:
@@ -208,6 +227,7 @@ def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
             continue
         verdict = _verdict_text(r)
         lines.append(f"{cells}{r['gpus']:>6}{r['offered_rps']:>9.2f}{r['goodput_rps']:>9.2f}"
+                     f"{sum(r['failed'].values()):>8,}"
                      f"{100 * r['ttft_attainment']:>8.1f}%{100 * r['tpot_attainment']:>8.1f}%"
                      f"{r['ttft_p99_ms'] or 0:>10.1f}  {verdict}")
     b = res["best"]
@@ -230,7 +250,9 @@ def plan(args: argparse.Namespace) -> int:
     sc = build_scenario(args)
     sweep = parse_sweep(args.sweep) if args.sweep else {"cluster.n_prefill": [1, 2, 3, 4],
                                                         "cluster.n_decode": [1, 2, 3, 4]}
-    out = check_output_file(args.out, "--out")
+    check_mode_options(args, {str(m) for m in sweep.get("cluster.mode", [sc.cluster.mode])})
+    check_workload(sc.workload, sc.model.context, sc.time_limit_s)
+    out = check_output_file(args.out, "--out") if args.out else None
     plot_dir = check_output_dir(args.plot, "--plot") if args.plot else None
     if plot_dir is not None:
         from ..sim.plot import pyplot
@@ -244,17 +266,20 @@ def plan(args: argparse.Namespace) -> int:
     def on_row(row: dict[str, Any], done: int, n: int) -> None:  # the file holds every row so far
         rows.append(row)
         total[0] = n
-        write_json(out, {"complete": False, "rows": rows, "sweep": sweep}, "--out")
+        if out is not None:
+            write_json(out, {"complete": False, "rows": rows, "sweep": sweep}, "--out")
         bar.update(done, n)
 
     try:
         res = run_plan(sc, sweep, attainment=args.attainment, workers=args.workers, ray=args.ray, on_row=on_row)
     except KeyboardInterrupt:
-        kept = f"the {len(rows)} rows so far are in {out}" if rows else "no configuration had finished"
+        kept = ("no configuration had finished" if not rows else f"the {len(rows)} rows so far are in {out}"
+                if out is not None else "give --out FILE to keep the rows of a run")
         raise Interrupted(f"interrupted after {len(rows)} of {total[0] or '?'} configurations; {kept}") from None
     finally:
         bar.close()
-    write_json(out, res, "--out")
+    if out is not None:
+        write_json(out, res, "--out")
     if plot_dir is not None:
         from ..sim.plot import plot_plan
 
@@ -264,7 +289,9 @@ def plan(args: argparse.Namespace) -> int:
         print(json.dumps(res, sort_keys=True))
     else:
         print("\n".join(_plan_table(res, list(sweep))))
-        print(f"wrote {out}" + (f" and {plot_dir / 'plan.png'}" if plot_dir else ""))
+        wrote = [str(p) for p in (out, plot_dir / "plan.png" if plot_dir else None) if p is not None]
+        if wrote:
+            print(f"wrote {' and '.join(wrote)}")
     return 4 if res["undecided"] else 0 if res["best"] else 1
 
 

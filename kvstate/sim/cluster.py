@@ -54,7 +54,7 @@ class Cluster:
         self.decode = [DecodeInstance(sv, i) for i in range(s.cluster.n_decode)]
         self.instances: list[Instance] = [*self.prefill, *self.decode]
         self.router = Router(sv, self.prefill, self.decode)
-        self.total, self._arrivals = arrivals(s.workload, s.seed)
+        self.total, self._arrivals = arrivals(s.workload, s.seed, s.model.context, s.time_limit_s)
         self.arrived = 0
         self.finished = self.env.event()
         self.series: list[dict[str, Any]] = []

@@ -45,7 +45,7 @@ class ColocatedCluster:
         limit = s.scheduler.max_model_len
         self.max_len = min(limit, self.gpu_blocks * self.block_size) if limit else self.gpu_blocks * self.block_size
         self.frontend = s.scheduler.frontend_ms / 1000.0
-        self.total, self._arrivals = arrivals(s.workload, s.seed)
+        self.total, self._arrivals = arrivals(s.workload, s.seed, s.model.context, s.time_limit_s)
         self.arrived = 0
         self.finished = self.env.event()
         self.series: list[dict[str, Any]] = []

@@ -140,5 +140,6 @@ def model_from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
     name = str(outer.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem) or "model")
     shapes = _shapes(cfg, where)
     params = _params(ModelSpec(**shapes), bool(cfg.get("tie_word_embeddings", False)))
+    context = _int(cfg, "max_position_embeddings", where, 0, minimum=0)
     return ModelSpec(name=name.rsplit("/", 1)[-1], params_b=round(params, 3), **shapes,
-                     weight_dtype="fp8" if quant == "fp8" else _DTYPES[dtype], dtype=_DTYPES[dtype])
+                     weight_dtype="fp8" if quant == "fp8" else _DTYPES[dtype], dtype=_DTYPES[dtype], context=context)

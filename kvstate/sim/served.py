@@ -58,11 +58,14 @@ class ModelSpec(Section):
     weight_dtype: str = setting("bfloat16", f"weights: one of {list(WEIGHT_DTYPES)} (fp8: one byte, fp8 tensor cores)")
     dtype: str = setting("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)} (uint8: an fp8 cache)")
     block_size: int = setting(64, "tokens per KV block")
+    context: int = setting(0, "the model's context, tokens (config.json's max_position_embeddings): a workload "
+                           "whose prompts may be longer is refused; 0: not known, not checked")
 
     def check(self) -> None:
         self.positive("params_b", "num_layers", "hidden", "num_heads", "total_kv_heads", "head_dim", "intermediate",
                       "vocab", "block_size")
-        self.non_negative("experts", "experts_per_token", "shared_experts", "moe_intermediate", "dense_layers")
+        self.non_negative("experts", "experts_per_token", "shared_experts", "moe_intermediate", "dense_layers",
+                          "context")
         self.choice("dtype", tuple(DTYPES))
         self.choice("weight_dtype", tuple(WEIGHT_DTYPES))
         if self.num_heads % self.total_kv_heads:

@@ -8,6 +8,7 @@ trace request's tokens are derived block by block from its ``hash_ids``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from array import array
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from ..validate import check_int, is_int
 from .scenario import WorkloadSpec
 
 __all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals", "unique_start", "unique_tokens",
-           "trace_selection", "offered_rate", "from_trace"]
+           "trace_selection", "offered_rate", "from_trace", "check_workload", "MAX_RATE"]
 
 # Token ids are uint32 (kvstate.keys). Shared tokens (prefix groups, trace hash blocks) lie in
 # [0, 2**31), a request's own tokens in [2**31, 2**32): its run starts at a point of that half
@@ -29,6 +30,9 @@ __all__ = ["Arrival", "TraceRecord", "load_trace", "synthetic", "arrivals", "uni
 # its keys differ from every other request's past their shared prefix.
 _HALF = 1 << 31
 _MIX = 0x9E3779B1  # odd
+#: req/s: arrivals a microsecond apart, the finest step the timeline records; faster, a run's
+#: arrivals cannot be told apart, so it offers no rate it can realize
+MAX_RATE = 1e6
 
 
 def unique_start(i: int, salt: int = 0) -> int:
@@ -228,10 +232,52 @@ def from_trace(records: list[TraceRecord], w: WorkloadSpec) -> Iterator[Arrival]
                       _tokens(prefix, r.input_length, unique_start(i)))
 
 
-def arrivals(w: WorkloadSpec, seed: int) -> tuple[int, Iterator[Arrival]]:
-    """(number of requests, their arrivals in time order). A trace is read and validated here,
-    in full, before the first arrival is handed out."""
+def _replayed(w: WorkloadSpec, records: list[TraceRecord], context: int) -> tuple[int, float]:
+    """(requests, seconds from the first arrival to the last) of a trace replay that exists as
+    asked: no more requests than the trace holds, no prompt past the model's context."""
+    if w.trace_requests > len(records):
+        raise ConfigError(f"[workload] trace_requests (--num-prompts with a trace): {w.trace_requests:,} requests, but "
+                          f"{w.trace} holds {len(records):,}")
+    chosen, scale = trace_selection(records, w)
+    i = max(range(len(chosen)), key=lambda j: chosen[j].input_length)
+    if context and chosen[i].input_length > context:
+        raise ConfigError(f"{w.trace}: request {i + 1} has a {chosen[i].input_length:,}-token prompt, longer than the "
+                          f"model's context of {context:,} tokens ([model] context)")
+    return len(chosen), (chosen[-1].timestamp_ms - chosen[0].timestamp_ms) / 1000.0 * scale
+
+
+def check_workload(w: WorkloadSpec, context: int = 0, time_limit_s: float = math.inf,
+                   records: list[TraceRecord] | None = None) -> None:
+    """Refuse a workload a run cannot carry out as asked, with the limit it breaks: a prompt
+    longer than the model's ``context`` (0: not known), more requests than a trace holds, arrivals
+    faster than :data:`MAX_RATE`, or so slow that they outlast the run's ``time_limit_s`` (the
+    run would end before the rate was offered)."""
+    if w.arrival == "trace":
+        n, span = _replayed(w, records if records is not None else load_trace(w.trace, w.hash_block_size), context)
+    else:
+        if context and w.input_max > context:
+            raise ConfigError(f"[workload] input_max: prompts of up to {w.input_max:,} tokens, longer than the model's "
+                              f"context of {context:,} tokens ([model] context): set input_max <= {context:,}")
+        n, span = w.num_requests, (w.num_requests - 1) / w.rate
+    if n < 2 or span <= 0:
+        return
+    rate, field = (n - 1) / span, "rate (--rate)" if w.arrival != "trace" else "trace_rate (--rate with a trace)"
+    if rate > MAX_RATE:
+        raise ConfigError(f"[workload] {field}: {rate:.3g} req/s puts arrivals less than a microsecond apart; at most "
+                          f"{MAX_RATE:.0e} req/s")
+    if span >= time_limit_s:
+        raise ConfigError(f"[workload] {field}: {n:,} arrivals at {rate:.3g} req/s take {span:,.0f} s, past the run's "
+                          f"time limit of {time_limit_s:,.0f} s (time_limit_s): at least {(n - 1) / time_limit_s:.3g} "
+                          "req/s, or fewer requests")
+
+
+def arrivals(w: WorkloadSpec, seed: int, context: int = 0,
+             time_limit_s: float = math.inf) -> tuple[int, Iterator[Arrival]]:
+    """(number of requests, their arrivals in time order), after :func:`check_workload`. A
+    trace is read and validated here, in full, before the first arrival is handed out."""
     if w.arrival == "trace":
         records = load_trace(w.trace, w.hash_block_size)
+        check_workload(w, context, time_limit_s, records)
         return len(trace_selection(records, w)[0]), from_trace(records, w)
+    check_workload(w, context, time_limit_s)
     return w.num_requests, synthetic(w, seed)
