@@ -1,12 +1,13 @@
 """PNG charts of a simulation or a plan (matplotlib, the optional ``plot`` extra)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["plot_simulation", "plot_plan", "plan_figure", "latency_figure", "pyplot"]
+__all__ = ["plot_simulation", "plot_plan", "plan_figure", "latency_figure", "pyplot", "run_title", "SPREAD_FOR_LOG"]
 
 
 def pyplot() -> Any:
@@ -20,25 +21,53 @@ def pyplot() -> Any:
     return plt
 
 
+SPREAD_FOR_LOG = 20.0  #: a latency axis spanning more than this ratio (SLO line included) is drawn log
+
+
+def _log_if_spread(values: list[float], line: float | None) -> bool:
+    """Whether an axis holding ``values`` and the SLO ``line`` needs a log scale to show both."""
+    pos = [v for v in [*values, *([line] if line else [])] if v and v > 0]
+    return bool(pos) and max(pos) / min(pos) > SPREAD_FOR_LOG
+
+
+def run_title(result: dict[str, Any]) -> str:
+    """What a chart is of: the model, where it ran and how many GPUs, the load."""
+    s = result["scenario"]
+    c, w = s["cluster"], s["workload"]
+    where = (f"{c['n_instances']} co-located" if result["mode"] == "colocated"
+             else f"{c['n_prefill']} P + {c['n_decode']} D")
+    load = f"{w['rate']:g} req/s" if w["arrival"] != "trace" else f"trace {Path(w['trace']).name}"
+    return (f"{s['model']['name']}: {where}, TP {c['tp']}, {result['gpus']} x {s['gpu']['name']}; {load}, "
+            f"{result['requests']:,} requests")
+
+
 def latency_figure(result: dict[str, Any], latencies: dict[str, list[float]]) -> Any:
     """Latency CDFs, each with its SLO (a vertical line) and the attainment target (horizontal):
-    the curve must cross the target's line left of the SLO's."""
+    the curve must cross the target's line left of the SLO's. The axis always reaches the SLO
+    line, and turns logarithmic where the latencies and the line span more than
+    :data:`SPREAD_FOR_LOG`, so a line far from the curve stays readable."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     slo = result["slo"]
     lines = {"TTFT": slo["ttft_ms"], "TPOT": slo["tpot_ms"]}
     for ax, (name, xs) in zip(axes, latencies.items()):
         xs = sorted(xs)
+        line = lines.get(name)
         if xs:
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
-        if name in lines:
-            ax.axvline(lines[name], color="tab:red", ls="--", lw=1, label=f"SLO {lines[name]:g} ms")
+        else:
+            ax.text(0.5, 0.5, "no request finished", ha="center", va="center", transform=ax.transAxes)
+        if _log_if_spread(xs, line):
+            ax.set_xscale("log")
+        if line is not None:
+            ax.axvline(line, color="tab:red", ls="--", lw=1.5, label=f"SLO {line:g} ms")
             ax.axhline(slo["target"], color="gray", ls=":", lw=1, label=f"target {100 * slo['target']:.0f} %")
-            ax.legend(fontsize=7, loc="lower right")
-        ax.set_xlabel(f"{name} (ms)")
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_xlabel(f"{name} (ms{', log scale' if ax.get_xscale() == 'log' else ''})")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{name} CDF")
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(run_title(result), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -57,6 +86,7 @@ def plot_simulation(result: dict[str, Any], latencies: dict[str, list[float]], o
     t = [x["t"] for x in series]
     pd = result["mode"] != "colocated"
     fig, axes = plt.subplots(3 if pd else 2, 1, figsize=(12, 9 if pd else 6.5), sharex=True)
+    fig.suptitle(run_title(result), fontsize=10)
     _queues(axes[0], series, t, pd)
     total = result["gpu_blocks_per_instance"]
     for name in (series[0]["blocks_used"] if series else {}):
@@ -103,6 +133,37 @@ def plot_plan(res: dict[str, Any], x: str, out_file: str | Path) -> str:
     return str(out_file)
 
 
+def _no_bar(r: dict[str, Any], key: str) -> str | None:
+    """Why a plan row has no bar in the panel of ``key``, or None when it has one."""
+    if r.get(key) is not None:
+        return None
+    if r["verdict"] == "infeasible":  # the rule broken, without the scenario's name and field
+        rule = str(r.get("reason") or "").rsplit(": ", 1)[-1]
+        return "infeasible:\n" + textwrap.shorten(rule, 70, placeholder="...").replace(" split", "\nsplit", 1)
+    return "too few finished" if key != "goodput_rps" else "none finished"
+
+
+def _plan_panel(ax: Any, rows: list[dict[str, Any]], key: str, line: float | None, colors: list[str],
+                edges: list[str], target: float) -> None:
+    """One panel of the plan chart: a bar a row, the row's reason where it has none, the SLO
+    line (or the goodput needed), log where the bars and the line span too much."""
+    values = [r.get(key) for r in rows]
+    xs = range(len(rows))
+    ax.bar(xs, [v or 0 for v in values], color=colors, edgecolor=edges, linewidth=2)
+    if line is not None and _log_if_spread([v for v in values if v], line):
+        ax.set_yscale("log")
+    if line is not None:
+        ax.axhline(line, color="black", ls="--", lw=1.5, label=f"SLO {line:g} ms")
+    else:
+        ax.scatter(xs, [target * r.get("offered_rps", 0.0) for r in rows], marker="_", s=300, color="black",
+                   zorder=3, label=f"{target:g} x offered (needed)")
+    for i, r in enumerate(rows):
+        why = _no_bar(r, key)
+        if why:
+            ax.text(i, 0.02, why, rotation=90, ha="center", va="bottom", fontsize=7, color="dimgray",
+                    transform=ax.get_xaxis_transform())
+
+
 def plan_figure(res: dict[str, Any], x: str) -> Any:
     """Every swept configuration against the SLO tests it is judged by: goodput beside target x
     offered, and the TTFT and TPOT that the target share of requests met beside their SLOs.
@@ -116,23 +177,20 @@ def plan_figure(res: dict[str, Any], x: str) -> Any:
     labels = [f"* {label} (chosen)" if c else label for label, c in zip(labels, chosen)]
     colors = [_COLORS[r["verdict"]] for r in rows]
     edges = ["black" if c else "none" for c in chosen]
-    xs = range(len(rows))
+    labels = [f"{label}\n{r['gpus']} GPUs" if r.get("gpus") else label for label, r in zip(labels, rows)]
     panels = (("goodput (req/s)", "goodput_rps", None),
               (f"TTFT met by {100 * target:.0f} % (ms)", "ttft_at_target_ms", slo["ttft_ms"]),
               (f"TPOT met by {100 * target:.0f} % (ms)", "tpot_at_target_ms", slo["tpot_ms"]))
     for ax, (title, key, line) in zip(axes, panels):
-        ax.bar(xs, [r.get(key) or 0 for r in rows], color=colors, edgecolor=edges, linewidth=2)
-        if line is not None:
-            ax.axhline(line, color="black", ls="--", lw=1, label=f"SLO {line:g} ms")
-        else:
-            ax.scatter(xs, [target * r.get("offered_rps", 0.0) for r in rows], marker="_", s=300, color="black",
-                       zorder=3, label=f"{target:g} x offered (needed)")
-        ax.set_ylabel(title)
+        _plan_panel(ax, rows, key, line, colors, edges, target)
+        ax.set_ylabel(title + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.legend(fontsize=7, loc="upper right")
-        ax.set_xticks(list(xs))
+        ax.set_xticks(list(range(len(rows))))
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-        ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"capacity plan by {x} (green: meets the SLOs, red: does not, orange: too short to judge, "
-                 "gray: infeasible; * chosen)")
+        ax.grid(alpha=0.3, axis="y", which="both")
+    target_rate = f", target {res['rate']:g} req/s" if res.get("rate") else ""
+    fig.suptitle(f"capacity plan of {Path(str(res.get('base') or 'the default scenario')).name} by {x}{target_rate} "
+                 f"(green: meets the SLOs, red: does not, orange: too short to judge, "
+                 "gray: infeasible; * chosen)", fontsize=10)
     fig.tight_layout()
     return fig
