@@ -258,6 +258,28 @@ def test_the_plan_chart_draws_the_slo_lines_and_marks_the_chosen_configuration()
     assert list(needed) == [9.0, 9.0, 9.0]  # 0.9 x offered, the goodput each must reach
 
 
+def test_the_plan_chart_says_why_a_configuration_has_no_bar_and_goes_log_when_spread():
+    pytest.importorskip("matplotlib")
+    from kvstate.sim.plot import plan_figure
+    res = plan_result()
+    res["rows"][0]["ttft_at_target_ms"] = 60_000.0  # 60x the SLO: a linear axis would flatten the rest
+    res["rows"].append({"config": {"cluster.n_decode": 4}, "verdict": "infeasible", "meets_slo": False,
+                        "feasible": False, "gpus": None, "reason": "<x>: [cluster] tp: 8 KV heads do not split"})
+    res["rate"], res["base"] = 10.0, "examples/llama-3-70b-h200.toml"
+    fig = plan_figure(res, "cluster.n_decode")
+    goodput, ttft, _ = fig.axes
+    assert ttft.get_yscale() == "log" and goodput.get_yscale() == "linear"
+    texts = [t.get_text() for t in ttft.texts]
+    assert len(texts) == 1 and texts[0].startswith("infeasible:") and "KV heads" in texts[0]
+    assert "llama-3-70b-h200.toml" in fig._suptitle.get_text() and "10 req/s" in fig._suptitle.get_text()
+
+
+def test_plan_writes_no_file_without_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["plan", "--quiet", "--num-prompts", "20", *TINY, "--sweep", "cluster.n_decode=1", "--workers", "1"])
+    assert list(tmp_path.iterdir()) == [] and "wrote" not in capsys.readouterr().out
+
+
 def test_the_latency_chart_draws_the_slo_lines(capsys):
     pytest.importorskip("matplotlib")
     from kvstate.sim.plot import latency_figure
@@ -268,6 +290,9 @@ def test_the_latency_chart_draws_the_slo_lines(capsys):
     ttft, tpot, _ = fig.axes
     assert any(list(line.get_xdata()) == [1000.0, 1000.0] for line in ttft.get_lines())
     assert any(list(line.get_xdata()) == [30.0, 30.0] for line in tpot.get_lines())
+    assert ttft.get_xscale() == "log"  # TTFTs of ~10 ms beside a 1,000 ms SLO line
+    assert tpot.get_xscale() == "linear"  # TPOTs of ~6 ms beside a 30 ms one
+    assert f"{r['gpus']} x H100-SXM" in fig._suptitle.get_text()
 
 
 def test_diagram_prints_fenced_mermaid_blocks(capsys):
