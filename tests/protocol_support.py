@@ -66,11 +66,14 @@ def corpus_database() -> MultiplexedDatabase:
                                DirectoryBasedExampleDatabase(str(LOCAL_FAILURES)))
 
 
-def profile_settings(profile: str | None = None) -> settings:
+def profile_settings(profile: str | None = None, max_examples: int | None = None) -> settings:
+    """The profile's settings (``KVSTATE_PROTOCOL_PROFILE``, "ci" by default); ``max_examples``
+    overrides its count (a top-up round)."""
     name = profile or os.environ.get("KVSTATE_PROTOCOL_PROFILE", "ci")
     if name not in PROFILES:
         raise ValueError(f"KVSTATE_PROTOCOL_PROFILE must be one of {sorted(PROFILES)}, got {name!r}")
     examples, steps = PROFILES[name]
+    examples = max_examples or examples
     return settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=corpus_database(),
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
