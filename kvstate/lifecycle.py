@@ -8,7 +8,8 @@ from its role's table (:mod:`~kvstate.prefill`, :mod:`~kvstate.decode`). It cons
 (method calls, or :mod:`~kvstate.events` objects given to :meth:`Lifecycle.handle`) and queues
 :mod:`~kvstate.commands`, which :meth:`Lifecycle.poll_commands` hands out. It never sleeps,
 spawns a thread or touches a device; time comes from an injected clock, and deadlines fire
-on :meth:`Lifecycle.tick` (:meth:`Lifecycle.next_deadline` says when that is due).
+on :meth:`Lifecycle.tick` (:meth:`Lifecycle.next_deadline` says when that is due). Its
+read-only views (states, blocks, keys, transfers, pins, stats) change nothing.
 
 Rules every role keeps:
 
@@ -27,13 +28,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 from . import commands as C
 from . import events as E
 from .errors import ValidationError
 from .hostpool import HostBlockPool
-from .inspection import Inspection, TransferView
 from .keys import KeyCache, keys_of_packed
 from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
@@ -43,21 +44,22 @@ from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
 from .statepages import StatePages, usable_count
-from .tables import check_layout, cut, give, held, per_block, pinned
+from .tables import check_layout, cut, give, held, per_block, pinned, rows
 from .timers import FENCE, TRANSFER, WAIT, Timers
 from .validate import check_int, check_request_id, check_tokens, is_int, read_clock
 
 __all__ = ["Lifecycle", "TransferView", "LANDING"]
 
+TransferView = tuple[C.TransferCommand, tuple[int, ...], bool, bool]  #: command, blocks, pinned, held
 #: transfers that scatter into GPU blocks or state pages: one given up on may still land until its fence
 LANDING = (C.ReadBlocks, C.LoadLayers, C.SwapIn)
 #: the host tier's transfers: they move blocks only (a state stays in its page), so their counts are blocks
 HOST_COPIES = (C.SwapOut, C.SwapIn, C.FlushHost)
 
 
-class Lifecycle(Inspection):
-    """The pool, requests, transfers and deadlines one role's machine drives (its read-only
-    views are :class:`~kvstate.inspection.Inspection`'s)."""
+class Lifecycle:
+    """The pool, requests, transfers and deadlines one role's machine drives, and read-only
+    views of them (for engines, drivers, metrics and the protocol suite: none changes anything)."""
 
     DEFINITION: MachineDef
     #: states besides the initial one whose wait has a deadline (``_wait``; fires ``timed_out``)
@@ -197,6 +199,75 @@ class Lifecycle(Inspection):
         E.Tick: lambda s, e: s.tick(),
         E.Abort: lambda s, e: s.abort(e.request_id),
     }
+
+    # -- views: what a lifecycle shows of itself, changing nothing -------------------------------
+    def state_of(self, request_id: str) -> str:
+        return self._requests.get(request_id).state
+
+    def blocks_of(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table (with group tables, group 0's: :meth:`rows_of`)."""
+        return tuple(self._requests.get(request_id).blocks)
+
+    def rows_of(self, request_id: str) -> list[Any]:
+        """The request's logical blocks as backends' test helpers take them
+        (:func:`kvstate.tables.rows`): block ids, or with group tables a tuple per logical
+        block of its blocks, table by table (``FREED`` where freed)."""
+        req = self._requests.get(request_id)
+        return rows(req.blocks, req.tables)
+
+    def pages_of(self, request_id: str) -> tuple[int, ...]:
+        """The request's state pages (:mod:`kvstate.statepages`): its running state's first."""
+        return tuple(self._requests.get(request_id).pages)
+
+    def keys_of(self, request_id: str) -> tuple[str, ...]:
+        """The content keys of the cache the request's leading blocks hold (or will)."""
+        return tuple(self._requests.get(request_id).keys)
+
+    def waiting_for(self, request_id: str) -> int:
+        """The command whose answer the request waits for (0: none)."""
+        return self._requests.get(request_id).cmd
+
+    def live_requests(self) -> list[str]:
+        return list(self._reqs)
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` (a str, else refused) is live here (admitted or reserved)."""
+        return check_request_id(request_id) in self._reqs
+
+    def next_deadline(self) -> float | None:
+        """The clock time at which :meth:`tick` next has work, or None when no timer is set.
+
+        An engine may sleep until then (or until an event arrives): calling ``tick()`` any
+        earlier fires nothing."""
+        return self._timers.next(self._live_timer)
+
+    def pending_commands(self) -> list[C.TransferCommand]:
+        """Transfer commands still awaiting at least one rank's answer."""
+        return [t.cmd for t in self._pending.values()]
+
+    def transfers(self) -> list[TransferView]:
+        """Each outstanding transfer: its command, blocks, whether it pins them, and whether its
+        request still holds the very block list it was cut from."""
+        return [(t.cmd, tuple(t.blocks), t.pinned, t.req is not None and t.req.blocks is t.held)
+                for t in self._pending.values()]
+
+    def pinned_blocks(self) -> dict[int, int]:
+        """Block id -> number of in-flight transfers pinning it."""
+        return self._transfers.pinned_blocks()
+
+    def owned_blocks(self) -> dict[str, tuple[int, ...]]:
+        # by position, table after table: FREED where freed
+        return {rid: tuple(chain(r.blocks, *r.tables)) for rid, r in self._reqs.items()}
+
+    def queued_commands(self) -> int:
+        """Commands queued since the last :meth:`poll_commands`."""
+        return len(self._out)
+
+    def stats(self) -> dict[str, Any]:
+        cache = self.prefix_cache.prefix_stats() if self.prefix_cache is not None else None
+        pages = self.states.pool.stats() if self.states.pool is not None else None
+        return {"live": len(self._reqs), "pending_commands": len(self._pending),
+                "pool": self.pool.stats(), "prefix_cache": cache, "state_pages": pages, **self.counters}
 
     # -- firing, and the work it makes possible -------------------------------------------------
     def _fire(self, req: Request, trigger: str, value: Any = None) -> None:
