@@ -13,6 +13,13 @@ before gathering or scattering blocks). Notices (:class:`SendFirstToken`,
 :class:`StartPrefill`, :class:`StartDecode`, :class:`Recompute`, :class:`FreeBlocks`,
 :class:`CancelCommand`, :class:`RequestEnded`, :class:`LateEvent`, :class:`LayersReady`)
 need no answer.
+
+:data:`KINDS` is the one vocabulary every driver and the simulator dispatch on: each command
+class's kind (``read``, ``write``, ``swap``, ``layers``, ``cancel``, ``notice``), and
+:func:`kind_of` reads it. A transfer's kind (:data:`TRANSFER_KINDS`) is what its ranks do:
+``read`` scatters stored bytes into GPU blocks, ``write`` stores blocks (from the GPU, or
+from the host tier: :class:`FlushHost`), ``swap`` copies between GPU blocks and the host
+tier. :data:`LAYERWISE` names the transfers that move one layer group at a time.
 """
 from __future__ import annotations
 
@@ -20,11 +27,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ValidationError
+
 __all__ = [
     "Command", "TransferCommand", "ReadBlocks", "LoadLayers", "WriteBlocks", "SaveLayers", "LayersReady",
     "SwapOut", "SwapIn", "FlushHost", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
-    "LateEvent",
+    "LateEvent", "KINDS", "TRANSFER_KINDS", "LAYERWISE", "kind_of",
 ]
 
 
@@ -227,3 +236,28 @@ class LateEvent(Command):
 
     event: str
     ended: str
+
+
+#: each command class's kind: the vocabulary drivers and the simulator dispatch on
+KINDS: dict[type[Command], str] = {
+    ReadBlocks: "read", LoadLayers: "read", WriteBlocks: "write", SaveLayers: "write", FlushHost: "write",
+    SwapOut: "swap", SwapIn: "swap",
+    LayersReady: "layers", CancelCommand: "cancel",
+    SendFirstToken: "notice", StartPrefill: "notice", StartDecode: "notice", Recompute: "notice",
+    FreeBlocks: "notice", RequestEnded: "notice", LateEvent: "notice",
+}
+#: the kinds of transfer commands, each answered by a Completion from every rank it names
+TRANSFER_KINDS = frozenset({"read", "write", "swap"})
+#: transfers that move one layer group at a time (a save waits for its layers to be reported)
+LAYERWISE = frozenset({LoadLayers, SaveLayers})
+
+
+def kind_of(cmd: Command) -> str:
+    """The kind of ``cmd`` (:data:`KINDS`); a subclass of a command has its parent's kind."""
+    kind = KINDS.get(cmd.__class__)
+    if kind is not None:
+        return kind
+    base = next((k for k in type(cmd).__mro__ if k in KINDS), None)
+    if base is None:
+        raise ValidationError(f"{type(cmd).__name__} is not a kvstate command")
+    return KINDS[base]

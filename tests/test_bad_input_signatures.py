@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from protocol_support import snapshot
 
 from kvstate import DecodeLifecycle, KVStateError, PrefillLifecycle
+from kvstate import commands as C
 from kvstate.backends import StepDriver
 from kvstate.events import Completion
 
@@ -39,6 +40,12 @@ not_rank = st.one_of(st.booleans(), st.integers(max_value=-1), st.integers(min_v
 not_outcome = st.one_of(st.booleans(), st.integers(max_value=-1), st.text(max_size=3).filter(lambda s: s != "fail"),
                         st.floats(), st.just([1]))
 
+not_command = st.one_of(st.none(), st.integers(), st.text(max_size=2), st.just(Completion(1, 0, 0)), st.just(object()))
+#: a list whose last item is no command: the ones before it must not be taken either
+not_commands = st.one_of(st.none(), st.integers(), not_command.map(lambda c: [C.FreeBlocks("a", ()), c]))
+not_timeout = st.one_of(st.none(), st.booleans(), st.floats(max_value=-1e-9), st.just(float("nan")),
+                        st.just(float("inf")), st.text(max_size=2))
+
 #: (class, parameter name or annotation) -> what may not pass; a parameter name wins over its annotation
 BAD: dict[str, st.SearchStrategy[Any]] = {
     "request_id": not_str, "str": not_str, "int": not_count, "token_ids": not_tokens,
@@ -46,6 +53,7 @@ BAD: dict[str, st.SearchStrategy[Any]] = {
     "first_token": not_token, "token": not_token, "error_code": not_status,
     "E.Completion": not_event, "E.Event": not_event, "command_id": not_count,
     "rank": not_rank, "outcome": not_outcome, "max_steps": not_count,
+    "cmd": not_command, "cmds": not_commands, "timeout": not_timeout,
     # a count of any size is a fair question ("can 2**63 tokens be reserved?" No): only its type is bad
     "num_tokens": st.one_of(st.none(), st.booleans(), st.integers(max_value=0), st.floats(), st.text(max_size=2)),
 }

@@ -64,3 +64,25 @@ def test_from_library_refuses_what_is_not_a_spec_and_a_policy():
         Scenario.from_library({"num_layers": 2}, Policy())
     with pytest.raises(ConfigError, match="expected a Policy"):
         PolicySpec.from_policy("fail")
+
+
+def test_every_command_has_one_kind_and_every_driver_declares_the_driver_protocol():
+    from kvstate import commands as C
+    from kvstate.backends import Driver, StepDriver, ThreadedDriver
+    from kvstate.distributed import ProcessDriver
+    from kvstate.errors import ValidationError
+
+    classes = [getattr(C, n) for n in C.__all__ if isinstance(getattr(C, n), type)]
+    concrete = [c for c in classes if c not in (C.Command, C.TransferCommand)]
+    assert set(C.KINDS) == set(concrete)  # one table names every command, no other
+    assert {c for c in concrete if C.KINDS[c] in C.TRANSFER_KINDS} == \
+        {c for c in concrete if issubclass(c, C.TransferCommand)}
+    assert set(C.KINDS.values()) == {"read", "write", "swap", "layers", "cancel", "notice"}
+
+    class Late(C.LateEvent):  # a subclass keeps its parent's kind
+        pass
+    assert C.kind_of(Late("r", "abort", "done")) == "notice"
+    with pytest.raises(ValidationError, match="not a kvstate command"):
+        C.kind_of(object())  # type: ignore[arg-type]
+    for cls in (StepDriver, ThreadedDriver, ProcessDriver):
+        assert Driver in cls.__mro__, cls

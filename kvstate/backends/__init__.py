@@ -5,7 +5,7 @@ store client) and :mod:`~kvstate.backends.mooncake_master` (a local master) are 
 demand: their packages are optional.
 """
 from .base import MISSING, Guard, Store, TransferBackend, check_fence, leading
-from .drivers import StepDriver, ThreadedDriver
+from .drivers import Driver, StepDriver, ThreadedDriver
 from .filestore import FileStore
 from .objects import StoreBackend
 from .reference import ReferenceBackend
@@ -13,4 +13,4 @@ from .runner import CommandRunner, execute
 from .stores import MemoryStore
 
 __all__ = ["Store", "MemoryStore", "FileStore", "MISSING", "TransferBackend", "StoreBackend", "ReferenceBackend",
-           "Guard", "check_fence", "leading", "StepDriver", "ThreadedDriver", "CommandRunner", "execute"]
+           "Guard", "check_fence", "leading", "Driver", "StepDriver", "ThreadedDriver", "CommandRunner", "execute"]

@@ -1,5 +1,10 @@
 """Drivers: execute a lifecycle's transfer commands on a backend and return completions.
 
+Every driver is a :class:`Driver`: it takes the lifecycle's commands (``submit``,
+``submit_all``), dispatching on their kind (:data:`kvstate.commands.KINDS`: transfers run,
+cancels and layer reports are its own, notices go back to the caller), and ``close`` releases
+what it holds. How answers come back is each driver's own:
+
 - :class:`StepDriver` — for tests and benchmarks: commands wait until the caller picks
   which (command, rank) completes next and how (in full, partially, failed, or never).
 - :class:`ThreadedDriver` — for production: worker threads run the commands; completions
@@ -14,11 +19,12 @@ handed back to the caller, which owns compute and messaging, except
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 from .. import commands as C
 from ..errors import DriverError, ValidationError
@@ -29,7 +35,45 @@ from .base import TransferBackend
 from .gate import LayerArrivals
 from .runner import CommandRunner, execute
 
-__all__ = ["StepDriver", "ThreadedDriver"]
+__all__ = ["Driver", "StepDriver", "ThreadedDriver", "check_commands", "check_timeout"]
+
+
+def check_commands(cmds: Any, who: str) -> list[C.Command]:
+    """``cmds`` as a list, every item a command (its kind known), or a ValidationError naming
+    the first that is not: a driver takes a list whole or not at all."""
+    if isinstance(cmds, (str, bytes)) or not isinstance(cmds, Iterable):
+        raise ValidationError(f"{who}: expected an iterable of commands, got {type(cmds).__name__}")
+    out = list(cmds)
+    for i, c in enumerate(out):
+        if not isinstance(c, C.Command):
+            raise ValidationError(f"{who}: item {i} is a {type(c).__name__}, not a kvstate command")
+    return out
+
+
+def check_timeout(timeout: Any, who: str) -> float:
+    """A finite number of seconds >= 0, or a ValidationError."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+        raise ValidationError(f"{who}: timeout must be a finite number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+@runtime_checkable
+class Driver(Protocol):
+    """What every driver does with a lifecycle's commands (see the module's docstring)."""
+
+    def submit(self, cmd: C.Command) -> bool:
+        """Take one command: True for a transfer, a cancel or a layer report it handles, False
+        for a notice, which the caller handles."""
+        ...
+
+    def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
+        """Take every command; returns the notices, in order."""
+        ...
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking commands and release every thread, process or buffer it holds, by
+        ``timeout`` seconds; closing twice does nothing."""
+        ...
 
 
 def _reported(ready: int, event: Any, n: int, block: bool = True) -> Any:
@@ -38,7 +82,7 @@ def _reported(ready: int, event: Any, n: int, block: bool = True) -> Any:
     return (True if event is None else event) if n <= ready else False
 
 
-class StepDriver:
+class StepDriver(Driver):
     """Holds a lifecycle's transfer commands until the caller completes them, one rank at a time."""
 
     def __init__(self, lifecycle: Any, backend: TransferBackend | None = None,
@@ -52,28 +96,53 @@ class StepDriver:
         #: layers reported computed per SaveLayers command (its LayersReady notices)
         self.layers: dict[int, int] = {}
         self._events: dict[int, Any] = {}  # command id -> the device event of its last report (or None)
+        self._closed = False
 
     def pump(self) -> int:
-        """Move newly queued commands in; returns how many arrived."""
+        """Move newly queued commands in; returns how many arrived. Notices go to
+        ``on_notice`` if given, else to :attr:`notices` (and so do cancels, whose answers are
+        still owed)."""
         cmds = self.lifecycle.poll_commands()
         if not cmds:
             return 0
-        pending, notices, on_notice = self.pending, self.notices, self.on_notice
-        for cmd in cmds:
-            if cmd.__class__ in _TRANSFERS or isinstance(cmd, C.TransferCommand):
-                cid = cmd.command_id
-                for r in cmd.ranks:
-                    pending[(cid, r)] = cmd
-            elif cmd.__class__ is C.CancelCommand:
-                notices.append(cmd)  # its (command, rank) answers are still owed: pins release on them
-            elif cmd.__class__ is C.LayersReady:
-                if cmd.layers > self.layers.get(cmd.command_id, 0):
-                    self.layers[cmd.command_id], self._events[cmd.command_id] = cmd.layers, cmd.event
-            elif on_notice is not None:
-                on_notice(cmd)
+        for notice in self.submit_all(cmds):
+            if self.on_notice is not None:
+                self.on_notice(notice)
             else:
-                notices.append(cmd)
+                self.notices.append(notice)
         return len(cmds)
+
+    def submit(self, cmd: C.Command) -> bool:
+        """Hold a transfer's (command, rank) answers until the caller completes them, note a
+        layer report (True); a cancel goes to :attr:`notices` (True: its answers are still
+        owed, so pins release on them); a notice is the caller's (False)."""
+        kind = C.KINDS.get(cmd.__class__) or C.kind_of(cmd)
+        if self._closed:
+            raise DriverError("StepDriver: submit after close")
+        if kind in C.TRANSFER_KINDS:
+            tc = cast(C.TransferCommand, cmd)
+            for r in tc.ranks:
+                self.pending[(tc.command_id, r)] = tc
+        elif kind == "cancel":
+            self.notices.append(cmd)
+        elif kind == "layers":
+            lr = cast(C.LayersReady, cmd)
+            if lr.layers > self.layers.get(lr.command_id, 0):
+                self.layers[lr.command_id], self._events[lr.command_id] = lr.layers, lr.event
+        else:
+            return False
+        return True
+
+    def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
+        """Submit every command; returns the notices, which the caller handles. A list holding
+        anything but commands is refused whole, before any is taken."""
+        cmds = check_commands(cmds, "StepDriver.submit_all")
+        return [c for c in cmds if not self.submit(c)]
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking commands (it holds no thread; its pending answers stay for inspection)."""
+        check_timeout(timeout, "StepDriver.close")
+        self._closed = True
 
     def complete(self, command_id: int, rank: int, outcome: int | str | None = None) -> Completion:
         """Answer one (command, rank).
@@ -141,12 +210,10 @@ class StepDriver:
         return steps
 
 
-_TRANSFERS: frozenset[type[C.TransferCommand]] = frozenset((C.ReadBlocks, C.LoadLayers, C.WriteBlocks, C.SaveLayers,
-                                                          C.SwapOut, C.SwapIn, C.FlushHost))
-_STOP = object()
+_STOP = object()  #: a worker thread ends when it takes this
 
 
-class ThreadedDriver:
+class ThreadedDriver(Driver):
     """Runs transfer commands on ``workers`` threads; the engine polls the completions.
 
     ``submit`` never blocks on a transfer. A command cancelled before a worker reaches it
@@ -190,11 +257,13 @@ class ThreadedDriver:
         a notice (False)."""
         if self._closed:
             raise DriverError("ThreadedDriver: submit after close")
-        if cmd.__class__ is C.CancelCommand or cmd.__class__ is C.LayersReady:
-            self._runner.notice(cmd)
+        kind = C.KINDS.get(cmd.__class__) or C.kind_of(cmd)
+        if kind == "cancel" or kind == "layers":
+            self._runner.notice(cast("C.CancelCommand | C.LayersReady", cmd))
             return True
-        if not isinstance(cmd, C.TransferCommand):
+        if kind not in C.TRANSFER_KINDS:
             return False
+        cmd = cast(C.TransferCommand, cmd)
         self._runner.admit(cmd)
         if self.timeline is not None:
             self.timeline.submitted(self.name, [cmd])
@@ -205,8 +274,9 @@ class ThreadedDriver:
         return True
 
     def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
-        """Submit every command; returns the notices, which the caller handles."""
-        return [c for c in cmds if not self.submit(c)]
+        """Submit every command; returns the notices, which the caller handles. A list holding
+        anything but commands is refused whole, before any is taken."""
+        return [c for c in check_commands(cmds, "ThreadedDriver.submit_all") if not self.submit(c)]
 
     def poll(self, timeout: float = 0.0) -> list[Completion]:
         """Completions ready now (waiting up to ``timeout`` seconds for the first one)."""
@@ -245,6 +315,7 @@ class ThreadedDriver:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop accepting work, let queued work finish, and join every thread by ``timeout``."""
+        check_timeout(timeout, "ThreadedDriver.close")
         if self._closed:
             return
         self._closed = True

@@ -40,11 +40,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from .. import commands as C
+from ..backends.drivers import Driver, check_commands, check_timeout
 from ..backends.gate import LayerArrivals
 from ..errors import ConfigError, DriverError, KVStateError, ProtocolError
 from ..events import Completion
@@ -61,7 +62,7 @@ from .supervise import ChildProcess, remove_orphans
 __all__ = ["ProcessDriver"]
 
 
-class ProcessDriver:
+class ProcessDriver(Driver):
     """Runs transfer commands on rank worker processes; the engine polls the completions.
 
     ``address``: ``"ipc"`` (Unix sockets in a private temporary directory, the default) or
@@ -219,11 +220,13 @@ class ProcessDriver:
         (True), or ignore a notice (False)."""
         if self._closed:
             raise DriverError("ProcessDriver: submit after close")
-        if isinstance(cmd, (C.CancelCommand, C.LayersReady)):
-            self._forward(cmd)
+        kind = C.KINDS.get(cmd.__class__) or C.kind_of(cmd)
+        if kind == "cancel" or kind == "layers":
+            self._forward(cast("C.CancelCommand | C.LayersReady", cmd))
             return True
-        if not isinstance(cmd, C.TransferCommand):
+        if kind not in C.TRANSFER_KINDS:
             return False
+        cmd = cast(C.TransferCommand, cmd)
         sends, down = self.ledger.register(cmd)
         for r in down:
             self._done.put(Completion(cmd.command_id, r, 0, error=f"rank {r} is down"))
@@ -246,8 +249,9 @@ class ProcessDriver:
         self._send_all(sends, "rank {} lost again before its held commands went out")
 
     def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
-        """Submit every command; returns the notices, which the caller handles."""
-        return [c for c in cmds if not self.submit(c)]
+        """Submit every command; returns the notices, which the caller handles. A list holding
+        anything but commands is refused whole, before any is taken."""
+        return [c for c in check_commands(cmds, "ProcessDriver.submit_all") if not self.submit(c)]
 
     def poll(self, timeout: float = 0.0) -> list[Completion]:
         """Completions ready now (waiting up to ``timeout`` seconds for the first one): the
@@ -359,6 +363,7 @@ class ProcessDriver:
     def close(self, timeout: float = 30.0) -> None:
         """Stop every worker and join it (and the driver's threads) within ``timeout``; answers
         still owed are not delivered any more."""
+        check_timeout(timeout, "ProcessDriver.close")
         if self._closed:
             return
         self._closed = True

@@ -13,12 +13,14 @@ production. Notices go to the role's :meth:`Instance.notice`.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, cast
 
 import simpy
 
 from .. import commands as C
+from ..commands import KINDS, kind_of
 from ..events import Completion
 from ..lifecycle import Lifecycle
 from .services import Services
@@ -119,7 +121,7 @@ class Swap:
             inst.sv.check_finished()
 
 
-class Instance:
+class Instance(ABC):
     """One P or D instance: its lifecycle, rank pools and links (the role adds compute)."""
 
     role = ""
@@ -237,13 +239,14 @@ class Instance:
             return
         timed = False  # a transfer brings a deadline: the next tick may have to come sooner
         for cmd in cmds:
-            t = cmd.__class__  # dispatch on the exact class: cheaper than isinstance chains
-            if t is C.WriteBlocks or t is C.ReadBlocks or t is C.FlushHost or t is C.LoadLayers:
+            t = cmd.__class__
+            kind = KINDS.get(t) or kind_of(cmd)
+            if kind == "read" or (kind == "write" and t is not C.SaveLayers):
                 tc = cast(C.TransferCommand, cmd)
-                write = t is not C.ReadBlocks and t is not C.LoadLayers
+                write = kind == "write"
                 (self.write_pool if write else self.read_pool).submit(Transfer(self, tc, write), tc.ranks)
                 timed = True
-            elif t is C.SwapOut or t is C.SwapIn:
+            elif kind == "swap":
                 tc = cast(C.TransferCommand, cmd)
                 out = t is C.SwapOut
                 # preemption swaps (P's are prefix loads and cache copies, D's "loading" a read's prefix)
@@ -254,10 +257,10 @@ class Instance:
                     counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
                 (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
                 timed = True
-            elif t is C.SaveLayers:  # the role starts it with its prefill; its deadline runs from now
+            elif kind == "write":  # a layer-wise save: the role starts it with its prefill; its deadline runs now
                 self.notice(cmd)
                 timed = True
-            elif t is C.CancelCommand:
+            elif kind == "cancel":
                 self.cancelled.add(cast(C.CancelCommand, cmd).command_id)
             elif t is C.LateEvent:
                 name = f"late_{cast(C.LateEvent, cmd).event}"
@@ -269,9 +272,9 @@ class Instance:
         if timed:
             self.sv.arm_timer(self, self.env.now + self.lc.policy.transfer_timeout)
 
+    @abstractmethod
     def notice(self, cmd: C.Command) -> None:
         """A notice of the lifecycle (first token, start prefill, ...): the role's job."""
-        raise NotImplementedError
 
     # -- accounting ----------------------------------------------------------------------------
     def note_blocks(self) -> None:
