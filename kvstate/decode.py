@@ -79,6 +79,7 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
+from .blocks import BlockManager
 from .errors import ConfigError, InvalidTransitionError, OutOfBlocksError, ValidationError
 from .keys import KeyCache, full_blocks, keys_of_packed
 from .lifecycle import Lifecycle
@@ -87,7 +88,7 @@ from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, Policy, prefill_reason
 from .pool import FREED
 from .registry import Request
 from .spec import CacheSpec
-from .tables import cut, free_behind, held, table, window_tables
+from .tables import cut, held, table
 from .validate import check_int, check_layerwise, check_token, check_tokens, is_int
 
 __all__ = ["DECODE", "DecodeLifecycle", "ERROR_NO_FIRST_TOKEN"]
@@ -187,13 +188,13 @@ class DecodeLifecycle(Lifecycle):
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
                  host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False,
-                 num_states: int = 0) -> None:
+                 num_states: int = 0, blocks: BlockManager | None = None) -> None:
         """``layerwise``: read the cache layer group by group (see the rules); the others as
         :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
-                         num_states=num_states)
+                         num_states=num_states, blocks=blocks)
         self.layerwise = layerwise
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
@@ -204,7 +205,7 @@ class DecodeLifecycle(Lifecycle):
         self.counters["gpu_read_blocks"] = 0  # ... and found on the GPU (prefix cache): not read
         self._running: set[str] = set()
         self._frees_behind_window = spec.frees_behind_window  # read on every append_tokens
-        self._window_tables = window_tables(spec)  # the tables it frees from
+        self._window_tables = self.blocks.window_tables  # the tables it frees from
 
     # -- engine API --------------------------------------------------------------------------
     def can_reserve(self, num_tokens: int) -> bool:
@@ -212,7 +213,7 @@ class DecodeLifecycle(Lifecycle):
         check_int(num_tokens, "num_tokens", minimum=1)
         if not self.states.can_take():
             return False  # no state page
-        return self.pool.can_allocate(self.spec.blocks_for(num_tokens + 1) * self._per_block, self._headroom())
+        return self.blocks.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
 
     def reserve(self, request_id: str, token_ids: Sequence[int],
                 extra_keys: Mapping[int, Sequence[str]] | None = None) -> tuple[int, ...]:
@@ -223,14 +224,14 @@ class DecodeLifecycle(Lifecycle):
         req = self._new_request(request_id, token_ids, extra_keys)
         n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline (hot path)
         if n * self._per_block > self.pool.num_blocks:
-            self._check_fits(req, n)  # raises
+            self.blocks.check_fits(req, n)  # raises
         self.states.check_free(req.id, "reserve")
         if self.prefix_cache is None:
             try:
-                self._take_blocks(req, n, self._headroom())
+                self.blocks.allocate(req, n, self._headroom())
             except OutOfBlocksError as e:
                 raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks ({e})") from None
-        elif self._take_cached(req, n, self._cached_lookup(req), self._headroom()):
+        elif self.blocks.allocate_cached(req, n, self._cached_lookup(req), self._headroom()):
             self.counters["gpu_read_blocks"] += req.hits
         else:
             raise OutOfBlocksError(f"request {request_id!r}: cannot reserve {n} blocks keeping "
@@ -267,7 +268,7 @@ class DecodeLifecycle(Lifecycle):
         new = check_tokens(request_id, token_ids)
         need = self.spec.blocks_for(len(req.tokens) + len(new)) - len(req.blocks)
         try:
-            added = self._take_blocks(req, max(need, 0))
+            added = self.blocks.allocate(req, max(need, 0))
         except OutOfBlocksError as e:
             raise OutOfBlocksError(f"request {request_id!r}: cannot grow by {need} blocks ({e})") from None
         req.tokens.extend(new)
@@ -284,9 +285,8 @@ class DecodeLifecycle(Lifecycle):
         if not first or table(req, self._window_tables[0])[first - 1] == FREED:
             return  # freed entries lead the tables: nothing new behind
         self._transfers.pin(req)  # a transfer it abandoned may still touch them: pinned until answered
-        behind = free_behind(req, self._window_tables, first)
         req.window_from = max(req.window_from, first)
-        self.pool.release(behind)  # D queues no work on free blocks: nothing to wake
+        self.blocks.free_behind_window(req, first)  # D queues no work on free blocks: nothing to wake
 
     def preempt(self, request_id: str) -> None:
         """Take the request's blocks back: write its cache out first if the policy says so.
@@ -296,7 +296,7 @@ class DecodeLifecycle(Lifecycle):
         req = self._requests.get(request_id)
         if self.prefix_cache is not None and req.state == "running" and not req.window_from:
             req.keys = self._cache_keys(req)
-            self.prefix_cache.publish(req.keys, req.blocks)
+            self.blocks.publish(req.keys, req.blocks)
         self._fire(req, "preempt")
 
     def resume(self, request_id: str) -> tuple[int, ...]:
@@ -309,10 +309,10 @@ class DecodeLifecycle(Lifecycle):
             self.states.check_free(req.id, "resume")
         if self.prefix_cache is None:
             try:
-                self._take_blocks(req, n)
+                self.blocks.allocate(req, n)
             except OutOfBlocksError as e:
                 raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks ({e})") from None
-        elif not self._take_cached(req, n, self._cached_lookup(req)):
+        elif not self.blocks.allocate_cached(req, n, self._cached_lookup(req)):
             raise OutOfBlocksError(f"request {request_id!r}: cannot resume with {n} blocks: "
                                    f"{self.pool.num_free} are free")
         if not req.pages:
@@ -414,7 +414,7 @@ class DecodeLifecycle(Lifecycle):
 
     def _start_decode(self, req: Request, value: Any) -> None:
         if self.prefix_cache is not None and not req.window_from:  # its blocks hold its whole cache now
-            self.prefix_cache.publish(req.keys, req.blocks)
+            self.blocks.publish(req.keys, req.blocks)
         self._running.add(req.id)
         self._out.append(C.StartDecode(req.id, tuple(req.blocks), state_pages=tuple(req.pages),
                                        tables=cut(req, 0, len(req.blocks))))

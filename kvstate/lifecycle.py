@@ -33,6 +33,7 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
+from .blocks import BlockManager, check_manager
 from .errors import ValidationError
 from .hostpool import HostBlockPool
 from .keys import KeyCache, keys_of_packed
@@ -40,11 +41,10 @@ from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
 from .policy import ERROR_ABORTED, Policy
 from .pool import BlockPool
-from .prefixcache import PrefixCachingPool
 from .registry import Registry, Request
 from .spec import CacheSpec
 from .statepages import StatePages, usable_count
-from .tables import check_layout, cut, give, held, per_block, pinned, rows
+from .tables import check_layout, cut, pinned, rows
 from .timers import FENCE, TRANSFER, WAIT, Timers
 from .validate import check_int, check_request_id, check_tokens, is_int, read_clock
 
@@ -70,9 +70,13 @@ class Lifecycle:
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
-                 host_blocks: int = 0, prefix_cache: bool = False, num_states: int = 0) -> None:
+                 host_blocks: int = 0, prefix_cache: bool = False, num_states: int = 0,
+                 blocks: BlockManager | None = None) -> None:
         """``host_blocks``: host tier slots (0: none); ``prefix_cache``: see :mod:`kvstate.prefixcache`;
-        ``num_states``: state pages, for a spec with state groups (:mod:`kvstate.statepages`)."""
+        ``num_states``: state pages, for a spec with state groups (:mod:`kvstate.statepages`);
+        ``blocks``: the block manager to decide with (:mod:`kvstate.blocks`: an
+        :class:`~kvstate.blocks.EngineBlocks` over an engine's own blocks), of ``spec`` and
+        ``num_blocks``; by default one owning a pool of ``num_blocks``."""
         check_int(host_blocks, "host_blocks", minimum=0)
         check_int(num_states, "num_states", minimum=0)
         if prefix_cache.__class__ is not bool:
@@ -92,10 +96,14 @@ class Lifecycle:
         if key_cache is not None and not isinstance(key_cache, KeyCache):
             raise ValidationError(f"key_cache must be a KeyCache, got {type(key_cache).__name__}")
         check_layout(spec, prefix_cache, host_blocks, type(self).__name__)
+        if blocks is not None:
+            check_manager(blocks, spec, num_blocks, prefix_cache, type(self).__name__)
         self.spec, self.policy = spec, policy or Policy()
-        self._per_block = per_block(spec)  # pool blocks a logical block costs (its tables)
-        self.prefix_cache = PrefixCachingPool(num_blocks) if prefix_cache else None  #: the pool, when it caches
-        self.pool: BlockPool = self.prefix_cache or BlockPool(num_blocks)
+        #: every block decision (:mod:`kvstate.blocks`)
+        self.blocks = blocks or BlockManager(spec, num_blocks, prefix_cache=prefix_cache, who=type(self).__name__)
+        self._per_block = self.blocks.per_block  # pool blocks a logical block costs (its tables)
+        self.prefix_cache = self.blocks.prefix_cache  #: the pool, when it caches
+        self.pool: BlockPool = self.blocks.pool
         self.clock, self.namespace, self.key_cache = clock, namespace, key_cache
         self._requests = Registry(self.DEFINITION.name)
         self._reqs = self._requests.live  # the live requests by id (hot paths read it directly)
@@ -389,15 +397,14 @@ class Lifecycle:
                 self._out.append(C.CancelCommand(req.id, req.cmd))
             req.cmd = 0
         self._transfers.pin(req)
-        blocks, req.blocks, req.tables = held(req), [], [[] for _ in req.tables]
+        blocks, freed = self.blocks.release(req)
         if ended is not None:
             ended.block_ids = tuple(blocks)
             self._out.append(ended)
         elif blocks:
             self._out.append(C.FreeBlocks(req.id, tuple(blocks)))
-        freed = self.states.release(req) if pages else 0  # its pages, as its blocks
-        if blocks:
-            freed += self.pool.release(blocks)
+        if pages:
+            freed += self.states.release(req)  # its pages, as its blocks
         if freed:
             self._freed = True
 
@@ -413,31 +420,8 @@ class Lifecycle:
         except ValidationError as e:
             raise ValidationError(f"request {request_id!r}: {e}") from None
         req = Request(request_id, self.DEFINITION.initial, tokens, keys, extra_keys)
-        req.tables = [[] for _ in range(self._per_block - 1)]
+        req.tables = self.blocks.new_tables()
         return req
-
-    def _take_blocks(self, req: Request, n: int, headroom: int = 0) -> list[int]:
-        """Give ``req`` ``n`` more logical blocks, in every table (keeping ``headroom`` free);
-        the blocks allocated. Raises :class:`~kvstate.errors.OutOfBlocksError`, changing nothing."""
-        ids = self.pool.allocate(n * self._per_block, headroom)
-        give(req, ids)
-        return ids
-
-    def _take_cached(self, req: Request, n: int, lookup: Sequence[str], headroom: int = 0) -> bool:
-        """With the GPU prefix cache: give ``req`` ``n`` blocks, the leading ones claimed where
-        ``lookup`` hits (``req.hits``), keeping ``headroom`` free; False, changing nothing, if short."""
-        assert self.prefix_cache is not None
-        got = self.prefix_cache.allocate_after(lookup, n, headroom)
-        if got is None:
-            return False
-        req.blocks, req.hits = got
-        return True
-
-    def _check_fits(self, req: Request, nblocks: int) -> None:
-        if nblocks * self._per_block > self.pool.num_blocks:
-            tables = f" in each of {self._per_block} block tables" if self._per_block > 1 else ""
-            raise ValidationError(f"request {req.id!r}: {len(req.tokens)} tokens need {nblocks} blocks of "
-                                  f"{self.spec.block_size}{tables}, more than the pool's {self.pool.num_blocks}")
 
     # -- actions both tables name (called as action(request, value)) -------------------------------
     def _recycle(self, req: Request, value: Any = None) -> None:

@@ -56,6 +56,7 @@ from typing import Any
 
 from . import commands as C
 from . import events as E
+from .blocks import BlockManager
 from .errors import ValidationError
 from .keys import KeyCache
 from .lifecycle import Lifecycle
@@ -118,13 +119,13 @@ class PrefillLifecycle(Lifecycle):
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
                  host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False,
-                 num_states: int = 0) -> None:
+                 num_states: int = 0, blocks: BlockManager | None = None) -> None:
         """``layerwise``: save the cache layer by layer while the prefill runs (see the rules); the others as
         :class:`~kvstate.lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         check_layerwise(layerwise, spec)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
-                         num_states=num_states)
+                         num_states=num_states, blocks=blocks)
         self.layerwise = layerwise
         self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
         self._waiting: deque[Request] = deque()
@@ -136,7 +137,7 @@ class PrefillLifecycle(Lifecycle):
 
         Returns the request's state (``"waiting"`` when it queues for blocks)."""
         req = self._new_request(request_id, token_ids, extra_keys)
-        self._check_fits(req, len(req.keys))
+        self.blocks.check_fits(req, len(req.keys))
         self.states.check_fits(req)
         self._reqs[request_id] = req
         self._waiting.append(req)
@@ -221,11 +222,11 @@ class PrefillLifecycle(Lifecycle):
         if self.states and not self.states.take(req, self.states.pages_for(req)):
             got = False
         elif self.prefix_cache is None:
-            got = self.pool.num_free >= n * self._per_block
+            got = self.blocks.can_allocate(n, 0, req.id)
             if got:
-                self._take_blocks(req, n)
+                self.blocks.allocate(req, n)
         else:
-            got = self._take_cached(req, n, lookup)
+            got = self.blocks.allocate_cached(req, n, lookup)
             self.counters["gpu_prefix_blocks"] += req.hits if got else 0
         if not got:
             self.states.release(req)  # its pages, and the cached page it claimed
@@ -327,7 +328,7 @@ class PrefillLifecycle(Lifecycle):
         """The prefill is done: keep its first token; the blocks hold the prompt's cache."""
         req.token = value
         if self.prefix_cache is not None:
-            self.prefix_cache.publish(req.keys, req.blocks)
+            self.blocks.publish(req.keys, req.blocks)
             self.states.publish(req)
         if req.cmd and req.layers < self.spec.layers:  # the layer-wise save may store every layer
             req.layers = self.spec.layers

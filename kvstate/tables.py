@@ -12,10 +12,11 @@ Rules:
   slots, group ``g``'s ``j``-th layer in slot ``j`` (the caches of layers sharing a slot may
   be one array), and a block costs that many layers, not every layer.
 - A logical block costs :func:`per_block` pool blocks, fewer once some are freed.
-- A decoding request frees the blocks wholly behind its window in every window table (see
-  :func:`window_tables`; up to one block for all of them, the largest window's): the entries
-  become :data:`~kvstate.pool.FREED`, from the front. A full group's table keeps every block,
-  so a long conversation holds the full groups' blocks and one window of the window groups'.
+- A decoding request frees the blocks wholly behind its window in every window table (the
+  block manager decides which: :mod:`kvstate.blocks`; up to one block for all of them, the
+  largest window's): the entries become :data:`~kvstate.pool.FREED`, from the front. A full
+  group's table keeps every block, so a long conversation holds the full groups' blocks and
+  one window of the window groups'.
 - Transfer commands carry the other tables' entries for their blocks (``tables``, aligned with
   ``block_ids``), and so do the engine's notices (``StartPrefill``, ``StartDecode``,
   ``Recompute``); ``FreeBlocks`` and ``RequestEnded`` list every block released.
@@ -34,8 +35,8 @@ from typing import Any
 from .errors import ConfigError
 from .pool import FREED
 
-__all__ = ["per_block", "page_layers", "table_of_layer", "slot_of_layer", "window_tables", "rows", "cut",
-           "held", "give", "free_behind", "check_layout", "pinned", "table"]
+__all__ = ["per_block", "page_layers", "table_of_layer", "slot_of_layer", "rows", "cut",
+           "held", "give", "check_layout", "pinned", "table"]
 
 
 def per_block(spec: Any) -> int:
@@ -71,14 +72,6 @@ def slot_of_layer(spec: Any) -> tuple[int, ...]:
         for j, i in enumerate(g.layers):
             out[i] = j
     return tuple(out)
-
-
-def window_tables(spec: Any) -> tuple[int, ...]:
-    """The tables whose blocks behind the window a decoding request frees: the window groups'
-    (with group tables), the one table when every paged layer is a window layer, else none."""
-    if spec.group_tables:
-        return tuple(t for t, g in enumerate(spec.stored_groups) if g.kind == "window")
-    return (0,) if spec.frees_behind_window else ()
 
 
 def rows(block_ids: Sequence[int], tables: Sequence[Sequence[int]] = ()) -> list[Any]:
@@ -120,16 +113,6 @@ def give(req: Any, ids: Sequence[int]) -> None:
     req.blocks.extend(ids[:n])
     for t, table in enumerate(req.tables):
         table.extend(ids[(t + 1) * n:(t + 2) * n])
-
-
-def free_behind(req: Any, tables: Sequence[int], first: int) -> list[int]:
-    """Mark logical blocks ``[0, first)`` of ``tables`` freed; the blocks that frees."""
-    out: list[int] = []
-    for t in tables:
-        entries = table(req, t)
-        out += [b for b in entries[:first] if b != FREED]
-        entries[:first] = [FREED] * first
-    return out
 
 
 def check_layout(spec: Any, prefix_cache: bool, host_blocks: int, who: str) -> None:

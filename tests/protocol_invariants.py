@@ -10,7 +10,7 @@ from hypothesis.stateful import invariant
 from protocol_support import BS, STATS, fill
 
 from kvstate.pool import FREED
-from kvstate.tables import rows, window_tables
+from kvstate.tables import rows
 from kvstate.testing import mismatched_blocks
 
 __all__ = ["PoolInvariants", "DrainedAtTeardown"]
@@ -134,7 +134,7 @@ class PoolInvariants:
         if freed:
             STATS["invariant:no_transfer_touches_a_block_freed_behind_the_window"] += 1
             STATS["window_tables_freed"] += d.spec.group_tables
-            windows = window_tables(d.spec)
+            windows = d.blocks.window_tables
             for rid in freed:
                 for i, table in enumerate(tables[rid]):
                     k = table.count(FREED)

@@ -11,12 +11,19 @@ from lifecycle_helpers import assert_clean, deliver
 from kvstate import CacheSpec, ConfigError, DecodeLifecycle, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend
+from kvstate.blocks import BlockManager
 from kvstate.keys import block_keys
 from kvstate.layers import LayerGroup
 from kvstate.pool import FREED
 from kvstate.spec import check_pair
-from kvstate.tables import page_layers, per_block, rows, slot_of_layer, table_of_layer, window_tables
+from kvstate.tables import page_layers, per_block, rows, slot_of_layer, table_of_layer
 from kvstate.testing import fill_blocks, mismatched_blocks, mismatched_needed
+
+
+def window_tables(spec):
+    """The tables the block manager frees behind the window."""
+    return BlockManager(spec, 0).window_tables
+
 
 WIN = 8  # tokens: two blocks of 4
 

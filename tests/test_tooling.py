@@ -13,7 +13,8 @@ from conftest import has_module
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("kvstate", "tests", "benchmarks", "examples")
-MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_SUBJECT = 400, 60, 72
+#: a module past MAX_MODULE_LINES is looked at again (one concept?), never split to fit the count
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_SUBJECT = 600, 60, 72
 #: the subject rule applies to the commits after this one (older history predates it)
 SUBJECTS_FROM = "e08c45c"
 
@@ -38,12 +39,18 @@ def _python_files() -> list[Path]:
     return sorted(p for d in CODE for p in (ROOT / d).rglob("*.py"))
 
 
+#: modules looked at again past MAX_MODULE_LINES and kept whole: each holds one concept
+ONE_CONCEPT: dict[str, str] = {}
+
+
 def test_modules_and_functions_stay_small():
+    """Functions stay under MAX_FUNCTION_LINES; a module past MAX_MODULE_LINES is looked at
+    again, and kept whole (listed in ONE_CONCEPT with its concept) when it holds one idea."""
     too_big = []
     for path in _python_files():
         text = path.read_text()
         name = path.relative_to(ROOT)
-        if text.count("\n") > MAX_MODULE_LINES:
+        if text.count("\n") > MAX_MODULE_LINES and str(name) not in ONE_CONCEPT:
             too_big.append(f"{name}: {text.count(chr(10))} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from ..blocks import table_kinds
 from ..errors import ValidationError
 from ..keys import rank_key
 from ..pool import FREED
 from ..spec import CacheSpec
-from ..tables import check_layout, per_block, window_tables
+from ..tables import check_layout, per_block
 from ..validate import check_int, is_int
 from .base import Guard, Store, TransferBackend, as_bytes_view, leading
 from .integrity import Hasher, geometry_id
@@ -102,7 +103,7 @@ class StoreBackend(Manifested, TransferBackend):
         if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence) or len(tables) != want:
             raise ValidationError(f"{name}: {want} other block tables expected (one per layer group past the "
                                   f"first, kvstate.tables), got {tables!r}")
-        windows = window_tables(self.spec) if tables else ()
+        windows = tuple(t for t, k in enumerate(table_kinds(self.spec)) if k.frees_behind_window) if tables else ()
         every: list[int] = []
         for t, ids in enumerate((block_ids, *tables)):
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
