@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from conftest import Rig
+from rigs import Rig
 
 from kvstate import commands as C
 from kvstate.keys import block_keys

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from conftest import Rig, small_spec
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from protocol_decode import DecodeRules
@@ -19,6 +18,7 @@ from protocol_layers import LayerRules
 from protocol_states import StateRules
 from protocol_support import BS, KIND, LAYOUTS, STATS, StoreSwitch, decode_mismatches, fill, snapshot
 from protocol_swaps import SwapRules
+from rigs import Rig, small_spec
 
 from kvstate import InvalidTransitionError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from conftest import Rig, small_spec
 from lifecycle_helpers import fill_p
+from rigs import Rig, small_spec
 
 from kvstate import commands as C
 from kvstate.keys import block_keys

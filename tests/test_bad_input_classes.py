@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import Rig, small_spec
 from protocol_support import snapshot
+from rigs import Rig, small_spec
 
 from kvstate import KVStateError, Policy
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import tempfile
 
-from conftest import Rig
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from protocol_support import snapshot
+from rigs import Rig
 
 from kvstate import KVStateError
 from kvstate.backends import MemoryStore
@@ -158,7 +158,7 @@ def _store_snap(s):
 
 
 def _backend():
-    from conftest import small_spec
+    from rigs import small_spec
 
     from kvstate.backends import MemoryStore, ReferenceBackend
     be = ReferenceBackend(small_spec(tp=2), 4, MemoryStore(1 << 20))
@@ -239,7 +239,7 @@ def _step_snap(rig):
 
 
 def _threaded(workers):
-    from conftest import small_spec
+    from rigs import small_spec
 
     from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
     ThreadedDriver(ReferenceBackend(small_spec(), 4, MemoryStore(1 << 20)), workers=workers).close()

@@ -12,10 +12,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from conftest import Rig
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from protocol_support import snapshot
+from rigs import Rig
 
 from kvstate import DecodeLifecycle, KVStateError, PrefillLifecycle
 from kvstate import commands as C

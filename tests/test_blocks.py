@@ -3,7 +3,7 @@ blocks an engine allocates and owns, as vLLM's scheduler hands a connector its b
 from __future__ import annotations
 
 import pytest
-from conftest import Clock, small_spec
+from rigs import Clock, small_spec
 
 from kvstate import DecodeLifecycle, OutOfBlocksError, Policy, PrefillLifecycle
 from kvstate import commands as C

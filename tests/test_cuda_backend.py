@@ -7,12 +7,11 @@ the GPU machine (docs/benchmarks.md records the run).
 import threading
 
 import pytest
-from conftest import has_module
+from needs import gpu as needs_gpu
+from needs import gpu_missing, has_module
 
-from kvstate.kernels.cuda import cuda_available
-
-GPU = has_module("cupy") and cuda_available()
-gpu = pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+GPU = gpu_missing() is None
+gpu = needs_gpu()
 pytestmark = pytest.mark.gpu
 
 

@@ -10,14 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import has_module
+from needs import gpu as needs_gpu
 
 from kvstate import CacheSpec
 from kvstate import commands as C
-from kvstate.kernels.cuda import cuda_available
 
-GPU = has_module("cupy") and has_module("torch") and cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy, PyTorch and a CUDA device")]
+pytestmark = [pytest.mark.gpu, needs_gpu("torch")]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "pd_engine"))
 
 

@@ -10,12 +10,9 @@ Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing.
 """
 import numpy as np
 import pytest
-from conftest import has_module
+from needs import gpu as needs_gpu
 
-from kvstate.kernels.cuda import cuda_available
-
-GPU = has_module("cupy") and cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")]
+pytestmark = [pytest.mark.gpu, needs_gpu()]
 
 SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {

@@ -5,16 +5,14 @@ Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing.
 """
 import numpy as np
 import pytest
-from conftest import has_module
 from lifecycle_helpers import deliver
+from needs import gpu as needs_gpu
 from state_helpers import BS, TOKS, assert_state, fake_state, hybrid, prefill, state_rig
 
 from kvstate import commands as C
-from kvstate.kernels.cuda import cuda_available
 from kvstate.keys import block_keys, rank_key
 
-GPU = has_module("cupy") and cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")]
+pytestmark = [pytest.mark.gpu, needs_gpu()]
 
 
 def cuda_backend(spec, blocks, store):

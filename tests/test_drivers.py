@@ -3,7 +3,7 @@ import threading
 import time
 
 import pytest
-from conftest import small_spec
+from rigs import small_spec
 
 from kvstate import DecodeLifecycle, DriverError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C

@@ -4,7 +4,7 @@ tensors runs wherever PyTorch is (the GPU machine here has one GPU)."""
 from __future__ import annotations
 
 import pytest
-from conftest import has_module
+from needs import has_module
 
 pytestmark = pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch")
 

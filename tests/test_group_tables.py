@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import Rig
 from lifecycle_helpers import assert_clean, deliver
+from rigs import Rig
 
 from kvstate import CacheSpec, ConfigError, DecodeLifecycle, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C

@@ -6,14 +6,11 @@ Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing, ru
 the GPU machine.
 """
 import pytest
-from conftest import has_module
 from lifecycle_helpers import assert_clean, deliver
+from needs import gpu as needs_gpu
 from test_group_tables import gemma2_like, handoff_rows
 
-from kvstate.kernels.cuda import cuda_available
-
-GPU = has_module("cupy") and cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")]
+pytestmark = [pytest.mark.gpu, needs_gpu()]
 
 
 class CudaRig:

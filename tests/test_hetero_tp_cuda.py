@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import has_module
+from needs import gpu as needs_gpu
+from needs import gpu_missing
 from test_hetero_tp import BLOCK, D_IDS, NUM_BLOCKS, P_IDS, heads_of, monolithic, shard, spec_for
 
 from kvstate.backends import MemoryStore, ReferenceBackend
-from kvstate.kernels.cuda import cuda_available
 from kvstate.keys import block_keys
 from kvstate.spec import paired
 
-GPU = has_module("cupy") and cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")]
+GPU = gpu_missing() is None
+pytestmark = [pytest.mark.gpu, needs_gpu()]
 
 
 def backend(kind: str, spec, store, full=None):

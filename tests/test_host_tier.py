@@ -3,8 +3,8 @@ fallbacks when the tier is full or a copy fails, aborts in every swap state, dea
 from __future__ import annotations
 
 import pytest
-from conftest import Rig
 from lifecycle_helpers import SWAP, TOKS, answer_only, d_matches, deliver, handoff, running, swapping_rig
+from rigs import Rig
 
 from kvstate import commands as C
 from kvstate.errors import ConfigError, ValidationError

@@ -3,8 +3,8 @@ memory before the store, and each stored cache copied into the tier without bein
 from __future__ import annotations
 
 import pytest
-from conftest import Clock, Rig, small_spec
 from lifecycle_helpers import answer_only, d_matches, fill_p, swapping_rig
+from rigs import Clock, Rig, small_spec
 
 from kvstate import Policy, PrefillLifecycle
 from kvstate import commands as C

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, Rig, small_spec
 from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, handoff
+from rigs import Rig, small_spec
 
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, Store
@@ -17,6 +18,8 @@ from kvstate.keys import block_keys, rank_key
 from kvstate.policy import Policy
 from kvstate.spec import CacheSpec
 from kvstate.testing import fill_blocks, mismatched_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pair(spec: CacheSpec | None = None, store=None, host_blocks: int = 0):

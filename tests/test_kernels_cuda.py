@@ -8,16 +8,17 @@ import resource
 
 import numpy as np
 import pytest
-from conftest import has_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from needs import gpu as needs_gpu
+from needs import gpu_missing, has_module
 
 from kvstate import ConfigError, KVStateError, ValidationError
 from kvstate.kernels import reference
-from kvstate.kernels.cuda import cuda_available, load_cupy
+from kvstate.kernels.cuda import load_cupy
 
-GPU = has_module("cupy") and cuda_available()
-gpu = pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+GPU = gpu_missing() is None
+gpu = needs_gpu()
 pytestmark = pytest.mark.gpu
 STRATS = ["zero_copy", "staged", "dma", "auto"]
 HSET = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

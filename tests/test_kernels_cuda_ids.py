@@ -10,14 +10,12 @@ forms also need PyTorch.
 """
 import numpy as np
 import pytest
-from conftest import has_module
+from needs import gpu as needs_gpu
 
 from kvstate import BlockError, ValidationError
 from kvstate.kernels import reference
-from kvstate.kernels.cuda import cuda_available
 
-GPU = has_module("cupy") and cuda_available()
-gpu = pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+gpu = needs_gpu()
 pytestmark = pytest.mark.gpu
 
 LAYERS, N_GPU, N_HOST, CHUNK = 4, 64, 16, (1, 16, 8)  # 256-byte chunks of uint16

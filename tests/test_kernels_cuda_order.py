@@ -10,15 +10,13 @@ Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing.
 """
 import numpy as np
 import pytest
-from conftest import has_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from needs import gpu as needs_gpu
 
 from kvstate.kernels import reference
-from kvstate.kernels.cuda import cuda_available
 
-GPU = has_module("cupy") and cuda_available()
-gpu = pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+gpu = needs_gpu()
 pytestmark = pytest.mark.gpu
 
 LAYERS, N_GPU, N_HOST, CHUNK = 8, 512, 512, (1, 16, 128)  # 4 KiB chunks, 32 KiB a block

@@ -1,9 +1,9 @@
 """The numpy transfer ops against a trivially correct loop, and every validation rule."""
 import numpy as np
 import pytest
-from conftest import has_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from needs import has_module
 
 from kvstate import BlockError, ValidationError
 from kvstate.kernels import coalesce_runs, swap_cache_all_layers, swap_cache_layout, swap_cache_per_layer

@@ -8,7 +8,7 @@ from array import array
 
 import numpy as np
 import pytest
-from conftest import Clock, small_spec
+from rigs import Clock, small_spec
 
 from kvstate import ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C

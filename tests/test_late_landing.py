@@ -6,8 +6,8 @@ by the prompt's stored bytes)."""
 from __future__ import annotations
 
 import pytest
-from conftest import Rig
 from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, handoff
+from rigs import Rig
 
 from kvstate import Policy
 from kvstate import commands as C

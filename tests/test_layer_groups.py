@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import Rig
 from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, handoff
+from rigs import Rig
 
 from kvstate import CacheSpec, ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import Clock, small_spec
+from rigs import Clock, small_spec
 
 from kvstate import KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C

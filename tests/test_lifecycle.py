@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Rig
 from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, handoff, running, serve
+from rigs import Rig
 
 from kvstate import (
     OutOfBlocksError,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import Clock, Rig, small_spec
 from lifecycle_helpers import TOKS, deliver, handoff, running
+from rigs import Clock, Rig, small_spec
 
 from kvstate import (
     ConfigError,

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Rig, small_spec
 from lifecycle_helpers import TOKS, assert_clean, deliver, fill_p, handoff, running, serve
+from rigs import Rig, small_spec
 
 from kvstate import (
     DecodeLifecycle,

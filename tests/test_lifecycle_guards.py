@@ -6,8 +6,8 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-from conftest import Clock, small_spec
 from lifecycle_helpers import answer_only
+from rigs import Clock, small_spec
 
 from kvstate import MACHINES, InvalidTransitionError, PrefillLifecycle, ValidationError
 from kvstate import commands as C

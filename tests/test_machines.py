@@ -2,9 +2,9 @@
 import random
 
 import pytest
-from conftest import Rig
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rigs import Rig
 from transitions import Machine, MachineError
 
 from kvstate import MACHINES, InvalidTransitionError, Policy

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Rig, mooncake_missing, small_spec
+from needs import mooncake_missing
+from rigs import Rig, small_spec
 from test_lifecycle import TOKS, assert_clean, d_matches, deliver, handoff
 
 from kvstate import ConfigError, Policy, StoreError, ValidationError, block_keys

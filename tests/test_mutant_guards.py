@@ -3,8 +3,8 @@ test here fails when its behaviour breaks."""
 from __future__ import annotations
 
 import pytest
-from conftest import Rig
 from lifecycle_helpers import fill_p, serve
+from rigs import Rig
 
 from kvstate import Policy
 from kvstate import commands as C

@@ -7,13 +7,10 @@ logits with a monolithic run of the same model — bit for bit — and checks th
 Marked ``gpu``: skipped with a reason where CuPy, PyTorch or a CUDA device is missing.
 """
 import pytest
-from conftest import has_module
+from needs import gpu as needs_gpu
 from pd_helpers import BS, assert_exact, serve, window_read_bytes, workload
 
-from kvstate.kernels.cuda import cuda_available
-
-GPU = has_module("cupy") and has_module("torch") and cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CuPy, PyTorch and a CUDA device")]
+pytestmark = [pytest.mark.gpu, needs_gpu("torch")]
 
 
 @pytest.fixture(scope="module")

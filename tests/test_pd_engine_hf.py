@@ -16,14 +16,10 @@ kvstate's pages. Each test compares D's greedy tokens and logits with transforme
 Marked ``gpu``: skipped with a reason where CuPy, PyTorch, transformers or a CUDA device is missing.
 """
 import pytest
-from conftest import has_module
+from needs import gpu as needs_gpu
 from pd_helpers import BS, assert_exact, serve, window_read_bytes, workload
 
-from kvstate.kernels.cuda import cuda_available
-
-GPU = has_module("cupy") and has_module("torch") and has_module("transformers") and cuda_available()
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not GPU, reason="needs CuPy, PyTorch, transformers and a CUDA device")]
+pytestmark = [pytest.mark.gpu, needs_gpu("torch", "transformers")]
 
 LENGTHS = [1, 31, 33, 64, 95, 130, 257, 500]  # partial blocks, and prompts longer than a window
 NO_LEAK = {"P": 0, "D": 0, "pinned": 0}

@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import Rig
+from rigs import Rig
 from test_mutant_guards import first_token_code, no_retry, p_writing
 
 from kvstate import KVStateError

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Rig, small_spec
 from lifecycle_helpers import SWAP, TOKS, assert_clean, d_matches, deliver, fill_p, handoff, running, serve
+from rigs import Rig, small_spec
 
 from kvstate import DecodeLifecycle, OutOfBlocksError, Policy, ValidationError
 from kvstate import commands as C

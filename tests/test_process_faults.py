@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import mooncake_missing
+from needs import mooncake_missing
 from procrig import FAST, ProcRig, alive
 
 from kvstate import commands as C

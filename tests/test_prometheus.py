@@ -3,8 +3,9 @@ from the engine loop: names, labels and values against what the run did."""
 from __future__ import annotations
 
 import pytest
-from conftest import Rig, has_module
 from lifecycle_helpers import TOKS, fill_p
+from needs import has_module
+from rigs import Rig
 
 from kvstate import commands as C
 

@@ -9,13 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import has_module
+from needs import gpu
 
-GPU = has_module("torch") and has_module("cupy")
-if GPU:
-    from kvstate.kernels.cuda import cuda_available
-    GPU = cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs PyTorch, CuPy and a CUDA device")]
+pytestmark = [pytest.mark.gpu, gpu("torch")]
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 LAYERS, BLOCK = 2, 64

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import Rig, small_spec
 from lifecycle_helpers import deliver
+from rigs import Rig, small_spec
 from state_helpers import BS, TOKS, assert_state, fake_state, hybrid, prefill, state_rig
 
 from kvstate import commands as C

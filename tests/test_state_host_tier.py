@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import Rig
 from lifecycle_helpers import SWAP, d_matches, deliver
+from rigs import Rig
 from state_helpers import BS, TOKS, assert_state, fake_state, hybrid, prefill
 
 from kvstate import commands as C

@@ -4,7 +4,7 @@ reads the whole cache's state before its first layer group arrives."""
 from __future__ import annotations
 
 import pytest
-from conftest import Clock, small_spec
+from rigs import Clock, small_spec
 from state_helpers import TOKS, fake_state, hybrid
 
 from kvstate import ConfigError, Policy, PrefillLifecycle

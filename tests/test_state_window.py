@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import Rig, small_spec
 from lifecycle_helpers import deliver
+from rigs import Rig, small_spec
 from state_helpers import BS, assert_state, prefill
 
 from kvstate import Policy

@@ -1,7 +1,7 @@
 """Embedded stores and the reference backend on real bytes."""
 import numpy as np
 import pytest
-from conftest import small_spec
+from rigs import small_spec
 
 from kvstate import ConfigError, FenceError, StoreError, ValidationError
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend

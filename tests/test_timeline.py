@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from conftest import small_spec
+from rigs import small_spec
 
 from kvstate import DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate import commands as C

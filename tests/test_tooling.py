@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import has_module
+from needs import has_module
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("kvstate", "tests", "benchmarks", "examples")
