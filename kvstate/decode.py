@@ -221,6 +221,7 @@ class DecodeLifecycle(Lifecycle):
         blocks reserved (with group tables, every table's, table by table).
 
         Raises :class:`OutOfBlocksError` (reserving nothing) when the headroom cannot be kept."""
+        self._clock_in()
         req = self._new_request(request_id, token_ids, extra_keys)
         n = -(-(len(req.tokens) + 1) // self.spec.block_size)  # spec.blocks_for, inline (hot path)
         if n * self._per_block > self.pool.num_blocks:
@@ -251,6 +252,7 @@ class DecodeLifecycle(Lifecycle):
             raise ValidationError(f"request {request_id!r}: error_code {error_code!r} is not an HTTP status (100..599)")
         if error_code == 200:
             check_token(request_id, token)
+        self._clock_in()
         req = self._late(request_id, "first_token")
         if req is None:
             return False
@@ -294,6 +296,7 @@ class DecodeLifecycle(Lifecycle):
         With the GPU prefix cache, a running request's full blocks are published first, so
         its resume finds those still idle on the GPU instead of moving them again."""
         req = self._requests.get(request_id)
+        self._clock_in()
         if self.prefix_cache is not None and req.state == "running" and not req.window_from:
             req.keys = self._cache_keys(req)
             self.blocks.publish(req.keys, req.blocks)
@@ -304,6 +307,7 @@ class DecodeLifecycle(Lifecycle):
         req = self._requests.get(request_id)
         if req.state != "preempted" and req.state != "swapped":
             raise InvalidTransitionError(request_id, req.state, "resume", DECODE.name)
+        self._clock_in()
         n = self.spec.blocks_for(len(req.tokens))
         if not req.pages:  # a swapped request still holds its page
             self.states.check_free(req.id, "resume")
@@ -324,6 +328,7 @@ class DecodeLifecycle(Lifecycle):
         """The engine recomputed the cache a :class:`~kvstate.commands.Recompute` asked for.
 
         Returns False for a request that already ended (the late result is dropped)."""
+        self._clock_in()
         req = self._late(request_id, "recompute_done")
         if req is None:
             return False
@@ -332,7 +337,9 @@ class DecodeLifecycle(Lifecycle):
 
     def finish(self, request_id: str) -> None:
         """The answer is complete: recycle the request."""
-        self._fire(self._requests.get(request_id), "finish")
+        req = self._requests.get(request_id)
+        self._clock_in()
+        self._fire(req, "finish")
 
     _HANDLERS = {**Lifecycle._HANDLERS,
                  E.Reserve: lambda s, e: s.reserve(e.request_id, e.token_ids, e.extra_keys),

@@ -90,7 +90,7 @@ class Lifecycle:
                                  keep=(policy or Policy()).state_checkpoints)
         if not callable(clock):
             raise ValidationError("clock must be callable")
-        read_clock(clock)  # a clock that cannot tell a finite time is refused now
+        self._now = read_clock(clock)  # a clock that cannot tell a finite time is refused now
         if not isinstance(namespace, str):
             raise ValidationError(f"namespace must be a str, got {type(namespace).__name__}")
         if key_cache is not None and not isinstance(key_cache, KeyCache):
@@ -145,6 +145,7 @@ class Lifecycle:
             self.counters["stale_completions"] += 1
             return False
         t.check_answer(rank, count, completion.lost, completion.error)
+        self._clock_in()
         lost = completion.lost
         t.counts[rank] = 0 if completion.error or lost else count
         t.left -= 1
@@ -156,7 +157,7 @@ class Lifecycle:
         elif t.left == 0:
             self._resolve(t)
         if t.left == 0:
-            if t.lost and read_clock(self.clock) < t.cmd.fence:  # a stopped rank may still touch the blocks
+            if t.lost and self._now < t.cmd.fence:  # a stopped rank may still touch the blocks
                 self._timers.push(FENCE, t.cmd.fence, cid)
             else:
                 self._retire(t)
@@ -165,7 +166,7 @@ class Lifecycle:
     def tick(self) -> int:
         """Enforce deadlines at the clock's current time; returns how many timers fired."""
         fired = 0
-        for kind, ident in self._timers.due(read_clock(self.clock)):
+        for kind, ident in self._timers.due(self._clock_in()):
             if not self._live_timer(kind, ident):
                 continue
             fired += 1
@@ -189,6 +190,7 @@ class Lifecycle:
 
         Returns False, changing nothing, when the request already ended (a client's abort
         racing the request's own end is normal): see :meth:`_late`."""
+        self._clock_in()
         req = self._late(request_id, "abort")
         if req is None:
             return False
@@ -313,6 +315,13 @@ class Lifecycle:
         self._out.append(C.LateEvent(request_id, event, ended))
         return None
 
+    def _clock_in(self) -> float:
+        """Read the clock once, at the start of a public call that may change anything, before
+        it does: a clock that cannot tell the time (NaN) refuses the call whole, and every
+        deadline the call sets counts from this one reading (``_wait``, ``_transfer``)."""
+        self._now = read_clock(self.clock)
+        return self._now
+
     def _live_timer(self, kind: int, ident: Any) -> bool:
         """Whether a timer still has work: its transfer unanswered (or, for a fence, not yet
         retired), or its request still waiting in the initial state it was set in."""
@@ -326,7 +335,7 @@ class Lifecycle:
     def _wait(self, req: Request, timeout: float) -> None:
         """Give ``req`` a deadline for the wait it starts now (fires ``timed_out``)."""
         req.wait_seq = next(self._ids)
-        self._timers.push(WAIT, read_clock(self.clock) + timeout, (req.id, req.wait_seq))
+        self._timers.push(WAIT, self._now + timeout, (req.id, req.wait_seq))
 
     # -- transfers -------------------------------------------------------------------------------
     def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
@@ -336,7 +345,7 @@ class Lifecycle:
         answer, unless the request does not wait for it (``awaited=False``: a copy that only
         pins its blocks once the request lets go of them)."""
         cid = next(self._ids)
-        deadline = read_clock(self.clock) + self.policy.transfer_timeout
+        deadline = self._now + self.policy.transfer_timeout
         ids = tuple(blocks)
         fence = deadline + self.policy.fence_grace
         if host_slots is None:

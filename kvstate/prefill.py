@@ -136,6 +136,7 @@ class PrefillLifecycle(Lifecycle):
         """Admit a prompt; blocks are allocated now or, FIFO, as soon as enough are free.
 
         Returns the request's state (``"waiting"`` when it queues for blocks)."""
+        self._clock_in()
         req = self._new_request(request_id, token_ids, extra_keys)
         self.blocks.check_fits(req, len(req.keys))
         self.states.check_fits(req)
@@ -188,6 +189,7 @@ class PrefillLifecycle(Lifecycle):
         Returns False for a request that already ended (aborted while it computed): the
         late result is dropped."""
         check_token(request_id, first_token)
+        self._clock_in()
         req = self._late(request_id, "prefill_done")
         if req is None:
             return False

@@ -142,3 +142,44 @@ def test_the_first_token_releases_every_layer_to_the_save_once():
     answer_only(StepDriver(plain, ReferenceBackend(small_spec(1), 8, MemoryStore(1 << 20))), C.ReadBlocks)
     plain.prefill_done("p", 7)
     assert not [c for c in plain.poll_commands() if isinstance(c, C.LayersReady)]
+
+
+# -- a clock that cannot tell the time refuses the call whole ---------------------------------------
+def _nan_rig():
+    """P with "a" prefilling, D with "a" reading (its read pending) and "b" reserved, "c" running:
+    every call below has a request to act on; then the clock reads NaN."""
+    from protocol_support import snapshot
+    from rigs import Rig
+
+    rig = Rig()
+    for rid in ("a", "b", "c"):
+        rig.D.reserve(rid, list(range(9)))
+    for rid in ("a", "c"):
+        rig.P.admit(rid, list(range(9)))
+    rig.pd.run_until_idle()
+    rig.P.prefill_done("c", 3)
+    rig.pd.run_until_idle()
+    rig.D.deliver_first_token("c", 3)
+    rig.dd.run_until_idle()
+    rig.D.deliver_first_token("a", 3)
+    rig.dd.pump()
+    assert rig.D.state_of("c") == "running" and rig.D.state_of("a") == "reading" and rig.dd.pending
+    rig.clock.now = float("nan")
+    return rig, lambda: (snapshot(rig.P), snapshot(rig.D))
+
+
+@pytest.mark.parametrize("call", [
+    lambda r: r.D.reserve("new", list(range(9))), lambda r: r.P.admit("new", list(range(9))),
+    lambda r: r.P.prefill_done("a", 3), lambda r: r.D.deliver_first_token("b", 3),
+    lambda r: r.D.preempt("c"), lambda r: r.D.finish("c"), lambda r: r.D.abort("b"), lambda r: r.P.abort("a"),
+    lambda r: r.dd.complete(*next(iter(r.dd.pending))), lambda r: r.D.tick(),
+])
+def test_a_clock_reading_nan_refuses_the_call_and_changes_nothing(call):
+    """A refused clock used to leave a reserved request registered, holding blocks, with no
+    deadline (so no tick would ever end it): now the clock is read before anything changes."""
+    rig, state = _nan_rig()
+    before = state()
+    with pytest.raises(ValidationError, match="clock must read a finite number"):
+        call(rig)
+    assert state() == before
+    assert not rig.D.is_live("new") and not rig.P.is_live("new")
