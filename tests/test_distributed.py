@@ -370,3 +370,60 @@ def test_link_refuses_bad_messages_and_never_blocks_a_sender(tmp_path):
         t = time.monotonic()
         sent = sum(a.send("nobody", "abort", f"r{i}") for i in range(20_000))  # nobody reads: queue fills
         assert time.monotonic() - t < 5 and a.counters["dropped"] == 20_000 - sent > 0
+
+
+def test_frames_sent_to_the_command_socket_are_dropped_and_memory_stays_flat():
+    """No worker sends on the command socket, so a peer's frames there are refused at the
+    socket (the peer is disconnected): 20 MB frames used to stay queued in the driver, one after
+    another."""
+    import os
+    import time
+
+    import zmq
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    with ProcessDriver(SPEC, 16, restart=False) as drv:
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.SNDTIMEO, 2000)
+        peer.connect(drv.addresses[0])
+        frame = b"x" * (20 << 20)
+        try:
+            peer.send(frame)  # the first costs a frame's buffer once, wherever it is dropped
+            time.sleep(0.5)
+            base = rss()
+            for _ in range(4):
+                peer.send(frame)
+            time.sleep(1.0)
+            assert rss() - base < 10 << 20  # the next four do not add up (unrefused: +80 MB)
+        finally:
+            peer.close()
+
+
+def test_a_foreign_hello_for_a_live_rank_changes_nothing(tmp_path):
+    """Hellos for a rank whose worker is live (another incarnation, with the right geometry or
+    a wrong one) are dropped and counted: the live worker is neither replaced, nor killed, nor
+    sent the refusal (which used to go down its route, and it obeyed and exited)."""
+    with ProcessDriver(SPEC, 16, restart=True, heartbeat_s=0.1, dead_after_s=2.0) as drv:
+        drv.spawn(0, {"kind": "file", "root": str(tmp_path)})
+        drv.spawn(1, {"kind": "file", "root": str(tmp_path)})
+        drv.wait_ready(60)
+        pid = drv.child(0).pid
+        forger = zmq.Context.instance().socket(zmq.PUSH)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.connect(drv.addresses[2])
+        geometry = wire.geometry(SPEC, 16)
+        try:
+            for inc in range(1, 41):
+                forger.send(wire.pack(wire.HELLO, 0, 10_000 + inc, 4242, SPEC.tp_size, geometry, 1))
+                forger.send(wire.pack(wire.HELLO, 0, 20_000 + inc, 4242, SPEC.tp_size, "other-geometry", 1))
+            time.sleep(1.0)
+        finally:
+            forger.close()
+        assert drv.counters["foreign_hellos"] == 80 and drv.counters["refused"] == 0
+        assert drv.counters["restarts"] == 0 and drv.child(0).pid == pid and drv.child(0).alive()
+        assert not any(isinstance(n, RankDown) for n in drv.notices())
+        assert drv.control.info()["up"] == [0, 1]

@@ -5,7 +5,9 @@ driver started. On that thread it
 
 - accepts a hello whose TP size and cache geometry match the scheduler's (a rank is then
   *up*, and :class:`~kvstate.distributed.liveness.RankUp` is noticed), and refuses any other
-  (the worker exits; :meth:`RankControl.wait_ready` names the mismatch);
+  (the worker of that incarnation exits; :meth:`RankControl.wait_ready` names the mismatch);
+  a hello for a rank whose worker is live is dropped and counted (``foreign_hellos``), never
+  answered: the live worker stays;
 - records heartbeats, and asks a worker it declared dead but which speaks again (it was only
   stopped) to say hello anew as a new incarnation (``REJOIN``);
 - forwards layer arrivals to the driver;
@@ -171,26 +173,35 @@ class RankControl:
             self._send(msg.rank, 0, wire.pack(wire.REJOIN, msg.incarnation))
 
     def _hello(self, msg: wire.Hello) -> None:
+        """Welcome a worker for a rank that has none, or refuse it (its TP or geometry differ).
+
+        A hello for a rank whose worker is live (another incarnation) changes nothing: it is
+        dropped and counted (``foreign_hellos``), never answered, since a reply goes down the
+        rank's route, which leads to the live worker; that worker is never replaced or told to
+        exit by a message it did not ask for. A new worker for the rank is welcome once the
+        live one is down (silent past ``dead_after_s``, gone, or said goodbye)."""
+        previous = self.ranks.incarnation(msg.rank)
+        if previous == msg.incarnation:
+            return  # a repeated hello the welcome crossed
+        if previous:
+            with self.lock:
+                self.counters["foreign_hellos"] += 1
+            return
         problem = None
         if msg.tp_size != self.spec.tp_size:
             problem = f"rank {msg.rank}'s worker has TP {msg.tp_size}, the scheduler {self.spec.tp_size}"
         elif msg.geometry != self.geometry:
             problem = (f"rank {msg.rank}'s worker has another cache geometry: {msg.geometry} against the "
                        f"scheduler's {self.geometry}")
-        if problem is not None:
+        if problem is not None:  # the refusal names the incarnation it refuses: no other worker obeys it
             with self.lock:
                 self.counters["refused"] += 1
                 self.ranks.refuse(msg.rank, problem)
-            self._send(msg.rank, 0, wire.pack(wire.REFUSE, problem))
+            self._send(msg.rank, 0, wire.pack(wire.REFUSE, msg.incarnation, problem))
             return
-        previous = self.ranks.incarnation(msg.rank)
-        if previous == msg.incarnation:
-            return  # a repeated hello the welcome crossed
         welcome = wire.pack(wire.WELCOME, msg.incarnation)
         if not all(self._send(msg.rank, lane, welcome) for lane in reversed(range(msg.lanes))):
             return  # a lane's socket is not connected yet: it says hello again next beat
-        if previous:
-            self.declare_down(msg.rank, "a new worker replaced it", previous)
         with self.lock:
             self.ranks.up(msg.rank, msg.incarnation, msg.pid, time.monotonic(), msg.lanes)
             self._notices.append(RankUp(msg.rank, msg.pid, time.monotonic()))

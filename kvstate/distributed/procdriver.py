@@ -91,7 +91,7 @@ class ProcessDriver(Driver):
         if not isinstance(spin_us, (int, float)) or isinstance(spin_us, bool) or not 0 <= spin_us <= 1e5:
             raise ConfigError(f"ProcessDriver: spin_us must be microseconds in [0, 100000], got {spin_us!r}")
         self.spin_us = float(spin_us)  #: how long a waiting poll asks the socket before it sleeps
-        self.counters = {"stale": 0, "bad_messages": 0, "refused": 0, "lost": 0, "restarts": 0}
+        self.counters = {"stale": 0, "bad_messages": 0, "refused": 0, "foreign_hellos": 0, "lost": 0, "restarts": 0}
         ranks = RankTable(spec.tp_size)
         self.ledger = Ledger(ranks, spec.layers, lambda r: self.control.restarting(r), self.counters)
         self._lock = self.ledger.lock  # rank states, what they owe, counters
@@ -129,8 +129,11 @@ class ProcessDriver(Driver):
             raise ConfigError(f"ProcessDriver: address must be 'ipc' or 'tcp://HOST' (ports are chosen), got "
                               f"{address!r}")
         self._cmd = self._ctx.socket(zmq.ROUTER)
+        # Commands only leave on it: no worker sends here (a DEALER's identity, at most 255 bytes,
+        # is all that comes in), so a peer sending more is disconnected (MAXMSGSIZE 256) and
+        # nothing queues (RCVHWM 1): a flood of frames here cannot grow this process's memory.
         for opt, v in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.SNDHWM, 4096), (zmq.LINGER, 0),
-                       (zmq.SNDTIMEO, int(1000 * submit_timeout))):
+                       (zmq.SNDTIMEO, int(1000 * submit_timeout)), (zmq.MAXMSGSIZE, 256), (zmq.RCVHWM, 1)):
             self._cmd.setsockopt(opt, v)
         self._reply, self._control = self._pull(), self._pull()
         # answers made in other threads (lost ranks) wake a waiting poll through this pair

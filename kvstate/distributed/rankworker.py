@@ -18,11 +18,12 @@ the scheduler's driver (:mod:`~kvstate.distributed.procdriver`) over ZeroMQ:
   a slow rank pushes back instead of growing memory.
 
 A worker draws a new incarnation each time it says hello; a command naming another is from
-before a restart and is dropped. It exits on ``STOP``, on ``REFUSE`` (its configuration does
-not match the scheduler's), when its parent process is gone (``parent_pid``; on Linux the
-kernel also kills it when its parent dies), or on SIGTERM. A message it cannot parse is
-counted and dropped. Run one with :func:`main` (``python -m kvstate.distributed rankworker
-CONFIG_JSON``) or, inside a process an engine already runs, ``RankWorker(config).serve()``.
+before a restart and is dropped. It exits on ``STOP``, on a ``REFUSE`` of its own incarnation
+(its configuration does not match the scheduler's; a refusal of another incarnation is stale),
+when its parent process is gone (``parent_pid``; on Linux the kernel also kills it when its
+parent dies), or on SIGTERM. A message it cannot parse is counted and dropped. Run one with
+:func:`main` (``python -m kvstate.distributed rankworker CONFIG_JSON``) or, inside a process an
+engine already runs, ``RankWorker(config).serve()``.
 """
 from __future__ import annotations
 
@@ -308,10 +309,7 @@ class RankWorker:
         try:
             items = wire.unpack(data)
             kind = items[0]
-            if kind in (wire.STOP, wire.REFUSE):
-                if kind == wire.REFUSE:
-                    print(f"kvstate rank worker {self.rank}: refused by the scheduler: {items[1:]}", file=sys.stderr)
-                    self.status = 2
+            if kind == wire.STOP:
                 self._stop.set()
             elif len(items) < 2 or items[1] != self.incarnation:
                 self.counters["stale"] += 1  # for an incarnation before a restart or a rejoin
@@ -325,6 +323,10 @@ class RankWorker:
                 self._hello()
             elif kind == wire.WELCOME:
                 self.welcomed = self.welcomed or lane == 0  # lane 0's comes last: then every lane is reachable
+            elif kind == wire.REFUSE:  # this incarnation's hello was refused: its configuration differs
+                print(f"kvstate rank worker {self.rank}: refused by the scheduler: {items[2:]}", file=sys.stderr)
+                self.status = 2
+                self._stop.set()
             else:
                 raise ProtocolError(f"unknown message type {kind!r} for a worker")
         except KVStateError:

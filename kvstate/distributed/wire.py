@@ -14,7 +14,7 @@ type        items after the type                                        directio
 ``LAYERS``  incarnation, command id, layers computed                    driver -> worker
 ``WELCOME`` incarnation (the worker's hello was accepted)               driver -> worker
 ``REJOIN``  incarnation declared dead (say hello again, as a new one)   driver -> worker
-``REFUSE``  reason (the worker's configuration does not match: exit)    driver -> worker
+``REFUSE``  incarnation, reason (that hello's configuration differs: exit) driver -> worker
 ``STOP``    (none)                                                      driver -> worker
 ``HELLO``   rank, incarnation, pid, TP size, geometry, lanes            worker -> driver
 ``HB``      rank, incarnation, bytes its backend moved so far            worker -> driver
