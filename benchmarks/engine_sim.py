@@ -271,8 +271,8 @@ def simulated(reqs: list[Req], args: argparse.Namespace, bandwidth_gbps: float, 
             "cluster.prefill_token_budget": 1, "cluster.decode_max_batch": args.slots,
             "cluster.transfer_workers": 2, "cluster.staging_mib": 64,
             "storage.bandwidth_gbps": bandwidth_gbps, "storage.latency_ms": 0.0, "network.latency_ms": 0.0,
-            "policy.read_prefix": False, "policy.read_failure": "fail", "policy.transfer_timeout_s": 120.0,
-            "policy.first_token_timeout_s": 600.0, "policy.queue_timeout_s": 600.0,
+            "policy.read_prefix": False, "policy.read_failure": "fail", "policy.transfer_timeout": 120.0,
+            "policy.first_token_timeout": 600.0, "policy.queue_timeout": 600.0,
             "workload.arrival": "trace", "workload.trace": path})
         return simulate(s)
 

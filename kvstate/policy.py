@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 from .validate import MAX_BLOCKS, check_int
@@ -31,6 +32,11 @@ REASONS = ("done", "aborted", "write_failed", "queue_timeout", "first_token_time
 
 _PREFILL_REASONS = {ERROR_WRITE_FAILED: "prefill_write_failed", ERROR_TIMEOUT: "prefill_queue_timeout",
                     ERROR_ABORTED: "prefill_aborted"}
+
+
+def _knob(default: Any, doc: str) -> Any:
+    """A policy field with the line ``kvstate scenario`` prints above it (its ``[policy]`` key)."""
+    return field(default=default, metadata={"doc": doc})
 
 
 def prefill_reason(error_code: int) -> str:
@@ -78,19 +84,22 @@ class Policy:
       system prompt) start from a state.
     """
 
-    read_prefix: bool = True
-    write_retries: int = 1
-    read_failure: str = "fail"
-    preempt: str = "write"
-    swap_fallback: str = "write"
-    swap_write: str = "host"
-    swapped_timeout: float = 600.0
-    transfer_timeout: float = 30.0
-    first_token_timeout: float = 60.0
-    queue_timeout: float = 30.0
-    fence_grace: float = 60.0
-    decode_headroom_blocks: int = 1
-    state_checkpoints: int = 1
+    read_prefix: bool = _knob(True, "P reads the longest stored prefix of a prompt before prefill")
+    write_retries: int = _knob(1, "extra attempts after a failed or partial write")
+    read_failure: str = _knob("fail", f"one of {list(READ_FAILURE_MODES)}: end with 502, or recompute")
+    preempt: str = _knob("write", f"one of {list(PREEMPT_MODES)}: write the cache out, recompute it, or swap it to "
+                         "the host tier (needs a host tier: a scenario's cluster.host_blocks)")
+    swap_fallback: str = _knob("write", f"one of {list(SWAP_FALLBACKS)}: when the host tier is full or a swap fails")
+    swap_write: str = _knob("host", f"one of {list(SWAP_WRITES)}: a swapped cache in host memory only, also written "
+                            "to the store before (through) or after (back) its GPU blocks go")
+    swapped_timeout: float = _knob(600.0, "seconds a swapped request keeps its host entries")
+    transfer_timeout: float = _knob(30.0, "seconds: the deadline of every transfer")
+    first_token_timeout: float = _knob(60.0, "seconds D waits for P's first token, from its reservation")
+    queue_timeout: float = _knob(30.0, "seconds a prompt waits for P's blocks")
+    fence_grace: float = _knob(60.0, "seconds a timed-out transfer's blocks stay pinned")
+    decode_headroom_blocks: int = _knob(1, "blocks D keeps free per running request when it reserves")
+    state_checkpoints: int = _knob(1, "a model with state layers: how many of its prompt's checkpoints P stores a "
+                                   "state at, the last ones (a state page each while it prefills)")
 
     def __post_init__(self) -> None:
         if self.read_failure not in READ_FAILURE_MODES:

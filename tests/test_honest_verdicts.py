@@ -148,7 +148,7 @@ def test_options_that_cannot_apply_or_would_exhaust_memory_are_refused(argv, nee
 @pytest.mark.parametrize("sweep, needle", [
     ("cluster.n_decode=1,x", "--sweep cluster.n_decode='x': n_decode: expected int"),
     ("cluster.n_decode=-1", "--sweep cluster.n_decode=-1: n_decode: must be > 0"),
-    ("policy.preempt=bogus", "--sweep policy.preempt='bogus': preempt: must be one of"),
+    ("policy.preempt=bogus", "--sweep policy.preempt='bogus': Policy.preempt must be one of"),
     ("seed=-2", "--sweep seed=-2: seed: must be >= 0"),
     ("workload.trace_rate=2", "does not apply to 'poisson' arrivals"),
 ])

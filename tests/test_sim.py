@@ -64,7 +64,7 @@ def test_an_empty_scenario_file_is_an_error(tmp_path):
     ("[workload]\nrte = 3.0\n", "[workload] unknown key 'rte'"),
     ("[cluster]\ntp = 'two'\n", "[cluster] tp: expected int"),
     ("[tpx]\n", "unknown top-level key 'tpx'"),
-    ("[policy]\npreempt = 'drop'\n", "[policy] preempt: must be one of"),
+    ("[policy]\npreempt = 'drop'\n", "[policy] Policy.preempt must be one of"),
     ("[tp]\nskew_ms = [1.0, 2.0, 3.0]\n", "skew_ms: 3 entries for 2 ranks"),
     ("[workload]\narrival = 'trace'\n", "trace: arrival 'trace' needs a trace file"),
     ("seed = 1.5\n", "seed: expected int"),
@@ -381,13 +381,13 @@ def test_cli_plan_finds_the_cheapest_configuration(tmp_path, capsys):
 def test_a_deadline_fires_at_its_exact_simulated_time(tmp_path):
     """r0's prompt is so long that D's first-token deadline passes while P0 still computes it;
     r1 (on P1) is quick, and its read's deadline is armed before r0's, then goes stale. r0 must
-    still end at exactly arrival + first_token_timeout_s, not at the next tick of a poller."""
+    still end at exactly arrival + first_token_timeout, not at the next tick of a poller."""
     recs = [{"timestamp": 0, "input_length": 60000, "output_length": 4, "hash_ids": []},
             {"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": []}]
     t = write_trace(tmp_path / "t.jsonl", recs)
     s = with_overrides(Scenario(), {"workload.arrival": "trace", "workload.trace": str(t),
                                     "cluster.n_decode": 1, "gpu.tflops": 20.0,
-                                    "policy.first_token_timeout_s": 2.345, "policy.transfer_timeout_s": 0.5})
+                                    "policy.first_token_timeout": 2.345, "policy.transfer_timeout": 0.5})
     cl, r = run(s)
     r0, r1 = cl.reqs["r0"], cl.reqs["r1"]
     assert (r0.reason, r1.reason) == ("first_token_timeout", "done")

@@ -125,7 +125,7 @@ def test_timeouts_count_against_goodput_and_show_as_failed_not_as_tpot(capsys):
     """D gives up on first tokens after 0.3 s on an overloaded P: those requests never had a
     TPOT, so TPOT attainment is over the finished ones; they sink goodput and are listed."""
     argv = ["simulate", "--json", "--quiet", "--num-prompts", "400", "--n-prefill", "1", "--rate", "80",
-            "--set", "policy.first_token_timeout_s=0.3"]
+            "--set", "policy.first_token_timeout=0.3"]
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     failed = sum(r["failed"].values())
@@ -141,7 +141,7 @@ def test_every_rate_printed_is_its_definition_over_the_cohort(capsys):
     """Offered, throughput, goodput, failed and token rates recomputed from the requests
     themselves, on a run with failures and a cluster falling behind (stretch below 1)."""
     s = with_overrides(Scenario(), {"workload.num_requests": 800, "workload.rate": 120.0, "cluster.n_prefill": 1,
-                                    "cluster.n_decode": 1, "policy.first_token_timeout_s": 1.0})
+                                    "cluster.n_decode": 1, "policy.first_token_timeout": 1.0})
     cl = Cluster(s)
     r = summarize(cl, cl.run())
     reqs = list(cl.reqs.values())

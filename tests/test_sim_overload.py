@@ -19,7 +19,7 @@ OVERLOAD_70B = {
               "total_kv_heads": 8, "head_dim": 128, "intermediate": 28672},
     "gpu": {"name": "H200", "mem_gib": 141.0, "hbm_gbps": 4800.0},
     "cluster": {"n_prefill": 1, "n_decode": 2, "tp": 4},
-    "policy": {"first_token_timeout_s": 20.0},
+    "policy": {"first_token_timeout": 20.0},
     "workload": {"arrival": "gamma", "cv": 2.0, "rate": 12.0, "num_requests": 600,
                  "input_dist": "fixed", "input_mean": 4096.0, "output_dist": "fixed", "output_mean": 512.0},
 }
@@ -67,7 +67,7 @@ def test_prompts_whose_request_ended_while_queued_are_not_computed(layerwise):
                       storage={"bandwidth_gbps": 100.0},
                       cluster={"n_prefill": 1, "gpu_blocks": 4000, "prefill_token_budget": 2048,
                                "layerwise": layerwise},
-                      policy={"first_token_timeout_s": 0.5, "queue_timeout_s": 30.0},
+                      policy={"first_token_timeout": 0.5, "queue_timeout": 30.0},
                       workload={"arrival": "poisson", "rate": 5000.0, "num_requests": 40, "prefix_groups": 0,
                                 "input_dist": "fixed", "input_mean": 2048.0, "output_dist": "fixed",
                                 "output_mean": 4.0}))
@@ -124,9 +124,9 @@ def overloaded(draw) -> dict:
                    "swap_write": draw(st.sampled_from(["host", "through", "back"])),
                    "read_failure": draw(st.sampled_from(["fail", "recompute"])),
                    "write_retries": draw(st.integers(0, 2)),
-                   "transfer_timeout_s": draw(st.sampled_from([0.05, 1.0, 30.0])),
-                   "queue_timeout_s": draw(st.sampled_from([0.5, 30.0])),
-                   "first_token_timeout_s": draw(st.sampled_from([0.5, 5.0, 60.0])),
+                   "transfer_timeout": draw(st.sampled_from([0.05, 1.0, 30.0])),
+                   "queue_timeout": draw(st.sampled_from([0.5, 30.0])),
+                   "first_token_timeout": draw(st.sampled_from([0.5, 5.0, 60.0])),
                    "decode_headroom_blocks": draw(st.integers(0, 2))},
         "faults": {"write_fail": draw(st.sampled_from([0.0, 0.1])),
                    "read_fail": draw(st.sampled_from([0.0, 0.1]))},
@@ -173,7 +173,7 @@ TINY = {"time_limit_s": 5000.0,
         "model": {"name": "tiny", "params_b": 1.0, "hidden": 1024, "total_kv_heads": 4, "head_dim": 64},
         "cluster": {"n_decode": 1, "tp": 1, "gpu_blocks": 39, "decode_max_batch": 4, "prefill_token_budget": 512},
         "storage": {"bandwidth_gbps": 1.0},
-        "policy": {"read_failure": "fail", "queue_timeout_s": 0.5, "decode_headroom_blocks": 0},
+        "policy": {"read_failure": "fail", "queue_timeout": 0.5, "decode_headroom_blocks": 0},
         "workload": {"arrival": "gamma", "cv": 3.0, "output_max": 400}}
 
 
@@ -191,8 +191,8 @@ def test_resumed_requests_have_room_to_grow():
     random search above). A preempted request resumes only with room for its next token."""
     shape = found(seed=3165, model={"num_layers": 8, "block_size": 64}, cluster={"n_prefill": 2},
                   storage={"capacity_gib": 0.2},
-                  policy={"preempt": "recompute", "write_retries": 1, "transfer_timeout_s": 30.0,
-                          "first_token_timeout_s": 5.0},
+                  policy={"preempt": "recompute", "write_retries": 1, "transfer_timeout": 30.0,
+                          "first_token_timeout": 5.0},
                   tp={"skew_ms": [50.0]},
                   workload={"rate": 2000.0, "num_requests": 54, "input_mean": 737.0, "input_max": 831,
                             "output_mean": 17.0, "prefix_groups": 3, "prefix_tokens": 226})
@@ -209,8 +209,8 @@ def test_preempted_requests_resume_when_a_late_answer_unpins_their_blocks():
     requests waited preempted beside 39 free blocks until the time limit)."""
     shape = found(seed=1, model={"num_layers": 2, "block_size": 16}, cluster={"n_prefill": 1},
                   storage={"capacity_gib": 0.01},
-                  policy={"preempt": "write", "write_retries": 0, "transfer_timeout_s": 0.05,
-                          "first_token_timeout_s": 0.5},
+                  policy={"preempt": "write", "write_retries": 0, "transfer_timeout": 0.05,
+                          "first_token_timeout": 0.5},
                   tp={"skew_ms": [0.0]},
                   workload={"rate": 200.0, "num_requests": 49, "input_mean": 194.0, "input_max": 207,
                             "output_mean": 35.0, "prefix_groups": 0, "prefix_tokens": 0})

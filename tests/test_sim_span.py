@@ -68,7 +68,7 @@ CASES = {
     "faults": {"faults.read_fail": 0.1, "faults.write_fail": 0.1},
     "tp4_skew": {"cluster.tp": 4, "tp.skew_ms": [0, 1, 2, 3]},
     "overload_deadlines": {"workload.rate": 400.0, "workload.input_mean": 3000.0,
-                           "policy.first_token_timeout_s": 1.0, "policy.queue_timeout_s": 1.0},
+                           "policy.first_token_timeout": 1.0, "policy.queue_timeout": 1.0},
 }
 
 

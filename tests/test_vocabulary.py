@@ -6,15 +6,21 @@ import dataclasses
 import pytest
 
 from kvstate import CacheSpec, ConfigError, Policy
-from kvstate.sim.scenario import POLICY_FIELDS, PolicySpec, Scenario
+from kvstate.sim.scenario import Scenario
 from kvstate.sim.scenario_io import scenario_from_dict
 from kvstate.spec import check_pair
 
 
-def test_the_scenario_s_policy_is_the_library_s_knob_for_knob_and_default_for_default():
-    assert sorted(POLICY_FIELDS.values()) == sorted(f.name for f in dataclasses.fields(Policy))
-    assert PolicySpec().to_policy() == Policy()
-    assert Scenario().library()[1] == Policy()
+def test_the_scenario_s_policy_is_the_library_s_policy():
+    """One declaration: [policy] is the lifecycles' Policy, every knob documented once."""
+    assert Scenario().policy == Policy() and Scenario().library()[1] == Policy()
+    assert all(f.metadata.get("doc") for f in dataclasses.fields(Policy))
+    sc = scenario_from_dict({"policy": {"transfer_timeout": 5.0, "preempt": "recompute"}})
+    assert sc.policy == Policy(transfer_timeout=5.0, preempt="recompute")
+    with pytest.raises(ConfigError, match=r"\[policy\].*it is now transfer_timeout"):
+        scenario_from_dict({"policy": {"transfer_timeout" + "_s": 5.0}})  # the name before it was the library's
+    with pytest.raises(ConfigError, match=r"\[policy\] Policy.transfer_timeout must be a finite number > 0"):
+        scenario_from_dict({"policy": {"transfer_timeout": -1.0}})
 
 
 @pytest.mark.parametrize("policy", [Policy(), Policy(read_failure="recompute", preempt="swap", swap_write="back",
@@ -62,8 +68,8 @@ def test_the_model_s_heads_are_named_as_the_library_names_them():
 def test_from_library_refuses_what_is_not_a_spec_and_a_policy():
     with pytest.raises(ConfigError, match="CacheSpec and a Policy"):
         Scenario.from_library({"num_layers": 2}, Policy())
-    with pytest.raises(ConfigError, match="expected a Policy"):
-        PolicySpec.from_policy("fail")
+    with pytest.raises(ConfigError, match="CacheSpec and a Policy"):
+        Scenario.from_library(Scenario().cache_spec(), "fail")  # type: ignore[arg-type]
 
 
 def test_every_command_has_one_kind_and_every_driver_declares_the_driver_protocol():

@@ -10,7 +10,7 @@ latency.
 Layer-wise (``cluster.layerwise``), the ``SaveLayers`` sent with ``StartPrefill`` waits until
 its prompt's forward starts (a real save waits on its layer gate), then runs as a
 :class:`~kvstate.sim.instance.LayerSave`. Its deadline counts from ``StartPrefill``, as the
-lifecycle sets it: a prompt queued longer than ``policy.transfer_timeout_s`` sees its save
+lifecycle sets it: a prompt queued longer than ``policy.transfer_timeout`` sees its save
 expire and is written after its forward instead.
 """
 from __future__ import annotations

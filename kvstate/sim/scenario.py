@@ -18,12 +18,11 @@ from ..policy import Policy
 from ..spec import CacheSpec, paired
 from .fields import Section, doc_of, setting
 from .instancespec import MAX_BLOCKS, MAX_INSTANCES, MAX_TOKENS, MAX_TP, MODES, ClusterSpec, SchedulerSpec
-from .policyspec import POLICY_FIELDS, PolicySpec
 from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec, layer_groups
 from .tp import PROTOCOLS
 
 __all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "SchedulerSpec", "StorageSpec", "NetworkSpec",
-           "TpSpec", "PolicySpec", "POLICY_FIELDS",
+           "TpSpec", "Policy",
            "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "MODES", "TOP_LEVEL", "doc_of",
            "MAX_REQUESTS",
            "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS"]
@@ -167,7 +166,7 @@ class FaultSpec(Section):
 #: The sections by table name, in the order files are written.
 SECTIONS: dict[str, type] = {
     "model": ModelSpec, "gpu": GpuSpec, "cluster": ClusterSpec, "scheduler": SchedulerSpec, "storage": StorageSpec,
-    "network": NetworkSpec, "tp": TpSpec, "policy": PolicySpec, "workload": WorkloadSpec,
+    "network": NetworkSpec, "tp": TpSpec, "policy": Policy, "workload": WorkloadSpec,
     "slo": SloSpec, "faults": FaultSpec,
 }
 
@@ -186,7 +185,7 @@ class Scenario(Section):
     storage: StorageSpec = field(default_factory=StorageSpec)
     network: NetworkSpec = field(default_factory=NetworkSpec)
     tp: TpSpec = field(default_factory=TpSpec)
-    policy: PolicySpec = field(default_factory=PolicySpec)
+    policy: Policy = field(default_factory=Policy)  #: the library's own: [policy] is the lifecycles' Policy
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     slo: SloSpec = field(default_factory=SloSpec)
     faults: FaultSpec = field(default_factory=FaultSpec)
@@ -228,7 +227,7 @@ class Scenario(Section):
         """``base`` (the embedded default) serving a cache of ``spec``'s geometry (its model's
         heads, ``spec.heads_total``; TP ``spec.tp_size``) under ``policy``, with the lifecycles'
         ``host_blocks`` (None: ``base``'s). The inverse of
-        :meth:`cache_spec` and ``policy.to_policy()``; the model's compute shapes stay
+        :meth:`cache_spec` and ``policy``; the model's compute shapes stay
         ``base``'s. Geometry a scenario does not model is refused, naming the field."""
         if not isinstance(spec, CacheSpec) or not isinstance(policy, Policy):
             raise ConfigError("Scenario.from_library: needs a CacheSpec and a Policy")
@@ -242,12 +241,12 @@ class Scenario(Section):
                         head_dim=spec.head_dim, dtype=spec.dtype, block_size=spec.block_size)
         cluster = replace(base.cluster, tp=spec.tp_size, d_tp=0,
                           host_blocks=base.cluster.host_blocks if host_blocks is None else host_blocks)
-        return replace(base, model=model, cluster=cluster, policy=PolicySpec.from_policy(policy))
+        return replace(base, model=model, cluster=cluster, policy=policy)
 
     def library(self) -> tuple[CacheSpec, Policy]:
         """One P rank's cache geometry and the lifecycle policy: what an engine running this
         scenario passes to its lifecycles."""
-        return self.cache_spec(), self.policy.to_policy()
+        return self.cache_spec(), self.policy
 
     # -- derived figures -----------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:

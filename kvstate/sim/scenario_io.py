@@ -23,7 +23,10 @@ __all__ = ["load_scenario", "scenario_from_dict", "scenario_to_dict", "with_over
 
 
 #: keys renamed so that one name means one thing in the library and the scenario
-RENAMED = {"model.kv_heads": "total_kv_heads (the model's KV heads; CacheSpec.kv_heads is one rank's)"}
+RENAMED = {"model.kv_heads": "total_kv_heads (the model's KV heads; CacheSpec.kv_heads is one rank's)",
+           # [policy] is the library's Policy, field for field: its times are seconds, named without a unit
+           **{f"policy.{k}_s": f"{k} (the library's Policy field, in seconds)" for k in (
+               "transfer_timeout", "first_token_timeout", "queue_timeout", "fence_grace", "swapped_timeout")}}
 
 
 def _known(cls: type) -> list[str]:
@@ -112,7 +115,9 @@ def with_overrides(s: Scenario, overrides: dict[str, Any]) -> Scenario:
         target = d.get(sec) if sec else d
         if (sec and sec not in SECTIONS) or not isinstance(target, dict) or name not in target \
                 or (not sec and name not in TOP_LEVEL):
-            raise ConfigError(f"unknown scenario field {dotted!r} (see `kvstate scenario` for the fields)")
+            renamed = RENAMED.get(dotted)
+            hint = f": it is now {sec}.{renamed}" if renamed else " (see `kvstate scenario` for the fields)"
+            raise ConfigError(f"unknown scenario field {dotted!r}{hint}")
         target[name] = v
     out = scenario_from_dict(d, source)
     _check_applicable(out, overrides)

@@ -112,7 +112,7 @@ class Services:
         self.cache_spec, self.gpu_blocks, self.compute = p.cache_spec, p.gpu_blocks, p.compute
         self.shard_bytes, self.chunk_bytes, self.kinds = p.shard_bytes, p.chunk_bytes, p.kinds
         self.block_size = s.model.block_size
-        self.policy = s.policy.to_policy()
+        self.policy = s.policy
         self.staging_bytes = p.staging_bytes
         self.store = SimStore(s.storage, p.part_bytes, p.cache_spec.heads_total // p.cache_spec.object_heads)
         self.object_s = s.storage.object_us / 1e6  #: pool seconds per object moved
