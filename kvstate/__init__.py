@@ -9,6 +9,7 @@ tests and integrators.
 from __future__ import annotations
 
 from . import commands, events
+from .blocks import BlockManager, EngineBlocks
 from .decode import DECODE, DecodeLifecycle
 from .errors import (
     BlockError,
@@ -38,7 +39,8 @@ __version__ = "0.2.0"
 MACHINES: dict[str, MachineDef] = {PREFILL.name: PREFILL, DECODE.name: DECODE}
 
 __all__ = [
-    "CacheSpec", "BlockPool", "PoolStats", "Policy", "block_keys", "rank_key", "KeyCache",
+    "CacheSpec", "BlockPool", "PoolStats", "BlockManager", "EngineBlocks", "Policy", "block_keys", "rank_key",
+    "KeyCache",
     "Lifecycle", "PrefillLifecycle", "DecodeLifecycle", "MachineDef", "MACHINES", "PREFILL", "DECODE",
     "commands", "events",
     "KVStateError", "ValidationError", "BlockError", "OutOfBlocksError", "UnknownRequestError",
