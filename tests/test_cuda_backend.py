@@ -389,3 +389,35 @@ def test_a_piecewise_handoff_puts_and_gets_its_manifests_once():
     finally:
         p.close()
         d.close()
+
+
+@gpu
+def test_a_backend_on_the_second_gpu_closes_from_a_thread_whose_device_is_the_first():
+    """A backend on device 1 closed from a thread whose current device is 0 used to fail with
+    cudaErrorInvalidResourceHandle: its streams and buffers are freed with its own device current."""
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore
+    from kvstate.backends.cuda import CudaBackend
+    from kvstate.kernels.cuda import load_cupy
+
+    cp = load_cupy()
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=1)
+    store = MemoryStore(1 << 24)
+    with cp.cuda.Device(0):
+        b = CudaBackend(spec, 8, store, device=1)
+        assert b.write(0, ["k0", "k1"], [3, 5]) == 2 and b.read(0, ["k0", "k1"], [6, 7]) == 2
+    errors: list[BaseException] = []
+
+    def close_on_device_0() -> None:
+        try:
+            cp.cuda.runtime.setDevice(0)
+            b.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=close_on_device_0)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and not errors, errors

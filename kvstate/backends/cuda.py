@@ -386,13 +386,15 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         return count
 
     def close(self) -> None:
-        """Wait for queued transfers, free staging, caches this backend allocated and streams."""
+        """Wait for queued transfers, free staging, caches this backend allocated and streams,
+        with the backend's device current (callable from any thread, on any device)."""
         if self._closed:
             return
         self._closed = True
-        for sw in self._swappers.values():
-            sw.close()
-        self._swappers.clear()
-        self._layers, self._parts, self._groups, self._slots, self._host, self._sum_cache = {}, {}, {}, {}, {}, {}
-        self.state_pages = {}
-        super().close()
+        with self.cp.cuda.Device(self.device):  # from any thread, whatever its current device
+            for sw in self._swappers.values():
+                sw.close()
+            self._swappers.clear()
+            self._layers, self._parts, self._groups, self._slots, self._host, self._sum_cache = {}, {}, {}, {}, {}, {}
+            self.state_pages = {}
+            super().close()

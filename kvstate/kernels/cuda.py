@@ -109,18 +109,19 @@ class CudaSwapper:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._wait_stream(self.stream)
-            self._wait_stream(self._copy_stream)
-        finally:
-            for b in self._buffers:
-                b.free()
-            self._buffers.clear()
-            self._bound.clear()
-            self._pinned_seen.clear()
-            self._shapes.clear()
-            self._kernels = self._params = self._mover = None  # type: ignore[assignment]
-            self.stream = self._copy_stream = None
+        with self.cp.cuda.Device(self.device):  # its streams and buffers are that device's, whatever the caller's
+            try:
+                self._wait_stream(self.stream)
+                self._wait_stream(self._copy_stream)
+            finally:
+                for b in self._buffers:
+                    b.free()
+                self._buffers.clear()
+                self._bound.clear()
+                self._pinned_seen.clear()
+                self._shapes.clear()
+                self._kernels = self._params = self._mover = None  # type: ignore[assignment]
+                self.stream = self._copy_stream = None
 
     def __enter__(self) -> CudaSwapper:
         return self
