@@ -175,3 +175,18 @@ def test_a_profile_interpolates_between_its_points(tmp_path):
     p.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="not a kvstate profile"):
         Profile.load(p)
+
+
+def test_a_measured_nccl_curve_applies_only_above_the_engines_custom_all_reduce():
+    """The shipped TP 2 profile's all-reduce is NCCL through torch.distributed on two H200s
+    (tens of µs a call). vLLM runs its own one-shot kernel up to 8 MiB, so below that the
+    roofline's one-shot time stands; above it, the measured curve."""
+    cm = model(tp=2, gpu="H200", **{"gpu.profile": "h200-llama-3-8b-tp2"})
+    assert cm.profile is not None and cm.profile.allreduce is not None
+    small, large = 64 * 4096 * 2, 8192 * 4096 * 2  # a decode step's 64 tokens; an 8k-token prefill (64 MiB)
+    roofline = model(tp=2, gpu="H200")
+    assert cm.allreduce(small) == pytest.approx(roofline.allreduce(small))
+    assert cm.allreduce(large) == pytest.approx(cm.profile.allreduce(large))
+    assert cm.allreduce(large) != pytest.approx(roofline.allreduce(large))
+    lower = model(tp=2, gpu="H200", **{"gpu.profile": "h200-llama-3-8b-tp2", "gpu.custom_allreduce_mib": 0.0})
+    assert lower.allreduce(small) == pytest.approx(cm.profile.allreduce(small))  # NCCL for every size

@@ -17,7 +17,10 @@ in all). Per layer, on each of the instance's ``tp`` GPUs, one after the other:
   two algorithms, each ``latency + 2(tp−1)/tp · bytes / bus bandwidth``, as the engine picks
   one by size: a low-latency one-shot kernel (vLLM's custom all-reduce: a few µs, but short
   of the links' bandwidth) and NCCL's ring (tens of µs, but the links' full bandwidth); the
-  latencies grow by a quarter with each doubling of the ranks.
+  latencies grow by a quarter with each doubling of the ranks. A profile's all-reduce curve
+  (``kvstate profile`` on several GPUs: NCCL through ``torch.distributed``) replaces them only
+  above ``gpu.custom_allreduce_mib``: up to it vLLM runs its own one-shot kernel, which NCCL's
+  measured latency (tens of µs a call) says nothing about.
 
 Then the LM head, on the *sampled* positions only (a prompt's last token when its prefill
 ends, every decoding request; the embedding lookup is a gather and costs nothing here), and
@@ -81,6 +84,7 @@ class ComputeModel:
         self.expert_width = m.moe_intermediate / tp
         self.moe_layers = (m.num_layers - m.dense_layers) if m.experts else 0
         grow = 1 + 0.25 * math.log2(tp / 2) if tp > 1 else 0.0  # latency grows with the ranks to sync
+        self.custom_ar_bytes = g.custom_allreduce_mib * 2**20  # up to it the engine's one-shot kernel runs
         self.ar_algos = ((g.allreduce_us * 1e-6 * grow, g.allreduce_ll_gbps * 1e9),
                          (g.allreduce_ring_us * 1e-6 * grow, g.allreduce_gbps * 1e9))
         self.profile: Profile | None = None
@@ -191,9 +195,9 @@ class ComputeModel:
         """One all-reduce of ``nbytes`` over the instance's ``tp`` GPUs (0 at TP 1)."""
         if self.tp == 1 or nbytes <= 0:
             return 0.0
-        if self.profile is not None and self.profile.allreduce is not None:
-            return self.profile.allreduce(nbytes)
         bus = 2.0 * (self.tp - 1) / self.tp * nbytes  # what crosses a link, per NCCL's bus bandwidth
+        if self.profile is not None and self.profile.allreduce is not None and nbytes > self.custom_ar_bytes:
+            return self.profile.allreduce(nbytes)  # NCCL's, as measured: the engine's kernel does not go this far
         return min(latency + bus / bw for latency, bw in self.ar_algos)
 
     def _mlp(self, tokens: int, moe: bool) -> float:

@@ -161,6 +161,9 @@ class GpuSpec(Section):
     allreduce_ring_us: float = setting(35.0, "latency of NCCL's ring all-reduce at TP 2, µs")
     allreduce_gbps: float = setting(360.0, "bus bandwidth of the ring all-reduce on large messages, GB/s (NCCL's "
                                            "busbw: NVLink 4 about 360, PCIe 4.0 about 20)")
+    custom_allreduce_mib: float = setting(8.0, "messages up to this size take the engine's one-shot custom "
+                                          "all-reduce (vLLM's CustomAllreduce default limit, 8 MiB), larger "
+                                          "ones NCCL: a profile's measured NCCL curve applies above it only")
     mem_gib: float = setting(80.0, "GPU memory, GiB")
     mem_util: float = setting(0.9, "fraction of memory for weights + KV cache")
     step_overhead_ms: float = setting(0.3, "the engine's fixed time of a step besides its layers (input copies, "
@@ -173,7 +176,7 @@ class GpuSpec(Section):
         self.positive("tflops", "fp8_tflops", "hbm_gbps", "mfu", "attn_mfu", "mbu", "attn_mbu", "mem_gib", "mem_util",
                       "allreduce_gbps", "allreduce_ll_gbps", "gemm_half_tokens")
         self.fraction("mfu", "attn_mfu", "mbu", "attn_mbu", "mem_util")
-        self.non_negative("step_overhead_ms", "allreduce_us", "allreduce_ring_us", "kernel_us")
+        self.non_negative("step_overhead_ms", "allreduce_us", "allreduce_ring_us", "kernel_us", "custom_allreduce_mib")
 
 
 def layer_groups(m: ModelSpec, tp: int) -> tuple[LayerGroup, ...]:
