@@ -56,7 +56,7 @@ def test_version_and_exit_codes_in_help(capsys):
     (["plan", "--sweep", "cluster.n_decode=1", "--sweep", "cluster.n_decode=2"], "cluster.n_decode is given twice"),
     (["plan", "--sweep", "cluster.nope=1,2"], "unknown scenario field 'cluster.nope'"),
     (["simulate", "--set", "cluster.tp"], "expected FIELD=VALUE"),
-    (["simulate", "--set", "cluster.tp=3"], "KV heads do not split over 3 ranks"),
+    (["simulate", "--set", "cluster.tp=3"], "KV heads neither split over 3 ranks"),
     (["simulate", "--model", "no-such-model"], "not a preset"),
     (["scenario", "no-such-preset"], "no scenario preset 'no-such-preset'"),
     (["demo", "--store-dir", "x"], "--store-dir goes with --store file"),
@@ -209,7 +209,7 @@ def test_plan_marks_infeasible_configurations_with_a_reason_and_goes_on(tmp_path
     res = json.loads(out.read_text())
     rows = {(r["config"]["cluster.tp"], r["config"]["model.params_b"]): r for r in res["rows"]}
     assert len(rows) == 4 and res["complete"] is True
-    assert "do not split over 3 ranks" in rows[(3, 8.0)]["reason"]
+    assert "neither split over 3 ranks" in rows[(3, 8.0)]["reason"]
     assert "do not fit" in rows[(1, 900.0)]["reason"]
     assert rows[(1, 8.0)]["feasible"] and rows[(1, 8.0)]["gpus"] == 4
     assert rc == {"meets": 0, "too short": 4}.get(rows[(1, 8.0)]["verdict"], 1)

@@ -190,3 +190,22 @@ def test_a_measured_nccl_curve_applies_only_above_the_engines_custom_all_reduce(
     assert cm.allreduce(large) != pytest.approx(roofline.allreduce(large))
     lower = model(tp=2, gpu="H200", **{"gpu.profile": "h200-llama-3-8b-tp2", "gpu.custom_allreduce_mib": 0.0})
     assert lower.allreduce(small) == pytest.approx(cm.profile.allreduce(small))  # NCCL for every size
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated_as_vllm_does():
+    """Qwen2.5-7B has 4 KV heads: at TP 8 each rank holds one, replicated on two ranks (vLLM
+    serves it so); its memory and attention reads are one head a rank, and the store holds each
+    head once."""
+    from kvstate.sim.models import MODELS
+
+    m = MODELS["qwen2.5-7b"]
+    fields = {f"model.{k}": v for k, v in dataclasses.asdict(m).items() if k != "block_size"}
+    at8 = with_overrides(Scenario(), {**fields, "cluster.tp": 8})
+    at4 = with_overrides(Scenario(), {**fields, "cluster.tp": 4})
+    spec8 = at8.cache_spec()
+    assert (spec8.kv_heads, spec8.heads_total, spec8.replicas) == (1, 4, 2)
+    assert at8.block_bytes_per_rank == at4.block_bytes_per_rank  # one head a rank either way
+    assert at8.kv_bytes_per_token == at4.kv_bytes_per_token  # stored once, not once a replica
+    assert ComputeModel(at8).kv_token_layer == ComputeModel(at4).kv_token_layer
+    with pytest.raises(ConfigError, match="neither split over 3 ranks nor replicate"):
+        with_overrides(Scenario(), {**fields, "cluster.tp": 3})

@@ -72,3 +72,76 @@ def test_bad_configs_are_named(tmp_path):
         load(tmp_path, {**MIXTRAL[0], "torch_dtype": "int4"})
     with pytest.raises(ConfigError, match="model config not found"):
         model_from_hf_config(tmp_path / "absent.json")
+
+
+# -- quantized weights --------------------------------------------------------------------------------
+def _ct(weights: dict, activations: dict | None) -> dict:
+    """A compressed-tensors quantization_config with one group of this scheme."""
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
+
+
+FP8_W8A8 = _ct({"num_bits": 8, "type": "float", "strategy": "channel"}, {"num_bits": 8, "type": "float"})
+INT8_W8A8 = _ct({"num_bits": 8, "type": "int", "strategy": "channel"}, {"num_bits": 8, "type": "int"})
+W4A16 = _ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, None)
+
+
+@pytest.mark.parametrize("quant, dtype, wbytes, eight_bit_cores", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8", 1, True),
+    (FP8_W8A8, "fp8", 1, True),
+    (INT8_W8A8, "int8", 1, True),
+    (W4A16, "int4_weight_only", 0.5, False),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "int4_weight_only", 0.5, False),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "int4_weight_only", 0.5, False),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "int8_weight_only", 1, False),
+])
+def test_quantized_configs_are_read_as_served(tmp_path, quant, dtype, wbytes, eight_bit_cores):
+    """The weights' bytes follow the stored width; the GEMMs run on 8-bit tensor cores only when
+    the activations are quantized too (weight-only kernels compute in 16 bits)."""
+    from kvstate.sim.compute import ComputeModel
+    from kvstate.sim.gpus import gpu_overrides
+    from kvstate.sim.scenario import Scenario
+    from kvstate.sim.scenario_io import with_overrides
+
+    m = load(tmp_path, {**MIXTRAL[0], "quantization_config": quant})
+    assert m.weight_dtype == dtype
+    s = with_overrides(Scenario(), {**gpu_overrides("H100-SXM"), **{f"model.{k}": getattr(m, k) for k in (
+        "name", "params_b", "num_layers", "hidden", "num_heads", "total_kv_heads", "head_dim", "intermediate",
+        "vocab", "experts", "experts_per_token", "moe_intermediate", "weight_dtype")}})
+    assert s.weight_bytes == pytest.approx(m.params_b * 1e9 * wbytes)
+    cm = ComputeModel(s)
+    assert cm.peak == pytest.approx((1979.0 if eight_bit_cores else 989.0) * 1e12)
+
+
+def test_a_quantized_llama4_scout_fits_where_its_bf16_weights_would_not(tmp_path):
+    """Llama-4-Scout (109B) at TP 2 on H100s: 218 GB of bf16 weights do not fit 2 x 80 GB; its
+    compressed-tensors fp8 checkpoint (109 GB) does, as vLLM serves it."""
+    from kvstate.sim.models import resolve_model
+    from kvstate.sim.scenario import Scenario
+    from kvstate.sim.scenario_io import with_overrides
+
+    def blocks(cfg: dict) -> int:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(cfg))
+        m = resolve_model(str(path))
+        s = with_overrides(Scenario(), {**{f"model.{f}": getattr(m, f) for f in (
+            "name", "params_b", "num_layers", "hidden", "num_heads", "total_kv_heads", "head_dim", "intermediate",
+            "vocab", "experts", "experts_per_token", "shared_experts", "moe_intermediate", "dense_layers",
+            "weight_dtype")}, "cluster.tp": 2})
+        return s.gpu_blocks()
+
+    with pytest.raises(ConfigError, match="mem_gib"):
+        blocks(LLAMA4_SCOUT[0])
+    assert blocks({**LLAMA4_SCOUT[0], "quantization_config": FP8_W8A8}) > 0
+
+
+@pytest.mark.parametrize("quant, rule", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not modeled"),
+    ({"quant_method": "awq", "bits": 3}, "awq with bits 3"),
+    (_ct({"num_bits": 4, "type": "int"}, {"num_bits": 8, "type": "int"}), "group 'group_0'"),
+    ({"quant_method": "compressed-tensors"}, "needs config_groups"),
+    ("fp8", "must be a JSON object"),
+])
+def test_a_quantization_the_model_does_not_know_is_refused_by_name_not_read_as_bf16(tmp_path, quant, rule):
+    with pytest.raises(ConfigError, match=rule):
+        load(tmp_path, {**MIXTRAL[0], "quantization_config": quant})

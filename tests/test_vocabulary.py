@@ -50,10 +50,11 @@ def test_geometry_a_scenario_does_not_model_is_refused(change, needle):
         Scenario.from_library(spec, Policy())
 
 
-def test_replicated_heads_a_scenario_cannot_split_are_refused():
+def test_replicated_heads_become_a_scenario_and_back():
+    """Fewer KV heads than ranks (each replicated, as vLLM serves them) are a scenario too."""
     spec = CacheSpec(num_layers=4, kv_heads=1, block_size=16, head_dim=64, tp_size=8, total_kv_heads=2)
-    with pytest.raises(ConfigError, match="2 KV heads do not split over 8"):
-        Scenario.from_library(spec, Policy())
+    back = Scenario.from_library(spec, Policy()).cache_spec()
+    assert (back.kv_heads, back.heads_total, back.replicas, back.tp_size) == (1, 2, 4, 8)
 
 
 def test_the_model_s_heads_are_named_as_the_library_names_them():

@@ -146,8 +146,9 @@ def _time_add(torch: Any, n: int) -> float:
 def measure_profile(m: ModelSpec, tp: int, quick: bool = False) -> dict[str, Any]:
     """The profile of ``m`` at ``tp`` on this GPU (the format of :mod:`kvstate.sim.profile`)."""
     torch = _torch()
-    if m.total_kv_heads % tp and m.total_kv_heads > 1:
-        raise ConfigError(f"--tp {tp}: the model's {m.total_kv_heads} KV heads do not split over {tp} ranks")
+    if m.total_kv_heads % tp and tp % m.total_kv_heads:
+        raise ConfigError(f"--tp {tp}: the model's {m.total_kv_heads} KV heads neither split over {tp} ranks nor "
+                          "replicate evenly on them")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     tokens = TOKENS[::2] if quick else TOKENS
     prop = torch.cuda.get_device_properties(torch.cuda.current_device())

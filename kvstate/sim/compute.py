@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .profile import Profile
 from .scenario import Scenario
-from .served import WEIGHT_DTYPES
+from .served import WEIGHT_KINDS
 
 __all__ = ["ComputeModel"]
 
@@ -59,8 +59,8 @@ class ComputeModel:
     def __init__(self, s: Scenario) -> None:
         m, g, tp = s.model, s.gpu, s.cluster.tp
         self.tp, self.layers, self.hidden, self.vocab = tp, m.num_layers, m.hidden, m.vocab
-        self.wbytes = WEIGHT_DTYPES[m.weight_dtype]
-        self.peak = (g.fp8_tflops if m.weight_dtype == "fp8" else g.tflops) * 1e12
+        self.wbytes, cores = WEIGHT_KINDS[m.weight_dtype]  # weight-only kinds read 4 or 8 bits, compute in 16
+        self.peak = (g.fp8_tflops if cores == "8" else g.tflops) * 1e12
         self.attn_peak = g.tflops * 1e12
         self.hbm = g.hbm_gbps * 1e9
         self.mfu, self.half, self.attn_mfu, self.mbu = g.mfu, g.gemm_half_tokens, g.attn_mfu, g.mbu
@@ -70,7 +70,7 @@ class ComputeModel:
         self.heads_rank = m.num_heads / tp
         self.head_dim = m.attention_head_dim
         # a token's cache bytes, one layer, one rank: K and V, or MLA's one latent (replicated)
-        kv_bytes = m.head_dim if m.kv_lora_rank else 2 * m.total_kv_heads * m.head_dim / tp
+        kv_bytes = m.head_dim if m.kv_lora_rank else 2 * max(1.0, m.total_kv_heads / tp) * m.head_dim  # a replica
         self.kv_token_layer = kv_bytes * _kv_itemsize(m.dtype)
         # layer kinds: full attention, a sliding window of `window` tokens, a recurrent state
         self.full_layers, self.window_layers, self.state_layers = m.full_layers, m.window_layers, m.state_layers

@@ -17,7 +17,12 @@ vocabulary, the dtype. Mixture-of-experts fields by family:
 
 Sliding-window and recurrent-state layers come from :mod:`~kvstate.sim.hfgroups`.
 
-``quantization_config.quant_method == "fp8"`` makes the weights fp8. The parameter count (the
+Quantized weights (``quantization_config``, :func:`weight_dtype_of`): ``fp8`` (block or per
+tensor), ``compressed-tensors`` (its weights' bits and type, and whether activations are
+quantized: fp8 W8A8, int8 W8A8, int8 or int4 weight-only), ``awq`` and ``gptq`` (weight-only,
+``bits`` 4 or 8, their Marlin kernels too). A method or a scheme the model does not know is
+refused by name, never read as bf16. The weights' bytes are the parameters at the stored width
+(group scales, under 1 %, left out). The parameter count (the
 weights' memory) is summed from the same matrices the compute model times
 (:meth:`~kvstate.sim.served.ModelSpec.attention_matrices`, ``mlp_matrices``: every expert), two
 norms a layer, the embeddings and the LM head unless tied.
@@ -34,7 +39,10 @@ from ..validate import check_int
 from .hfgroups import layer_kinds
 from .served import ModelSpec
 
-__all__ = ["model_from_hf_config", "params_from_hf_config"]
+__all__ = ["model_from_hf_config", "params_from_hf_config", "weight_dtype_of", "QUANT_METHODS"]
+
+#: the ``quant_method`` values read (anything else is refused by name)
+QUANT_METHODS = ("fp8", "compressed-tensors", "awq", "awq_marlin", "gptq", "gptq_marlin")
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "bfloat16"}
@@ -108,6 +116,54 @@ def _params(m: ModelSpec, tied: bool) -> float:
     return (m.num_layers * attn + (m.num_layers - routed) * dense + routed * per_routed + embed + m.hidden) / 1e9
 
 
+def weight_dtype_of(quant: Any, where: str, unquantized: str) -> str:
+    """The ``ModelSpec.weight_dtype`` a ``quantization_config`` serves its weights as
+    (``unquantized`` without one); see the module's docstring."""
+    if quant is None:
+        return unquantized
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{where}: quantization_config must be a JSON object")
+    method = quant.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ConfigError(f"{where}: quantization_config quant_method {method!r} is not modeled (known: "
+                          f"{', '.join(QUANT_METHODS)}): its weights' bytes and kernels are unknown, so it is not "
+                          "read as bf16")
+    if method == "fp8":
+        return "fp8"
+    if method != "compressed-tensors":  # AWQ and GPTQ: weight-only
+        bits = quant.get("bits", quant.get("w_bit"))
+        if bits not in (4, 8):
+            raise ConfigError(f"{where}: {method} with bits {bits!r}: only 4 and 8 are modeled")
+        return f"int{bits}_weight_only"
+    return _compressed_tensors(quant, where)
+
+
+def _compressed_tensors(quant: dict[str, Any], where: str) -> str:
+    """The weight dtype of a ``compressed-tensors`` config: every config group's scheme must be
+    the same (weights' bits and type; activations quantized or not)."""
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where}: compressed-tensors needs config_groups")
+    kinds = set()
+    for name, g in groups.items():
+        w, a = (g or {}).get("weights") or {}, (g or {}).get("input_activations")
+        bits, typ = w.get("num_bits"), w.get("type")
+        if typ == "float" and bits == 8:
+            kind = "fp8" if a else "int8_weight_only"  # fp8 weights alone run as a W8A16 kernel
+        elif typ == "int" and bits == 8:
+            kind = "int8" if a else "int8_weight_only"
+        elif typ == "int" and bits == 4 and not a:
+            kind = "int4_weight_only"
+        else:
+            raise ConfigError(f"{where}: compressed-tensors group {name!r}: weights of {bits!r} bits, type {typ!r}"
+                              f"{', activations quantized' if a else ''} are not modeled (known: fp8 and int8 "
+                              "W8A8, int8 and int4 weight-only)")
+        kinds.add(kind)
+    if len(kinds) > 1:
+        raise ConfigError(f"{where}: compressed-tensors groups of different schemes ({sorted(kinds)}) are not modeled")
+    return kinds.pop()
+
+
 def params_from_hf_config(cfg: dict[str, Any], where: str = "<config>") -> float:
     """Estimated parameters (billions) of the decoder ``cfg`` describes, every expert counted."""
     text = cfg.get("text_config", cfg)
@@ -136,10 +192,10 @@ def model_from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
     dtype = cfg.get("torch_dtype") or outer.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     if dtype not in _DTYPES:
         raise ConfigError(f"{where}: torch_dtype {dtype!r}: the KV cache must be bfloat16 or float16")
-    quant = (outer.get("quantization_config") or {}).get("quant_method", "")
+    weights = weight_dtype_of(outer.get("quantization_config"), where, _DTYPES[dtype])
     name = str(outer.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem) or "model")
     shapes = _shapes(cfg, where)
     params = _params(ModelSpec(**shapes), bool(cfg.get("tie_word_embeddings", False)))
     context = _int(cfg, "max_position_embeddings", where, 0, minimum=0)
     return ModelSpec(name=name.rsplit("/", 1)[-1], params_b=round(params, 3), **shapes,
-                     weight_dtype="fp8" if quant == "fp8" else _DTYPES[dtype], dtype=_DTYPES[dtype], context=context)
+                     weight_dtype=weights, dtype=_DTYPES[dtype], context=context)

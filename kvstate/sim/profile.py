@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .served import WEIGHT_KINDS
 
 __all__ = ["Profile", "Curve", "FORMAT", "SHAPE_FIELDS"]
 
@@ -117,7 +118,7 @@ class Profile:
         for f in SHAPE_FIELDS:
             mine, theirs = self.model.get(f), getattr(model, f)
             if f == "weight_dtype":  # bfloat16 and float16 run alike: compare what a weight costs
-                mine, theirs = (("fp8" if x == "fp8" else "16-bit") if x is not None else None for x in (mine, theirs))
+                mine, theirs = (WEIGHT_KINDS.get(x, x) if x is not None else None for x in (mine, theirs))
             if f in self.model and mine != theirs:
                 raise ConfigError(f"{where}: the profile {self.source} was measured for {f} = {self.model[f]}, the "
                                   f"scenario's model has {theirs}")

@@ -201,9 +201,10 @@ class Scenario(Section):
         if len(self.tp.skew_ms) > ranks:
             raise ConfigError(f"[tp] skew_ms: {len(self.tp.skew_ms)} entries for {ranks} ranks")
         for name, tp in (("tp", self.cluster.tp), ("d_tp", self.cluster.decode_tp)):
-            if self.model.total_kv_heads % tp and not self.model.kv_lora_rank:
-                raise ConfigError(f"[cluster] {name}: the model's {self.model.total_kv_heads} KV heads do not split "
-                                  f"over {tp} ranks")
+            kv = self.model.total_kv_heads
+            if kv % tp and tp % kv and not self.model.kv_lora_rank:  # fewer heads than ranks: replicated
+                raise ConfigError(f"[cluster] {name}: the model's {kv} KV heads neither split over {tp} ranks nor "
+                                  f"replicate evenly on them (TP must divide the heads, or the heads the TP)")
         if self.cluster.decode_tp != self.cluster.tp and self.model.kv_lora_rank:
             raise ConfigError("[cluster] d_tp: a latent (MLA) cache is replicated on every rank; P and D of "
                               "different TP degrees are not modeled for it")
@@ -257,13 +258,15 @@ class Scenario(Section):
             return CacheSpec(num_layers=m.num_layers, kv_heads=1, total_kv_heads=1, has_value=False,
                              block_size=m.block_size, head_dim=m.head_dim, dtype=m.dtype, tp_size=tp,
                              groups=(LayerGroup("latent", tuple(range(m.num_layers))),))
-        spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.total_kv_heads // tp, block_size=m.block_size,
-                         head_dim=m.head_dim, dtype=m.dtype, tp_size=tp, groups=layer_groups(m, tp))
+        spec = CacheSpec(num_layers=m.num_layers, kv_heads=max(1, m.total_kv_heads // tp), block_size=m.block_size,
+                         head_dim=m.head_dim, dtype=m.dtype, tp_size=tp, groups=layer_groups(m, tp),
+                         total_kv_heads=m.total_kv_heads)  # fewer heads than ranks: each rank holds a replica
         d_tp = self.cluster.decode_tp
         if d_tp == tp:
             return spec
-        d_spec = CacheSpec(num_layers=m.num_layers, kv_heads=m.total_kv_heads // d_tp, block_size=m.block_size,
-                           head_dim=m.head_dim, dtype=m.dtype, tp_size=d_tp, groups=spec.groups)
+        d_spec = CacheSpec(num_layers=m.num_layers, kv_heads=max(1, m.total_kv_heads // d_tp),
+                           block_size=m.block_size, head_dim=m.head_dim, dtype=m.dtype, tp_size=d_tp,
+                           groups=spec.groups, total_kv_heads=m.total_kv_heads)
         return paired(spec, d_spec)[0]
 
     def decode_view(self) -> Scenario:
@@ -275,8 +278,10 @@ class Scenario(Section):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Whole-model KV bytes of one token (key and value, every layer, every head)."""
-        return self.cache_spec().bytes_per_block // self.model.block_size
+        """Whole-model KV bytes of one token (key and value, every layer, every head once: a head
+        replicated over ranks is stored once)."""
+        spec = self.cache_spec()
+        return spec.bytes_per_block // spec.replicas // self.model.block_size
 
     @property
     def block_bytes_per_rank(self) -> int:

@@ -17,10 +17,18 @@ from ..errors import ConfigError
 from ..layers import LayerGroup
 from .fields import Section, setting
 
-__all__ = ["ModelSpec", "GpuSpec", "WEIGHT_DTYPES", "layer_groups"]
+__all__ = ["ModelSpec", "GpuSpec", "WEIGHT_DTYPES", "WEIGHT_KINDS", "layer_groups"]
 
 #: weight dtypes: bytes a weight, and which tensor-core peak its GEMMs run at
-WEIGHT_DTYPES = {"bfloat16": 2, "float16": 2, "fp8": 1}
+#: how a model's weights are served: bytes a weight, and the tensor cores its GEMMs run on
+#: ("16": bf16/fp16; "8": the GPU's 8-bit rate, fp8 or int8). Weight-only quantization (AWQ,
+#: GPTQ, compressed-tensors w4a16/w8a16) reads its weights at 4 or 8 bits but computes in 16;
+#: W8A8 (int8 or fp8 weights and activations) computes at the 8-bit rate.
+WEIGHT_KINDS: dict[str, tuple[float, str]] = {
+    "bfloat16": (2, "16"), "float16": (2, "16"), "fp8": (1, "8"), "int8": (1, "8"),
+    "int8_weight_only": (1, "16"), "int4_weight_only": (0.5, "16"),
+}
+WEIGHT_DTYPES = {k: b for k, (b, _) in WEIGHT_KINDS.items()}  #: bytes a weight, by weight dtype
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,8 @@ class ModelSpec(Section):
     hidden: int = setting(4096, "hidden size")
     num_heads: int = setting(32, "attention (query) heads")
     total_kv_heads: int = setting(8, "the model's KV heads (grouped-query attention; CacheSpec.total_kv_heads): "
-                                    "TP ranks split them, each holding total_kv_heads / tp")
+                                    "TP ranks split them, each holding total_kv_heads / tp, or with fewer heads than "
+                                    "ranks each holds one, replicated (as vLLM does)")
     head_dim: int = setting(128, "dimension of one head")
     intermediate: int = setting(14336, "width of a dense layer's MLP (gate, up and down projections)")
     vocab: int = setting(128256, "vocabulary (the LM head's width)")
@@ -55,7 +64,8 @@ class ModelSpec(Section):
                                   "it), bytes")
     state_checkpoint: int = setting(0, "tokens between the states a stored prefix keeps, a multiple of "
                                        "block_size (0: one a block): a prefix is reused from a checkpoint only")
-    weight_dtype: str = setting("bfloat16", f"weights: one of {list(WEIGHT_DTYPES)} (fp8: one byte, fp8 tensor cores)")
+    weight_dtype: str = setting("bfloat16", f"weights: one of {list(WEIGHT_DTYPES)} (fp8, int8: W8A8, a byte a "
+                                "weight on 8-bit tensor cores; *_weight_only: read at 8 or 4 bits, computed in 16)")
     dtype: str = setting("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)} (uint8: an fp8 cache)")
     block_size: int = setting(64, "tokens per KV block")
     context: int = setting(0, "the model's context, tokens (config.json's max_position_embeddings): a workload "
@@ -144,7 +154,9 @@ class GpuSpec(Section):
 
     name: str = setting("H100-SXM", "a label (or a preset's name: `kvstate simulate --gpu`)")
     tflops: float = setting(989.0, "dense bf16 peak, TFLOP/s (datasheet)")
-    fp8_tflops: float = setting(1979.0, "dense fp8 peak, TFLOP/s (datasheet; fp8 weights run there)")
+    fp8_tflops: float = setting(1979.0, "dense fp8 peak, TFLOP/s (datasheet): W8A8 weights, fp8 or int8, run there "
+                                "(Hopper and Ada run int8 at the fp8 rate; the A100 preset, without fp8, gives "
+                                "its 16-bit rate)")
     hbm_gbps: float = setting(3350.0, "HBM bandwidth, GB/s (datasheet)")
     mfu: float = setting(0.79, "fraction of peak a large GEMM reaches (the efficiency curve's top; Hopper's "
                                 "GEMMs measured by `kvstate profile`)")
