@@ -97,3 +97,32 @@ def test_demo_as_processes(capsys):
 def test_demo_processes_bad_options(args, needle, capsys):
     assert main(["demo", *args]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_process_demo_is_one_line_and_leaves_no_process():
+    """Ctrl-C reaches every process of the terminal's group: the router says one line and stops
+    its children; the schedulers and rank workers print nothing (they used to print a
+    traceback each) and none outlives the demo."""
+    import os
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "kvstate", "demo", "--processes", "--requests", "400"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(6)  # the schedulers and their rank workers are up and serving
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130 and err.strip() == "kvstate demo: interrupted", err[-2000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(p.pid, 0)  # any process of the group left?
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("a process of the demo outlived it")

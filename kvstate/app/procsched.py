@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SchedulerConfig(**json.loads(args[0]))
     die_with_parent(cfg.parent_pid)
     signal.signal(signal.SIGTERM, _terminate)  # a stop from the router: close everything on the way out
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the router's: it stops this process, quietly
     sched = Scheduler(cfg)
     try:
         sched.start()

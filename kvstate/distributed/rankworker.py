@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstate rank worker: error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it stops its workers
     try:
         return worker.serve()
     except KVStateError as e:
