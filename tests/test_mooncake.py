@@ -281,3 +281,20 @@ def test_cli_start_master_demo(capsys):
     assert s["integrity_ok"] and s["store"] == "MooncakeStore"
     assert main(["demo", "--store", "mooncake"]) == 2
     assert main(["demo", "--master", "127.0.0.1:1"]) == 2
+
+
+def test_a_healthy_mooncake_demo_keeps_the_librarys_logging_off_stderr(tmp_path):
+    """A healthy run used to write ~100 lines of Mooncake's logging to stderr, an error line
+    among them; now it goes to a log directory and the demo says where, in one line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_LOG_DIR", "MC_LOG_LEVEL")}
+    env["MC_LOG_DIR"] = str(tmp_path)  # asked for: the demo names this directory
+    r = subprocess.run([sys.executable, "-m", "kvstate", "demo", "--store", "mooncake", "--start-master",
+                        "--processes", "--requests", "12"], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = f"kvstate demo: Mooncake's own logging is in {tmp_path} (set MC_LOG_LEVEL to see it here)"
+    assert r.stderr.strip() == said
+    assert any(p.name.startswith("mooncake") for p in tmp_path.iterdir())  # the library's files are there

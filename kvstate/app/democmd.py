@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -90,4 +91,10 @@ def run(args: argparse.Namespace) -> int:
         if master is not None:
             master.stop()
     print(json.dumps(s, sort_keys=True) if args.json else format_summary(s))
+    if args.store == "mooncake":
+        from ..backends.mooncake import mooncake_log_dir
+
+        where = mooncake_log_dir()
+        print(f"kvstate demo: Mooncake's own logging is in {where} (set MC_LOG_LEVEL to see it here)" if where
+              else "kvstate demo: Mooncake's own logging follows your MC_LOG_LEVEL", file=sys.stderr)
     return 0 if s["integrity_ok"] and s["leaked_blocks"] == 0 else 1

@@ -16,17 +16,19 @@ Mooncake's meaning: bytes read (a short read is a miss to the backend), negative
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import itertools
 import os
 import socket
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +44,46 @@ INSTALL_HINT = ("pip install 'kvstate[mooncake]' (mooncake-transfer-engine==0.3.
 MAX_MOONCAKE_KEY = 256
 
 
+#: where Mooncake's own logging goes unless asked for (``MC_LOG_DIR`` or ``MC_LOG_LEVEL`` set)
+LOG_DIR = os.path.join(tempfile.gettempdir(), f"kvstate-mooncake-logs-{os.getuid()}")
+
+
+def mooncake_log_dir() -> str | None:
+    """The directory Mooncake logs into: the user's ``MC_LOG_DIR``, or none when they set
+    ``MC_LOG_LEVEL`` (their choice of what reaches stderr), else :data:`LOG_DIR`, set here for
+    this process and its children. A healthy client writes a hundred lines, one of them an
+    error (its first metadata lookup misses), which do not belong on the engine's stderr."""
+    if os.environ.get("MC_LOG_DIR"):
+        return os.environ["MC_LOG_DIR"]
+    if os.environ.get("MC_LOG_LEVEL"):
+        return None
+    os.makedirs(LOG_DIR, mode=0o700, exist_ok=True)
+    os.environ["MC_LOG_DIR"] = LOG_DIR
+    return LOG_DIR
+
+
+@contextlib.contextmanager
+def _stderr_to(log_dir: str | None) -> Iterator[None]:
+    """Send file descriptor 2 to ``log_dir/client-stderr.log`` for the block (nothing without a
+    directory): glog writes errors to stderr besides its files, a client's setup among them."""
+    if log_dir is None:
+        yield
+        return
+    saved = os.dup(2)
+    try:
+        fd = os.open(os.path.join(log_dir, "client-stderr.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def load_mooncake() -> Any:
-    """Import ``mooncake.store`` after loading libcudart from the pip package; clear errors."""
+    """Import ``mooncake.store`` after loading libcudart from the pip package; clear errors.
+    Mooncake's logging goes to :func:`mooncake_log_dir` unless asked for."""
+    mooncake_log_dir()
     try:
         import nvidia.cuda_runtime as cr
         libs = sorted(glob.glob(os.path.join(list(cr.__path__)[0], "lib", "libcudart.so*")))
@@ -163,8 +203,9 @@ class MooncakeStore(Store):
         """Create a client, join the pool, register the staging buffer."""
         config = self.config
         self._store = self._mc.MooncakeDistributedStore()
-        rc = self._store.setup(config.local_hostname, config.metadata, config.global_segment_size,
-                               config.local_buffer_size, config.protocol, config.device_name, config.master)
+        with _stderr_to(mooncake_log_dir()):
+            rc = self._store.setup(config.local_hostname, config.metadata, config.global_segment_size,
+                                   config.local_buffer_size, config.protocol, config.device_name, config.master)
         if rc != 0:
             raise StoreError(f"Mooncake setup failed with code {rc} (master {config.master}, metadata "
                              f"{config.metadata}, protocol {config.protocol}, global_segment_size "
