@@ -14,6 +14,9 @@ base units (seconds, bytes), ``_total`` on counters, labels for role, state, tie
 - ``kvstate_pinned_transfers{role}``: transfer commands outstanding (each pins its blocks);
 - ``kvstate_bytes_moved_total{role,tier}``: bytes a backend moved to and from the store
   (``store``) and the host tier (``host``);
+- ``kvstate_store_faults_total{role,kind}``: store faults a process driver's rank workers
+  reported (``broken`` blocks, ``short`` reads, ``failed`` operations; pass the driver among
+  ``backends``);
 - ``kvstate_transfers_total{role,kind,outcome}`` and ``kvstate_transfer_seconds{role,kind}``:
   each rank's answer to a transfer command by outcome (``ok``, ``partial``, ``error``, ``lost``)
   and the time from the command's submission to it.
@@ -77,6 +80,13 @@ class KVStateCollector:
             moved.add_metric([role, "store"], getattr(b, "bytes_moved", 0))
             moved.add_metric([role, "host"], getattr(b, "bytes_swapped", 0))
         yield moved
+        faults = CounterMetricFamily("kvstate_store_faults", "Store faults rank workers reported, by kind",
+                                     labels=["role", "kind"])
+        for role, b in self.backends.items():
+            if callable(getattr(b, "store_faults", None)):  # a process driver: its workers' reports
+                for kind, n in b.store_faults().items():
+                    faults.add_metric([role, kind], n)
+        yield faults
 
     @staticmethod
     def _blocks(family: GaugeMetricFamily, role: str, lc: Any) -> None:

@@ -293,7 +293,8 @@ def test_bad_and_stale_messages_are_counted_never_applied(tmp_path):
         rogue["control"].connect(drv.addresses[2])
         inc = drv.control.ranks.incarnation(0)
         drv.submit(cmd(cid=5, keys=(), blocks=()))
-        for ch, data in (("reply", b"garbage"), ("control", b"\x93\x01"), ("reply", wire.pack(wire.HB, 0, inc, 0)),
+        beat = wire.pack(wire.HB, 0, inc, 0, [0, 0, 0])  # a heartbeat on the reply channel: refused
+        for ch, data in (("reply", b"garbage"), ("control", b"\x93\x01"), ("reply", beat),
                          ("reply", wire.pack(wire.DONE, 7, inc, 5, 0, None)),
                          ("control", wire.pack(wire.HELLO, 9, 1, 1, 2, "x", 1))):
             rogue[ch].send(data)
@@ -427,3 +428,33 @@ def test_a_foreign_hello_for_a_live_rank_changes_nothing(tmp_path):
         assert drv.counters["restarts"] == 0 and drv.child(0).pid == pid and drv.child(0).alive()
         assert not any(isinstance(n, RankDown) for n in drv.notices())
         assert drv.control.info()["up"] == [0, 1]
+
+
+def test_rank_workers_report_their_store_faults_to_the_driver_and_its_metrics(tmp_path):
+    """A read of keys the store lacks stops short on every rank: each worker counts it and says
+    so in its next heartbeat; the driver sums its workers' reports, and the Prometheus collector
+    exposes them beside the lifecycles' counters."""
+    pytest.importorskip("prometheus_client", reason="the metrics extra (prometheus_client) is not installed")
+    from prometheus_client import CollectorRegistry
+
+    from kvstate import DecodeLifecycle
+    from kvstate.prometheus import KVStateCollector
+
+    with SharedCaches.create(SPEC, 16) as caches, ProcessDriver(SPEC, 16, heartbeat_s=0.1) as drv:
+        for r in range(2):
+            drv.spawn(r, {"kind": "file", "root": str(tmp_path)}, caches={"kind": "shm", "paths": caches.paths})
+        drv.wait_ready(60)
+        assert drv.store_faults() == {"broken": 0, "short": 0, "failed": 0}
+        drv.submit(cmd(C.ReadBlocks, cid=3, keys=("nowhere-0", "nowhere-1"), blocks=(1, 2)))
+        got: list = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += drv.poll(0.5)
+        assert sorted((c.rank, c.count) for c in got) == [(0, 0), (1, 0)]
+        deadline = time.monotonic() + 5
+        while drv.store_faults()["short"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the next heartbeats carry the counts
+        assert drv.store_faults() == {"broken": 0, "short": 2, "failed": 0}
+        registry = CollectorRegistry()
+        registry.register(KVStateCollector({"D": DecodeLifecycle(SPEC, 16)}, {"D": drv}))
+        assert registry.get_sample_value("kvstate_store_faults_total", {"role": "D", "kind": "short"}) == 2.0

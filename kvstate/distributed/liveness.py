@@ -41,6 +41,8 @@ class _Rank:
     refused: str | None = None
     moved: int = 0  #: bytes the current incarnation's backend moved, as its last beat said
     moved_before: int = 0  #: bytes earlier incarnations moved
+    faults: tuple[int, ...] = (0, 0, 0)  #: the current incarnation's store faults, as its last beat said
+    faults_before: tuple[int, ...] = (0, 0, 0)  #: earlier incarnations' store faults
 
 
 class RankTable:
@@ -61,11 +63,18 @@ class RankTable:
         r.incarnation, r.pid, r.last_seen, r.refused = incarnation, pid, now, None
         r.owed, r.load = {}, [0] * lanes
 
-    def seen(self, rank: int, now: float, moved: int | None = None) -> None:
+    def seen(self, rank: int, now: float, moved: int | None = None, faults: tuple[int, ...] | None = None) -> None:
         r = self._ranks[rank]
         r.last_seen = now
         if moved is not None:
             r.moved = moved
+        if faults is not None:
+            r.faults = faults
+
+    def store_faults(self) -> tuple[int, ...]:
+        """Store faults every incarnation of every rank saw, as their last beats said (in the
+        order of :data:`~kvstate.distributed.wire.STORE_FAULTS`)."""
+        return tuple(sum(r.faults[i] + r.faults_before[i] for r in self._ranks) for i in range(3))
 
     def bytes_moved(self) -> int:
         """Bytes every incarnation of every rank moved, as their last beats said."""
@@ -100,6 +109,7 @@ class RankTable:
         owed = sorted(r.owed)
         r.incarnation, r.owed, r.load = 0, {}, []
         r.moved_before, r.moved = r.moved_before + r.moved, 0
+        r.faults_before, r.faults = tuple(a + b for a, b in zip(r.faults_before, r.faults)), (0, 0, 0)
         return owed
 
     def refuse(self, rank: int, reason: str) -> None:

@@ -217,6 +217,13 @@ class ProcessDriver(Driver):
         with self._lock:
             return self.control.ranks.bytes_moved()
 
+    def store_faults(self) -> dict[str, int]:
+        """Store faults its rank workers reported (every incarnation, one heartbeat behind at
+        most): ``broken`` blocks a read found corrupt (evicted), ``short`` reads that stopped
+        before their last key (one missing), ``failed`` operations (an error answer)."""
+        with self._lock:
+            return dict(zip(wire.STORE_FAULTS, self.control.ranks.store_faults()))
+
     # -- the ThreadedDriver interface -------------------------------------------------------------
     def submit(self, cmd: C.Command) -> bool:
         """Send a transfer command to its ranks (True), forward a cancel or a layer report

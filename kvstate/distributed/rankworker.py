@@ -160,6 +160,8 @@ class RankWorker:
         self.rank = config.rank
         self.incarnation = wire.new_incarnation()
         self.counters = {"commands": 0, "stale": 0, "bad_messages": 0, "cancels": 0}
+        self._faults = {"short": 0, "failed": 0}  #: store faults it saw (the backend counts broken blocks)
+        self._faults_lock = threading.Lock()
         self.status = 0
         self.welcomed = False  #: the driver accepted the current incarnation's hello
         self._stop = threading.Event()
@@ -236,6 +238,14 @@ class RankWorker:
     def _moved(self) -> int:
         return int(getattr(self._runner.backend, "bytes_moved", 0)) if hasattr(self, "_runner") else 0
 
+    def store_faults(self) -> list[int]:
+        """Its :data:`~kvstate.distributed.wire.STORE_FAULTS` so far: broken blocks and host slots
+        (the backend's count), short reads and failed operations (this worker's)."""
+        backend = self._runner.backend if hasattr(self, "_runner") else None
+        broken = int(getattr(backend, "broken_blocks", 0)) + int(getattr(backend, "broken_slots", 0))
+        with self._faults_lock:
+            return [broken, self._faults["short"], self._faults["failed"]]
+
     def _hello(self) -> None:
         cfg = self.config
         self._push("control").send(wire.pack(wire.HELLO, self.rank, self.incarnation, os.getpid(), self.spec.tp_size,
@@ -277,7 +287,8 @@ class RankWorker:
                 self._stop.set()
                 return
             if self.welcomed:
-                self._push("control").send(wire.pack(wire.HB, self.rank, self.incarnation, self._moved()))
+                self._push("control").send(wire.pack(wire.HB, self.rank, self.incarnation, self._moved(),
+                                                     self.store_faults()))
             else:
                 self._hello()
 
@@ -343,6 +354,9 @@ class RankWorker:
     def _answer(self, cmd: C.TransferCommand) -> None:
         c = self._runner.run(cmd, self.rank)
         self._runner.forget(c.command_id, c.rank)
+        if c.error or (c.count < len(cmd.keys) and C.kind_of(cmd) == "read"):
+            with self._faults_lock:  # lanes answer on their own threads
+                self._faults["failed" if c.error else "short"] += 1
         self._push("reply").send(wire.pack(wire.DONE, self.rank, self.incarnation, c.command_id, c.count, c.error))
 
     def _notice(self, kind: int, items: list[Any]) -> C.CancelCommand | C.LayersReady:

@@ -17,7 +17,7 @@ type        items after the type                                        directio
 ``REFUSE``  incarnation, reason (that hello's configuration differs: exit) driver -> worker
 ``STOP``    (none)                                                      driver -> worker
 ``HELLO``   rank, incarnation, pid, TP size, geometry, lanes            worker -> driver
-``HB``      rank, incarnation, bytes its backend moved so far            worker -> driver
+``HB``      rank, incarnation, bytes moved, store faults (broken, short, failed) so far  worker -> driver
 ``DONE``    rank, incarnation, command id, count, error or nil          worker -> driver
 ``ARRIVED`` rank, incarnation, command id, layers scattered             worker -> driver
 ``BYE``     rank, incarnation, reason                                   worker -> driver
@@ -50,7 +50,7 @@ from ..spec import CacheSpec
 __all__ = [
     "CMD", "CANCEL", "LAYERS", "WELCOME", "REJOIN", "REFUSE", "STOP", "HELLO", "HB", "DONE", "ARRIVED", "BYE",
     "KINDS", "MAX_MESSAGE_BYTES", "new_incarnation", "pack", "unpack", "command_message", "command_of",
-    "Done", "Hello", "Arrived", "Beat", "Bye", "from_worker", "geometry",
+    "Done", "Hello", "Arrived", "Beat", "Bye", "from_worker", "geometry", "STORE_FAULTS",
 ]
 
 CMD, CANCEL, LAYERS, WELCOME, REJOIN, REFUSE, STOP = 1, 2, 3, 4, 5, 6, 7
@@ -197,10 +197,17 @@ class Hello(NamedTuple):
     lanes: int
 
 
+#: the store faults a worker counts, in the order its heartbeat carries them: blocks a read found
+#: broken (a checksum or size mismatch: evicted), reads that stopped short of their keys (a key
+#: missing), and operations that failed outright (an error answer)
+STORE_FAULTS = ("broken", "short", "failed")
+
+
 class Beat(NamedTuple):
     rank: int
     incarnation: int
     bytes_moved: int  #: payload bytes the worker's backend moved to and from the store so far
+    faults: tuple[int, ...]  #: its :data:`STORE_FAULTS` so far
 
 
 class Done(NamedTuple):
@@ -230,8 +237,12 @@ def from_worker(data: bytes) -> Hello | Beat | Done | Arrived | Bye:
     items = unpack(data)
     kind = items[0]
     if kind == HB:
-        _arity(items, 4, "HB")
-        return Beat(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1), _int(items[3], "the bytes"))
+        _arity(items, 5, "HB")
+        faults = items[4]
+        if not isinstance(faults, list) or len(faults) != len(STORE_FAULTS):
+            raise ProtocolError(f"a heartbeat's store faults must be {len(STORE_FAULTS)} counts")
+        return Beat(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1), _int(items[3], "the bytes"),
+                    tuple(_int(f, "a fault count") for f in faults))
     if kind == DONE:
         _arity(items, 6, "DONE")
         error = None if items[5] is None else _text(items[5], "the error", empty=True)
