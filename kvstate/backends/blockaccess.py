@@ -8,6 +8,7 @@ them; a layer whose block is ``FREED`` (behind the window) reads as zeros and is
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..tables import per_block, table_of_layer
 __all__ = ["BlockAccess"]
 
 
-class BlockAccess:
+class BlockAccess(ABC):
     """``block_bytes`` and ``fill_block`` over the host class's per-layer caches
     (``_layer_views``: numpy or CuPy arrays ``[num_blocks, heads, block_size, dim]``)."""
 
@@ -31,8 +32,9 @@ class BlockAccess:
     _check_block: Callable[[Any], None]
     _check_fill: Callable[[int, str, int, Any], None]
 
+    @abstractmethod
     def _layer_views(self, rank: int, kind: str) -> Sequence[Any]:
-        raise NotImplementedError
+        """The rank's caches of ``kind``, one array a layer (the backend's)."""
 
     def _chunk_bytes(self, chunk: Any) -> bytes:
         """One (layer, block) chunk's bytes (a device array is copied to the host first)."""

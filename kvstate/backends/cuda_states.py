@@ -11,6 +11,7 @@ hold the copy), and waited for there, within the swapper's timeout, before the c
 from __future__ import annotations
 
 import contextlib
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -31,8 +32,9 @@ class DeviceStates(StateObjects):
     _side_stream: Callable[[int], Any]  # the backend's (DeviceSums'): a rank's own stream
     _side_wait: Callable[[int], None]  # the backend's (DeviceSums'): wait for it, with a timeout
 
+    @abstractmethod
     def _on(self, rank: int) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+        """The rank's lock with the backend's device current (the CUDA backend's)."""
 
     def _bind_states(self, spec: CacheSpec, num_states: int, pages: Mapping[int, Any] | None, device: int) -> None:
         """``num_states`` pages a rank on ``device``: ``pages[rank]`` when given (checked), else zeroed."""

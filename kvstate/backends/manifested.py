@@ -13,6 +13,7 @@ from the device. The first block that fails ends the count; a broken one is evic
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ def _stored(status: Sequence[int], per: int, n: int) -> int:
     return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(n))
 
 
-class Manifested:
+class Manifested(ABC):
     """The manifest half of a store backend (mixed into ``StoreBackend``, which provides the
     names, the store and the geometry ids)."""
 
@@ -53,8 +54,9 @@ class Manifested:
     broken_blocks: int
     _geometry: dict[int | None, int]
 
+    @abstractmethod
     def _names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
-        raise NotImplementedError
+        """The stored objects' names of ``keys`` for head-group part ``part`` (the store backend's)."""
 
     def _groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
         """The layer groups each block's objects are named for, in ``_names``' order."""

@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import struct
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ def paged_of(spec: Any) -> Any:
     return spec.paged() if isinstance(spec, CacheSpec) else spec
 
 
-class StateObjects:
+class StateObjects(ABC):
     """The state half of a backend: pages per rank, and their objects in the store. The host
     class gives the store, its ranks and ``_gather_state`` / ``_scatter_state`` (a page to and
     from a host buffer)."""
@@ -84,11 +85,13 @@ class StateObjects:
             if not is_int(p) or not 0 <= p < self.num_states:
                 raise ValidationError(f"{name}: state page {p!r} outside 0..{self.num_states - 1}")
 
+    @abstractmethod
     def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
-        raise NotImplementedError
+        """Copy the rank's state page ``page`` into ``out`` (the backend's device)."""
 
+    @abstractmethod
     def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
-        raise NotImplementedError
+        """Copy ``data`` into the rank's state page ``page`` (the backend's device)."""
 
     def state_bytes(self, rank: int, page: int) -> bytes:
         """One state page's bytes on ``rank`` (tests, an engine's checks)."""
