@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                     "are the same as with local processes)")
     pl.add_argument("--out", metavar="FILE", help="write the JSON result to FILE, rewritten as rows come (none "
                     "without it)")
+    pl.add_argument("--search-rate", action="store_true", help="also find, for each configuration, the highest "
+                    "arrival rate at which it still meets the SLOs (a bisection on the rate, to within 5 %%)")
     pl.add_argument("--plot", metavar="DIR", help="write plan.png (every configuration) into DIR")
     pl.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     sc = sub.add_parser("scenario", help="print the default scenario, or a preset, as commented TOML")

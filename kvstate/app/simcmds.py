@@ -212,12 +212,22 @@ def _verdict_text(r: dict[str, Any]) -> str:
             "infeasible": f"infeasible: {r['reason']}"}[r["verdict"]]
 
 
+def _max_rate(r: dict[str, Any]) -> str:
+    """A row's highest rate held, with how far above it the limit may lie."""
+    if r.get("max_rate_rps") is None:
+        return f"{'-':>14}"
+    p = r["max_rate_precision"]
+    return f"{r['max_rate_rps']:>8.2f}" + (f" +{100 * p:>3.0f}%" if p is not None else "      ")
+
+
 def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
     slo = res["slo"]
+    search = res.get("ties_broken_by") == "max_rate_rps"
     lines = [f"target {res['rate']:g} req/s offered; SLOs TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
              f"each met by >= {100 * res['attainment']:.0f} % of requests, goodput >= that x offered",
              "".join(f"{n.split('.')[-1]:>14}" for n in names) + f"{'GPUs':>6}{'offered':>9}{'goodput':>9}"
-             f"{'failed':>8}{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}  verdict",
+             f"{'failed':>8}{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}" + (f"{'max rate':>14}" if search else "")
+             + "  verdict",
              "(rates in req/s over the steady window's arrivals; failed: requests that ended without an answer; "
              "TTFT ok and TPOT ok: of the requests that reached each)"]
     for r in res["rows"]:
@@ -229,10 +239,11 @@ def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
         lines.append(f"{cells}{r['gpus']:>6}{r['offered_rps']:>9.2f}{r['goodput_rps']:>9.2f}"
                      f"{sum(r['failed'].values()):>8,}"
                      f"{100 * r['ttft_attainment']:>8.1f}%{100 * r['tpot_attainment']:>8.1f}%"
-                     f"{r['ttft_p99_ms'] or 0:>10.1f}  {verdict}")
+                     f"{r['ttft_p99_ms'] or 0:>10.1f}" + (_max_rate(r) if search else "") + f"  {verdict}")
     b = res["best"]
-    lines.append(f"cheapest meeting the SLOs: {_config(b['config'])} ({b['gpus']} GPUs)" if b
-                 else "no configuration meets the SLOs")
+    held = f", holds up to {b['max_rate_rps']:g} req/s" if b and b.get("max_rate_rps") is not None else ""
+    lines.append(f"cheapest meeting the SLOs: {_config(b['config'])} ({b['gpus']} GPUs{held}); ties of cost broken "
+                 f"by {'the highest rate held' if search else 'goodput'}" if b else "no configuration meets the SLOs")
     if res["undecided"]:
         lines.append(f"undecided: {len(res['undecided'])} configuration(s) at most as cheap were too short to judge "
                      f"({'; '.join(_config(c) for c in res['undecided'][:4])}): rerun with more requests")
@@ -271,7 +282,8 @@ def plan(args: argparse.Namespace) -> int:
         bar.update(done, n)
 
     try:
-        res = run_plan(sc, sweep, attainment=args.attainment, workers=args.workers, ray=args.ray, on_row=on_row)
+        res = run_plan(sc, sweep, attainment=args.attainment, workers=args.workers, ray=args.ray, on_row=on_row,
+                       search_rate=args.search_rate)
     except KeyboardInterrupt:
         kept = ("no configuration had finished" if not rows else f"the {len(rows)} rows so far are in {out}"
                 if out is not None else "give --out FILE to keep the rows of a run")

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import ConfigError, KVStateError
 from .metrics import verdict_of
+from .ratesearch import highest_rate
 from .run import simulate
 from .scenario import Scenario, WorkloadSpec
 from .scenario_io import field_names, with_overrides
@@ -108,6 +109,21 @@ def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
     }
 
 
+def _run_with_search(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
+    """:func:`_run_one`, then the highest rate the configuration holds
+    (:func:`~kvstate.sim.ratesearch.highest_rate`): ``max_rate_rps``, ``max_rate_precision``."""
+    row = _run_one(args)
+    s = args[0]
+    if isinstance(s, str) or not row["feasible"]:
+        return {**row, "max_rate_rps": None, "max_rate_precision": None, "rate_probes": 0}
+    try:
+        found = highest_rate(s)
+    except KVStateError as e:
+        return {**row, "max_rate_rps": None, "max_rate_precision": None, "rate_probes": 0, "reason": str(e)}
+    return {**row, "max_rate_rps": found["max_rate_rps"], "max_rate_precision": found["max_rate_precision"],
+            "rate_probes": len(found["probes"])}
+
+
 def _check_value(base: Scenario, name: str, value: Any) -> None:
     """``value`` obeys field ``name``'s own rules (type, range, choices) and means something for
     the base's arrivals; rules between fields are the combination's (an infeasible row)."""
@@ -149,10 +165,12 @@ def _jobs(base: Scenario, sweep: Mapping[str, Sequence[Any]], fixed: dict[str, A
 
 def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | None = None,
          attainment: float | None = None, workers: int | None = None, ray: str | None = None,
-         on_row: Callable[[Row, int, int], None] | None = None) -> dict[str, Any]:
+         on_row: Callable[[Row, int, int], None] | None = None, search_rate: bool = False) -> dict[str, Any]:
     """Simulate every combination, on ``workers`` local processes or on the Ray cluster at
     ``ray`` (:mod:`~kvstate.sim.sweep`); returns ``rows`` (sorted by cost, infeasible last,
-    then by the sweep's order: the same wherever they ran) and ``best`` (or None).
+    ties by the highest rate held with ``search_rate``, else by goodput, then by the sweep's
+    order: the same wherever they ran) and ``best`` (or None). ``search_rate``: each row also
+    gets the highest rate its configuration holds (``max_rate_rps``, :mod:`~kvstate.sim.ratesearch`).
     ``on_row(row, done, total)`` sees each row as it comes."""
     if not sweep:
         raise ConfigError("plan: give at least one field to sweep")
@@ -166,12 +184,14 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
     base = with_overrides(base, fixed) if fixed else base  # a bad rate is the whole plan's error
     jobs = _jobs(base, sweep, fixed)
     done: list[tuple[int, Row]] = []
-    for i, row in run_all(_run_one, jobs, workers or os.cpu_count() or 1, ray):
+    job = _run_with_search if search_rate else _run_one
+    for i, row in run_all(job, jobs, workers or os.cpu_count() or 1, ray):
         done.append((i, row))
         if on_row is not None:
             on_row(row, len(done), len(jobs))
+    tie = "max_rate_rps" if search_rate else "goodput_rps"  # between equal costs: the most rate held
     done.sort(key=lambda ir: (not ir[1]["feasible"], ir[1]["gpus"] or 0, ir[1]["storage_bandwidth_gbps"] or 0.0,
-                              -ir[1].get("goodput_rps", 0.0), ir[0]))
+                              -(ir[1].get(tie) or 0.0), ir[0]))
     rows = [row for _, row in done]
     best = next((r for r in rows if r["meets_slo"]), None)
     undecided = [r["config"] for r in rows if r["verdict"] == "too short"
@@ -179,6 +199,7 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
                                                                                    best["storage_bandwidth_gbps"]))]
     return {"rate": round(offered_rate(base.workload), 4), "attainment": base.slo.attainment,
             "slo": {"ttft_ms": base.slo.ttft_ms, "tpot_ms": base.slo.tpot_ms}, "complete": True,
-            "rows": rows, "best": best, "undecided": undecided, "sweep": {k: list(v) for k, v in sweep.items()},
+            "rows": rows, "best": best, "undecided": undecided, "ties_broken_by": tie,
+            "sweep": {k: list(v) for k, v in sweep.items()},
             "base": base.source}
 
