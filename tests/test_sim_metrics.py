@@ -165,3 +165,37 @@ def test_every_rate_printed_is_its_definition_over_the_cohort(capsys):
     assert r["slo"]["ttft_attainment"] == pytest.approx(
         sum(q.first_token - q.arrival <= ttft_slo for q in reached) / len(reached), abs=1e-4)
     assert r["gpus"] == 1 * 2 + 1 * 2
+
+
+# -- SLOs as vllm bench serve spells them --------------------------------------------------------
+def test_goodput_slos_count_only_the_slos_named_and_the_verdict_names_the_percentile(capsys):
+    """``--goodput ttft:30 e2el:3000``: TPOT is no SLO then; a request is good when it meets
+    both named; a failing one is named with the percentile that broke it."""
+    argv = ["simulate", "--json", "--quiet", "--num-prompts", "600", "--goodput", "ttft:30", "e2el:3000"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    slo = r["slo"]
+    assert (slo["ttft_ms"], slo["tpot_ms"], slo["e2el_ms"]) == (30.0, 0.0, 3000.0)
+    assert slo["tpot_attainment"] == 1.0  # no TPOT SLO: nothing fails it
+    assert slo["attainment"] <= min(slo["ttft_attainment"], slo["e2el_attainment"])
+    broke = [u for u in slo["unmet"] if u.startswith("TTFT attainment")]
+    assert broke and f"p90 TTFT {slo['ttft_at_target_ms']:,.1f} ms breaks the 30 ms SLO" in broke[0]
+    assert not any(u.startswith("TPOT") for u in slo["unmet"])
+
+
+@pytest.mark.parametrize("goodput, needle", [
+    (["itl:20"], "unknown SLO 'itl'"), (["ttft"], "expected ttft:MS"), (["ttft:-5"], "expected ttft:MS"),
+    (["e2el:inf"], "expected e2el:MS"), (["tpot:5", "tpot:6"], "tpot is given twice"),
+])
+def test_bad_goodput_slos_are_one_line_before_any_run(goodput, needle, capsys, monkeypatch):
+    monkeypatch.setattr("kvstate.sim.run.simulate", lambda *a, **k: pytest.fail("a simulation ran"))
+    assert main(["simulate", "--quiet", "--goodput", *goodput]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_a_scenario_with_no_slo_at_all_is_refused():
+    from kvstate.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="set at least one SLO"):
+        with_overrides(Scenario(), {"slo.ttft_ms": 0.0, "slo.tpot_ms": 0.0})

@@ -57,6 +57,8 @@ def _overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-decode", type=POSITIVE_INT, help="decode instances")
     g.add_argument("--n-instances", type=POSITIVE_INT, help="co-located instances (--mode colocated)")
     g.add_argument("--seed", type=NON_NEGATIVE_INT, help="random seed (>= 0)")
+    g.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="the SLOs as vllm bench serve spells them: any "
+                   "of ttft:MS tpot:MS e2el:MS; a request is good when it meets every one given (the others are off)")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any scenario field, e.g. --set slo.ttft_ms=500 (repeatable; VALUE is JSON or text)")
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -12,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..sim.gpus import gpu_overrides
+from ..sim.metrics import SLOS
 from ..sim.models import resolve_model
 from ..sim.presets import PRESETS, describe, preset
 from ..sim.scenario import ModelSpec, Scenario
@@ -70,7 +72,32 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     over.update(sets)
     if args.seed is not None:
         over["seed"] = args.seed
+    if getattr(args, "goodput", None):
+        over.update(parse_goodput(args.goodput))
     return with_overrides(sc, over) if over else sc
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """``--goodput ttft:500 tpot:50`` as ``{"slo.ttft_ms": 500.0, "slo.tpot_ms": 50.0,
+    "slo.e2el_ms": 0.0}``: the SLOs named, every other one off (vllm bench serve's meaning)."""
+    out = {f"slo.{key}": 0.0 for key, _ in SLOS.values()}
+    seen: set[str] = set()
+    for item in items:
+        name, sep, value = item.partition(":")
+        if name not in SLOS:
+            raise ConfigError(f"--goodput {item!r}: unknown SLO {name!r} (known: {', '.join(SLOS)}, as vllm bench "
+                              "serve's --goodput; ITL has no per-request SLO there)")
+        if name in seen:
+            raise ConfigError(f"--goodput {item!r}: {name} is given twice")
+        try:
+            ms = float(value) if sep else math.nan
+        except ValueError:
+            ms = math.nan
+        if not 0 < ms < math.inf:
+            raise ConfigError(f"--goodput {item!r}: expected {name}:MS with MS a number of milliseconds > 0")
+        seen.add(name)
+        out[f"slo.{SLOS[name][0]}"] = ms
+    return out
 
 
 #: the shortcut options that mean something in one mode only
@@ -223,7 +250,9 @@ def _max_rate(r: dict[str, Any]) -> str:
 def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
     slo = res["slo"]
     search = res.get("ties_broken_by") == "max_rate_rps"
-    lines = [f"target {res['rate']:g} req/s offered; SLOs TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
+    slos = ", ".join(f"{label} {slo[key]:g} ms" for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"),
+                                                                   ("e2el_ms", "E2E")) if slo.get(key))
+    lines = [f"target {res['rate']:g} req/s offered; SLOs {slos}, "
              f"each met by >= {100 * res['attainment']:.0f} % of requests, goodput >= that x offered",
              "".join(f"{n.split('.')[-1]:>14}" for n in names) + f"{'GPUs':>6}{'offered':>9}{'goodput':>9}"
              f"{'failed':>8}{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}" + (f"{'max rate':>14}" if search else "")

@@ -101,6 +101,7 @@ def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
         "verdict": verdict_of(slo) if drained else "infeasible", "offered_rps": r["offered_rps"],
         "goodput_rps": r["goodput_rps"], "throughput_rps": r["throughput_rps"],
         "ttft_attainment": slo["ttft_attainment"], "tpot_attainment": slo["tpot_attainment"],
+        "e2el_attainment": slo["e2el_attainment"],
         "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p99_ms": r["tpot_ms"]["p99"],
         "ttft_at_target_ms": slo["ttft_at_target_ms"], "tpot_at_target_ms": slo["tpot_at_target_ms"],
         "preemptions": r["preemptions"], "partial_reads": r.get("partial_reads", 0), "reasons": r["reasons"],
@@ -198,7 +199,8 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
                  and (best is None or (r["gpus"], r["storage_bandwidth_gbps"]) <= (best["gpus"],
                                                                                    best["storage_bandwidth_gbps"]))]
     return {"rate": round(offered_rate(base.workload), 4), "attainment": base.slo.attainment,
-            "slo": {"ttft_ms": base.slo.ttft_ms, "tpot_ms": base.slo.tpot_ms}, "complete": True,
+            "slo": {"ttft_ms": base.slo.ttft_ms, "tpot_ms": base.slo.tpot_ms, "e2el_ms": base.slo.e2el_ms},
+            "complete": True,
             "rows": rows, "best": best, "undecided": undecided, "ties_broken_by": tie,
             "sweep": {k: list(v) for k, v in sweep.items()},
             "base": base.source}

@@ -38,8 +38,9 @@ import numpy as np
 from .request import SimRequest
 from .scenario_io import scenario_to_dict
 
-__all__ = ["summarize", "steady_window", "cohort", "service_stretch", "rate_uncertainty", "verdict_of", "at_target",
-           "latency_stats", "weighted_stats", "Run", "sample_series", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
+__all__ = ["summarize", "SLOS", "steady_window", "cohort", "service_stretch", "rate_uncertainty", "verdict_of",
+           "at_target", "latency_stats", "weighted_stats", "Run", "sample_series", "WARMUP_FRACTION",
+           "WINDOW_LABELS", "NEIGHBOURS"]
 
 class Run(Protocol):
     """What :func:`summarize` reads of a finished run (a PD or a co-located cluster)."""
@@ -218,22 +219,33 @@ def _reached_ttft(r: SimRequest) -> bool:
     return r.first_token is not None and (r.finish is None or r.first_token <= r.finish)
 
 
+#: the SLOs a scenario may set (``[slo]``, ``--goodput``): name -> (its key, how the report names it)
+SLOS = {"ttft": ("ttft_ms", "TTFT"), "tpot": ("tpot_ms", "TPOT"), "e2el": ("e2el_ms", "E2E")}
+
+
 def _attainment(s: Any, reqs: list[SimRequest], ok: list[_Done]) -> dict[str, Any]:
     """Each latency SLO's attainment over the requests that reached it: TTFT over those whose
-    first token came, TPOT over those that finished. A request that failed first counts against
-    goodput (:func:`_rates`), not against a latency it never had."""
-    slo_t, slo_p, target = s.slo.ttft_ms / 1000.0, s.slo.tpot_ms / 1000.0, s.slo.attainment
+    first token came, TPOT and E2E over those that finished. A request that failed first counts
+    against goodput (:func:`_rates`), not against a latency it never had. An SLO of 0 is none:
+    its attainment is 1 and it judges nothing. Good requests meet every SLO set."""
+    slo, target = s.slo, s.slo.attainment
+    slo_t, slo_p, slo_e = slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0, slo.e2el_ms / 1000.0
     firsts = [r.first_token - r.arrival for r in reqs if r.first_token is not None and _reached_ttft(r)]
-    ttft_ok = {r.rid for r in ok if r.ttft <= slo_t}
-    tpot_ok = {r.rid for r in ok if r.out <= 1 or r.tpot <= slo_p}
+    ttft_ok = {r.rid for r in ok if not slo_t or r.ttft <= slo_t}
+    tpot_ok = {r.rid for r in ok if not slo_p or r.out <= 1 or r.tpot <= slo_p}
+    e2e_ok = {r.rid for r in ok if not slo_e or r.e2e <= slo_e}
     multi = [r.tpot for r in ok if r.out > 1]
-    return {"ttft_ms": s.slo.ttft_ms, "tpot_ms": s.slo.tpot_ms, "target": target,
-            "ttft_attainment": round(sum(t <= slo_t for t in firsts) / max(len(firsts), 1), 4),
-            "tpot_attainment": round(len(tpot_ok) / max(len(ok), 1), 4),
-            "attainment": round(len(ttft_ok & tpot_ok) / max(len(ok), 1), 4),
+    done = max(len(ok), 1)
+    good = ttft_ok & tpot_ok & e2e_ok
+    return {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2el_ms": slo.e2el_ms, "target": target,
+            "ttft_attainment": round(sum(not slo_t or t <= slo_t for t in firsts) / max(len(firsts), 1), 4),
+            "tpot_attainment": round(len(tpot_ok) / done, 4),
+            "e2el_attainment": round(len(e2e_ok) / done, 4),
+            "attainment": round(len(good) / done, 4),
             "ttft_at_target_ms": at_target(firsts, len(firsts), 0, target),
             "tpot_at_target_ms": at_target(multi, len(ok), len(ok) - len(multi), target),
-            "_good": ttft_ok & tpot_ok}
+            "e2el_at_target_ms": at_target([r.e2e for r in ok], len(ok), 0, target),
+            "_good": good}
 
 
 def _offered(reqs: list[SimRequest], start: float, end: float, steady: bool) -> float:
@@ -331,10 +343,12 @@ def _verdict(drained: bool, slo: dict[str, Any], rates: dict[str, Any], n: int,
     why, target = [], slo["target"]
     if not drained:
         why.append("the run did not drain")
-    if slo["ttft_attainment"] < target:
-        why.append(f"TTFT attainment {slo['ttft_attainment']:.3f} < {target}")
-    if slo["tpot_attainment"] < target:
-        why.append(f"TPOT attainment {slo['tpot_attainment']:.3f} < {target}")
+    for name, (key, label) in SLOS.items():
+        if slo[key] and slo[f"{name}_attainment"] < target:  # name the percentile that broke it
+            at = slo[f"{name}_at_target_ms"]
+            p = f"p{100 * target:g} {label} {at:,.1f} ms" if at is not None else f"too few reached {label}"
+            why.append(f"{label} attainment {slo[f'{name}_attainment']:.3f} < {target}: {p} breaks the "
+                       f"{slo[key]:g} ms SLO")
     short, more = _too_short(rates, target, n, e2e)
     if rates["failed_rps"] > (1 - target) * rates["offered_rps"]:
         short, more = None, None  # failures alone sink goodput: no spread of latency explains them

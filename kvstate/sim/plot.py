@@ -49,10 +49,10 @@ def latency_figure(result: dict[str, Any], latencies: dict[str, list[float]]) ->
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     slo = result["slo"]
-    lines = {"TTFT": slo["ttft_ms"], "TPOT": slo["tpot_ms"]}
+    lines = {"TTFT": slo["ttft_ms"], "TPOT": slo["tpot_ms"], "E2E": slo.get("e2el_ms", 0.0)}
     for ax, (name, xs) in zip(axes, latencies.items()):
         xs = sorted(xs)
-        line = lines.get(name)
+        line = lines.get(name) or None  # an SLO of 0 is none: no line
         if xs:
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
         else:
@@ -150,11 +150,11 @@ def _plan_panel(ax: Any, rows: list[dict[str, Any]], key: str, line: float | Non
     values = [r.get(key) for r in rows]
     xs = range(len(rows))
     ax.bar(xs, [v or 0 for v in values], color=colors, edgecolor=edges, linewidth=2)
-    if line is not None and _log_if_spread([v for v in values if v], line):
+    if line and _log_if_spread([v for v in values if v], line):
         ax.set_yscale("log")
-    if line is not None:
+    if line:
         ax.axhline(line, color="black", ls="--", lw=1.5, label=f"SLO {line:g} ms")
-    else:
+    elif key == "goodput_rps":
         ax.scatter(xs, [target * r.get("offered_rps", 0.0) for r in rows], marker="_", s=300, color="black",
                    zorder=3, label=f"{target:g} x offered (needed)")
     for i, r in enumerate(rows):

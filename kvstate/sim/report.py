@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .metrics import WINDOW_LABELS
+from .metrics import SLOS, WINDOW_LABELS
 
 __all__ = ["format_report", "to_json"]
 
@@ -84,8 +84,9 @@ def _slo(r: dict[str, Any]) -> list[str]:
         f"({_stretch(r['service_stretch'])}; latency noise alone may read {_pct(r['rate_uncertainty'])} short); "
         f"output {r['output_tokens_per_s']:,.0f} tok/s, total {r['total_tokens_per_s']:,.0f} tok/s",
         f"failed {failed:,}" + (f" ({_counts(r['failed'])}): counted against goodput, not latency" if failed else ""),
-        f"SLOs: TTFT <= {slo['ttft_ms']:g} ms met by {_pct(slo['ttft_attainment'])}, TPOT <= {slo['tpot_ms']:g} ms "
-        f"by {_pct(slo['tpot_attainment'])}, both by {_pct(slo['attainment'])} (target {_pct(slo['target'])})",
+        "SLOs: " + ", ".join(f"{label} <= {slo[key]:g} ms met by {_pct(slo[f'{name}_attainment'])}"
+                             for name, (key, label) in SLOS.items() if slo[key])
+        + f", all by {_pct(slo['attainment'])} (target {_pct(slo['target'])})",
         f"verdict: {verdict}",
     ]
 

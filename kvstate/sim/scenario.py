@@ -143,13 +143,17 @@ class WorkloadSpec(Section):
 class SloSpec(Section):
     """Service-level objectives, and the share of requests that must meet them."""
 
-    ttft_ms: float = setting(1000.0, "time to first token")
-    tpot_ms: float = setting(30.0, "time per output token after the first")
+    ttft_ms: float = setting(1000.0, "time to first token (0: no TTFT SLO)")
+    tpot_ms: float = setting(30.0, "time per output token after the first (0: no TPOT SLO)")
+    e2el_ms: float = setting(0.0, "end-to-end latency, arrival to last token (0: no E2E SLO)")
     attainment: float = setting(0.9, "share of all requests that must meet each SLO (goodput: this x offered)")
 
     def check(self) -> None:
-        self.positive("ttft_ms", "tpot_ms", "attainment")
+        self.non_negative("ttft_ms", "tpot_ms", "e2el_ms")
+        self.positive("attainment")
         self.fraction("attainment")
+        if not (self.ttft_ms or self.tpot_ms or self.e2el_ms):
+            raise ConfigError("ttft_ms, tpot_ms, e2el_ms: set at least one SLO (0 means none)")
 
 
 @dataclass(frozen=True)
