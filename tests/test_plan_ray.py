@@ -34,6 +34,19 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           env=env)
 
 
+@pytest.mark.slow
+def test_ray_auto_without_a_cluster_starts_a_local_one_and_says_so(tmp_path):
+    """No Ray runs on this machine: ``--ray auto`` starts one for the sweep (it ends with it)
+    and says so in one line, instead of failing. It runs first: before this module's own
+    cluster starts."""
+    r = cli(*PLAN, "--ray", "auto", "--out", str(tmp_path / "p.json"))
+    assert r.returncode in (0, 1, 4), r.stderr[-2000:]
+    said = [line for line in r.stderr.splitlines() if line.startswith("kvstate plan:")]
+    assert said == ["kvstate plan: no Ray cluster runs on this machine: started a local one for this sweep "
+                    "(`ray start --head` starts one that outlives it)"], r.stderr[-2000:]
+    assert len(json.loads((tmp_path / "p.json").read_text())["rows"]) == 2
+
+
 def test_a_sweep_on_ray_gives_the_rows_local_processes_give(cluster, tmp_path):
     on_ray, local = tmp_path / "ray.json", tmp_path / "local.json"
     r = cli(*PLAN, "--ray", cluster, "--out", str(on_ray))
@@ -48,3 +61,4 @@ def test_a_cluster_that_is_not_there_is_a_clear_error(tmp_path, address, message
     r = cli(*PLAN, "--ray", address, "--out", str(tmp_path / "p.json"))
     assert r.returncode == 2 and f"--ray {address}: {message}" in r.stderr, r.stderr[-1000:]
     assert "Traceback" not in r.stderr and not (tmp_path / "p.json").exists()
+

@@ -8,7 +8,8 @@ deterministic (a scenario and its seed), so where it runs changes nothing in its
 - one worker: in this process, in order;
 - ``workers`` > 1: a pool of local processes (``fork``; ``spawn`` on macOS), Ctrl-C left to
   this process, which ends the pool;
-- ``ray``: a Ray cluster's address (``auto`` finds the one this machine runs, ``HOST:PORT``
+- ``ray``: a Ray cluster's address (``auto`` finds the one this machine runs, or starts a local
+  one for the sweep when none does and says so, ``HOST:PORT``
   its GCS, ``ray://HOST:PORT`` a Ray client). Each job is a task of one CPU, and kvstate's own
   package travels with the tasks (a ``py_modules`` runtime environment), so the cluster runs
   this very code; its other dependencies must be installed there. Nothing is left behind:
@@ -75,11 +76,21 @@ def _connected(address: str) -> Iterator[Any]:
     import kvstate
 
     _probe(address)
+    env: dict[str, Any] = {"runtime_env": {"py_modules": [kvstate]}, "log_to_driver": False,
+                           "logging_level": logging.ERROR}
     try:
-        ray.init(address=address, runtime_env={"py_modules": [kvstate]}, log_to_driver=False,
-                 logging_level=logging.ERROR)
+        ray.init(address=address, **env)
     except (ConnectionError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"--ray {address}: cannot connect to a Ray cluster ({e})") from None
+        if address != "auto":
+            raise ConfigError(f"--ray {address}: cannot connect to a Ray cluster ({e})") from None
+        # none runs here: a local instance for this sweep, shut down with it
+        print("kvstate plan: no Ray cluster runs on this machine: started a local one for this sweep "
+              "(`ray start --head` starts one that outlives it)", file=sys.stderr)
+        try:
+            ray.init(include_dashboard=False, **env)
+        except (ConnectionError, ValueError, RuntimeError) as e2:
+            raise ConfigError(f"--ray auto: no Ray cluster runs here and a local one did not start ({e2}); "
+                              "start one with `ray start --head`") from None
     try:
         yield ray
     finally:
