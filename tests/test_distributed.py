@@ -418,9 +418,10 @@ def test_a_foreign_hello_for_a_live_rank_changes_nothing(tmp_path):
         forger.connect(drv.addresses[2])
         geometry = wire.geometry(SPEC, 16)
         try:
-            for inc in range(1, 41):
-                forger.send(wire.pack(wire.HELLO, 0, 10_000 + inc, 4242, SPEC.tp_size, geometry, 1))
-                forger.send(wire.pack(wire.HELLO, 0, 20_000 + inc, 4242, SPEC.tp_size, "other-geometry", 1))
+            for inc in range(1, 41):  # with the start's secret (a second worker of this engine's, say)
+                forger.send(wire.pack(wire.HELLO, 0, 10_000 + inc, 4242, SPEC.tp_size, geometry, 1, drv.secret))
+                forger.send(wire.pack(wire.HELLO, 0, 20_000 + inc, 4242, SPEC.tp_size, "other-geometry", 1,
+                                      drv.secret))
             time.sleep(1.0)
         finally:
             forger.close()
@@ -458,3 +459,30 @@ def test_rank_workers_report_their_store_faults_to_the_driver_and_its_metrics(tm
         registry = CollectorRegistry()
         registry.register(KVStateCollector({"D": DecodeLifecycle(SPEC, 16)}, {"D": drv}))
         assert registry.get_sample_value("kvstate_store_faults_total", {"role": "D", "kind": "short"}) == 2.0
+
+
+def test_a_hello_without_the_starts_secret_is_dropped_and_counted(tmp_path):
+    """Anyone who reaches the control socket can send a hello; only one carrying the secret
+    the driver made for this start (passed to its workers through the environment, never on a
+    command line) is a worker's. Others are dropped and counted, whatever rank they claim."""
+    with ProcessDriver(SPEC, 16, restart=False, heartbeat_s=0.1) as drv:
+        drv.spawn(0, {"kind": "file", "root": str(tmp_path)})
+        deadline = time.monotonic() + 60
+        while 0 not in drv.control.info()["up"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the worker it started joins, with the secret from its environment
+        forger = zmq.Context.instance().socket(zmq.PUSH)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.connect(drv.addresses[2])
+        geometry = wire.geometry(SPEC, 16)
+        try:
+            for secret in ("", "0" * 32, drv.secret[:-1]):
+                forger.send(wire.pack(wire.HELLO, 1, 77, 4242, SPEC.tp_size, geometry, 1, secret))
+            deadline = time.monotonic() + 10
+            while drv.counters["unauthenticated_hellos"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            forger.close()
+        assert drv.counters["unauthenticated_hellos"] == 3
+        assert 1 not in drv.control.info()["up"]  # rank 1 has no worker: no forged one took it
+        assert drv.secret not in " ".join(drv.child(0).popen.args)  # not on the worker's command line
+        assert drv.control.info()["up"] == [0]  # the worker it started joined

@@ -16,10 +16,14 @@ driver started. On that thread it
   With ``restart`` a started worker is killed first (a stopped process could still touch
   blocks) and started again, as a new incarnation.
 
-Every message that does not parse or breaks a rule is counted (``bad_messages``) and dropped.
+Every message that does not parse or breaks a rule is counted (``bad_messages``) and dropped; a
+hello without the driver's per-start secret is counted (``unauthenticated_hellos``) and dropped.
 """
 from __future__ import annotations
 
+import dataclasses
+import hmac
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +35,7 @@ from ..errors import ConfigError, DriverError, KVStateError, ProtocolError
 from ..spec import CacheSpec
 from . import wire
 from .liveness import RankDown, RankTable, RankUp
-from .rankworker import WorkerConfig
+from .rankworker import SECRET_ENV, WorkerConfig
 from .supervise import ChildProcess
 
 __all__ = ["RankControl"]
@@ -48,8 +52,9 @@ class RankControl:
     def __init__(self, spec: CacheSpec, geometry: str, *, heartbeat_s: float, dead_after_s: float, restart: bool,
                  ranks: RankTable, lock: threading.Lock, counters: dict[str, int], send: Send,
                  on_down: Callable[[int, list[int], str, bool], None], on_up: Callable[[int], None],
-                 on_arrived: Callable[[int, int, int, int], None], name: str) -> None:
+                 on_arrived: Callable[[int, int, int, int], None], name: str, secret: str = "") -> None:
         self.spec, self.geometry, self.name = spec, geometry, name
+        self.secret = secret  #: what every hello must carry: made by the driver for this start
         self.heartbeat_s, self.dead_after_s, self.restart = heartbeat_s, dead_after_s, restart
         self.lock, self.counters, self._send = lock, counters, send
         self._on_down, self._on_up, self._on_arrived = on_down, on_up, on_arrived
@@ -69,8 +74,10 @@ class RankControl:
         old = self.children.get(cfg.rank)
         if old is not None and old.alive():
             raise ConfigError(f"{self.name}: rank {cfg.rank} already has a worker (pid {old.pid})")
-        child = ChildProcess("kvstate.distributed", ["rankworker", cfg.to_json()],
-                             f"{self.name} rank {cfg.rank} worker", log_path=log_path)
+        public = dataclasses.replace(cfg, secret="")  # a command line is readable by every user: not there
+        child = ChildProcess("kvstate.distributed", ["rankworker", public.to_json()],
+                             f"{self.name} rank {cfg.rank} worker", log_path=log_path,
+                             env={**os.environ, SECRET_ENV: cfg.secret})
         self.children[cfg.rank], self._configs[cfg.rank], self._logs[cfg.rank] = child, cfg, log_path
         self._starts[cfg.rank] = (time.monotonic(), self._starts.get(cfg.rank, (0.0, 0))[1] + 1)
         return child
@@ -180,6 +187,10 @@ class RankControl:
         rank's route, which leads to the live worker; that worker is never replaced or told to
         exit by a message it did not ask for. A new worker for the rank is welcome once the
         live one is down (silent past ``dead_after_s``, gone, or said goodbye)."""
+        if not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+            with self.lock:  # not a worker of this start: dropped, counted, never answered
+                self.counters["unauthenticated_hellos"] += 1
+            return
         previous = self.ranks.incarnation(msg.rank)
         if previous == msg.incarnation:
             return  # a repeated hello the welcome crossed

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import shutil
 import tempfile
 import threading
@@ -91,7 +92,10 @@ class ProcessDriver(Driver):
         if not isinstance(spin_us, (int, float)) or isinstance(spin_us, bool) or not 0 <= spin_us <= 1e5:
             raise ConfigError(f"ProcessDriver: spin_us must be microseconds in [0, 100000], got {spin_us!r}")
         self.spin_us = float(spin_us)  #: how long a waiting poll asks the socket before it sleeps
-        self.counters = {"stale": 0, "bad_messages": 0, "refused": 0, "foreign_hellos": 0, "lost": 0, "restarts": 0}
+        self.counters = {"stale": 0, "bad_messages": 0, "refused": 0, "foreign_hellos": 0, "unauthenticated_hellos": 0,
+                         "lost": 0, "restarts": 0}
+        #: made for this start: a worker's hello must carry it (worker_config passes it on)
+        self.secret = secrets.token_hex(16)
         ranks = RankTable(spec.tp_size)
         self.ledger = Ledger(ranks, spec.layers, lambda r: self.control.restarting(r), self.counters)
         self._lock = self.ledger.lock  # rank states, what they owe, counters
@@ -110,7 +114,8 @@ class ProcessDriver(Driver):
         self.control = RankControl(spec, wire.geometry(spec, num_blocks, num_states), heartbeat_s=heartbeat_s,
                                    dead_after_s=dead_after_s, restart=bool(restart), ranks=ranks, lock=self._lock,
                                    counters=self.counters, send=self._send, on_down=self._lose_all,
-                                   on_up=self._rank_up, on_arrived=self.ledger.arrived, name=f"ProcessDriver {name}")
+                                   on_up=self._rank_up, on_arrived=self.ledger.arrived, name=f"ProcessDriver {name}",
+                                   secret=self.secret)
         self._io = threading.Thread(target=self.control.serve, args=(self._control,), name=f"{name}-driver-io",
                                     daemon=True)
         self._io.start()
@@ -187,7 +192,8 @@ class ProcessDriver(Driver):
         spec = {f: getattr(self.spec, f) for f in self.spec.__dataclass_fields__}
         cfg = WorkerConfig(rank=rank, spec=spec, num_blocks=self.num_blocks, command_address=self.addresses[0],
                            reply_address=self.addresses[1], control_address=self.addresses[2], store=store,
-                           heartbeat_s=self.heartbeat_s, parent_pid=os.getpid(), num_states=self.num_states, **kw)
+                           heartbeat_s=self.heartbeat_s, parent_pid=os.getpid(), num_states=self.num_states,
+                           secret=self.secret, **kw)
         cfg.validate()
         return cfg
 

@@ -51,7 +51,9 @@ from ..validate import check_int
 from . import wire
 from .supervise import die_with_parent, parent_alive
 
-__all__ = ["WorkerConfig", "RankWorker", "main", "build_store"]
+SECRET_ENV = "KVSTATE_WORKER_SECRET"  #: where a started worker finds its driver's secret
+
+__all__ = ["WorkerConfig", "RankWorker", "main", "build_store", "SECRET_ENV"]
 
 _STORES = ("file", "mooncake")
 _CACHES = ("own", "shm", "cuda-ipc")
@@ -84,6 +86,9 @@ class WorkerConfig:
     lanes: int = 4
     heartbeat_s: float = 0.2
     parent_pid: int = 0
+    #: the driver's per-start secret its hello must carry (``ProcessDriver.secret``); a worker the
+    #: driver starts gets it from ``KVSTATE_WORKER_SECRET`` instead, never on its command line
+    secret: str = ""
 
     def validate(self) -> CacheSpec:
         """Check every field; returns the cache spec it describes."""
@@ -103,6 +108,8 @@ class WorkerConfig:
             v = getattr(self, name)
             if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ConfigError(f"WorkerConfig.{name} must be a tcp://, ipc:// or inproc:// address, got {v!r}")
+        if not isinstance(self.secret, str):
+            raise ConfigError("WorkerConfig.secret must be a str (the driver's per-start secret)")
         if not isinstance(self.heartbeat_s, (int, float)) or not 0 < self.heartbeat_s <= 60:
             raise ConfigError(f"WorkerConfig.heartbeat_s must be in (0, 60], got {self.heartbeat_s!r}")
         if self.backend not in ("reference", "cuda"):
@@ -249,7 +256,8 @@ class RankWorker:
     def _hello(self) -> None:
         cfg = self.config
         self._push("control").send(wire.pack(wire.HELLO, self.rank, self.incarnation, os.getpid(), self.spec.tp_size,
-                                              wire.geometry(self.spec, cfg.num_blocks, cfg.num_states), cfg.lanes))
+                                              wire.geometry(self.spec, cfg.num_blocks, cfg.num_states), cfg.lanes,
+                                              cfg.secret or os.environ.get(SECRET_ENV, "")))
 
     # -- the threads ------------------------------------------------------------------------------
     def serve(self) -> int:

@@ -16,7 +16,7 @@ type        items after the type                                        directio
 ``REJOIN``  incarnation declared dead (say hello again, as a new one)   driver -> worker
 ``REFUSE``  incarnation, reason (that hello's configuration differs: exit) driver -> worker
 ``STOP``    (none)                                                      driver -> worker
-``HELLO``   rank, incarnation, pid, TP size, geometry, lanes            worker -> driver
+``HELLO``   rank, incarnation, pid, TP size, geometry, lanes, secret    worker -> driver
 ``HB``      rank, incarnation, bytes moved, store faults (broken, short, failed) so far  worker -> driver
 ``DONE``    rank, incarnation, command id, count, error or nil          worker -> driver
 ``ARRIVED`` rank, incarnation, command id, layers scattered             worker -> driver
@@ -195,6 +195,7 @@ class Hello(NamedTuple):
     tp_size: int
     geometry: str
     lanes: int
+    secret: str  #: the start's secret (ProcessDriver.secret): a hello without it is not a worker's
 
 
 #: the store faults a worker counts, in the order its heartbeat carries them: blocks a read found
@@ -253,9 +254,10 @@ def from_worker(data: bytes) -> Hello | Beat | Done | Arrived | Bye:
         return Arrived(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1),
                        _int(items[3], "the command id", 1), _int(items[4], "the layers", 1))
     if kind == HELLO:
-        _arity(items, 7, "HELLO")
+        _arity(items, 8, "HELLO")
         return Hello(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1), _int(items[3], "the pid", 1),
-                     _int(items[4], "the TP size", 1), _text(items[5], "the geometry"), _int(items[6], "lanes", 1, 257))
+                     _int(items[4], "the TP size", 1), _text(items[5], "the geometry"), _int(items[6], "lanes", 1, 257),
+                     _text(items[7], "the secret", empty=True))
     if kind == BYE:
         _arity(items, 4, "BYE")
         return Bye(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1),
