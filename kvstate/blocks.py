@@ -294,12 +294,12 @@ class EngineBlocks(BlockManager):
 
     def lent(self, request_id: str) -> tuple[int, ...]:
         """The ids lent for the request and not taken yet."""
-        return tuple(self._lent.get(request_id, ()))
+        return tuple(self._lent.get(check_request_id(request_id), ()))
 
     def take_back(self, request_id: str) -> list[int]:
         """Drop the ids lent for the request and not taken (it ended, or never started): the
         engine keeps them as it had them."""
-        ids = self._lent.pop(request_id, [])
+        ids = self._lent.pop(check_request_id(request_id), [])
         self._lent_ids.difference_update(ids)
         return ids
 
@@ -310,7 +310,11 @@ class EngineBlocks(BlockManager):
     def can_allocate(self, n: int, headroom: int = 0, request_id: str | None = None) -> bool:
         """For a request, whether its engine lent ``n`` logical blocks' ids; without one, True:
         the engine, which allocates, has decided already."""
-        return request_id is None or len(self._lent.get(request_id, ())) >= n * self.per_block
+        check_int(n, "EngineBlocks.can_allocate: n", minimum=0)
+        check_int(headroom, "EngineBlocks.can_allocate: headroom", minimum=0)
+        if request_id is None:
+            return True
+        return len(self._lent.get(check_request_id(request_id), ())) >= n * self.per_block
 
     def allocate(self, req: Any, n: int, headroom: int = 0) -> list[int]:
         """Take the next ``n`` logical blocks' ids the engine lent for ``req`` (``headroom`` is

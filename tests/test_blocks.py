@@ -110,3 +110,18 @@ def test_a_lifecycle_refuses_a_manager_of_another_pool_or_a_prefix_cache_it_cann
         DecodeLifecycle(spec, 32, blocks=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="engine's own prefix cache"):
         EngineBlocks(spec, 32).allocate_cached(None, 1, [])
+
+
+@pytest.mark.parametrize("call", [
+    lambda b: b.lent(7), lambda b: b.lent(""), lambda b: b.take_back(None),
+    lambda b: b.can_allocate("2"), lambda b: b.can_allocate(-1), lambda b: b.can_allocate(True),
+    lambda b: b.can_allocate(1, -2), lambda b: b.can_allocate(1, 0, 5), lambda b: b.lend("r", None),
+])
+def test_every_call_of_the_engines_manager_refuses_bad_input_and_changes_nothing(call):
+    from kvstate.errors import KVStateError
+
+    b = EngineBlocks(small_spec(), 16)
+    b.lend("r", [1, 2])
+    with pytest.raises(KVStateError):
+        call(b)
+    assert b.lent("r") == (1, 2) and b.returned() == [] and b.pool.stats().used == 0
