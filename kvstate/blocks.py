@@ -96,15 +96,14 @@ def table_kinds(spec: Any) -> tuple[LayerKind, ...]:
 class BlockManager:
     """A lifecycle's block decisions over a pool of ``num_blocks`` it owns (see the rules)."""
 
-    def __init__(self, spec: Any, num_blocks: int, *, prefix_cache: bool = False, host_blocks: int = 0,
+    def __init__(self, spec: Any, num_blocks: int, *, prefix_cache: bool = False,
                  who: str = "BlockManager", pool: BlockPool | None = None) -> None:
         """``prefix_cache``: a GPU prefix cache over the pool (:mod:`kvstate.prefixcache`);
-        ``host_blocks``: the lifecycle's host tier, whose layout rule is checked here;
         ``pool``: a pool of ``num_blocks`` to manage instead of a new one (a subclass's)."""
         check_int(num_blocks, f"{who}: num_blocks", minimum=0, maximum=MAX_BLOCKS)
         if prefix_cache.__class__ is not bool:
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
-        check_layout(spec, prefix_cache, host_blocks, who)
+        check_layout(spec, prefix_cache, 0, who)  # the prefix cache's rule; the host tier's is its lifecycle's
         self.spec = spec
         self.per_block = per_block(spec)  #: pool blocks one logical block costs (its tables)
         self.kinds = table_kinds(spec)  #: each table's layer kind

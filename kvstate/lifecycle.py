@@ -95,7 +95,7 @@ class Lifecycle:
             raise ValidationError(f"namespace must be a str, got {type(namespace).__name__}")
         if key_cache is not None and not isinstance(key_cache, KeyCache):
             raise ValidationError(f"key_cache must be a KeyCache, got {type(key_cache).__name__}")
-        check_layout(spec, prefix_cache, host_blocks, type(self).__name__)
+        check_layout(spec, False, host_blocks, type(self).__name__)  # the prefix cache's: its block manager
         if blocks is not None:
             check_manager(blocks, spec, num_blocks, prefix_cache, type(self).__name__)
         self.spec, self.policy = spec, policy or Policy()

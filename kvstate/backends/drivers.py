@@ -105,18 +105,20 @@ class StepDriver(Driver):
         cmds = self.lifecycle.poll_commands()
         if not cmds:
             return 0
-        for notice in self.submit_all(cmds):
+        for cmd in cmds:  # the lifecycle's own commands: no list check (submit_all's) needed
+            if self.submit(cmd):
+                continue
             if self.on_notice is not None:
-                self.on_notice(notice)
+                self.on_notice(cmd)
             else:
-                self.notices.append(notice)
+                self.notices.append(cmd)
         return len(cmds)
 
     def submit(self, cmd: C.Command) -> bool:
         """Hold a transfer's (command, rank) answers until the caller completes them, note a
         layer report (True); a cancel goes to :attr:`notices` (True: its answers are still
         owed, so pins release on them); a notice is the caller's (False)."""
-        kind = C.KINDS.get(cmd.__class__) or C.kind_of(cmd)
+        kind = C.kind_of(cmd)
         if self._closed:
             raise DriverError("StepDriver: submit after close")
         if kind in C.TRANSFER_KINDS:
@@ -257,7 +259,7 @@ class ThreadedDriver(Driver):
         a notice (False)."""
         if self._closed:
             raise DriverError("ThreadedDriver: submit after close")
-        kind = C.KINDS.get(cmd.__class__) or C.kind_of(cmd)
+        kind = C.kind_of(cmd)
         if kind == "cancel" or kind == "layers":
             self._runner.notice(cast("C.CancelCommand | C.LayersReady", cmd))
             return True

@@ -236,7 +236,7 @@ class ProcessDriver(Driver):
         (True), or ignore a notice (False)."""
         if self._closed:
             raise DriverError("ProcessDriver: submit after close")
-        kind = C.KINDS.get(cmd.__class__) or C.kind_of(cmd)
+        kind = C.kind_of(cmd)
         if kind == "cancel" or kind == "layers":
             self._forward(cast("C.CancelCommand | C.LayersReady", cmd))
             return True

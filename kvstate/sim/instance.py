@@ -20,7 +20,7 @@ from typing import Any, cast
 import simpy
 
 from .. import commands as C
-from ..commands import KINDS, kind_of
+from ..commands import kind_of
 from ..events import Completion
 from ..lifecycle import Lifecycle
 from .services import Services
@@ -240,7 +240,7 @@ class Instance(ABC):
         timed = False  # a transfer brings a deadline: the next tick may have to come sooner
         for cmd in cmds:
             t = cmd.__class__
-            kind = KINDS.get(t) or kind_of(cmd)
+            kind = kind_of(cmd)
             if kind == "read" or (kind == "write" and t is not C.SaveLayers):
                 tc = cast(C.TransferCommand, cmd)
                 write = kind == "write"
