@@ -26,7 +26,9 @@ Rules:
     ids (:meth:`EngineBlocks.lend`) before the lifecycle admits or reserves it, and the
     lifecycle's allocations for that request take them in order; a block the lifecycle lets
     go of, once no transfer pins it, is handed back (:meth:`EngineBlocks.returned`), never
-    reused by kvstate. So the engine frees a block only when no transfer can touch it.
+    reused by kvstate. So the engine frees a block only when no transfer can touch it. An
+    engine's prefix cache shares blocks between requests: a block lent for a second request
+    while kvstate holds it for a first gains a reference, and returns when the last goes.
 
 - Every public call validates first and changes nothing when it refuses.
 """
@@ -234,12 +236,13 @@ class EnginePool(BlockPool):
         raise BlockError("EnginePool: the engine chooses its blocks; take() the ids it lent")
 
     def take(self, block_ids: Sequence[int]) -> None:
-        """A reference to each of the engine's ``block_ids`` (each free here: the caller
-        checked them when they were lent)."""
+        """A reference to each of the engine's ``block_ids`` (one held already gains one: the
+        engine shares it between requests)."""
         refs = self._refs
         for b in block_ids:
-            refs[b] = 1
-        self._used += len(block_ids)
+            if not refs[b]:
+                self._used += 1
+            refs[b] += 1
         self._allocs += len(block_ids)
         self._peak = max(self._peak, self._used)
 
@@ -276,7 +279,8 @@ class EngineBlocks(BlockManager):
     def lend(self, request_id: str, block_ids: Sequence[int]) -> None:
         """The engine allocated ``block_ids`` for the request (table by table with group
         tables: ``n`` of each); the lifecycle's next allocations for it take them in order.
-        Each id must be the engine's (in range), free of kvstate's references and lent once."""
+        Each id must be the engine's (in range), named once, and not lent for another request
+        still untaken; one kvstate holds already is shared (see the rules)."""
         check_request_id(request_id)
         if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
             raise BlockError(f"request {request_id!r}: lend takes a sequence of block ids, got {block_ids!r}")
@@ -285,8 +289,8 @@ class EngineBlocks(BlockManager):
             if not is_int(b) or not 0 <= b < self.pool.num_blocks:
                 raise BlockError(f"request {request_id!r}: block {b!r} is not one of the engine's "
                                  f"0..{self.pool.num_blocks - 1}")
-            if b in seen or b in self._lent_ids or self.pool.refcount(b):
-                raise BlockError(f"request {request_id!r}: block {b} is already lent or held")
+            if b in seen or b in self._lent_ids:
+                raise BlockError(f"request {request_id!r}: block {b} is already lent")
             seen.add(b)
         self._lent.setdefault(request_id, []).extend(int(b) for b in block_ids)
         self._lent_ids |= seen

@@ -87,7 +87,7 @@ def test_a_block_a_transfer_still_touches_goes_back_only_when_the_transfer_lets_
 
 
 @pytest.mark.parametrize("ids, rule", [
-    ([64], "not one of the engine's 0..31"), ([-1], "not one of"), ([1, 1], "already lent or held"),
+    ([64], "not one of the engine's 0..31"), ([-1], "not one of"), ([1, 1], "already lent"),
     (["1"], "not one of"), ("12", "sequence of block ids"),
 ])
 def test_lending_a_block_that_is_not_the_engines_to_lend_is_refused(ids, rule):
@@ -125,3 +125,15 @@ def test_every_call_of_the_engines_manager_refuses_bad_input_and_changes_nothing
     with pytest.raises(KVStateError):
         call(b)
     assert b.lent("r") == (1, 2) and b.returned() == [] and b.pool.stats().used == 0
+
+
+def test_a_block_the_engine_shares_between_two_requests_returns_when_both_let_go():
+    spec, clock, _, (D, de, dd, db) = engine_pair()
+    de.lend("a", [2, 4])
+    D.reserve("a", list(range(1, 6)))
+    de.lend("b", [2, 5])  # the engine's prefix cache gave b a's first block
+    D.reserve("b", list(range(1, 6)))
+    D.abort("a")
+    assert de.returned() == [4]  # 2 is still b's
+    D.abort("b")
+    assert sorted(de.returned()) == [2, 5]
