@@ -1,0 +1,92 @@
+"""An engine's paged KV tensors seen as kvstate caches, and a rank's transfers over them
+(kvstate.integrations.pagedkv): every layout served round-trips byte-exact; others are refused
+by name. PyTorch CPU tensors here; the same on CUDA tensors runs on the GPU machine."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from needs import has_module
+
+from kvstate import CacheSpec, ConfigError
+from kvstate.backends.stores import MemoryStore
+from kvstate.commands import ReadBlocks, WriteBlocks
+from kvstate.keys import block_keys
+
+pytestmark = pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch (pip install '.[vllm]')")
+
+NB, H, B, D = 9, 2, 16, 8
+
+
+def spec(kinds: int = 2, dtype: str = "bfloat16", heads: int = H, dim: int = D) -> CacheSpec:
+    return CacheSpec(num_layers=3, kv_heads=heads, block_size=B, head_dim=dim, dtype=dtype, has_value=kinds == 2)
+
+
+def layers(shape, dtype=None, perm=None):
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    g = torch.Generator().manual_seed(len(shape))
+    out = {}
+    for i in range(3):
+        t = torch.randn(*shape, generator=g).to(dtype)
+        out[f"layer{i}"] = t.permute(*perm) if perm else t
+    return out
+
+
+def roundtrip(s: CacheSpec, src: dict, dst: dict, ids_src: list[int], ids_dst: list[int]) -> None:
+    from kvstate.integrations.pagedkv import RankTransfers
+
+    store = MemoryStore(1 << 26)  # closing it twice is harmless
+    keys = block_keys(list(range(1, len(ids_src) * B + 1)), B, namespace="t")
+    p, d = RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
+    try:
+        p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, tuple(keys), tuple(ids_src))])
+        assert [c.count for c in p.poll("save", 10)] == [len(ids_src)]
+        d.submit("load", [ReadBlocks("r", 1, (0,), time.monotonic() + 30, tuple(keys), tuple(ids_dst))])
+        assert [c.count for c in d.poll("load", 10)] == [len(ids_src)]
+    finally:
+        for t in (p, d):
+            t.close(5)
+
+
+@pytest.mark.parametrize("layout", ["kv-first HND", "HND strides, NHD shape", "CPU packed", "MLA latent"])
+def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout):
+    import torch
+
+    if layout == "kv-first HND":
+        s, shape, perm = spec(), (2, NB, H, B, D), None
+    elif layout == "HND strides, NHD shape":
+        s, shape, perm = spec(), (2, NB, H, B, D), (0, 1, 3, 2, 4)  # seen as [2, NB, B, H, D]
+    elif layout == "CPU packed":
+        s, shape, perm = spec(kinds=1, dim=2 * D), (NB, H, B, 2 * D), None
+    else:
+        s, shape, perm = spec(kinds=1, heads=1), (NB, B, D), None
+    src = layers(shape, perm=perm)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    ids_src, ids_dst = [4, 1, 7], [2, 8, 5]
+    roundtrip(s, src, dst, ids_src, ids_dst)
+    for name in src:
+        a, b = src[name], dst[name]
+        for i, j in zip(ids_src, ids_dst):
+            if len(shape) == 5:
+                assert torch.equal(a[:, i], b[:, j])
+            else:
+                assert torch.equal(a[i], b[j])
+        untouched = [j for j in range(NB) if j not in ids_dst]
+        assert not b[..., untouched, :, :, :].any() if len(shape) == 5 else not b[untouched].any()
+
+
+@pytest.mark.parametrize("make, rule", [
+    (lambda: (spec(), layers((2, NB, B, H, D))), "not one dense run|HND"),  # NHD in memory
+    (lambda: (spec(), layers((NB, 2, H, B, D))), "not the layout kvstate expects"),
+    (lambda: (spec(), layers((2, NB, H, B, D + 1))), "not the layout"),
+    (lambda: (spec(dtype="float16"), layers((2, NB, H, B, D))), "dtype"),
+    (lambda: (spec(), {"only": layers((2, NB, H, B, D))["layer0"]}), "registered 1 KV cache layers"),
+])
+def test_a_layout_kvstate_cannot_serve_is_refused_by_name_before_any_transfer(make, rule):
+    from kvstate.integrations.pagedkv import RankTransfers
+
+    s, ls = make()
+    with pytest.raises(ConfigError, match=rule):
+        RankTransfers(s, 0, ls, MemoryStore(1 << 20))
