@@ -1,0 +1,318 @@
+"""The scheduler's side of an engine connector: kvstate's P and D lifecycles over the blocks
+the engine allocated, advanced one engine step at a time. No engine is imported here.
+
+An engine that owns its blocks (vLLM) tells :class:`Handoff` what its scheduler decided:
+a prompt whose cache a consumer may load (:meth:`Handoff.lookup`, then :meth:`Handoff.load`
+with the blocks it allocated), a request a producer finished (:meth:`Handoff.save`), a
+request that ended (:meth:`Handoff.finished`). Once a step, :meth:`Handoff.step` gives the
+:class:`Orders` every rank's worker carries out, and :meth:`Handoff.completed` takes their
+answers back.
+
+Rules:
+
+- A request's *cache* is its prompt but the last token: a consumer recomputes that token to
+  sample its first one (vLLM does so after a full load), so both sides key the same blocks
+  (:func:`~kvstate.keys.block_keys` under the model's ``namespace``).
+- Save (producer): once the engine finished a request's prompt it lends its blocks; the P
+  lifecycle writes every block not yet stored (a full hit writes nothing), retries per the
+  policy, and ends at the write's deadline. The engine keeps the blocks until
+  ``Orders.sent`` names the request: the save ended and no transfer can touch them (a
+  transfer given up on pins its blocks until its fence passes).
+- Load (consumer): a prompt loads only when every block of its cache is stored on every
+  rank (:meth:`Handoff.lookup`, against the verified manifests). The D lifecycle reads the
+  blocks into those the engine allocated, by the read's deadline. ``Orders.received`` names
+  the request once the read was judged and no transfer touches its blocks; with it,
+  ``Orders.invalid`` lists the blocks from the first one some rank could not read whole
+  (checksum, eviction, failure, deadline): the engine recomputes from there, or fails the
+  request, by its own policy. Nothing is computed from a block that was not verified.
+- Every request the engine ends is ended here (:meth:`Handoff.finished`): aborted in any
+  state, its blocks held by the engine until the orders release them.
+- Every request is named once in ``sent`` or ``received``, and only if the engine holds its
+  blocks for this connector.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import commands as C
+from ..backends.base import Store
+from ..blocks import EngineBlocks
+from ..decode import DecodeLifecycle
+from ..errors import ValidationError
+from ..events import Completion
+from ..keys import block_keys
+from ..policy import Policy
+from ..prefill import PrefillLifecycle
+from ..spec import CacheSpec
+from ..validate import check_request_id, check_tokens
+
+__all__ = ["Handoff", "Orders", "StoredEvent", "ROLES", "SIDES"]
+
+ROLES = ("producer", "consumer", "both")
+SIDES = ("save", "load")  #: the P lifecycle's transfers, the D lifecycle's
+
+
+@dataclass
+class Orders:
+    """What every rank's worker carries out in one engine step."""
+
+    #: transfers by side (``save``: the P lifecycle's, ``load``: the D lifecycle's; each numbers
+    #: its commands on its own): each rank runs its share
+    commands: dict[str, list[C.Command]] = field(default_factory=lambda: {"save": [], "load": []})
+    sent: set[str] = field(default_factory=set)  #: saves ended: the engine may free their blocks
+    received: set[str] = field(default_factory=set)  #: loads judged: the engine may schedule them
+    invalid: set[int] = field(default_factory=set)  #: engine blocks a load left unverified
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """The pool gained (``stored``) or lost (not) a request's blocks: their keys, in order."""
+
+    request_id: str
+    keys: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    stored: bool
+
+
+@dataclass
+class _Tracked:
+    side: str  # "save" or "load"
+    block_ids: list[int]  # the engine's blocks the lifecycle holds, in order
+    tokens: tuple[int, ...]
+    held: bool = True  # the engine holds the blocks until the orders name the request
+    invalid_from: int | None = None  # a load: the first block not read whole on every rank
+
+
+class Handoff:
+    """kvstate's P and D lifecycles over an engine's blocks (see the module's rules).
+
+    ``lookup_store`` is a client of the pool the scheduler asks which caches are stored
+    (closed by :meth:`close`); ``num_blocks`` the engine's blocks; ``policy`` the deadlines
+    and retries (a load that stops short always reports the blocks it verified)."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, role: str, lookup_store: Store, *,
+                 policy: Policy | None = None, namespace: str = "", clock: Callable[[], float] = time.monotonic,
+                 ) -> None:
+        if role not in ROLES:
+            raise ValidationError(f"Handoff: role must be one of {list(ROLES)}, got {role!r}")
+        if not isinstance(lookup_store, Store):
+            raise ValidationError("Handoff: lookup_store must be a kvstate Store")
+        policy = policy or Policy()
+        self.spec, self.role, self.namespace = spec, role, namespace
+        self.store = lookup_store
+        self.prefill = PrefillLifecycle(spec, num_blocks, dataclasses.replace(policy, read_prefix=False),
+                                        clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks))
+        self.decode = DecodeLifecycle(spec, num_blocks, dataclasses.replace(policy, read_failure="recompute"),
+                                      clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks))
+        from ..backends.reference import ReferenceBackend  # a cacheless view: it only asks the store
+
+        self._view = ReferenceBackend(spec, 1, lookup_store)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ending: set[str] = set()  # ended here; released once no transfer pins their blocks
+        self._orders = Orders()
+        self._events: list[StoredEvent] = []
+        self.counters = dict.fromkeys(("lookups", "hits", "saves", "loads", "saved", "save_failed", "loaded",
+                                       "load_partial", "load_failed", "aborted"), 0)
+
+    # -- what the engine's scheduler decided ---------------------------------------------------
+    def cache_keys(self, prompt: Sequence[int]) -> list[str]:
+        """The keys of a prompt's cache (every token but the last)."""
+        return block_keys(list(prompt[:-1]), self.spec.block_size, namespace=self.namespace)
+
+    def lookup(self, request_id: str, prompt: Sequence[int]) -> int:
+        """How many of the prompt's tokens a load brings: all of them when every block of its
+        cache is stored on every rank, else 0 (the engine computes them)."""
+        check_request_id(request_id)
+        check_tokens(request_id, list(prompt))
+        if self.role == "producer" or len(prompt) < 2:
+            return 0
+        keys = self.cache_keys(prompt)
+        self.counters["lookups"] += 1
+        if min(self._view.query(r, keys) for r in range(self.spec.tp_size)) < len(keys):
+            return 0
+        self.counters["hits"] += 1
+        return len(prompt)
+
+    def load(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Load the prompt's cache (a :meth:`lookup` hit) into the engine's ``block_ids``."""
+        self._check_new(request_id, "load")
+        n = self.spec.blocks_for(len(prompt))
+        if len(block_ids) < n:
+            raise ValidationError(f"request {request_id!r}: a load of {len(prompt)} tokens needs {n} blocks, "
+                                  f"the engine allocated {len(block_ids)}")
+        ids = [int(b) for b in block_ids[:n]]
+        self.decode.blocks.lend(request_id, ids)  # type: ignore[attr-defined]
+        try:
+            self.decode.reserve(request_id, list(prompt[:-1]))
+        except Exception:
+            self.decode.blocks.take_back(request_id)  # type: ignore[attr-defined]
+            raise
+        self._tracked[request_id] = _Tracked("load", ids, tuple(prompt))
+        self.counters["loads"] += 1
+        self.decode.deliver_first_token(request_id, int(prompt[-1]))
+
+    def save(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], first_token: int) -> bool:
+        """The engine computed the prompt and sampled ``first_token``: store its cache from
+        ``block_ids``. True: the engine keeps the blocks until ``Orders.sent`` names it."""
+        if self.role == "consumer" or len(prompt) < 2:
+            return False
+        self._check_new(request_id, "save")
+        n = self.spec.blocks_for(len(prompt) - 1)
+        if len(block_ids) < n:
+            raise ValidationError(f"request {request_id!r}: a save of {len(prompt) - 1} tokens needs {n} blocks, "
+                                  f"the engine holds {len(block_ids)}")
+        ids = [int(b) for b in block_ids[:n]]
+        self.prefill.blocks.lend(request_id, ids)  # type: ignore[attr-defined]
+        try:
+            self.prefill.admit(request_id, list(prompt[:-1]))
+        except Exception:
+            self.prefill.blocks.take_back(request_id)  # type: ignore[attr-defined]
+            raise
+        self._tracked[request_id] = _Tracked("save", ids, tuple(prompt))
+        self.counters["saves"] += 1
+        self._notices(self.prefill.poll_commands(), "save")  # StartPrefill: already computed
+        self.prefill.prefill_done(request_id, first_token)
+        return True
+
+    def finished(self, request_id: str) -> bool:
+        """The engine ended the request. True: it must keep the blocks until the orders
+        release them (a save or a load still in flight)."""
+        check_request_id(request_id)
+        t = self._tracked.get(request_id)
+        if t is None:
+            return False
+        lc = self.prefill if t.side == "save" else self.decode
+        if lc.is_live(request_id):
+            if t.side == "load" and lc.state_of(request_id) == "running":
+                self.decode.finish(request_id)
+                t.held = False
+            else:
+                lc.abort(request_id)
+                self.counters["aborted"] += 1
+        if request_id not in self._ending and t.held:
+            self._ending.add(request_id)
+        elif not t.held:
+            del self._tracked[request_id]
+        return t.held
+
+    def _check_new(self, request_id: str, what: str) -> None:
+        check_request_id(request_id)
+        if request_id in self._tracked:
+            raise ValidationError(f"request {request_id!r}: already tracked; cannot {what} it again")
+
+    # -- one engine step ------------------------------------------------------------------------
+    def completed(self, side: str, completions: Iterable[Completion]) -> None:
+        """The workers' answers to one side's commands (each checked by its lifecycle; one
+        nobody waits for is dropped and counted there)."""
+        lc = self._side(side)
+        for c in completions:
+            if not isinstance(c, Completion):
+                raise ValidationError(f"Handoff.completed: expected Completions, got {type(c).__name__}")
+            lc.complete(c)
+        self._notices(lc.poll_commands(), side)  # what the answers decided, for the next orders
+
+    def _side(self, side: str) -> Any:
+        if side not in SIDES:
+            raise ValidationError(f"Handoff: side must be one of {list(SIDES)}, got {side!r}")
+        return self.prefill if side == "save" else self.decode
+
+    def step(self) -> Orders:
+        """Advance time, then collect this step's orders."""
+        for side in SIDES:
+            lc = self._side(side)
+            lc.tick()
+            self._notices(lc.poll_commands(), side)
+        self._release_unpinned()
+        out, self._orders = self._orders, Orders()
+        return out
+
+    def _notices(self, cmds: list[C.Command], side: str) -> None:
+        for cmd in cmds:
+            kind = C.kind_of(cmd)
+            if kind in C.TRANSFER_KINDS or kind == "cancel":
+                self._orders.commands[side].append(cmd)
+            elif isinstance(cmd, C.SendFirstToken):
+                self._saved(cmd)
+            elif isinstance(cmd, C.StartDecode):
+                self._loaded(cmd.request_id, None)
+            elif isinstance(cmd, C.Recompute):
+                self._loaded(cmd.request_id, cmd.from_token // self.spec.block_size)
+                self.decode.recompute_done(cmd.request_id)  # the engine recomputes from there
+            elif isinstance(cmd, C.RequestEnded):
+                self._ended(cmd)
+
+    def _saved(self, cmd: C.SendFirstToken) -> None:
+        t = self._tracked.get(cmd.request_id)
+        if t is None:
+            return
+        if cmd.error_code == 200:
+            self.counters["saved"] += 1
+            keys = self.cache_keys(t.tokens)
+            self._events.append(StoredEvent(cmd.request_id, tuple(keys), t.tokens[:-1], True))
+        else:
+            self.counters["save_failed"] += 1
+
+    def _loaded(self, request_id: str, invalid_from: int | None) -> None:
+        """A load was judged: whole (``invalid_from`` None) or valid up to a block."""
+        t = self._tracked.get(request_id)
+        if t is None or t.side != "load":
+            return
+        self._orders.received.add(request_id)
+        t.held = False  # the engine owns the outcome from here
+        if invalid_from is None:
+            self.counters["loaded"] += 1
+            return
+        self.counters["load_partial"] += 1
+        t.invalid_from = invalid_from
+        self._orders.invalid.update(t.block_ids[invalid_from:])
+        keys = self.cache_keys(t.tokens)[invalid_from:]
+        self._events.append(StoredEvent(request_id, tuple(keys), (), False))
+
+    def _ended(self, cmd: C.RequestEnded) -> None:
+        t = self._tracked.get(cmd.request_id)
+        if t is None:
+            return
+        if t.side == "load" and t.held and cmd.state == "failed":
+            self.counters["load_failed"] += 1
+            t.invalid_from = 0
+        if t.held:
+            self._ending.add(cmd.request_id)
+        else:
+            self._tracked.pop(cmd.request_id, None)
+
+    def _release_unpinned(self) -> None:
+        """Name in the orders every ended request no transfer pins any more."""
+        if not self._ending:
+            return
+        pinned = {cmd.request_id for lc in (self.prefill, self.decode)
+                  for cmd, _, pins, _ in lc.transfers() if pins}
+        for rid in [r for r in self._ending if r not in pinned
+                    and not self.prefill.is_live(r) and not self.decode.is_live(r)]:
+            self._ending.discard(rid)
+            t = self._tracked.pop(rid)
+            if t.side == "save":
+                self._orders.sent.add(rid)
+            else:
+                self._orders.received.add(rid)
+                self._orders.invalid.update(t.block_ids[t.invalid_from or 0:])
+
+    def take_events(self) -> list[StoredEvent]:
+        """The pool's changes seen since the last call."""
+        out, self._events = self._events, []
+        return out
+
+    def tracks(self, request_id: str) -> bool:
+        """Whether a save or load of the request is still this side's."""
+        return request_id in self._tracked
+
+    def live(self) -> int:
+        """Requests this side still tracks."""
+        return len(self._tracked)
+
+    def close(self) -> None:
+        self._view.close()
+        self.store.close()

@@ -1,0 +1,111 @@
+"""The scheduler's side of an engine connector without an engine: kvstate's lifecycles over an
+engine's blocks, answers given by hand (kvstate.integrations.handoff)."""
+from __future__ import annotations
+
+import pytest
+from rigs import Clock
+
+from kvstate import CacheSpec, ValidationError, rank_key
+from kvstate.backends.objects import MANIFEST_KIND
+from kvstate.backends.stores import MemoryStore
+from kvstate.events import Completion
+from kvstate.integrations.handoff import Handoff
+from kvstate.policy import Policy
+
+PROMPT = list(range(1, 42))  # 40 cached tokens: 3 blocks of 16, the last partial
+
+
+def make(role: str = "both", tp: int = 2, **policy):
+    spec = CacheSpec(num_layers=2, kv_heads=1, block_size=16, head_dim=8, tp_size=tp)
+    clock = Clock()
+    store = MemoryStore(1 << 20)
+    h = Handoff(spec, 32, role, store, policy=Policy(**policy), namespace="m", clock=clock)
+    return h, store, clock
+
+
+def fill(h: Handoff, store: MemoryStore, ranks=(0, 1)) -> None:
+    """Mark every block of PROMPT's cache stored on ``ranks`` (objects and manifests present)."""
+    for key in h.cache_keys(PROMPT):
+        for r in ranks:
+            for kind in ("key", "value", MANIFEST_KIND):
+                store.batch_put_from([rank_key(key, kind, r)], [b"x"])
+
+
+def test_a_cache_loads_only_when_every_block_is_stored_on_every_rank():
+    h, store, _ = make()
+    assert h.lookup("a", PROMPT) == 0
+    fill(h, store, ranks=(0,))
+    assert h.lookup("a", PROMPT) == 0  # rank 1 lacks it
+    fill(h, store, ranks=(1,))
+    assert h.lookup("a", PROMPT) == len(PROMPT)
+    assert make("producer")[0].lookup("a", PROMPT) == 0
+
+
+def test_a_block_one_rank_could_not_read_rewinds_to_it_on_every_rank():
+    h, store, _ = make()
+    fill(h, store)
+    h.load("a", PROMPT, [5, 6, 7])
+    read = h.step().commands["load"]
+    assert len(read) == 1 and read[0].block_ids == (5, 6, 7)
+    cid = read[0].command_id
+    h.completed("load", [Completion(cid, 0, 3), Completion(cid, 1, 1)])  # rank 1 read one block whole
+    orders = h.step()
+    assert orders.received == {"a"} and orders.invalid == {6, 7}
+    assert h.counters["load_partial"] == 1
+    assert not h.finished("a")  # running: the engine frees its own blocks
+    assert h.live() == 0
+    removed = h.take_events()
+    assert [e.stored for e in removed] == [False] and len(removed[0].keys) == 2
+
+
+def test_a_save_holds_the_engines_blocks_until_it_lands_and_says_so():
+    h, store, _ = make(tp=1)
+    assert h.save("a", PROMPT, [3, 4, 9, 11], first_token=7)  # 4 blocks held, 3 are the cache's
+    write = h.step().commands["save"]
+    assert write[0].block_ids == (3, 4, 9)
+    h.completed("save", [Completion(write[0].command_id, 0, 3)])
+    orders = h.step()
+    assert orders.sent == {"a"} and h.counters["saved"] == 1
+    stored = h.take_events()
+    assert stored[0].stored and stored[0].token_ids == tuple(PROMPT[:-1])
+    assert h.step().sent == set()  # named once
+
+
+def test_an_unanswered_save_frees_nothing_before_its_fence_then_frees_everything():
+    h, store, clock = make(tp=1, transfer_timeout=1.0, fence_grace=2.0, write_retries=0)
+    h.save("a", PROMPT, [3, 4, 9], first_token=7)
+    h.step()
+    clock.advance(1.5)  # past the deadline: failed, but a stalled rank may still read the blocks
+    assert h.step().sent == set() and h.counters["save_failed"] == 1
+    clock.advance(2.0)  # past the fence
+    assert h.step().sent == {"a"}
+    assert h.live() == 0
+
+
+def test_abort_while_loading_releases_only_once_the_read_answers():
+    h, store, _ = make(tp=1)
+    fill(h, store, ranks=(0,))
+    h.load("a", PROMPT, [1, 2, 3])
+    cid = h.step().commands["load"][0].command_id
+    assert h.finished("a")  # the engine must keep the blocks
+    assert h.step().received == set()
+    h.completed("load", [Completion(cid, 0, 3)])
+    orders = h.step()
+    assert orders.received == {"a"} and orders.invalid == {1, 2, 3}
+    assert h.counters["aborted"] == 1 and h.live() == 0
+
+
+@pytest.mark.parametrize("call, rule", [
+    (lambda h: h.load("a", PROMPT, [1]), "needs 3 blocks"),
+    (lambda h: h.save("a", PROMPT, [1, 2], 5), "needs 3 blocks"),
+    (lambda h: h.lookup("", PROMPT), "request id"),
+    (lambda h: h.completed("load", ["x"]), "expected Completions"),
+    (lambda h: h.completed("sideways", []), "side must be one of"),
+])
+def test_bad_input_is_refused_and_changes_nothing(call, rule):
+    h, _, _ = make(tp=1)
+    with pytest.raises(ValidationError, match=rule):
+        call(h)
+    assert h.live() == 0 and h.step().commands == {"save": [], "load": []}
+    with pytest.raises(ValidationError, match="role must be one of"):
+        Handoff(h.spec, 32, "relay", MemoryStore(1 << 10))
