@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-__all__ = ["has_module", "gpu_missing", "gpu", "mooncake_missing"]
+__all__ = ["has_module", "gpu_missing", "gpu", "mooncake_missing", "vllm_missing"]
 
 
 def has_module(name: str) -> bool:
@@ -29,6 +29,18 @@ def mooncake_missing() -> str | None:
         load_mooncake()
     except StoreError as e:
         return str(e)
+    return None
+
+
+@functools.cache
+def vllm_missing() -> str | None:
+    """Why vLLM's scheduler cannot run here, or None (pip install '.[vllm]': the CPU build)."""
+    if not has_module("vllm") or not has_module("torch"):
+        return "vllm is not installed (pip install '.[vllm]', then remove torchvision, torchaudio, torchcodec)"
+    try:
+        importlib.import_module("vllm.v1.core.sched.scheduler")
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip
+        return f"vllm does not import here: {type(e).__name__}: {e}"
     return None
 
 

@@ -1,0 +1,370 @@
+"""kvstate as a vLLM v1 KV connector: PD disaggregation through kvstate's store.
+
+Load it with no patch to vLLM::
+
+    --kv-transfer-config '{"kv_connector": "KVStateConnector",
+                           "kv_connector_module_path": "kvstate.integrations.vllm",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"store": {"kind": "file", "root": "/dev/shm/kv"}}}'
+
+This is the only kvstate module that imports vLLM. The work is kvstate's own: the scheduler
+side is a :class:`~kvstate.integrations.handoff.Handoff` (its rules are the connector's:
+what is saved and loaded, when blocks go back, what a bad block does), the worker side a
+:class:`~kvstate.integrations.pagedkv.RankTransfers` over the engine's KV tensors.
+
+Rules:
+
+- ``kv_producer`` saves every request's cache when the engine finishes it (the engine keeps
+  the blocks until the save ended); ``kv_consumer`` loads a prompt's cache when the pool holds
+  all of it; ``kv_both`` does both.
+- A consumer's request sent on by a producer (``kv_transfer_params`` with
+  ``do_remote_prefill``) waits up to ``wait_for_cache`` seconds for its cache to be stored
+  before it computes it itself; any other prompt loads only what is there. A prompt with a
+  local prefix hit computes the rest itself.
+- Transfers run on each rank's threads, after the step's forward; their commands and the
+  scheduler's releases travel in the step's connector metadata, their answers in the worker
+  metadata. ``finished_sending`` / ``finished_recving`` and the load errors are the
+  scheduler's decisions, which every rank reports back the step after.
+- Every ``kv_connector_extra_config`` key is checked when vLLM builds the connector, with the
+  store reached and the KV cache's layout read: an unknown key, an unreachable store, or a
+  layout, dtype or cache group kvstate does not serve is refused then, naming the key or
+  rule, before any request is admitted.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.request import RequestStatus
+
+from ..backends.base import Store
+from ..errors import ConfigError, KVStateError, ValidationError
+from ..events import Completion
+from ..policy import Policy
+from ..spec import CacheSpec
+from .handoff import Handoff, Orders
+from .pagedkv import RankTransfers, spec_dtype
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVStateConnector", "KVStateMetadata", "KVStateWorkerMetadata", "Settings", "ROLE_OF", "open_store"]
+
+#: vLLM's kv_role -> the handoff's role
+ROLE_OF = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+_FINISHED_WHOLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_MEMORY_STORES: dict[str, Store] = {}  # "memory" stores by name: one process's tests share them
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The connector's ``kv_connector_extra_config`` (every key checked; unknown ones refused)."""
+
+    #: the pool: ``{"kind": "file", "root": DIR}``, ``{"kind": "mooncake", "master": ...,
+    #: "metadata": ...}`` (kvstate.backends.mooncake.MooncakeConfig's fields), or ``{"kind":
+    #: "memory", "name": NAME}`` (one process only: tests)
+    store: dict[str, Any] = field(default_factory=lambda: {"kind": "memory", "name": "default"})
+    namespace: str = ""  #: prefixes every key (default: the model's name)
+    transfer_timeout: float = 30.0  #: seconds: every save's and load's deadline
+    #: seconds past a deadline a transfer nobody answered keeps its blocks (a stalled rank may
+    #: still touch them until then; no rank touches them after)
+    fence_grace: float = 60.0
+    write_retries: int = 1  #: extra attempts after a failed or partial save
+    wait_for_cache: float = 30.0  #: seconds a consumer waits for a producer's cache to be stored
+    workers: int = 2  #: transfer threads per rank and side (saves, loads)
+
+    @classmethod
+    def from_extra(cls, extra: Any) -> Settings:
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; KVStateConnector takes "
+                              f"{sorted(known)}")
+        s = cls(**extra)
+        s.check()
+        return s
+
+    def check(self) -> None:
+        if not isinstance(self.store, dict) or self.store.get("kind") not in ("file", "mooncake", "memory"):
+            raise ConfigError(f"kv_connector_extra_config.store must be a dict whose kind is 'file', 'mooncake' "
+                              f"or 'memory', got {self.store!r}")
+        if not isinstance(self.namespace, str):
+            raise ConfigError(f"kv_connector_extra_config.namespace must be a str, got {self.namespace!r}")
+        for name in ("transfer_timeout", "fence_grace", "wait_for_cache"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ConfigError(f"kv_connector_extra_config.{name} must be seconds >= 0, got {v!r}")
+        for name, lo in (("write_retries", 0), ("workers", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 64:
+                raise ConfigError(f"kv_connector_extra_config.{name} must be an int in {lo}..64, got {v!r}")
+
+
+def open_store(cfg: dict[str, Any]) -> Store:
+    """A client of the pool ``cfg`` names (reached now: an unreachable one raises)."""
+    if cfg.get("kind") == "memory":
+        from ..backends.stores import MemoryStore
+
+        if set(cfg) - {"kind", "name", "capacity_bytes"}:
+            raise ConfigError(f"a memory store takes a name and a capacity_bytes only, got {sorted(cfg)}")
+        name = str(cfg.get("name", "default"))
+        if name not in _MEMORY_STORES:
+            _MEMORY_STORES[name] = MemoryStore(int(cfg.get("capacity_bytes", 1 << 30)))
+        return _Shared(_MEMORY_STORES[name])
+    from ..distributed.rankworker import build_store
+
+    try:
+        return build_store(cfg)
+    except (KVStateError, OSError, TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"kv_connector_extra_config.store {cfg!r} cannot be reached: {e}") from None
+
+
+class _Shared(Store):
+    """A process's named memory store, which closing one client leaves open."""
+
+    def __init__(self, store: Store) -> None:
+        self._s = store
+        self.verify = bool(getattr(store, "verify", True))
+
+    def batch_put_from(self, keys: Any, buffers: Any) -> list[int]:
+        return self._s.batch_put_from(keys, buffers)
+
+    def batch_get_into(self, keys: Any, buffers: Any) -> list[int]:
+        return self._s.batch_get_into(keys, buffers)
+
+    def batch_is_exist(self, keys: Any) -> list[int]:
+        return self._s.batch_is_exist(keys)
+
+    def batch_put_hashed(self, keys: Any, buffers: Any) -> tuple[list[int], list[int]]:
+        return self._s.batch_put_hashed(keys, buffers)
+
+    def batch_get_hashed(self, keys: Any, buffers: Any) -> tuple[list[int], list[int]]:
+        return self._s.batch_get_hashed(keys, buffers)
+
+    def evict(self, keys: Any) -> int:
+        return self._s.evict(keys)
+
+    @property
+    def shared(self) -> Store:
+        """The store itself (tests reach into it to corrupt a block)."""
+        return self._s
+
+
+def cache_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheSpec:
+    """One rank's :class:`CacheSpec` from the engine's KV cache configuration, or a ConfigError
+    naming what kvstate does not serve."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"KVStateConnector serves one KV cache group (every layer full or latent "
+                          f"attention); this model has {len(groups)}")
+    kv = groups[0].kv_cache_spec
+    if not isinstance(kv, FullAttentionSpec) or getattr(kv, "sliding_window", None):
+        raise ConfigError(f"KVStateConnector serves full and latent (MLA) attention; this model's cache is "
+                          f"{type(kv).__name__}")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    dtype = spec_dtype(kv.dtype)
+    if dtype == "uint8" and "scale" in str(getattr(vllm_config.cache_config, "cache_dtype", "")):
+        raise ConfigError("KVStateConnector: fp8 caches with per-block scales are not served")
+    layers = len(groups[0].layer_names)
+    if isinstance(kv, MLAAttentionSpec):
+        return CacheSpec(num_layers=layers, kv_heads=1, block_size=kv.block_size, head_dim=kv.head_size,
+                         dtype=dtype, has_value=False, tp_size=tp, total_kv_heads=1)
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    if vllm_config.device_config.device_type == "cpu":  # CPU attention: K and V rows packed per head
+        return CacheSpec(num_layers=layers, kv_heads=kv.num_kv_heads, block_size=kv.block_size,
+                         head_dim=2 * kv.head_size, dtype=dtype, has_value=False, tp_size=tp, total_kv_heads=total)
+    return CacheSpec(num_layers=layers, kv_heads=kv.num_kv_heads, block_size=kv.block_size, head_dim=kv.head_size,
+                     dtype=dtype, tp_size=tp, total_kv_heads=total)
+
+
+class KVStateMetadata(KVConnectorMetadata):
+    """The scheduler's orders for one step (kvstate.integrations.handoff.Orders)."""
+
+    def __init__(self, orders: Orders) -> None:
+        self.orders = orders
+
+
+class KVStateWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's answers from the ranks, by side."""
+
+    def __init__(self, answers: dict[str, list[Completion]]) -> None:
+        self.answers = answers
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVStateWorkerMetadata):
+            raise ValidationError(f"KVStateWorkerMetadata cannot aggregate a {type(other).__name__}")
+        return KVStateWorkerMetadata({side: self.answers.get(side, []) + other.answers.get(side, [])
+                                      for side in set(self.answers) | set(other.answers)})
+
+
+class KVStateConnector(KVConnectorBase_V1):
+    """kvstate's connector (see the module's rules)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.settings = Settings.from_extra(tc.kv_connector_extra_config)
+        if tc.kv_role not in ROLE_OF:
+            raise ConfigError(f"KVStateConnector: kv_role {tc.kv_role!r} is not one of {sorted(ROLE_OF)}")
+        self.spec = cache_spec(vllm_config, kv_cache_config)
+        self.namespace = self.settings.namespace or str(vllm_config.model_config.model)
+        self.handoff: Handoff | None = None
+        self.transfers: RankTransfers | None = None
+        self._first_seen: dict[str, float] = {}  # a consumer's requests waiting for their cache
+        self._loaded: set[str] = set()  # requests whose load went out (never tried twice)
+        if role == KVConnectorRole.SCHEDULER:
+            policy = Policy(transfer_timeout=float(self.settings.transfer_timeout),
+                            fence_grace=float(self.settings.fence_grace), write_retries=self.settings.write_retries)
+            self.handoff = Handoff(self.spec, kv_cache_config.num_blocks, ROLE_OF[tc.kv_role],
+                                   open_store(self.settings.store), policy=policy, namespace=self.namespace)
+        else:
+            open_store(self.settings.store).close()  # reached now, not at the first request
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "HND"  # a block of a layer and kind is one dense run (kvstate.integrations.pagedkv)
+
+    # -- scheduler side -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        h = self._handoff()
+        prompt = request.prompt_token_ids or []
+        if num_computed_tokens or h.role == "producer" or request.request_id in self._loaded:
+            return 0, False  # a local prefix hit, or a load already tried: the engine computes the rest
+        n = h.lookup(request.request_id, prompt)
+        if n:
+            self._first_seen.pop(request.request_id, None)
+            return n, True
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            first = self._first_seen.setdefault(request.request_id, time.monotonic())
+            if time.monotonic() - first < self.settings.wait_for_cache:
+                return None, False  # the producer's save has not landed yet: ask again
+        self._first_seen.pop(request.request_id, None)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._loaded.add(request.request_id)
+            self._handoff().load(request.request_id, request.prompt_token_ids or [], blocks.get_block_ids()[0])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KVStateMetadata(self._handoff().step())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, KVStateWorkerMetadata):
+            raise ValidationError(f"KVStateConnector: worker metadata is a {type(meta).__name__}")
+        for side, answers in meta.answers.items():
+            self._handoff().completed(side, answers)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        h = self._handoff()
+        rid = request.request_id
+        self._first_seen.pop(rid, None)
+        self._loaded.discard(rid)
+        prompt = request.prompt_token_ids or []
+        if h.tracks(rid):
+            return h.finished(rid), None
+        if h.role != "consumer" and request.status in _FINISHED_WHOLE and request.output_token_ids \
+                and request.num_computed_tokens >= len(prompt):
+            held = h.save(rid, prompt, block_ids, int(request.output_token_ids[0]))
+            return held, ({"do_remote_prefill": True, "do_remote_decode": False} if held else None)
+        return False, None
+
+    def take_events(self) -> Any:
+        h = self._handoff()
+        out: list[Any] = []
+        for e in h.take_events():
+            hashes: list[Any] = [k.encode() for k in e.keys]
+            if e.stored:
+                out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=list(e.token_ids),
+                                       block_size=self.spec.block_size, lora_id=None, medium="STORAGE",
+                                       lora_name=None))
+            else:
+                out.append(BlockRemoved(block_hashes=hashes, medium="STORAGE"))
+        return out
+
+    def _handoff(self) -> Handoff:
+        if self.handoff is None:
+            raise ValidationError("KVStateConnector: a scheduler-side call on a worker's connector")
+        return self.handoff
+
+    # -- worker side ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        rank = 0
+        if self.spec.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        self.transfers = RankTransfers(self.spec, rank, kv_caches, open_store(self.settings.store),
+                                       workers=self.settings.workers)
+
+    def _orders(self) -> Orders | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStateMetadata) or not isinstance(meta.orders, Orders):
+            raise ValidationError(f"KVStateConnector: connector metadata is a {type(meta).__name__}")
+        return meta.orders
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        orders = self._orders()
+        if orders is None:
+            return
+        if self.transfers is None:
+            raise ValidationError("KVStateConnector: transfers ordered before the KV caches were registered")
+        for side, cmds in orders.commands.items():
+            self.transfers.submit(side, cmds)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # whole-request loads, into blocks no forward reads before they are judged
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves start once the request finished, from blocks the engine keeps for them
+
+    def wait_for_save(self) -> None:
+        return  # saves run on the rank's threads; the engine keeps their blocks until released
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        orders = self._orders()
+        if orders is None:
+            return None, None
+        return set(orders.sent) or None, set(orders.received) or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        orders = self._orders()
+        return set(orders.invalid) if orders is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.transfers is None:
+            return None
+        answers = {side: self.transfers.poll(side) for side in self.transfers.drivers}
+        return KVStateWorkerMetadata(answers) if any(answers.values()) else None
+
+    def shutdown(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()
+            self.transfers = None
+        if self.handoff is not None:
+            self.handoff.close()
+            self.handoff = None
