@@ -22,16 +22,27 @@ def spec(kinds: int = 2, dtype: str = "bfloat16", heads: int = H, dim: int = D) 
     return CacheSpec(num_layers=3, kv_heads=heads, block_size=B, head_dim=dim, dtype=dtype, has_value=kinds == 2)
 
 
-def layers(shape, dtype=None, perm=None):
+def layers(shape, dtype=None, perm=None, device="cpu"):
     import torch
 
     dtype = dtype or torch.bfloat16
     g = torch.Generator().manual_seed(len(shape))
     out = {}
     for i in range(3):
-        t = torch.randn(*shape, generator=g).to(dtype)
+        t = torch.randn(*shape, generator=g).to(dtype).to(device)
         out[f"layer{i}"] = t.permute(*perm) if perm else t
     return out
+
+
+def cuda_missing() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None if has_module("cupy") else "needs CuPy (pip install '.[cuda]')"
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def roundtrip(s: CacheSpec, src: dict, dst: dict, ids_src: list[int], ids_dst: list[int]) -> None:
@@ -50,10 +61,13 @@ def roundtrip(s: CacheSpec, src: dict, dst: dict, ids_src: list[int], ids_dst: l
             t.close(5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["kv-first HND", "HND strides, NHD shape", "CPU packed", "MLA latent"])
-def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout):
+def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout, device):
     import torch
 
+    if device == "cuda" and cuda_missing():
+        pytest.skip(cuda_missing())
     if layout == "kv-first HND":
         s, shape, perm = spec(), (2, NB, H, B, D), None
     elif layout == "HND strides, NHD shape":
@@ -62,7 +76,7 @@ def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout):
         s, shape, perm = spec(kinds=1, dim=2 * D), (NB, H, B, 2 * D), None
     else:
         s, shape, perm = spec(kinds=1, heads=1), (NB, B, D), None
-    src = layers(shape, perm=perm)
+    src = layers(shape, perm=perm, device=device)
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     ids_src, ids_dst = [4, 1, 7], [2, 8, 5]
     roundtrip(s, src, dst, ids_src, ids_dst)
