@@ -52,6 +52,7 @@ def test_a_block_one_rank_could_not_read_rewinds_to_it_on_every_rank():
     orders = h.step()
     assert orders.received == {"a"} and orders.invalid == {6, 7}
     assert h.counters["load_partial"] == 1
+    assert h.step().received == set() and h.counters["loaded"] == 0  # named once, counted once
     assert not h.finished("a")  # running: the engine frees its own blocks
     assert h.live() == 0
     removed = h.take_events()

@@ -16,6 +16,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: not most of the machine's memory
 
 
 def main() -> None:

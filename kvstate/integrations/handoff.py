@@ -259,8 +259,8 @@ class Handoff:
     def _loaded(self, request_id: str, invalid_from: int | None) -> None:
         """A load was judged: whole (``invalid_from`` None) or valid up to a block."""
         t = self._tracked.get(request_id)
-        if t is None or t.side != "load":
-            return
+        if t is None or t.side != "load" or not t.held:
+            return  # judged already (a recompute's StartDecode follows its Recompute)
         self._orders.received.add(request_id)
         t.held = False  # the engine owns the outcome from here
         if invalid_from is None:
