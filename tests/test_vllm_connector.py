@@ -3,147 +3,19 @@ connector unit tests drive it): P holds its blocks until its save lands, D waits
 runs, a bad block rewinds to the first token it cannot vouch for, and nothing leaks."""
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
 import pytest
 from needs import vllm_missing
+from vllm_rig import Engine, write_model
 
 pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
-
-BS = 32  # vLLM's CPU attention takes blocks of a multiple of 32 tokens
-NB = 48
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-          "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
-          "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-          "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: Any) -> str:
-    d = tmp_path_factory.mktemp("tinyllama")
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    return str(d)
-
-
-class Engine:
-    """vLLM's scheduler with one worker-side connector and fake model outputs."""
-
-    def __init__(self, model_dir: str, role: str, store_name: str, **extra: Any) -> None:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        import torch
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        from kvstate.integrations.vllm import KVStateConnector
-
-        init_none_hash(sha256)
-        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
-        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048,
-                             enable_chunked_prefill=True, is_encoder_decoder=False)
-        cc = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True)
-        tc = KVTransferConfig(kv_connector="KVStateConnector", kv_connector_module_path="kvstate.integrations.vllm",
-                              kv_role=role, kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"store": {"kind": "memory", "name": store_name}, **extra})
-        self.config = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=tc,
-                                 device_config=DeviceConfig("cpu"))
-        self.config.cache_config.num_gpu_blocks = NB
-        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config(), log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(self.config), block_size=BS)
-        self.worker = KVStateConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config())
-        gen = torch.Generator().manual_seed(hash(role) % 1000)
-        self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(NB, 1, BS, 128, generator=gen).to(torch.bfloat16)
-                       for i in range(2)}
-        self.worker.register_kv_caches(self.caches)
-        self.free_at_start = self.free()
-        self.lose_answers = False
-
-    def kv_cache_config(self) -> Any:
-        import torch
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-        return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[],
-                             kv_cache_groups=[KVCacheGroupSpec(list(self.caches_names()), spec)])
-
-    @staticmethod
-    def caches_names() -> list[str]:
-        return [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-
-    @property
-    def handoff(self) -> Any:
-        return self.scheduler.connector.handoff
-
-    def free(self) -> int:
-        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-
-    def add(self, rid: str, prompt: list[int], max_tokens: int, remote: bool = False) -> Any:
-        from vllm import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-        from vllm.v1.request import Request
-
-        sp = SamplingParams(max_tokens=max_tokens)
-        sp.update_from_generation_config({}, 2)
-        r = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
-                    block_hasher=get_request_block_hasher(BS, sha256))
-        r.kv_transfer_params = {"do_remote_prefill": True} if remote else None
-        self.scheduler.add_request(r)
-        return r
-
-    def step(self, token: int = 7, settle: float = 2.0) -> Any:
-        """One engine step: schedule, the worker's connector calls around a (fake) forward,
-        the outputs back. Waits up to ``settle`` s for the transfers it started to answer."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-        so = self.scheduler.schedule()
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
-        w.wait_for_save()
-        deadline = time.monotonic() + settle
-        while w.transfers.inflight() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        sending, recving = w.get_finished(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        meta = w.build_connector_worker_meta()
-        w.clear_connector_metadata()
-        if self.lose_answers:
-            meta = None
-        ids = list(so.num_scheduled_tokens)
-        kco = KVConnectorOutput(finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid,
-                                kv_connector_worker_meta=meta)
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[[token] for _ in ids], logprobs=None, prompt_logprobs_dict={},
-                                pooler_output=None, kv_connector_output=kco)
-        self.scheduler.update_from_output(so, out)
-        return so
-
-    def run(self, steps: int = 8) -> list[Any]:
-        return [self.step() for _ in range(steps)]
-
-    def block_ids(self, rid: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
-
-    def blocks(self, ids: list[int]) -> list[Any]:
-        return [t[ids].clone() for t in self.caches.values()]
-
-    def assert_clean(self) -> None:
-        assert not self.scheduler.requests
-        assert self.free() == self.free_at_start
-        assert self.handoff.live() == 0
-        assert self.worker.transfers.inflight() == 0
-
-    def close(self) -> None:
-        self.worker.shutdown()
-        self.scheduler.connector.shutdown()
-
+    return write_model(tmp_path_factory.mktemp("tinyllama"))
 
 PROMPT = list(range(3, 3 + 100))  # 99 cached tokens: 4 blocks, the last partial
 
