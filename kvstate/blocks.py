@@ -275,12 +275,15 @@ class EngineBlocks(BlockManager):
         super().__init__(spec, num_blocks, who=who, pool=EnginePool(num_blocks))
         self._lent: dict[str, list[int]] = {}
         self._lent_ids: set[int] = set()
+        self._computed: dict[str, int] = {}  # request -> leading lent blocks the engine computed
 
-    def lend(self, request_id: str, block_ids: Sequence[int]) -> None:
+    def lend(self, request_id: str, block_ids: Sequence[int], computed: int = 0) -> None:
         """The engine allocated ``block_ids`` for the request (table by table with group
         tables: ``n`` of each); the lifecycle's next allocations for it take them in order.
         Each id must be the engine's (in range), named once, and not lent for another request
-        still untaken; one kvstate holds already is shared (see the rules)."""
+        still untaken; one kvstate holds already is shared (see the rules). ``computed``: how
+        many leading blocks already hold the request's cache (the engine's own prefix cache
+        found them): the lifecycle reads and computes only past them (``req.hits``)."""
         check_request_id(request_id)
         if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
             raise BlockError(f"request {request_id!r}: lend takes a sequence of block ids, got {block_ids!r}")
@@ -292,8 +295,12 @@ class EngineBlocks(BlockManager):
             if b in seen or b in self._lent_ids:
                 raise BlockError(f"request {request_id!r}: block {b} is already lent")
             seen.add(b)
+        check_int(computed, f"request {request_id!r}: computed", minimum=0, maximum=len(block_ids),
+                  error=BlockError)
         self._lent.setdefault(request_id, []).extend(int(b) for b in block_ids)
         self._lent_ids |= seen
+        if computed:
+            self._computed[request_id] = computed
 
     def lent(self, request_id: str) -> tuple[int, ...]:
         """The ids lent for the request and not taken yet."""
@@ -304,6 +311,7 @@ class EngineBlocks(BlockManager):
         engine keeps them as it had them."""
         ids = self._lent.pop(check_request_id(request_id), [])
         self._lent_ids.difference_update(ids)
+        self._computed.pop(request_id, None)
         return ids
 
     def returned(self) -> list[int]:
@@ -333,7 +341,10 @@ class EngineBlocks(BlockManager):
             del self._lent[req.id]
         self._lent_ids.difference_update(ids)
         self.pool.take(ids)  # type: ignore[attr-defined]
+        first = not held(req)
         give(req, ids)
+        if first:
+            req.hits = min(self._computed.pop(req.id, 0), n)
         return ids
 
     def allocate_cached(self, req: Any, n: int, lookup: Sequence[str], headroom: int = 0) -> bool:

@@ -137,3 +137,17 @@ def test_a_block_the_engine_shares_between_two_requests_returns_when_both_let_go
     assert de.returned() == [4]  # 2 is still b's
     D.abort("b")
     assert sorted(de.returned()) == [2, 5]
+
+
+def test_blocks_the_engine_computed_are_read_past_and_must_be_lent():
+    spec, clock, _, (D, de, dd, db) = engine_pair()
+    with pytest.raises(BlockError, match="computed"):
+        de.lend("r", [2, 4], computed=3)
+    assert de.lent("r") == ()
+    de.lend("r", [2, 4, 6], computed=1)
+    D.reserve("r", list(range(1, 11)))
+    D.deliver_first_token("r", 99)
+    dd.pump()
+    (cid, _), *_ = list(dd.pending)
+    read = next(c for c in D.pending_commands() if c.command_id == cid)
+    assert read.block_ids[0] == 4  # block 2 held the cache already

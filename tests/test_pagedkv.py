@@ -91,6 +91,23 @@ def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout, dev
         assert not b[..., untouched, :, :, :].any() if len(shape) == 5 else not b[untouched].any()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn", "float8_e5m2"])
+def test_float16_and_fp8_caches_round_trip_as_bytes(dtype, device):
+    import torch
+
+    if device == "cuda" and cuda_missing():
+        pytest.skip(cuda_missing())
+    tdtype = getattr(torch, dtype)
+    s = spec(dtype="float16" if dtype == "float16" else "uint8")
+    src = layers((2, NB, H, B, D), dtype=tdtype, device=device)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    roundtrip(s, src, dst, [0, 8], [3, 4])
+    for name in src:
+        a, b = src[name].view(torch.uint8), dst[name].view(torch.uint8)
+        assert torch.equal(a[:, [0, 8]], b[:, [3, 4]])
+
+
 @pytest.mark.parametrize("make, rule", [
     (lambda: (spec(), layers((2, NB, B, H, D))), "not one dense run|HND"),  # NHD in memory
     (lambda: (spec(), layers((NB, 2, H, B, D))), "not the layout kvstate expects"),

@@ -88,6 +88,23 @@ def test_a_full_prefix_hit_writes_nothing(engines):
     P.assert_clean()
 
 
+def test_d_with_a_local_prefix_hit_loads_only_the_blocks_past_it(engines):
+    P, D = engines("kv_producer"), engines("kv_consumer")
+    prefill(P)
+    P.run(3)
+    D.add("x", PROMPT, 1, remote=True)
+    D.run(4)
+    backend = D.worker.transfers.backend
+    moved, per_block = backend.bytes_moved, D.worker.spec.bytes_per_block_per_rank
+    assert moved == 4 * per_block
+    D.add("y", PROMPT, 2, remote=True)  # vLLM's prefix cache holds 3 of the cache's 4 blocks
+    D.step()
+    assert str(D.scheduler.requests["y"].status) == "WAITING_FOR_REMOTE_KVS"
+    D.run(6)
+    assert backend.bytes_moved - moved == per_block and D.handoff.counters["loaded"] == 2
+    D.assert_clean()
+
+
 def corrupt(store: Any, key: str) -> None:
     import numpy as np
 
@@ -160,3 +177,10 @@ def test_bad_extra_config_is_refused_when_vllm_builds_the_connector(model_dir, e
 
     with pytest.raises(ConfigError, match=rule):
         Engine(model_dir, "kv_producer", "bad", **extra)
+
+
+def test_a_cache_dtype_whose_scales_live_beside_the_cache_is_refused(model_dir):
+    from kvstate import ConfigError
+
+    with pytest.raises(ConfigError, match="'int8_per_token_head' is not served"):
+        Engine(model_dir, "kv_consumer", "bad", cache_dtype="int8_per_token_head")

@@ -40,7 +40,7 @@ def write_model(d: Any) -> str:
 class Engine:
     """vLLM's scheduler with one worker-side connector and fake model outputs."""
 
-    def __init__(self, model_dir: str, role: str, store_name: str, **extra: Any) -> None:
+    def __init__(self, model_dir: str, role: str, store_name: str, cache_dtype: str = "auto", **extra: Any) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
         import torch
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -56,7 +56,7 @@ class Engine:
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048,
                              enable_chunked_prefill=True, is_encoder_decoder=False)
-        cc = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True)
+        cc = CacheConfig(block_size=BS, cache_dtype=cache_dtype, enable_prefix_caching=True)
         tc = KVTransferConfig(kv_connector="KVStateConnector", kv_connector_module_path="kvstate.integrations.vllm",
                               kv_role=role, kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"store": {"kind": "memory", "name": store_name}, **extra})
@@ -160,11 +160,13 @@ class Engine:
 
     def poison_loads(self) -> None:
         """Blocks just allocated for a load hold 0s (the pattern never does) before it lands,
-        as reused memory would hold anything: a block the load did not fill is never right."""
+        as reused memory would hold anything: a block the load did not fill is never right.
+        Blocks vLLM's prefix cache gave the request (they have a hash) hold their cache."""
+        pool = self.scheduler.kv_cache_manager.block_pool.blocks
         for rid, req in self.scheduler.requests.items():
             if str(req.status) == "WAITING_FOR_REMOTE_KVS" and rid not in self._poisoned:
                 self._poisoned.add(rid)
-                ids = self.block_ids(rid)
+                ids = [b for b in self.block_ids(rid) if pool[b].block_hash is None]
                 for t in self.caches.values():
                     t[ids] = 0
 

@@ -137,15 +137,21 @@ class Handoff:
         self.counters["hits"] += 1
         return len(prompt)
 
-    def load(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Load the prompt's cache (a :meth:`lookup` hit) into the engine's ``block_ids``."""
+    def load(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], computed: int = 0) -> None:
+        """Load the prompt's cache (a :meth:`lookup` hit) into the engine's ``block_ids``;
+        its first ``computed`` tokens (whole blocks: the engine's own prefix cache had them)
+        are in place already, and only the blocks past them are read."""
         self._check_new(request_id, "load")
         n = self.spec.blocks_for(len(prompt))
         if len(block_ids) < n:
             raise ValidationError(f"request {request_id!r}: a load of {len(prompt)} tokens needs {n} blocks, "
                                   f"the engine allocated {len(block_ids)}")
+        bs = self.spec.block_size
+        if not isinstance(computed, int) or computed < 0 or computed % bs or computed >= len(prompt) - 1:
+            raise ValidationError(f"request {request_id!r}: computed {computed!r} is not whole blocks of "
+                                  f"{bs} tokens short of the prompt's cache")
         ids = [int(b) for b in block_ids[:n]]
-        self.decode.blocks.lend(request_id, ids)  # type: ignore[attr-defined]
+        self.decode.blocks.lend(request_id, ids, computed // bs)  # type: ignore[attr-defined]
         try:
             self.decode.reserve(request_id, list(prompt[:-1]))
         except Exception:

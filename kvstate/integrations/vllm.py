@@ -20,7 +20,7 @@ Rules:
 - A consumer's request sent on by a producer (``kv_transfer_params`` with
   ``do_remote_prefill``) waits up to ``wait_for_cache`` seconds for its cache to be stored
   before it computes it itself; any other prompt loads only what is there. A prompt with a
-  local prefix hit computes the rest itself.
+  local prefix hit loads only the blocks past it.
 - Transfers run on each rank's threads, after the step's forward; their commands and the
   scheduler's releases travel in the step's connector metadata, their answers in the worker
   metadata. ``finished_sending`` / ``finished_recving`` and the load errors are the
@@ -66,6 +66,9 @@ __all__ = ["KVStateConnector", "KVStateMetadata", "KVStateWorkerMetadata", "Sett
 
 #: vLLM's kv_role -> the handoff's role
 ROLE_OF = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+#: vLLM cache dtypes whose blocks are the whole cache (fp8's per-tensor scales are the model's,
+#: the same on P and D); per-token-head, fp4 and other packed formats keep scales beside it
+SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _FINISHED_WHOLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _MEMORY_STORES: dict[str, Store] = {}  # "memory" stores by name: one process's tests share them
 
@@ -180,9 +183,11 @@ def cache_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Cache
         raise ConfigError(f"KVStateConnector serves full and latent (MLA) attention; this model's cache is "
                           f"{type(kv).__name__}")
     tp = vllm_config.parallel_config.tensor_parallel_size
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in SERVED_CACHE_DTYPES:
+        raise ConfigError(f"KVStateConnector: cache dtype {cache_dtype!r} is not served: its scales live beside "
+                          f"the cache, which kvstate does not carry (served: {list(SERVED_CACHE_DTYPES)})")
     dtype = spec_dtype(kv.dtype)
-    if dtype == "uint8" and "scale" in str(getattr(vllm_config.cache_config, "cache_dtype", "")):
-        raise ConfigError("KVStateConnector: fp8 caches with per-block scales are not served")
     layers = len(groups[0].layer_names)
     if isinstance(kv, MLAAttentionSpec):
         return CacheSpec(num_layers=layers, kv_heads=1, block_size=kv.block_size, head_dim=kv.head_size,
@@ -246,12 +251,12 @@ class KVStateConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         h = self._handoff()
         prompt = request.prompt_token_ids or []
-        if num_computed_tokens or h.role == "producer" or request.request_id in self._loaded:
-            return 0, False  # a local prefix hit, or a load already tried: the engine computes the rest
+        if h.role == "producer" or request.request_id in self._loaded or num_computed_tokens >= len(prompt) - 1:
+            return 0, False  # a load tried already, or the engine's prefix hit holds the whole cache
         n = h.lookup(request.request_id, prompt)
-        if n:
+        if n > num_computed_tokens:
             self._first_seen.pop(request.request_id, None)
-            return n, True
+            return n - num_computed_tokens, True  # past the engine's own prefix hit
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):
             first = self._first_seen.setdefault(request.request_id, time.monotonic())
@@ -262,8 +267,10 @@ class KVStateConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
+            prompt = request.prompt_token_ids or []
             self._loaded.add(request.request_id)
-            self._handoff().load(request.request_id, request.prompt_token_ids or [], blocks.get_block_ids()[0])
+            self._handoff().load(request.request_id, prompt, blocks.get_block_ids()[0],
+                                 computed=len(prompt) - num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return KVStateMetadata(self._handoff().step())
