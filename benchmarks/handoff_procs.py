@@ -1,6 +1,6 @@
 """The 8k-token handoff through rank-worker processes against the same handoff in-process (GPU).
 
-    python3 benchmarks/handoff_procs.py [--reps 5] [--stores file mooncake] [--out handoff_procs.json]
+    python3 benchmarks/handoff_procs.py [--reps 5] [--stores arena file mooncake] [--out handoff_procs.json]
 
 A Llama-3-8B-shaped cache (32 layers, 8 KV heads, head dim 128, bf16, blocks of 64 tokens,
 TP 1): one 8,192-token prompt is 128 blocks, 1 GiB. P writes them to the store (a
@@ -11,11 +11,14 @@ compared with P's. Two ways, alternating repetition by repetition, each with fre
 - ``processes``: each side's caches shared through CUDA IPC with one rank worker process
   (``ProcessDriver``), whose own ``CudaBackend`` moves the blocks.
 
-Stores: ``file`` (a FileStore on tmpfs, the embedded store other processes reach: a
+Stores: ``arena`` (an ArenaStore in shared memory, which every process maps and the GPU
+gathers into and scatters out of), ``file`` (a FileStore on tmpfs, the embedded store other processes reach: a
 ``MemoryStore`` lives in one process, so the rank workers cannot share one), ``mooncake`` (a
 master on loopback, each process its own client; in-process, P and D share one), and
 ``memory`` (in-process only, the reference). The store's own time: the same 256 objects of
-4 MiB put and got back from a host buffer, without a GPU. Medians; ratio processes / in-process.
+4 MiB put and got back from a host buffer, without a GPU. The link: ``copy_`` of the same bytes
+between the GPU and a pinned host buffer, each way, in the same run; ``/ link`` is a way's
+handoff over that D2H + H2D. Medians; ratio processes / in-process.
 """
 from __future__ import annotations
 
@@ -128,10 +131,33 @@ def open_store(store: str, tmp: str) -> tuple:
         master = MooncakeMaster(log_path=os.path.join(tmp, "master.log")).start()
         mc = master.config(global_segment_size=6 << 30, local_buffer_size=256 << 20, staging_bytes=256 << 20)
         return MooncakeStore(mc), {"kind": "mooncake", **dataclasses.asdict(mc)}, master
+    if store == "arena":
+        from kvstate.backends.arena import ArenaStore
+
+        arena = ArenaStore.create(SPEC.block_bytes("key"), 4 * N, tag="llama-3-8b-bench")
+        return arena, {"kind": "arena", "path": arena.path, "slot_bytes": SPEC.block_bytes("key")}, None
     if store == "file":
         root = tempfile.mkdtemp(prefix="kvstate-handoff-", dir=shm_directory())
         return FileStore(root), {"kind": "file", "root": root}, None
     return MemoryStore(12 << 30), None, None
+
+
+def link_ms(cp, reps: int) -> dict:
+    """Median ms of ``copy_`` of the handoff's bytes between the GPU and pinned host memory, each way."""
+    n = N * SPEC.bytes_per_block
+    host = cp.cuda.alloc_pinned_memory(n)
+    h = np.frombuffer(host, np.uint8, n)
+    d = cp.empty(n, cp.uint8)
+    d2h, h2d = [], []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        d.get(out=h)
+        d2h.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        d.set(h)
+        cp.cuda.runtime.deviceSynchronize()
+        h2d.append(time.perf_counter() - t)
+    return {"d2h_ms": round(1e3 * statistics.median(d2h[1:]), 1), "h2d_ms": round(1e3 * statistics.median(h2d[1:]), 1)}
 
 
 def medians(xs: list[tuple[float, float]]) -> dict:
@@ -181,18 +207,28 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="kvstate-handoff-")
     p_caches, d_caches = caches(cp, True), caches(cp, False)
     try:
+        link = link_ms(cp, args.reps)
         rows = [measure(s, args.reps, cp, p_caches, d_caches, tmp) for s in args.stores]
+        link_after = link_ms(cp, args.reps)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in shm_directory().glob("kvstate-handoff-*"):
             shutil.rmtree(d, ignore_errors=True)
+    link = {k: round((link[k] + link_after[k]) / 2, 1) for k in link}  # before and after the stores
+    pcie = link["d2h_ms"] + link["h2d_ms"]
+    for r in rows:
+        for kind in ("in-process", "processes"):
+            if kind in r:
+                r[kind]["per_link"] = round(r[kind]["handoff_ms"] / pcie, 2)
     result = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "bytes": N * SPEC.bytes_per_block,
-              "rows": rows}
+              "link": link, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"8k-token handoff (1 GiB), {result['gpu']}: medians of {args.reps}, in-process and processes alternating")
-    print(f"{'store':>9} {'way':>11} {'write ms':>9} {'read ms':>8} {'handoff ms':>11}  ratio   store put/get ms")
+    print(f"pinned copy_: D2H {link['d2h_ms']} ms, H2D {link['h2d_ms']} ms (the link: {pcie:.1f} ms)")
+    print(f"{'store':>9} {'way':>11} {'write ms':>9} {'read ms':>8} {'handoff ms':>11} {'/ link':>7}  ratio   "
+          f"store put/get ms")
     for r in rows:
         for kind in ("in-process", "processes"):
             if kind in r:
@@ -200,7 +236,7 @@ def main() -> None:
                 ratio = f"{r['ratio']:.3f}" if kind == "processes" else ""
                 raw = f"{r['store_put_ms']:.0f} / {r['store_get_ms']:.0f}" if kind == "in-process" else ""
                 print(f"{r['store']:>9} {kind:>11} {x['write_ms']:>9.1f} {x['read_ms']:>8.1f} {x['handoff_ms']:>11.1f}"
-                      f"  {ratio:>5}   {raw}")
+                      f" {x['per_link']:>6.2f}x  {ratio:>5}   {raw}")
 
 
 if __name__ == "__main__":

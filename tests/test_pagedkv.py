@@ -9,6 +9,7 @@ import pytest
 from needs import has_module
 
 from kvstate import CacheSpec, ConfigError
+from kvstate.backends.arena import ArenaStore
 from kvstate.backends.stores import MemoryStore
 from kvstate.commands import ReadBlocks, WriteBlocks
 from kvstate.keys import block_keys
@@ -45,10 +46,19 @@ def cuda_missing() -> str | None:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def roundtrip(s: CacheSpec, src: dict, dst: dict, ids_src: list[int], ids_dst: list[int]) -> None:
+def make_store(kind: str, s: CacheSpec):
+    """A MemoryStore, or an arena whose slots are one object of ``s`` (the zero-copy path on CUDA)."""
+    if kind == "memory":
+        return MemoryStore(1 << 26)
+    slot = s.num_layers * s.chunk_bytes(s.kinds[0])
+    return ArenaStore.create(slot, 64, small_bytes=min(1024, slot // 2))
+
+
+def roundtrip(s: CacheSpec, src: dict, dst: dict, ids_src: list[int], ids_dst: list[int],
+              store_kind: str = "memory") -> None:
     from kvstate.integrations.pagedkv import RankTransfers
 
-    store = MemoryStore(1 << 26)  # closing it twice is harmless
+    store = make_store(store_kind, s)  # closing it twice is harmless
     keys = block_keys(list(range(1, len(ids_src) * B + 1)), B, namespace="t")
     p, d = RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
     try:
@@ -61,9 +71,10 @@ def roundtrip(s: CacheSpec, src: dict, dst: dict, ids_src: list[int], ids_dst: l
             t.close(5)
 
 
+@pytest.mark.parametrize("store_kind", ["memory", "arena"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["kv-first HND", "HND strides, NHD shape", "CPU packed", "MLA latent"])
-def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout, device):
+def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout, device, store_kind):
     import torch
 
     if device == "cuda" and cuda_missing():
@@ -79,7 +90,7 @@ def test_every_layout_served_round_trips_byte_exact_odd_block_counts(layout, dev
     src = layers(shape, perm=perm, device=device)
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     ids_src, ids_dst = [4, 1, 7], [2, 8, 5]
-    roundtrip(s, src, dst, ids_src, ids_dst)
+    roundtrip(s, src, dst, ids_src, ids_dst, store_kind)
     for name in src:
         a, b = src[name], dst[name]
         for i, j in zip(ids_src, ids_dst):
@@ -121,3 +132,38 @@ def test_a_layout_kvstate_cannot_serve_is_refused_by_name_before_any_transfer(ma
     s, ls = make()
     with pytest.raises(ConfigError, match=rule):
         RankTransfers(s, 0, ls, MemoryStore(1 << 20))
+
+
+@pytest.mark.gpu
+def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caught_on_the_gpu():
+    """On CUDA an arena's slots are the host buffer: blocks are gathered straight into them
+    and scattered straight out; the SUM64 taken where they land still catch a flipped byte,
+    which is evicted, and the blocks before it count."""
+    import torch
+
+    from kvstate.integrations.pagedkv import RankTransfers
+
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    s = spec()
+    src = layers((2, NB, H, B, D), device="cuda")
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    store = make_store("arena", s)
+    keys = tuple(block_keys(list(range(1, 4 * B + 1)), B, namespace="z"))
+    p, d = RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
+    try:
+        p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, keys, (1, 3, 5, 7))])
+        assert [c.count for c in p.poll("save", 10)] == [4]
+        assert p.backend._arena_views, "the zero-copy path was not taken"
+        assert store.batch_is_exist([f"{keys[0]}"]) == [0]  # objects are named per kind and rank
+        place = store.locate([p.backend._names(0, keys[2:3])[0]])[0]
+        store.slots()[place.slot][5] ^= 0xFF  # flip a byte of block 2's first object
+        d.submit("load", [ReadBlocks("r", 1, (0,), time.monotonic() + 30, keys, (0, 2, 4, 6))])
+        assert [c.count for c in d.poll("load", 10)] == [2]
+        for name in src:
+            assert torch.equal(src[name][:, [1, 3]], dst[name][:, [0, 2]])
+        assert d.backend.broken_blocks == 1
+        assert store.batch_is_exist(p.backend._names(0, keys[2:3])) == [0, 0]  # evicted
+    finally:
+        for t in (p, d):
+            t.close(5)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -26,7 +26,8 @@ from ..errors import ValidationError
 from ..kernels.cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..spec import CacheSpec
 from ..validate import check_int
-from .base import Guard, Store, check_fence
+from .arena import ArenaStore
+from .base import MISSING, Guard, Store, check_fence, leading
 from .blockaccess import BlockAccess
 from .cuda_caches import bind_rank, caches_by_rank
 from .cuda_states import DeviceStates
@@ -67,6 +68,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         self._swappers: dict[int, CudaSwapper] = {}
         self._locks = {r: threading.Lock() for r in self.ranks}
         self._closed = False
+        self._arena_views: dict[str, np.ndarray] | None = None  # the arena's slots, by kind (zero copy)
+        self._registered: int | None = None  # the arena's address, registered as pinned here
         try:
             self._layers: dict[int, dict[str, DeviceLayers]] = {}
             self._slots: dict[int, list[dict[str, np.ndarray]]] = {}
@@ -196,8 +199,11 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
 
     def _write_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                     guard: Guard | None, layers: Callable[..., Any] | None) -> int:
-        """Store one head group of the blocks: at once, or layer group by layer group."""
+        """Store one head group of the blocks: at once (straight into an arena's slots where
+        the store is one), or layer group by layer group."""
         if layers is None:
+            if self._zero_copy():
+                return self._arena_put(rank, part, keys, block_ids, guard)
             return self._put(rank, part, keys, block_ids, guard, None)
         if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
             return self._save_groups(rank, part, keys, block_ids, guard, layers)
@@ -303,6 +309,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                    guard: Guard | None, arrived: Callable[[int, Any], None] | None) -> int:
         """Read one head group of the blocks: at once, or layer group by layer group, reporting each."""
         if arrived is None:
+            if self._zero_copy():
+                return self._arena_get(rank, part, keys, block_ids, guard)
             return self._get(rank, part, keys, block_ids, guard, None)
         if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
             return self._load_groups(rank, part, keys, block_ids, guard, arrived)
@@ -385,6 +393,95 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                 count = min(count, self._verify_deferred(part[1], deferred, sums))
         return count
 
+    # -- zero copy: an arena store's slots are the host buffer ---------------------------------
+    def _zero_copy(self) -> bool:
+        """Whether transfers go straight between the caches and the store's slots: an
+        :class:`~kvstate.backends.arena.ArenaStore` whose slot is one object of every kind (all
+        layers, one head group), manifests on (SUM64 taken on the GPU). The slots are registered
+        as pinned memory on first use."""
+        if self._arena_views is not None:
+            return bool(self._arena_views)
+        spec, store = self.spec, self.store
+        fits = isinstance(store, ArenaStore) and store.verify and spec.head_groups == 1 and \
+            spec.object_groups == 1 and all(spec.layers * int(np.prod(spec.block_shape(k))) *
+                                            np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
+                                            for k in spec.kinds)
+        self._arena_views = {}
+        if fits:
+            slots = store.slots()  # type: ignore[attr-defined]
+            ptr = int(slots.__array_interface__["data"][0])
+            with self.cp.cuda.Device(self.device):
+                _pin(self.cp, ptr, slots.nbytes)
+            self._registered = ptr
+            self._arena_views = {k: slots.view(spec.kind_dtype(k)).reshape((len(slots), spec.layers) +
+                                                                         spec.block_shape(k)) for k in spec.kinds}
+        return bool(self._arena_views)
+
+    def _arena_move(self, rank: int, ids: Sequence[int], slots: Sequence[int], direction: str,
+                    guard: Guard | None) -> None:
+        """Gather (``d2h``) blocks ``ids`` into the arena's ``slots`` (block by block, then kind),
+        or scatter them back; returns once moved."""
+        nk, sw, ev = len(self.spec.kinds), self._swappers[rank], None
+        check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
+        rows = np.asarray(ids, np.int64)
+        # objects of a MiB or more: the DMA engines move them, one call a run of slots
+        strategy = "staged" if cast(ArenaStore, self.store).big.size >= 1 << 20 else None
+        for k, kind in enumerate(self.spec.kinds):
+            ev = sw.swap_cache_layout_async(self._parts[rank][kind], self._arena_views[kind], rows,  # type: ignore[index]
+                                            np.asarray(slots[k::nk], np.int64), direction, strategy=strategy)
+        sw.wait(ev)
+
+    def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None) -> int:
+        """Gather the blocks straight into slots the arena store claimed, then put them from
+        there (no copy) with manifests of their SUM64; leading blocks stored."""
+        store, nk, n = cast(ArenaStore, self.store), len(self.spec.kinds), len(keys)
+        names = self._names(part[1], keys)
+        by_kind = store.claim([names[i * nk + k] for k in range(nk) for i in range(n)])  # a kind's slots in runs
+        slots = [by_kind[k * n + i] for i in range(n) for k in range(nk)]
+        n = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(n))
+        try:
+            with self._on(rank):
+                if n:
+                    self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard)
+                sums = self._device_sums(rank, part[0], block_ids[:n], None) if n else []
+        except BaseException:
+            store.release(names)
+            raise
+        store.release(names[n * nk:])
+        views = [self._arena_views[kind][slots[i * nk + k]].reshape(-1).view(np.uint8)  # type: ignore[index]
+                 for i in range(n) for k, kind in enumerate(self.spec.kinds)]
+        count = self._put_bare(part[1], keys[:n], None, views) if n else 0
+        store.release(names[:n * nk])  # claims a failed put did not take
+        if not count or sums is None:
+            return 0
+        return self._put_manifests(part[1], keys[:count], None, [v.nbytes for v in views],
+                                   self._flat(sums, 0, count) or [], SUM64)
+
+    def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None) -> int:
+        """Scatter the blocks straight out of the arena's slots, then count the leading ones
+        whose slots held them throughout and whose SUM64, taken where they landed, are their
+        manifests'; the first broken one is evicted."""
+        store, nk = cast(ArenaStore, self.store), len(self.spec.kinds)
+        read, vouched = self._read_manifests(part[1], keys, None)
+        places = store.locate(self._names(part[1], keys))
+        got = [p.length if p.slot >= 0 else MISSING for p in places]
+        whole = self._arrived(keys, [None], got, vouched)
+        if any(a != SUM64 for a, _ in vouched[:whole]):  # host checksums: the staged path checks those
+            return self._get(rank, part, keys, block_ids, guard, None)
+        with self._on(rank):
+            if whole:
+                self._arena_move(rank, block_ids[:whole], [p.slot for p in places[:whole * nk]], "h2d", guard)
+            still = store.unchanged(places[:whole * nk])
+            whole = leading(all(still[i * nk:(i + 1) * nk]) for i in range(whole))
+            sums = self._device_sums(rank, part[0], block_ids[:whole], None) if whole else []
+        count = self._verify_deferred(part[1], [(keys[i], self._expected(i, [None], vouched))
+                                                for i in range(whole)], sums or [])
+        if count == whole:
+            self._evict_if_broken(part[1], keys, None, got, read, whole)
+        return count
+
     def close(self) -> None:
         """Wait for queued transfers, free staging, caches this backend allocated and streams,
         with the backend's device current (callable from any thread, on any device)."""
@@ -395,6 +492,31 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
             for sw in self._swappers.values():
                 sw.close()
             self._swappers.clear()
+            if self._registered is not None:
+                _unpin(self.cp, self._registered)
+                self._registered, self._arena_views = None, {}
             self._layers, self._parts, self._groups, self._slots, self._host, self._sum_cache = {}, {}, {}, {}, {}, {}
             self.state_pages = {}
             super().close()
+
+
+
+_PINNED: dict[int, int] = {}  # address registered as pinned -> backends of this process using it
+_PINNED_LOCK = threading.Lock()
+
+
+def _pin(cp: Any, ptr: int, nbytes: int) -> None:
+    """Register host memory as pinned (portable: every device sees it) once per process; an
+    arena's slots are shared by every backend of the process that uses the arena."""
+    with _PINNED_LOCK:
+        if not _PINNED.get(ptr):
+            cp.cuda.runtime.hostRegister(ptr, nbytes, 3)  # cudaHostRegisterPortable | Mapped
+        _PINNED[ptr] = _PINNED.get(ptr, 0) + 1
+
+
+def _unpin(cp: Any, ptr: int) -> None:
+    with _PINNED_LOCK:
+        _PINNED[ptr] -= 1
+        if not _PINNED[ptr]:
+            del _PINNED[ptr]
+            cp.cuda.runtime.hostUnregister(ptr)

@@ -55,7 +55,7 @@ SECRET_ENV = "KVSTATE_WORKER_SECRET"  #: where a started worker finds its driver
 
 __all__ = ["WorkerConfig", "RankWorker", "main", "build_store", "SECRET_ENV"]
 
-_STORES = ("file", "mooncake")
+_STORES = ("arena", "file", "mooncake")
 _CACHES = ("own", "shm", "cuda-ipc")
 
 
@@ -150,12 +150,21 @@ def build_store(cfg: dict[str, Any]) -> Store:
         if extra or "root" not in cfg:
             raise ConfigError(f"a file store takes a root and a capacity_bytes only, got {sorted(cfg)}")
         return FileStore(cfg["root"], capacity_bytes=cfg.get("capacity_bytes"))
+    if cfg.get("kind") == "arena":
+        from ..backends.arena import ArenaStore
+
+        extra = set(cfg) - {"kind", "path", "slot_bytes", "tag"}
+        if extra or "path" not in cfg:
+            raise ConfigError(f"an arena store takes a path (and the slot_bytes and tag it must have) "
+                              f"only, got {sorted(cfg)}")
+        return ArenaStore.open(cfg["path"], slot_bytes=cfg.get("slot_bytes"), tag=cfg.get("tag"))
     if cfg.get("kind") == "mooncake":
         from ..backends.mooncake import MooncakeConfig, MooncakeStore
 
         fields = {k: v for k, v in cfg.items() if k != "kind"}
         return MooncakeStore(MooncakeConfig(**fields))
-    raise ConfigError(f"no store of kind {cfg.get('kind')!r} reaches across processes (use 'file' or 'mooncake')")
+    raise ConfigError(f"no store of kind {cfg.get('kind')!r} reaches across processes "
+                      "(use 'arena', 'file' or 'mooncake')")
 
 
 class RankWorker:

@@ -110,8 +110,16 @@ def check_layers(spec: CacheSpec, layers: Mapping[str, Any]) -> dict[str, list[A
         if views[0].shape[0] != blocks:
             raise ConfigError(f"KV cache layer {name!r}: {views[0].shape[0]} blocks, the first layer has {blocks}")
         for kind, v in zip(spec.kinds, views):
-            out[kind].append(v)
+            out[kind].append(_as_carried(v))
     return out
+
+
+def _as_carried(v: Any) -> Any:
+    """A view of the dtype kvstate carries: one-byte floats (fp8) as uint8, which CuPy reads
+    through DLPack (it has no fp8 type); others as they are."""
+    import torch
+
+    return v.view(torch.uint8) if v.element_size() == 1 and v.dtype != torch.uint8 else v
 
 
 def _numpy(v: Any) -> Any:

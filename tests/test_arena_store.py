@@ -1,0 +1,165 @@
+"""The zero-copy embedded store (kvstate.backends.arena): a Store like the others, shared by
+the processes of a host, safe against a writer killed mid-put, a reader overtaken by a later
+put, and an opener of another geometry."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstate import ConfigError, ValidationError
+from kvstate.backends.arena import ArenaStore
+from kvstate.backends.base import MISSING, TOO_LARGE
+
+SLOT = 4096
+
+
+@pytest.fixture
+def arena(tmp_path):
+    a = ArenaStore.create(SLOT, 4, small_bytes=64, small_slots=4, tag="geo", directory=tmp_path)
+    yield a
+    a.close()
+
+
+def blob(seed: int, n: int = SLOT) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_objects_round_trip_by_size_class_and_the_too_large_are_refused(arena):
+    assert arena.batch_put_from(["a", "m", "huge"], [blob(1), b"manifest", bytes(SLOT + 1)]) == [0, 0, TOO_LARGE]
+    out = [bytearray(SLOT), bytearray(64), bytearray(8)]
+    assert arena.batch_get_into(["a", "m", "a"], out) == [SLOT, 8, TOO_LARGE]
+    assert bytes(out[0]) == blob(1).tobytes() and bytes(out[1][:8]) == b"manifest"
+    assert arena.batch_is_exist(["a", "m", "huge", "b"]) == [1, 1, 0, 0]
+    assert arena.evict(["a", "b"]) == 1 and arena.batch_get_into(["a"], [bytearray(SLOT)]) == [MISSING]
+    assert len(arena) == 1 and arena.used_bytes == 8
+
+
+def test_a_full_class_evicts_its_least_recently_used_object(arena):
+    arena.batch_put_from([f"k{i}" for i in range(4)], [blob(i) for i in range(4)])
+    arena.batch_get_into(["k0"], [bytearray(SLOT)])  # k0 used: k1 is the oldest now
+    assert arena.batch_put_from(["k4"], [blob(4)]) == [0]
+    assert arena.batch_is_exist([f"k{i}" for i in range(5)]) == [1, 0, 1, 1, 1]
+    assert arena.evictions == 1
+
+
+def test_a_put_of_a_key_replaces_its_object(arena):
+    arena.batch_put_from(["k"], [blob(1)])
+    arena.batch_put_from(["k"], [blob(2)])
+    out = bytearray(SLOT)
+    assert arena.batch_get_into(["k"], [out]) == [SLOT] and bytes(out) == blob(2).tobytes()
+    assert len(arena) == 1
+
+
+def test_a_claimed_slot_filled_in_place_is_put_without_a_copy_and_a_stray_claim_is_let_go(arena):
+    slot = arena.claim(["k"])[0]
+    view = arena.slots()[slot]
+    view[:] = blob(3)
+    assert arena.batch_is_exist(["k"]) == [0]  # claimed is not stored
+    assert arena.batch_put_from(["k"], [view]) == [0]
+    assert arena.locate(["k"])[0].slot == slot  # the object is where it was gathered
+    out = bytearray(SLOT)
+    arena.batch_get_into(["k"], [out])
+    assert bytes(out) == blob(3).tobytes()
+    claimed = arena.claim(["x", "y", "z"])
+    arena.release(["x", "y", "z"])
+    assert arena.batch_put_from([f"n{i}" for i in range(3)], [blob(i) for i in range(3)]) == [0, 0, 0]
+    assert set(claimed) <= set(range(4)) and arena.evictions == 0
+
+
+def test_a_reader_overtaken_by_a_later_put_is_told_so(arena):
+    arena.batch_put_from([f"k{i}" for i in range(4)], [blob(i) for i in range(4)])
+    place = arena.locate(["k1"])[0]
+    assert arena.unchanged([place]) == [True]
+    arena.evict(["k1"])
+    arena.batch_put_from(["new"], [blob(9)])  # may take k1's slot
+    assert arena.unchanged([place]) == [False]
+
+
+def test_every_slot_claimed_by_a_live_writer_fails_a_put_at_once(arena):
+    arena.claim([f"c{i}" for i in range(4)])
+    t = time.monotonic()
+    assert arena.batch_put_from(["late"], [blob(1)]) == [MISSING]
+    assert time.monotonic() - t < 1.0
+
+
+def test_another_geometry_version_or_file_is_refused_by_name(arena, tmp_path):
+    with pytest.raises(ConfigError, match="geometry 'geo', not 'other'"):
+        ArenaStore.open(arena.path, tag="other")
+    with pytest.raises(ConfigError, match="4096-byte slots, 8192"):
+        ArenaStore.open(arena.path, slot_bytes=8192)
+    bad = tmp_path / "kvstate-arena-x"
+    bad.write_bytes(b"\0" * 8192)
+    with pytest.raises(ConfigError, match="not an arena"):
+        ArenaStore.open(bad)
+    copy = tmp_path / "v2"
+    copy.write_bytes(Path(arena.path).read_bytes())
+    with open(copy, "r+b") as f:
+        f.seek(8)
+        f.write((99).to_bytes(4, "little"))
+    with pytest.raises(ConfigError, match="format version 99"):
+        ArenaStore.open(copy)
+    with pytest.raises(ValidationError, match="keys must be"):
+        arena.batch_put_from("k", [b"x"])
+    with pytest.raises(ConfigError, match="cannot open"):
+        ArenaStore.open(tmp_path / "absent")
+
+
+def test_the_creator_removes_its_file_and_a_dead_creators_file_goes_at_the_next_create(tmp_path):
+    a = ArenaStore.create(SLOT, 2, directory=tmp_path)
+    b = ArenaStore.open(a.path)
+    b.close()
+    assert os.path.exists(a.path)
+    a.close()
+    assert not os.path.exists(a.path)
+    child = subprocess.run([sys.executable, "-c", (
+        "import os, sys\nfrom kvstate.backends.arena import ArenaStore\n"
+        f"a = ArenaStore.create({SLOT}, 2, directory={str(tmp_path)!r})\nprint(a.path)\nos._exit(0)")],
+        capture_output=True, text=True, check=True)
+    left = child.stdout.strip()
+    assert os.path.exists(left)
+    ArenaStore.create(SLOT, 2, directory=tmp_path).close()
+    assert not os.path.exists(left)
+
+
+WRITER = f"""
+import sys, time
+import numpy as np
+from kvstate.backends.arena import ArenaStore
+a = ArenaStore.open(sys.argv[1])
+if sys.argv[2] == "put":
+    print(a.batch_put_from(["from-child"], [np.full({SLOT}, 7, np.uint8)]), flush=True)
+else:
+    slots = a.claim(["half-0", "half-1", "half-2", "half-3"])
+    a.slots()[slots[0]][:100] = 9  # half written when killed
+    print("claimed", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_an_object_another_process_put_is_read_here(arena):
+    out = subprocess.run([sys.executable, "-c", WRITER, arena.path, "put"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[0]"
+    buf = bytearray(SLOT)
+    assert arena.batch_get_into(["from-child"], [buf]) == [SLOT] and set(buf) == {7}
+
+
+def test_a_writer_killed_mid_put_leaves_nothing_visible_and_its_slots_return(arena):
+    arena.batch_put_from(["kept"], [b"m" * 8])
+    p = subprocess.Popen([sys.executable, "-c", WRITER, arena.path, "claim"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "claimed"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    assert arena.batch_is_exist([f"half-{i}" for i in range(4)]) == [0, 0, 0, 0]
+    assert arena.batch_put_from([f"k{i}" for i in range(4)], [blob(i) for i in range(4)]) == [0, 0, 0, 0]
+    assert arena.reclaimed == 4
+    assert arena.batch_is_exist(["kept", "k3"]) == [1, 1]
