@@ -163,3 +163,20 @@ def test_a_writer_killed_mid_put_leaves_nothing_visible_and_its_slots_return(are
     assert arena.batch_put_from([f"k{i}" for i in range(4)], [blob(i) for i in range(4)]) == [0, 0, 0, 0]
     assert arena.reclaimed == 4
     assert arena.batch_is_exist(["kept", "k3"]) == [1, 1]
+
+
+def test_the_holder_process_makes_the_arena_prints_its_path_and_removes_it_when_stopped(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "kvstate.backends.arena", "--slot-bytes", str(SLOT), "--slots", "2",
+                          "--small-bytes", "64", "--directory", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        path = p.stdout.readline().strip()
+        other = ArenaStore.open(path, slot_bytes=SLOT)
+        assert other.batch_put_from(["k"], [blob(1)]) == [0]
+        other.close()
+    finally:
+        p.terminate()
+        assert p.wait(30) == 0
+    assert not os.path.exists(path)
+    bad = subprocess.run([sys.executable, "-m", "kvstate.backends.arena", "--slot-bytes", "64", "--slots", "2",
+                          "--small-bytes", "64"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "small_bytes" in bad.stdout

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from needs import vllm_missing
-from vllm_rig import Engine, write_model
+from vllm_rig import BS, Engine, write_model
 
 pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 
@@ -167,7 +167,7 @@ def test_a_lost_answer_ends_at_the_deadline_and_leaks_nothing(engines):
 
 @pytest.mark.parametrize("extra, rule", [
     ({"stor": {}}, "unknown key"),
-    ({"store": {"kind": "s3"}}, "kind is 'file', 'mooncake' or 'memory'"),
+    ({"store": {"kind": "s3"}}, "kind is 'arena', 'file', 'mooncake' or 'memory'"),
     ({"transfer_timeout": -1}, "transfer_timeout must be seconds"),
     ({"workers": 0}, "workers must be an int"),
     ({"store": {"kind": "file", "root": "/proc/kvstate-nope"}}, "cannot be reached|Read-only|No such|denied"),
@@ -184,3 +184,32 @@ def test_a_cache_dtype_whose_scales_live_beside_the_cache_is_refused(model_dir):
 
     with pytest.raises(ConfigError, match="'int8_per_token_head' is not served"):
         Engine(model_dir, "kv_consumer", "bad", cache_dtype="int8_per_token_head")
+
+
+def test_p_and_d_hand_off_through_a_shared_arena_and_one_of_another_geometry_is_refused(engines, model_dir):
+    from kvstate import ConfigError
+    from kvstate.backends.arena import ArenaStore
+
+    slot = 2 * BS * 128 * 2  # one block of the tiny model's packed cache: 2 layers, 1 head of 128, bf16
+    arena = ArenaStore.create(slot, 64, small_bytes=1024)
+    try:
+        store = {"kind": "arena", "path": arena.path}
+        P, D = engines("kv_producer", store=store), engines("kv_consumer", store=store)
+        pids = prefill(P)
+        P.run(3)
+        D.add("a", PROMPT, 3, remote=True)
+        D.step()
+        dids = D.block_ids("a")
+        D.run(2)
+        assert D.handoff.counters["loaded"] == 1
+        for p, d in zip(P.blocks(pids[:3]), D.blocks(dids[:3])):
+            assert (p == d).all()
+        D.run(6)
+        D.assert_clean()
+        P.assert_clean()
+        wrong = ArenaStore.create(slot * 2, 4, small_bytes=1024)
+        with pytest.raises(ConfigError, match="another geometry"):
+            Engine(model_dir, "kv_consumer", "bad", store={"kind": "arena", "path": wrong.path})
+        wrong.close()
+    finally:
+        arena.close()

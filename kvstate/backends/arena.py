@@ -529,3 +529,38 @@ def _remove_orphans(d: Path) -> None:
         pid = p.name.split("-")[2]
         if pid.isdigit() and not _alive(int(pid)):
             p.unlink(missing_ok=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvstate.backends.arena --slot-bytes N --slots M``: make an arena, print its
+    path, and hold it (its owner) until SIGTERM or SIGINT, then remove it. What an operator
+    runs beside P's and D's engines on a host, whose stores name the path."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(prog="python -m kvstate.backends.arena", description=main.__doc__)
+    ap.add_argument("--slot-bytes", type=int, required=True, help="one object: a block of one kind, every layer")
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--small-bytes", type=int, default=1024)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--directory")
+    a = ap.parse_args(argv)
+    try:
+        store = ArenaStore.create(a.slot_bytes, a.slots, small_bytes=a.small_bytes, tag=a.tag, directory=a.directory)
+    except (ConfigError, ValidationError) as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(store.path, flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

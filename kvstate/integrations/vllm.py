@@ -32,6 +32,7 @@ Rules:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -106,9 +107,9 @@ class Settings:
         return s
 
     def check(self) -> None:
-        if not isinstance(self.store, dict) or self.store.get("kind") not in ("file", "mooncake", "memory"):
-            raise ConfigError(f"kv_connector_extra_config.store must be a dict whose kind is 'file', 'mooncake' "
-                              f"or 'memory', got {self.store!r}")
+        if not isinstance(self.store, dict) or self.store.get("kind") not in ("arena", "file", "mooncake", "memory"):
+            raise ConfigError(f"kv_connector_extra_config.store must be a dict whose kind is 'arena', 'file', "
+                              f"'mooncake' or 'memory', got {self.store!r}")
         if not isinstance(self.namespace, str):
             raise ConfigError(f"kv_connector_extra_config.namespace must be a str, got {self.namespace!r}")
         for name in ("transfer_timeout", "fence_grace", "wait_for_cache"):
@@ -230,6 +231,9 @@ class KVStateConnector(KVConnectorBase_V1):
         if tc.kv_role not in ROLE_OF:
             raise ConfigError(f"KVStateConnector: kv_role {tc.kv_role!r} is not one of {sorted(ROLE_OF)}")
         self.spec = cache_spec(vllm_config, kv_cache_config)
+        if self.settings.store.get("kind") == "arena":  # its slots must be this model's objects: refused if not
+            self.settings = dataclasses.replace(self.settings, store={
+                "slot_bytes": self.spec.block_bytes(self.spec.kinds[0]), **self.settings.store})
         self.namespace = self.settings.namespace or str(vllm_config.model_config.model)
         self.handoff: Handoff | None = None
         self.transfers: RankTransfers | None = None
