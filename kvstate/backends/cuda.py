@@ -405,7 +405,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         fits = isinstance(store, ArenaStore) and store.verify and spec.head_groups == 1 and \
             spec.object_groups == 1 and all(spec.layers * int(np.prod(spec.block_shape(k))) *
                                             np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
-                                            for k in spec.kinds)
+                                            for k in spec.kinds) and all(self._slots_on_gpu(r) for r in self.ranks)
         self._arena_views = {}
         if fits:
             slots = store.slots()  # type: ignore[attr-defined]
@@ -418,9 +418,9 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         return bool(self._arena_views)
 
     def _arena_move(self, rank: int, ids: Sequence[int], slots: Sequence[int], direction: str,
-                    guard: Guard | None) -> None:
-        """Gather (``d2h``) blocks ``ids`` into the arena's ``slots`` (block by block, then kind),
-        or scatter them back; returns once moved."""
+                    guard: Guard | None) -> Any:
+        """Enqueue the gather (``d2h``) of blocks ``ids`` into the arena's ``slots`` (block by
+        block, then kind), or their scatter back; returns the event after it."""
         nk, sw, ev = len(self.spec.kinds), self._swappers[rank], None
         check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
         rows = np.asarray(ids, np.int64)
@@ -429,7 +429,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         for k, kind in enumerate(self.spec.kinds):
             ev = sw.swap_cache_layout_async(self._parts[rank][kind], self._arena_views[kind], rows,  # type: ignore[index]
                                             np.asarray(slots[k::nk], np.int64), direction, strategy=strategy)
-        sw.wait(ev)
+        return ev
 
     def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None) -> int:
@@ -442,9 +442,12 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         n = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(n))
         try:
             with self._on(rank):
-                if n:
-                    self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard)
-                sums = self._device_sums(rank, part[0], block_ids[:n], None) if n else []
+                sums: list[list[int]] | None = []
+                if n:  # the caches are summed while they are gathered: a write's blocks do not change
+                    ev = self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard)
+                    pending = self._launch_sums(rank, part[0], block_ids[:n], None)
+                    self._swappers[rank].wait(ev)
+                    sums = None if pending is None else pending()
         except BaseException:
             store.release(names)
             raise
@@ -472,7 +475,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
             return self._get(rank, part, keys, block_ids, guard, None)
         with self._on(rank):
             if whole:
-                self._arena_move(rank, block_ids[:whole], [p.slot for p in places[:whole * nk]], "h2d", guard)
+                self._swappers[rank].wait(self._arena_move(rank, block_ids[:whole],
+                                                           [p.slot for p in places[:whole * nk]], "h2d", guard))
             still = store.unchanged(places[:whole * nk])
             whole = leading(all(still[i * nk:(i + 1) * nk]) for i in range(whole))
             sums = self._device_sums(rank, part[0], block_ids[:whole], None) if whole else []
