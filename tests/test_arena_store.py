@@ -165,8 +165,8 @@ def test_a_writer_killed_mid_put_leaves_nothing_visible_and_its_slots_return(are
     assert arena.batch_is_exist(["kept", "k3"]) == [1, 1]
 
 
-def test_the_holder_process_makes_the_arena_prints_its_path_and_removes_it_when_stopped(tmp_path):
-    p = subprocess.Popen([sys.executable, "-m", "kvstate.backends.arena", "--slot-bytes", str(SLOT), "--slots", "2",
+def test_kvstate_arena_makes_the_arena_prints_its_path_and_removes_it_when_stopped(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "kvstate", "arena", "--slot-bytes", str(SLOT), "--slots", "2",
                           "--small-bytes", "64", "--directory", str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         path = p.stdout.readline().strip()
@@ -177,6 +177,41 @@ def test_the_holder_process_makes_the_arena_prints_its_path_and_removes_it_when_
         p.terminate()
         assert p.wait(30) == 0
     assert not os.path.exists(path)
-    bad = subprocess.run([sys.executable, "-m", "kvstate.backends.arena", "--slot-bytes", "64", "--slots", "2",
+    bad = subprocess.run([sys.executable, "-m", "kvstate", "arena", "--slot-bytes", "64", "--slots", "2",
                           "--small-bytes", "64"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "small_bytes" in bad.stdout
+    assert bad.returncode == 2 and "small_bytes" in bad.stderr
+
+
+def test_keys_sharing_a_hash_are_told_apart_by_their_bytes(arena, monkeypatch):
+    import kvstate.backends.arena as arena_module
+
+    monkeypatch.setattr(arena_module.xxhash, "xxh3_64_intdigest", lambda b: 42)
+    names = ["key-a", "key-b", "a-longer-key-c"]
+    assert arena.batch_put_from(names, [blob(i) for i in range(3)]) == [0, 0, 0]
+    for i, k in enumerate(names[::-1]):
+        out = bytearray(SLOT)
+        assert arena.batch_get_into([k], [out]) == [SLOT] and bytes(out) == blob(2 - i).tobytes()
+    assert arena.batch_is_exist(["key-", "key-b", ""[:0] or "x"]) == [0, 1, 0]
+    assert arena.evict(["key-b"]) == 1 and arena.batch_is_exist(names) == [1, 0, 1]
+
+
+def test_empty_batches_change_nothing(arena):
+    assert arena.batch_put_from([], []) == [] and arena.batch_get_into([], []) == []
+    assert arena.claim([]) == [] and arena.locate([]) == [] and arena.evict([]) == 0 and len(arena) == 0
+
+
+def test_a_key_twice_in_a_batch_stores_its_last_buffer_and_claims_nothing_more(arena):
+    assert arena.batch_put_from(["k", "j", "k"], [blob(1), blob(2), blob(3)]) == [0, 0, 0]
+    out = bytearray(SLOT)
+    assert arena.batch_get_into(["k"], [out]) == [SLOT] and bytes(out) == blob(3).tobytes()
+    assert int((arena.big.state == 1).sum()) == 0 and len(arena) == 2
+
+
+def test_staged_objects_are_invisible_until_published_and_a_stale_claim_publishes_nothing(arena):
+    assert arena.stage(["m", "n"], [b"manifest", blob(1)]) == [0, 0]
+    assert arena.batch_is_exist(["m", "n"]) == [0, 0]
+    assert arena.publish(["m", "n", "never-staged"]) == [0, 0, MISSING]
+    assert arena.batch_is_exist(["m", "n"]) == [1, 1]
+    slot = arena.claim(["x"])[0]
+    arena.big.gen[slot] += 1  # as if its writer had been thought dead and the slot taken back
+    assert arena.publish(["x"]) == [MISSING] and arena.lost_puts == 1

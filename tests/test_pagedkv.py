@@ -167,3 +167,45 @@ def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caugh
     finally:
         for t in (p, d):
             t.close(5)
+
+
+@pytest.mark.gpu
+def test_arena_transfers_count_up_to_a_broken_block_and_read_a_cpu_writers_blocks():
+    """Of 34 blocks, a flipped byte in block 20 stops the count there, every block before it
+    landed byte-exact, and a cache a CPU writer stored (host checksums) is read back on the
+    GPU by the staged path."""
+    import torch
+
+    from kvstate.integrations.pagedkv import RankTransfers
+
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    s, nb, n = spec(), 80, 34
+    src = layers((2, nb, H, B, D), device="cuda")
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    cpu = {k: v.cpu() for k, v in src.items()}
+    store = ArenaStore.create(s.num_layers * s.chunk_bytes("key"), 4 * n + 8, small_bytes=512)
+    keys = tuple(block_keys(list(range(1, n * B + 1)), B, namespace="p"))
+    cpu_keys = tuple(block_keys(list(range(1, n * B + 1)), B, namespace="c"))
+    p, d, c = (RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store), RankTransfers(s, 0, cpu, store))
+    try:
+        p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, keys, tuple(range(n)))])
+        assert [x.count for x in p.poll("save", 10)] == [n]
+        place = store.locate([p.backend._names(0, keys[20:21])[1]])[0]
+        store.slots()[place.slot][-1] ^= 0x01  # block 20's value object, its last byte
+        d.submit("load", [ReadBlocks("r", 1, (0,), time.monotonic() + 30, keys, tuple(range(40, 40 + n)))])
+        assert [x.count for x in d.poll("load", 10)] == [20]
+        for name in src:
+            assert torch.equal(src[name][:, :20], dst[name][:, 40:60])
+        assert d.backend.broken_blocks == 1
+        c.submit("save", [WriteBlocks("r", 2, (0,), time.monotonic() + 30, cpu_keys, tuple(range(n)))])
+        assert [x.count for x in c.poll("save", 10)] == [n]
+        for v in dst.values():
+            v.zero_()
+        d.submit("load", [ReadBlocks("r", 2, (0,), time.monotonic() + 30, cpu_keys, tuple(range(40, 40 + n)))])
+        assert [x.count for x in d.poll("load", 10)] == [n]
+        for name in src:
+            assert torch.equal(src[name][:, :n], dst[name][:, 40:40 + n])
+    finally:
+        for t in (p, d, c):
+            t.close(5)

@@ -15,7 +15,7 @@ from .. import __version__
 from ..errors import ConfigError, KVStateError
 from ..sim.gpus import GPUS
 from ..sim.scenario import MODES
-from . import democmd, profilecmd, simcmds
+from . import arenacmd, democmd, profilecmd, simcmds
 from .argtypes import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, number
 
 __all__ = ["main", "EXIT_CODES"]
@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--list", action="store_true", help="list the presets")
     democmd.add_parser(sub)
     profilecmd.add_parser(sub)
+    arenacmd.add_parser(sub)
     g = sub.add_parser("diagram", help="print each lifecycle machine's diagram (mermaid), drawn from the machines")
     g.add_argument("--machine", choices=("prefill", "decode"), help="only this machine")
     return p
@@ -115,7 +116,7 @@ def _diagram(args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": simcmds.simulate, "plan": simcmds.plan, "scenario": simcmds.scenario,
-    "demo": democmd.run, "diagram": _diagram, "profile": profilecmd.run,
+    "demo": democmd.run, "diagram": _diagram, "profile": profilecmd.run, "arena": arenacmd.run,
 }
 
 

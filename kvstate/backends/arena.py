@@ -28,7 +28,8 @@ Rules:
   reading slots itself the same check.
 - The creator owns the file: :meth:`close` unmaps it and, the creator's, unlinks it (others'
   mappings stay valid). A file whose creator died is removed by the next :meth:`create` in its
-  directory (names carry the creator's pid).
+  directory (names carry the creator's pid). ``kvstate arena`` is a creator that holds one for
+  the engines of a host until it is stopped.
 """
 from __future__ import annotations
 
@@ -93,8 +94,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _key_hash(key: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(key) or 1  # 0 marks an empty slot's hash
+class _Keys:
+    """A batch of keys as the index holds them: UTF-8 rows zero-padded to the longest, their
+    lengths and hashes (0 marks an empty slot's hash, so no key hashes to it)."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        raw = [k.encode() for k in keys]
+        self.lens = np.fromiter((len(b) for b in raw), np.uint16, len(raw))
+        self.width = int(self.lens.max()) if len(raw) else 0
+        self.rows = np.frombuffer(b"".join(b.ljust(self.width, b"\0") for b in raw), np.uint8) \
+            .reshape(len(raw), self.width)
+        self.hashes = np.fromiter(((xxhash.xxh3_64_intdigest(b) or 1) for b in raw), np.uint64, len(raw))
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def take(self, idx: Any) -> _Keys:
+        """The keys at ``idx`` (a sub-batch)."""
+        out = _Keys.__new__(_Keys)
+        out.lens, out.rows, out.hashes = self.lens[idx], self.rows[idx], self.hashes[idx]
+        out.width = self.width
+        return out
 
 
 class _Class:
@@ -126,23 +146,48 @@ class _Class:
     klen: np.ndarray
     key: np.ndarray
 
-    def find(self, hashes: Sequence[int], keys: Sequence[bytes]) -> list[int]:
-        """Each key's STORED slot, or -1 (one scan of the index for the batch)."""
-        want = np.asarray(hashes, np.uint64)
-        hits = np.flatnonzero(np.isin(self.hash, want) & (self.state == STORED))
-        by_hash: dict[int, list[int]] = {}
-        for s in hits.tolist():
-            by_hash.setdefault(int(self.hash[s]), []).append(s)
-        out = []
-        for h, k in zip(hashes, keys):
-            out.append(next((s for s in by_hash.get(h, ()) if bytes(self.key[s, :self.klen[s]]) == k), -1))
+    def find(self, keys: _Keys) -> np.ndarray:
+        """Each key's STORED slot, or -1: one pass over the index for the batch (hashes
+        matched by sorting, then the key bytes compared; a hash two stored keys share is
+        resolved key by key)."""
+        out = np.full(len(keys), -1, np.int64)
+        cand = np.flatnonzero((self.state == STORED) & np.isin(self.hash, keys.hashes))
+        if not len(cand):
+            return out
+        order = np.argsort(self.hash[cand], kind="stable")
+        ch, cs = self.hash[cand][order], cand[order]
+        pos = np.minimum(np.searchsorted(ch, keys.hashes), len(ch) - 1)
+        hit = np.flatnonzero(ch[pos] == keys.hashes)
+        s = cs[pos[hit]]
+        same = (self.klen[s] == keys.lens[hit]) & (self.key[s, :keys.width] == keys.rows[hit]).all(axis=1)
+        out[hit[same]] = s[same]
+        for i in hit[~same].tolist():  # another key of the same hash came first: look at each
+            for j in range(int(pos[i]), len(ch)):
+                if ch[j] != keys.hashes[i]:
+                    break
+                t = int(cs[j])
+                if int(self.klen[t]) == keys.lens[i] and (self.key[t, :keys.width] == keys.rows[i]).all():
+                    out[i] = t
+                    break
         return out
 
-    def take_back(self, s: int) -> None:
-        """Slot ``s`` leaves the index: STORED cleared first (a crash leaves it WRITING or FREE)."""
-        self.state[s] = WRITING
-        self.hash[s] = 0
-        self.state[s] = FREE
+    def take_back(self, slots: Any) -> None:
+        """The slots leave the index: STORED cleared first (a crash leaves them WRITING or FREE)."""
+        self.state[slots] = WRITING
+        self.hash[slots] = 0
+        self.state[slots] = FREE
+
+    def fill(self, slots: np.ndarray, keys: _Keys, sizes: Any) -> None:
+        """Claim ``slots`` for ``keys``: WRITING before any field changes (a crash from here
+        leaves them WRITING), a new generation, this process as their writer."""
+        self.state[slots] = WRITING
+        self.gen[slots] += 1
+        self.owner[slots] = os.getpid()
+        self.length[slots] = sizes
+        self.klen[slots] = keys.lens
+        self.key[slots] = 0
+        self.key[slots, :keys.width] = keys.rows
+        self.hash[slots] = keys.hashes
 
 
 def _layout(slots: int, slot_bytes: int, small_slots: int, small_bytes: int) -> tuple[int, int, int]:
@@ -173,7 +218,9 @@ class ArenaStore(Store):
         self._lock = threading.Lock()
         self._threads = default_threads()
         self._pool = ThreadPoolExecutor(self._threads, "kvstate-arena") if self._threads > 1 else None
-        self._claims: dict[str, tuple[int, int]] = {}  # key -> (big slot, generation) claimed here
+        #: (thread, key) -> (class, slot, generation) claimed: a thread publishes only its own claims,
+        #: so two threads putting one key never let go of each other's slot while it is copied into
+        self._claims: dict[tuple[int, str], tuple[_Class, int, int]] = {}
         self.evictions = self.puts = self.gets = self.lost_puts = 0
         self.reclaimed = 0  #: slots taken back from writers that died
 
@@ -253,40 +300,32 @@ class ArenaStore(Store):
         self._tick[0] += 1
         return int(self._tick[0])
 
-    def _claim_slots(self, c: _Class, keys: Sequence[bytes], sizes: Sequence[int]) -> list[int]:
+    def _claim_slots(self, c: _Class, keys: _Keys, sizes: Any) -> np.ndarray:
         """Slots of class ``c`` claimed for ``keys`` (lock held): free ones, then ones whose
         writer died, then the least recently used STORED ones (evicted); -1 for a key past
         them all (every other slot is claimed)."""
-        free = np.flatnonzero(c.state == FREE).tolist()
-        if len(free) < len(keys):
-            free += self._reclaim(c).tolist()
-        if len(free) < len(keys):
+        n = len(keys)
+        free = np.flatnonzero(c.state == FREE)[:n]
+        if len(free) < n:
+            free = np.concatenate([free, self._reclaim(c)])[:n]
+        if len(free) < n:
             stored = np.flatnonzero(c.state == STORED)
-            oldest = stored[np.argsort(c.stamp[stored], kind="stable")[:len(keys) - len(free)]].tolist()
-            for s in oldest:
-                c.take_back(s)
+            oldest = stored[np.argsort(c.stamp[stored], kind="stable")[:n - len(free)]]
+            c.take_back(oldest)
             self.evictions += len(oldest)
-            free += oldest
-        out = []
-        for s, key, size in zip(free, keys, sizes):
-            c.state[s] = WRITING  # claimed before its fields change: a crash from here leaves it WRITING
-            c.gen[s] += 1
-            c.owner[s] = os.getpid()
-            c.length[s] = size
-            c.klen[s] = len(key)
-            c.key[s, :len(key)] = np.frombuffer(key, np.uint8)
-            c.hash[s] = _key_hash(key)
-            out.append(s)
-        return out + [-1] * (len(keys) - len(out))
+            free = np.concatenate([free, oldest])
+        k = len(free)
+        c.fill(free, keys.take(slice(0, k)), np.asarray(sizes, np.uint64)[:k])
+        return np.concatenate([free, np.full(n - k, -1, np.int64)]).astype(np.int64)
 
     def _reclaim(self, c: _Class) -> np.ndarray:
         """WRITING slots whose writer died, taken back."""
         writing = np.flatnonzero(c.state == WRITING)
-        dead = [s for s in writing.tolist() if int(c.owner[s]) != os.getpid() and not _alive(int(c.owner[s]))]
-        for s in dead:
-            c.take_back(s)
+        dead = np.asarray([s for s in writing.tolist()
+                           if int(c.owner[s]) != os.getpid() and not _alive(int(c.owner[s]))], np.int64)
+        c.take_back(dead)
         self.reclaimed += len(dead)
-        return np.asarray(dead, np.int64)
+        return dead
 
     def _class_of(self, size: int) -> _Class | None:
         return self.small if size <= self.small.size else self.big if size <= self.big.size else None
@@ -301,59 +340,70 @@ class ArenaStore(Store):
         """Big slots for these keys' objects, to be filled in place (then put, from those very
         slots, with :meth:`batch_put_from`): per key a slot, or -1 where every slot is claimed."""
         check_keys(keys, "ArenaStore.claim")
-        bs = [k.encode() for k in keys]
         with self._locked():
-            out = self._claim_slots(self.big, bs, [self.big.size] * len(bs))
-            for k, s in zip(keys, out):
-                if s >= 0:
-                    self._claims[k] = (s, int(self.big.gen[s]))
+            for k in keys:  # a key claimed again lets its earlier claim go
+                if _mine(k) in self._claims:
+                    self._release(*self._claims.pop(_mine(k)))
+            out = self._claim_slots(self.big, _Keys(keys), np.full(len(keys), self.big.size)).tolist()
+            gens = self.big.gen[[s for s in out if s >= 0]].tolist()
+            self._claims.update(zip([_mine(k) for k, s in zip(keys, out) if s >= 0],
+                                    [(self.big, s, g) for s, g in zip([s for s in out if s >= 0], gens)]))
         return out
 
     def release(self, keys: Sequence[str]) -> None:
-        """Let go of claims of these keys not put (a transfer that failed or stopped short)."""
+        """Let go of claims of these keys not published (a transfer that failed or stopped short)."""
         with self._locked():
             for k in keys:
-                held = self._claims.pop(k, None)
+                held = self._claims.pop(_mine(k), None)
                 if held is not None:
-                    self._release(self.big, *held)
+                    self._release(*held)
 
     def locate(self, keys: Sequence[str]) -> list[Place]:
         """Where each key's object is in the big slots (marked used now); ``slot`` -1 if not there."""
         check_keys(keys, "ArenaStore.locate")
-        bs = [k.encode() for k in keys]
+        batch = _Keys(keys)
         with self._locked():
-            found = self.big.find([_key_hash(b) for b in bs], bs)
-            stamp = self._stamp()
-            out = []
-            for s in found:
-                if s >= 0:
-                    self.big.stamp[s] = stamp
-                    out.append(Place(s, int(self.big.gen[s]), int(self.big.length[s])))
-                else:
-                    out.append(Place(-1, 0, 0))
-        return out
+            found = self.big.find(batch)
+            hit = found[found >= 0]
+            self.big.stamp[hit] = self._stamp()
+            gens, lengths = self.big.gen[found].tolist(), self.big.length[found].tolist()
+        return [Place(s, g, n) if s >= 0 else Place(-1, 0, 0) for s, g, n in zip(found.tolist(), gens, lengths)]
 
     def unchanged(self, places: Sequence[Place]) -> list[bool]:
         """Whether each place still holds what :meth:`locate` found (read after copying out)."""
+        slots = np.asarray([p.slot for p in places], np.int64)
+        gens = np.asarray([p.gen for p in places], np.uint64)
         with self._locked():
-            return [p.slot >= 0 and int(self.big.state[p.slot]) == STORED and int(self.big.gen[p.slot]) == p.gen
-                    for p in places]
+            ok = (slots >= 0) & (self.big.state[slots] == STORED) & (self.big.gen[slots] == gens)
+        return ok.tolist()
 
     # -- Store ------------------------------------------------------------------------------------
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = check_batch(keys, "ArenaStore.batch_put_from", buffers)
+        staged = self.stage(keys, buffers)
+        published = self.publish([k for k, st in zip(keys, staged) if st == 0])
+        done = iter(published)
+        return [next(done) if st == 0 else st for st in staged]
+
+    def stage(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Copy each buffer into a slot claimed for its key, not yet visible (:meth:`publish`
+        makes it so); a buffer that already is its key's claimed slot is not copied. Per key 0,
+        ``TOO_LARGE``, or ``MISSING`` (every slot of its class claimed)."""
+        views = check_batch(keys, "ArenaStore.stage", buffers)
         out = [0] * len(keys)
-        plan: list[tuple[int, _Class, int, int, memoryview | None]] = []  # (index, class, slot, gen, to copy)
+        copies: list[tuple[np.ndarray, memoryview]] = []
         with self._locked():
             wanted: dict[int, list[int]] = {}  # class (by id) -> indices of keys needing a slot
+            base, last = _address(self.big.data), {k: i for i, k in enumerate(keys)}
             for i, (k, v) in enumerate(zip(keys, views)):
-                held = self._claims.pop(k, None)
-                if held is not None and v.nbytes <= self.big.size and _address(v) == _address(self.big.data[held[0]]):
-                    plan.append((i, self.big, held[0], held[1], None))  # filled in place
-                    self.big.length[held[0]] = v.nbytes
+                if last[k] != i:  # a later buffer of the key in this batch replaces it
+                    continue
+                held = self._claims.get(_mine(k))
+                if held is not None and held[0] is self.big and v.nbytes <= self.big.size \
+                        and _address(v) == base + held[1] * self.big.size:
+                    self.big.length[held[1]] = v.nbytes  # filled in place
                     continue
                 if held is not None:  # claimed, but put from elsewhere: the claim is let go
-                    self._release(self.big, *held)
+                    self._release(*self._claims.pop(_mine(k)))
                 c = self._class_of(v.nbytes)
                 if c is None:
                     out[i] = TOO_LARGE
@@ -361,39 +411,55 @@ class ArenaStore(Store):
                     wanted.setdefault(id(c), []).append(i)
             for c in (self.small, self.big):
                 idx = wanted.get(id(c), [])
-                for i, s in zip(idx, self._claim_slots(c, [keys[i].encode() for i in idx],
-                                                       [views[i].nbytes for i in idx])):
-                    if s < 0:
+                if not idx:
+                    continue
+                slots = self._claim_slots(c, _Keys([keys[i] for i in idx]), [views[i].nbytes for i in idx])
+                for i, sl, gen in zip(idx, slots.tolist(), c.gen[slots].tolist()):
+                    if sl < 0:
                         out[i] = MISSING
                     else:
-                        plan.append((i, c, s, int(c.gen[s]), views[i]))
-        self._copy([(c.data[s][:v.nbytes], v) for _, c, s, _, v in plan if v is not None])
-        with self._locked():
-            committed = self._commit([(keys[i], c, s, gen) for i, c, s, gen, _ in plan])
-            for (i, *_), ok in zip(plan, committed):
-                if not ok:
-                    out[i] = MISSING
-            self.puts += len(plan)
+                        self._claims[_mine(keys[i])] = (c, sl, gen)
+                        copies.append((c.data[sl][:views[i].nbytes], views[i]))
+        self._copy(copies)
         return out
+
+    def publish(self, keys: Sequence[str]) -> list[int]:
+        """Make the objects staged (or claimed and filled) for these keys visible, in one
+        step; per key 0, or ``MISSING`` where it holds no claim or its slot was taken back."""
+        check_keys(keys, "ArenaStore.publish")
+        asked = keys
+        with self._locked():
+            held = [self._claims.pop(_mine(k), None) for k in dict.fromkeys(keys)]
+            keys = list(dict.fromkeys(keys))
+            mine = [i for i, h in enumerate(held) if h is not None]
+            ok = self._commit([(keys[i], *held[i]) for i in mine])  # type: ignore[misc]
+            self.puts += len(mine)
+        status = dict.fromkeys(keys, MISSING)
+        for i, good in zip(mine, ok):
+            status[keys[i]] = 0 if good else MISSING
+        return [status[k] for k in asked]
 
     def _commit(self, puts: Sequence[tuple[str, _Class, int, int]]) -> list[bool]:
         """Make the claimed slots visible, dropping older objects of their keys (lock held); a
         slot no longer its claim (taken back: its writer was thought dead) is a lost put."""
-        bs = [k.encode() for k, *_ in puts]
-        hs = [_key_hash(b) for b in bs]
+        batch = _Keys([k for k, *_ in puts])
         for cls in (self.big, self.small):
-            for old in cls.find(hs, bs):
-                if old >= 0:
-                    cls.take_back(old)
-        stamp, out = self._stamp(), []
-        for _, c, s, gen in puts:
-            ok = int(c.gen[s]) == gen and int(c.state[s]) == WRITING
-            self.lost_puts += not ok
-            if ok:
-                c.stamp[s] = stamp
-                c.state[s] = STORED  # last
-            out.append(ok)
-        return out
+            old = cls.find(batch)
+            cls.take_back(old[old >= 0])
+        ok = np.zeros(len(puts), bool)
+        stamp = self._stamp()
+        for c in (self.big, self.small):
+            mine = np.asarray([i for i, p in enumerate(puts) if p[1] is c], np.int64)
+            if not len(mine):
+                continue
+            slots = np.asarray([puts[i][2] for i in mine], np.int64)
+            gens = np.asarray([puts[i][3] for i in mine], np.uint64)
+            good = (c.gen[slots] == gens) & (c.state[slots] == WRITING)
+            c.stamp[slots[good]] = stamp
+            c.state[slots[good]] = STORED  # last
+            ok[mine] = good
+        self.lost_puts += int((~ok).sum())
+        return ok.tolist()
 
     def _copy(self, pairs: Sequence[tuple[Any, Any]]) -> None:
         """Copy each (destination, source) pair, outside the lock: a large batch on the copy
@@ -411,17 +477,16 @@ class ArenaStore(Store):
 
     def _release(self, c: _Class, s: int, gen: int) -> None:
         if int(c.gen[s]) == gen and int(c.state[s]) == WRITING:
-            c.take_back(s)
+            c.take_back([s])
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = check_batch(keys, "ArenaStore.batch_get_into", buffers)
-        bs = [k.encode() for k in keys]
-        hs = [_key_hash(b) for b in bs]
+        batch = _Keys(keys)
         out, plan = [MISSING] * len(keys), []
         with self._locked():
             stamp = self._stamp()
             for c in (self.small, self.big):
-                for i, s in enumerate(c.find(hs, bs)):
+                for i, s in enumerate(c.find(batch).tolist()):
                     if s < 0:
                         continue
                     n = int(c.length[s])
@@ -439,23 +504,19 @@ class ArenaStore(Store):
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         check_keys(keys, "ArenaStore.batch_is_exist")
-        bs = [k.encode() for k in keys]
-        hs = [_key_hash(b) for b in bs]
+        batch = _Keys(keys)
         with self._locked():
-            found = [max(a, b) for a, b in zip(self.small.find(hs, bs), self.big.find(hs, bs))]
-        return [1 if s >= 0 else 0 for s in found]
+            found = np.maximum(self.small.find(batch), self.big.find(batch))
+        return (found >= 0).astype(int).tolist()
 
     def evict(self, keys: Sequence[str]) -> int:
         check_keys(keys, "ArenaStore.evict")
-        bs = [k.encode() for k in keys]
-        hs = [_key_hash(b) for b in bs]
-        n = 0
+        batch, n = _Keys(keys), 0
         with self._locked():
             for c in (self.small, self.big):
-                for s in c.find(hs, bs):
-                    if s >= 0:
-                        c.take_back(s)
-                        n += 1
+                found = c.find(batch)
+                c.take_back(found[found >= 0])
+                n += int((found >= 0).sum())
             self.evictions += n
         return n
 
@@ -510,6 +571,11 @@ class _FileLock:
             self.lock.release()
 
 
+def _mine(key: str) -> tuple[int, str]:
+    """A claim's name: the calling thread's, for ``key``."""
+    return threading.get_ident(), key
+
+
 def _address(a: Any) -> int:
     """The first byte's address of a buffer (a memoryview or an array)."""
     return int(np.frombuffer(a, np.uint8).__array_interface__["data"][0]) if not isinstance(a, np.ndarray) \
@@ -530,37 +596,3 @@ def _remove_orphans(d: Path) -> None:
         if pid.isdigit() and not _alive(int(pid)):
             p.unlink(missing_ok=True)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvstate.backends.arena --slot-bytes N --slots M``: make an arena, print its
-    path, and hold it (its owner) until SIGTERM or SIGINT, then remove it. What an operator
-    runs beside P's and D's engines on a host, whose stores name the path."""
-    import argparse
-    import signal
-
-    ap = argparse.ArgumentParser(prog="python -m kvstate.backends.arena", description=main.__doc__)
-    ap.add_argument("--slot-bytes", type=int, required=True, help="one object: a block of one kind, every layer")
-    ap.add_argument("--slots", type=int, required=True)
-    ap.add_argument("--small-bytes", type=int, default=1024)
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--directory")
-    a = ap.parse_args(argv)
-    try:
-        store = ArenaStore.create(a.slot_bytes, a.slots, small_bytes=a.small_bytes, tag=a.tag, directory=a.directory)
-    except (ConfigError, ValidationError) as e:
-        print(f"error: {e}", flush=True)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print(store.path, flush=True)
-    try:
-        while not stop.wait(1.0):
-            pass
-    finally:
-        store.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -433,58 +433,92 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
 
     def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None) -> int:
-        """Gather the blocks straight into slots the arena store claimed, then put them from
-        there (no copy) with manifests of their SUM64; leading blocks stored."""
+        """Take the blocks' SUM64 on the GPU, gather them straight into slots the arena store
+        claimed, stage their manifests while they move, then publish objects and manifests in
+        one step (no copy); leading blocks stored. Claims are let go only once
+        nothing can write their slots (a stuck device keeps them claimed)."""
         store, nk, n = cast(ArenaStore, self.store), len(self.spec.kinds), len(keys)
         names = self._names(part[1], keys)
         by_kind = store.claim([names[i * nk + k] for k in range(nk) for i in range(n)])  # a kind's slots in runs
         slots = [by_kind[k * n + i] for i in range(n) for k in range(nk)]
         n = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(n))
+        mnames: list[str] = []
+        moved = n == 0
         try:
             with self._on(rank):
-                sums: list[list[int]] | None = []
-                if n:  # the caches are summed while they are gathered: a write's blocks do not change
-                    ev = self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard)
-                    pending = self._launch_sums(rank, part[0], block_ids[:n], None)
-                    self._swappers[rank].wait(ev)
-                    sums = None if pending is None else pending()
-        except BaseException:
-            store.release(names)
-            raise
-        store.release(names[n * nk:])
-        views = [self._arena_views[kind][slots[i * nk + k]].reshape(-1).view(np.uint8)  # type: ignore[index]
-                 for i in range(n) for k, kind in enumerate(self.spec.kinds)]
-        count = self._put_bare(part[1], keys[:n], None, views) if n else 0
-        store.release(names[:n * nk])  # claims a failed put did not take
-        if not count or sums is None:
-            return 0
-        return self._put_manifests(part[1], keys[:count], None, [v.nbytes for v in views],
-                                   self._flat(sums, 0, count) or [], SUM64)
+                # summed first: fetching sums while the gather's DMA runs would queue behind it
+                sums = self._device_sums(rank, part[0], block_ids[:n], None) or [] if n else []
+                ev = self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard) if n else None
+                try:
+                    mnames, blobs = self._manifests(part[1], keys[:n], None, [store.big.size] * (n * nk),
+                                                    self._flat(sums, 0, n) or [], SUM64)
+                    staged = store.stage(mnames, blobs)
+                finally:
+                    if ev is not None:
+                        self._swappers[rank].wait(ev)
+                    moved = True
+            n = leading(st == 0 for st in staged)  # a block publishes only with its manifest
+            status = store.publish(names[:n * nk] + mnames[:n])
+            return self._leading_blocks(keys[:n], None, [st == 0 for st in status])
+        finally:
+            if moved:
+                store.release(names + mnames)
 
     def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None) -> int:
-        """Scatter the blocks straight out of the arena's slots, then count the leading ones
+        """Scatter the blocks straight out of the arena's slots in two pieces (the second's
+        manifests read and slots found while the first moves), then count the leading blocks
         whose slots held them throughout and whose SUM64, taken where they landed, are their
-        manifests'; the first broken one is evicted."""
-        store, nk = cast(ArenaStore, self.store), len(self.spec.kinds)
-        read, vouched = self._read_manifests(part[1], keys, None)
-        places = store.locate(self._names(part[1], keys))
-        got = [p.length if p.slot >= 0 else MISSING for p in places]
-        whole = self._arrived(keys, [None], got, vouched)
-        if any(a != SUM64 for a, _ in vouched[:whole]):  # host checksums: the staged path checks those
-            return self._get(rank, part, keys, block_ids, guard, None)
+        manifests'; the first broken one is evicted. Manifests of host checksums (a writer
+        without a GPU) are read by the staged path."""
+        store, nk, sw = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank]
+        n, names = len(keys), self._names(part[1], keys)
+        # a first quarter, whose bookkeeping is all that runs before the first copy starts
+        halves = [(0, n // 4), (n // 4, n)] if n >= 16 else [(0, n)]
+        moved: list[tuple[int, int, Any, Any]] = []  # (first block, blocks moved, their places, what was read)
+        events: list[Any] = []
+        count, staged_from = 0, None
         with self._on(rank):
-            if whole:
-                self._swappers[rank].wait(self._arena_move(rank, block_ids[:whole],
-                                                           [p.slot for p in places[:whole * nk]], "h2d", guard))
-            still = store.unchanged(places[:whole * nk])
-            whole = leading(all(still[i * nk:(i + 1) * nk]) for i in range(whole))
-            sums = self._device_sums(rank, part[0], block_ids[:whole], None) if whole else []
-        count = self._verify_deferred(part[1], [(keys[i], self._expected(i, [None], vouched))
-                                                for i in range(whole)], sums or [])
-        if count == whole:
-            self._evict_if_broken(part[1], keys, None, got, read, whole)
-        return count
+            try:
+                for a, b in halves:
+                    read, vouched = self._read_manifests(part[1], keys[a:b], None)
+                    places = store.locate(names[a * nk:b * nk])
+                    got = [p.length if p.slot >= 0 else MISSING for p in places]
+                    whole = self._arrived(keys[a:b], [None], got, vouched)
+                    if any(alg != SUM64 for alg, _ in vouched[:whole]):
+                        staged_from = a
+                        break
+                    events.append(self._arena_move(rank, block_ids[a:a + whole], [p.slot for p in places[:whole * nk]],
+                                                   "h2d", guard) if whole else None)
+                    moved.append((a, whole, places, (read, vouched, got, b - a)))
+                    if whole < b - a:
+                        break
+                for (a, whole, places, (read, vouched, got, size)), ev in zip(moved, events):
+                    if ev is not None:
+                        sw.wait(ev)
+                    done = self._arena_verified(rank, part, keys[a:a + size], block_ids[a:a + whole], places,
+                                                vouched)
+                    if done == whole:
+                        self._evict_if_broken(part[1], keys[a:a + size], None, got, read, whole)
+                    count += done
+                    if done < size:
+                        return count
+            finally:
+                self._wait_all(sw, events)  # nothing scatters into the blocks once we return
+        if staged_from is None or count < staged_from:
+            return count
+        return count + self._get(rank, part, keys[count:], block_ids[count:], guard, None)
+
+    def _arena_verified(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                        places: Sequence[Any], vouched: Any) -> int:
+        """Of blocks scattered from the arena, the leading ones whose slots still hold them and
+        whose SUM64 where they landed are their manifests' (the first that differs is evicted)."""
+        nk = len(self.spec.kinds)
+        still = cast(ArenaStore, self.store).unchanged(places[:len(block_ids) * nk])
+        w = leading(all(still[i * nk:(i + 1) * nk]) for i in range(len(block_ids)))
+        sums = self._device_sums(rank, part[0], block_ids[:w], None) if w else []
+        return self._verify_deferred(part[1], [(keys[i], self._expected(i, [None], vouched)) for i in range(w)],
+                                     sums or [])
 
     def close(self) -> None:
         """Wait for queued transfers, free staging, caches this backend allocated and streams,

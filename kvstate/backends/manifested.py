@@ -119,12 +119,18 @@ class Manifested(ABC):
                        sums: Sequence[int], algorithm: int) -> int:
         """Put the manifests of ``keys``' blocks, whose objects are stored (``sizes`` and ``sums``
         per object, in ``_names``' order), in one batch; leading blocks whose manifests stored."""
+        names, manifests = self._manifests(part, keys, groups, sizes, sums, algorithm)
+        status = self.store.batch_put_from(names, manifests)
+        return _stored(status, len(self._groups_of(groups)), len(keys))
+
+    def _manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, sizes: Sequence[int],
+                   sums: Sequence[int], algorithm: int) -> tuple[list[str], list[bytes]]:
+        """The names and bytes of the manifests of ``keys``' blocks (as :meth:`_put_manifests`)."""
         gs = self._groups_of(groups)
         manifests = [pack_manifest(self._geometry[g], [(sizes[j], sums[j])
                                                        for j in self._objects_of(i, gi, len(gs))], algorithm)
                      for i in range(len(keys)) for gi, g in enumerate(gs)]
-        status = self.store.batch_put_from(self._manifest_names(part, keys, groups), manifests)
-        return _stored(status, len(gs), len(keys))
+        return self._manifest_names(part, keys, groups), manifests
 
     def _per(self, groups: Sequence[int] | None) -> int:
         """Objects a block has in ``_names``' order (every kind, every group named)."""
