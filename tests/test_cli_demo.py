@@ -81,13 +81,13 @@ def test_console_entry_point_runs():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, PR_SET_PDEATHSIG)")
 def test_demo_as_processes(capsys):
-    """P and D as scheduler processes, each with a rank worker per TP rank, over a FileStore in
-    a temporary directory: every byte checked, nothing leaked, seven processes at TP 2."""
+    """P and D as scheduler processes, each with a rank worker per TP rank, over a store in
+    shared memory (an arena): every byte checked, nothing leaked, seven processes at TP 2."""
     assert main(["demo", "--processes", "--requests", "24", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0
     assert s["processes"] == 7 and s["unfinished"] == 0 and s["finished"] + s["aborted"] + s["failed"] == 24
-    assert s["schedulers_reported"] == ["decode", "prefill"] and s["store"] == "file"
+    assert s["schedulers_reported"] == ["decode", "prefill"] and s["store"] == "arena"
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -108,7 +108,7 @@ def test_ctrl_c_on_the_process_demo_is_one_line_and_leaves_no_process():
     import signal
     import time
 
-    p = subprocess.Popen([sys.executable, "-m", "kvstate", "demo", "--processes", "--requests", "400"],
+    p = subprocess.Popen([sys.executable, "-m", "kvstate", "demo", "--processes", "--requests", "4000"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         time.sleep(6)  # the schedulers and their rank workers are up and serving
@@ -126,3 +126,13 @@ def test_ctrl_c_on_the_process_demo_is_one_line_and_leaves_no_process():
             return
         time.sleep(0.2)
     raise AssertionError("a process of the demo outlived it")
+
+
+def test_demo_in_one_process_over_an_arena_and_the_file_store_as_processes(capsys, tmp_path):
+    assert main(["demo", "--store", "arena", "--requests", "16", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0
+    assert main(["demo", "--processes", "--store", "file", "--store-dir", str(tmp_path), "--requests", "8",
+                 "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["integrity_ok"] and s["store"] == "file" and s["unfinished"] == 0

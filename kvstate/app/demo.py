@@ -46,14 +46,24 @@ class DemoConfig:
             raise ConfigError(f"--requests must be an int > 0, got {self.requests!r}")
         if not isinstance(self.tp, int) or not 1 <= self.tp <= 16:
             raise ConfigError(f"--tp must be an int in 1..16, got {self.tp!r}")
-        if self.store not in ("memory", "file", "custom"):
-            raise ConfigError(f"--store must be 'memory' or 'file', got {self.store!r}")
+        if self.store not in ("memory", "file", "arena", "custom"):
+            raise ConfigError(f"--store must be 'memory', 'file' or 'arena', got {self.store!r}")
         if self.store == "file" and not self.store_dir:
             raise ConfigError("--store file needs --store-dir DIR")
         if self.backend not in ("reference", "cuda"):
             raise ConfigError(f"--backend must be 'reference' or 'cuda', got {self.backend!r}")
         if not isinstance(self.concurrency, int) or self.concurrency <= 0:
             raise ConfigError(f"--concurrency must be an int > 0, got {self.concurrency!r}")
+
+
+def arena_store(spec: CacheSpec, blocks: int) -> Store:
+    """An :class:`~kvstate.backends.arena.ArenaStore` whose slots are ``spec``'s objects (one
+    block of one kind, every layer, one rank), room for ``blocks`` blocks of every rank."""
+    from ..backends.arena import ArenaStore
+
+    slot = max(spec.block_bytes(k) for k in spec.kinds)
+    return ArenaStore.create(slot, blocks * len(spec.kinds) * spec.tp_size, small_bytes=min(1024, slot // 2),
+                             small_slots=blocks * spec.tp_size, tag="kvstate-demo")
 
 
 class _Demo:
@@ -71,6 +81,8 @@ class _Demo:
             self.store = cfg.store_factory(self.spec)
         elif cfg.store == "file":
             self.store = FileStore(cfg.store_dir)  # type: ignore[arg-type]
+        elif cfg.store == "arena":
+            self.store = arena_store(self.spec, 2 * cfg.blocks_per_instance)
         else:
             self.store = MemoryStore(1 << 30)
         nb = cfg.blocks_per_instance

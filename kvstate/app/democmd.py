@@ -20,8 +20,8 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--requests", type=POSITIVE_INT, default=64, help="number of requests (default 64)")
     d.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="workload seed (default 0)")
     d.add_argument("--tp", type=POSITIVE_INT, default=2, help="TP ranks per instance (default 2)")
-    d.add_argument("--store", choices=("memory", "file", "mooncake"), default=None,
-                   help="storage pool (default memory; with --processes a file store in a temporary directory)")
+    d.add_argument("--store", choices=("memory", "arena", "file", "mooncake"), default=None,
+                   help="storage pool (default memory; with --processes a shared-memory arena)")
     d.add_argument("--store-dir", help="an existing directory for the file store (with --store file)")
     d.add_argument("--master", help="Mooncake master HOST:PORT (with --store mooncake)")
     d.add_argument("--metadata", help="Mooncake metadata server URL, e.g. http://HOST:8080/metadata")
@@ -33,7 +33,7 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--concurrency", type=POSITIVE_INT, default=8, help="requests in flight (default 8)")
     d.add_argument("--processes", action="store_true",
                    help="run P and D as separate processes, each a scheduler plus --tp rank-worker processes, over a "
-                        "store that works across processes (a FileStore in a temporary directory, or Mooncake)")
+                        "store that works across processes (a shared-memory arena, a FileStore, or Mooncake)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
 
 
@@ -47,8 +47,8 @@ def _check(args: argparse.Namespace) -> None:
         if not Path(args.store_dir).is_dir():
             raise ConfigError(f"--store-dir {args.store_dir}: no such directory (create it first)")
     if args.processes and args.store == "memory":
-        raise ConfigError("--processes needs a store other processes reach: --store file or --store mooncake "
-                          "(without --store: a FileStore in a temporary directory)")
+        raise ConfigError("--processes needs a store other processes reach: --store arena, file or mooncake "
+                          "(without --store: an arena)")
     if args.processes and args.backend != "reference":
         raise ConfigError("--processes runs the reference (numpy) backend; the GPU split is examples/pd_engine")
     if args.store != "mooncake" and (args.start_master or args.master or args.metadata):

@@ -1,5 +1,6 @@
 """``kvstate demo --processes``: P and D as separate instances, each a scheduler process plus
-``tp`` rank-worker processes, joined by a store that works across processes and by messages.
+``tp`` rank-worker processes, joined by a store that works across processes (by default a
+shared-memory arena this process makes) and by messages.
 
 Processes and messages (every channel ZeroMQ; :mod:`~kvstate.distributed.pdlink`)::
 
@@ -29,7 +30,7 @@ from typing import Any
 from ..distributed.shm import shm_directory
 from ..distributed.supervise import remove_orphans
 from ..errors import ConfigError, DriverError
-from .demo import DemoConfig, summary
+from .demo import DemoConfig, arena_store, summary
 from .demoroles import make_plans
 
 __all__ = ["SchedulerConfig", "run_processes", "DEMO_SCHEMAS"]
@@ -68,12 +69,16 @@ class SchedulerConfig:
         return json.dumps(asdict(self))
 
 
+def _spec(cfg: DemoConfig) -> dict[str, Any]:
+    """The demo's cache geometry as CacheSpec's fields (JSON: the schedulers get it)."""
+    return {"num_layers": cfg.layers, "kv_heads": cfg.kv_heads, "block_size": cfg.block_size,
+            "head_dim": cfg.head_dim, "dtype": cfg.dtype, "tp_size": cfg.tp}
+
+
 def _start(role: str, cfg: DemoConfig, store: dict[str, Any], addresses: dict[str, str]) -> Any:
     from ..distributed.supervise import ChildProcess
 
-    spec = {"num_layers": cfg.layers, "kv_heads": cfg.kv_heads, "block_size": cfg.block_size,
-            "head_dim": cfg.head_dim, "dtype": cfg.dtype, "tp_size": cfg.tp}
-    sc = SchedulerConfig(role, spec, cfg.blocks_per_instance, store, addresses, cfg.seed + 1 + _ROLES.index(role),
+    sc = SchedulerConfig(role, _spec(cfg), cfg.blocks_per_instance, store, addresses, cfg.seed + 1 + _ROLES.index(role),
                          cfg.concurrency, os.getpid())
     return ChildProcess("kvstate.app.procsched", [sc.to_json()], f"demo {role} scheduler")
 
@@ -81,8 +86,8 @@ def _start(role: str, cfg: DemoConfig, store: dict[str, Any], addresses: dict[st
 def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout: float = 300.0,
                   on_start: Any = None) -> dict[str, Any]:
     """Run the demo as processes (see the module's docstring); the summary of ``run_demo``
-    plus ``processes``. ``store``: a worker store configuration (default: a FileStore in a
-    temporary directory). ``on_start(children)`` sees the scheduler processes once every one
+    plus ``processes``. ``store``: a worker store configuration (default: an ArenaStore in
+    shared memory, made here and removed at the end). ``on_start(children)`` sees the scheduler processes once every one
     is ready (tests kill them)."""
     from ..distributed.pdlink import Link
 
@@ -91,10 +96,14 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
     remove_orphans(tempfile.gettempdir(), "kvstate-demo-")
     tmp = tempfile.mkdtemp(prefix=f"kvstate-demo-{os.getpid()}-")
     children: dict[str, Any] = {}
+    closers: list[Any] = []
     try:
-        if store is None:
-            os.mkdir(os.path.join(tmp, "store"))
-            store = {"kind": "file", "root": os.path.join(tmp, "store")}
+        if store is None:  # a shared-memory arena this process owns, sized for both instances' blocks
+            from ..spec import CacheSpec
+
+            arena = arena_store(CacheSpec(**_spec(cfg)), 2 * cfg.blocks_per_instance)
+            closers.append(arena.close)
+            store = {"kind": "arena", "path": arena.path}  # type: ignore[attr-defined]
         addresses = {name: f"ipc://{tmp}/{name}" for name in ("router", *_ROLES)}
         with Link(addresses["router"], DEMO_SCHEMAS) as link:
             for role in _ROLES:
@@ -116,6 +125,8 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
     finally:
         for child in children.values():
             child.stop(10.0)
+        for close in closers:
+            close()
         shutil.rmtree(tmp, ignore_errors=True)
         # what a scheduler killed with SIGKILL could not remove (its shared caches, its sockets)
         remove_orphans(shm_directory(), "kvstate-")
