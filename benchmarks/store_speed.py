@@ -10,8 +10,9 @@ the median over the rounds (the bar's figure):
 
 - ``memcpy``: the same bytes copied by numpy on the stores' copy threads (one a core, up to
   8): this host's multi-threaded memory-copy bandwidth, the bar (puts and gets at ≥ 80 % of it);
-- ``MemoryStore`` put and get, ``FileStore`` put and get in ``--dir`` (``/dev/shm``: tmpfs),
-  each plain and hashed (the checksums of :mod:`kvstate.backends.integrity` taken as they copy);
+- ``MemoryStore`` put and get, ``ArenaStore`` put and get (its shared-memory slots: what the
+  numpy backend moves through across processes), ``FileStore`` put and get in ``--dir``
+  (``/dev/shm``: tmpfs), each plain and hashed (the checksums of :mod:`kvstate.backends.integrity` taken as they copy);
 - ``xxh3``: the checksums of :mod:`kvstate.backends.integrity` over the same bytes, on one core
   and on the stores' threads.
 """
@@ -33,6 +34,7 @@ import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
 from kvstate.backends import FileStore, MemoryStore  # noqa: E402
+from kvstate.backends.arena import ArenaStore  # noqa: E402
 from kvstate.backends.integrity import Hasher  # noqa: E402
 from kvstate.backends.stores import default_threads  # noqa: E402
 
@@ -78,6 +80,11 @@ def main() -> int:
     rows["MemoryStore get"] = lambda: mem.batch_get_into(keys, dsts)
     rows["MemoryStore put, hashed"] = lambda: mem.batch_put_hashed(keys, srcs)
     rows["MemoryStore get, hashed"] = lambda: mem.batch_get_hashed(keys, dsts)
+    arena = ArenaStore.create(size, 2 * n, small_bytes=1024, verify=False)
+    rows["ArenaStore put"] = lambda: arena.batch_put_from(keys, srcs)
+    rows["ArenaStore get"] = lambda: arena.batch_get_into(keys, dsts)
+    rows["ArenaStore put, hashed"] = lambda: arena.batch_put_hashed(keys, srcs)
+    rows["ArenaStore get, hashed"] = lambda: arena.batch_get_hashed(keys, dsts)
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvstate-store-speed-") as d:
         files = FileStore(d, verify=False)
         rows["FileStore put"] = lambda: files.batch_put_from(keys, srcs)
@@ -91,6 +98,7 @@ def main() -> int:
         files.close()
         hasher.close()
     mem.close()
+    arena.close()
     pool.shutdown()
     print(f"{total / 2**30:.2f} GiB in {n} objects of {a.object_mib:g} MiB, {threads} threads, files in {a.dir}, "
           f"{a.reps} rounds")
