@@ -60,7 +60,7 @@ def assert_equal_runs(reqs, ref: dict, skip=()) -> None:
         assert r.tokens == tokens, rid
         assert len(r.logits) == len(logits)
         for i, (a, b) in enumerate(zip(r.logits, logits)):
-            assert (a == b).all().item(), f"{rid}: logits of token {i} differ"
+            assert (a.to(b.device) == b).all().item(), f"{rid}: logits of token {i} differ"
 
 
 def assert_exact(model, reqs, skip=(), reference: Callable | None = None) -> None:

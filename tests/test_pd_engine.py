@@ -231,3 +231,36 @@ def test_an_mla_model_recomputes_exactly_after_a_failed_read(mla_model, fault):
     _, leaks = serve(mla_model, reqs, tp=2, policy=Policy(read_failure="recompute"))
     assert leaks == {"P": 0, "D": 0, "pinned": 0}
     assert_exact(mla_model, reqs)
+
+
+@pytest.mark.parametrize("store", ["memory", "arena"])
+@pytest.mark.parametrize("preemption", [None, "recompute"])
+def test_p_on_the_first_gpu_and_d_on_the_second_are_token_exact(model, store, preemption):
+    """P computes and saves on GPU 0, D reads and decodes on GPU 1 (its caches, its backend and
+    a copy of the weights there), through the store; preempted requests are recomputed on GPU
+    1: D's tokens and logits are the monolithic run's on GPU 0, bit for bit, nothing leaks."""
+    import torch
+
+    from kvstate import Policy
+    from kvstate.app.demo import arena_store
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    reqs = workload(8, max_new=10, per_request={i: {"preempt_after": 3 + i % 4} for i in range(0, 8, 2)}
+                    if preemption else {})
+    kw = dict(d_device=1, policy=Policy(preempt=preemption)) if preemption else dict(d_device=1)
+    if store == "arena":
+        from engine import cache_spec
+
+        st = arena_store(cache_spec(model.cfg, 1, BS, False), 2048)
+        try:
+            eng, leaks = serve(model, reqs, st, **kw)
+        finally:
+            st.close()
+    else:
+        eng, leaks = serve(model, reqs, **kw)
+    assert leaks == {"P": 0, "D": 0, "pinned": 0}
+    assert eng.d_cache.caches[0]["key"][0].device.index == 1 and eng.backends[1].device == 1
+    assert_exact(model, reqs)
+    if preemption:
+        assert eng.recomputed

@@ -121,16 +121,23 @@ class PDEngine:
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
                  p_blocks: int | None = None, prefix_cache: bool = False, layerwise: bool = False,
                  d_tp: int | None = None, num_states: int = 64, host_blocks: int = 0,
-                 group_tables: bool = False) -> None:
+                 group_tables: bool = False, d_device: int | None = None) -> None:
         """``layerwise``: P saves each layer as it is computed, in one stored object per layer,
         and D loads layer by layer (here in this thread, so a step starts after the load).
         ``num_states``: state pages on each side, for a hybrid model (P takes one a prompt, and
         one more a checkpoint it keeps: ``Policy.state_checkpoints``; D one a request).
         ``host_blocks``: D's host tier, in blocks (``Policy(preempt="swap")`` swaps preempted
         requests into it). ``group_tables``: D gives each layer group a block table of its own
-        (``kvstate.tables``), freeing a window group's blocks behind the window as it decodes."""
+        (``kvstate.tables``), freeing a window group's blocks behind the window as it decodes.
+        ``d_device``: D's GPU, when it is not P's (the current device): D's caches, backend and
+        a copy of the model's weights live there, and the handoff goes through the store."""
         cfg = model.cfg
         self.model, self.store, self.now = model, store, 0.0
+        p_device = torch.cuda.current_device()
+        self.d_device = p_device if d_device is None else d_device
+        d_where = f"cuda:{self.d_device}"
+        #: D's model: P's, or the same weights on D's GPU
+        self.d_model = model if self.d_device == p_device else model.on(d_where)  # type: ignore[attr-defined]
         d_tp = d_tp or tp
         p_spec, d_spec = (cache_spec(cfg, n, block_size, layerwise) for n in (tp, d_tp))
         self.spec, self.d_spec = (p_spec, d_spec) if tp == d_tp else paired(p_spec, d_spec)
@@ -144,11 +151,14 @@ class PDEngine:
         self.D = DecodeLifecycle(self.d_spec, num_blocks, policy, clock=clock, prefix_cache=prefix_cache,
                                  layerwise=layerwise, num_states=num_states, host_blocks=host_blocks)
         self.p_cache = PagedCache(cfg, p_blocks, block_size, tp, num_states=num_states, spec=self.spec)
-        self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp, num_states=num_states, spec=self.d_spec)
-        sides = ((self.spec, p_blocks, self.p_cache, 0), (self.d_spec, num_blocks, self.d_cache, host_blocks))
+        self.d_cache = PagedCache(cfg, num_blocks, block_size, d_tp, num_states=num_states, spec=self.d_spec,
+                                  device=d_where)
+        sides = ((self.spec, p_blocks, self.p_cache, 0, p_device),
+                 (self.d_spec, num_blocks, self.d_cache, host_blocks, self.d_device))
         self.backends = [CudaBackend(spec, n, store, caches=c.caches, staging_bytes=staging_bytes, host_blocks=h,
-                                     num_states=num_states, states=dict(enumerate(c.states)) if num_states else None)
-                         for spec, n, c, h in sides]
+                                     num_states=num_states, states=dict(enumerate(c.states)) if num_states else None,
+                                     device=dev)
+                         for spec, n, c, h, dev in sides]
         self.p_drv = StepDriver(self.P, self.backends[0], on_notice=self._on_prefill)
         self.d_drv = StepDriver(self.D, self.backends[1], on_notice=self._on_decode)
         self.reqs: dict[str, Request] = {}
@@ -210,10 +220,10 @@ class PDEngine:
         # the prompt in P's chunks, generated tokens one at a time: as they were computed
         table, n, known = rows(cmd.block_ids, cmd.tables), len(r.prompt), r.prompt + r.tokens[:-1]
         state = cmd.state_pages[0] if cmd.state_pages else None
-        prefill_chunks(self.model, self.d_cache, table, known, cmd.from_token, n, pages=cmd.state_pages[:1])
+        prefill_chunks(self.d_model, self.d_cache, table, known, cmd.from_token, n, pages=cmd.state_pages[:1])
         for pos in range(max(n, cmd.from_token), len(known)):
-            self.model.forward(known[pos:pos + 1], pos, self.d_cache, table, state=state)
-        torch.cuda.synchronize()
+            self.d_model.forward(known[pos:pos + 1], pos, self.d_cache, table, state=state)
+        torch.cuda.synchronize(self.d_device)
         self.recomputed.append(r.rid)
         self.D.recompute_done(r.rid)
 
@@ -255,7 +265,7 @@ class PDEngine:
     def _decode_step(self, r: Request) -> None:
         table, pos = self.D.rows_of(r.rid), len(r.prompt) + len(r.tokens) - 1
         pages = self.D.pages_of(r.rid)
-        logits = self.model.forward(r.tokens[-1:], pos, self.d_cache, table, state=pages[0] if pages else None)
+        logits = self.d_model.forward(r.tokens[-1:], pos, self.d_cache, table, state=pages[0] if pages else None)
         r.logits.append(logits)
         tok = int(torch.argmax(logits))
         r.tokens.append(tok)
@@ -266,7 +276,7 @@ class PDEngine:
         self.D.append_tokens(r.rid, [tok])
         if r.preempt_after is not None and len(r.tokens) >= r.preempt_after:
             r.preempt_after, r.running = None, False
-            torch.cuda.synchronize()  # the cache is complete before the write-back reads it
+            torch.cuda.synchronize(self.d_device)  # the cache is complete before the write-back reads it
             self.D.preempt(r.rid)
 
     def _admit(self) -> None:

@@ -27,6 +27,7 @@ Weights are random from a fixed seed; nothing is downloaded.
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,6 +197,14 @@ class TinyLlama:
         self.lm_head = w(c.hidden, c.vocab)
         self.inv_freq = {d: (1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(device)
                          for d in {c.head_dim, c.rope_dim}}
+
+    def on(self, device: str) -> TinyLlama:
+        """The same model with its weights on ``device`` (D's GPU, when P and D have one each)."""
+        other = copy.copy(self)
+        other.embed, other.norm, other.lm_head = (t.to(device) for t in (self.embed, self.norm, self.lm_head))
+        other.layers = [{k: v.to(device) for k, v in layer.items()} for layer in self.layers]
+        other.inv_freq = {d: v.to(device) for d, v in self.inv_freq.items()}
+        return other
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps) * weight
