@@ -54,4 +54,4 @@ def test_plan_search_rate_gives_every_row_its_highest_rate_and_breaks_ties_by_it
     assert rows[2]["max_rate_rps"] >= rows[1]["max_rate_rps"]  # a second D holds at least as much
     assert res["ties_broken_by"] == "max_rate_rps"
     text = capsys.readouterr().out
-    assert "max rate" in text and "ties of cost broken by the highest rate held" in text or "no configuration" in text
+    assert "max rate" in text and "ties broken by the highest rate held" in text or "no configuration" in text

@@ -254,29 +254,55 @@ def _plan_table(res: dict[str, Any], names: list[str]) -> list[str]:
                                                                    ("e2el_ms", "E2E")) if slo.get(key))
     lines = [f"target {res['rate']:g} req/s offered; SLOs {slos}, "
              f"each met by >= {100 * res['attainment']:.0f} % of requests, goodput >= that x offered",
-             "".join(f"{n.split('.')[-1]:>14}" for n in names) + f"{'GPUs':>6}{'offered':>9}{'goodput':>9}"
-             f"{'failed':>8}{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}" + (f"{'max rate':>14}" if search else "")
-             + "  verdict",
-             "(rates in req/s over the steady window's arrivals; failed: requests that ended without an answer; "
-             "TTFT ok and TPOT ok: of the requests that reached each)"]
+             "".join(f"{n.split('.')[-1]:>14}" for n in names) + f"{'GPUs':>6}{'$/h':>9}{'$/Mtok':>8}{'offered':>9}"
+             f"{'goodput':>9}{'failed':>8}{'TTFT ok':>9}{'TPOT ok':>9}{'TTFT p99':>10}"
+             + (f"{'max rate':>14}" if search else "") + "  verdict",
+             "(rates in req/s over the steady window's arrivals; $/h: the GPUs' on-demand price, $/Mtok: per "
+             "million output tokens served; failed: requests that ended without an answer; TTFT ok and TPOT ok: of "
+             "the requests that reached each)"]
     for r in res["rows"]:
         cells = "".join(f"{r['config'][n]!s:>14}" for n in names)
         if not r["feasible"] and r["gpus"] is None:
             lines.append(f"{cells}{'-':>6}  infeasible: {r['reason']}")
             continue
         verdict = _verdict_text(r)
-        lines.append(f"{cells}{r['gpus']:>6}{r['offered_rps']:>9.2f}{r['goodput_rps']:>9.2f}"
+        lines.append(f"{cells}{r['gpus']:>6}{_money(r['cost_per_hour'], 9)}{_money(r['cost_per_mtok'], 8)}"
+                     f"{r['offered_rps']:>9.2f}{r['goodput_rps']:>9.2f}"
                      f"{sum(r['failed'].values()):>8,}"
                      f"{100 * r['ttft_attainment']:>8.1f}%{100 * r['tpot_attainment']:>8.1f}%"
                      f"{r['ttft_p99_ms'] or 0:>10.1f}" + (_max_rate(r) if search else "") + f"  {verdict}")
-    b = res["best"]
-    held = f", holds up to {b['max_rate_rps']:g} req/s" if b and b.get("max_rate_rps") is not None else ""
-    lines.append(f"cheapest meeting the SLOs: {_config(b['config'])} ({b['gpus']} GPUs{held}); ties of cost broken "
-                 f"by {'the highest rate held' if search else 'goodput'}" if b else "no configuration meets the SLOs")
+    lines += _recommendation(res, search)
     if res["undecided"]:
         lines.append(f"undecided: {len(res['undecided'])} configuration(s) at most as cheap were too short to judge "
                      f"({'; '.join(_config(c) for c in res['undecided'][:4])}): rerun with more requests")
     return lines
+
+
+def _money(usd: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if usd is None else f"{usd:>{width}.2f}"
+
+
+def _deployment(r: dict[str, Any]) -> str:
+    """One row as a sentence's clause: its configuration, GPUs, cost, the rate it holds."""
+    cost = f", ${r['cost_per_hour']:,.2f}/h" if r.get("cost_per_hour") is not None else ""
+    mtok = f", ${r['cost_per_mtok']:,.2f} per million output tokens" if r.get("cost_per_mtok") is not None else ""
+    held = f", holds up to {r['max_rate_rps']:g} req/s" if r.get("max_rate_rps") is not None else ""
+    return f"{_config(r['config'])} ({r['gpus']} GPUs{cost}{mtok}{held})"
+
+
+def _recommendation(res: dict[str, Any], search: bool) -> list[str]:
+    """The plan's verdict: the cheapest configuration meeting the SLOs, and the cheapest of each
+    other mode swept beside it, with how cost was counted and ties broken."""
+    b, by = res["best"], "money (each GPU's price an hour)" if res.get("cost_by") == "cost_per_hour" else "GPUs"
+    if b is None:
+        return ["no configuration meets the SLOs"]
+    out = [f"recommended: {_deployment(b)}: the cheapest meeting the SLOs at {res['rate']:g} req/s; cost counted "
+           f"in {by}, ties broken by {'the highest rate held' if search else 'goodput'}"]
+    for mode, r in (res.get("best_by_mode") or {}).items():
+        if mode != b.get("mode"):
+            out.append(f"  best {'co-located' if mode == 'colocated' else 'disaggregated'} beside it: "
+                       + (_deployment(r) if r else "none meets the SLOs"))
+    return out
 
 
 def _config(config: dict[str, Any]) -> str:

@@ -14,9 +14,13 @@ row's verdict (:mod:`kvstate.sim.metrics`) is one of:
 - ``infeasible``: the combination cannot be built (its model does not fit, its TP does not
   divide the heads), its simulation failed, or it did not drain.
 
-A configuration's cost is its number of GPUs, ``(n_prefill + n_decode) * tp`` (``n_instances *
-tp`` co-located), then the storage bandwidth (none co-located); the plan is the cheapest that
-meets the SLOs. Sweeping ``cluster.mode=pd,colocated`` weighs disaggregation against the
+A configuration's cost is what its GPUs cost an hour (``gpu.price_per_hour`` for P or co-located
+GPUs, D's own with ``cluster.d_gpu`` or ``cluster.d_price_per_hour``) where every configuration's
+GPUs have a price, else its number of GPUs, ``n_prefill * tp + n_decode * d_tp`` (``n_instances *
+tp`` co-located); then the storage bandwidth (none co-located). The plan is the cheapest that
+meets the SLOs, and the cheapest of each mode swept. A row's ``cost_per_mtok`` is its cost per
+million output tokens at the rate it served (``cost_per_mtok_at_max_rate`` at the highest rate
+it holds, with ``search_rate``). Sweeping ``cluster.mode=pd,colocated`` weighs disaggregation against the
 co-located baseline on the same workload (give ``cluster.n_instances`` so both use as many GPUs).
 When a configuration at most as cheap is too short to judge, the plan is undecided and says
 which (``undecided``).
@@ -76,7 +80,16 @@ def _cost(s: Scenario) -> tuple[int, float]:
 
 def _infeasible(config: dict[str, Any], reason: str) -> Row:
     return {"config": config, "gpus": None, "storage_bandwidth_gbps": None, "feasible": False,
-            "reason": reason, "meets_slo": False, "unmet": [reason], "verdict": "infeasible", "too_short": None}
+            "reason": reason, "meets_slo": False, "unmet": [reason], "verdict": "infeasible", "too_short": None,
+            "cost_per_hour": None, "cost_per_mtok": None}
+
+
+def _per_mtok(cost_per_hour: float | None, tokens_per_s: float) -> float | None:
+    """USD per million output tokens of a deployment costing ``cost_per_hour`` that generates
+    ``tokens_per_s``; None where either is not known."""
+    if cost_per_hour is None or not tokens_per_s:
+        return None
+    return round(cost_per_hour / (tokens_per_s * 3600 / 1e6), 4)
 
 
 def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
@@ -106,7 +119,8 @@ def _run_one(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
         "ttft_at_target_ms": slo["ttft_at_target_ms"], "tpot_at_target_ms": slo["tpot_at_target_ms"],
         "preemptions": r["preemptions"], "partial_reads": r.get("partial_reads", 0), "reasons": r["reasons"],
         "failed": r["failed"], "failed_rps": r["failed_rps"], "service_stretch": r["service_stretch"],
-        "mode": r["mode"],
+        "mode": r["mode"], "cost_per_hour": s.cost_per_hour, "output_tokens_per_s": r["output_tokens_per_s"],
+        "cost_per_mtok": _per_mtok(s.cost_per_hour, r["output_tokens_per_s"]),
     }
 
 
@@ -121,8 +135,11 @@ def _run_with_search(args: tuple[Scenario | str, dict[str, Any]]) -> Row:
         found = highest_rate(s)
     except KVStateError as e:
         return {**row, "max_rate_rps": None, "max_rate_precision": None, "rate_probes": 0, "reason": str(e)}
+    # at the highest rate held, each request generates what it did at the target rate
+    per_request = row["output_tokens_per_s"] / row["throughput_rps"] if row["throughput_rps"] else 0.0
     return {**row, "max_rate_rps": found["max_rate_rps"], "max_rate_precision": found["max_rate_precision"],
-            "rate_probes": len(found["probes"])}
+            "rate_probes": len(found["probes"]),
+            "cost_per_mtok_at_max_rate": _per_mtok(row["cost_per_hour"], found["max_rate_rps"] * per_request)}
 
 
 def _check_value(base: Scenario, name: str, value: Any) -> None:
@@ -191,17 +208,23 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
         if on_row is not None:
             on_row(row, len(done), len(jobs))
     tie = "max_rate_rps" if search_rate else "goodput_rps"  # between equal costs: the most rate held
-    done.sort(key=lambda ir: (not ir[1]["feasible"], ir[1]["gpus"] or 0, ir[1]["storage_bandwidth_gbps"] or 0.0,
-                              -(ir[1].get(tie) or 0.0), ir[0]))
+    priced = all(r["cost_per_hour"] is not None for _, r in done if r["feasible"])
+    cost = "cost_per_hour" if priced else "gpus"  # money where every GPU has a price, else GPUs
+
+    def price(r: Row) -> tuple[float, float]:
+        return r[cost] or 0, r["storage_bandwidth_gbps"] or 0.0
+
+    done.sort(key=lambda ir: (not ir[1]["feasible"], *price(ir[1]), -(ir[1].get(tie) or 0.0), ir[0]))
     rows = [row for _, row in done]
     best = next((r for r in rows if r["meets_slo"]), None)
-    undecided = [r["config"] for r in rows if r["verdict"] == "too short"
-                 and (best is None or (r["gpus"], r["storage_bandwidth_gbps"]) <= (best["gpus"],
-                                                                                   best["storage_bandwidth_gbps"]))]
+    undecided = [r["config"] for r in rows if r["verdict"] == "too short" and (best is None or price(r) <= price(best))]
+    modes = {str(r["mode"]) for r in rows if r.get("mode")}
+    best_by_mode = {m: next((r for r in rows if r["meets_slo"] and r["mode"] == m), None) for m in sorted(modes)}
     return {"rate": round(offered_rate(base.workload), 4), "attainment": base.slo.attainment,
             "slo": {"ttft_ms": base.slo.ttft_ms, "tpot_ms": base.slo.tpot_ms, "e2el_ms": base.slo.e2el_ms},
             "complete": True,
-            "rows": rows, "best": best, "undecided": undecided, "ties_broken_by": tie,
+            "rows": rows, "best": best, "best_by_mode": best_by_mode, "undecided": undecided, "ties_broken_by": tie,
+            "cost_by": cost,
             "sweep": {k: list(v) for k, v in sweep.items()},
             "base": base.source}
 

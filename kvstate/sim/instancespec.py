@@ -31,6 +31,9 @@ class ClusterSpec(Section):
     tp: int = setting(2, "tensor-parallel GPUs per instance (per P instance when d_tp is set)")
     d_tp: int = setting(0, "tensor-parallel GPUs per D instance; 0: tp (P and D of different degrees store "
                         "head groups both split: kvstate.spec.paired)")
+    d_gpu: str = setting("", "D instances' GPU, a preset (H100-SXM, H200, H100-PCIe, A100-SXM-80G, L40S); "
+                         "empty: [gpu]'s (P on one kind, D on another)")
+    d_price_per_hour: float = setting(0.0, "USD per D GPU-hour; 0: the d_gpu preset's price ([gpu]'s without d_gpu)")
     gpu_blocks: int = setting(0, "KV blocks per instance; 0: what GPU memory leaves after the weights")
     prefill_token_budget: int = setting(16384, "tokens of new prompts batched into one prefill forward")
     decode_max_batch: int = setting(256, "requests decoded together in one step")
@@ -70,6 +73,12 @@ class ClusterSpec(Section):
         self.positive("n_instances", "n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch",
                       "staging_mib", "transfer_workers")
         self.non_negative("gpu_blocks", "host_blocks", "d_tp", "state_pages")
+        if not 0 <= self.d_price_per_hour < float("inf"):
+            raise ConfigError(f"d_price_per_hour: must be a finite number of USD >= 0, got {self.d_price_per_hour!r}")
+        if self.d_gpu:
+            from .gpus import gpu_fields
+
+            gpu_fields(self.d_gpu, "d_gpu")
         self.at_most(n_instances=MAX_INSTANCES, n_prefill=MAX_INSTANCES, n_decode=MAX_INSTANCES, tp=MAX_TP, d_tp=MAX_TP,
                      decode_max_batch=MAX_BATCH, prefill_token_budget=MAX_TOKENS, transfer_workers=64,
                      staging_mib=1 << 16, state_pages=MAX_BATCH)
@@ -79,7 +88,8 @@ class ClusterSpec(Section):
                 raise ConfigError(f"{name}: {getattr(self, name):,} blocks on each of {self.instances} "
                                   f"instances is {total:,}; a run holds at most {MAX_BLOCKS:,} (~50 bytes each)")
         if self.mode == "colocated":
-            for name in ("host_blocks", "layerwise", "prefix_cache", "d_tp", "state_pages"):
+            for name in ("host_blocks", "layerwise", "prefix_cache", "d_tp", "state_pages", "d_gpu",
+                         "d_price_per_hour"):
                 if getattr(self, name):
                     raise ConfigError(f"{name}: a PD setting; a co-located instance has no host tier, moves no cache, "
                                       "caches prefixes as [scheduler] prefix_caching says and holds a state page "

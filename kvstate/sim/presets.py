@@ -11,7 +11,7 @@ from .scenario_io import with_overrides
 
 __all__ = ["PRESETS", "preset", "describe"]
 
-_H200 = {"gpu.name": "H200", "gpu.mem_gib": 141.0, "gpu.hbm_gbps": 4800.0}
+_H200 = {"gpu.name": "H200", "gpu.mem_gib": 141.0, "gpu.hbm_gbps": 4800.0, "gpu.price_per_hour": 4.54}
 
 
 def _model(name: str) -> dict[str, Any]:

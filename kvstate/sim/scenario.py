@@ -274,11 +274,35 @@ class Scenario(Section):
         return paired(spec, d_spec)[0]
 
     def decode_view(self) -> Scenario:
-        """This scenario as a D instance sees it: ``cluster.tp`` its own degree (the same
-        scenario when P and D share one)."""
+        """This scenario as a D instance sees it: ``cluster.tp`` its own degree and ``gpu`` its
+        own GPU (the same scenario when P and D share both)."""
+        view = self
+        if self.cluster.d_gpu:
+            from .gpus import gpu_fields
+
+            view = replace(view, gpu=replace(self.gpu, **gpu_fields(self.cluster.d_gpu, "d_gpu"), profile=""))
         if not self.cluster.d_tp or self.cluster.d_tp == self.cluster.tp:
-            return self
-        return replace(self, cluster=replace(self.cluster, tp=self.cluster.d_tp, d_tp=self.cluster.tp))
+            return view
+        return replace(view, cluster=replace(self.cluster, tp=self.cluster.d_tp, d_tp=self.cluster.tp))
+
+    @property
+    def gpu_prices(self) -> tuple[float, float]:
+        """USD per GPU-hour of a P (or co-located) GPU and of a D GPU; 0 where not known."""
+        if self.cluster.mode == "colocated":
+            return self.gpu.price_per_hour, self.gpu.price_per_hour
+        d = self.cluster.d_price_per_hour or (self.decode_view().gpu.price_per_hour if self.cluster.d_gpu
+                                              else self.gpu.price_per_hour)
+        return self.gpu.price_per_hour, d
+
+    @property
+    def cost_per_hour(self) -> float | None:
+        """USD an hour of every GPU the deployment holds; None where a price is not known."""
+        c, (p, d) = self.cluster, self.gpu_prices
+        if c.mode == "colocated":
+            return c.gpus * p if p else None
+        if not (p and d):
+            return None
+        return c.n_prefill * c.tp * p + c.n_decode * c.decode_tp * d
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -183,10 +183,15 @@ class GpuSpec(Section):
     profile: str = setting("", "a measured profile (`kvstate profile`) to interpolate instead of the curves: "
                                "a path relative to the scenario file, or a shipped one (h200-llama-2-7b-tp1, ...)")
     calibration: str = setting("h100", "transfer cost calibration: a shipped name or a JSON path")
+    price_per_hour: float = setting(3.95, "USD per GPU-hour, for the plan's cost (0: not known); the default is the "
+                                          "H100-SXM preset's, and every preset carries a public on-demand list price "
+                                          "(kvstate.sim.gpus names whose)")
 
     def check(self) -> None:
         self.positive("tflops", "fp8_tflops", "hbm_gbps", "mfu", "attn_mfu", "mbu", "attn_mbu", "mem_gib", "mem_util",
                       "allreduce_gbps", "allreduce_ll_gbps", "gemm_half_tokens")
+        if not 0 <= self.price_per_hour < float("inf"):
+            raise ConfigError(f"price_per_hour: must be a finite number of USD >= 0, got {self.price_per_hour!r}")
         self.fraction("mfu", "attn_mfu", "mbu", "attn_mbu", "mem_util")
         self.non_negative("step_overhead_ms", "allreduce_us", "allreduce_ring_us", "kernel_us", "custom_allreduce_mib")
 

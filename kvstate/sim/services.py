@@ -105,7 +105,8 @@ class Services:
         self.env = simpy.Environment()
         self.cost = cost or TransferCostModel.load(s.gpu.calibration)
         p = Side(s, self.cost)
-        self.sides = {"prefill": p, "decode": Side(s.decode_view(), self.cost) if s.cluster.d_tp else p}
+        self.sides = {"prefill": p, "decode": Side(s.decode_view(), self.cost) if s.cluster.d_tp or s.cluster.d_gpu
+                      else p}
         #: blocks a request must fit in: the fewer of P's and D's when their TP degrees differ
         self.fit_blocks = min(side.gpu_blocks for side in self.sides.values())
         # P's figures under the names every role used when they were one (and a co-located run's)
