@@ -1,5 +1,6 @@
-"""The plan's cost in money: each GPU kind's price an hour, P and D on different GPU kinds, cost
-per hour and per million output tokens, rows sorted by it, and a recommendation per mode."""
+"""The planner's questions: cost in money (each GPU kind's price an hour, P and D on different
+GPU kinds, cost per hour and per million output tokens, rows sorted by it, a recommendation per
+mode) and latency percentiles asked for as ``vllm bench serve`` spells them."""
 from __future__ import annotations
 
 import math
@@ -76,3 +77,35 @@ def test_the_recommendation_names_money_where_every_gpu_has_a_price(capsys):
 def test_bad_prices_and_gpu_kinds_are_refused_by_name(override, rule):
     with pytest.raises(ConfigError, match=rule):
         with_overrides(Scenario(), override)
+
+
+def test_percentiles_asked_as_vllm_bench_serve_spells_them_are_the_requests_own(capsys):
+    import json
+
+    import numpy as np
+
+    from kvstate.sim.metrics import percentiles
+
+    r = simulate(with_overrides(Scenario(), {**SMALL, "workload.rate": 8.0}))
+    got = percentiles(r, ["ttft", "tpot", "itl", "e2el"], [25.0, 50.0, 90.0, 99.0, 99.9])
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
+        a = r["_latencies_ms"][label]
+        assert got[key]["p25"] == pytest.approx(float(np.percentile(a, 25)), abs=1e-3)
+        assert got[key]["p50"] == r[key]["p50"] and got[key]["p99"] == r[key]["p99"]
+    assert got["itl_ms"]["p50"] == r["itl_ms"]["p50"] and got["itl_ms"]["p90"] == r["itl_ms"]["p90"]
+    assert got["ttft_ms"]["p25"] <= got["ttft_ms"]["p50"] <= got["ttft_ms"]["p99.9"]
+    assert main(["simulate", "default", "--num-prompts", "200", "--quiet", "--json", "--percentile-metrics",
+                 "ttft,e2el", "--metric-percentiles", "50,99.9"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["percentiles"]) == {"ttft_ms", "e2e_ms"} and set(out["percentiles"]["ttft_ms"]) == {"p50", "p99.9"}
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["--percentile-metrics", "ttft,latency"], "unknown metric 'latency'"),
+    (["--metric-percentiles", "0"], "not a percentile"),
+    (["--metric-percentiles", "nan"], "not a percentile"),
+    (["--metric-percentiles", "50,x"], "not a percentile"),
+])
+def test_bad_percentile_options_are_refused_before_the_run(argv, rule, capsys):
+    assert main(["simulate", "default", "--num-prompts", "200", *argv]) == 2
+    assert rule in capsys.readouterr().err

@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="simulate a PD cluster under a workload (the production machines, SimPy)")
     _overrides(s)
     s.add_argument("--json", action="store_true", help="print every metric as one JSON object")
+    s.add_argument("--percentile-metrics", metavar="M,M", help="report percentiles of these, as vllm bench serve: "
+                   "any of ttft,tpot,itl,e2el (default with --metric-percentiles: ttft,tpot,itl)")
+    s.add_argument("--metric-percentiles", metavar="Q,Q", help="the percentiles to report, as vllm bench serve: "
+                   "numbers in (0, 100] (default with --percentile-metrics: 99)")
     s.add_argument("--plot", metavar="DIR", help="write PNG charts (latency CDFs, utilisation) into DIR")
     s.add_argument("--timeline", metavar="FILE", help="write every request's states, transfers and steps as a "
                    "Chrome trace (Perfetto, chrome://tracing) to FILE (PD runs)")

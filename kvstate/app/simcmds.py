@@ -212,11 +212,16 @@ def simulate(args: argparse.Namespace) -> int:
         from ..timeline import Timeline
 
         timeline = Timeline()
+    asked = parse_percentiles(args.percentile_metrics, args.metric_percentiles)
     bar = Progress("simulate", args.quiet)
     try:
         r = run(sc, progress=bar.update, timeline=timeline)
     finally:
         bar.close()
+    if asked is not None:
+        from ..sim.metrics import percentiles
+
+        r["percentiles"] = percentiles(r, *asked)
     if timeline is not None and trace is not None:
         write_json(trace, timeline.to_json(), "--timeline")
         print(f"kvstate simulate: wrote {trace}", file=sys.stderr)
@@ -228,6 +233,29 @@ def simulate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(to_json(r) if args.json else format_report(r))
     return 0 if r["drained"] and not r["deadlock"] else 3
+
+
+def parse_percentiles(metrics: str | None, qs: str | None) -> tuple[list[str], list[float]] | None:
+    """``--percentile-metrics`` and ``--metric-percentiles`` as vllm bench serve takes them (either
+    alone takes the other's default), or None when neither is given; a bad one is refused."""
+    from ..sim.metrics import PERCENTILE_METRICS
+
+    if metrics is None and qs is None:
+        return None
+    names = [m.strip() for m in (metrics or "ttft,tpot,itl").split(",")]
+    for m in names:
+        if m not in PERCENTILE_METRICS:
+            raise ConfigError(f"--percentile-metrics: unknown metric {m!r} (known: {', '.join(PERCENTILE_METRICS)})")
+    values = []
+    for q in (qs or "99").split(","):
+        try:
+            v = float(q)
+        except ValueError:
+            v = math.nan
+        if not 0 < v <= 100:
+            raise ConfigError(f"--metric-percentiles: {q.strip()!r} is not a percentile in (0, 100]")
+        values.append(v)
+    return list(dict.fromkeys(names)), list(dict.fromkeys(values))
 
 
 def _verdict_text(r: dict[str, Any]) -> str:

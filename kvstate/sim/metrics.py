@@ -30,7 +30,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -38,9 +38,9 @@ import numpy as np
 from .request import SimRequest
 from .scenario_io import scenario_to_dict
 
-__all__ = ["summarize", "SLOS", "steady_window", "cohort", "service_stretch", "rate_uncertainty", "verdict_of",
-           "at_target", "latency_stats", "weighted_stats", "Run", "sample_series", "WARMUP_FRACTION",
-           "WINDOW_LABELS", "NEIGHBOURS"]
+__all__ = ["summarize", "percentiles", "PERCENTILE_METRICS", "SLOS", "steady_window", "cohort", "service_stretch",
+           "rate_uncertainty", "verdict_of", "at_target", "latency_stats", "weighted_stats", "Run", "sample_series",
+           "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS"]
 
 class Run(Protocol):
     """What :func:`summarize` reads of a finished run (a PD or a co-located cluster)."""
@@ -81,6 +81,35 @@ def latency_stats(seconds: list[float]) -> dict[str, float | None]:
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
     return {"mean": round(float(a.mean()), 3), "p50": round(float(p50), 3), "p90": round(float(p90), 3),
             "p99": round(float(p99), 3)}
+
+
+#: vllm bench serve's metric names (``--percentile-metrics``) -> the result's latency key
+PERCENTILE_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2el": "e2e_ms"}
+
+
+def percentiles(result: dict[str, Any], metrics: Sequence[str],
+                qs: Sequence[float]) -> dict[str, dict[str, float | None]]:
+    """``{metric key: {"p25": ms, ...}}`` of a run's result, as ``vllm bench serve
+    --percentile-metrics METRICS --metric-percentiles QS`` reports them: linear interpolation over
+    the finished requests (TTFT, TPOT, E2E), nearest rank over every inter-token gap (ITL)."""
+    lat, out = result["_latencies_ms"], {}
+    for m in metrics:
+        key = PERCENTILE_METRICS[m]
+        if m == "itl":
+            hist = result["_itl_hist"]
+            total, values = sum(hist.values()), sorted(hist)
+            cum = np.cumsum([hist[v] for v in values]) if total else np.zeros(0)
+            out[key] = {_qname(q): (round(1000.0 * values[min(int(np.searchsorted(cum, math.ceil(q / 100 * total))),
+                                                              len(values) - 1)], 3) if total else None) for q in qs}
+            continue
+        a = lat[{"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2E"}[m]]
+        out[key] = {_qname(q): (round(float(np.percentile(a, q)), 3) if a else None) for q in qs}
+    return out
+
+
+def _qname(q: float) -> str:
+    """``p99``, ``p99.9``: a percentile's name (vLLM's)."""
+    return f"p{q:g}"
 
 
 def weighted_stats(hist: dict[float, int]) -> dict[str, float | None]:
@@ -409,6 +438,7 @@ def summarize(cl: Run, raw: dict[str, Any]) -> dict[str, Any]:
         "_latencies_ms": {"TTFT": [1000 * r.ttft for r in ok],
                           "TPOT": [1000 * r.tpot for r in ok if r.out > 1],
                           "E2E": [1000 * r.e2e for r in ok]},
+        "_itl_hist": itl,
     }
 
 

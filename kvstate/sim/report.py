@@ -71,6 +71,9 @@ def _latencies(r: dict[str, Any]) -> list[str]:
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
         d = r[key]
         lines.append(f"  {name:<12}{_ms(d['mean'])}{_ms(d['p50'])}{_ms(d['p90'])}{_ms(d['p99'])}")
+    names = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
+    for key, qs in r.get("percentiles", {}).items():  # asked for (--percentile-metrics, --metric-percentiles)
+        lines.append(f"  {names[key]:<12}" + ", ".join(f"{q} {_ms(v).strip()}" for q, v in qs.items()))
     return lines
 
 
