@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -104,3 +106,20 @@ def test_groundtruth_replay_writes_the_scenario_a_user_would(tmp_path):
     recs = [json.loads(line) for line in (tmp_path / "a" / "trace.jsonl").read_text().splitlines()]
     assert recs[0]["hash_ids"][:2] == recs[1]["hash_ids"][:2] != recs[2]["hash_ids"][:2]  # groups 0, 0, 1
     assert recs[4] == {**recs[0], "timestamp": 4.0}  # request 4 repeats prompt 0
+
+
+@pytest.mark.slow
+def test_a_flood_at_every_socket_applies_nothing_restarts_nothing_and_serving_goes_on(tmp_path):
+    """benchmarks/flood.py for three seconds: forged and malformed messages at the driver's three
+    sockets while handoffs run; every handoff exact, no restart, the workers the same processes,
+    handoffs served after it, the driver's memory flat."""
+    out = tmp_path / "flood.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "flood.py"), "--seconds", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["wrong_count"] == 0 and res["restarts"] == 0 and res["workers_unchanged"]
+    assert res["handoffs_during_flood"] > 0 and res["handoffs_after_flood"] > 0
+    c = res["driver_counters"]
+    assert c["foreign_hellos"] > 0 and c["unauthenticated_hellos"] > 0 and c["stale"] > 0 and c["bad_messages"] > 0
+    assert res["rss_growth_mb"] <= 10
