@@ -53,6 +53,14 @@ def rounds(rows: dict[str, Callable[[], object]], reps: int) -> dict[str, list[f
     return times
 
 
+def store_rows(name: str, store: object, keys: list[str], srcs: list, dsts: list) -> dict[str, Callable[[], object]]:
+    """A store's four rows: put and get, plain and hashed."""
+    return {f"{name} put": lambda: store.batch_put_from(keys, srcs),  # type: ignore[attr-defined]
+            f"{name} get": lambda: store.batch_get_into(keys, dsts),  # type: ignore[attr-defined]
+            f"{name} put, hashed": lambda: store.batch_put_hashed(keys, srcs),  # type: ignore[attr-defined]
+            f"{name} get, hashed": lambda: store.batch_get_hashed(keys, dsts)}  # type: ignore[attr-defined]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -81,10 +89,7 @@ def main() -> int:
     rows["MemoryStore put, hashed"] = lambda: mem.batch_put_hashed(keys, srcs)
     rows["MemoryStore get, hashed"] = lambda: mem.batch_get_hashed(keys, dsts)
     arena = ArenaStore.create(size, 2 * n, small_bytes=1024, verify=False)
-    rows["ArenaStore put"] = lambda: arena.batch_put_from(keys, srcs)
-    rows["ArenaStore get"] = lambda: arena.batch_get_into(keys, dsts)
-    rows["ArenaStore put, hashed"] = lambda: arena.batch_put_hashed(keys, srcs)
-    rows["ArenaStore get, hashed"] = lambda: arena.batch_get_hashed(keys, dsts)
+    rows.update(store_rows("ArenaStore", arena, keys, srcs, dsts))
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvstate-store-speed-") as d:
         files = FileStore(d, verify=False)
         rows["FileStore put"] = lambda: files.batch_put_from(keys, srcs)

@@ -86,7 +86,7 @@ from .lifecycle import Lifecycle
 from .machine import CompiledMachine, MachineDef
 from .policy import ERROR_READ_FAILED, ERROR_TIMEOUT, Policy, prefill_reason
 from .pool import FREED
-from .registry import Request
+from .registry import DecodeRequest
 from .spec import CacheSpec
 from .tables import cut, held, table
 from .validate import check_int, check_layerwise, check_token, check_tokens, is_int
@@ -177,10 +177,11 @@ DECODE = MachineDef(
 )
 
 
-class DecodeLifecycle(Lifecycle):
+class DecodeLifecycle(Lifecycle[DecodeRequest]):
     """The D instance's side (see the module's rules)."""
 
     DEFINITION = DECODE
+    RECORD = DecodeRequest
     TIMED_WAITS = ("swapped",)
     SETTLES_IN = "recomputing"
 
@@ -279,7 +280,7 @@ class DecodeLifecycle(Lifecycle):
             self._free_behind_window(req)
         return tuple(added)
 
-    def _free_behind_window(self, req: Request) -> None:
+    def _free_behind_window(self, req: DecodeRequest) -> None:
         """Free the blocks of the window tables (:mod:`kvstate.tables`) wholly behind the window
         of the request's next step: their entries become :data:`~kvstate.pool.FREED`, and the
         request is one whose early blocks hold no window layers (``window_from``)."""
@@ -353,12 +354,12 @@ class DecodeLifecycle(Lifecycle):
     def _headroom(self) -> int:
         return self.policy.decode_headroom_blocks * len(self._running)
 
-    def _cached_lookup(self, req: Request) -> list[str]:
+    def _cached_lookup(self, req: DecodeRequest) -> list[str]:
         """The keys D claims from the GPU prefix cache: the full blocks', and none with state
         groups (D keeps no checkpoint state to start from: :mod:`kvstate.statepages`)."""
         return [] if self.states else req.keys[:full_blocks(req.keys)]
 
-    def _read(self, req: Request, start: int = 0) -> None:
+    def _read(self, req: DecodeRequest, start: int = 0) -> None:
         """Read the stored cache past ``start`` blocks (already in place); a window group's
         blocks only from its last window on (those before then hold none: ``window_from``)."""
         keys = req.stored_keys
@@ -372,44 +373,44 @@ class DecodeLifecycle(Lifecycle):
                        states=self.states.candidates(req, start, end, True), tables=cut(req, start, end))
 
     # -- actions (named in DECODE) ----------------------------------------------------------------
-    def _token_ok(self, req: Request, value: tuple[int | None, int]) -> bool:
+    def _token_ok(self, req: DecodeRequest, value: tuple[int | None, int]) -> bool:
         return value[1] == 200
 
-    def _send_read(self, req: Request, value: tuple[int, int]) -> None:
+    def _send_read(self, req: DecodeRequest, value: tuple[int, int]) -> None:
         req.tokens.append(value[0])
         self._read(req, req.hits)
 
-    def _token_ok_all_cached(self, req: Request, value: tuple[int | None, int]) -> bool:
+    def _token_ok_all_cached(self, req: DecodeRequest, value: tuple[int | None, int]) -> bool:
         return value[1] == 200 and req.hits >= len(req.stored_keys or ())
 
-    def _take_token(self, req: Request, value: tuple[int, int]) -> None:
+    def _take_token(self, req: DecodeRequest, value: tuple[int, int]) -> None:
         req.tokens.append(value[0])
 
-    def _send_reload(self, req: Request, value: Any) -> None:
+    def _send_reload(self, req: DecodeRequest, value: Any) -> None:
         self._read(req, req.hits)
 
-    def _note_prefill_error(self, req: Request, value: tuple[int | None, int]) -> None:
+    def _note_prefill_error(self, req: DecodeRequest, value: tuple[int | None, int]) -> None:
         req.error_code, req.reason = value[1], prefill_reason(value[1])
 
-    def _note_no_token(self, req: Request, value: Any) -> None:
+    def _note_no_token(self, req: DecodeRequest, value: Any) -> None:
         req.error_code, req.reason = ERROR_NO_FIRST_TOKEN, "first_token_timeout"
 
-    def _read_complete(self, req: Request, value: int) -> bool:
+    def _read_complete(self, req: DecodeRequest, value: int) -> bool:
         return req.base + value >= len(req.stored_keys or ())
 
-    def _recompute_after_read(self, req: Request, value: int) -> None:
+    def _recompute_after_read(self, req: DecodeRequest, value: int) -> None:
         start = self.states.continued(req.base, value, 0)
         if req.window_from:  # blocks before window_from hold no window layers: continue only past a whole window
             start = self.spec.resume_blocks(start, start, req.window_from, len(req.stored_keys or ()))
         self._start_recompute(req, start)
 
-    def _recompute_on_miss(self, req: Request, value: int) -> bool:
+    def _recompute_on_miss(self, req: DecodeRequest, value: int) -> bool:
         return self.policy.read_failure == "recompute"
 
-    def _note_read_failed(self, req: Request, value: int) -> None:
+    def _note_read_failed(self, req: DecodeRequest, value: int) -> None:
         req.error_code, req.reason = ERROR_READ_FAILED, "read_failed"
 
-    def _start_recompute(self, req: Request, value: int | None) -> None:
+    def _start_recompute(self, req: DecodeRequest, value: int | None) -> None:
         """Recompute past ``value`` blocks in place (None: past the GPU prefix cache's hits)."""
         req.cmd = 0  # a write-back from host memory still running no longer answers to it
         req.stored_keys = None
@@ -419,40 +420,40 @@ class DecodeLifecycle(Lifecycle):
         self._send_settled(req, C.Recompute(req.id, tuple(req.blocks), start * self.spec.block_size,
                                             state_pages=tuple(req.pages), tables=cut(req, 0, len(req.blocks))))
 
-    def _start_decode(self, req: Request, value: Any) -> None:
+    def _start_decode(self, req: DecodeRequest, value: Any) -> None:
         if self.prefix_cache is not None and not req.window_from:  # its blocks hold its whole cache now
             self.blocks.publish(req.keys, req.blocks)
         self._running.add(req.id)
         self._out.append(C.StartDecode(req.id, tuple(req.blocks), state_pages=tuple(req.pages),
                                        tables=cut(req, 0, len(req.blocks))))
 
-    def _writes_back(self, req: Request, value: Any) -> bool:
+    def _writes_back(self, req: DecodeRequest, value: Any) -> bool:
         p = self.policy
         return p.preempt == "write" or (p.preempt == "swap" and p.swap_fallback == "write")
 
-    def _send_write_back(self, req: Request, value: Any) -> None:
+    def _send_write_back(self, req: DecodeRequest, value: Any) -> None:
         self._running.discard(req.id)
         req.keys = self._cache_keys(req)
         req.retries = 0
         # blocks without their window layers: stored only in their own groups' tables, or not at all
         self._write(req, 0 if self._per_block > 1 else req.window_from)
 
-    def _keep_write_back(self, req: Request, value: int) -> None:
+    def _keep_write_back(self, req: DecodeRequest, value: int) -> None:
         req.stored_keys = req.keys  # the write-back answered in full on every rank
 
-    def _release_blocks(self, req: Request, value: Any) -> None:
+    def _release_blocks(self, req: DecodeRequest, value: Any) -> None:
         self._running.discard(req.id)
         self._release(req)
 
-    def _drop_write_back(self, req: Request, value: Any) -> None:
+    def _drop_write_back(self, req: DecodeRequest, value: Any) -> None:
         req.stored_keys = None
         self._running.discard(req.id)
         self._release(req)
 
-    def _has_stored(self, req: Request, value: Any) -> bool:
+    def _has_stored(self, req: DecodeRequest, value: Any) -> bool:
         return req.stored_keys is not None
 
-    def _recycle(self, req: Request, value: Any = None) -> None:
+    def _recycle(self, req: DecodeRequest, value: Any = None) -> None:
         self._running.discard(req.id)
         self._drop_swap(req)
         super()._recycle(req, value)
@@ -462,18 +463,18 @@ class DecodeLifecycle(Lifecycle):
         """Request id -> the host tier keys it references (swapping out, swapped, swapping in)."""
         return {rid: tuple(r.host_keys) for rid, r in self._reqs.items() if r.host_keys is not None}
 
-    def _host_servable(self, req: Request) -> list[str]:
+    def _host_servable(self, req: DecodeRequest) -> list[str]:
         """The keys of a handed-off cache that host memory may serve, past the GPU prefix
         cache's hits: with state groups not the last, which the store serves with the state."""
         assert req.stored_keys is not None
         keys = req.stored_keys[req.hits:]
         return keys[:-1] if self.states else keys
 
-    def _token_ok_host_hit(self, req: Request, value: tuple[int | None, int]) -> bool:
+    def _token_ok_host_hit(self, req: DecodeRequest, value: tuple[int | None, int]) -> bool:
         return value[1] == 200 and self.host is not None and req.stored_keys is not None \
             and self.host.ready_prefix(self._host_servable(req)) > 0
 
-    def _send_host_load(self, req: Request, value: tuple[int, int]) -> None:
+    def _send_host_load(self, req: DecodeRequest, value: tuple[int, int]) -> None:
         assert self.host is not None and req.stored_keys is not None
         req.tokens.append(value[0])
         start = req.base = req.hits  # past the blocks the GPU prefix cache gave
@@ -481,23 +482,23 @@ class DecodeLifecycle(Lifecycle):
         self._transfer(req, C.SwapIn, "host_loaded", keys, req.blocks[start:start + len(keys)],
                        self.host.slots(keys))
 
-    def _send_rest_read(self, req: Request, value: int) -> None:
+    def _send_rest_read(self, req: DecodeRequest, value: int) -> None:
         self.counters["host_read_blocks"] += value
         self._read(req, req.base + value)
 
-    def _cache_keys(self, req: Request) -> list[str]:
+    def _cache_keys(self, req: DecodeRequest) -> list[str]:
         """The keys of a running request's cache: the newest token's is computed by the next
         decode step, so every token before it (what a write-back or swap-out copies)."""
         return keys_of_packed(req.tokens[:-1], self.spec.block_size, req.extra_keys, self.namespace,
                               self.key_cache)
 
-    def _swaps_out(self, req: Request, value: Any) -> bool:
+    def _swaps_out(self, req: DecodeRequest, value: Any) -> bool:
         """Into the host tier, whose entries other requests share: only a cache whole in every
         block (``window_from`` 0); one read without early window layers falls back."""
         return self.policy.preempt == "swap" and self.host is not None and not req.window_from and \
             self.host.can_acquire(self._cache_keys(req))
 
-    def _send_swap_out(self, req: Request, value: Any) -> None:
+    def _send_swap_out(self, req: DecodeRequest, value: Any) -> None:
         assert self.host is not None
         self._running.discard(req.id)
         keys = req.keys = self._cache_keys(req)
@@ -506,13 +507,13 @@ class DecodeLifecycle(Lifecycle):
         self._transfer(req, C.SwapOut, "swapped_out", req.host_fresh, [req.blocks[i] for i in fresh],
                        [slots[i] for i in fresh])
 
-    def _swap_complete(self, req: Request, value: int) -> bool:
+    def _swap_complete(self, req: DecodeRequest, value: int) -> bool:
         return value >= len(req.host_fresh)
 
-    def _swapped_back(self, req: Request, value: int) -> bool:
+    def _swapped_back(self, req: DecodeRequest, value: int) -> bool:
         return self.policy.swap_write == "back" and self._swap_complete(req, value)
 
-    def _send_flush(self, req: Request, value: Any) -> None:
+    def _send_flush(self, req: DecodeRequest, value: Any) -> None:
         """Write the cache back to the store from the host slots (awaited while it waits swapped:
         a resume first sends its swap-in, and the flush's answer then changes nothing)."""
         assert self.host is not None and req.host_keys is not None
@@ -520,48 +521,48 @@ class DecodeLifecycle(Lifecycle):
         req.base = 0
         self._transfer(req, C.FlushHost, "flushed", keys, [], self.host.slots(keys))
 
-    def _flush_complete(self, req: Request, value: int) -> bool:
+    def _flush_complete(self, req: DecodeRequest, value: int) -> bool:
         return value >= len(req.keys)  # the keys its swap-out copied
 
-    def _swapped_through(self, req: Request, value: int) -> bool:
+    def _swapped_through(self, req: DecodeRequest, value: int) -> bool:
         return self.policy.swap_write == "through" and self._swap_complete(req, value)
 
-    def _stored_with_host(self, req: Request, value: int) -> bool:
+    def _stored_with_host(self, req: DecodeRequest, value: int) -> bool:
         return req.host_keys is not None and self._write_complete(req, value)
 
-    def _host_only_now(self, req: Request, value: int) -> bool:
+    def _host_only_now(self, req: DecodeRequest, value: int) -> bool:
         return req.host_keys is not None and not self._can_retry(req, value)
 
-    def _forget_store(self, req: Request, value: Any) -> None:
+    def _forget_store(self, req: DecodeRequest, value: Any) -> None:
         req.stored_keys = None  # the write-through failed: only the host tier holds the cache
 
-    def _keep_swap(self, req: Request, value: int) -> None:
+    def _keep_swap(self, req: DecodeRequest, value: int) -> None:
         assert self.host is not None
         self.host.commit(req.host_fresh)
         req.host_fresh = ()
 
-    def _release_swapped(self, req: Request, value: Any = None) -> None:
+    def _release_swapped(self, req: DecodeRequest, value: Any = None) -> None:
         """Swapped: the GPU blocks go, the state page stays (host memory holds no state)."""
         self._running.discard(req.id)
         self._release(req, pages=False)
 
-    def _release_pages(self, req: Request, value: Any = None) -> None:
+    def _release_pages(self, req: DecodeRequest, value: Any = None) -> None:
         """Its host entries went: so does the state page it kept (a resume reads or recomputes)."""
         if self.states.release(req):
             self._freed = True
 
-    def _park(self, req: Request, value: Any) -> None:
+    def _park(self, req: DecodeRequest, value: Any) -> None:
         self._wait(req, self.policy.swapped_timeout)  # its host entries are held until resume or then
 
-    def _falls_back_to_write(self, req: Request, value: int) -> bool:
+    def _falls_back_to_write(self, req: DecodeRequest, value: int) -> bool:
         return self.policy.swap_fallback == "write"
 
-    def _drop_swap(self, req: Request, value: Any = None) -> None:
+    def _drop_swap(self, req: DecodeRequest, value: Any = None) -> None:
         """Let go of the request's host entries and of any stored copy's keys."""
         self._drop_host(req)
         req.stored_keys = None
 
-    def _drop_host(self, req: Request, value: Any = None) -> None:
+    def _drop_host(self, req: DecodeRequest, value: Any = None) -> None:
         """Let go of the request's host entries (uncommitted ones go once no copy holds them);
         a copy written through to the store stays known (``stored_keys``)."""
         if req.host_keys is not None:
@@ -569,17 +570,17 @@ class DecodeLifecycle(Lifecycle):
             self.host.release(req.host_keys)
             req.host_keys, req.host_fresh = None, ()
 
-    def _send_swap_in(self, req: Request, value: Any) -> None:
+    def _send_swap_in(self, req: DecodeRequest, value: Any) -> None:
         """Copy back the ready entries past the blocks the GPU prefix cache still held."""
         assert self.host is not None and req.host_keys is not None
         start = req.base = req.hits
         keys = req.host_keys[start:max(start, self.host.ready_prefix(req.host_keys))]  # unready: recomputed
         self._transfer(req, C.SwapIn, "swapped_in", keys, req.blocks[start:start + len(keys)], self.host.slots(keys))
 
-    def _swap_in_complete(self, req: Request, value: int) -> bool:
+    def _swap_in_complete(self, req: DecodeRequest, value: int) -> bool:
         return req.host_keys is not None and req.base + value >= len(req.host_keys)
 
-    def _recompute_after_swap_in(self, req: Request, value: int) -> None:
+    def _recompute_after_swap_in(self, req: DecodeRequest, value: int) -> None:
         """A partial swap-in: continue past what came in, or, with state groups, from token 0
         (the page holds the whole cache's state, no shorter prefix's)."""
         self._start_recompute(req, 0 if self.states else req.base + value)

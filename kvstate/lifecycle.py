@@ -29,7 +29,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, Generic
 
 from . import commands as C
 from . import events as E
@@ -41,7 +41,7 @@ from .machine import CompiledMachine, MachineDef
 from .pins import Transfer, Transfers
 from .policy import ERROR_ABORTED, Policy
 from .pool import BlockPool
-from .registry import Registry, Request
+from .registry import R, Registry, Request
 from .spec import CacheSpec
 from .statepages import StatePages, usable_count
 from .tables import check_layout, cut, pinned, rows
@@ -57,11 +57,12 @@ LANDING = (C.ReadBlocks, C.LoadLayers, C.SwapIn)
 HOST_COPIES = (C.SwapOut, C.SwapIn, C.FlushHost)
 
 
-class Lifecycle:
+class Lifecycle(Generic[R]):
     """The pool, requests, transfers and deadlines one role's machine drives, and read-only
     views of them (for engines, drivers, metrics and the protocol suite: none changes anything)."""
 
     DEFINITION: MachineDef
+    RECORD: type[R]  #: the side's request record
     #: states besides the initial one whose wait has a deadline (``_wait``; fires ``timed_out``)
     TIMED_WAITS: tuple[str, ...] = ()
     #: the state in which a command held back by :meth:`_send_settled` is still wanted
@@ -105,7 +106,7 @@ class Lifecycle:
         self.prefix_cache = self.blocks.prefix_cache  #: the pool, when it caches
         self.pool: BlockPool = self.blocks.pool
         self.clock, self.namespace, self.key_cache = clock, namespace, key_cache
-        self._requests = Registry(self.DEFINITION.name)
+        self._requests: Registry[R] = Registry(self.DEFINITION.name)
         self._reqs = self._requests.live  # the live requests by id (hot paths read it directly)
         self.host = HostBlockPool(host_blocks) if host_blocks else None  #: the host tier's slots
         self._transfers = Transfers(self.pool, self.host, self.states.pool)
@@ -298,7 +299,7 @@ class Lifecycle:
     def _blocks_freed(self) -> None:
         """Hook: blocks returned to the free list (after the transition that freed them)."""
 
-    def _late(self, request_id: str, event: str) -> Request | None:
+    def _late(self, request_id: str, event: str) -> R | None:
         """The live request, or None for one that already ended: an event that answers work
         the lifecycle asked for (a prefill, a recompute, P's first token) or an abort can
         arrive after the request ended by a deadline or an abort. Such a late event is
@@ -418,7 +419,7 @@ class Lifecycle:
             self._freed = True
 
     # -- requests in ------------------------------------------------------------------------------
-    def _new_request(self, request_id: str, token_ids: Any, extra_keys: Any) -> Request:
+    def _new_request(self, request_id: str, token_ids: Any, extra_keys: Any) -> R:
         check_request_id(request_id)
         self._requests.check_new(request_id)
         tokens = check_tokens(request_id, token_ids)
@@ -428,12 +429,12 @@ class Lifecycle:
             keys = keys_of_packed(tokens, self.spec.block_size, extra_keys, self.namespace, self.key_cache)
         except ValidationError as e:
             raise ValidationError(f"request {request_id!r}: {e}") from None
-        req = Request(request_id, self.DEFINITION.initial, tokens, keys, extra_keys)
+        req = self.RECORD(request_id, self.DEFINITION.initial, tokens, keys, extra_keys)
         req.tables = self.blocks.new_tables()
         return req
 
     # -- actions both tables name (called as action(request, value)) -------------------------------
-    def _recycle(self, req: Request, value: Any = None) -> None:
+    def _recycle(self, req: R, value: Any = None) -> None:
         """The request ended: count it, remember it, release its blocks with its RequestEnded."""
         if req.state == "aborted" and req.error_code == 200:
             req.error_code = ERROR_ABORTED

@@ -62,7 +62,7 @@ from .keys import KeyCache
 from .lifecycle import Lifecycle
 from .machine import CompiledMachine, MachineDef
 from .policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED, Policy
-from .registry import Request
+from .registry import PrefillRequest
 from .spec import CacheSpec
 from .tables import cut
 from .validate import check_int, check_layerwise, check_token
@@ -109,10 +109,11 @@ PREFILL = MachineDef(
 )
 
 
-class PrefillLifecycle(Lifecycle):
+class PrefillLifecycle(Lifecycle[PrefillRequest]):
     """The P instance's side (see the module's rules)."""
 
     DEFINITION = PREFILL
+    RECORD = PrefillRequest
     SETTLES_IN = "prefilling"
 
     def __init__(self, spec: CacheSpec, num_blocks: int, policy: Policy | None = None, *,
@@ -128,7 +129,7 @@ class PrefillLifecycle(Lifecycle):
                          num_states=num_states, blocks=blocks)
         self.layerwise = layerwise
         self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
-        self._waiting: deque[Request] = deque()
+        self._waiting: deque[PrefillRequest] = deque()
 
     # -- engine API --------------------------------------------------------------------------
     def admit(self, request_id: str, token_ids: Sequence[int],
@@ -214,7 +215,7 @@ class PrefillLifecycle(Lifecycle):
             waiting.popleft()
             self._fire(req, "start")
 
-    def _allocate(self, req: Request) -> bool:
+    def _allocate(self, req: PrefillRequest) -> bool:
         """Give ``req`` its state pages and blocks, the leading ones claimed from the GPU prefix
         cache (with state groups, up to a checkpoint whose state it cached); False, holding
         nothing, when too few are free."""
@@ -238,29 +239,29 @@ class PrefillLifecycle(Lifecycle):
         if self._waiting:
             self._start_waiting()
 
-    def _prefix_limit(self, req: Request) -> int:
+    def _prefix_limit(self, req: PrefillRequest) -> int:
         # Reuse full blocks only, and leave at least one token to compute the first token from.
         return (len(req.tokens) - 1) // self.spec.block_size
 
     # -- actions (named in PREFILL) ---------------------------------------------------------------
-    def _wants_prefix(self, req: Request, value: Any) -> bool:  # with state groups, only past a checkpoint
+    def _wants_prefix(self, req: PrefillRequest, value: Any) -> bool:  # with state groups, only past a checkpoint
         return self.policy.read_prefix and self._prefix_limit(req) > req.hits and \
             (not self.states or self._prefix_limit(req) >= self.states.step)
 
-    def _send_prefix_read(self, req: Request, value: Any) -> None:
+    def _send_prefix_read(self, req: PrefillRequest, value: Any) -> None:
         n = self._prefix_limit(req)
         start = req.base = req.hits  # past the blocks the GPU prefix cache gave
         self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n],
                        states=self.states.candidates(req, start, n, whole=False), tables=cut(req, start, n))
 
-    def _start_prefill(self, req: Request, value: int | None) -> None:
+    def _start_prefill(self, req: PrefillRequest, value: int | None) -> None:
         """Prefill after a store read of ``value`` blocks past ``req.base`` (``None``: no
         lookup, past the GPU prefix cache's hits only)."""
         if value:
             self.counters["store_prefix_blocks"] += value
         self._prefill_from(req, req.hits if value is None else self.states.continued(req.base, value, req.hits))
 
-    def _prefill_from(self, req: Request, blocks: int) -> None:
+    def _prefill_from(self, req: PrefillRequest, blocks: int) -> None:
         bs = self.spec.block_size
         if len(req.pages) > 1:  # state groups: the prefill keeps the states of checkpoints it passes
             req.snaps = tuple(s for s in self.states.snapshots(req) if s > blocks)
@@ -276,18 +277,18 @@ class PrefillLifecycle(Lifecycle):
             self._write(req, 0, C.SaveLayers)
 
     # -- the host tier: prefix lookup before the store, write-through after it ----------------
-    def _host_limit(self, req: Request) -> int:
+    def _host_limit(self, req: PrefillRequest) -> int:
         """Where the host lookup stops: the prefix's limit, or with state groups the block
         before its last checkpoint (host memory holds no state: the store serves the rest
         with the checkpoint's)."""
         n = self._prefix_limit(req)
         return max(req.hits, n - n % self.states.step - 1) if self.states else n
 
-    def _host_has_prefix(self, req: Request, value: Any) -> bool:
+    def _host_has_prefix(self, req: PrefillRequest, value: Any) -> bool:
         return self.host is not None and self._wants_prefix(req, value) and \
             self.host.ready_prefix(req.keys[req.hits:self._host_limit(req)]) > 0
 
-    def _send_host_prefix(self, req: Request, value: Any) -> None:
+    def _send_host_prefix(self, req: PrefillRequest, value: Any) -> None:
         assert self.host is not None
         start = req.hits  # past the blocks the GPU prefix cache gave
         n = self.host.lookup(req.keys[start:self._host_limit(req)])
@@ -295,23 +296,23 @@ class PrefillLifecycle(Lifecycle):
         req.base = start + n  # where the store's part starts once every host hit came in
         self._transfer(req, C.SwapIn, "host_prefix", keys, req.blocks[start:start + n], self.host.slots(keys))
 
-    def _store_may_have_more(self, req: Request, value: int) -> bool:
+    def _store_may_have_more(self, req: PrefillRequest, value: int) -> bool:
         return req.hits + value >= req.base and req.base < self._prefix_limit(req)  # every host hit came in
 
-    def _send_rest_read(self, req: Request, value: int) -> None:
+    def _send_rest_read(self, req: PrefillRequest, value: int) -> None:
         self.counters["host_prefix_blocks"] += value
         n = self._prefix_limit(req)
         start = req.base = req.hits + value
         self._transfer(req, C.ReadBlocks, "prefix_read", req.keys[start:n], req.blocks[start:n],
                        states=self.states.candidates(req, start, n, whole=False), tables=cut(req, start, n))
 
-    def _start_prefill_from_host(self, req: Request, value: int) -> None:
+    def _start_prefill_from_host(self, req: PrefillRequest, value: int) -> None:
         """Some host hits did not come in: prefill past those that did (with state groups, past
         the GPU prefix cache's hits: no state is at the host copy's end)."""
         self.counters["host_prefix_blocks"] += value
         self._prefill_from(req, req.hits if self.states else req.hits + value)
 
-    def _copy_to_host(self, req: Request, value: Any) -> None:
+    def _copy_to_host(self, req: PrefillRequest, value: Any) -> None:
         host = self.host
         if host is None or not host.can_acquire(req.keys):
             return  # no tier, or a full one: the store holds the cache anyway
@@ -322,11 +323,11 @@ class PrefillLifecycle(Lifecycle):
                            awaited=False)  # its entries are committed when every rank copied them whole
         host.release(req.keys)  # the copy holds its own references until it retires
 
-    def _send_write(self, req: Request, value: int) -> None:
+    def _send_write(self, req: PrefillRequest, value: int) -> None:
         self._keep_token(req, value)
         self._write(req, 0)
 
-    def _keep_token(self, req: Request, value: int) -> None:
+    def _keep_token(self, req: PrefillRequest, value: int) -> None:
         """The prefill is done: keep its first token; the blocks hold the prompt's cache."""
         req.token = value
         if self.prefix_cache is not None:
@@ -337,25 +338,25 @@ class PrefillLifecycle(Lifecycle):
             self._out.append(C.LayersReady(req.id, req.cmd, self.spec.paged_layers_done(req.layers)))
 
     # -- layer-wise save -------------------------------------------------------------------------
-    def _saving(self, req: Request, value: Any) -> bool:
+    def _saving(self, req: PrefillRequest, value: Any) -> bool:
         return req.cmd != 0  # in prefilling, only a layer-wise save is awaited
 
-    def _note_saved(self, req: Request, value: int) -> None:
+    def _note_saved(self, req: PrefillRequest, value: int) -> None:
         req.saved = value
 
-    def _saved_whole(self, req: Request, value: Any) -> bool:
+    def _saved_whole(self, req: PrefillRequest, value: Any) -> bool:
         return self._write_complete(req, req.saved)
 
-    def _retry_saved(self, req: Request, value: Any) -> None:
+    def _retry_saved(self, req: PrefillRequest, value: Any) -> None:
         self._retry_write(req, req.saved)
 
-    def _send_first_token(self, req: Request, value: Any) -> None:
+    def _send_first_token(self, req: PrefillRequest, value: Any) -> None:
         self._out.append(C.SendFirstToken(req.id, req.token, 200))
 
-    def _send_write_error(self, req: Request, value: Any) -> None:
+    def _send_write_error(self, req: PrefillRequest, value: Any) -> None:
         req.error_code, req.reason = ERROR_WRITE_FAILED, "write_failed"
         self._out.append(C.SendFirstToken(req.id, None, ERROR_WRITE_FAILED))
 
-    def _send_queue_timeout(self, req: Request, value: Any) -> None:
+    def _send_queue_timeout(self, req: PrefillRequest, value: Any) -> None:
         req.error_code, req.reason = ERROR_TIMEOUT, "queue_timeout"
         self._out.append(C.SendFirstToken(req.id, None, ERROR_TIMEOUT))

@@ -9,22 +9,32 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from .errors import DuplicateRequestError, UnknownRequestError, ValidationError
 
-__all__ = ["Request", "Registry", "ENDED_MEMORY"]
+__all__ = ["Request", "PrefillRequest", "DecodeRequest", "Registry", "ENDED_MEMORY"]
 
 ENDED_MEMORY = 4096  #: ended ids remembered, so late events for them are told from unknown ids
 
 
 class Request:
-    """A live request's record."""
+    """A live request's record: what both sides keep. P's and D's own fields are their
+    records' (:class:`PrefillRequest`, :class:`DecodeRequest`); code both sides share reads the
+    other side's fields as the class defaults below, and cannot set them."""
 
     __slots__ = ("id", "state", "tokens", "keys", "extra_keys", "blocks", "tables", "cmd", "base", "retries",
-                 "error_code", "reason", "token", "stored_keys", "wait_seq", "inflight", "host_keys",
-                 "host_fresh", "hits", "layers", "saved", "window_from", "deferred", "pages", "snaps",
-                 "from_page")
+                 "error_code", "reason", "wait_seq", "inflight", "hits", "window_from", "deferred", "pages")
+
+    # one side's fields, as the other side's records answer them
+    token: int | None = None
+    layers = 0
+    saved = 0
+    snaps: tuple[int, ...] = ()
+    from_page = -1
+    stored_keys: list[str] | None = None
+    host_keys: list[str] | None = None
+    host_fresh: Sequence[str] = ()
 
     def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
@@ -41,33 +51,57 @@ class Request:
         self.retries = 0
         self.error_code = 200
         self.reason = ""  #: why it ended, set by the action that fails it (else its end state)
-        self.token: int | None = None  #: P: the first token, sent once the cache is stored
-        self.stored_keys: list[str] | None = None  #: D: the keys a read brings back
         self.wait_seq = 0  #: identifies its current wait timer (0: none)
         #: its transfers not yet retired (:class:`kvstate.pins.Transfer`: pins stands on this module)
         self.inflight: list[Any] = []
-        self.host_keys: list[str] | None = None  #: D: keys it references in the host tier (swapped out)
-        self.host_fresh: Sequence[str] = ()  #: D: the keys its swap-out fills
         self.hits = 0  #: its leading blocks claimed from the GPU prefix cache
-        self.layers = 0  #: P, layer-wise: layers of its prefill reported computed
-        self.saved = 0  #: P, layer-wise: leading keys its save stored, when it answered before the prefill ended
         #: D: its blocks before this one hold no window layers (read without them): never shared
         self.window_from = 0
         #: D: a Recompute held back while an abandoned read or swap-in may still land in its blocks
         self.deferred: Any = None
         self.pages: list[int] = []  #: its state pages (:mod:`kvstate.statepages`): the running state first
-        #: P: the checkpoints (in blocks) its prefill copies into pages[1:], in order
-        self.snaps: tuple[int, ...] = ()
-        self.from_page = -1  #: P: a cached state page it claimed, its prefill's start (-1: none)
 
 
-class Registry:
+class PrefillRequest(Request):
+    """A P request's record."""
+
+    __slots__ = ("token", "layers", "saved", "snaps", "from_page")
+
+    def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
+                 extra_keys: Mapping[int, Sequence[str]] | None) -> None:
+        super().__init__(request_id, state, tokens, keys, extra_keys)
+        self.token = None  #: the first token, sent once the cache is stored
+        self.layers = 0  #: layer-wise: layers of its prefill reported computed
+        self.saved = 0  #: layer-wise: leading keys its save stored, when it answered before the prefill ended
+        #: the checkpoints (in blocks) its prefill copies into pages[1:], in order
+        self.snaps = ()
+        self.from_page = -1  #: a cached state page it claimed, its prefill's start (-1: none)
+
+
+class DecodeRequest(Request):
+    """A D request's record."""
+
+    __slots__ = ("stored_keys", "host_keys", "host_fresh")
+
+    def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
+                 extra_keys: Mapping[int, Sequence[str]] | None) -> None:
+        super().__init__(request_id, state, tokens, keys, extra_keys)
+        self.stored_keys = None  #: the keys a read brings back
+        self.host_keys = None  #: keys it references in the host tier (swapped out)
+        self.host_fresh = ()  #: the keys its swap-out fills
+
+
+#: a side's request record
+R = TypeVar("R", bound=Request)
+
+
+class Registry(Generic[R]):
     """Live requests by id, and the states of the last :data:`ENDED_MEMORY` ended ones."""
 
     __slots__ = ("live", "side", "_ended")
 
     def __init__(self, side: str) -> None:
-        self.live: dict[str, Request] = {}  #: read directly on hot paths
+        self.live: dict[str, R] = {}  #: read directly on hot paths
         self.side = side
         self._ended: dict[str, str] = {}  # insertion-ordered: the oldest goes first
 
@@ -81,7 +115,7 @@ class Registry:
             raise DuplicateRequestError(f"request {request_id!r} is already live on the {self.side} side "
                                         f"(state {live.state!r})")
 
-    def get(self, request_id: Any) -> Request:
+    def get(self, request_id: Any) -> R:
         """The live request, or an error saying whether the id ended or was never seen."""
         req = self.live.get(request_id) if request_id.__class__ is str else None
         if req is not None:
@@ -98,7 +132,7 @@ class Registry:
         """The terminal state of a recently ended request (None: live, forgotten or never seen)."""
         return self._ended.get(request_id) if request_id.__class__ is str else None
 
-    def end(self, req: Request) -> None:
+    def end(self, req: R) -> None:
         """Forget the live request, remembering how it ended."""
         del self.live[req.id]
         ended = self._ended

@@ -59,7 +59,7 @@ from .commands import TransferCommand
 from .errors import ConfigError, OutOfBlocksError, ValidationError
 from .pool import BlockPool
 from .prefixcache import PrefixCachingPool
-from .registry import Request
+from .registry import PrefillRequest, Request
 from .spec import CacheSpec
 
 __all__ = ["StatePages", "usable_count"]
@@ -154,7 +154,7 @@ class StatePages:
         return freed
 
     # -- the GPU prefix cache's states (P) ----------------------------------------------------------
-    def claim_start(self, req: Request, lookup: Sequence[str], blocks: PrefixCachingPool) -> int:
+    def claim_start(self, req: PrefillRequest, lookup: Sequence[str], blocks: PrefixCachingPool) -> int:
         """How many leading ``lookup`` keys P may claim from the GPU prefix cache ``blocks``:
         up to the last checkpoint whose blocks and state are both cached (0: none). Its state
         page is claimed into ``req.from_page``."""
@@ -178,9 +178,9 @@ class StatePages:
 
     def let_go_of_start(self, req: Request) -> int:
         """``req`` lets go of the cached page it claimed, if any; returns how many came free."""
-        if req.from_page < 0:
+        if req.from_page < 0:  # a D record's is always -1
             return 0
-        assert self.pool is not None
+        assert self.pool is not None and isinstance(req, PrefillRequest)
         page, req.from_page = req.from_page, -1
         return self.pool.release((page,))
 
