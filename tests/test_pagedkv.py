@@ -4,6 +4,7 @@ by name. PyTorch CPU tensors here; the same on CUDA tensors runs on the GPU mach
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from needs import has_module
@@ -209,3 +210,67 @@ def test_arena_transfers_count_up_to_a_broken_block_and_read_a_cpu_writers_block
     finally:
         for t in (p, d, c):
             t.close(5)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_p_and_d_at_different_tp_degrees_hand_off_byte_exact_through_the_connectors_core(p_tp, d_tp):
+    """The connector's whole path without vLLM, P and D at different TP degrees: each side's
+    Handoff and each rank's RankTransfers on the spec ``peer_spec`` gives it; D's heads are P's
+    ranks' heads side by side, byte for byte, and the lookup sees the cache stored."""
+    import torch
+
+    from kvstate.integrations.handoff import Handoff, peer_spec
+    from kvstate.integrations.pagedkv import RankTransfers
+
+    heads, prompt = 4, list(range(7, 7 + 3 * B + 2))  # a cache of 3 full blocks and one partial
+
+    def side(tp: int, role: str, peer: int) -> tuple:
+        s = peer_spec(CacheSpec(num_layers=3, kv_heads=heads // tp, block_size=B, head_dim=D, tp_size=tp,
+                                total_kv_heads=heads), role, peer)
+        return s, [layers((2, NB, heads // tp, B, D)) for _ in range(tp)]
+
+    store = MemoryStore(1 << 26)
+    (ps, p_caches), (ds, d_caches) = side(p_tp, "producer", d_tp), side(d_tp, "consumer", p_tp)
+    for c in d_caches:
+        for v in c.values():
+            v.zero_()
+    hp, hd = Handoff(ps, NB, "producer", store, namespace="m"), Handoff(ds, NB, "consumer", store, namespace="m")
+    pt = [RankTransfers(ps, r, p_caches[r], store) for r in range(p_tp)]
+    dt = [RankTransfers(ds, r, d_caches[r], store) for r in range(d_tp)]
+
+    def run(h: Handoff, transfers: list, side_name: str) -> Any:
+        orders = h.step()
+        for t in transfers:
+            t.submit(side_name, orders.commands[side_name])
+        for t in transfers:
+            h.completed(side_name, t.poll(side_name, 10))
+        return h.step()
+
+    try:
+        assert hp.save("a", prompt, [1, 3, 5, 7], first_token=9)
+        assert run(hp, pt, "save").sent == {"a"}
+        assert hd.lookup("a", prompt) == len(prompt)
+        hd.load("a", prompt, [2, 4, 6, 8])
+        orders = run(hd, dt, "load")
+        assert orders.received == {"a"} and not orders.invalid
+        whole = {name: torch.cat([c[name] for c in p_caches], dim=2) for name in p_caches[0]}  # every head
+        for name in whole:
+            got = torch.cat([c[name] for c in d_caches], dim=2)
+            assert torch.equal(whole[name][:, [1, 3, 5, 7]], got[:, [2, 4, 6, 8]]), name
+    finally:
+        for t in pt + dt:
+            t.close(5)
+        store.close()
+
+
+def test_peer_degrees_that_cannot_share_objects_or_a_both_engine_with_a_peer_are_refused():
+    from kvstate.integrations.handoff import peer_spec
+
+    s = CacheSpec(num_layers=2, kv_heads=2, block_size=B, head_dim=D, tp_size=2, total_kv_heads=4)
+    assert peer_spec(s, "producer", 0) is s and peer_spec(s, "consumer", 2) is s
+    assert peer_spec(s, "producer", 1).store_heads == 2 and peer_spec(s, "producer", 4).store_heads == 1
+    with pytest.raises(ConfigError, match="saves and loads its own caches"):
+        peer_spec(s, "both", 1)
+    for bad in (-1, True, 2.0, "1", 5000):
+        with pytest.raises(ConfigError, match="peer_tp must be an int"):
+            peer_spec(s, "producer", bad)

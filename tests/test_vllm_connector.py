@@ -170,6 +170,7 @@ def test_a_lost_answer_ends_at_the_deadline_and_leaks_nothing(engines):
     ({"store": {"kind": "s3"}}, "kind is 'arena', 'file', 'mooncake' or 'memory'"),
     ({"transfer_timeout": -1}, "transfer_timeout must be seconds"),
     ({"workers": 0}, "workers must be an int"),
+    ({"peer_tp": "2"}, "peer_tp must be an int"),
     ({"store": {"kind": "file", "root": "/proc/kvstate-nope"}}, "cannot be reached|Read-only|No such|denied"),
 ])
 def test_bad_extra_config_is_refused_when_vllm_builds_the_connector(model_dir, extra, rule):
@@ -177,6 +178,14 @@ def test_bad_extra_config_is_refused_when_vllm_builds_the_connector(model_dir, e
 
     with pytest.raises(ConfigError, match=rule):
         Engine(model_dir, "kv_producer", "bad", **extra)
+
+
+def test_a_kv_both_engine_with_a_peer_of_another_tp_degree_is_refused(model_dir):
+    from kvstate import ConfigError
+
+    with pytest.raises(ConfigError, match="saves and loads its own caches"):
+        Engine(model_dir, "kv_both", "bad", peer_tp=2)
+    Engine(model_dir, "kv_both", "fine", peer_tp=1).close()  # its own degree: nothing to pair
 
 
 def test_a_cache_dtype_whose_scales_live_beside_the_cache_is_refused(model_dir):

@@ -42,18 +42,40 @@ from .. import commands as C
 from ..backends.base import Store
 from ..blocks import EngineBlocks
 from ..decode import DecodeLifecycle
-from ..errors import ValidationError
+from ..errors import ConfigError, ValidationError
 from ..events import Completion
 from ..keys import block_keys
 from ..policy import Policy
 from ..prefill import PrefillLifecycle
-from ..spec import CacheSpec
+from ..spec import CacheSpec, paired
 from ..validate import check_request_id, check_tokens
 
-__all__ = ["Handoff", "Orders", "StoredEvent", "ROLES", "SIDES"]
+__all__ = ["Handoff", "Orders", "StoredEvent", "ROLES", "SIDES", "peer_spec"]
 
 ROLES = ("producer", "consumer", "both")
 SIDES = ("save", "load")  #: the P lifecycle's transfers, the D lifecycle's
+
+
+def peer_spec(spec: CacheSpec, role: str, peer_tp: int) -> CacheSpec:
+    """This engine's rank spec when the other role runs at TP ``peer_tp`` (0: this engine's):
+    objects of the largest head group both degrees split into (:func:`~kvstate.spec.paired`),
+    so P's ranks store and D's ranks read the same objects. A ``both`` engine is P and D at
+    once: its peer is itself."""
+    if isinstance(peer_tp, bool) or not isinstance(peer_tp, int) or not 0 <= peer_tp <= 1024:
+        raise ConfigError(f"peer_tp must be an int in 0..1024 (0: this engine's TP degree), got {peer_tp!r}")
+    if not peer_tp or peer_tp == spec.tp_size:
+        return spec
+    if role not in ("producer", "consumer"):
+        raise ConfigError(f"peer_tp {peer_tp}: a {role!r} engine saves and loads its own caches, at its own TP "
+                          f"degree {spec.tp_size}")
+    heads = spec.heads_total
+    peer = dataclasses.replace(spec, tp_size=peer_tp, kv_heads=max(1, heads // peer_tp), store_heads=0)
+    try:
+        p, d = paired(spec, peer) if role == "producer" else paired(peer, spec)
+    except ValidationError as e:
+        raise ConfigError(f"peer_tp {peer_tp}: this engine's TP {spec.tp_size} and its peer's cannot share "
+                          f"objects: {e}") from None
+    return p if role == "producer" else d
 
 
 @dataclass

@@ -54,7 +54,7 @@ from ..errors import ConfigError, KVStateError, ValidationError
 from ..events import Completion
 from ..policy import Policy
 from ..spec import CacheSpec
-from .handoff import Handoff, Orders
+from .handoff import Handoff, Orders, peer_spec
 from .pagedkv import RankTransfers, spec_dtype
 
 if TYPE_CHECKING:
@@ -90,6 +90,9 @@ class Settings:
     write_retries: int = 1  #: extra attempts after a failed or partial save
     wait_for_cache: float = 30.0  #: seconds a consumer waits for a producer's cache to be stored
     workers: int = 2  #: transfer threads per rank and side (saves, loads)
+    #: the other role's TP degree (0: this engine's): P and D at different degrees store objects
+    #: of the head groups both split into (kvstate.integrations.handoff.peer_spec)
+    peer_tp: int = 0
 
     @classmethod
     def from_extra(cls, extra: Any) -> Settings:
@@ -116,7 +119,7 @@ class Settings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be seconds >= 0, got {v!r}")
-        for name, lo in (("write_retries", 0), ("workers", 1)):
+        for name, lo in (("write_retries", 0), ("workers", 1), ("peer_tp", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 64:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be an int in {lo}..64, got {v!r}")
@@ -230,7 +233,7 @@ class KVStateConnector(KVConnectorBase_V1):
         self.settings = Settings.from_extra(tc.kv_connector_extra_config)
         if tc.kv_role not in ROLE_OF:
             raise ConfigError(f"KVStateConnector: kv_role {tc.kv_role!r} is not one of {sorted(ROLE_OF)}")
-        self.spec = cache_spec(vllm_config, kv_cache_config)
+        self.spec = peer_spec(cache_spec(vllm_config, kv_cache_config), ROLE_OF[tc.kv_role], self.settings.peer_tp)
         if self.settings.store.get("kind") == "arena":  # its slots must be this model's objects: refused if not
             self.settings = dataclasses.replace(self.settings, store={
                 "slot_bytes": self.spec.block_bytes(self.spec.kinds[0]), **self.settings.store})
