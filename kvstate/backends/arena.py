@@ -38,6 +38,7 @@ import mmap
 import os
 import secrets
 import struct
+import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,11 +77,7 @@ class Place(NamedTuple):
 def arena_directory() -> Path:
     """Where arenas live by default: ``/dev/shm`` where it can be written, else the temp dir."""
     d = Path("/dev/shm")
-    if d.is_dir() and os.access(d, os.W_OK):
-        return d
-    import tempfile
-
-    return Path(tempfile.gettempdir())
+    return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def _alive(pid: int) -> bool:
@@ -352,6 +349,7 @@ class ArenaStore(Store):
 
     def release(self, keys: Sequence[str]) -> None:
         """Let go of claims of these keys not published (a transfer that failed or stopped short)."""
+        check_keys(keys, "ArenaStore.release")
         with self._locked():
             for k in keys:
                 held = self._claims.pop(_mine(k), None)
@@ -371,6 +369,10 @@ class ArenaStore(Store):
 
     def unchanged(self, places: Sequence[Place]) -> list[bool]:
         """Whether each place still holds what :meth:`locate` found (read after copying out)."""
+        if isinstance(places, (str, bytes)) or not isinstance(places, Sequence) or \
+                not all(isinstance(p, Place) and -1 <= p.slot < self.big.slots for p in places):
+            raise ValidationError(f"ArenaStore.unchanged: places must be a sequence of what locate answered, got "
+                                  f"{places!r:.80}")
         slots = np.asarray([p.slot for p in places], np.int64)
         gens = np.asarray([p.gen for p in places], np.uint64)
         with self._locked():
