@@ -20,7 +20,13 @@ in all). Per layer, on each of the instance's ``tp`` GPUs, one after the other:
   latencies grow by a quarter with each doubling of the ranks. A profile's all-reduce curve
   (``kvstate profile`` on several GPUs: NCCL through ``torch.distributed``) replaces them only
   above ``gpu.custom_allreduce_mib``: up to it vLLM runs its own one-shot kernel, which NCCL's
-  measured latency (tens of µs a call) says nothing about.
+  measured latency (tens of µs a call) says nothing about;
+- **expert parallelism** (``cluster.expert_parallel``, vLLM's ``--enable-expert-parallel``
+  over the TP ranks): a rank holds ``E / tp`` experts whole and runs a ``tp``-th of those a
+  step touches at full width (routing spreads evenly); a MoE layer sends its ``T·k`` token
+  rows to their experts' ranks and back, two all-to-alls each ``latency + (tp−1)/tp ·
+  bytes / tp / bus bandwidth`` at NCCL's ring figures, instead of its MLP's all-reduce.
+  Shared experts stay split over the ranks.
 
 Then the LM head, on the *sampled* positions only (a prompt's last token when its prefill
 ends, every decoding request; the embedding lookup is a gather and costs nothing here), and
@@ -81,7 +87,10 @@ class ComputeModel:
         self.dense_mats = tuple((name, *mlp[name]) for name in ("gate_up", "down") if name in mlp)
         self.mlp_width = m.intermediate / tp
         self.experts, self.top_k, self.shared = m.experts, m.experts_per_token, m.shared_experts
-        self.expert_width = m.moe_intermediate / tp
+        #: expert parallelism: each rank holds experts / tp whole experts (vLLM's EP over the TP ranks)
+        self.ep = bool(s.cluster.expert_parallel and m.experts and tp > 1)
+        self.expert_width = m.moe_intermediate / (1 if self.ep else tp)
+        self.moe_width_tp = m.moe_intermediate / tp  #: a shared expert's width on a rank (always split)
         self.moe_layers = (m.num_layers - m.dense_layers) if m.experts else 0
         grow = 1 + 0.25 * math.log2(tp / 2) if tp > 1 else 0.0  # latency grows with the ranks to sync
         self.custom_ar_bytes = g.custom_allreduce_mib * 2**20  # up to it the engine's one-shot kernel runs
@@ -207,14 +216,29 @@ class ComputeModel:
         touched = e * (1.0 - (1.0 - k / e) ** tokens)
         per_expert = tokens * k / touched  # tokens each touched expert multiplies
         w = self.expert_width
-        # one grouped kernel runs every touched expert's GEMM: one launch, each expert's FLOPs and bytes
+        # one grouped kernel runs every touched expert's GEMM: one launch, each expert's FLOPs and bytes;
+        # with EP a rank runs its own experts whole, a tp-th of those touched (routing spreads evenly)
         each = (self.gemm("expert_gate_up", per_expert, self.hidden, 2 * w) +
                 self.gemm("expert_down", per_expert, w, self.hidden))
-        t = 2 * self.kernel + touched * max(each - 2 * self.kernel, 0.0)
-        if self.shared:
-            t += self.gemm("shared_gate_up", tokens, self.hidden, 2 * w * self.shared) + \
-                self.gemm("shared_down", tokens, w * self.shared, self.hidden)
-        return t + self.gemm("router", tokens, self.hidden, e)
+        mine = touched / self.tp if self.ep else touched
+        t = 2 * self.kernel + mine * max(each - 2 * self.kernel, 0.0)
+        if self.shared:  # shared experts stay split over the ranks
+            ws = self.moe_width_tp
+            t += self.gemm("shared_gate_up", tokens, self.hidden, 2 * ws * self.shared) + \
+                self.gemm("shared_down", tokens, ws * self.shared, self.hidden)
+        t += self.gemm("router", tokens, self.hidden, e)
+        if self.ep:  # tokens to their experts' ranks and back instead of the MLP's all-reduce
+            t += 2 * self.alltoall(tokens * k * self.hidden * _ACT) - self.allreduce(tokens * self.hidden * _ACT)
+        return t
+
+    def alltoall(self, nbytes: float) -> float:
+        """One all-to-all in which the instance's ranks together send ``nbytes`` (each sends
+        the (tp - 1) / tp of its share that other ranks hold): NCCL's ring latency, and each
+        rank's share over the link at the ring's bus bandwidth."""
+        if self.tp == 1 or nbytes <= 0:
+            return 0.0
+        latency, bw = self.ar_algos[1]
+        return latency + nbytes / self.tp * (self.tp - 1) / self.tp / bw
 
     # -- a whole step --------------------------------------------------------------------------------
     def step_time(self, prompts: Iterable[tuple[int, int, bool]] = (), batch: int = 0, context: int = 0) -> float:

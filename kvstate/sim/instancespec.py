@@ -34,6 +34,10 @@ class ClusterSpec(Section):
     d_gpu: str = setting("", "D instances' GPU, a preset (H100-SXM, H200, H100-PCIe, A100-SXM-80G, L40S); "
                          "empty: [gpu]'s (P on one kind, D on another)")
     d_price_per_hour: float = setting(0.0, "USD per D GPU-hour; 0: the d_gpu preset's price ([gpu]'s without d_gpu)")
+    expert_parallel: bool = setting(False, "a mixture-of-experts model's experts spread whole over an instance's "
+                                    "TP ranks (vLLM's --enable-expert-parallel) instead of each expert split over "
+                                    "them: each MoE layer sends its tokens to their experts' ranks and back "
+                                    "(two all-to-alls) instead of one all-reduce")
     gpu_blocks: int = setting(0, "KV blocks per instance; 0: what GPU memory leaves after the weights")
     prefill_token_budget: int = setting(16384, "tokens of new prompts batched into one prefill forward")
     decode_max_batch: int = setting(256, "requests decoded together in one step")

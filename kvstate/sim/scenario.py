@@ -209,6 +209,7 @@ class Scenario(Section):
             if kv % tp and tp % kv and not self.model.kv_lora_rank:  # fewer heads than ranks: replicated
                 raise ConfigError(f"[cluster] {name}: the model's {kv} KV heads neither split over {tp} ranks nor "
                                   f"replicate evenly on them (TP must divide the heads, or the heads the TP)")
+        self._check_experts()
         if self.cluster.decode_tp != self.cluster.tp and self.model.kv_lora_rank:
             raise ConfigError("[cluster] d_tp: a latent (MLA) cache is replicated on every rank; P and D of "
                               "different TP degrees are not modeled for it")
@@ -272,6 +273,17 @@ class Scenario(Section):
                            block_size=m.block_size, head_dim=m.head_dim, dtype=m.dtype, tp_size=d_tp,
                            groups=spec.groups, total_kv_heads=m.total_kv_heads)
         return paired(spec, d_spec)[0]
+
+    def _check_experts(self) -> None:
+        """Expert parallelism needs experts, as many on every rank of P and of D."""
+        if not self.cluster.expert_parallel:
+            return
+        if not self.model.experts:
+            raise ConfigError("[cluster] expert_parallel: the model has no experts (set [model] experts)")
+        for name, tp in (("tp", self.cluster.tp), ("d_tp", self.cluster.decode_tp)):
+            if self.model.experts % tp:
+                raise ConfigError(f"[cluster] expert_parallel: {self.model.experts} experts do not spread "
+                                  f"evenly over {name} {tp} ranks")
 
     def decode_view(self) -> Scenario:
         """This scenario as a D instance sees it: ``cluster.tp`` its own degree and ``gpu`` its
