@@ -110,3 +110,54 @@ def test_bad_input_is_refused_and_changes_nothing(call, rule):
     assert h.live() == 0 and h.step().commands == {"save": [], "load": []}
     with pytest.raises(ValidationError, match="role must be one of"):
         Handoff(h.spec, 32, "relay", MemoryStore(1 << 10))
+
+
+def _state(h: Handoff) -> tuple:
+    """Everything a refused call must leave as it was."""
+    return (h.live(), dict(h.counters), sorted(h._tracked), h.prefill.pool.num_free, h.decode.pool.num_free,
+            len(h._events))
+
+
+def test_bad_arguments_at_every_public_call_are_refused_and_change_nothing():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvstate import KVStateError
+
+    h, store, _ = make(tp=1)
+    fill(h, store, ranks=(0,))
+    h.load("loading", PROMPT, [1, 2, 3])  # one request of each side live
+    h.save("saving", PROMPT, [4, 5, 6], first_token=3)
+    h.step()
+    before = _state(h)
+    bad_id = st.one_of(st.none(), st.just(""), st.integers(), st.just(["a"]))
+    bad_prompt = st.one_of(st.none(), st.integers(), st.text(max_size=3), st.just([1, -2, 3]), st.just([1.5, 2]),
+                           st.just([True, 2]), st.just([2**33, 1]))
+    bad_blocks = st.one_of(st.none(), st.integers(), st.just("abc"), st.just([1, "x", 3]), st.just([1.0, 2.0, 3.0]),
+                           st.just([1, 2]), st.just([1, 1, 1]), st.just([-1, 2, 3]), st.just([10**6, 2, 3]),
+                           st.just([True, 2, 3]))
+    bad_token = st.one_of(st.none(), st.just(-1), st.just(2**32), st.just(1.5), st.just("7"), st.just(True))
+    bad_side = st.one_of(st.none(), st.just("saves"), st.integers())
+    bad_answers = st.one_of(st.none(), st.integers(), st.just("x"),
+                            st.just([Completion(1, 0, 1), "not an answer"]))
+    calls = st.one_of(
+        st.tuples(st.just("lookup"), bad_id, st.just(PROMPT)), st.tuples(st.just("lookup"), st.just("q"), bad_prompt),
+        st.tuples(st.just("load"), bad_id, st.just(PROMPT), st.just([7, 8, 9])),
+        st.tuples(st.just("load"), st.just("n"), bad_prompt, st.just([7, 8, 9])),
+        st.tuples(st.just("load"), st.just("n"), st.just(PROMPT), bad_blocks),
+        st.tuples(st.just("load"), st.just("loading"), st.just(PROMPT), st.just([7, 8, 9])),  # tracked already
+        st.tuples(st.just("save"), st.just("s"), st.just(PROMPT), bad_blocks, st.just(3)),
+        st.tuples(st.just("save"), st.just("s"), st.just(PROMPT), st.just([7, 8, 9]), bad_token),
+        st.tuples(st.just("save"), st.just("s"), bad_prompt, st.just([7, 8, 9]), st.just(3)),
+        st.tuples(st.just("finished"), bad_id), st.tuples(st.just("completed"), bad_side, st.just([])),
+        st.tuples(st.just("completed"), st.just("save"), bad_answers))
+
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(call=calls)
+    def check(call):
+        name, *args = call
+        with pytest.raises(KVStateError):
+            getattr(h, name)(*args)
+        assert _state(h) == before, call
+
+    check()

@@ -48,12 +48,27 @@ from ..keys import block_keys
 from ..policy import Policy
 from ..prefill import PrefillLifecycle
 from ..spec import CacheSpec, paired
-from ..validate import check_request_id, check_tokens
+from ..validate import check_request_id, check_token, check_tokens, is_int
 
 __all__ = ["Handoff", "Orders", "StoredEvent", "ROLES", "SIDES", "peer_spec"]
 
 ROLES = ("producer", "consumer", "both")
 SIDES = ("save", "load")  #: the P lifecycle's transfers, the D lifecycle's
+
+
+def _prompt(request_id: str, prompt: Any) -> list[int]:
+    """The prompt's token ids, checked (a list of ints in 0..2**32-1)."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise ValidationError(f"request {request_id!r}: the prompt must be a sequence of token ids, got {prompt!r:.80}")
+    return list(check_tokens(request_id, list(prompt))) if prompt else []
+
+
+def _block_ids(request_id: str, block_ids: Any) -> list[int]:
+    """The engine's block ids, checked as ints (their range and uniqueness are the blocks')."""
+    if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence) or \
+            not all(is_int(b) for b in block_ids):
+        raise ValidationError(f"request {request_id!r}: block ids must be a sequence of ints, got {block_ids!r:.80}")
+    return [int(b) for b in block_ids]
 
 
 def peer_spec(spec: CacheSpec, role: str, peer_tp: int) -> CacheSpec:
@@ -149,7 +164,7 @@ class Handoff:
         """How many of the prompt's tokens a load brings: all of them when every block of its
         cache is stored on every rank, else 0 (the engine computes them)."""
         check_request_id(request_id)
-        check_tokens(request_id, list(prompt))
+        prompt = _prompt(request_id, prompt)
         if self.role == "producer" or len(prompt) < 2:
             return 0
         keys = self.cache_keys(prompt)
@@ -164,12 +179,15 @@ class Handoff:
         its first ``computed`` tokens (whole blocks: the engine's own prefix cache had them)
         are in place already, and only the blocks past them are read."""
         self._check_new(request_id, "load")
+        prompt = _prompt(request_id, prompt)
         n = self.spec.blocks_for(len(prompt))
+        block_ids = _block_ids(request_id, block_ids)
         if len(block_ids) < n:
             raise ValidationError(f"request {request_id!r}: a load of {len(prompt)} tokens needs {n} blocks, "
                                   f"the engine allocated {len(block_ids)}")
         bs = self.spec.block_size
-        if not isinstance(computed, int) or computed < 0 or computed % bs or computed >= len(prompt) - 1:
+        if isinstance(computed, bool) or not isinstance(computed, int) or computed < 0 or computed % bs \
+                or computed >= len(prompt) - 1:
             raise ValidationError(f"request {request_id!r}: computed {computed!r} is not whole blocks of "
                                   f"{bs} tokens short of the prompt's cache")
         ids = [int(b) for b in block_ids[:n]]
@@ -186,10 +204,14 @@ class Handoff:
     def save(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], first_token: int) -> bool:
         """The engine computed the prompt and sampled ``first_token``: store its cache from
         ``block_ids``. True: the engine keeps the blocks until ``Orders.sent`` names it."""
+        check_request_id(request_id)
+        prompt = _prompt(request_id, prompt)
+        check_token(request_id, first_token)  # before anything changes: prefill_done takes it last
         if self.role == "consumer" or len(prompt) < 2:
             return False
         self._check_new(request_id, "save")
         n = self.spec.blocks_for(len(prompt) - 1)
+        block_ids = _block_ids(request_id, block_ids)
         if len(block_ids) < n:
             raise ValidationError(f"request {request_id!r}: a save of {len(prompt) - 1} tokens needs {n} blocks, "
                                   f"the engine holds {len(block_ids)}")
@@ -237,9 +259,13 @@ class Handoff:
         """The workers' answers to one side's commands (each checked by its lifecycle; one
         nobody waits for is dropped and counted there)."""
         lc = self._side(side)
-        for c in completions:
+        if isinstance(completions, (str, bytes)) or not isinstance(completions, Iterable):
+            raise ValidationError(f"Handoff.completed: expected Completions, got {completions!r:.80}")
+        answers = list(completions)
+        for c in answers:  # every one checked before any is applied
             if not isinstance(c, Completion):
                 raise ValidationError(f"Handoff.completed: expected Completions, got {type(c).__name__}")
+        for c in answers:
             lc.complete(c)
         self._notices(lc.poll_commands(), side)  # what the answers decided, for the next orders
 
