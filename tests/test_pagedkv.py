@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from needs import has_module
 
-from kvstate import CacheSpec, ConfigError
+from kvstate import CacheSpec, ConfigError, ValidationError
 from kvstate.backends.arena import ArenaStore
 from kvstate.backends.stores import MemoryStore
 from kvstate.commands import ReadBlocks, WriteBlocks
@@ -274,3 +274,39 @@ def test_peer_degrees_that_cannot_share_objects_or_a_both_engine_with_a_peer_are
     for bad in (-1, True, 2.0, "1", 5000):
         with pytest.raises(ConfigError, match="peer_tp must be an int"):
             peer_spec(s, "producer", bad)
+
+
+def test_a_layer_wise_save_stores_each_layer_group_only_once_the_forward_reported_it():
+    """What the connector's ``save_kv_layer`` drives: a SaveLayers waits, storing nothing,
+    until the forward reports layers; then exactly the groups reported; then answers whole."""
+    from kvstate import rank_key
+    from kvstate.commands import SaveLayers
+    from kvstate.integrations.pagedkv import RankTransfers
+
+    s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=D, layer_groups=3)
+    src = layers((2, NB, H, B, D))
+    store = MemoryStore(1 << 26)
+    keys = tuple(block_keys(list(range(1, 2 * B + 1)), B, namespace="lw"))
+    t = RankTransfers(s, 0, src, store)
+
+    def stored(group: int) -> bool:
+        return store.batch_is_exist([rank_key(k, kind, 0, group) for k in keys for kind in s.kinds]) == [1] * 4
+
+    try:
+        now = time.monotonic()
+        t.submit("save", [SaveLayers("r", 1, (0,), now + 30, keys, (2, 5), fence=now + 60)])
+        time.sleep(0.3)
+        assert t.poll("save") == [] and len(store) == 0  # no layer reported: nothing stored
+        t.layers_computed([("r", 1)], 1)
+        deadline = time.monotonic() + 10
+        while not stored(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert stored(0) and not stored(1) and not stored(2) and t.poll("save") == []
+        t.layers_computed([("r", 1)], 3)
+        assert [c.count for c in t.poll("save", 10)] == [2]
+        assert stored(1) and stored(2)
+        with pytest.raises(ValidationError, match="layers"):
+            t.layers_computed([("r", 1)], 4)  # more layers than the model has
+    finally:
+        t.close(5)

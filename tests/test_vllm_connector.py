@@ -222,3 +222,34 @@ def test_p_and_d_hand_off_through_a_shared_arena_and_one_of_another_geometry_is_
         wrong.close()
     finally:
         arena.close()
+
+
+def test_a_producer_saves_a_prompt_layer_by_layer_within_its_forward_and_d_loads_it(engines):
+    """With two layer groups, P's save of a prompt computed in one forward goes out before the
+    forward (a SaveLayers) and stores each group as the forward reports its layer; D, with
+    the same groups, loads it byte for byte. A prompt that decodes on after it (three tokens)
+    is saved whole, once finished."""
+    P, D = engines("kv_producer", layer_groups=2), engines("kv_consumer", layer_groups=2)
+    P.model = D.model = True
+    P.add("a", PROMPT, 1)
+    so = P.step()
+    assert [type(c).__name__ for c in so.kv_connector_metadata.orders.commands["save"]] == ["SaveLayers"]
+    assert "a" in P.scheduler.requests  # finished; its blocks kept for the save
+    P.run(3)
+    assert P.handoff.counters["saved"] == 1
+    P.assert_clean()
+    D.add("a", PROMPT, 3, remote=True)
+    for _ in range(6):
+        D.step()
+        if D.handoff.counters["loaded"]:
+            break
+    assert D.handoff.counters["loaded"] == 1 and D.handoff.counters["load_partial"] == 0
+    assert D.wrong_tokens("a", PROMPT, len(PROMPT) - 1) == []  # every cached token's KV is P's
+    D.run(6)
+    D.assert_clean()
+    P.add("b", [t + 1000 for t in PROMPT], 3)
+    so = P.step()
+    assert not so.kv_connector_metadata.orders.commands["save"]  # decodes on: saved whole, once it ends
+    P.run(6)
+    assert P.handoff.counters["saved"] == 2
+    P.assert_clean()

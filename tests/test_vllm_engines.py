@@ -79,6 +79,14 @@ def test_d_tokens_equal_a_run_without_a_connector_and_survive_a_corrupt_block(tm
     assert d["tokens"] == reference
 
 
+def test_p_saving_layer_by_layer_hands_d_the_same_tokens(tmp, reference):
+    store = {"store": {"kind": "file", "root": str(tmp / "kv-layered")}, "layer_groups": 2}
+    p = engine(tmp, 1, role="kv_producer", extra=store, **KVSTATE)
+    assert p["counters"]["saved"] == p["counters"]["layerwise_saves"] == len(PROMPTS)
+    d = engine(tmp, 8, role="kv_consumer", extra=store, remote=True, **KVSTATE)
+    assert d["counters"]["loaded"] == len(PROMPTS) and d["tokens"] == reference
+
+
 def test_the_same_corruption_through_vllms_example_connector_changes_d_tokens(tmp, reference):
     store = {"shared_storage_path": str(tmp / "example")}
     example = {"connector": "ExampleConnector", "role": "kv_both", "extra": store}

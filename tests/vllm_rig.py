@@ -118,14 +118,17 @@ class Engine:
     def _finish_step(self, so: Any, settle: float, token: int = 7, after_forward: Any = None) -> Any:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        w = self.worker
+        if self.model:
+            self.poison_loads()
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)  # as vLLM: loads and this forward's layer-wise saves start before it
         if self.model:
             self.compute(so)
-            self.poison_loads()
+        for name in self.caches_names():  # the forward wrote each layer's KV
+            w.save_kv_layer(name, self.caches[name], None)
         if after_forward is not None:
             after_forward()
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
         w.wait_for_save()
         deadline = time.monotonic() + settle
         while w.transfers.inflight() and time.monotonic() < deadline:

@@ -25,6 +25,10 @@ Rules:
   ``Orders.invalid`` lists the blocks from the first one some rank could not read whole
   (checksum, eviction, failure, deadline): the engine recomputes from there, or fails the
   request, by its own policy. Nothing is computed from a block that was not verified.
+- Layer-wise (``layerwise``): a prompt the engine computes whole in its next forward may start
+  its save before it (:meth:`Handoff.start_save`): the save goes out with that step's orders
+  and each rank stores a layer group once its forward reports the group's layers; ``save``
+  then gives the first token. Nothing is stored before the forward reported its layers.
 - Every request the engine ends is ended here (:meth:`Handoff.finished`): aborted in any
   state, its blocks held by the engine until the orders release them.
 - Every request is named once in ``sent`` or ``received``, and only if the engine holds its
@@ -122,6 +126,7 @@ class _Tracked:
     tokens: tuple[int, ...]
     held: bool = True  # the engine holds the blocks until the orders name the request
     invalid_from: int | None = None  # a load: the first block not read whole on every rank
+    computing: bool = False  # a layer-wise save started before its forward: save() gives its first token
 
 
 class Handoff:
@@ -133,7 +138,7 @@ class Handoff:
 
     def __init__(self, spec: CacheSpec, num_blocks: int, role: str, lookup_store: Store, *,
                  policy: Policy | None = None, namespace: str = "", clock: Callable[[], float] = time.monotonic,
-                 ) -> None:
+                 layerwise: bool = False) -> None:
         if role not in ROLES:
             raise ValidationError(f"Handoff: role must be one of {list(ROLES)}, got {role!r}")
         if not isinstance(lookup_store, Store):
@@ -142,7 +147,8 @@ class Handoff:
         self.spec, self.role, self.namespace = spec, role, namespace
         self.store = lookup_store
         self.prefill = PrefillLifecycle(spec, num_blocks, dataclasses.replace(policy, read_prefix=False),
-                                        clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks))
+                                        clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks),
+                                        layerwise=layerwise)
         self.decode = DecodeLifecycle(spec, num_blocks, dataclasses.replace(policy, read_failure="recompute"),
                                       clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks))
         from ..backends.reference import ReferenceBackend  # a cacheless view: it only asks the store
@@ -152,8 +158,8 @@ class Handoff:
         self._ending: set[str] = set()  # ended here; released once no transfer pins their blocks
         self._orders = Orders()
         self._events: list[StoredEvent] = []
-        self.counters = dict.fromkeys(("lookups", "hits", "saves", "loads", "saved", "save_failed", "loaded",
-                                       "load_partial", "load_failed", "aborted"), 0)
+        self.counters = dict.fromkeys(("lookups", "hits", "saves", "layerwise_saves", "loads", "saved",
+                                       "save_failed", "loaded", "load_partial", "load_failed", "aborted"), 0)
 
     # -- what the engine's scheduler decided ---------------------------------------------------
     def cache_keys(self, prompt: Sequence[int]) -> list[str]:
@@ -201,12 +207,40 @@ class Handoff:
         self.counters["loads"] += 1
         self.decode.deliver_first_token(request_id, int(prompt[-1]))
 
+    def start_save(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int]) -> bool:
+        """Layer-wise (``layerwise``): the engine computes the whole prompt in its next forward,
+        into ``block_ids``. Its save goes out with this step's orders and stores each layer
+        group once the forward reports it (a ``LayersReady`` each rank gives its save driver),
+        so only the last group trails the prefill; :meth:`save` then gives the first token.
+        True: the engine keeps the blocks until ``Orders.sent`` names it."""
+        if not self.prefill.layerwise:
+            raise ValidationError("Handoff.start_save needs Handoff(layerwise=True)")
+        started = self._admit(request_id, prompt, block_ids, None)
+        self.counters["layerwise_saves"] += started
+        return started
+
     def save(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], first_token: int) -> bool:
         """The engine computed the prompt and sampled ``first_token``: store its cache from
-        ``block_ids``. True: the engine keeps the blocks until ``Orders.sent`` names it."""
+        ``block_ids`` (or, a save :meth:`start_save` began, let it finish). True: the engine
+        keeps the blocks until ``Orders.sent`` names it."""
+        check_token(str(request_id), first_token)
+        return self._admit(request_id, prompt, block_ids, first_token)
+
+    def _admit(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], first_token: int | None) -> bool:
+        """P takes the prompt's cache over ``block_ids``: from its start (``first_token``
+        None: layer-wise, before the forward), or computed already (the first token given)."""
         check_request_id(request_id)
         prompt = _prompt(request_id, prompt)
-        check_token(request_id, first_token)  # before anything changes: prefill_done takes it last
+        if first_token is not None:
+            check_token(request_id, first_token)  # before anything changes: prefill_done takes it last
+        t = self._tracked.get(request_id)
+        if t is not None and t.computing and first_token is not None:  # the layer-wise save's forward ended
+            if tuple(prompt) != t.tokens:
+                raise ValidationError(f"request {request_id!r}: save() names another prompt than start_save()")
+            t.computing = False
+            if self.prefill.is_live(request_id):
+                self.prefill.prefill_done(request_id, first_token)
+            return t.held
         if self.role == "consumer" or len(prompt) < 2:
             return False
         self._check_new(request_id, "save")
@@ -222,10 +256,11 @@ class Handoff:
         except Exception:
             self.prefill.blocks.take_back(request_id)  # type: ignore[attr-defined]
             raise
-        self._tracked[request_id] = _Tracked("save", ids, tuple(prompt))
+        self._tracked[request_id] = _Tracked("save", ids, tuple(prompt), computing=first_token is None)
         self.counters["saves"] += 1
-        self._notices(self.prefill.poll_commands(), "save")  # StartPrefill: already computed
-        self.prefill.prefill_done(request_id, first_token)
+        self._notices(self.prefill.poll_commands(), "save")  # StartPrefill (and a layer-wise save's SaveLayers)
+        if first_token is not None:
+            self.prefill.prefill_done(request_id, first_token)
         return True
 
     def finished(self, request_id: str) -> bool:
@@ -287,7 +322,7 @@ class Handoff:
     def _notices(self, cmds: list[C.Command], side: str) -> None:
         for cmd in cmds:
             kind = C.kind_of(cmd)
-            if kind in C.TRANSFER_KINDS or kind == "cancel":
+            if kind in C.TRANSFER_KINDS or kind in ("cancel", "layers"):
                 self._orders.commands[side].append(cmd)
             elif isinstance(cmd, C.SendFirstToken):
                 self._saved(cmd)
@@ -362,6 +397,11 @@ class Handoff:
     def tracks(self, request_id: str) -> bool:
         """Whether a save or load of the request is still this side's."""
         return request_id in self._tracked
+
+    def computing(self, request_id: str) -> bool:
+        """Whether the request's layer-wise save waits for its first token (:meth:`start_save`)."""
+        t = self._tracked.get(request_id)
+        return t is not None and t.computing
 
     def live(self) -> int:
         """Requests this side still tracks."""

@@ -41,6 +41,7 @@ from ..dtypes import as_16bit_ints, dtype_name
 from ..errors import ConfigError, ValidationError
 from ..events import Completion
 from ..spec import CacheSpec
+from ..validate import check_int
 
 __all__ = ["kind_views", "check_layers", "RankTransfers"]
 
@@ -181,9 +182,17 @@ class RankTransfers:
                 if self.rank in transfer.ranks:
                     driver.submit(dataclasses.replace(transfer, ranks=(self.rank,)))
                     started += 1
-            elif kind == "cancel":
+            elif kind in ("cancel", "layers"):  # a layer-wise save's gate is every rank's
                 driver.submit(cmd)
         return started
+
+    def layers_computed(self, commands: Iterable[tuple[str, int]], layers: int, event: Any = None) -> None:
+        """The engine's forward computed the first ``layers`` layers (``event``: a device event
+        after them, None when they are complete): the layer-wise saves ``(request id, command
+        id)`` may store their groups."""
+        check_int(layers, "RankTransfers.layers_computed: layers", minimum=1, maximum=self.spec.layers)
+        done = self.spec.paged_layers_done(layers)
+        self.submit("save", [C.LayersReady(rid, cid, done, event) for rid, cid in commands])
 
     def _driver(self, side: str) -> ThreadedDriver:
         try:

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
+from .. import commands as C
 from ..backends.base import Store
 from ..errors import ConfigError, KVStateError, ValidationError
 from ..events import Completion
@@ -93,6 +94,10 @@ class Settings:
     #: the other role's TP degree (0: this engine's): P and D at different degrees store objects
     #: of the head groups both split into (kvstate.integrations.handoff.peer_spec)
     peer_tp: int = 0
+    #: objects a block holds per kind, each a group of consecutive layers (P and D the same): with
+    #: more than one, a producer saves a prompt computed in one forward layer group by layer group
+    #: as the forward reports its layers, so only the last group trails the prefill
+    layer_groups: int = 1
 
     @classmethod
     def from_extra(cls, extra: Any) -> Settings:
@@ -119,7 +124,7 @@ class Settings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be seconds >= 0, got {v!r}")
-        for name, lo in (("write_retries", 0), ("workers", 1), ("peer_tp", 0)):
+        for name, lo in (("write_retries", 0), ("workers", 1), ("peer_tp", 0), ("layer_groups", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 64:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be an int in {lo}..64, got {v!r}")
@@ -233,7 +238,14 @@ class KVStateConnector(KVConnectorBase_V1):
         self.settings = Settings.from_extra(tc.kv_connector_extra_config)
         if tc.kv_role not in ROLE_OF:
             raise ConfigError(f"KVStateConnector: kv_role {tc.kv_role!r} is not one of {sorted(ROLE_OF)}")
-        self.spec = peer_spec(cache_spec(vllm_config, kv_cache_config), ROLE_OF[tc.kv_role], self.settings.peer_tp)
+        spec = peer_spec(cache_spec(vllm_config, kv_cache_config), ROLE_OF[tc.kv_role], self.settings.peer_tp)
+        try:
+            self.spec = dataclasses.replace(spec, layer_groups=self.settings.layer_groups)
+        except KVStateError as e:
+            raise ConfigError(f"kv_connector_extra_config.layer_groups {self.settings.layer_groups}: {e}") from None
+        #: layer-wise saves started for this step's forward: (request id, command id) (worker side)
+        self._layered: list[tuple[str, int]] = []
+        self._layer_of: dict[str, int] = {}  # a layer's name -> its index (worker side)
         if self.settings.store.get("kind") == "arena":  # its slots must be this model's objects: refused if not
             self.settings = dataclasses.replace(self.settings, store={
                 "slot_bytes": self.spec.block_bytes(self.spec.kinds[0]), **self.settings.store})
@@ -245,8 +257,10 @@ class KVStateConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             policy = Policy(transfer_timeout=float(self.settings.transfer_timeout),
                             fence_grace=float(self.settings.fence_grace), write_retries=self.settings.write_retries)
+            layerwise = self.spec.layer_groups > 1 and tc.kv_role != "kv_consumer"
             self.handoff = Handoff(self.spec, kv_cache_config.num_blocks, ROLE_OF[tc.kv_role],
-                                   open_store(self.settings.store), policy=policy, namespace=self.namespace)
+                                   open_store(self.settings.store), policy=policy, namespace=self.namespace,
+                                   layerwise=layerwise)
         else:
             open_store(self.settings.store).close()  # reached now, not at the first request
 
@@ -280,7 +294,22 @@ class KVStateConnector(KVConnectorBase_V1):
                                  computed=len(prompt) - num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVStateMetadata(self._handoff().step())
+        h = self._handoff()
+        if h.prefill.layerwise:
+            for new in scheduler_output.scheduled_new_reqs:
+                if self._saves_layer_wise(new, scheduler_output.num_scheduled_tokens.get(new.req_id, 0)):
+                    h.start_save(new.req_id, new.prompt_token_ids or [], new.block_ids[0])
+        return KVStateMetadata(h.step())
+
+    @staticmethod
+    def _saves_layer_wise(new: Any, scheduled: int) -> bool:
+        """A producer's new request saves layer by layer when this forward computes its whole
+        prompt (no chunk left) and it then ends (one token: no decode step writes its blocks
+        while the save reads them)."""
+        prompt = new.prompt_token_ids or []
+        sp = new.sampling_params
+        return len(prompt) > 1 and new.num_computed_tokens + scheduled >= len(prompt) and sp is not None \
+            and sp.max_tokens == 1
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -297,6 +326,9 @@ class KVStateConnector(KVConnectorBase_V1):
         self._first_seen.pop(rid, None)
         self._loaded.discard(rid)
         prompt = request.prompt_token_ids or []
+        if h.tracks(rid) and h.computing(rid) and request.status in _FINISHED_WHOLE and request.output_token_ids:
+            held = h.save(rid, prompt, block_ids, int(request.output_token_ids[0]))  # its layer-wise save goes on
+            return held, ({"do_remote_prefill": True, "do_remote_decode": False} if held else None)
         if h.tracks(rid):
             return h.finished(rid), None
         if h.role != "consumer" and request.status in _FINISHED_WHOLE and request.output_token_ids \
@@ -332,6 +364,7 @@ class KVStateConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
         self.transfers = RankTransfers(self.spec, rank, kv_caches, open_store(self.settings.store),
                                        workers=self.settings.workers)
+        self._layer_of = {name: i for i, name in enumerate(kv_caches)}
 
     def _orders(self) -> Orders | None:
         if not self.has_connector_metadata():
@@ -349,15 +382,26 @@ class KVStateConnector(KVConnectorBase_V1):
             raise ValidationError("KVStateConnector: transfers ordered before the KV caches were registered")
         for side, cmds in orders.commands.items():
             self.transfers.submit(side, cmds)
+        self._layered = [(c.request_id, c.command_id) for c in orders.commands["save"] if isinstance(c, C.SaveLayers)]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole-request loads, into blocks no forward reads before they are judged
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # saves start once the request finished, from blocks the engine keeps for them
+        """This forward wrote ``layer_name``'s KV: the layer-wise saves it computes may store the
+        layers up to it (after a device event on the GPU). Other saves start once their request
+        finished, from blocks the engine keeps for them."""
+        layer = self._layer_of.get(layer_name)
+        if not self._layered or self.transfers is None or layer is None:
+            return
+        event = None
+        if kv_layer.is_cuda:  # launched, not finished: the save's copies wait for it on the device
+            event = torch.cuda.Event()
+            event.record()
+        self.transfers.layers_computed(self._layered, layer + 1, event)
 
     def wait_for_save(self) -> None:
-        return  # saves run on the rank's threads; the engine keeps their blocks until released
+        self._layered = []  # saves run on the rank's threads; the engine keeps their blocks until released
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         orders = self._orders()
