@@ -253,3 +253,27 @@ def test_a_producer_saves_a_prompt_layer_by_layer_within_its_forward_and_d_loads
     P.run(6)
     assert P.handoff.counters["saved"] == 2
     P.assert_clean()
+
+
+def test_window_layers_promoted_to_full_blocks_are_served_and_a_window_only_cache_is_refused(engines):
+    """A model with window and full layers reaches a connector without SupportsHMA as one group
+    of FullAttentionSpec with the window set, every block allocated for every token: served.
+    One whose every layer has a window keeps SlidingWindowSpec, which frees blocks: refused."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvstate import ConfigError
+    from kvstate.integrations.vllm import cache_spec
+
+    e = engines("kv_producer")
+    names = e.caches_names()
+
+    def config(spec):
+        return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+    promoted = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    s = cache_spec(e.config, config(promoted))
+    assert (s.num_layers, s.block_size, s.layer_groups) == (2, 32, 1)
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    with pytest.raises(ConfigError, match="SlidingWindowSpec"):
+        cache_spec(e.config, config(window))

@@ -25,8 +25,18 @@ PROMPTS = [list(range(5, 81)), [9, 8, 7, 6, 5, 4, 3, 2, 1, *range(100, 141)], li
 KVSTATE = {"connector": "KVStateConnector", "module": "kvstate.integrations.vllm"}
 
 
-def engine(tmp: Path, max_tokens: int, **conf: Any) -> dict[str, Any]:
-    args = {"model": str(tmp / "model"), "prompts": PROMPTS, "max_tokens": max_tokens, **conf}
+#: a Gemma-2-shaped model: a sliding-window layer, then a full one (vLLM gives a connector
+#: without SupportsHMA every layer's blocks for every token)
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 128,
+          "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+          "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+          "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 32,
+          "query_pre_attn_scalar": 64, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+          "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def engine(tmp: Path, max_tokens: int, model: str = "model", **conf: Any) -> dict[str, Any]:
+    args = {"model": str(tmp / model), "prompts": PROMPTS, "max_tokens": max_tokens, **conf}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), json.dumps(args)], capture_output=True,
                          text=True, timeout=300, env=env, cwd=tmp)
@@ -40,6 +50,8 @@ def tmp(tmp_path_factory: Any) -> Path:
     d = tmp_path_factory.mktemp("engines")
     (d / "model").mkdir()
     (d / "model" / "config.json").write_text(json.dumps(CONFIG))
+    (d / "gemma2").mkdir()
+    (d / "gemma2" / "config.json").write_text(json.dumps(GEMMA2))
     return d
 
 
@@ -84,6 +96,15 @@ def test_p_saving_layer_by_layer_hands_d_the_same_tokens(tmp, reference):
     p = engine(tmp, 1, role="kv_producer", extra=store, **KVSTATE)
     assert p["counters"]["saved"] == p["counters"]["layerwise_saves"] == len(PROMPTS)
     d = engine(tmp, 8, role="kv_consumer", extra=store, remote=True, **KVSTATE)
+    assert d["counters"]["loaded"] == len(PROMPTS) and d["tokens"] == reference
+
+
+def test_a_model_with_sliding_window_layers_hands_off_token_exact(tmp):
+    reference = engine(tmp, 8, model="gemma2")["tokens"]
+    store = {"store": {"kind": "file", "root": str(tmp / "kv-gemma2")}}
+    p = engine(tmp, 1, model="gemma2", role="kv_producer", extra=store, **KVSTATE)
+    assert p["counters"]["saved"] == len(PROMPTS)
+    d = engine(tmp, 8, model="gemma2", role="kv_consumer", extra=store, remote=True, **KVSTATE)
     assert d["counters"]["loaded"] == len(PROMPTS) and d["tokens"] == reference
 
 

@@ -188,7 +188,11 @@ def cache_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Cache
         raise ConfigError(f"KVStateConnector serves one KV cache group (every layer full or latent "
                           f"attention); this model has {len(groups)}")
     kv = groups[0].kv_cache_spec
-    if not isinstance(kv, FullAttentionSpec) or getattr(kv, "sliding_window", None):
+    # A sliding-window layer of a model with full layers too comes as FullAttentionSpec with its
+    # window set: vLLM turns its hybrid manager off for a connector without SupportsHMA and then
+    # allocates every layer's blocks for every token, so each block holds its cache. A model whose
+    # every layer has a window keeps SlidingWindowSpec, which frees blocks behind it: refused.
+    if not isinstance(kv, FullAttentionSpec):
         raise ConfigError(f"KVStateConnector serves full and latent (MLA) attention; this model's cache is "
                           f"{type(kv).__name__}")
     tp = vllm_config.parallel_config.tensor_parallel_size
