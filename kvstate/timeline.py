@@ -11,7 +11,10 @@ One schema for a real run and a simulated one, so the two open side by side:
   Parts that overlap on one rank (a read beside a write) go to the rank's next free lane,
   ``rank <r> #<lane>``: Perfetto drops a complete event that overlaps another on its thread
   without nesting in it;
-- a ``steps`` thread holding compute steps (the simulator's forwards; an engine may add its own).
+- a ``steps`` thread holding compute steps (the simulator's forwards; an engine may add its own);
+- a ``store faults`` counter track per instance (``"C"`` events): its rank workers' broken,
+  short and failed store operations so far (:meth:`Timeline.store_faults`, from
+  ``ProcessDriver.store_faults()``), recorded when they change.
 
 Times are whole microseconds (``ts``, ``dur``) from the first event recorded, and a span's end
 is rounded once, so consecutive spans meet exactly instead of overlapping by a rounding error.
@@ -49,6 +52,7 @@ class Timeline:
         #: (instance, command id, rank) -> kind, request, since, lane
         self._open: dict[tuple[str, int, int], tuple[str, str, float, int]] = {}
         self._lanes: dict[tuple[str, int], set[int]] = {}  # (inst, rank) -> lanes an open part holds
+        self._faults: dict[str, dict[str, int]] = {}  # instance -> the store faults last recorded
 
     def _now(self) -> float:
         """The clock now; the first reading is the trace's zero."""
@@ -111,6 +115,19 @@ class Timeline:
                 track = f"rank {c.rank}" + (f" #{lane + 1}" if lane else "")
                 self._span(instance, track, kind, since, now, request=rid, count=c.count,
                            error=c.error, lost=c.lost)
+
+    def store_faults(self, instance: str, faults: dict[str, int]) -> None:
+        """The instance's store faults so far (``ProcessDriver.store_faults()``: broken, short,
+        failed), as a counter track; recorded only when they changed since the last call."""
+        if not isinstance(faults, dict) or not all(isinstance(k, str) and isinstance(v, int) and v >= 0
+                                                   for k, v in faults.items()):
+            raise ValidationError(f"Timeline.store_faults: expected {{name: count >= 0}}, got {faults!r:.80}")
+        if self._faults.get(instance) == faults:
+            return
+        self._faults[instance] = dict(faults)
+        now = self._now()
+        self.events.append({"name": "store faults", "ph": "C", "pid": instance, "ts": self._us(now),
+                            "args": dict(faults)})
 
     def step(self, instance: str, start: float, end: float, name: str = "step", **args: Any) -> None:
         """A compute step of ``instance`` from ``start`` to ``end`` (clock seconds)."""

@@ -46,7 +46,11 @@ def check_trace(trace: dict) -> list[dict]:
     assert events
     for e in events:
         assert isinstance(e["name"], str) and e["name"]
-        assert e["ph"] in ("X", "i")
+        assert e["ph"] in ("X", "i", "C")
+        if e["ph"] == "C":  # a counter track: the process's, no thread
+            assert isinstance(e["pid"], str) and isinstance(e["ts"], int) and e["ts"] >= 0
+            assert all(isinstance(v, int) for v in e["args"].values())
+            continue
         assert isinstance(e["pid"], str) and TIDS.match(e["tid"]), e
         assert isinstance(e["ts"], int) and e["ts"] >= 0
         if e["ph"] == "X":
@@ -156,3 +160,18 @@ def test_parts_overlapping_on_a_rank_take_separate_lanes_and_spans_meet_exactly(
     assert spans["a"]["tid"] == spans["c"]["tid"] == "rank 0"  # a freed lane is reused
     assert spans["b"]["tid"] == "rank 0 #2"
     assert spans["a"]["ts"] + spans["a"]["dur"] == spans["c"]["ts"] == 200_000
+
+
+def test_store_faults_are_a_counter_track_recorded_when_they_change():
+    now = [5.0]
+    tl = Timeline(clock=lambda: now[0])
+    tl.step("D0", 5.0, 5.1)
+    for t, faults in ((5.2, {"broken": 0, "short": 0, "failed": 0}), (5.3, {"broken": 0, "short": 0, "failed": 0}),
+                      (5.4, {"broken": 1, "short": 2, "failed": 0})):
+        now[0] = t
+        tl.store_faults("D0", faults)
+    counters = [e for e in check_trace(tl.to_json()) if e["ph"] == "C"]
+    assert [(e["ts"], e["args"]["broken"], e["args"]["short"]) for e in counters] == [(200_000, 0, 0), (400_000, 1, 2)]
+    assert {e["name"] for e in counters} == {"store faults"} and {e["pid"] for e in counters} == {"D0"}
+    with pytest.raises(KVStateError, match="store_faults"):
+        tl.store_faults("D0", {"broken": -1})
