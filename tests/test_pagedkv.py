@@ -310,3 +310,22 @@ def test_a_layer_wise_save_stores_each_layer_group_only_once_the_forward_reporte
             t.layers_computed([("r", 1)], 4)  # more layers than the model has
     finally:
         t.close(5)
+
+
+@pytest.mark.parametrize("call, args", [
+    ("submit", ("save", None)), ("submit", ("nope", [])), ("submit", ("save", [1])),
+    ("poll", ("save", "x")), ("poll", ("save", -1)), ("poll", (None,)),
+    ("layers_computed", ([("r", 1)], 0)), ("layers_computed", ("x", 1)), ("layers_computed", ([1, 2], 1)),
+    ("layers_computed", ([("r", "c")], 1)), ("layers_computed", ([("r", 1)], 99)),
+])
+def test_a_ranks_transfers_refuse_bad_arguments_by_name(call, args):
+    from kvstate import KVStateError
+    from kvstate.integrations.pagedkv import RankTransfers
+
+    t = RankTransfers(spec(), 0, layers((2, NB, H, B, D)), MemoryStore(1 << 20))
+    try:
+        with pytest.raises(KVStateError):
+            getattr(t, call)(*args)
+        assert t.inflight() == 0 and t.poll("save") == [] and t.poll("load") == []
+    finally:
+        t.close(5)

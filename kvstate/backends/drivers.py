@@ -282,6 +282,7 @@ class ThreadedDriver(Driver):
 
     def poll(self, timeout: float = 0.0) -> list[Completion]:
         """Completions ready now (waiting up to ``timeout`` seconds for the first one)."""
+        timeout = check_timeout(timeout, "ThreadedDriver.poll")
         out: list[Completion] = []
         try:
             out.append(self._done.get(timeout=timeout) if timeout > 0 else self._done.get_nowait())

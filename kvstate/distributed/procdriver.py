@@ -274,6 +274,7 @@ class ProcessDriver(Driver):
         workers' answers, read here in the caller's thread, and the lost ones. A wait first
         spins for up to ``spin_us`` (asking the socket without sleeping), then sleeps in the
         socket's poll: waking a sleeping thread costs more than a short answer takes."""
+        timeout = check_timeout(timeout, "ProcessDriver.poll")
         with self._poll_lock:
             out = self._drain()
             deadline = time.monotonic() + timeout

@@ -41,7 +41,7 @@ from ..dtypes import as_16bit_ints, dtype_name
 from ..errors import ConfigError, ValidationError
 from ..events import Completion
 from ..spec import CacheSpec
-from ..validate import check_int
+from ..validate import check_int, is_int
 
 __all__ = ["kind_views", "check_layers", "RankTransfers"]
 
@@ -191,8 +191,15 @@ class RankTransfers:
         after them, None when they are complete): the layer-wise saves ``(request id, command
         id)`` may store their groups."""
         check_int(layers, "RankTransfers.layers_computed: layers", minimum=1, maximum=self.spec.layers)
+        if isinstance(commands, (str, bytes)) or not isinstance(commands, Iterable):
+            raise ValidationError(f"RankTransfers.layers_computed: commands must be (request id, command id) "
+                                  f"pairs, got {commands!r:.80}")
+        pairs = list(commands)
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and is_int(p[1]) for p in pairs):
+            raise ValidationError(f"RankTransfers.layers_computed: commands must be (request id, command id) "
+                                  f"pairs, got {pairs!r:.80}")
         done = self.spec.paged_layers_done(layers)
-        self.submit("save", [C.LayersReady(rid, cid, done, event) for rid, cid in commands])
+        self.submit("save", [C.LayersReady(rid, cid, done, event) for rid, cid in pairs])
 
     def _driver(self, side: str) -> ThreadedDriver:
         try:
