@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvstate import ConfigError, ValidationError
-from kvstate.backends.arena import ArenaStore
+from kvstate.backends.arena import ArenaStore, Place
 from kvstate.backends.base import MISSING, TOO_LARGE
 
 SLOT = 4096
@@ -131,7 +131,7 @@ def test_the_creator_removes_its_file_and_a_dead_creators_file_goes_at_the_next_
 WRITER = f"""
 import sys, time
 import numpy as np
-from kvstate.backends.arena import ArenaStore
+from kvstate.backends.arena import ArenaStore, Place
 a = ArenaStore.open(sys.argv[1])
 if sys.argv[2] == "put":
     print(a.batch_put_from(["from-child"], [np.full({SLOT}, 7, np.uint8)]), flush=True)
@@ -215,3 +215,70 @@ def test_staged_objects_are_invisible_until_published_and_a_stale_claim_publishe
     slot = arena.claim(["x"])[0]
     arena.big.gen[slot] += 1  # as if its writer had been thought dead and the slot taken back
     assert arena.publish(["x"]) == [MISSING] and arena.lost_puts == 1
+
+
+def test_a_key_that_is_a_prefix_of_a_stored_one_is_not_found_even_sharing_its_hash(arena, monkeypatch):
+    import kvstate.backends.arena as arena_module
+
+    monkeypatch.setattr(arena_module.xxhash, "xxh3_64_intdigest", lambda b: 42)
+    arena.batch_put_from(["key-long"], [blob(1)])
+    assert arena.batch_is_exist(["key", "key-long"]) == [0, 1]
+    assert arena.locate(["key"]) == [Place(-1, 0, 0)]
+
+
+def test_filled_in_place_means_the_claims_own_slot_and_generation_at_its_own_length(arena):
+    slots = arena.claim(["a", "b"])
+    gens = [int(arena.big.gen[s]) for s in slots]
+    for s in slots:
+        arena.slots()[s][:100] = 5
+    assert arena.batch_put_from(["a", "b"], [arena.slots()[s][:100] for s in slots]) == [0, 0]
+    assert [(p.slot, p.gen, p.length) for p in arena.locate(["a", "b"])] == \
+        [(slots[0], gens[0], 100), (slots[1], gens[1], 100)]  # no second claim, no copy
+    assert arena.batch_get_into(["a", "b"], [bytearray(SLOT), bytearray(SLOT)]) == [100, 100]
+
+
+def test_a_place_is_judged_by_its_slot_state_and_generation_and_bad_places_are_refused(arena):
+    arena.batch_put_from([f"k{i}" for i in range(4)], [blob(i) for i in range(4)])
+    places = arena.locate([f"k{i}" for i in range(4)])
+    assert sorted(p.slot for p in places) == [0, 1, 2, 3]
+    assert arena.unchanged(places) == [True] * 4  # slot 0 too
+    assert arena.unchanged([Place(-1, 0, 0)]) == [False]
+    for bad in ([Place(4, 0, 0)], [Place(-2, 0, 0)], [(0, 1, 2)], "x"):
+        with pytest.raises(ValidationError, match="unchanged"):
+            arena.unchanged(bad)
+
+
+def test_locate_marks_slot_zero_used_too_so_eviction_spares_it(arena):
+    arena.batch_put_from([f"k{i}" for i in range(4)], [blob(i) for i in range(4)])
+    first = arena.locate(["k0"])[0]
+    assert first.slot == 0
+    arena.batch_put_from(["new"], [blob(9)])
+    assert arena.batch_is_exist(["k0", "k1"]) == [1, 0]  # k1, not k0, was the least recently used
+
+
+def test_evictions_take_only_what_a_put_lacks_and_count_up(arena):
+    arena.batch_put_from(["a", "b", "c"], [blob(i) for i in range(3)])  # one slot still free
+    assert arena.batch_put_from(["d", "e"], [blob(3), blob(4)]) == [0, 0]
+    assert arena.evictions == 1 and arena.batch_is_exist(["a", "b", "c"]) == [0, 1, 1]
+    arena.batch_put_from(["f"], [blob(5)])
+    assert arena.evictions == 2
+
+
+def test_claiming_a_key_again_lets_the_first_claim_go_and_releasing_the_unclaimed_is_harmless(arena):
+    arena.claim(["k"])
+    arena.claim(["k"])
+    assert int((arena.big.state == 1).sum()) == 1
+    arena.release(["k", "never-claimed"])
+    assert int((arena.big.state == 1).sum()) == 0
+
+
+def test_a_live_writers_claims_are_never_taken_from_it(arena):
+    p = subprocess.Popen([sys.executable, "-c", WRITER, arena.path, "claim"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "claimed"  # it holds all four slots, alive
+        assert arena.batch_put_from(["mine"], [blob(1)]) == [MISSING]
+        assert arena.reclaimed == 0
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    assert arena.batch_put_from(["mine", "again"], [blob(1), blob(2)]) == [0, 0] and arena.reclaimed == 4
