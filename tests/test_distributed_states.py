@@ -153,9 +153,14 @@ def test_a_state_corrupt_on_one_rank_is_evicted_by_the_worker_and_recomputed(sid
 
 
 def test_state_pages_across_processes_are_refused_where_they_cannot_go(tmp_path):
+    import os
+
+    from kvstate.distributed.shm import shm_directory
+
     spec = hybrid()
     with pytest.raises(ValidationError, match="needs state pages"):
         SharedCaches.create(spec, 8)
+    assert not list(shm_directory().glob(f"kvstate-{os.getpid()}-*"))  # refused before a file was made
     base = dict(rank=0, spec={f: getattr(spec, f) for f in spec.__dataclass_fields__}, num_blocks=8,
                 command_address="ipc://a", reply_address="ipc://b", control_address="ipc://c",
                 store={"kind": "file", "root": str(tmp_path)})
@@ -165,3 +170,4 @@ def test_state_pages_across_processes_are_refused_where_they_cannot_go(tmp_path)
         WorkerConfig(**base, num_states=4, caches={"kind": "cuda-ipc"}).validate()
     with SharedCaches.create(spec, 8, num_states=4) as mine, pytest.raises(ConfigError, match="geometries differ"):
         SharedCaches.attach(spec, 8, mine.paths, num_states=2)
+    assert not list(shm_directory().glob(f"kvstate-{os.getpid()}-*"))

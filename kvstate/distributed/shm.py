@@ -83,6 +83,11 @@ class SharedCaches:
                directory: str | os.PathLike[str] | None = None, num_states: int = 0) -> SharedCaches:
         """Zeroed caches for ``ranks`` (default: every TP rank), in new files under ``directory``
         (``num_states``: state pages a rank, for a spec with state groups)."""
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError("SharedCaches: spec must be a CacheSpec")
+        check_int(num_blocks, "SharedCaches: num_blocks", minimum=1)
+        check_int(num_states, "SharedCaches: num_states", minimum=0)
+        spec.check_num_states("SharedCaches", num_states, ValidationError)  # refused before any file is made
         ranks = list(range(spec.tp_size)) if ranks is None else list(ranks)
         d = Path(directory) if directory is not None else shm_directory()
         if not d.is_dir():
@@ -101,7 +106,12 @@ class SharedCaches:
             for made in paths.values():
                 Path(made).unlink(missing_ok=True)
             raise ConfigError(f"SharedCaches: cannot create {size:,} bytes per rank in {str(d)!r} ({e})") from None
-        return cls(spec, num_blocks, paths, owner=True, num_states=num_states)
+        try:
+            return cls(spec, num_blocks, paths, owner=True, num_states=num_states)
+        except BaseException:
+            for made in paths.values():
+                Path(made).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def attach(cls, spec: CacheSpec, num_blocks: int, paths: Mapping[int, str], num_states: int = 0) -> SharedCaches:
