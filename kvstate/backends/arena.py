@@ -38,7 +38,6 @@ import mmap
 import os
 import secrets
 import struct
-import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,9 +51,10 @@ from ..errors import ConfigError, ValidationError
 from ..validate import check_int
 from .base import MAX_KEY_LEN, MISSING, TOO_LARGE, Store, check_batch, check_keys
 from .hostcopy import copy_all
+from .hostfiles import pid_alive, remove_orphans, shm_directory
 from .stores import PARALLEL_BYTES, default_threads
 
-__all__ = ["ArenaStore", "Place", "ARENA_VERSION", "arena_directory"]
+__all__ = ["ArenaStore", "Place", "ARENA_VERSION"]
 
 ARENA_VERSION = 1  #: the file format; a file of another version is refused
 _MAGIC = b"KVSARENA"
@@ -72,23 +72,6 @@ class Place(NamedTuple):
     slot: int
     gen: int
     length: int
-
-
-def arena_directory() -> Path:
-    """Where arenas live by default: ``/dev/shm`` where it can be written, else the temp dir."""
-    d = Path("/dev/shm")
-    return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this host (a writer's liveness; the file is host-local)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Keys:
@@ -258,10 +241,10 @@ class ArenaStore(Store):
         check_int(small_slots, "ArenaStore: small_slots", minimum=1)
         if not isinstance(tag, str) or len(tag.encode()) > 64:
             raise ValidationError(f"ArenaStore: tag must be a str of at most 64 bytes, got {tag!r}")
-        d = Path(directory) if directory is not None else arena_directory()
+        d = Path(directory) if directory is not None else shm_directory()
         if not d.is_dir():
             raise ConfigError(f"ArenaStore: {str(d)!r} is not a directory")
-        _remove_orphans(d)
+        remove_orphans(d, "kvstate-arena-")  # arenas whose creator died
         path = d / f"kvstate-arena-{os.getpid()}-{secrets.token_hex(6)}"
         size = _layout(slots, slot_bytes, small_slots, small_bytes)[2]
         st = os.statvfs(d)
@@ -319,7 +302,7 @@ class ArenaStore(Store):
         """WRITING slots whose writer died, taken back."""
         writing = np.flatnonzero(c.state == WRITING)
         dead = np.asarray([s for s in writing.tolist()
-                           if int(c.owner[s]) != os.getpid() and not _alive(int(c.owner[s]))], np.int64)
+                           if int(c.owner[s]) != os.getpid() and not pid_alive(int(c.owner[s]))], np.int64)
         c.take_back(dead)
         self.reclaimed += len(dead)
         return dead
@@ -589,12 +572,3 @@ def _touch(m: mmap.mmap, size: int) -> None:
     a = np.frombuffer(m, np.uint8)
     a[::_PAGE] = 0
     del a
-
-
-def _remove_orphans(d: Path) -> None:
-    """Arenas whose creator died (their names carry its pid) are removed."""
-    for p in d.glob("kvstate-arena-*"):
-        pid = p.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
-            p.unlink(missing_ok=True)
-

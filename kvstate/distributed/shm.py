@@ -18,26 +18,19 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..backends.hostfiles import remove_orphans, shm_directory
 from ..errors import ConfigError, ValidationError
 from ..spec import CacheSpec
 from ..validate import check_int
-from .supervise import remove_orphans
 
 __all__ = ["SharedCaches", "cache_layout", "shm_directory"]
 
 _ALIGN = 64
-
-
-def shm_directory() -> Path:
-    """Where shared caches live: ``/dev/shm`` where it exists, else the temporary directory."""
-    d = Path("/dev/shm")
-    return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def cache_layout(spec: CacheSpec, num_blocks: int, num_states: int = 0) -> tuple[list[tuple[str, int, int]], int]:

@@ -17,7 +17,6 @@ import atexit
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from ..backends.hostfiles import pid_alive, remove_orphans
 from ..errors import ConfigError, DriverError
 
 __all__ = ["ChildProcess", "die_with_parent", "parent_alive", "pid_alive", "remove_orphans"]
@@ -55,48 +55,6 @@ def parent_alive(parent_pid: int) -> bool:
     """Whether this process's parent is still ``parent_pid`` (a dead parent's children are
     re-parented, so the pid changes)."""
     return os.getppid() == parent_pid
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-def remove_orphans(directory: str | os.PathLike[str], prefix: str) -> int:
-    """Remove what processes that died left in ``directory``: entries named ``PREFIX<pid>-...``
-    whose pid no longer runs (a process killed with SIGKILL cannot clean up after itself; its
-    parent, or the next process to make such an entry, does). Returns how many went."""
-    removed = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
-    for e in entries:
-        rest = e.name[len(prefix):] if e.name.startswith(prefix) else ""
-        pid = rest.split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        try:
-            if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path, ignore_errors=True)
-            else:
-                os.unlink(e.path)
-            removed += 1
-        except OSError:
-            pass
-    return removed
 
 
 class ChildProcess:
