@@ -450,7 +450,7 @@ class ArenaStore(Store):
         """Copy each (destination, source) pair, outside the lock: a large batch on the copy
         threads (the copies let go of the GIL), as MemoryStore does."""
         if self._pool is None or len(pairs) < 2 or sum(len(d) for d, _ in pairs) < PARALLEL_BYTES:
-            copy_all([d for d, _ in pairs], [np.frombuffer(v, np.uint8) for _, v in pairs])
+            self._copy_part(pairs)
             return
         n = self._threads
         for f in [self._pool.submit(self._copy_part, pairs[i::n]) for i in range(n)]:
