@@ -29,16 +29,16 @@ import numpy as np  # noqa: E402
 from kvstate import CacheSpec  # noqa: E402
 from kvstate.backends import MemoryStore  # noqa: E402
 from kvstate.backends.cuda_sums import DeviceSums  # noqa: E402
-from kvstate.backends.manifested import Manifested  # noqa: E402
+from kvstate.backends.manifested import BlockObjects  # noqa: E402
 
 #: the checksum path's steps: (class, method name, what it does)
 #: (D's SUM64 of what landed is a launch and a fetch: counted there, not twice)
 STEPS = [(DeviceSums, "_launch_sums", "P and D: SUM64 kernels launched"),
-         (Manifested, "_put_manifests", "P: manifests packed and put"),
-         (Manifested, "_read_manifests", "D: manifests got and parsed"),
-         (Manifested, "_arrived", "D: lengths checked"),
-         (Manifested, "_expected", "D: recorded sums gathered"),
-         (Manifested, "_verify_deferred", "D: sums compared")]
+         (BlockObjects, "put_manifests", "P: manifests packed and put"),
+         (BlockObjects, "read_manifests", "D: manifests got and parsed"),
+         (BlockObjects, "arrived", "D: lengths checked"),
+         (BlockObjects, "expected", "D: recorded sums gathered"),
+         (BlockObjects, "verify_deferred", "D: sums compared")]
 
 
 def instrument(acc: collections.defaultdict[str, float]) -> Callable[[], None]:

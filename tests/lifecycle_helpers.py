@@ -74,6 +74,7 @@ def answer_only(drv, cls) -> None:
 SWAP = Policy(preempt="swap", transfer_timeout=10.0, fence_grace=5.0)  #: preemption into the host tier
 
 
-def swapping_rig(host_blocks: int = 16, **policy) -> Rig:
-    """A rig whose P and D have a host tier of ``host_blocks`` slots, D swapping on preemption."""
-    return Rig(policy=dataclasses.replace(SWAP, **policy), host_blocks=host_blocks)
+def swapping_rig(host_blocks: int = 16, store=None, **policy) -> Rig:
+    """A rig whose P and D have a host tier of ``host_blocks`` slots, D swapping on preemption
+    (over ``store`` when given: another rig's, say)."""
+    return Rig(policy=dataclasses.replace(SWAP, **policy), host_blocks=host_blocks, store=store)

@@ -62,9 +62,7 @@ def test_a_prefix_in_the_host_tier_is_copied_in_and_the_store_is_not_asked():
 
 def test_the_store_serves_what_the_host_tier_lacks():
     rig = swapping_rig()
-    other = swapping_rig()
-    other.pb.store = rig.pb.store = rig.db.store = rig.store
-    other.store = rig.store
+    other = swapping_rig(store=rig.store)
     p_served(other, "x", LONG)  # another P put all 4 blocks in the shared store
     p_served(rig, "a", LONG[:9])  # this P's host tier now holds the first 2 (read from the store)
     host0, store0 = rig.P.counters["host_prefix_blocks"], rig.P.counters["store_prefix_blocks"]

@@ -45,9 +45,9 @@ def assert_read_back_whole(store: MemoryStore, keys) -> None:
     assert mismatched_blocks(d, keys, blocks) == []
 
 
-def rig(policy: Policy | None = None, **kw):
+def rig(policy: Policy | None = None, store: MemoryStore | None = None, **kw):
     clock = Clock()
-    store = MemoryStore(1 << 24)
+    store = MemoryStore(1 << 24) if store is None else store
     lc = PrefillLifecycle(SPEC, 16, policy or Policy(read_prefix=False, transfer_timeout=10.0, fence_grace=5.0),
                           clock=clock, layerwise=True, **kw)
     return clock, store, lc, ReferenceBackend(SPEC, 16, store)
@@ -292,8 +292,7 @@ def test_a_save_needs_a_gate_and_a_gate_wait_always_ends():
 
 def _stored_by_p(store: MemoryStore, groups_missing: tuple[str, ...] = ()):
     """P's cache of PROMPT stored (every layer computed), some objects then evicted."""
-    clock, _, lc, be = rig()
-    be.store = store
+    clock, _, lc, be = rig(store=store)
     drv = StepDriver(lc, be)
     start(lc, "p", drv)
     keys, ids = lc.keys_of("p"), lc.blocks_of("p")

@@ -157,14 +157,14 @@ def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caugh
         assert [c.count for c in p.poll("save", 10)] == [4]
         assert p.backend._arena_views, "the zero-copy path was not taken"
         assert store.batch_is_exist([f"{keys[0]}"]) == [0]  # objects are named per kind and rank
-        place = store.locate([p.backend._names(0, keys[2:3])[0]])[0]
+        place = store.locate([p.backend.objects.names(0, keys[2:3])[0]])[0]
         store.slots()[place.slot][5] ^= 0xFF  # flip a byte of block 2's first object
         d.submit("load", [ReadBlocks("r", 1, (0,), time.monotonic() + 30, keys, (0, 2, 4, 6))])
         assert [c.count for c in d.poll("load", 10)] == [2]
         for name in src:
             assert torch.equal(src[name][:, [1, 3]], dst[name][:, [0, 2]])
         assert d.backend.broken_blocks == 1
-        assert store.batch_is_exist(p.backend._names(0, keys[2:3])) == [0, 0]  # evicted
+        assert store.batch_is_exist(p.backend.objects.names(0, keys[2:3])) == [0, 0]  # evicted
     finally:
         for t in (p, d):
             t.close(5)
@@ -192,7 +192,7 @@ def test_arena_transfers_count_up_to_a_broken_block_and_read_a_cpu_writers_block
     try:
         p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, keys, tuple(range(n)))])
         assert [x.count for x in p.poll("save", 10)] == [n]
-        place = store.locate([p.backend._names(0, keys[20:21])[1]])[0]
+        place = store.locate([p.backend.objects.names(0, keys[20:21])[1]])[0]
         store.slots()[place.slot][-1] ^= 0x01  # block 20's value object, its last byte
         d.submit("load", [ReadBlocks("r", 1, (0,), time.monotonic() + 30, keys, tuple(range(40, 40 + n)))])
         assert [x.count for x in d.poll("load", 10)] == [20]

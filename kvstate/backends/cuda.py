@@ -28,9 +28,8 @@ from ..spec import CacheSpec
 from ..validate import check_int
 from .arena import ArenaStore
 from .base import MISSING, Guard, Store, check_fence, leading
-from .blockaccess import BlockAccess
 from .cuda_caches import bind_rank, caches_by_rank
-from .cuda_states import DeviceStates
+from .cuda_states import DevicePages
 from .cuda_sums import DeviceSums
 from .integrity import SUM64
 from .manifested import Deferred, manifest_slice
@@ -40,7 +39,7 @@ from .stateobjects import paged_of
 __all__ = ["CudaBackend"]
 
 
-class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
+class CudaBackend(DeviceSums, StoreBackend):
     """Per-rank GPU caches over a :class:`~kvstate.backends.stores.Store`, through pinned staging.
 
     ``ranks`` (default: all) are the TP ranks held here. ``caches``, when given, is
@@ -70,6 +69,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         self._closed = False
         self._arena_views: dict[str, np.ndarray] | None = None  # the arena's slots, by kind (zero copy)
         self._registered: int | None = None  # the arena's address, registered as pinned here
+        self._pages = DevicePages(self.cp, self.ranks, self._on, self._side_stream, self._side_wait)
+        self.state_pages = self._pages.pages  #: state_pages[rank]: the rank's state pages on the GPU
         try:
             self._layers: dict[int, dict[str, DeviceLayers]] = {}
             self._slots: dict[int, list[dict[str, np.ndarray]]] = {}
@@ -90,7 +91,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                 if host_blocks:  # the host tier: block-major, slot i at the same place on every rank
                     self._host[r] = {k: sw.pinned((host_blocks, spec.layers) + spec.block_shape(k),
                                                   spec.kind_dtype(k)) for k in spec.kinds}
-            self._bind_states(full, num_states, states, device)
+            self._setup_states(full, num_states, self._pages.gather, self._pages.scatter)
+            self._pages.bind("CudaBackend", (num_states, self.state_size), states, device)
         except BaseException:
             self.close()
             raise
@@ -245,8 +247,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                             gather(events, g + 1, ahead)
                         sw.wait(events[g % 2])  # gathered: its layers are computed, and summed on the GPU
                         sums = self._flat(self._device_sums(rank, part[0], block_ids[:count], [g]), 0, count)
-                        count = min(count, self._put_objects(part[1], keys[:count], [g],
-                                                             self._piece_views(rank, g % 2, count, g), sums))
+                        count = min(count, self.objects.put(part[1], keys[:count], [g],
+                                                            self._piece_views(rank, g % 2, count, g), sums))
                         g += 1
                         if not (ahead and count):
                             break
@@ -278,14 +280,15 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                     sw.wait(events[k % 2])
                     if k == 0:  # the first piece gathered: the layers are computed; every block summed at once
                         pending = self._launch_sums(rank, part[0], block_ids, groups)
-                    done = self._put_piece(part[1], keys[a:b], groups, self._piece_views(rank, k % 2, b - a, group),
-                                           None if pending is None else sizes)  # SUM64: manifests once, at the end
+                    views = self._piece_views(rank, k % 2, b - a, group)
+                    done = self.objects.put_piece(part[1], keys[a:b], groups, views,
+                                                  None if pending is None else sizes)  # SUM64: manifests at the end
                     count += done
                     if done < b - a:
                         break
                 if pending is not None and count:
-                    count = self._put_manifests(part[1], keys[:count], groups, sizes,
-                                                self._flat(pending(), 0, count) or [], SUM64)
+                    count = self.objects.put_manifests(part[1], keys[:count], groups, sizes,
+                                                       self._flat(pending(), 0, count) or [], SUM64)
             finally:  # nothing may still write a slot when we leave
                 self._wait_all(sw, events)
         return count
@@ -338,12 +341,12 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                     def scatter(m: int, slot: int = slot, g: int = g) -> None:
                         events[slot] = self._enqueue(rank, slot, block_ids[:m], "h2d", guard, g, part[0])
 
-                    done = self._get_objects(part[1], keys, [g], self._piece_views(rank, slot, n, g), scatter,
-                                             deferred)
+                    done = self.objects.get(part[1], keys, [g], self._piece_views(rank, slot, n, g), scatter,
+                                            deferred)
                     if deferred:  # verified where it landed before it is reported
                         sw.wait(events[slot])
                         sums = self._device_sums(rank, part[0], block_ids[:len(deferred)], [g]) or []
-                        done = min(done, self._verify_deferred(part[1], deferred, sums))
+                        done = min(done, self.objects.verify_deferred(part[1], deferred, sums))
                     if done < n:
                         short = (g, done)
                         break
@@ -366,11 +369,11 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         sw, n = self._swappers[rank], len(keys)
         m, groups = self._pieces(group)
         deferred: Deferred | None = [] if self.verify else None  # SUM64 blocks: verified where they land, at the end
-        count, per = 0, len(self._groups_of(groups))
+        count, per = 0, len(self.objects.groups_of(groups))
         with self._on(rank):
             events: list[Any] = [None, None]
             try:
-                manifests = self._read_manifests(part[1], keys, groups) if self.verify else None  # all at once
+                manifests = self.objects.read_manifests(part[1], keys, groups) if self.verify else None  # all at once
                 for k, a in enumerate(range(0, n, m)):
                     b, slot = min(n, a + m), k % 2
                     if events[slot] is not None:  # the slot's previous scatter must have read it
@@ -380,9 +383,10 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                         events[slot] = self._enqueue(rank, slot, block_ids[a:a + c], "h2d", guard, group, part[0])
 
                     # a block counts only if every object arrived whole (and verified)
-                    done = self._get_objects(part[1], keys[a:b], groups, self._piece_views(rank, slot, b - a, group),
-                                             scatter, deferred if count == len(deferred or ()) else None,
-                                             None if manifests is None else manifest_slice(manifests, a, b, per))
+                    views = self._piece_views(rank, slot, b - a, group)
+                    done = self.objects.get(part[1], keys[a:b], groups, views, scatter,
+                                            deferred if count == len(deferred or ()) else None,
+                                            None if manifests is None else manifest_slice(manifests, a, b, per))
                     count += done
                     if done < b - a:
                         break
@@ -390,7 +394,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                 self._wait_all(sw, events)
             if deferred:
                 sums = self._device_sums(rank, part[0], block_ids[:len(deferred)], groups) or []
-                count = min(count, self._verify_deferred(part[1], deferred, sums))
+                count = min(count, self.objects.verify_deferred(part[1], deferred, sums))
         return count
 
     # -- zero copy: an arena store's slots are the host buffer ---------------------------------
@@ -438,7 +442,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         one step (no copy); leading blocks stored. Claims are let go only once
         nothing can write their slots (a stuck device keeps them claimed)."""
         store, nk, n = cast(ArenaStore, self.store), len(self.spec.kinds), len(keys)
-        names = self._names(part[1], keys)
+        names = self.objects.names(part[1], keys)
         by_kind = store.claim([names[i * nk + k] for k in range(nk) for i in range(n)])  # a kind's slots in runs
         slots = [by_kind[k * n + i] for i in range(n) for k in range(nk)]
         n = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(n))
@@ -450,8 +454,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                 sums = self._device_sums(rank, part[0], block_ids[:n], None) or [] if n else []
                 ev = self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard) if n else None
                 try:
-                    mnames, blobs = self._manifests(part[1], keys[:n], None, [store.big.size] * (n * nk),
-                                                    self._flat(sums, 0, n) or [], SUM64)
+                    mnames, blobs = self.objects.manifests(part[1], keys[:n], None, [store.big.size] * (n * nk),
+                                                           self._flat(sums, 0, n) or [], SUM64)
                     staged = store.stage(mnames, blobs)
                 finally:
                     if ev is not None:
@@ -459,7 +463,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                     moved = True
             n = leading(st == 0 for st in staged)  # a block publishes only with its manifest
             status = store.publish(names[:n * nk] + mnames[:n])
-            return self._leading_blocks(keys[:n], None, [st == 0 for st in status])
+            return self.objects.leading_blocks(keys[:n], None, [st == 0 for st in status])
         finally:
             if moved:
                 store.release(names + mnames)
@@ -472,7 +476,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         manifests'; the first broken one is evicted. Manifests of host checksums (a writer
         without a GPU) are read by the staged path."""
         store, nk, sw = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank]
-        n, names = len(keys), self._names(part[1], keys)
+        n, names = len(keys), self.objects.names(part[1], keys)
         # a first quarter, whose bookkeeping is all that runs before the first copy starts
         halves = [(0, n // 4), (n // 4, n)] if n >= 16 else [(0, n)]
         moved: list[tuple[int, int, Any, Any]] = []  # (first block, blocks moved, their places, what was read)
@@ -481,10 +485,10 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         with self._on(rank):
             try:
                 for a, b in halves:
-                    read, vouched = self._read_manifests(part[1], keys[a:b], None)
+                    read, vouched = self.objects.read_manifests(part[1], keys[a:b], None)
                     places = store.locate(names[a * nk:b * nk])
                     got = [p.length if p.slot >= 0 else MISSING for p in places]
-                    whole = self._arrived(keys[a:b], [None], got, vouched)
+                    whole = self.objects.arrived(keys[a:b], [None], got, vouched)
                     if any(alg != SUM64 for alg, _ in vouched[:whole]):
                         staged_from = a
                         break
@@ -499,7 +503,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                     done = self._arena_verified(rank, part, keys[a:a + size], block_ids[a:a + whole], places,
                                                 vouched)
                     if done == whole:
-                        self._evict_if_broken(part[1], keys[a:a + size], None, got, read, whole)
+                        self.objects.evict_if_broken(part[1], keys[a:a + size], None, got, read, whole)
                     count += done
                     if done < size:
                         return count
@@ -517,8 +521,8 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
         still = cast(ArenaStore, self.store).unchanged(places[:len(block_ids) * nk])
         w = leading(all(still[i * nk:(i + 1) * nk]) for i in range(len(block_ids)))
         sums = self._device_sums(rank, part[0], block_ids[:w], None) if w else []
-        return self._verify_deferred(part[1], [(keys[i], self._expected(i, [None], vouched)) for i in range(w)],
-                                     sums or [])
+        want = [(keys[i], self.objects.expected(i, [None], vouched)) for i in range(w)]
+        return self.objects.verify_deferred(part[1], want, sums or [])
 
     def close(self) -> None:
         """Wait for queued transfers, free staging, caches this backend allocated and streams,
@@ -534,7 +538,7 @@ class CudaBackend(DeviceStates, DeviceSums, StoreBackend, BlockAccess):
                 _unpin(self.cp, self._registered)
                 self._registered, self._arena_views = None, {}
             self._layers, self._parts, self._groups, self._slots, self._host, self._sum_cache = {}, {}, {}, {}, {}, {}
-            self.state_pages = {}
+            self.state_pages.clear()
             super().close()
 
 

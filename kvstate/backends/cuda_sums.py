@@ -37,7 +37,7 @@ class DeviceSums:
     _parts: dict[int, dict[str, Any]]
     _groups: dict[int, dict[str, list[Any]]]
     _sum_cache: dict[Any, Any]
-    _groups_of: Callable[[Sequence[int] | None], list[int | None]]  # the backend's (Manifested's)
+    objects: Any  # the backend's BlockObjects (its groups_of)
     _part_ids: Callable[[Sequence[int], int], list[int]]  # the backend's (StoreBackend's)
     _slot_sums: dict[tuple[int, int], list[int]]
     _matching_slots: Callable[[int, Sequence[int], dict[int, list[int]]], int]  # the backend's (StoreBackend's)
@@ -97,7 +97,7 @@ class DeviceSums:
     def _object_layers(self, rank: int, groups: Sequence[int] | None) -> list[Any]:
         """The layer lists of a block's objects on ``rank``, in object order (kind, then layer group)."""
         return [self._parts[rank][kind] if lg is None else self._groups[rank][kind][lg]
-                for kind in self.spec.kinds for lg in self._groups_of(groups)]
+                for kind in self.spec.kinds for lg in self.objects.groups_of(groups)]
 
     def _summable(self, views: Sequence[Any]) -> bool:
         """:func:`summable`, asked once per list of layers (they are fixed)."""
@@ -159,7 +159,7 @@ class DeviceSums:
         for g in range(spec.head_groups):
             for kind in spec.kinds:
                 row = self._arena(rank, kind)[slot]
-                for lg in self._groups_of(None):
+                for lg in self.objects.groups_of(None):
                     a, b = (0, spec.layers) if lg is None else spec.group_span(lg)
                     layers = list(spec.storage_order[a:b])
                     out.append(np.ascontiguousarray(row[layers, g * heads:(g + 1) * heads]))

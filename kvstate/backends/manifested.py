@@ -1,5 +1,5 @@
-"""Putting and getting a block's objects with their manifest: what
-:class:`~kvstate.backends.objects.StoreBackend` does for every backend (the rules are
+"""Putting and getting a block's objects with their manifest: :class:`BlockObjects`, the part
+every :class:`~kvstate.backends.objects.StoreBackend` holds over its store (the rules are
 :mod:`~kvstate.backends.integrity`'s).
 
 A put takes each object's checksum as the store copies it (:data:`~kvstate.backends.integrity.XXH3`),
@@ -13,15 +13,14 @@ from the device. The first block that fails ends the count; a broken one is evic
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..keys import rank_key
 from .base import TOO_LARGE, Store, leading
-from .integrity import SUM64, XXH3, ManifestError, manifest_size, pack_manifest, sum64, unpack_manifest
+from .integrity import SUM64, XXH3, ManifestError, geometry_id, manifest_size, pack_manifest, sum64, unpack_manifest
 
-__all__ = ["Manifested", "MANIFEST_KIND", "Scatter", "Deferred", "Manifests", "manifest_slice"]
+__all__ = ["BlockObjects", "MANIFEST_KIND", "Scatter", "Deferred", "Manifests", "manifest_slice"]
 
 MANIFEST_KIND = "sum"  #: the kind name of a block's manifest object (``rank_key(key, "sum", part[, group])``)
 
@@ -44,99 +43,105 @@ def _stored(status: Sequence[int], per: int, n: int) -> int:
     return leading(all(st == 0 for st in status[i * per:(i + 1) * per]) for i in range(n))
 
 
-class Manifested(ABC):
-    """The manifest half of a store backend (mixed into ``StoreBackend``, which provides the
-    names, the store and the geometry ids)."""
+class BlockObjects:
+    """A backend's blocks as objects in its store, with their manifests: the names, the puts
+    and the verified gets every store backend makes (a part it holds, not a class it is)."""
 
-    store: Store
-    spec: Any
-    verify: bool
-    broken_blocks: int
-    _geometry: dict[int | None, int]
+    def __init__(self, spec: Any, store: Store) -> None:
+        self.spec, self.store = spec, store
+        #: manifests written and reads verified (the store's setting: a trusted pool turns it off)
+        self.verify = bool(getattr(store, "verify", True))
+        self.geometry = {g: geometry_id(spec, g) for g in (None, *range(spec.object_groups))}
+        self.broken_blocks = 0  #: blocks a read found broken (and evicted from the store)
 
-    @abstractmethod
-    def _names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
-        """The stored objects' names of ``keys`` for head-group part ``part`` (the store backend's)."""
+    def names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
+        """Object names of ``keys``' blocks in head group ``part``, block by block, then kind,
+        then layer group (all groups, or only ``groups``)."""
+        spec = self.spec
+        if spec.object_groups == 1 and groups is None:
+            return [rank_key(key, kind, part) for key in keys for kind in spec.kinds]
+        gs = range(spec.object_groups) if groups is None else groups
+        return [rank_key(key, kind, part, g) for key in keys for kind in spec.kinds for g in gs]
 
-    def _groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
-        """The layer groups each block's objects are named for, in ``_names``' order."""
+    def groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
+        """The layer groups each block's objects are named for, in :meth:`names`' order."""
         if self.spec.object_groups == 1 and groups is None:
             return [None]
         return list(range(self.spec.object_groups)) if groups is None else list(groups)
 
-    def _manifest_names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
+    def manifest_names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
         """One manifest per block and layer group of head group ``part``, block by block."""
         return [rank_key(key, MANIFEST_KIND, part) if g is None else rank_key(key, MANIFEST_KIND, part, g)
-                for key in keys for g in self._groups_of(groups)]
+                for key in keys for g in self.groups_of(groups)]
 
-    def _objects_of(self, i: int, gi: int, ng: int) -> range:
-        """Indices (in ``_names``' order) of block ``i``'s objects of its ``gi``-th group."""
+    def objects_of(self, i: int, gi: int, ng: int) -> range:
+        """Indices (in :meth:`names`' order) of block ``i``'s objects of its ``gi``-th group."""
         nk = len(self.spec.kinds)
         return range(i * nk * ng + gi, (i + 1) * nk * ng, ng)
 
-    def _leading_blocks(self, keys: Sequence[str], groups: Sequence[int] | None, ok: Sequence[bool]) -> int:
+    def leading_blocks(self, keys: Sequence[str], groups: Sequence[int] | None, ok: Sequence[bool]) -> int:
         """Leading blocks whose objects and manifests are all ``ok`` (objects first, then one
         flag per manifest, as put)."""
-        ng = len(self._groups_of(groups))
+        ng = len(self.groups_of(groups))
         per, first = len(self.spec.kinds) * ng, len(keys) * len(self.spec.kinds) * ng
         return leading(all(ok[i * per:(i + 1) * per]) and all(ok[first + i * ng:first + (i + 1) * ng])
                        for i in range(len(keys)))
 
-    def _put_objects(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
+    def put(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                      views: Sequence[memoryview], sums: Sequence[int] | None = None) -> int:
         """Put the objects of ``keys``' blocks, then their manifests; leading blocks stored whole.
         ``sums``: the objects' SUM64, taken on the device; without, XXH3 as they are copied.
         A trusted store (``verify`` off) gets the objects alone."""
         if not self.verify:
-            return self._put_bare(part, keys, groups, views)
+            return self.put_bare(part, keys, groups, views)
         if sums is None:
-            status, sums = self.store.batch_put_hashed(self._names(part, keys, groups), list(views))
-            per, algorithm = self._per(groups), XXH3
+            status, sums = self.store.batch_put_hashed(self.names(part, keys, groups), list(views))
+            per, algorithm = self.per(groups), XXH3
             count = _stored(status, per, len(keys))
         else:
-            count, algorithm = self._put_bare(part, keys, groups, views), SUM64
-        return self._put_manifests(part, keys[:count], groups, [v.nbytes for v in views], sums, algorithm) \
+            count, algorithm = self.put_bare(part, keys, groups, views), SUM64
+        return self.put_manifests(part, keys[:count], groups, [v.nbytes for v in views], sums, algorithm) \
             if count else 0
 
-    def _put_bare(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
+    def put_bare(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                   views: Sequence[memoryview]) -> int:
         """Put the objects of ``keys``' blocks alone (a backend putting the manifests later, once,
-        for a whole transfer, as :meth:`_put_manifests`); leading blocks whose objects all stored."""
-        status, per = self.store.batch_put_from(self._names(part, keys, groups), list(views)), self._per(groups)
+        for a whole transfer, as :meth:`put_manifests`); leading blocks whose objects all stored."""
+        status, per = self.store.batch_put_from(self.names(part, keys, groups), list(views)), self.per(groups)
         return _stored(status, per, len(keys))
 
-    def _put_piece(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
+    def put_piece(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                    views: Sequence[memoryview], sizes: list[int] | None) -> int:
         """One piece of a write: its objects and manifests; or, given ``sizes`` (a write whose
         SUM64 manifests are put once, after every object), its objects alone, their sizes
         appended to ``sizes``. Leading blocks stored."""
         if sizes is None:
-            return self._put_objects(part, keys, groups, views)
+            return self.put(part, keys, groups, views)
         sizes += [v.nbytes for v in views]
-        return self._put_bare(part, keys, groups, views)
+        return self.put_bare(part, keys, groups, views)
 
-    def _put_manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, sizes: Sequence[int],
+    def put_manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, sizes: Sequence[int],
                        sums: Sequence[int], algorithm: int) -> int:
         """Put the manifests of ``keys``' blocks, whose objects are stored (``sizes`` and ``sums``
-        per object, in ``_names``' order), in one batch; leading blocks whose manifests stored."""
-        names, manifests = self._manifests(part, keys, groups, sizes, sums, algorithm)
+        per object, in :meth:`names`' order), in one batch; leading blocks whose manifests stored."""
+        names, manifests = self.manifests(part, keys, groups, sizes, sums, algorithm)
         status = self.store.batch_put_from(names, manifests)
-        return _stored(status, len(self._groups_of(groups)), len(keys))
+        return _stored(status, len(self.groups_of(groups)), len(keys))
 
-    def _manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, sizes: Sequence[int],
+    def manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, sizes: Sequence[int],
                    sums: Sequence[int], algorithm: int) -> tuple[list[str], list[bytes]]:
-        """The names and bytes of the manifests of ``keys``' blocks (as :meth:`_put_manifests`)."""
-        gs = self._groups_of(groups)
-        manifests = [pack_manifest(self._geometry[g], [(sizes[j], sums[j])
-                                                       for j in self._objects_of(i, gi, len(gs))], algorithm)
+        """The names and bytes of the manifests of ``keys``' blocks (as :meth:`put_manifests`)."""
+        gs = self.groups_of(groups)
+        manifests = [pack_manifest(self.geometry[g], [(sizes[j], sums[j])
+                                                       for j in self.objects_of(i, gi, len(gs))], algorithm)
                      for i in range(len(keys)) for gi, g in enumerate(gs)]
-        return self._manifest_names(part, keys, groups), manifests
+        return self.manifest_names(part, keys, groups), manifests
 
-    def _per(self, groups: Sequence[int] | None) -> int:
-        """Objects a block has in ``_names``' order (every kind, every group named)."""
-        return len(self.spec.kinds) * len(self._groups_of(groups))
+    def per(self, groups: Sequence[int] | None) -> int:
+        """Objects a block has in :meth:`names`' order (every kind, every group named)."""
+        return len(self.spec.kinds) * len(self.groups_of(groups))
 
-    def _get_objects(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
+    def get(self, part: int, keys: Sequence[str], groups: Sequence[int] | None,
                      views: Sequence[memoryview], scatter: Scatter | None = None,
                      deferred: Deferred | None = None, manifests: Manifests | None = None) -> int:
         """Get the objects of ``keys``' blocks into ``views``; leading blocks that arrived whole
@@ -144,27 +149,27 @@ class Manifested(ABC):
         been put in place by it. With ``deferred`` too, blocks whose manifests hold SUM64 are
         scattered and counted once they arrived whole, and left to verify where they landed:
         their keys and expected checksums are appended to ``deferred``
-        (:meth:`_verify_deferred`). ``manifests``: these blocks' manifests, read already (a
+        (:meth:`verify_deferred`). ``manifests``: these blocks' manifests, read already (a
         backend reading a transfer piece by piece reads them all at once, by
-        :meth:`_read_manifests`, and hands each piece its slice, :func:`manifest_slice`)."""
-        names, per = self._names(part, keys, groups), self._per(groups)
+        :meth:`read_manifests`, and hands each piece its slice, :func:`manifest_slice`)."""
+        names, per = self.names(part, keys, groups), self.per(groups)
         if not self.verify:
             got = self.store.batch_get_into(names, list(views))
             n = leading(all(got[j] == views[j].nbytes for j in range(i * per, (i + 1) * per)) for i in range(len(keys)))
             if scatter is not None and n:
                 scatter(n)
             return n
-        gs = self._groups_of(groups)
-        read, vouched = self._read_manifests(part, keys, groups) if manifests is None else manifests
+        gs = self.groups_of(groups)
+        read, vouched = self.read_manifests(part, keys, groups) if manifests is None else manifests
         hashed = any(algorithm == XXH3 for algorithm, _ in vouched)  # hash as the store copies
         got, host = (self.store.batch_get_hashed(names, list(views)) if hashed
                      else (self.store.batch_get_into(names, list(views)), None))
-        whole = self._arrived(keys, gs, got, vouched)
+        whole = self.arrived(keys, gs, got, vouched)
         if deferred is not None and scatter is not None and whole and \
                 all(a == SUM64 for a, _ in vouched[:whole * len(gs)]):
             scatter(whole)  # checked where they land, after the whole read
-            deferred.extend((keys[i], self._expected(i, gs, vouched)) for i in range(whole))
-            self._evict_if_broken(part, keys, groups, got, read, whole)
+            deferred.extend((keys[i], self.expected(i, gs, vouched)) for i in range(whole))
+            self.evict_if_broken(part, keys, groups, got, read, whole)
             return whole
         sums = [host[j] if host is not None and vouched[(j // per) * len(gs) + j % len(gs)][0] == XXH3
                 else sum64(views[j][:max(got[j], 0)]) for j in range(whole * per)]
@@ -173,27 +178,27 @@ class Manifested(ABC):
             scatter(count)
         return count
 
-    def _read_manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> Manifests:
+    def read_manifests(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> Manifests:
         """Read the manifests of ``keys``' blocks in one batch: (bytes read per manifest, the
         leading ones that parse as (algorithm, entries)); reading stops vouching at the first
         that does not."""
-        gs, nk = self._groups_of(groups), len(self.spec.kinds)
+        gs, nk = self.groups_of(groups), len(self.spec.kinds)
         heads = [bytearray(manifest_size(nk)) for _ in range(len(keys) * len(gs))]
-        read = self.store.batch_get_into(self._manifest_names(part, keys, groups), heads)
+        read = self.store.batch_get_into(self.manifest_names(part, keys, groups), heads)
         vouched = []  # per manifest, in order, while each parses: (algorithm, entries)
         for m, (head, n) in enumerate(zip(heads, read)):
             try:
-                vouched.append(unpack_manifest(head, n, self._geometry[gs[m % len(gs)]], nk))
+                vouched.append(unpack_manifest(head, n, self.geometry[gs[m % len(gs)]], nk))
             except ManifestError:
                 break
         return read, vouched
 
-    def _expected(self, i: int, gs: list[int | None], vouched: list[tuple[int, list[tuple[int, int]]]]) -> list[int]:
+    def expected(self, i: int, gs: list[int | None], vouched: list[tuple[int, list[tuple[int, int]]]]) -> list[int]:
         """Block ``i``'s objects' recorded checksums, in object order (kind, then group)."""
         nk, ng = len(self.spec.kinds), len(gs)
         return [vouched[i * ng + gi][1][k][1] for k in range(nk) for gi in range(ng)]
 
-    def _verify_deferred(self, part: int, deferred: Deferred, sums: Sequence[Sequence[int]]) -> int:
+    def verify_deferred(self, part: int, deferred: Deferred, sums: Sequence[Sequence[int]]) -> int:
         """Leading blocks of a deferred get whose objects' checksums, taken where they landed
         (``sums[i]``, in object order), are the recorded ones; the first that is not is evicted.
         Without a sum for every block (none could be taken), none counts."""
@@ -201,11 +206,11 @@ class Manifested(ABC):
             return 0
         for i, ((key, want), have) in enumerate(zip(deferred, sums)):
             if list(have) != want:
-                self._evict_block(part, key)
+                self.evict_block(part, key)
                 return i
         return len(deferred)
 
-    def _arrived(self, keys: Sequence[str], gs: list[int | None], got: list[int],
+    def arrived(self, keys: Sequence[str], gs: list[int | None], got: list[int],
                  vouched: list[tuple[int, list[tuple[int, int]]]]) -> int:
         """Leading blocks whose manifests parsed and whose objects arrived at their recorded lengths."""
         ng = len(gs)
@@ -213,7 +218,7 @@ class Manifested(ABC):
             for gi in range(ng):
                 m = i * ng + gi
                 if m >= len(vouched) or any(got[j] != length for j, (length, _) in
-                                            zip(self._objects_of(i, gi, ng), vouched[m][1])):
+                                            zip(self.objects_of(i, gi, ng), vouched[m][1])):
                     return i
         return len(keys)
 
@@ -221,17 +226,17 @@ class Manifested(ABC):
                   read: list[int], vouched: list[tuple[int, list[tuple[int, int]]]], sums: Sequence[int]) -> int:
         """Leading blocks whose checksums match; the first that does not, or that arrived short
         or unvouched though stored, is evicted."""
-        ng = len(self._groups_of(groups))
+        ng = len(self.groups_of(groups))
         for i in range(whole):
             for gi in range(ng):
                 entries = vouched[i * ng + gi][1]
-                if any(sums[j] != checksum for j, (_, checksum) in zip(self._objects_of(i, gi, ng), entries)):
-                    self._evict_block(part, keys[i])
+                if any(sums[j] != checksum for j, (_, checksum) in zip(self.objects_of(i, gi, ng), entries)):
+                    self.evict_block(part, keys[i])
                     return i
-        self._evict_if_broken(part, keys, groups, got, read, whole)
+        self.evict_if_broken(part, keys, groups, got, read, whole)
         return whole
 
-    def _evict_if_broken(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, got: list[int],
+    def evict_if_broken(self, part: int, keys: Sequence[str], groups: Sequence[int] | None, got: list[int],
                          read: list[int], i: int) -> None:
         """Evict block ``i``, the first that did not arrive whole, if it is broken rather than
         missing or unreachable: every object and manifest came (short, corrupt or foreign) or
@@ -240,14 +245,14 @@ class Manifested(ABC):
         would destroy a block other requests are reading, so it is a failed read only."""
         if i >= len(keys):
             return
-        ng = len(self._groups_of(groups))
-        mine = [got[j] for gi in range(ng) for j in self._objects_of(i, gi, ng)] + list(read[i * ng:(i + 1) * ng])
+        ng = len(self.groups_of(groups))
+        mine = [got[j] for gi in range(ng) for j in self.objects_of(i, gi, ng)] + list(read[i * ng:(i + 1) * ng])
         if all(n >= 0 or n == TOO_LARGE for n in mine):
-            self._evict_block(part, keys[i])
+            self.evict_block(part, keys[i])
 
-    def _evict_block(self, part: int, key: str) -> None:
+    def evict_block(self, part: int, key: str) -> None:
         """A read found this block broken in this head group: its objects and manifests leave the
         store (every group: a layer-wise write stores them one by one), so the next write of
         the prompt stores it again."""
         self.broken_blocks += 1
-        self.store.evict(self._names(part, [key]) + self._manifest_names(part, [key], None))
+        self.store.evict(self.names(part, [key]) + self.manifest_names(part, [key], None))

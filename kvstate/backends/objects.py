@@ -6,7 +6,7 @@ with the head group's index (the rank's own, by default: :mod:`kvstate.spec` giv
 rank-neutral layout's rules), and, unless the store is trusted (``store.verify`` off), a
 checksummed manifest per (block, head group, layer group) beside them
 (:mod:`~kvstate.backends.integrity`: its rules). Every put and get of objects goes through
-:meth:`StoreBackend._put_objects` and :meth:`StoreBackend._get_objects`, so every backend
+:meth:`BlockObjects.put` and :meth:`BlockObjects.get` (``StoreBackend.objects``), so every backend
 writes manifests and verifies reads the same way. A block counts as stored, or as read, only
 when every one of its objects (and its manifest) is; a read that finds a block broken evicts it.
 
@@ -18,6 +18,7 @@ writes nothing: the first replica stores them.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,22 +26,25 @@ import numpy as np
 
 from ..blocks import table_kinds
 from ..errors import ValidationError
-from ..keys import rank_key
 from ..pool import FREED
 from ..spec import CacheSpec
-from ..tables import check_layout, per_block
+from ..tables import check_layout, per_block, table_of_layer
 from ..validate import check_int, is_int
 from .base import Guard, Store, TransferBackend, as_bytes_view, leading
-from .integrity import Hasher, geometry_id
-from .manifested import MANIFEST_KIND, Manifested
+from .integrity import Hasher
+from .manifested import MANIFEST_KIND, BlockObjects
+from .stateobjects import PageCopy, StateObjects
 from .stores import default_threads
 
 __all__ = ["StoreBackend", "MANIFEST_KIND"]
 
 
-class StoreBackend(Manifested, TransferBackend):
-    """One object per (block, kind, rank, layer group) in a :class:`Store`: checks, names,
-    views, query, whole blocks."""
+class StoreBackend(TransferBackend):
+    """One object per (block, kind, rank, layer group) in a :class:`Store`: checks, views,
+    query, whole blocks, a logical block's bytes. Its parts: ``objects`` (the objects and
+    their manifests, :class:`~kvstate.backends.manifested.BlockObjects`) and ``states`` (state
+    pages as objects, :class:`~kvstate.backends.stateobjects.StateObjects`); the subclass is
+    the device (numpy or CUDA) they are copied from and into."""
 
     def _setup(self, spec: CacheSpec, num_blocks: int, store: Store, ranks: Sequence[int] | None = None,
                host_blocks: int = 0) -> None:
@@ -59,13 +63,37 @@ class StoreBackend(Manifested, TransferBackend):
         self.ranks = self._check_ranks(ranks)
         self.bytes_moved = 0  #: payload bytes written to and read from the store
         self.bytes_swapped = 0  #: payload bytes copied to and from the host tier
+        self.objects = BlockObjects(spec, store)  #: the blocks' objects and manifests in the store
         #: manifests written and reads verified (the store's setting: a trusted pool turns it off)
-        self.verify = bool(getattr(store, "verify", True))
+        self.verify = self.objects.verify
         self._hash = Hasher(default_threads())  # a transfer's host checksums on a thread a core, up to 8
-        self._geometry = {g: geometry_id(spec, g) for g in (None, *range(spec.object_groups))}
         self._slot_sums: dict[tuple[int, int], list[int]] = {}  # (rank, host slot) -> checksum per kind
-        self.broken_blocks = 0  #: blocks a read found broken (and evicted from the store)
         self.broken_slots = 0  #: host tier slots whose bytes no longer matched their checksums
+
+    def _setup_states(self, spec: CacheSpec, num_states: int, gather: PageCopy, scatter: PageCopy) -> None:
+        """The state pages' part (``spec``: the whole cache's, state groups and all), over the
+        device's page copies."""
+        self.states = StateObjects(type(self).__name__, spec, num_states, self.store, self.ranks, gather, scatter)
+
+    @property
+    def broken_blocks(self) -> int:
+        """Blocks a read found broken (and evicted from the store)."""
+        return self.objects.broken_blocks
+
+    @property
+    def broken_states(self) -> int:
+        """State objects a read found broken (and evicted from the store)."""
+        return self.states.broken
+
+    @property
+    def num_states(self) -> int:
+        """State pages per rank (0 without state groups)."""
+        return self.states.num_states
+
+    @property
+    def state_size(self) -> int:
+        """Bytes of one state page on one rank."""
+        return self.states.size
 
     def _check_ranks(self, ranks: Sequence[int] | None) -> tuple[int, ...]:
         tp = self.spec.tp_size
@@ -231,7 +259,7 @@ class StoreBackend(Manifested, TransferBackend):
                 a, b, order = g * spec.object_heads, (g + 1) * spec.object_heads, list(spec.storage_order)
                 views = self._object_views({k: np.ascontiguousarray(arr[list(slots[:done])][:, order, a:b])
                                             for k, arr in arenas.items()}, range(done))
-            done = self._put_objects(part, keys[n:n + done], None, views[:done * self._per(None)])
+            done = self.objects.put(part, keys[n:n + done], None, views[:done * self.objects.per(None)])
         self.bytes_moved += done * self.spec.bytes_per_block_per_rank
         return n + done
 
@@ -249,15 +277,6 @@ class StoreBackend(Manifested, TransferBackend):
         if not isinstance(data, (bytes, bytearray, memoryview)) or memoryview(data).nbytes != need:
             got = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
             raise ValidationError(f"{type(self).__name__}.fill_block: block {block_id} needs {need} bytes, got {got}")
-
-    def _names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None = None) -> list[str]:
-        """Object names of ``keys``' blocks in head group ``part``, block by block, then kind,
-        then layer group (all groups, or only ``groups``)."""
-        kinds, spec = self.spec.kinds, self.spec
-        if spec.object_groups == 1 and groups is None:
-            return [rank_key(key, kind, part) for key in keys for kind in kinds]
-        gs = range(spec.object_groups) if groups is None else groups
-        return [rank_key(key, kind, part, g) for key in keys for kind in kinds for g in gs]
 
     def _each_part(self, rank: int, n: int, move: Callable[[tuple[int, int], int, bool], int]) -> int:
         """Run ``move(part, m, whole)`` for each of the rank's head groups (``part``: its place on
@@ -286,7 +305,7 @@ class StoreBackend(Manifested, TransferBackend):
     def _object_views(self, host: dict[str, Any], rows: Sequence[int],
                       groups: Sequence[int] | None = None) -> list[memoryview]:
         """Byte views of the objects held in block-major ``host[kind][row]`` (layers first), in
-        :meth:`_names`' order: each group's layers are contiguous within a row."""
+        :meth:`BlockObjects.names`' order: each group's layers are contiguous within a row."""
         spec, kinds = self.spec, self.spec.kinds
         if spec.object_groups == 1 and groups is None:
             return [as_bytes_view(host[kind][i]) for i in rows for kind in kinds]
@@ -295,7 +314,7 @@ class StoreBackend(Manifested, TransferBackend):
 
     def _group_views(self, host: dict[str, Any], m: int, group: int | None) -> list[memoryview]:
         """Byte views of the objects of ``m`` blocks held in rows of ``host[kind]``, in
-        :meth:`_names`' order: rows of every layer hold every group's objects (``group``
+        :meth:`BlockObjects.names`' order: rows of every layer hold every group's objects (``group``
         None); rows of one group's layers hold one object each."""
         if group is None:
             return self._object_views(host, range(m))
@@ -358,21 +377,90 @@ class StoreBackend(Manifested, TransferBackend):
 
     def _whole(self, ok: Sequence[bool], n: int, groups: int | None = None) -> int:
         """Leading blocks of ``n`` whose every object is ``ok`` (one flag per object, as in
-        :meth:`_names`; ``groups``: layer groups per block and kind, all by default)."""
+        :meth:`BlockObjects.names`; ``groups``: layer groups per block and kind, all by default)."""
         nk = len(self.spec.kinds) * (self.spec.object_groups if groups is None else groups)
         return leading(all(ok[i * nk:(i + 1) * nk]) for i in range(n))
+
+    def write_states(self, rank: int, keys: Sequence[str], pages: Sequence[int], guard: Guard | None = None) -> int:
+        """Store page ``pages[i]`` as the state after ``keys[i]``; how many leading states were stored."""
+        n = self.states.write(rank, keys, pages, guard)
+        self.bytes_moved += n * self.states.size
+        return n
+
+    def read_state(self, rank: int, key: str, page: int, guard: Guard | None = None) -> bool:
+        """Load the state stored after ``key`` into ``page``; whether it arrived whole and verified."""
+        ok = self.states.read(rank, key, page, guard)
+        self.bytes_moved += self.states.size if ok else 0
+        return ok
+
+    def state_bytes(self, rank: int, page: int) -> bytes:
+        """One state page's bytes on ``rank`` (tests, an engine's checks)."""
+        return self.states.page_bytes(rank, page)
+
+    def fill_state(self, rank: int, page: int, data: bytes) -> None:
+        """Overwrite one state page on ``rank`` (tests, an engine's fake compute)."""
+        self.states.fill(rank, page, data)
+
+    # -- a logical block's bytes (tests, the demo's fake compute; never the transfers' path) -----
+    @abstractmethod
+    def _layer_views(self, rank: int, kind: str) -> Sequence[Any]:
+        """The rank's caches of ``kind``, one array a layer (numpy or CuPy
+        ``[num_blocks, heads, block_size, dim]``: the device's)."""
+
+    def _chunk_bytes(self, chunk: Any) -> bytes:
+        """One (layer, block) chunk's bytes (a device array is copied to the host first)."""
+        return bytes((chunk.get() if hasattr(chunk, "get") else chunk).tobytes())
+
+    def _set_chunk(self, layer: Any, block: int, data: np.ndarray) -> None:
+        layer[block] = data
+
+    def block_bytes(self, rank: int, kind: str, block_id: Any) -> bytes:
+        """One logical block of ``kind`` on ``rank``, all layers, in the stored layout: a block
+        id, or with group tables (:mod:`kvstate.tables`) a tuple of one block per table; a layer
+        whose block is ``FREED`` (behind the window) reads as zeros."""
+        self._check_keys(rank, ())
+        self.spec.block_shape(kind)  # a kind of this cache
+        layers = self._layer_views(rank, kind)
+        return b"".join(bytes(layer[0].nbytes) if b == FREED else self._chunk_bytes(layer[b])
+                        for layer, b in zip(layers, self._layer_rows(block_id), strict=True))
+
+    def fill_block(self, rank: int, kind: str, block_id: Any, data: bytes) -> None:
+        """Overwrite one logical block of ``kind`` on ``rank`` (block-major bytes, as stored; a
+        ``FREED`` layer is never written)."""
+        rows = self._layer_rows(block_id)
+        self._check_fill(rank, kind, next((b for b in rows if b != FREED), 0), data)
+        layers = self._layer_views(rank, kind)
+        chunk = layers[0][0].nbytes
+        for i, (layer, b) in enumerate(zip(layers, rows, strict=True)):
+            if b != FREED:
+                part = np.frombuffer(data, layer.dtype, offset=i * chunk, count=layer[b].size)
+                self._set_chunk(layer, b, part.reshape(layer.shape[1:]))
+
+    def _layer_rows(self, block: Any) -> list[int]:
+        """The block holding each layer of logical block ``block`` (checked)."""
+        if not isinstance(block, tuple):
+            self._check_block(block)
+            return [block] * self.spec.layers
+        want = per_block(self.spec)
+        if len(block) != want:
+            raise ValidationError(f"{type(self).__name__}: logical block {block!r} must name {want} blocks, "
+                                  "one per block table")
+        for b in block:
+            if b != FREED:
+                self._check_block(b)
+        return [block[t] for t in table_of_layer(self.spec)]
 
     def query(self, rank: int, keys: Sequence[str]) -> int:
         """Leading keys whose every object, and manifest, is stored (in each of the rank's head groups)."""
         self._check_keys(rank, keys)
         count = len(keys)
         for part in self.spec.parts(rank):
-            names = self._names(part, keys[:count])
+            names = self.objects.names(part, keys[:count])
             if not self.verify:
                 count = self._whole([f == 1 for f in self.store.batch_is_exist(names)], count)
             else:
-                found = self.store.batch_is_exist(names + self._manifest_names(part, keys[:count], None))
-                count = self._leading_blocks(keys[:count], None, [f == 1 for f in found])
+                found = self.store.batch_is_exist(names + self.objects.manifest_names(part, keys[:count], None))
+                count = self.objects.leading_blocks(keys[:count], None, [f == 1 for f in found])
         return count
 
     def close(self) -> None:

@@ -31,14 +31,13 @@ from ..spec import CacheSpec
 from ..tables import page_layers, slot_of_layer
 from ..validate import check_int
 from .base import Guard, Store, check_caches, check_fence
-from .blockaccess import BlockAccess
 from .objects import StoreBackend
-from .stateobjects import StateObjects, paged_of
+from .stateobjects import paged_of
 
 __all__ = ["ReferenceBackend"]
 
 
-class ReferenceBackend(StateObjects, StoreBackend, BlockAccess):
+class ReferenceBackend(StoreBackend):
     """Per-rank numpy caches over a :class:`~kvstate.backends.stores.Store`.
 
     ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
@@ -50,7 +49,7 @@ class ReferenceBackend(StateObjects, StoreBackend, BlockAccess):
                  num_states: int = 0, states: Mapping[int, np.ndarray] | None = None) -> None:
         full, spec = spec, paged_of(spec)
         self._setup(spec, num_blocks, store, ranks, host_blocks)
-        self._setup_states(full, num_states)
+        self._setup_states(full, num_states, self._gather_state, self._scatter_state)
         #: state_pages[rank] -> [num_states, state bytes] (with state groups): ``states[rank]``
         #: when given (e.g. shared memory, :class:`~kvstate.distributed.shm.SharedCaches`), else zeroed
         self.state_pages = {r: np.zeros((num_states, self.state_size), np.uint8) for r in self.ranks} \
@@ -157,8 +156,8 @@ class ReferenceBackend(StateObjects, StoreBackend, BlockAccess):
         ids = self._part_ids(block_ids[:m], part[0])
         for kind, buf in host.items():
             swap_cache_layout(self._part_layers(rank, kind, span), buf, ids, list(range(m)), "d2h")
-        return self._put_objects(part[1], keys[:m], None if group is None else [group],
-                                 self._group_views(host, m, group))
+        return self.objects.put(part[1], keys[:m], None if group is None else [group],
+                                self._group_views(host, m, group))
 
     def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
              guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None,
@@ -185,8 +184,8 @@ class ReferenceBackend(StateObjects, StoreBackend, BlockAccess):
         """Read the first ``m`` blocks of head group ``part`` (every layer, or layer group
         ``group``) and scatter the leading ones that arrived whole (a short read is a miss)."""
         host, span = self._buffers(m, group)
-        count = self._get_objects(part[1], keys[:m], None if group is None else [group],
-                                  self._group_views(host, m, group))
+        count = self.objects.get(part[1], keys[:m], None if group is None else [group],
+                                 self._group_views(host, m, group))
         if count:
             check_fence(guard, rank, "scatter into", block_ids[:count])
             ids = self._part_ids(block_ids[:count], part[0])

@@ -1,5 +1,5 @@
 """Recurrent states as store objects: how a backend with state pages (:mod:`kvstate.statepages`)
-puts and gets them.
+puts and gets them, through the :class:`StateObjects` part it holds.
 
 Rules:
 
@@ -18,8 +18,7 @@ Rules:
 from __future__ import annotations
 
 import struct
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ from ..validate import is_int
 from .base import Guard, Store, check_fence, leading
 from .integrity import FORMAT_VERSION
 
-__all__ = ["StateObjects", "STATE_KIND", "state_geometry", "paged_of"]
+__all__ = ["StateObjects", "PageCopy", "STATE_KIND", "state_geometry", "paged_of"]
 
 STATE_KIND = "state"  #: the kind name of a state object (``rank_key(key, "state", rank)``)
 _TRAILER = struct.Struct("<4sxxxxQQ")  # magic, geometry id, XXH3-64 of the page's bytes
@@ -52,28 +51,31 @@ def paged_of(spec: Any) -> Any:
     return spec.paged() if isinstance(spec, CacheSpec) else spec
 
 
-class StateObjects(ABC):
-    """The state half of a backend: pages per rank, and their objects in the store. The host
-    class gives the store, its ranks and ``_gather_state`` / ``_scatter_state`` (a page to and
-    from a host buffer)."""
+#: ``gather(rank, page, out)`` copies a page into a host buffer; ``scatter(rank, page, data)``
+#: copies one back (the device's side: numpy arrays, or the GPU's pages)
+PageCopy = Callable[[int, int, np.ndarray], None]
 
-    store: Store
-    ranks: tuple[int, ...]
-    verify: bool
-    bytes_moved: int
 
-    def _setup_states(self, spec: CacheSpec, num_states: int) -> None:
-        name = type(self).__name__
+class StateObjects:
+    """The states of a backend with state pages, as objects in its store: a part the backend
+    holds, handed the device's page copies (``gather`` and ``scatter``)."""
+
+    def __init__(self, owner: str, spec: CacheSpec, num_states: int, store: Store, ranks: tuple[int, ...],
+                 gather: PageCopy, scatter: PageCopy) -> None:
         if not is_int(num_states) or num_states < 0:
-            raise ValidationError(f"{name}: num_states must be an int >= 0, got {num_states!r}")
-        spec.check_num_states(name, num_states, ValidationError)
-        self.state_size = spec.state_bytes_per_rank  #: bytes of one page on one rank
+            raise ValidationError(f"{owner}: num_states must be an int >= 0, got {num_states!r}")
+        spec.check_num_states(owner, num_states, ValidationError)
+        self.owner, self.store, self.ranks = owner, store, ranks
+        self.verify = bool(getattr(store, "verify", True))
+        self.size = spec.state_bytes_per_rank  #: bytes of one page on one rank
         self.num_states = num_states  #: state pages per rank
-        self.broken_states = 0  #: state objects a read found broken (and evicted)
-        self._state_geometry = state_geometry(spec)
+        self.broken = 0  #: state objects a read found broken (and evicted)
+        self._geometry = state_geometry(spec)
+        self._gather, self._scatter = gather, scatter
 
-    def _check_states(self, rank: int, keys: Sequence[str], pages: Sequence[int]) -> None:
-        name = type(self).__name__
+    def check(self, rank: int, keys: Sequence[str], pages: Sequence[int]) -> None:
+        """A rank held here, one non-empty str key per page, pages in range (and pages to hold)."""
+        name = self.owner
         if not self.num_states:
             raise ValidationError(f"{name} holds no state pages (its spec has no state group)")
         if rank not in self.ranks:
@@ -85,69 +87,57 @@ class StateObjects(ABC):
             if not is_int(p) or not 0 <= p < self.num_states:
                 raise ValidationError(f"{name}: state page {p!r} outside 0..{self.num_states - 1}")
 
-    @abstractmethod
-    def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
-        """Copy the rank's state page ``page`` into ``out`` (the backend's device)."""
-
-    @abstractmethod
-    def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
-        """Copy ``data`` into the rank's state page ``page`` (the backend's device)."""
-
-    def state_bytes(self, rank: int, page: int) -> bytes:
+    def page_bytes(self, rank: int, page: int) -> bytes:
         """One state page's bytes on ``rank`` (tests, an engine's checks)."""
-        self._check_states(rank, ["page"], [page])
-        out = np.empty(self.state_size, np.uint8)
-        self._gather_state(rank, page, out)
+        self.check(rank, ["page"], [page])
+        out = np.empty(self.size, np.uint8)
+        self._gather(rank, page, out)
         return out.tobytes()
 
-    def fill_state(self, rank: int, page: int, data: bytes) -> None:
+    def fill(self, rank: int, page: int, data: bytes) -> None:
         """Overwrite one state page on ``rank`` (tests, an engine's fake compute)."""
-        self._check_states(rank, ["page"], [page])
-        if not isinstance(data, bytes) or len(data) != self.state_size:
-            raise ValidationError(f"{type(self).__name__}.fill_state: expected {self.state_size} bytes")
-        self._scatter_state(rank, page, np.frombuffer(data, np.uint8))
+        self.check(rank, ["page"], [page])
+        if not isinstance(data, bytes) or len(data) != self.size:
+            raise ValidationError(f"{self.owner}.fill_state: expected {self.size} bytes")
+        self._scatter(rank, page, np.frombuffer(data, np.uint8))
 
-    # -- TransferBackend ---------------------------------------------------------------------------
-    def write_states(self, rank: int, keys: Sequence[str], pages: Sequence[int], guard: Guard | None = None) -> int:
+    def write(self, rank: int, keys: Sequence[str], pages: Sequence[int], guard: Guard | None = None) -> int:
         """Store page ``pages[i]`` as the state after ``keys[i]``; how many leading states were stored."""
-        self._check_states(rank, keys, pages)
+        self.check(rank, keys, pages)
         if not keys:
             return 0
-        size = self.state_size
+        size = self.size
         bufs = np.empty((len(keys), size + _TRAILER.size), np.uint8)
         check_fence(guard, rank, "gather state pages", pages)
         for i, p in enumerate(pages):
-            self._gather_state(rank, p, bufs[i, :size])
+            self._gather(rank, p, bufs[i, :size])
             digest = xxhash.xxh3_64_intdigest(bufs[i, :size].data) if self.verify else 0
-            bufs[i, size:] = np.frombuffer(_TRAILER.pack(_MAGIC, self._state_geometry, digest), np.uint8)
+            bufs[i, size:] = np.frombuffer(_TRAILER.pack(_MAGIC, self._geometry, digest), np.uint8)
         status = self.store.batch_put_from([rank_key(k, STATE_KIND, rank) for k in keys], list(bufs))
-        n = leading(st == 0 for st in status)
-        self.bytes_moved += n * size
-        return n
+        return leading(st == 0 for st in status)
 
-    def read_state(self, rank: int, key: str, page: int, guard: Guard | None = None) -> bool:
+    def read(self, rank: int, key: str, page: int, guard: Guard | None = None) -> bool:
         """Load the state stored after ``key`` into ``page``; whether it arrived whole and verified."""
-        self._check_states(rank, [key], [page])
-        size = self.state_size
+        self.check(rank, [key], [page])
+        size = self.size
         buf = np.empty(size + _TRAILER.size, np.uint8)
         name = rank_key(key, STATE_KIND, rank)
         got = self.store.batch_get_into([name], [buf])[0]
         if got < 0:
             return False  # a miss (or the store failed): says nothing of the object
         if not self._intact(buf, got):
-            self.broken_states += 1
+            self.broken += 1
             self.store.evict([name])
             return False
         check_fence(guard, rank, "scatter into state pages", [page])
-        self._scatter_state(rank, page, buf[:size])
-        self.bytes_moved += size
+        self._scatter(rank, page, buf[:size])
         return True
 
     def _intact(self, buf: Any, got: int) -> bool:
-        size = self.state_size
+        size = self.size
         if got != size + _TRAILER.size:
             return False
         magic, geometry, digest = _TRAILER.unpack_from(buf, size)
-        if magic != _MAGIC or geometry != self._state_geometry:
+        if magic != _MAGIC or geometry != self._geometry:
             return False
         return not self.verify or xxhash.xxh3_64_intdigest(buf[:size].data) == digest
