@@ -125,3 +125,34 @@ def test_the_core_knows_no_gpu_simpy_socket_or_process():
                     ("backends", "kernels", "sim", "app", "distributed"):
                 found.append(f"{p.name}: .{node.module}")
     assert not found, f"the core imports the edge: {found}"
+
+
+#: the most kvstate classes one class's method resolution may run through (itself included)
+MAX_KVSTATE_MRO = 4
+
+
+def test_classes_compose_rather_than_stack_mixins():
+    """No kvstate class inherits through more than MAX_KVSTATE_MRO kvstate classes (a part is
+    held, not mixed in), and no method raises NotImplementedError (an abstract base says
+    ``abstractmethod`` instead, so a missing method fails at construction, not mid-transfer)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import kvstate
+    deep, stubs = [], []
+    for info in pkgutil.walk_packages(kvstate.__path__, "kvstate."):
+        if info.name.endswith("__main__"):
+            continue
+        mod = importlib.import_module(info.name)
+        for name, cls in vars(mod).items():
+            if inspect.isclass(cls) and cls.__module__ == mod.__name__:
+                mine = [c.__name__ for c in cls.__mro__ if c.__module__.startswith("kvstate")]
+                if len(mine) > MAX_KVSTATE_MRO:
+                    deep.append(f"{info.name}.{name}: {' -> '.join(mine)}")
+        source = Path(mod.__file__ or "")
+        for node in ast.walk(ast.parse(source.read_text())) if source.suffix == ".py" else ():
+            if isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node.exc or node):
+                stubs.append(f"{info.name}:{node.lineno}")
+    assert not deep, f"classes stacked past {MAX_KVSTATE_MRO} kvstate classes: {deep}"
+    assert not stubs, f"methods that raise NotImplementedError: {stubs}"
