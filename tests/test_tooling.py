@@ -40,7 +40,9 @@ def _python_files() -> list[Path]:
 
 
 #: modules looked at again past MAX_MODULE_LINES and kept whole: each holds one concept
-ONE_CONCEPT: dict[str, str] = {}
+ONE_CONCEPT: dict[str, str] = {
+    "kvstate/sim/scenario.py": "the scenario schema: every section, its fields and its rules, read in one place",
+}
 
 
 def test_modules_and_functions_stay_small():

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..sim.profile import FORMAT, SHAPE_FIELDS
-from ..sim.served import ModelSpec
+from ..sim.scenario import ModelSpec
 
 __all__ = ["measure_profile", "TOKENS", "allreduce_curve", "allreduce_worker"]
 

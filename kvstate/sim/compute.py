@@ -46,8 +46,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .profile import Profile
-from .scenario import Scenario
-from .served import WEIGHT_KINDS
+from .scenario import WEIGHT_KINDS, Scenario
 
 __all__ = ["ComputeModel"]
 

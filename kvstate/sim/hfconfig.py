@@ -24,7 +24,7 @@ quantized: fp8 W8A8, int8 W8A8, int8 or int4 weight-only), ``awq`` and ``gptq`` 
 refused by name, never read as bf16. The weights' bytes are the parameters at the stored width
 (group scales, under 1 %, left out). The parameter count (the
 weights' memory) is summed from the same matrices the compute model times
-(:meth:`~kvstate.sim.served.ModelSpec.attention_matrices`, ``mlp_matrices``: every expert), two
+(:meth:`~kvstate.sim.scenario.ModelSpec.attention_matrices`, ``mlp_matrices``: every expert), two
 norms a layer, the embeddings and the LM head unless tied.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..validate import check_int
 from .hfgroups import layer_kinds
-from .served import ModelSpec
+from .scenario import ModelSpec
 
 __all__ = ["model_from_hf_config", "params_from_hf_config", "weight_dtype_of", "QUANT_METHODS"]
 

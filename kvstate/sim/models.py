@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .hfconfig import model_from_hf_config, params_from_hf_config
-from .served import ModelSpec
+from .scenario import ModelSpec
 
 __all__ = ["MODELS", "resolve_model", "model_from_hf_config", "params_from_hf_config"]
 

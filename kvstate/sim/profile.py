@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .served import WEIGHT_KINDS
+from .scenario import WEIGHT_KINDS
 
 __all__ = ["Profile", "Curve", "FORMAT", "SHAPE_FIELDS"]
 

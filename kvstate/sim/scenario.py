@@ -1,31 +1,435 @@
-"""Scenarios: everything one simulation run needs, as validated, frozen dataclasses.
+"""Scenarios: everything one simulation run needs, as validated, frozen dataclasses, every
+section in this one module.
 
 A scenario has top-level ``seed``, ``time_limit_s`` and ``sample_ms`` and one section per
 table below. Every field has a default (the embedded default scenario: a Llama-3-8B-like cache
 on H100-class GPUs, 2 P + 2 D instances at TP 2, a Mooncake-like storage pool, Poisson
 arrivals) and a one-line description in its metadata, which ``kvstate scenario`` prints.
-Each section checks its fields' types (from their defaults) and its rules when built, so a
-scenario that exists is valid; an error names the ``[section] field`` and the rule. Reading
-and writing TOML lives in :mod:`kvstate.sim.scenario_io`.
+
+A section is a frozen dataclass deriving :class:`Section`; each field is a :func:`setting`.
+Building one checks each field's type against its default's (ints pass for floats, lists for
+tuples, bools never for numbers), then calls its ``check()``: a section that exists is valid;
+an error names the ``[section] field`` and the rule. The bounds that keep a run within memory
+(``MAX_*``) are each stated in the error that enforces them.
+
+- ``[model]`` (:class:`ModelSpec`): what the compute model needs of a model (its layers' matrix
+  shapes, dense or mixture-of-experts, the weights' dtype), what memory needs (its parameter
+  count) and what transfers need (its KV-cache geometry).
+- ``[gpu]`` (:class:`GpuSpec`): one GPU's datasheet figures, how near to them kernels come, the
+  all-reduce link between the GPUs of an instance, the engine's fixed cost per step, and an
+  optional measured profile that replaces the curves (:mod:`~kvstate.sim.profile`).
+- ``[cluster]``, ``[scheduler]``: P and D instances (or co-located ones) and their schedulers.
+- ``[storage]``, ``[network]``, ``[tp]``, ``[workload]``, ``[slo]``, ``[faults]``; ``[policy]`` is
+  the library's :class:`~kvstate.policy.Policy` itself.
+
+Reading and writing TOML lives in :mod:`kvstate.sim.scenario_io`.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..layers import LayerGroup
 from ..policy import Policy
 from ..spec import CacheSpec, paired
-from .fields import Section, doc_of, setting
-from .instancespec import MAX_BLOCKS, MAX_INSTANCES, MAX_TOKENS, MAX_TP, MODES, ClusterSpec, SchedulerSpec
-from .served import WEIGHT_DTYPES, GpuSpec, ModelSpec, layer_groups
 from .tp import PROTOCOLS
 
-__all__ = ["Scenario", "ModelSpec", "GpuSpec", "ClusterSpec", "SchedulerSpec", "StorageSpec", "NetworkSpec",
-           "TpSpec", "Policy",
-           "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS", "MODES", "TOP_LEVEL", "doc_of",
-           "MAX_REQUESTS",
-           "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS"]
+__all__ = ["Scenario", "Section", "setting", "type_ok", "ModelSpec", "GpuSpec", "ClusterSpec", "SchedulerSpec",
+           "StorageSpec", "NetworkSpec", "TpSpec", "Policy", "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS",
+           "MODES", "TOP_LEVEL", "doc_of", "WEIGHT_DTYPES", "WEIGHT_KINDS", "layer_groups", "MAX_REQUESTS",
+           "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS", "MAX_BATCH", "MAX_TOKENS"]
+
+
+# -- sections: typed fields, checked when built ------------------------------------------------
+
+def setting(default: Any, doc: str) -> Any:
+    """A field with its default and the line ``kvstate scenario`` prints above it."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def doc_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("doc", "")
+
+
+def type_ok(default: Any, v: Any) -> tuple[bool, Any]:
+    """Whether ``v`` has the type of ``default`` (ints pass for floats, lists for tuples)."""
+    if isinstance(default, bool):
+        return isinstance(v, bool), v
+    if isinstance(default, int):
+        return isinstance(v, int) and not isinstance(v, bool), v
+    if isinstance(default, float):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        return ok, float(v) if ok else v
+    if isinstance(default, str):
+        return isinstance(v, str), v
+    if isinstance(default, tuple):
+        return isinstance(v, (list, tuple)), tuple(v) if isinstance(v, (list, tuple)) else v
+    return True, v
+
+
+class Section:
+    """What every section does when built: check each field's type, then its own rules."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            ok, v = type_ok(f.default, v)
+            if not ok:
+                raise ConfigError(f"{f.name}: expected {type(f.default).__name__}, got {v!r}")
+            object.__setattr__(self, f.name, v)
+        self.check()
+
+    def check(self) -> None:
+        """The section's rules (raise ConfigError('field: rule'))."""
+
+    def positive(self, *names: str) -> None:
+        for n in names:
+            if not getattr(self, n) > 0:
+                raise ConfigError(f"{n}: must be > 0, got {getattr(self, n)!r}")
+
+    def non_negative(self, *names: str) -> None:
+        for n in names:
+            if not getattr(self, n) >= 0:
+                raise ConfigError(f"{n}: must be >= 0, got {getattr(self, n)!r}")
+
+    def at_most(self, **limits: int) -> None:
+        """Bounds that keep a run within memory, each stated when broken."""
+        for n, limit in limits.items():
+            if getattr(self, n) > limit:
+                raise ConfigError(f"{n}: at most {limit:,}, got {getattr(self, n):,}")
+
+    def fraction(self, *names: str) -> None:
+        for n in names:
+            if not 0 <= getattr(self, n) <= 1:
+                raise ConfigError(f"{n}: must be within 0..1, got {getattr(self, n)!r}")
+
+    def choice(self, name: str, options: tuple[str, ...]) -> None:
+        if getattr(self, name) not in options:
+            raise ConfigError(f"{name}: must be one of {list(options)}, got {getattr(self, name)!r}")
+
+
+# -- [model] and [gpu]: what is served on what ----------------------------------------------------
+
+#: weight dtypes: bytes a weight, and which tensor-core peak its GEMMs run at
+#: how a model's weights are served: bytes a weight, and the tensor cores its GEMMs run on
+#: ("16": bf16/fp16; "8": the GPU's 8-bit rate, fp8 or int8). Weight-only quantization (AWQ,
+#: GPTQ, compressed-tensors w4a16/w8a16) reads its weights at 4 or 8 bits but computes in 16;
+#: W8A8 (int8 or fp8 weights and activations) computes at the 8-bit rate.
+WEIGHT_KINDS: dict[str, tuple[float, str]] = {
+    "bfloat16": (2, "16"), "float16": (2, "16"), "fp8": (1, "8"), "int8": (1, "8"),
+    "int8_weight_only": (1, "16"), "int4_weight_only": (0.5, "16"),
+}
+WEIGHT_DTYPES = {k: b for k, (b, _) in WEIGHT_KINDS.items()}  #: bytes a weight, by weight dtype
+
+
+@dataclass(frozen=True)
+class ModelSpec(Section):
+    """The served model: its shapes (for compute), its size (for memory) and its KV-cache
+    geometry (for transfers). A mixture-of-experts model has ``experts`` > 0."""
+
+    name: str = setting("llama-3-8b", "a label; also the namespace of its storage keys")
+    params_b: float = setting(8.03, "parameters, billions (what the weights take in GPU memory)")
+    num_layers: int = setting(32, "transformer layers (each holds a K and a V cache)")
+    hidden: int = setting(4096, "hidden size")
+    num_heads: int = setting(32, "attention (query) heads")
+    total_kv_heads: int = setting(8, "the model's KV heads (grouped-query attention; CacheSpec.total_kv_heads): "
+                                    "TP ranks split them, each holding total_kv_heads / tp, or with fewer heads than "
+                                    "ranks each holds one, replicated (as vLLM does)")
+    head_dim: int = setting(128, "dimension of one head")
+    intermediate: int = setting(14336, "width of a dense layer's MLP (gate, up and down projections)")
+    vocab: int = setting(128256, "vocabulary (the LM head's width)")
+    experts: int = setting(0, "routed experts of a mixture-of-experts layer (0: a dense model)")
+    experts_per_token: int = setting(0, "experts each token is routed to (top-k)")
+    shared_experts: int = setting(0, "experts every token goes through besides its top-k")
+    moe_intermediate: int = setting(0, "width of one expert's MLP")
+    dense_layers: int = setting(0, "layers of a mixture-of-experts model whose MLP is dense (the rest route)")
+    q_lora_rank: int = setting(0, "latent attention (MLA): rank of the query's down-projection (0: none)")
+    kv_lora_rank: int = setting(0, "latent attention (MLA): rank of the cached latent (0: ordinary attention); "
+                                   "the cache's head is kv_lora_rank + its rotary part (head_dim)")
+    qk_head_dim: int = setting(0, "latent attention: a query head's width (no-rotary part + rotary part)")
+    v_head_dim: int = setting(0, "latent attention: a value head's width")
+    window: int = setting(0, "sliding-window attention: the tokens a window layer attends back (0: none)")
+    window_layers: int = setting(0, "layers with sliding-window attention (the others attend to every token)")
+    state_layers: int = setting(0, "layers keeping a recurrent state (Mamba, linear attention) instead of a KV cache")
+    state_bytes: int = setting(0, "one state layer's state for one request, the whole model's (TP ranks split "
+                                  "it), bytes")
+    state_checkpoint: int = setting(0, "tokens between the states a stored prefix keeps, a multiple of "
+                                       "block_size (0: one a block): a prefix is reused from a checkpoint only")
+    weight_dtype: str = setting("bfloat16", f"weights: one of {list(WEIGHT_DTYPES)} (fp8, int8: W8A8, a byte a "
+                                "weight on 8-bit tensor cores; *_weight_only: read at 8 or 4 bits, computed in 16)")
+    dtype: str = setting("bfloat16", f"KV cache dtype: one of {sorted(DTYPES)} (uint8: an fp8 cache)")
+    block_size: int = setting(64, "tokens per KV block")
+    context: int = setting(0, "the model's context, tokens (config.json's max_position_embeddings): a workload "
+                           "whose prompts may be longer is refused; 0: not known, not checked")
+
+    def check(self) -> None:
+        self.positive("params_b", "num_layers", "hidden", "num_heads", "total_kv_heads", "head_dim", "intermediate",
+                      "vocab", "block_size")
+        self.non_negative("experts", "experts_per_token", "shared_experts", "moe_intermediate", "dense_layers",
+                          "context")
+        self.choice("dtype", tuple(DTYPES))
+        self.choice("weight_dtype", tuple(WEIGHT_DTYPES))
+        if self.num_heads % self.total_kv_heads:
+            raise ConfigError(f"num_heads: {self.num_heads} query heads do not group over "
+                              f"{self.total_kv_heads} KV heads")
+        if self.experts:
+            if not 1 <= self.experts_per_token <= self.experts or not self.moe_intermediate:
+                raise ConfigError(f"experts: a mixture-of-experts model needs 1 <= experts_per_token <= experts "
+                                  f"({self.experts}) and moe_intermediate > 0, got {self.experts_per_token} and "
+                                  f"{self.moe_intermediate}")
+            if self.dense_layers > self.num_layers:
+                raise ConfigError(f"dense_layers: {self.dense_layers} of only {self.num_layers} layers")
+        elif self.experts_per_token or self.shared_experts or self.dense_layers:
+            raise ConfigError("experts_per_token, shared_experts and dense_layers describe a mixture-of-experts "
+                              "model: set experts > 0, or leave them 0")
+        self.non_negative("q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim")
+        self._check_layer_kinds()
+        if self.kv_lora_rank and not (self.kv_lora_rank < self.head_dim and self.qk_head_dim and self.v_head_dim):
+            raise ConfigError(f"kv_lora_rank: latent attention needs head_dim ({self.head_dim}) > kv_lora_rank "
+                              f"({self.kv_lora_rank}) and qk_head_dim, v_head_dim > 0")
+
+    def _check_layer_kinds(self) -> None:
+        """Window and state layers: each count with its size, and some layer left to page."""
+        self.non_negative("window", "window_layers", "state_layers", "state_bytes", "state_checkpoint")
+        self.at_most(window=1 << 20, state_bytes=1 << 30, state_checkpoint=1 << 20)
+        for count, size in (("window_layers", "window"), ("state_layers", "state_bytes")):
+            if bool(getattr(self, count)) != bool(getattr(self, size)):
+                raise ConfigError(f"{count}: {getattr(self, count)} with {size} {getattr(self, size)}: set both, "
+                                  "or neither")
+        if self.window_layers + self.state_layers > self.num_layers or self.state_layers >= self.num_layers:
+            raise ConfigError(f"window_layers + state_layers: {self.window_layers} + {self.state_layers} of "
+                              f"{self.num_layers} layers: more than there are, or no attention layer to page")
+        if self.kv_lora_rank and (self.window_layers or self.state_layers):
+            raise ConfigError("kv_lora_rank: a latent (MLA) model with window or state layers is not modeled")
+
+    @property
+    def full_layers(self) -> int:
+        """Layers attending to every token."""
+        return self.num_layers - self.window_layers - self.state_layers
+
+    @property
+    def attention_head_dim(self) -> float:
+        """The width one head's attention FLOPs go by: (query-key + value) / 2 under MLA."""
+        return (self.qk_head_dim + self.v_head_dim) / 2 if self.kv_lora_rank else self.head_dim
+
+    def attention_matrices(self, tp: int) -> tuple[tuple[str, float, float], ...]:
+        """One layer's attention projections on one of ``tp`` ranks: (name, K, N). Latent
+        attention (MLA) projects queries through a rank-``q_lora_rank`` bottleneck and keys and
+        values from the cached latent (its rotary part kept apart)."""
+        q, kv, d, h = self.num_heads, self.total_kv_heads, self.head_dim, self.hidden
+        if not self.kv_lora_rank:
+            return (("qkv", h, (q + 2 * kv) * d / tp), ("o", q * d / tp, h))
+        rope, qk, v, lat = d - self.kv_lora_rank, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank
+        query = ((("q_a", h, self.q_lora_rank), ("q_b", self.q_lora_rank, q * qk / tp)) if self.q_lora_rank
+                 else (("q", h, q * qk / tp),))
+        return (*query, ("kv_a", h, lat + rope), ("kv_b", lat, q * (qk - rope + v) / tp), ("o", q * v / tp, h))
+
+    def mlp_matrices(self, tp: int) -> dict[str, tuple[float, float]]:
+        """A layer's MLP matrices on one rank, dense and routed: name -> (K, N)."""
+        h, out = self.hidden, {}
+        if not self.experts or self.dense_layers:
+            out.update({"gate_up": (h, 2 * self.intermediate / tp), "down": (self.intermediate / tp, h)})
+        if self.experts:
+            w = self.moe_intermediate / tp
+            out.update({"expert_gate_up": (h, 2 * w), "expert_down": (w, h), "router": (h, self.experts)})
+            if self.shared_experts:
+                out.update({"shared_gate_up": (h, 2 * w * self.shared_experts),
+                            "shared_down": (w * self.shared_experts, h)})
+        return out
+
+
+@dataclass(frozen=True)
+class GpuSpec(Section):
+    """One GPU: datasheet figures, how near kernels come to them, the link between an instance's
+    GPUs, the engine's cost per step, and the memory left for the KV cache."""
+
+    name: str = setting("H100-SXM", "a label (or a preset's name: `kvstate simulate --gpu`)")
+    tflops: float = setting(989.0, "dense bf16 peak, TFLOP/s (datasheet)")
+    fp8_tflops: float = setting(1979.0, "dense fp8 peak, TFLOP/s (datasheet): W8A8 weights, fp8 or int8, run there "
+                                "(Hopper and Ada run int8 at the fp8 rate; the A100 preset, without fp8, gives "
+                                "its 16-bit rate)")
+    hbm_gbps: float = setting(3350.0, "HBM bandwidth, GB/s (datasheet)")
+    mfu: float = setting(0.79, "fraction of peak a large GEMM reaches (the efficiency curve's top; Hopper's "
+                                "GEMMs measured by `kvstate profile`)")
+    gemm_half_tokens: float = setting(24.0, "tokens in a step at which a GEMM reaches half of mfu (small "
+                                             "GEMMs fill few tiles)")
+    attn_mfu: float = setting(0.55, "fraction of peak a long prefill's attention reaches")
+    mbu: float = setting(0.85, "fraction of HBM bandwidth a GEMM reading its weights, or an element-wise kernel, "
+                               "reaches")
+    attn_mbu: float = setting(0.9, "fraction of HBM bandwidth attention reading the KV cache reaches")
+    kernel_us: float = setting(4.0, "fixed time of every kernel besides its FLOPs and bytes (launch, ramp-up, "
+                                    "tail), µs")
+    allreduce_us: float = setting(5.0, "latency of the one-shot (low-latency) all-reduce at TP 2, µs")
+    allreduce_ll_gbps: float = setting(200.0, "bus bandwidth the one-shot all-reduce reaches, GB/s")
+    allreduce_ring_us: float = setting(35.0, "latency of NCCL's ring all-reduce at TP 2, µs")
+    allreduce_gbps: float = setting(360.0, "bus bandwidth of the ring all-reduce on large messages, GB/s (NCCL's "
+                                           "busbw: NVLink 4 about 360, PCIe 4.0 about 20)")
+    custom_allreduce_mib: float = setting(8.0, "messages up to this size take the engine's one-shot custom "
+                                          "all-reduce (vLLM's CustomAllreduce default limit, 8 MiB), larger "
+                                          "ones NCCL: a profile's measured NCCL curve applies above it only")
+    mem_gib: float = setting(80.0, "GPU memory, GiB")
+    mem_util: float = setting(0.9, "fraction of memory for weights + KV cache")
+    step_overhead_ms: float = setting(0.3, "the engine's fixed time of a step besides its layers (input copies, "
+                                      "sampling, the sampled tokens' copy back; the CPU's scheduling overlaps)")
+    profile: str = setting("", "a measured profile (`kvstate profile`) to interpolate instead of the curves: "
+                               "a path relative to the scenario file, or a shipped one (h200-llama-2-7b-tp1, ...)")
+    calibration: str = setting("h100", "transfer cost calibration: a shipped name or a JSON path")
+    price_per_hour: float = setting(3.95, "USD per GPU-hour, for the plan's cost (0: not known); the default is the "
+                                          "H100-SXM preset's, and every preset carries a public on-demand list price "
+                                          "(kvstate.sim.gpus names whose)")
+
+    def check(self) -> None:
+        self.positive("tflops", "fp8_tflops", "hbm_gbps", "mfu", "attn_mfu", "mbu", "attn_mbu", "mem_gib", "mem_util",
+                      "allreduce_gbps", "allreduce_ll_gbps", "gemm_half_tokens")
+        if not 0 <= self.price_per_hour < float("inf"):
+            raise ConfigError(f"price_per_hour: must be a finite number of USD >= 0, got {self.price_per_hour!r}")
+        self.fraction("mfu", "attn_mfu", "mbu", "attn_mbu", "mem_util")
+        self.non_negative("step_overhead_ms", "allreduce_us", "allreduce_ring_us", "kernel_us", "custom_allreduce_mib")
+
+
+def layer_groups(m: ModelSpec, tp: int) -> tuple[LayerGroup, ...]:
+    """The cache's layer groups on one of ``tp`` ranks: window layers first, then state layers,
+    then the full-attention rest (the order is the simulator's: it charges bytes, not places);
+    none for a model whose every layer attends to every token."""
+    if not (m.window_layers or m.state_layers):
+        return ()
+    w, st = m.window_layers, m.state_layers
+    groups = []
+    if w:
+        groups.append(LayerGroup("window", tuple(range(w)), window=m.window))
+    if st:
+        groups.append(LayerGroup("state", tuple(range(w, w + st)), state_bytes=-(-m.state_bytes // tp),
+                                 checkpoint=m.state_checkpoint or m.block_size))
+    if w + st < m.num_layers:
+        groups.append(LayerGroup("full", tuple(range(w + st, m.num_layers))))
+    return tuple(groups)
+
+
+# -- [cluster] and [scheduler]: the instances ------------------------------------------------------
+
+MAX_INSTANCES = 1024  #: P or D instances (each holds a block pool: ~50 bytes a block)
+MAX_TP = 64
+MAX_BLOCKS = 1 << 26  #: GPU or host blocks over every instance of a run
+MAX_BATCH = 1 << 16  #: decode_max_batch
+MAX_TOKENS = 1 << 24  #: prefill_token_budget, input_max, output_max
+MODES = ("pd", "colocated")  #: ``cluster.mode``
+
+
+@dataclass(frozen=True)
+class ClusterSpec(Section):
+    """P and D instances (or co-located ones), their TP degree and their schedulers' limits."""
+
+    mode: str = setting("pd", f"one of {list(MODES)}: prefill and decode on separate instances (P and D, the "
+                        "cache moving through the storage pool), or both on each instance ([scheduler])")
+    n_instances: int = setting(1, "co-located instances (mode colocated; requests go to the least loaded)")
+    n_prefill: int = setting(2, "prefill (P) instances")
+    n_decode: int = setting(2, "decode (D) instances")
+    tp: int = setting(2, "tensor-parallel GPUs per instance (per P instance when d_tp is set)")
+    d_tp: int = setting(0, "tensor-parallel GPUs per D instance; 0: tp (P and D of different degrees store "
+                        "head groups both split: kvstate.spec.paired)")
+    d_gpu: str = setting("", "D instances' GPU, a preset (H100-SXM, H200, H100-PCIe, A100-SXM-80G, L40S); "
+                         "empty: [gpu]'s (P on one kind, D on another)")
+    d_price_per_hour: float = setting(0.0, "USD per D GPU-hour; 0: the d_gpu preset's price ([gpu]'s without d_gpu)")
+    expert_parallel: bool = setting(False, "a mixture-of-experts model's experts spread whole over an instance's "
+                                    "TP ranks (vLLM's --enable-expert-parallel) instead of each expert split over "
+                                    "them: each MoE layer sends its tokens to their experts' ranks and back "
+                                    "(two all-to-alls) instead of one all-reduce")
+    gpu_blocks: int = setting(0, "KV blocks per instance; 0: what GPU memory leaves after the weights")
+    prefill_token_budget: int = setting(16384, "tokens of new prompts batched into one prefill forward")
+    decode_max_batch: int = setting(256, "requests decoded together in one step")
+    staging_mib: int = setting(64, "pinned staging per rank (transfers pipeline in pieces of this size)")
+    transfer_workers: int = setting(2, "transfer workers per rank and direction (read / write)")
+    host_blocks: int = setting(0, "host tier slots per instance (pinned host memory, one block each): P looks "
+                             "prefixes up there first, D swaps preempted caches there; 0: none")
+    prefix_cache: bool = setting(False, "keep finished prompts' blocks on the GPU, idle, evicted least recently "
+                                   "used: P and D look prefixes up there before the host tier and storage")
+    layerwise: bool = setting(False, "P stores each layer of the cache as its prefill computes it, so only the last "
+                                "layer's share trails the prefill; D reads layer by layer (timed as a read)")
+    state_pages: int = setting(0, "state pages per P or D instance, for a model with state layers (Mamba, linear "
+                               "attention): a live request holds one (P two while its prompt passes a "
+                               "checkpoint), a request finding none waits (P) or is refused (D), and their "
+                               "memory comes out of the blocks'; 0: decode_max_batch (co-located: a seat's page "
+                               "each, [scheduler] max_num_seqs)")
+
+    @property
+    def instances(self) -> int:
+        """Instances of the mode in use: each is ``tp`` GPUs (a D ``d_tp``) with its own blocks."""
+        return self.n_instances if self.mode == "colocated" else self.n_prefill + self.n_decode
+
+    @property
+    def decode_tp(self) -> int:
+        """A D instance's TP degree."""
+        return self.d_tp or self.tp
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the instances of the mode in use."""
+        if self.mode == "colocated":
+            return self.n_instances * self.tp
+        return self.n_prefill * self.tp + self.n_decode * self.decode_tp
+
+    def check(self) -> None:
+        self.choice("mode", MODES)
+        self.positive("n_instances", "n_prefill", "n_decode", "tp", "prefill_token_budget", "decode_max_batch",
+                      "staging_mib", "transfer_workers")
+        self.non_negative("gpu_blocks", "host_blocks", "d_tp", "state_pages")
+        if not 0 <= self.d_price_per_hour < float("inf"):
+            raise ConfigError(f"d_price_per_hour: must be a finite number of USD >= 0, got {self.d_price_per_hour!r}")
+        if self.d_gpu:
+            from .gpus import gpu_fields
+
+            gpu_fields(self.d_gpu, "d_gpu")
+        self.at_most(n_instances=MAX_INSTANCES, n_prefill=MAX_INSTANCES, n_decode=MAX_INSTANCES, tp=MAX_TP, d_tp=MAX_TP,
+                     decode_max_batch=MAX_BATCH, prefill_token_budget=MAX_TOKENS, transfer_workers=64,
+                     staging_mib=1 << 16, state_pages=MAX_BATCH)
+        for name in ("gpu_blocks", "host_blocks"):
+            total = getattr(self, name) * self.instances
+            if total > MAX_BLOCKS:
+                raise ConfigError(f"{name}: {getattr(self, name):,} blocks on each of {self.instances} "
+                                  f"instances is {total:,}; a run holds at most {MAX_BLOCKS:,} (~50 bytes each)")
+        if self.mode == "colocated":
+            for name in ("host_blocks", "layerwise", "prefix_cache", "d_tp", "state_pages", "d_gpu",
+                         "d_price_per_hour"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name}: a PD setting; a co-located instance has no host tier, moves no cache, "
+                                      "caches prefixes as [scheduler] prefix_caching says and holds a state page "
+                                      "a seat")
+
+
+@dataclass(frozen=True)
+class SchedulerSpec(Section):
+    """A co-located instance's scheduler, as vLLM v1's (``cluster.mode = "colocated"``)."""
+
+    max_num_batched_tokens: int = setting(8192, "token budget of one step: decode tokens, then prompt chunks")
+    max_num_seqs: int = setting(256, "requests running at once (decoding or prefilling)")
+    chunked_prefill: bool = setting(True, "split a prompt over steps to fit the budget, beside the decoding "
+                                    "requests; off, a prompt runs whole or waits")
+    prefix_caching: bool = setting(True, "keep computed prompt blocks on the GPU, idle, evicted least recently "
+                                   "used; an admitted prompt takes its cached prefix back")
+    max_model_len: int = setting(0, "prompt + answer tokens beyond which a request is refused (400); 0: what "
+                                 "the instance's blocks hold")
+    async_scheduling: bool = setting(True, "schedule each step while the one before runs (vLLM's default since "
+                                     "0.14): an arrival joins the step after the next")
+    frontend_ms: float = setting(0.0, "the serving front end's time on each request's path (HTTP, tokenizing, "
+                                 "handing over, streaming the first token), added to its TTFT and E2E")
+
+    def check(self) -> None:
+        self.positive("max_num_batched_tokens", "max_num_seqs")
+        self.non_negative("max_model_len", "frontend_ms")
+        self.at_most(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_BATCH, max_model_len=MAX_TOKENS)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens: {self.max_num_batched_tokens} is less than max_num_seqs "
+                              f"{self.max_num_seqs}: a step must hold a token of every running request")
+        if not self.chunked_prefill and 0 < self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"max_num_batched_tokens: without chunked prefill it must hold the longest prompt "
+                              f"(max_model_len {self.max_model_len})")
+
+
+# -- the other sections and the scenario -----------------------------------------------------------
 
 DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "exponential")
 ARRIVALS = ("poisson", "gamma", "trace")
