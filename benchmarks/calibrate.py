@@ -4,7 +4,7 @@
 
 Times ``swap_cache_layout`` (``auto`` strategy, 32 layers, random GPU block ids, as the
 backend's transfers) for a grid of chunk sizes and block counts in both directions, builds
-the :mod:`kvstate.kernels.cost` table from part of the grid and reports the prediction
+the :mod:`kvstate.kernels._cost` table from part of the grid and reports the prediction
 error on the rest: block counts never fitted (``held_out_counts``) and chunk sizes never
 fitted (``between_sizes``). ``--out`` gets ``{"model": ..., "measurements": [...], "fidelity": {...}}``,
 loadable by ``TransferCostModel.load(path)``; the shipped ``kvstate/kernels/calibration/h100.json``
@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kernels import limits, median_time  # noqa: E402  (benchmarks/kernels.py: the same timing method)
 
-from kvstate.kernels.cost import fit_cost_model  # noqa: E402
-from kvstate.kernels.cuda import CudaSwapper, load_cupy  # noqa: E402
+from kvstate.kernels._cost import fit_cost_model  # noqa: E402
+from kvstate.kernels._cuda import CudaSwapper, load_cupy  # noqa: E402
 
 LAYERS = 32
 SHAPES = {  # chunk bytes -> [heads, block_size, head_dim] of uint16

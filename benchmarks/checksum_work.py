@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 
 from kvstate import CacheSpec  # noqa: E402
 from kvstate.backends import MemoryStore  # noqa: E402
-from kvstate.backends.cuda_sums import DeviceSums  # noqa: E402
-from kvstate.backends.manifested import BlockObjects  # noqa: E402
+from kvstate.backends._cuda_sums import DeviceSums  # noqa: E402
+from kvstate.backends._manifested import BlockObjects  # noqa: E402
 
 #: the checksum path's steps: (class, method name, what it does)
 #: (D's SUM64 of what landed is a launch and a fetch: counted there, not twice)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
 
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends import CudaBackend
     spec = CacheSpec(num_layers=32, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", tp_size=1)
     n = spec.blocks_for(8192)
     keys, src, dst = [f"r:{i}" for i in range(n)], list(range(n)), list(range(n, 2 * n))

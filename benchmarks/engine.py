@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate.kernels.cuda import CudaSwapper, load_cupy  # noqa: E402
+from kvstate.kernels._cuda import CudaSwapper, load_cupy  # noqa: E402
 
 L, N, n = 32, 4096, 256
 CHUNKS = [(131072, (8, 64, 128), "uint16"), (16384, (1, 64, 128), "uint16"), (4096, (1, 16, 128), "uint16"),
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the JSON here")
     args = ap.parse_args(argv)
     cp = load_cupy()
-    from kvstate.kernels import ids
+    from kvstate.kernels import _ids as ids
 
     out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "date": time.strftime("%Y-%m-%d"),
            "id_packer": "compiled" if ids.id_packer is not None else "python", "rounds": args.rounds}

@@ -49,10 +49,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving_model import DryModel, figures_overrides, fitted, forwards  # noqa: E402
 
-from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle  # noqa: E402
+from kvstate import (  # noqa: E402
+    CacheSpec,
+    DecodeLifecycle,
+    Policy,
+    PrefillLifecycle,
+    block_keys,  # noqa: E402
+)
 from kvstate import commands as C  # noqa: E402
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver  # noqa: E402
-from kvstate.keys import block_keys  # noqa: E402
 from kvstate.sim import Scenario, simulate, with_overrides  # noqa: E402
 
 BLOCK, KV_HEADS, HEAD_DIM = 64, 8, 128
@@ -86,7 +91,7 @@ def make_backend(model: Any, spec: CacheSpec, blocks: int, store: Any, side: str
     """P's or D's backend over ``model``'s pages (the numpy backend for the stand-in)."""
     if isinstance(model, DryModel):
         return ReferenceBackend(spec, blocks, store)
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends import CudaBackend
     return CudaBackend(spec, blocks, store, caches=[model.p_cache if side == "P" else model.d_cache])
 
 

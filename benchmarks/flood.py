@@ -37,8 +37,9 @@ import zmq  # noqa: E402
 
 from kvstate import CacheSpec  # noqa: E402
 from kvstate import commands as C  # noqa: E402
-from kvstate.backends.arena import ArenaStore  # noqa: E402
-from kvstate.distributed import ProcessDriver, SharedCaches, wire  # noqa: E402
+from kvstate.backends import ArenaStore  # noqa: E402
+from kvstate.distributed import ProcessDriver, SharedCaches  # noqa: E402
+from kvstate.distributed import _wire as wire
 
 SPEC = CacheSpec(num_layers=4, kv_heads=4, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
 

@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # the optional C id packer, built for this Python (setup.py does it on a normal install)
 python3 -c 'import subprocess, sysconfig as s; c = ["gcc", "-O2", "-shared", "-fPIC", "-I" + s.get_paths()["include"],
-  "kvstate/kernels/idpack.c", "-o", "kvstate/kernels/idpack" + s.get_config_var("EXT_SUFFIX")]; print(*c, "->", subprocess.run(c).returncode)' 2>&1 | tee "$OUT/idpack.log"
+  "kvstate/kernels/_idpack.c", "-o", "kvstate/kernels/idpack" + s.get_config_var("EXT_SUFFIX")]; print(*c, "->", subprocess.run(c).returncode)' 2>&1 | tee "$OUT/idpack.log"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
 date -u | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -m gpu tests/ ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"

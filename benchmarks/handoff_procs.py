@@ -36,15 +36,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate import CacheSpec  # noqa: E402
+from kvstate import CacheSpec, rank_key  # noqa: E402
 from kvstate import commands as C  # noqa: E402
-from kvstate.backends import FileStore, MemoryStore, ThreadedDriver  # noqa: E402
-from kvstate.backends.base import as_bytes_view  # noqa: E402
-from kvstate.backends.cuda import CudaBackend  # noqa: E402
-from kvstate.distributed import ProcessDriver  # noqa: E402
-from kvstate.distributed.cudaipc import share_caches  # noqa: E402
-from kvstate.distributed.shm import shm_directory  # noqa: E402
-from kvstate.keys import rank_key  # noqa: E402
+from kvstate.backends import (  # noqa: E402
+    CudaBackend,  # noqa: E402
+    FileStore,
+    MemoryStore,
+    ThreadedDriver,
+)
+from kvstate.backends._base import as_bytes_view  # noqa: E402
+from kvstate.distributed import ProcessDriver, share_caches  # noqa: E402
+from kvstate.distributed._shm import shm_directory  # noqa: E402
 
 SPEC = CacheSpec(num_layers=32, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", tp_size=1)
 N = 128  # blocks of an 8,192-token prompt
@@ -125,14 +127,13 @@ def store_seconds(store, reps: int) -> tuple[float, float]:
 def open_store(store: str, tmp: str) -> tuple:
     """(the in-process store, the worker store configuration or None, a master to stop or None)."""
     if store == "mooncake":
-        from kvstate.backends.mooncake import MooncakeStore
-        from kvstate.backends.mooncake_master import MooncakeMaster
+        from kvstate.backends import MooncakeMaster, MooncakeStore
 
         master = MooncakeMaster(log_path=os.path.join(tmp, "master.log")).start()
         mc = master.config(global_segment_size=6 << 30, local_buffer_size=256 << 20, staging_bytes=256 << 20)
         return MooncakeStore(mc), {"kind": "mooncake", **dataclasses.asdict(mc)}, master
     if store == "arena":
-        from kvstate.backends.arena import ArenaStore
+        from kvstate.backends import ArenaStore
 
         arena = ArenaStore.create(SPEC.block_bytes("key"), 4 * N, tag="llama-3-8b-bench")
         return arena, {"kind": "arena", "path": arena.path, "slot_bytes": SPEC.block_bytes("key")}, None

@@ -8,7 +8,7 @@ A Llama-3-8B-shaped cache (32 layers, 8 KV heads of 128, bf16, blocks of 64 toke
 each rank on its own thread as a threaded driver runs them, through a ``MemoryStore``:
 
 - ``TP 2 -> TP 2``: the default layout, one object per rank, block and kind;
-- ``TP 4 -> TP 2``: head groups of 2 heads (``kvstate.spec.paired``), each D rank reading two;
+- ``TP 4 -> TP 2``: head groups of 2 heads (``kvstate._spec.paired``), each D rank reading two;
 - ``TP 1 -> TP 8`` and ``TP 8 -> TP 1``: head groups of one head.
 
 Reported per pair: bytes P stored, objects in the store, the handoff's median time over
@@ -30,9 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from kvstate import CacheSpec  # noqa: E402
+from kvstate import CacheSpec, paired  # noqa: E402
 from kvstate.backends import MemoryStore, ReferenceBackend  # noqa: E402
-from kvstate.spec import paired  # noqa: E402
 
 HEADS, LAYERS, BLOCK, DIM = 8, 32, 64, 128
 PAIRS = [(2, 2), (4, 2), (1, 8), (8, 1)]
@@ -51,7 +50,7 @@ class Side:
         if kind == "ref":
             self.b: Any = ReferenceBackend(spec, blocks, store)
         else:
-            from kvstate.backends.cuda import CudaBackend
+            from kvstate.backends import CudaBackend
             self.b = CudaBackend(spec, blocks, store)
 
     def layers(self, r: int, kind: str) -> list[Any]:

@@ -28,8 +28,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvstate import CacheSpec, DecodeLifecycle, Policy  # noqa: E402
-from kvstate.backends import MemoryStore, StepDriver  # noqa: E402
-from kvstate.backends.cuda import CudaBackend  # noqa: E402
+from kvstate.backends import (  # noqa: E402
+    CudaBackend,  # noqa: E402
+    MemoryStore,
+    StepDriver,
+)
 
 SPEC = CacheSpec(num_layers=32, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", tp_size=1)
 

@@ -29,10 +29,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle  # noqa: E402
+from kvstate import (  # noqa: E402
+    CacheSpec,
+    DecodeLifecycle,
+    Policy,
+    PrefillLifecycle,
+    block_keys,  # noqa: E402
+)
 from kvstate import commands as C  # noqa: E402
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver, Store  # noqa: E402
-from kvstate.keys import block_keys  # noqa: E402
 from kvstate.testing import fill_blocks, mismatched_blocks  # noqa: E402
 
 FAULTS = ("corrupt", "short", "missing")

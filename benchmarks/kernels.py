@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate.kernels.cuda import CudaSwapper, choose_strategy, load_cupy  # noqa: E402
+from kvstate.kernels._cuda import CudaSwapper, choose_strategy, load_cupy  # noqa: E402
 
 #: the physical limits of ../shared/anchors/README.md (H100, 1 GiB pinned copies)
 ANCHOR_LIMIT = {"d2h": 54.7, "h2d": 51.9}
@@ -135,7 +135,7 @@ def overhead(cp, sw) -> dict:
     import io
     import pstats
 
-    from kvstate.kernels.plan import plan_layout
+    from kvstate.kernels._plan import plan_layout
 
     L, N, n, shape = 32, 4096, 256, (3, 5, 7)
     caches = [cp.random.randint(0, 255, (N,) + shape).astype("uint8") for _ in range(L)]
@@ -223,8 +223,7 @@ def _stage_times(cp, spec, p, d, store, run, src, dst, reps: int, trusted=None) 
 
 def handoff(cp, reps: int) -> dict:
     from kvstate import CacheSpec
-    from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends import CudaBackend, MemoryStore
 
     spec = CacheSpec(num_layers=32, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", tp_size=1)
     nblocks = spec.blocks_for(8192)
@@ -279,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     cp = load_cupy()
     reps = 3 if args.quick else 5
     props = cp.cuda.runtime.getDeviceProperties(0)
-    from kvstate.kernels import ids
+    from kvstate.kernels import _ids as ids
 
     out = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d"),
            "id_packer": "compiled" if ids.id_packer is not None else "python"}

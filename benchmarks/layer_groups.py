@@ -15,7 +15,7 @@
   whole read, and whether every byte it needs arrived.
 - **Held on D**: the GPU bytes D's lifecycle holds for that conversation after 64 decode steps,
   with one block table (a block holds every layer: nothing behind the window is freed while a
-  full layer needs it) and with a table per layer group (:mod:`kvstate.tables`: the window
+  full layer needs it) and with a table per layer group (:mod:`kvstate._tables`: the window
   groups' blocks behind the window freed), on the Gemma-2 (alternating, 46 layers) and Gemma-3
   (five to one, 62 layers; its window layers cut into groups as large as the full group) shapes.
 """
@@ -32,10 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from kvstate import CacheSpec  # noqa: E402
+from kvstate import CacheSpec, LayerGroup, block_keys  # noqa: E402
 from kvstate.backends import MemoryStore, ReferenceBackend  # noqa: E402
-from kvstate.keys import block_keys  # noqa: E402
-from kvstate.layers import LayerGroup  # noqa: E402
 
 TP, LAYERS, BLOCK, LATENT = 8, 8, 64, 576
 
@@ -121,11 +119,11 @@ def gemma_groups(layers: int, every: int, window: int, split: bool) -> tuple[Lay
 def window_held(tokens: int = 32768, steps: int = 64) -> dict[str, Any]:
     """GPU bytes D's lifecycle holds per rank for one conversation of ``tokens`` tokens after
     ``steps`` decode steps (W = 4,096, blocks of 64, 16 KV heads of 128 in bf16), one block
-    table against a table per group (:mod:`kvstate.tables`): the pool's blocks held times the
+    table against a table per group (:mod:`kvstate._tables`): the pool's blocks held times the
     bytes of a block (every layer, or a page of the largest group's layers)."""
     from kvstate import DecodeLifecycle
+    from kvstate._tables import page_layers
     from kvstate.events import Completion
-    from kvstate.tables import page_layers
 
     out: dict[str, Any] = {}
     for shape, layers, every in (("gemma2", 46, 2), ("gemma3", 62, 6)):

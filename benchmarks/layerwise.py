@@ -49,8 +49,11 @@ from fast_llama import HEAD_DIM, KV_HEADS, FastLlama  # noqa: E402
 
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle  # noqa: E402
 from kvstate import commands as C  # noqa: E402
-from kvstate.backends import MemoryStore, ThreadedDriver  # noqa: E402
-from kvstate.backends.cuda import CudaBackend  # noqa: E402
+from kvstate.backends import (  # noqa: E402
+    CudaBackend,  # noqa: E402
+    MemoryStore,
+    ThreadedDriver,
+)
 
 BLOCK = 64
 
@@ -300,7 +303,7 @@ def main() -> int:
         sys.setswitchinterval(args.switch_ms / 1000)
     import torch
 
-    from kvstate.keys import block_keys
+    from kvstate import block_keys
     rig = Rig(torch, args.tokens, args.groups, args.copy_threads)
     times: dict[str, list[float]] = {"prefill": [], "serial": [], "layerwise": [], "at_launch": []}
     try:

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstate import CacheSpec, DecodeLifecycle, PrefillLifecycle, block_keys  # noqa: E402
 from kvstate import commands as C  # noqa: E402
+from kvstate._machine import CompiledMachine, StockMachine  # noqa: E402
 from kvstate.backends import StepDriver  # noqa: E402
-from kvstate.machine import CompiledMachine, StockMachine  # noqa: E402
 
 SPEC = CacheSpec(num_layers=32, kv_heads=4, block_size=64, head_dim=128, tp_size=2)
 PROMPT_TOKENS = 500  # 8 blocks of 64, the last one partial

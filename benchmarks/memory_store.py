@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from kvstate import rank_key  # noqa: E402
 from kvstate.backends import MemoryStore  # noqa: E402
-from kvstate.backends.base import as_bytes_view  # noqa: E402
-from kvstate.keys import rank_key  # noqa: E402
+from kvstate.backends._base import as_bytes_view  # noqa: E402
 
 SIZE, BLOCKS, KINDS = 128 << 10, 128, ("key", "value")
 

@@ -10,7 +10,7 @@ eager ``transformers`` with SDPA attention runs it (``--engine transformers``):
 - prefill of one prompt, 256 to 16k tokens (the last token's logits only);
 - one decode step of ``b`` requests holding ``c`` tokens each, for batches 1 to 256.
 
-Nothing is fitted: the compute model (:mod:`kvstate.sim.compute`) predicts every point from the
+Nothing is fitted: the compute model (:mod:`kvstate.sim._compute`) predicts every point from the
 model's shapes and the GPU's datasheet through its roofline defaults, and, with ``--profile``,
 through kernels measured on the GPU (``kvstate profile``). ``--rows`` compares the points of an
 earlier run's JSON again, on any machine.
@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvstate.sim import Scenario, with_overrides  # noqa: E402
-from kvstate.sim.compute import ComputeModel  # noqa: E402
+from kvstate.sim._compute import ComputeModel  # noqa: E402
 
 PREFILL = [256, 512, 1024, 2048, 4096, 8192, 12288, 16384]
 DECODE = [(1, 1024), (1, 8192), (4, 4096), (8, 1024), (8, 8192), (16, 2048), (32, 1024), (32, 4096),
@@ -113,7 +113,7 @@ def sim_times(rows: list[dict], figures: dict) -> np.ndarray:
 
 def gpu_fields(name: str) -> dict:
     """The datasheet figures of the GPU the points were measured on (a preset)."""
-    from kvstate.sim.gpus import gpu_overrides
+    from kvstate.sim._gpus import gpu_overrides
 
     key = "H200" if "H200" in name else "H100-SXM"
     return gpu_overrides(key)

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate.kernels.plan import LayerSet, plan_layout  # noqa: E402
+from kvstate.kernels._plan import LayerSet, plan_layout  # noqa: E402
 
 LAYERS, BLOCKS, CHUNK = 32, 256, (1, 1, 8)
 POOLS = (1_000, 100_000, 1_000_000)

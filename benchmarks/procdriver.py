@@ -3,7 +3,7 @@
     python benchmarks/procdriver.py [--json] [--rounds 12] [--ranks 1 4]
 
 Per-command overhead: one command at a time, submitted and polled until every rank answered,
-through a :class:`~kvstate.backends.drivers.ThreadedDriver` (in-process worker threads) and a
+through a :class:`~kvstate.backends._drivers.ThreadedDriver` (in-process worker threads) and a
 :class:`~kvstate.distributed.ProcessDriver` (a rank worker process per rank), alternating
 rounds of 200 round trips between the two so a noisy host weighs on both alike. Two
 commands: a write of no keys (nothing to move: the drivers' own cost) and a write of one
@@ -29,7 +29,7 @@ from kvstate import CacheSpec  # noqa: E402
 from kvstate import commands as C  # noqa: E402
 from kvstate.backends import FileStore, ReferenceBackend, ThreadedDriver  # noqa: E402
 from kvstate.distributed import ProcessDriver, SharedCaches  # noqa: E402
-from kvstate.distributed.shm import shm_directory  # noqa: E402
+from kvstate.distributed._shm import shm_directory  # noqa: E402
 
 BLOCKS = 64
 _ids = iter(range(1, 1 << 62))

@@ -7,7 +7,7 @@ on an H100 (an extract is in ``benchmarks/data/vidur_h100_llama2_7b_tp1_ops.csv`
 did not produce. For each operator and step size the table gives the simulator's time on an
 H100 SXM, as a ratio to Vidur's, two ways:
 
-- ``roofline``: the compute model's defaults and the H100's datasheet (:mod:`kvstate.sim.compute`);
+- ``roofline``: the compute model's defaults and the H100's datasheet (:mod:`kvstate.sim._compute`);
 - ``H200 profile``: the kernels ``kvstate profile`` measured on the device machine's H200
   (``h200-llama-2-7b-tp1``, shipped), each carried to the H100 by the ratio of the two
   datasheets' figures for the bound it ran under there (HBM bandwidth for a memory-bound
@@ -31,11 +31,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from kvstate.sim.compute import ComputeModel  # noqa: E402
-from kvstate.sim.gpus import gpu_overrides  # noqa: E402
-from kvstate.sim.models import MODELS  # noqa: E402
-from kvstate.sim.scenario import Scenario  # noqa: E402
-from kvstate.sim.scenario_io import with_overrides  # noqa: E402
+from kvstate.sim import Scenario, with_overrides  # noqa: E402
+from kvstate.sim._compute import ComputeModel  # noqa: E402
+from kvstate.sim._gpus import gpu_overrides  # noqa: E402
+from kvstate.sim._models import MODELS  # noqa: E402
 
 DATA = os.path.join(HERE, "data", "vidur_h100_llama2_7b_tp1_ops.csv")
 OPS = {"qkv": ("attn_pre_proj",), "o": ("attn_post_proj",), "gate_up": ("mlp_up_proj",),

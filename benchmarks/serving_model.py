@@ -267,9 +267,8 @@ def figures_overrides(mfu: float, mbu: float, overhead_ms: float, half_tokens: f
 def predict(rows: list[dict[str, Any]], mfu: float, mbu: float, overhead_ms: float,
             half_tokens: float) -> np.ndarray:
     """The simulator's compute model's times (ms) for ``rows`` (one GPU) with these figures."""
-    from kvstate.sim.compute import ComputeModel
-    from kvstate.sim.scenario import Scenario
-    from kvstate.sim.scenario_io import with_overrides
+    from kvstate.sim import Scenario, with_overrides
+    from kvstate.sim._compute import ComputeModel
 
     figures = figures_overrides(mfu, mbu, overhead_ms, half_tokens)
     cm = ComputeModel(with_overrides(Scenario(), {"cluster.tp": 1, **figures}))

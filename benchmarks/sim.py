@@ -6,7 +6,7 @@
   simulated requests per wall second (best run) and whether every ``--json`` document is
   byte-identical;
 - the shipped Mooncake synthetic trace (3,993 requests, 64 % block reuse): wall seconds;
-- a 12,000-request conversation-style trace (``kvstate.sim.conversation``, seed 0, 37 % block
+- a 12,000-request conversation-style trace (``kvstate.sim._conversation``, seed 0, 37 % block
   reuse), generated into a temporary file: wall seconds;
 - the co-located mode (``cluster.mode = "colocated"``) replaying the 16,800 requests of the
   real vLLM "general" run (``benchmarks/vllm_groundtruth.py``'s scenario and trace, Llama-2-7B
@@ -35,7 +35,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # this ch
 sys.path.insert(0, ROOT)
 
 from kvstate.sim import Scenario, simulate, to_json, with_overrides  # noqa: E402
-from kvstate.sim.conversation import block_reuse, conversation_trace, write_trace  # noqa: E402
+from kvstate.sim._conversation import block_reuse, conversation_trace, write_trace  # noqa: E402
 
 TRACE = os.path.join(ROOT, "data", "mooncake_synthetic_trace.jsonl")
 
@@ -60,8 +60,8 @@ def colocated_general() -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from vllm_groundtruth import DEFAULT_DATA, load_run, write_inputs
 
-    from kvstate.sim.models import model_from_hf_config
-    from kvstate.sim.scenario_io import load_scenario
+    from kvstate.sim import load_scenario
+    from kvstate.sim._models import model_from_hf_config
     run_dir = DEFAULT_DATA / "runs" / GENERAL_RUN
     if not run_dir.is_dir():
         return {"colocated_general": f"skipped: {run_dir} not found"}

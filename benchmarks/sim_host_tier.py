@@ -20,8 +20,12 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from kvstate.sim import Scenario, simulate, with_overrides  # noqa: E402
-from kvstate.sim.workload import load_trace  # noqa: E402
+from kvstate.sim import (  # noqa: E402
+    Scenario,
+    load_trace,  # noqa: E402
+    simulate,
+    with_overrides,
+)
 
 TRACE = os.path.join(ROOT, "data", "mooncake_synthetic_trace.jsonl")
 

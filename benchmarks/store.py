@@ -23,8 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstate.backends.mooncake import MooncakeStore  # noqa: E402
-from kvstate.backends.mooncake_master import MooncakeMaster  # noqa: E402
+from kvstate.backends import MooncakeMaster, MooncakeStore  # noqa: E402
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 

@@ -12,8 +12,8 @@ the median over the rounds (the bar's figure):
   8): this host's multi-threaded memory-copy bandwidth, the bar (puts and gets at ≥ 80 % of it);
 - ``MemoryStore`` put and get, ``ArenaStore`` put and get (its shared-memory slots: what the
   numpy backend moves through across processes), ``FileStore`` put and get in ``--dir``
-  (``/dev/shm``: tmpfs), each plain and hashed (the checksums of :mod:`kvstate.backends.integrity` taken as they copy);
-- ``xxh3``: the checksums of :mod:`kvstate.backends.integrity` over the same bytes, on one core
+  (``/dev/shm``: tmpfs), each plain and hashed (the checksums of :mod:`kvstate.backends._integrity` taken as they copy);
+- ``xxh3``: the checksums of :mod:`kvstate.backends._integrity` over the same bytes, on one core
   and on the stores' threads.
 """
 from __future__ import annotations
@@ -33,10 +33,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from kvstate.backends import FileStore, MemoryStore  # noqa: E402
-from kvstate.backends.arena import ArenaStore  # noqa: E402
-from kvstate.backends.integrity import Hasher  # noqa: E402
-from kvstate.backends.stores import default_threads  # noqa: E402
+from kvstate.backends import (  # noqa: E402
+    ArenaStore,  # noqa: E402
+    FileStore,
+    MemoryStore,
+)
+from kvstate.backends._integrity import Hasher  # noqa: E402
+from kvstate.backends._stores import default_threads  # noqa: E402
 
 
 def rounds(rows: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:

@@ -6,7 +6,7 @@ For each TP degree and a few decode batches (each request holding ``--context`` 
 simulator's compute model gives one decode step's time and how much of it the two all-reduces
 a layer take, with the link figures of the GPU preset (printed above the table: the one-shot
 and ring algorithms' latency and bus bandwidth, and where they come from:
-:mod:`kvstate.sim.gpus`). The speed-up column is TP 1's step over this one's: perfect scaling
+:mod:`kvstate.sim._gpus`). The speed-up column is TP 1's step over this one's: perfect scaling
 would read the TP degree.
 """
 from __future__ import annotations
@@ -19,11 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate.sim.compute import ComputeModel  # noqa: E402
-from kvstate.sim.gpus import GPUS, gpu_overrides  # noqa: E402
-from kvstate.sim.models import resolve_model  # noqa: E402
-from kvstate.sim.scenario import Scenario  # noqa: E402
-from kvstate.sim.scenario_io import with_overrides  # noqa: E402
+from kvstate.sim import Scenario, with_overrides  # noqa: E402
+from kvstate.sim._compute import ComputeModel  # noqa: E402
+from kvstate.sim._gpus import GPUS, gpu_overrides  # noqa: E402
+from kvstate.sim._models import resolve_model  # noqa: E402
 
 TPS = (1, 2, 4, 8)
 BATCHES = (1, 16, 64, 256)

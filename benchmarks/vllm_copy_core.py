@@ -20,8 +20,7 @@ from pathlib import Path
 
 
 def open_store(kind: str, per_object: int, n: int):
-    from kvstate.backends.arena import ArenaStore
-    from kvstate.backends.stores import MemoryStore
+    from kvstate.backends import ArenaStore, MemoryStore
 
     return MemoryStore(4 << 30) if kind == "memory" else ArenaStore.create(per_object, 4 * n, small_bytes=1024)
 
@@ -29,10 +28,9 @@ def open_store(kind: str, per_object: int, n: int):
 def main() -> None:
     import torch
 
-    from kvstate import CacheSpec
+    from kvstate import CacheSpec, block_keys
     from kvstate.commands import ReadBlocks, WriteBlocks
-    from kvstate.integrations.pagedkv import RankTransfers
-    from kvstate.keys import block_keys
+    from kvstate.integrations._pagedkv import RankTransfers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)

@@ -9,9 +9,9 @@ tests and integrators.
 from __future__ import annotations
 
 from . import commands, events
-from .blocks import BlockManager, EngineBlocks
-from .decode import DECODE, DecodeLifecycle
-from .errors import (
+from ._blocks import BlockManager, EngineBlocks
+from ._decode import DECODE, DecodeLifecycle
+from ._errors import (
     BlockError,
     ConfigError,
     DriverError,
@@ -25,13 +25,16 @@ from .errors import (
     UnknownRequestError,
     ValidationError,
 )
-from .keys import KeyCache, block_keys, rank_key
-from .lifecycle import Lifecycle
-from .machine import MachineDef
-from .policy import Policy
-from .pool import BlockPool, PoolStats
-from .prefill import PREFILL, PrefillLifecycle
-from .spec import CacheSpec
+from ._keys import KeyCache, block_keys, rank_key
+from ._layers import LayerGroup
+from ._lifecycle import Lifecycle
+from ._machine import MachineDef
+from ._policy import Policy
+from ._pool import FREED, BlockPool, PoolStats
+from ._prefill import PREFILL, PrefillLifecycle
+from ._spec import CacheSpec, paired
+from ._tables import rows, slot_of_layer, table_of_layer
+from ._timeline import Timeline
 
 __version__ = "0.2.0"
 
@@ -40,7 +43,7 @@ MACHINES: dict[str, MachineDef] = {PREFILL.name: PREFILL, DECODE.name: DECODE}
 
 __all__ = [
     "CacheSpec", "BlockPool", "PoolStats", "BlockManager", "EngineBlocks", "Policy", "block_keys", "rank_key",
-    "KeyCache",
+    "KeyCache", "LayerGroup", "paired", "FREED", "rows", "slot_of_layer", "table_of_layer", "Timeline",
     "Lifecycle", "PrefillLifecycle", "DecodeLifecycle", "MachineDef", "MACHINES", "PREFILL", "DECODE",
     "commands", "events",
     "KVStateError", "ValidationError", "BlockError", "OutOfBlocksError", "UnknownRequestError",

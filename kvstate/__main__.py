@@ -1,5 +1,5 @@
 import sys
 
-from .app.cli import main
+from .app._cli import main
 
 sys.exit(main())

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ValidationError
+from ._errors import ValidationError
 
 __all__ = [
     "Command", "TransferCommand", "ReadBlocks", "LoadLayers", "WriteBlocks", "SaveLayers", "LayersReady",
@@ -47,7 +47,7 @@ class TransferCommand(Command):
     """Moves ``block_ids[i]`` under ``keys[i]`` (see :class:`ReadBlocks`, :class:`WriteBlocks`),
     and with state groups the ``states`` after some of them: a write stores each state whose
     blocks it stored, a read loads into its page the last candidate whose blocks it read, and
-    either answers the ``end`` of the last state it moved (:mod:`kvstate.statepages`)."""
+    either answers the ``end`` of the last state it moved (:mod:`kvstate._statepages`)."""
 
     command_id: int
     ranks: tuple[int, ...]
@@ -55,10 +55,10 @@ class TransferCommand(Command):
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]
     fence: float = field(default=math.inf, kw_only=True)
-    #: state groups (:mod:`kvstate.statepages`): ``(end, page)``, the request's states after the
+    #: state groups (:mod:`kvstate._statepages`): ``(end, page)``, the request's states after the
     #: command's leading ``end`` blocks, in state page ``page``; stored with ``keys[end - 1]``
     states: tuple[tuple[int, int], ...] = field(default=(), kw_only=True)
-    #: with group tables (:mod:`kvstate.tables`): the other layer groups' blocks, a tuple per
+    #: with group tables (:mod:`kvstate._tables`): the other layer groups' blocks, a tuple per
     #: group aligned with ``block_ids`` (whose blocks are group 0's)
     tables: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
 
@@ -68,7 +68,7 @@ class ReadBlocks(TransferCommand):
     """Read ``keys[i]`` into GPU block ``block_ids[i]``; answer the leading count read whole.
 
     A key the store lacks ends the count, so a read is also how P looks for a stored prefix.
-    ``window_from``: the cache's window groups (:mod:`kvstate.layers`) are needed only from
+    ``window_from``: the cache's window groups (:mod:`kvstate._layers`) are needed only from
     ``keys[window_from]`` on; a backend may read them from there (then it answers the leading
     blocks the cache can be continued from) or read every block whole, which is always right."""
 
@@ -91,7 +91,7 @@ class WriteBlocks(TransferCommand):
 
     Keys are content hashes, so a key already stored holds these very bytes: a rank first
     asks the store how many leading keys it holds and gathers and writes only the rest
-    (a full hit moves nothing). ``window_from`` (with group tables, :mod:`kvstate.tables`):
+    (a full hit moves nothing). ``window_from`` (with group tables, :mod:`kvstate._tables`):
     the window groups' blocks before ``keys[window_from]`` were freed behind the window, so
     only the other groups are stored there; a block counts as stored when every group that
     holds it is."""
@@ -114,7 +114,7 @@ class LayersReady(Command):
     GPU; otherwise only launched, and ``event`` (a device event recorded after them) is what
     the save's copies wait for on the device. With state groups ``layers`` counts the layers
     whose blocks are stored (the backends' paged layers:
-    :meth:`~kvstate.spec.CacheSpec.paged_layers_done`)."""
+    :meth:`~kvstate._spec.CacheSpec.paged_layers_done`)."""
 
     command_id: int
     layers: int
@@ -165,7 +165,7 @@ class StartPrefill(Command):
     ``state_pages[1 + i]`` (a prefill in chunks cut there does it between chunks). A
     ``state_from`` page (-1: none) holds the state after ``num_cached_tokens`` instead, one
     the GPU prefix cache kept and shares: copy it into ``state_pages[0]`` first. ``tables``
-    are the other layer groups' blocks, with group tables (:mod:`kvstate.tables`)."""
+    are the other layer groups' blocks, with group tables (:mod:`kvstate._tables`)."""
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
@@ -218,7 +218,7 @@ class RequestEnded(Command):
     """The request reached a terminal state (``done``, ``failed`` or ``aborted``) and released
     ``block_ids`` (free once no transfer pins them): no :class:`FreeBlocks` precedes it.
 
-    ``reason`` says why, one of :data:`kvstate.policy.REASONS` (``"done"``,
+    ``reason`` says why, one of :data:`kvstate._policy.REASONS` (``"done"``,
     ``"first_token_timeout"``, ``"read_failed"``, ...)."""
 
     state: str

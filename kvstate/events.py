@@ -1,7 +1,7 @@
 """Events: what the outside world tells the lifecycle.
 
-Every engine-facing method of :class:`~kvstate.prefill.PrefillLifecycle` and
-:class:`~kvstate.decode.DecodeLifecycle` has a typed event here, so a driver, a test or
+Every engine-facing method of :class:`~kvstate._prefill.PrefillLifecycle` and
+:class:`~kvstate._decode.DecodeLifecycle` has a typed event here, so a driver, a test or
 a log replay can feed the machines through one entry point, ``lifecycle.handle(event)``.
 """
 from __future__ import annotations

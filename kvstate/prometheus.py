@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import commands as C
-from .errors import ConfigError
+from ._errors import ConfigError
 from .events import Completion
 
 try:

@@ -6,8 +6,8 @@ import dataclasses
 from rigs import Rig
 
 from kvstate import commands as C
-from kvstate.keys import block_keys
-from kvstate.policy import Policy
+from kvstate._keys import block_keys
+from kvstate._policy import Policy
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 __all__ = ["TOKS", "handoff", "fill_p", "d_matches", "serve", "deliver", "assert_clean", "running", "answer_only",

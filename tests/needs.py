@@ -23,7 +23,7 @@ def mooncake_missing() -> str | None:
     if not has_module("mooncake"):
         return "mooncake-transfer-engine is not installed (pip install '.[mooncake]')"
     from kvstate import StoreError
-    from kvstate.backends.mooncake import load_mooncake
+    from kvstate.backends._mooncake import load_mooncake
 
     try:
         load_mooncake()
@@ -46,7 +46,7 @@ def vllm_missing() -> str | None:
 
 @functools.cache
 def _cuda() -> bool:
-    from kvstate.kernels.cuda import cuda_available
+    from kvstate.kernels._cuda import cuda_available
 
     return cuda_available()
 

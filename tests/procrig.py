@@ -13,7 +13,7 @@ from typing import Any
 
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate import commands as C
-from kvstate.app.demoroles import DecodeRole, PrefillRole, make_plans
+from kvstate.app._demoroles import DecodeRole, PrefillRole, make_plans
 from kvstate.backends import MemoryStore, ReferenceBackend
 from kvstate.distributed import ProcessDriver, SharedCaches
 

@@ -9,8 +9,8 @@ from collections import Counter
 from hypothesis.stateful import invariant
 from protocol_support import BS, STATS, fill
 
-from kvstate.pool import FREED
-from kvstate.tables import rows
+from kvstate._pool import FREED
+from kvstate._tables import rows
 from kvstate.testing import mismatched_blocks
 
 __all__ = ["PoolInvariants", "DrainedAtTeardown"]

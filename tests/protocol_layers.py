@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from protocol_support import BS, STATS
 
-from kvstate.keys import block_keys
+from kvstate._keys import block_keys
 from kvstate.testing import fill_layers
 
 __all__ = ["LayerRules"]

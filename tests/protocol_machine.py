@@ -22,8 +22,8 @@ from rigs import Rig, small_spec
 
 from kvstate import InvalidTransitionError, OutOfBlocksError, Policy, UnknownRequestError
 from kvstate import commands as C
+from kvstate._tables import per_block, rows
 from kvstate.backends import MemoryStore
-from kvstate.tables import per_block, rows
 
 
 class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, DrainedAtTeardown,
@@ -46,7 +46,7 @@ class Protocol(StateRules, SwapRules, LayerRules, DecodeRules, PoolInvariants, D
             layout = self.LAYOUTS_ONLY[sorted(LAYOUTS).index(layout) % len(self.LAYOUTS_ONLY)]
         if layerwise and layout in ("window", "sliding", "window_state", "window_tables"):  # stored by group
             layout = "plain"
-        if layout == "window_tables":  # group tables: no GPU prefix cache or host tier (kvstate.tables)
+        if layout == "window_tables":  # group tables: no GPU prefix cache or host tier (kvstate._tables)
             prefix_cache, host_blocks = False, 0
             preempt = "write" if preempt == "swap" else preempt
         STATS[f"layout:{layout}"] += 1

@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 from protocol_support import BS, STATS
 
-from kvstate.keys import block_keys
+from kvstate._keys import block_keys
 
 __all__ = ["StateRules", "STEP", "fake_state"]
 

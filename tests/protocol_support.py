@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase, ReadOnlyDatabase
 
 from kvstate import commands as C
-from kvstate.backends.stores import Store
-from kvstate.errors import StoreError
-from kvstate.keys import block_keys
-from kvstate.layers import LayerGroup
+from kvstate._errors import StoreError
+from kvstate._keys import block_keys
+from kvstate._layers import LayerGroup
+from kvstate.backends._stores import Store
 from kvstate.testing import fill_blocks, mismatched_needed
 
 __all__ = ["BS", "KIND", "FAULT_CLASSES", "INVARIANTS", "STATS", "CORPUS", "PROFILES", "profile_settings",

@@ -7,7 +7,7 @@ from hypothesis.stateful import precondition, rule
 from protocol_support import BS, KIND, STATS
 
 from kvstate import OutOfBlocksError
-from kvstate.keys import block_keys
+from kvstate._keys import block_keys
 
 __all__ = ["SwapRules"]
 

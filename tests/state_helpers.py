@@ -9,10 +9,10 @@ from lifecycle_helpers import fill_p
 from rigs import Rig, small_spec
 
 from kvstate import commands as C
-from kvstate.keys import block_keys
-from kvstate.layers import LayerGroup
-from kvstate.policy import Policy
-from kvstate.spec import CacheSpec
+from kvstate._keys import block_keys
+from kvstate._layers import LayerGroup
+from kvstate._policy import Policy
+from kvstate._spec import CacheSpec
 
 __all__ = ["BS", "STEP", "TOKS", "hybrid", "fake_state", "state_rig", "assert_state", "prefill"]
 

@@ -1,4 +1,4 @@
-"""The zero-copy embedded store (kvstate.backends.arena): a Store like the others, shared by
+"""The zero-copy embedded store (kvstate.backends._arena): a Store like the others, shared by
 the processes of a host, safe against a writer killed mid-put, a reader overtaken by a later
 put, and an opener of another geometry."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvstate import ConfigError, ValidationError
-from kvstate.backends.arena import ArenaStore, Place
-from kvstate.backends.base import MISSING, TOO_LARGE
+from kvstate.backends._arena import ArenaStore, Place
+from kvstate.backends._base import MISSING, TOO_LARGE
 
 SLOT = 4096
 
@@ -119,7 +119,7 @@ def test_the_creator_removes_its_file_and_a_dead_creators_file_goes_at_the_next_
     a.close()
     assert not os.path.exists(a.path)
     child = subprocess.run([sys.executable, "-c", (
-        "import os, sys\nfrom kvstate.backends.arena import ArenaStore\n"
+        "import os, sys\nfrom kvstate.backends._arena import ArenaStore\n"
         f"a = ArenaStore.create({SLOT}, 2, directory={str(tmp_path)!r})\nprint(a.path)\nos._exit(0)")],
         capture_output=True, text=True, check=True)
     left = child.stdout.strip()
@@ -131,7 +131,7 @@ def test_the_creator_removes_its_file_and_a_dead_creators_file_goes_at_the_next_
 WRITER = f"""
 import sys, time
 import numpy as np
-from kvstate.backends.arena import ArenaStore, Place
+from kvstate.backends._arena import ArenaStore, Place
 a = ArenaStore.open(sys.argv[1])
 if sys.argv[2] == "put":
     print(a.batch_put_from(["from-child"], [np.full({SLOT}, 7, np.uint8)]), flush=True)
@@ -183,7 +183,7 @@ def test_kvstate_arena_makes_the_arena_prints_its_path_and_removes_it_when_stopp
 
 
 def test_keys_sharing_a_hash_are_told_apart_by_their_bytes(arena, monkeypatch):
-    import kvstate.backends.arena as arena_module
+    import kvstate.backends._arena as arena_module
 
     monkeypatch.setattr(arena_module.xxhash, "xxh3_64_intdigest", lambda b: 42)
     names = ["key-a", "key-b", "a-longer-key-c"]
@@ -218,7 +218,7 @@ def test_staged_objects_are_invisible_until_published_and_a_stale_claim_publishe
 
 
 def test_a_key_that_is_a_prefix_of_a_stored_one_is_not_found_even_sharing_its_hash(arena, monkeypatch):
-    import kvstate.backends.arena as arena_module
+    import kvstate.backends._arena as arena_module
 
     monkeypatch.setattr(arena_module.xxhash, "xxh3_64_intdigest", lambda b: 42)
     arena.batch_put_from(["key-long"], [blob(1)])

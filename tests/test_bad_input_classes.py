@@ -9,11 +9,11 @@ from protocol_support import snapshot
 from rigs import Rig, small_spec
 
 from kvstate import KVStateError, Policy
+from kvstate._keys import block_keys, rank_key
+from kvstate._prefill import PrefillLifecycle
+from kvstate._spec import CacheSpec
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend
 from kvstate.events import Completion
-from kvstate.keys import block_keys, rank_key
-from kvstate.prefill import PrefillLifecycle
-from kvstate.spec import CacheSpec
 
 
 def test_a_driver_never_takes_true_for_rank_one():
@@ -149,12 +149,12 @@ def test_public_constructors_show_their_parameters():
     import inspect
 
     import kvstate
+    import kvstate._decode
+    import kvstate._prefill
     import kvstate.backends
-    import kvstate.decode
-    import kvstate.prefill
 
     hidden = []
-    for mod in (kvstate, kvstate.backends, kvstate.prefill, kvstate.decode):
+    for mod in (kvstate, kvstate.backends, kvstate._prefill, kvstate._decode):
         for name in mod.__all__:
             obj = getattr(mod, name)
             if not inspect.isclass(obj) or getattr(obj, "_is_protocol", False):
@@ -170,7 +170,7 @@ def test_public_constructors_show_their_parameters():
 
 
 def test_rdma_without_an_rdma_device_is_an_error_not_a_fallback():
-    from kvstate.backends.mooncake import MooncakeConfig, rdma_devices
+    from kvstate.backends._mooncake import MooncakeConfig, rdma_devices
 
     if rdma_devices():
         pytest.skip("this host has RDMA devices")
@@ -181,7 +181,7 @@ def test_rdma_without_an_rdma_device_is_an_error_not_a_fallback():
 
 
 def test_the_demo_says_which_transport_ran():
-    from kvstate.app.demo import DemoConfig, format_summary, run_demo
+    from kvstate.app._demo import DemoConfig, format_summary, run_demo
 
     s = run_demo(DemoConfig(requests=6))
     assert s["transport"] == "" and " over " not in format_summary(s)

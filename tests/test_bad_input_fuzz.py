@@ -188,7 +188,7 @@ def _arrays_snap(obj):
 
 
 def _swap(obj, **bad):
-    from kvstate.kernels.reference import swap_cache_layout
+    from kvstate.kernels._reference import swap_cache_layout
     caches, host = obj
     args = dict(caches=caches, host=host, gpu_block_ids=[0, 1], host_block_ids=[2, 0], direction="d2h")
     args.update(bad)
@@ -212,7 +212,7 @@ def _policy(**bad):
 
 
 def _scenario(overrides):
-    from kvstate.sim.scenario_io import load_scenario, with_overrides
+    from kvstate.sim._scenario_io import load_scenario, with_overrides
     with_overrides(load_scenario(None), overrides)
 
 
@@ -246,7 +246,7 @@ def _threaded(workers):
 
 
 def _scenario_dict(data):
-    from kvstate.sim.scenario_io import scenario_from_dict
+    from kvstate.sim._scenario_io import scenario_from_dict
     scenario_from_dict(data)
 
 

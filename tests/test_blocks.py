@@ -1,4 +1,4 @@
-"""The block manager (kvstate/blocks.py): layer kinds as classes, and a lifecycle running on
+"""The block manager (kvstate/_blocks.py): layer kinds as classes, and a lifecycle running on
 blocks an engine allocates and owns, as vLLM's scheduler hands a connector its block ids."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from rigs import Clock, small_spec
 
 from kvstate import DecodeLifecycle, OutOfBlocksError, Policy, PrefillLifecycle
 from kvstate import commands as C
+from kvstate._blocks import LAYER_KINDS, BlockManager, EngineBlocks, table_kinds
+from kvstate._errors import BlockError, ConfigError, ValidationError
+from kvstate._layers import GROUP_KINDS, LayerGroup
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
-from kvstate.blocks import LAYER_KINDS, BlockManager, EngineBlocks, table_kinds
-from kvstate.errors import BlockError, ConfigError, ValidationError
-from kvstate.layers import GROUP_KINDS, LayerGroup
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 POLICY = Policy(transfer_timeout=10.0, fence_grace=5.0, first_token_timeout=100.0)
@@ -118,7 +118,7 @@ def test_a_lifecycle_refuses_a_manager_of_another_pool_or_a_prefix_cache_it_cann
     lambda b: b.can_allocate(1, -2), lambda b: b.can_allocate(1, 0, 5), lambda b: b.lend("r", None),
 ])
 def test_every_call_of_the_engines_manager_refuses_bad_input_and_changes_nothing(call):
-    from kvstate.errors import KVStateError
+    from kvstate._errors import KVStateError
 
     b = EngineBlocks(small_spec(), 16)
     b.lend("r", [1, 2])

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from kvstate.app.cli import main
-from kvstate.app.demo import DemoConfig, run_demo
+from kvstate.app._cli import main
+from kvstate.app._demo import DemoConfig, run_demo
 
 
 def test_demo_json_integrity_with_tp2_preemptions_and_aborts(capsys):
@@ -33,7 +33,7 @@ def test_demo_file_store(tmp_path):
 
 
 def test_demo_detects_corruption(monkeypatch):
-    from kvstate.backends import reference
+    from kvstate.backends import _reference as reference
 
     orig = reference.ReferenceBackend.read
 

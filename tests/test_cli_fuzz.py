@@ -1,4 +1,4 @@
-"""Fuzzing ``kvstate.app.cli.main``: random argv over random files; only SystemExit may escape,
+"""Fuzzing ``kvstate.app._cli.main``: random argv over random files; only SystemExit may escape,
 and every return is a documented exit status.
 
 Simulations are cut to a few requests (a real, shortened run) and the demo to its argument
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstate.app.cli import EXIT_CODES, main
+from kvstate.app._cli import EXIT_CODES, main
 
 FLAGS = ["--trace", "--model", "--rate", "--num-prompts", "--tp", "--n-prefill", "--n-decode", "--seed", "--set",
          "--quiet", "--json", "--sweep", "--attainment", "--workers", "--out", "--requests", "--store",
@@ -44,10 +44,10 @@ FILES = {
 @pytest.fixture
 def quick(monkeypatch):
     """Simulations of at most 3 requests; the demo stops after its own checks."""
-    import kvstate.app.demo as demo
-    import kvstate.sim.capacity as capacity
-    import kvstate.sim.run as run
-    from kvstate.sim.scenario_io import with_overrides
+    import kvstate.app._demo as demo
+    import kvstate.sim._capacity as capacity
+    import kvstate.sim._run as run
+    from kvstate.sim._scenario_io import with_overrides
 
     real = run.simulate
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from kvstate import __version__
-from kvstate.app import simcmds
-from kvstate.app.cli import EXIT_CODES, main
-from kvstate.app.progress import Progress
+from kvstate.app import _simcmds as simcmds
+from kvstate.app._cli import EXIT_CODES, main
+from kvstate.app._progress import Progress
 from kvstate.sim import Scenario, load_scenario, with_overrides
-from kvstate.sim.models import MODELS, model_from_hf_config
-from kvstate.sim.presets import PRESETS, preset
-from kvstate.sim.scenario_io import scenario_to_dict
+from kvstate.sim._models import MODELS, model_from_hf_config
+from kvstate.sim._presets import PRESETS, preset
+from kvstate.sim._scenario_io import scenario_to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-prompts", "30", "--set", "workload.input_mean=300", "--set", "workload.output_mean=8",
@@ -33,8 +33,8 @@ def no_simulation(monkeypatch) -> None:
     """Any simulation from here on fails the test: bad input must be caught before one runs."""
     def boom(*a, **k):
         raise AssertionError("a simulation ran before the bad input was reported")
-    monkeypatch.setattr("kvstate.sim.run.simulate", boom)
-    monkeypatch.setattr("kvstate.sim.capacity.simulate", boom)
+    monkeypatch.setattr("kvstate.sim._run.simulate", boom)
+    monkeypatch.setattr("kvstate.sim._capacity.simulate", boom)
 
 
 # -- exit codes and bad input -----------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_plan_marks_infeasible_configurations_with_a_reason_and_goes_on(tmp_path
 
 
 def test_plan_writes_each_row_as_it_comes(tmp_path):
-    from kvstate.sim.capacity import plan
+    from kvstate.sim._capacity import plan
     seen = []
 
     def on_row(row, done, total):

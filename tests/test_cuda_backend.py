@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @gpu
 def test_demo_end_to_end_on_the_gpu():
-    from kvstate.app.demo import DemoConfig, run_demo
+    from kvstate.app._demo import DemoConfig, run_demo
 
     s = run_demo(DemoConfig(requests=48, backend="cuda"))
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["blocks_checked"] > 0
@@ -31,7 +31,7 @@ def test_backend_over_engine_torch_caches_pipelined_and_short_read():
 
     from kvstate import CacheSpec, FenceError
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
 
     spec = CacheSpec(num_layers=3, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
     n = 32
@@ -84,7 +84,7 @@ def test_backend_over_engine_torch_caches_pipelined_and_short_read():
 def test_host_tier_swaps_bytes_between_gpu_blocks_and_pinned_slots():
     from kvstate import CacheSpec, ValidationError
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
 
     spec = CacheSpec(num_layers=3, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
     b = CudaBackend(spec, 16, MemoryStore(1 << 24), host_blocks=8)
@@ -117,9 +117,9 @@ def test_host_tier_swaps_bytes_between_gpu_blocks_and_pinned_slots():
 @pytest.mark.parametrize("swap_write", ["host", "through", "back"])
 def test_a_preempted_request_swaps_through_the_cuda_host_tier_and_back(swap_write):
     from kvstate import CacheSpec, DecodeLifecycle, Policy
+    from kvstate._keys import block_keys
     from kvstate.backends import MemoryStore, StepDriver
-    from kvstate.backends.cuda import CudaBackend
-    from kvstate.keys import block_keys
+    from kvstate.backends._cuda import CudaBackend
     from kvstate.testing import fill_blocks, mismatched_blocks
 
     spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=32, dtype="bfloat16", tp_size=2)
@@ -160,9 +160,9 @@ def test_a_layerwise_save_through_the_cuda_backend_stores_each_group_once_comput
     """Layer groups in one-object-per-group format: a gate short of the last group stores only
     the first (no block whole); with every layer reported the bytes read back equal P's."""
     from kvstate import CacheSpec
+    from kvstate._keys import block_keys
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
-    from kvstate.keys import block_keys
+    from kvstate.backends._cuda import CudaBackend
     from kvstate.testing import fill_blocks, mismatched_blocks
 
     spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=32, dtype="bfloat16", tp_size=1,
@@ -218,9 +218,9 @@ def test_a_save_reported_at_launch_waits_for_its_layers_on_the_device():
     import torch
 
     from kvstate import CacheSpec
+    from kvstate._keys import block_keys
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
-    from kvstate.keys import block_keys
+    from kvstate.backends._cuda import CudaBackend
 
     spec = CacheSpec(num_layers=4, kv_heads=2, block_size=4, head_dim=32, dtype="bfloat16", layer_groups=2)
     keys, blocks = block_keys(list(range(26)), 4), [9, 3, 0, 7, 5, 1, 11]
@@ -268,7 +268,7 @@ def test_checksums_taken_on_the_gpu_catch_corruption_and_cross_with_the_host():
     writes (XXH3), the CUDA backend verifies; with layer groups too."""
     from kvstate import CacheSpec
     from kvstate.backends import MemoryStore, ReferenceBackend
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
     from kvstate.testing import fill_blocks, mismatched_blocks
 
     for groups in (1, 2):
@@ -312,9 +312,9 @@ def test_interleaved_window_groups_move_as_the_reference_backend_moves_them(tp):
     import numpy as np
 
     from kvstate import CacheSpec
+    from kvstate._layers import LayerGroup
     from kvstate.backends import MemoryStore, ReferenceBackend
-    from kvstate.backends.cuda import CudaBackend
-    from kvstate.layers import LayerGroup
+    from kvstate.backends._cuda import CudaBackend
     from kvstate.testing import fill_blocks
 
     full = (5, 11)
@@ -353,7 +353,7 @@ def test_a_piecewise_handoff_puts_and_gets_its_manifests_once():
     manifest that did not store leaves its block, and those after it, unstored."""
     from kvstate import CacheSpec
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
     from kvstate.testing import fill_blocks, mismatched_blocks
 
     class Recording(MemoryStore):
@@ -397,8 +397,8 @@ def test_a_backend_on_the_second_gpu_closes_from_a_thread_whose_device_is_the_fi
     cudaErrorInvalidResourceHandle: its streams and buffers are freed with its own device current."""
     from kvstate import CacheSpec
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
-    from kvstate.kernels.cuda import load_cupy
+    from kvstate.backends._cuda import CudaBackend
+    from kvstate.kernels._cuda import load_cupy
 
     cp = load_cupy()
     if cp.cuda.runtime.getDeviceCount() < 2:

@@ -1,4 +1,4 @@
-"""The CUDA backend's host tier checks its slots on the GPU (kvstate.backends.cuda_sums).
+"""The CUDA backend's host tier checks its slots on the GPU (kvstate.backends._cuda_sums).
 
 A swap-out notes each slot's SUM64, taken from its block on the GPU; a swap-in compares the
 SUM64 of what landed; a write-back from host memory checks its slots on the host against the
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, needs_gpu()]
 
 def spec_of(layout: str):
     from kvstate import CacheSpec
-    from kvstate.layers import LayerGroup
+    from kvstate._layers import LayerGroup
 
     kw = dict(num_layers=4, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
     if layout == "head groups":
@@ -30,7 +30,7 @@ def spec_of(layout: str):
 @pytest.fixture(params=["plain", "head groups", "window groups"])
 def backend(request):
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
 
     spec = spec_of(request.param)
     b = CudaBackend(spec, 16, MemoryStore(1 << 26), host_blocks=8)
@@ -44,7 +44,7 @@ def backend(request):
 
 
 def test_slots_are_checked_on_the_gpu_and_on_the_host_alike(backend):
-    from kvstate.keys import block_keys
+    from kvstate._keys import block_keys
 
     spec = backend.spec
     want = {(r, k, x): backend.block_bytes(r, k, x) for r in range(2) for k in spec.kinds for x in (3, 9, 14)}
@@ -59,7 +59,7 @@ def test_slots_are_checked_on_the_gpu_and_on_the_host_alike(backend):
 
 
 def test_a_slot_whose_host_memory_went_bad_ends_the_count(backend):
-    from kvstate.keys import block_keys
+    from kvstate._keys import block_keys
 
     spec = backend.spec
     assert backend.swap_out(1, [3, 9, 14], [7, 0, 4]) == 3

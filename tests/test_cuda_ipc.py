@@ -34,7 +34,7 @@ def test_rank_workers_move_blocks_of_caches_shared_through_cuda_ipc(tp, tmp_path
     import torch
 
     from kvstate.distributed import ProcessDriver
-    from kvstate.distributed.cudaipc import share_caches
+    from kvstate.distributed._cudaipc import share_caches
 
     spec = CacheSpec(num_layers=3, kv_heads=4 // tp, block_size=16, head_dim=64, dtype="bfloat16", tp_size=tp)
     nb = 32
@@ -72,9 +72,9 @@ def test_rank_workers_move_state_pages_shared_through_cuda_ipc(tp, tmp_path):
     bit, and D's other pages stay zero."""
     import torch
 
+    from kvstate._layers import LayerGroup
     from kvstate.distributed import ProcessDriver
-    from kvstate.distributed.cudaipc import share_caches
-    from kvstate.layers import LayerGroup
+    from kvstate.distributed._cudaipc import share_caches
 
     spec = CacheSpec(num_layers=3, kv_heads=4 // tp, block_size=16, head_dim=64, dtype="bfloat16", tp_size=tp,
                      groups=(LayerGroup("full", (0,)), LayerGroup("state", (1, 2), state_bytes=2048, checkpoint=32)))

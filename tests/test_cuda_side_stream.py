@@ -1,5 +1,5 @@
 """The CUDA backend takes its checksums and moves its state pages on streams of its own
-(kvstate.backends.cuda_sums, cuda_states).
+(kvstate.backends._cuda_sums, cuda_states).
 
 An engine often computes on CUDA's legacy default stream. Work queued there must not hold up a
 transfer: a verified write, read, swap out and swap in, and a state stored and loaded, each
@@ -40,7 +40,7 @@ def test_verified_transfers_do_not_wait_for_the_legacy_default_stream():
 
     from kvstate import CacheSpec
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
 
     spec = CacheSpec(num_layers=4, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
     p = CudaBackend(spec, 16, MemoryStore(1 << 26), host_blocks=8)
@@ -81,7 +81,7 @@ def test_state_pages_move_without_waiting_for_the_legacy_default_stream():
     from state_helpers import hybrid
 
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
 
     p = CudaBackend(hybrid(), 8, MemoryStore(1 << 22), num_states=4, staging_bytes=1 << 20)
     d = CudaBackend(hybrid(), 8, p.store, num_states=4, staging_bytes=1 << 20)

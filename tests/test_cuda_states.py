@@ -1,4 +1,4 @@
-"""State pages on the GPU (kvstate.backends.cuda_states): the CUDA backend moves a hybrid model's
+"""State pages on the GPU (kvstate.backends._cuda_states): the CUDA backend moves a hybrid model's
 states through P -> store -> D as the reference backend does, and never loads a broken one.
 
 Marked ``gpu``: skipped with a reason where CuPy or a CUDA device is missing.
@@ -10,13 +10,13 @@ from needs import gpu as needs_gpu
 from state_helpers import BS, TOKS, assert_state, fake_state, hybrid, prefill, state_rig
 
 from kvstate import commands as C
-from kvstate.keys import block_keys, rank_key
+from kvstate._keys import block_keys, rank_key
 
 pytestmark = [pytest.mark.gpu, needs_gpu()]
 
 
 def cuda_backend(spec, blocks, store):
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
 
     return CudaBackend(spec, blocks, store, num_states=4, staging_bytes=1 << 20)
 
@@ -59,9 +59,9 @@ def test_a_corrupt_state_is_not_loaded_on_the_gpu_and_is_evicted():
 def test_the_engines_own_state_tensor_is_used_in_place():
     import cupy as cp
 
+    from kvstate._errors import ValidationError
     from kvstate.backends import MemoryStore
-    from kvstate.backends.cuda import CudaBackend
-    from kvstate.errors import ValidationError
+    from kvstate.backends._cuda import CudaBackend
 
     mine = {r: cp.zeros((4, 96), cp.uint8) for r in range(2)}
     b = CudaBackend(hybrid(), 8, MemoryStore(1 << 22), num_states=4, states=mine, staging_bytes=1 << 20)

@@ -15,8 +15,9 @@ from procrig import FAST, SPEC, ProcRig, alive
 
 from kvstate import CacheSpec, ConfigError, DriverError, ProtocolError
 from kvstate import commands as C
-from kvstate.distributed import ProcessDriver, RankDown, RankUp, SharedCaches, WorkerConfig, wire
-from kvstate.distributed.pdlink import Link
+from kvstate.distributed import ProcessDriver, RankDown, RankUp, SharedCaches, WorkerConfig
+from kvstate.distributed import _wire as wire
+from kvstate.distributed._pdlink import Link
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, /proc)")
 
@@ -116,7 +117,7 @@ def test_attaching_with_another_geometry_is_refused():
 ])
 def test_a_workers_store_configuration_is_checked_before_it_opens(tmp_path, cfg, needle):
     from kvstate import KVStateError
-    from kvstate.distributed.rankworker import build_store
+    from kvstate.distributed._rankworker import build_store
 
     root = tmp_path / "pool"
     cfg = {k: str(root) if v == "ROOT" else v for k, v in cfg.items()}
@@ -146,7 +147,7 @@ def test_window_first_reads_run_in_the_workers_and_bring_every_needed_byte(tmp_p
     """A window layer (8 tokens) beside a full one: D's reads of prompts up to 48 tokens leave
     the window layer's early blocks in the store, and every byte D's decode needs is P's; with
     a block table per group, the commands carry the full group's table to the workers."""
-    from kvstate.layers import LayerGroup
+    from kvstate._layers import LayerGroup
 
     spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2,
                      groups=(LayerGroup("window", (0,), window=8), LayerGroup("full", (1,))), group_tables=group_tables)

@@ -1,5 +1,5 @@
 """State groups across processes: a hybrid model's state pages live in the shared caches, and
-rank worker processes move them with the blocks (kvstate.distributed, kvstate.statepages).
+rank worker processes move them with the blocks (kvstate.distributed, kvstate._statepages).
 
 P and D each have two rank workers over one FileStore; the engine side fills P's blocks and
 state pages in shared memory and checks what D's workers brought back into D's.
@@ -15,9 +15,9 @@ from state_helpers import BS, TOKS, fake_state, hybrid
 
 from kvstate import ConfigError, DecodeLifecycle, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
+from kvstate._keys import block_keys, rank_key
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend
 from kvstate.distributed import ProcessDriver, SharedCaches, WorkerConfig
-from kvstate.keys import block_keys, rank_key
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, /proc)")
@@ -155,7 +155,7 @@ def test_a_state_corrupt_on_one_rank_is_evicted_by_the_worker_and_recomputed(sid
 def test_state_pages_across_processes_are_refused_where_they_cannot_go(tmp_path):
     import os
 
-    from kvstate.distributed.shm import shm_directory
+    from kvstate.distributed._shm import shm_directory
 
     spec = hybrid()
     with pytest.raises(ValidationError, match="needs state pages"):

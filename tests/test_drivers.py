@@ -7,9 +7,9 @@ from rigs import small_spec
 
 from kvstate import DecodeLifecycle, DriverError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
+from kvstate._keys import block_keys
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
 from kvstate.events import Completion
-from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 

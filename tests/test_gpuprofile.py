@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch")
 
 
 def test_the_allreduce_harness_times_every_size_over_two_processes():
-    from kvstate.app.gpuprofile import allreduce_curve
+    from kvstate.app._gpuprofile import allreduce_curve
 
     sizes = [4096, 1 << 20, 16 << 20]
     curve = allreduce_curve(sizes, 2, backend="gloo")

@@ -1,4 +1,4 @@
-"""Group tables (kvstate.tables): a block table per layer group, so a decoding request frees
+"""Group tables (kvstate._tables): a block table per layer group, so a decoding request frees
 its window groups' blocks behind the window while its full groups keep theirs."""
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from rigs import Rig
 
 from kvstate import CacheSpec, ConfigError, DecodeLifecycle, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
+from kvstate._blocks import BlockManager
+from kvstate._keys import block_keys
+from kvstate._layers import LayerGroup
+from kvstate._pool import FREED
+from kvstate._spec import check_pair
+from kvstate._tables import page_layers, per_block, rows, slot_of_layer, table_of_layer
 from kvstate.backends import MemoryStore, ReferenceBackend
-from kvstate.blocks import BlockManager
-from kvstate.keys import block_keys
-from kvstate.layers import LayerGroup
-from kvstate.pool import FREED
-from kvstate.spec import check_pair
-from kvstate.tables import page_layers, per_block, rows, slot_of_layer, table_of_layer
 from kvstate.testing import fill_blocks, mismatched_blocks, mismatched_needed
 
 

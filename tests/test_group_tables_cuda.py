@@ -1,4 +1,4 @@
-"""Group tables (kvstate.tables) on the GPU: D's CUDA backend lays a block out as layer slots
+"""Group tables (kvstate._tables) on the GPU: D's CUDA backend lays a block out as layer slots
 shared by the groups, and a long conversation's handoff, decode past the window, write-back
 and reload keep every byte its decode needs.
 
@@ -19,7 +19,7 @@ class CudaRig:
     def __init__(self, policy) -> None:
         from kvstate import DecodeLifecycle, PrefillLifecycle
         from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
-        from kvstate.backends.cuda import CudaBackend
+        from kvstate.backends._cuda import CudaBackend
 
         store = MemoryStore(1 << 26)
         self.spec, d_spec = gemma2_like(), gemma2_like(group_tables=True)
@@ -49,8 +49,8 @@ def test_layers_at_one_slot_share_the_gpu_memory_of_a_block():
 def test_a_long_conversation_decodes_past_the_window_writes_back_and_reloads_exact():
     from kvstate import Policy
     from kvstate import commands as C
-    from kvstate.keys import block_keys
-    from kvstate.pool import FREED
+    from kvstate._keys import block_keys
+    from kvstate._pool import FREED
     from kvstate.testing import fill_blocks, mismatched_needed
 
     rig = CudaRig(Policy(transfer_timeout=10.0, fence_grace=5.0, preempt="write", read_failure="recompute"))

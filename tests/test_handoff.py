@@ -1,16 +1,16 @@
 """The scheduler's side of an engine connector without an engine: kvstate's lifecycles over an
-engine's blocks, answers given by hand (kvstate.integrations.handoff)."""
+engine's blocks, answers given by hand (kvstate.integrations._handoff)."""
 from __future__ import annotations
 
 import pytest
 from rigs import Clock
 
 from kvstate import CacheSpec, ValidationError, rank_key
-from kvstate.backends.objects import MANIFEST_KIND
-from kvstate.backends.stores import MemoryStore
+from kvstate._policy import Policy
+from kvstate.backends._objects import MANIFEST_KIND
+from kvstate.backends._stores import MemoryStore
 from kvstate.events import Completion
-from kvstate.integrations.handoff import Handoff
-from kvstate.policy import Policy
+from kvstate.integrations._handoff import Handoff
 
 PROMPT = list(range(1, 42))  # 40 cached tokens: 3 blocks of 16, the last partial
 

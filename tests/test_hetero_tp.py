@@ -8,10 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from kvstate._errors import ConfigError, KVStateError
+from kvstate._keys import block_keys, rank_key
+from kvstate._spec import CacheSpec, check_pair, paired
 from kvstate.backends import MemoryStore, ReferenceBackend
-from kvstate.errors import ConfigError, KVStateError
-from kvstate.keys import block_keys, rank_key
-from kvstate.spec import CacheSpec, check_pair, paired
 
 LAYERS, BLOCK, DIM, NUM_BLOCKS = 4, 4, 8, 12
 P_IDS, D_IDS = [5, 0, 9], [2, 7, 11]

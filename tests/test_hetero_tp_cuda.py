@@ -12,9 +12,9 @@ from needs import gpu as needs_gpu
 from needs import gpu_missing
 from test_hetero_tp import BLOCK, D_IDS, NUM_BLOCKS, P_IDS, heads_of, monolithic, shard, spec_for
 
+from kvstate._keys import block_keys
+from kvstate._spec import paired
 from kvstate.backends import MemoryStore, ReferenceBackend
-from kvstate.keys import block_keys
-from kvstate.spec import paired
 
 GPU = gpu_missing() is None
 pytestmark = [pytest.mark.gpu, needs_gpu()]
@@ -27,7 +27,7 @@ def backend(kind: str, spec, store, full=None):
         return ReferenceBackend(spec, NUM_BLOCKS, store, caches=caches)
     import cupy as cp
 
-    from kvstate.backends.cuda import CudaBackend
+    from kvstate.backends._cuda import CudaBackend
 
     if caches is not None:
         caches = {r: {k: [cp.asarray(a) for a in layers] for k, layers in by.items()} for r, by in caches.items()}
@@ -77,7 +77,7 @@ def test_a_bad_object_of_one_head_group_stops_the_read_at_its_block(fault, group
     """D at TP 2 reads each block from two head groups' objects (P at TP 4 wrote them). One
     object of block 1 in one group is spoiled or gone: the read counts block 0 only, whatever
     the group, evicts a spoiled object, and block 0 holds exactly its heads."""
-    from kvstate.keys import rank_key
+    from kvstate._keys import rank_key
 
     p_spec, d_spec = paired(spec_for(8, 4, dtype="bfloat16"), spec_for(8, 2, dtype="bfloat16"))
     assert d_spec.head_groups == 2

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstate.app.cli import main
+from kvstate.app._cli import main
 from kvstate.sim import Cluster, Scenario, with_overrides
-from kvstate.sim.metrics import summarize
-from kvstate.sim.workload import load_trace, offered_rate
+from kvstate.sim._metrics import summarize
+from kvstate.sim._workload import load_trace, offered_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
@@ -31,8 +31,8 @@ def run_json(capsys, *argv: str) -> dict:
 def no_simulation(monkeypatch) -> None:
     def boom(*a, **k):
         raise AssertionError("a simulation ran before the bad input was reported")
-    monkeypatch.setattr("kvstate.sim.run.simulate", boom)
-    monkeypatch.setattr("kvstate.sim.capacity.simulate", boom)
+    monkeypatch.setattr("kvstate.sim._run.simulate", boom)
+    monkeypatch.setattr("kvstate.sim._capacity.simulate", boom)
 
 
 def one_line(capsys, needle: str) -> str:
@@ -244,7 +244,7 @@ def plan_result() -> dict:
 
 def test_the_plan_chart_draws_the_slo_lines_and_marks_the_chosen_configuration():
     pytest.importorskip("matplotlib")
-    from kvstate.sim.plot import plan_figure
+    from kvstate.sim._plot import plan_figure
     fig = plan_figure(plan_result(), "cluster.n_decode")
     goodput, ttft, tpot = fig.axes
     assert any(list(line.get_ydata()) == [1000.0, 1000.0] for line in ttft.get_lines())
@@ -260,7 +260,7 @@ def test_the_plan_chart_draws_the_slo_lines_and_marks_the_chosen_configuration()
 
 def test_the_plan_chart_says_why_a_configuration_has_no_bar_and_goes_log_when_spread():
     pytest.importorskip("matplotlib")
-    from kvstate.sim.plot import plan_figure
+    from kvstate.sim._plot import plan_figure
     res = plan_result()
     res["rows"][0]["ttft_at_target_ms"] = 60_000.0  # 60x the SLO: a linear axis would flatten the rest
     res["rows"].append({"config": {"cluster.n_decode": 4}, "verdict": "infeasible", "meets_slo": False,
@@ -282,8 +282,8 @@ def test_plan_writes_no_file_without_out(tmp_path, monkeypatch, capsys):
 
 def test_the_latency_chart_draws_the_slo_lines(capsys):
     pytest.importorskip("matplotlib")
-    from kvstate.sim.plot import latency_figure
-    from kvstate.sim.run import simulate
+    from kvstate.sim._plot import latency_figure
+    from kvstate.sim._run import simulate
     r = simulate(with_overrides(Scenario(), {"workload.num_requests": 30, "workload.input_mean": 300.0,
                                              "workload.output_mean": 8.0, "workload.prefix_tokens": 64}))
     fig = latency_figure(r, r["_latencies_ms"])

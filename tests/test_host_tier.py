@@ -7,8 +7,8 @@ from lifecycle_helpers import SWAP, TOKS, answer_only, d_matches, deliver, hando
 from rigs import Rig
 
 from kvstate import commands as C
-from kvstate.errors import ConfigError, ValidationError
-from kvstate.keys import block_keys
+from kvstate._errors import ConfigError, ValidationError
+from kvstate._keys import block_keys
 from kvstate.testing import fill_blocks
 
 TOKS_NOW = TOKS + [7, 1, 2, 3]  # the prompt, the first token, three decoded tokens

@@ -9,7 +9,7 @@ from rigs import Clock, Rig, small_spec
 from kvstate import Policy, PrefillLifecycle
 from kvstate import commands as C
 from kvstate import events as E
-from kvstate.keys import block_keys
+from kvstate._keys import block_keys
 
 # -- P: the prefix looked up by tier, the cache copied to the host tier after the store -------------
 LONG = list(range(200, 217))  # 17 tokens: 4 full blocks of 4 and a partial one; a prefix limit of 4

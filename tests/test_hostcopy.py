@@ -1,8 +1,9 @@
-"""Large host copies (kvstate.backends.hostcopy): the same bytes as numpy, streamed or not."""
+"""Large host copies (kvstate.backends._hostcopy): the same bytes as numpy, streamed or not."""
 import numpy as np
 import pytest
 
-from kvstate.backends import MemoryStore, hostcopy
+from kvstate.backends import MemoryStore
+from kvstate.backends import _hostcopy as hostcopy
 
 SIZES = [0, 1, 15, 16, 63, 64, 65, 127, 4096 + 5, hostcopy.STREAM_BYTES - 1, hostcopy.STREAM_BYTES,
          hostcopy.STREAM_BYTES + 77, (1 << 20) + 3]
@@ -21,8 +22,8 @@ def pairs():
 @pytest.mark.parametrize("streamed", [True, False])
 def test_copies_every_byte_at_every_size_and_alignment(streamed):
     if streamed and not hostcopy.STREAMING:
-        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
-    from kvstate.backends.hostcopy import copy_into
+        pytest.skip("the C helper kvstate.backends._streamcopy was not built (no C compiler at install)")
+    from kvstate.backends._hostcopy import copy_into
 
     stream = hostcopy.stream_copy if streamed else None
     for src, dst in pairs():
@@ -37,7 +38,7 @@ def test_copies_every_byte_at_every_size_and_alignment(streamed):
 
 def test_the_streaming_helper_refuses_lengths_that_differ():
     if not hostcopy.STREAMING:
-        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
+        pytest.skip("the C helper kvstate.backends._streamcopy was not built (no C compiler at install)")
     dst = np.zeros(100, np.uint8)
     with pytest.raises(ValueError, match="101 bytes into 100"):
         hostcopy.stream_copy(dst, np.ones(101, np.uint8))
@@ -70,7 +71,7 @@ def test_memory_store_round_trips_large_objects_through_streamed_copies():
 @pytest.mark.parametrize("batched", [True, False])
 def test_copy_all_copies_every_pair_and_nothing_around_them(batched):
     if batched and not hostcopy.STREAMING:
-        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
+        pytest.skip("the C helper kvstate.backends._streamcopy was not built (no C compiler at install)")
     many = hostcopy.stream_copy_many if batched else None
     got = list(pairs())
     before = [dst.base.copy() for _, dst in got]
@@ -85,7 +86,7 @@ def test_copy_all_copies_every_pair_and_nothing_around_them(batched):
 
 def test_the_batch_copy_checks_every_pair_before_moving_a_byte():
     if not hostcopy.STREAMING:
-        pytest.skip("the C helper kvstate.backends.streamcopy was not built (no C compiler at install)")
+        pytest.skip("the C helper kvstate.backends._streamcopy was not built (no C compiler at install)")
     dsts = [np.zeros(8, np.uint8), np.zeros(100, np.uint8)]
     with pytest.raises(ValueError, match="pair 1: 101 bytes into 100"):
         hostcopy.stream_copy_many(dsts, [np.ones(8, np.uint8), np.ones(101, np.uint8)], 0)

@@ -6,8 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstate.errors import BlockError, HostTierFullError, KVStateError
-from kvstate.hostpool import HostBlockPool
+from kvstate._errors import BlockError, HostTierFullError, KVStateError
+from kvstate._hostpool import HostBlockPool
 
 
 def keys(*names: str) -> list[str]:

@@ -10,13 +10,13 @@ from lifecycle_helpers import TOKS, assert_clean, d_matches, deliver, handoff
 from rigs import Rig, small_spec
 
 from kvstate import commands as C
+from kvstate._errors import ValidationError
+from kvstate._keys import block_keys, rank_key
+from kvstate._policy import Policy
+from kvstate._spec import CacheSpec
 from kvstate.backends import MemoryStore, ReferenceBackend, Store
-from kvstate.backends.integrity import FORMAT_VERSION, geometry_id, manifest_size, pack_manifest
-from kvstate.backends.objects import MANIFEST_KIND
-from kvstate.errors import ValidationError
-from kvstate.keys import block_keys, rank_key
-from kvstate.policy import Policy
-from kvstate.spec import CacheSpec
+from kvstate.backends._integrity import FORMAT_VERSION, geometry_id, manifest_size, pack_manifest
+from kvstate.backends._objects import MANIFEST_KIND
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +206,7 @@ def test_the_embedded_stores_hash_what_they_copy(kind, tmp_path):
 
 def test_a_block_vouched_for_by_a_device_checksum_is_verified_on_the_host():
     """What the CUDA backend writes (SUM64, taken on the GPU) the host reads and verifies."""
-    from kvstate.backends.integrity import SUM64, sum64
+    from kvstate.backends._integrity import SUM64, sum64
     spec, store, p, d, keys = pair()
     names, manifests = [], []
     for i, b in enumerate([3, 1, 6]):

@@ -14,8 +14,8 @@ from needs import gpu as needs_gpu
 from needs import gpu_missing, has_module
 
 from kvstate import ConfigError, KVStateError, ValidationError
-from kvstate.kernels import reference
-from kvstate.kernels.cuda import load_cupy
+from kvstate.kernels import _reference as reference
+from kvstate.kernels._cuda import load_cupy
 
 GPU = gpu_missing() is None
 gpu = needs_gpu()
@@ -34,7 +34,7 @@ def test_without_cupy_a_clear_config_error():
 def sw(request):
     """Both ways of handing block ids to the kernels: in the launch's parameters (calls of up to
     INLINE_IDS blocks) and uploaded to device memory first (forced with inline_ids=0)."""
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     inline = 480 if request.param == "ids_inline" else 0
     with CudaSwapper(staging_bytes=4 << 20, inline_ids=inline) as s:  # small staging: many staged pieces
@@ -139,7 +139,7 @@ def test_odd_chunks_over_several_shared_memory_pieces_and_unaligned_hosts(sw, st
     bytes past a 16-byte boundary (per-layer layout), byte for byte against the reference."""
     import cupy as cp
 
-    from kvstate.kernels.cuda_src import SPAN_PIECE
+    from kvstate.kernels._cuda_src import SPAN_PIECE
 
     rng = np.random.default_rng(7)
     L, n_gpu, n_host, chunk = 40, 12, 9, (1, 5, 201)
@@ -249,7 +249,7 @@ def test_gpu_specific_rules(sw):
         sw.swap_cache_layout(strided, pinned, [0], [0], "d2h")
     with pytest.raises(ValidationError, match="strategy"):
         sw.swap_cache_layout(caches, pinned, [0], [0], "d2h", strategy="fast")
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     for bad in (481, -1, True, 2.0):
         with pytest.raises(ValidationError, match="inline_ids"):
@@ -286,7 +286,7 @@ def test_ids_inline_up_to_the_limit_then_uploaded(sw, monkeypatch, chunk, strate
 def test_create_and_close_1000_times_leaks_nothing():
     import cupy as cp
 
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     caches = [cp.arange(8 * 64, dtype=cp.uint8).reshape(8, 1, 8, 8) for _ in range(4)]
 
@@ -314,7 +314,7 @@ def test_create_and_close_1000_times_leaks_nothing():
 def test_closed_swapper_refuses_work():
     import cupy as cp
 
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     s = CudaSwapper()
     host = s.pinned((2, 1, 1, 1, 16), np.uint8)
@@ -329,7 +329,7 @@ def test_module_ops_dispatch_to_cuda_for_gpu_tensors():
     import cupy as cp
 
     from kvstate.kernels import swap_cache_layout
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     caches = [cp.arange(6 * 105, dtype=cp.uint8).reshape(6, 1, 1, 105) + i for i in range(3)]
     with CudaSwapper() as s:
@@ -344,8 +344,8 @@ def test_module_ops_dispatch_to_cuda_for_gpu_tensors():
 def test_auto_keeps_strided_dma_for_big_calls_only():
     """No GPU needed: the choice reads the plan. A whole request's layers in one run take strided
     DMA; a backend piece of 4 blocks (64 DMA calls of 512 KiB each) must not."""
-    from kvstate.kernels.cuda import choose_strategy
-    from kvstate.kernels.plan import LayerSet, plan_layout
+    from kvstate.kernels._cuda import choose_strategy
+    from kvstate.kernels._plan import LayerSet, plan_layout
 
     class Arr:  # shape/dtype only: planning never touches memory
         def __init__(self, shape):

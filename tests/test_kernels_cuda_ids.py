@@ -13,7 +13,7 @@ import pytest
 from needs import gpu as needs_gpu
 
 from kvstate import BlockError, ValidationError
-from kvstate.kernels import reference
+from kvstate.kernels import _reference as reference
 
 gpu = needs_gpu()
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ def _as_form(ids: list[int], form: str):
 
 @pytest.fixture(scope="module")
 def sw():
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     with CudaSwapper() as s:
         yield s

@@ -1,7 +1,7 @@
 """Back-to-back async CUDA transfers keep the order they were enqueued in.
 
 Staged calls on the swapper's own stream skip the cross-stream waits they do not need (see
-:mod:`kvstate.kernels.cuda_strategy`); these tests enqueue calls that read what the one before
+:mod:`kvstate.kernels._cuda_strategy`); these tests enqueue calls that read what the one before
 wrote, with no host wait between them, and hold the end state to the numpy reference applied
 call by call. The swapper's stream is first held ~20 ms by a spinning kernel, so the calls
 queue up and then run at the GPU's pace (not the host's): a missing wait shows as wrong bytes.
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from needs import gpu as needs_gpu
 
-from kvstate.kernels import reference
+from kvstate.kernels import _reference as reference
 
 gpu = needs_gpu()
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,7 @@ def rig():
     across calls), its caches and its host buffer."""
     import cupy as cp
 
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     with CudaSwapper(staging_bytes=4 << 20) as sw:
         caches = [cp.zeros((N_GPU,) + CHUNK, cp.uint16) for _ in range(LAYERS)]
@@ -198,7 +198,7 @@ def test_a_host_buffer_checked_once_is_checked_again_when_its_shape_changes():
     import cupy as cp
 
     from kvstate import ValidationError
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     with CudaSwapper() as sw:
         caches = [cp.full((8, 1, 2, 8), 7, cp.uint8) for _ in range(2)]
@@ -228,7 +228,7 @@ def test_short_calls_back_to_back_read_what_the_one_before_wrote():
     writes a layer on the swapper's stream just before a d2h reads it."""
     import cupy as cp
 
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     rng = np.random.default_rng(6)
     pairs, n = 24, 16
@@ -260,7 +260,7 @@ def test_ids_of_a_call_held_back_outlive_uploads_on_another_stream():
     call must still gather the blocks it was given."""
     import cupy as cp
 
-    from kvstate.kernels.cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper
 
     with CudaSwapper(staging_bytes=4 << 20, inline_ids=128) as sw:
         rig = (sw, [cp.zeros((N_GPU,) + CHUNK, cp.uint16) for _ in range(LAYERS)],

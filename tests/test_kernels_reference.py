@@ -7,7 +7,7 @@ from needs import has_module
 
 from kvstate import BlockError, ValidationError
 from kvstate.kernels import coalesce_runs, swap_cache_all_layers, swap_cache_layout, swap_cache_per_layer
-from kvstate.kernels.plan import plan_layout
+from kvstate.kernels._plan import plan_layout
 
 DTYPES = [np.uint16, np.float16, np.uint8, np.float32]
 
@@ -161,7 +161,7 @@ def test_run_counts_match_the_runs(gids, data):
 @pytest.fixture(params=["compiled", "python"], autouse=False)
 def packer(request, monkeypatch):
     """Block ids packed and checked by the compiled helpers, and by the pure-Python fallback."""
-    from kvstate.kernels import ids as id_mod
+    from kvstate.kernels import _ids as id_mod
     if request.param == "compiled" and id_mod.id_packer is None:
         pytest.skip("the compiled id packer was not built here (no C compiler at install)")
     if request.param == "python":
@@ -184,7 +184,7 @@ def _forms(ids):
 
 @pytest.mark.parametrize("ids", [[5, 1, 9, 3], [0, 1, 2], [7]])
 def test_ids_in_any_integer_form_move_the_same_bytes(ids, packer):
-    from kvstate.kernels.ids import as_ids
+    from kvstate.kernels._ids import as_ids
     caches = [np.arange(16 * 2 * 3, dtype=np.float16).reshape(16, 1, 2, 3) + layer for layer in range(2)]
     want = np.zeros((len(ids), 2, 1, 2, 3), np.float16)
     swap_cache_layout(caches, want, list(ids), list(range(len(ids))), "d2h")
@@ -219,7 +219,7 @@ def test_ids_that_are_not_integers_are_refused_before_anything_moves(bad, msg, p
 
 def test_duplicates_are_found_at_any_pool_size(packer):
     """Uniqueness costs O(n log n) or O(n) in the ids, nothing in the pool's size."""
-    from kvstate.kernels.ids import check_ids
+    from kvstate.kernels._ids import check_ids
     for limit in (1 << 10, 1 << 20, 1 << 40):
         ids = [limit - 1, 3, 77, limit - 1]
         with pytest.raises(BlockError, match=f"block {limit - 1} appears twice"):
@@ -231,7 +231,7 @@ def test_duplicates_are_found_at_any_pool_size(packer):
 @given(ids=st.lists(st.integers(-3, 40) | st.integers(-2**64, 2**64) | st.booleans() | st.floats(0, 40), max_size=12),
        limit=st.sampled_from([8, 40, 1 << 30]), unique=st.booleans())
 def test_list_and_array_ids_are_judged_alike(ids, limit, unique):
-    from kvstate.kernels import ids as id_mod
+    from kvstate.kernels import _ids as id_mod
     for packer in (id_mod.id_packer, None):  # the compiled packer (if built) and the fallback
         _judged_alike(ids, limit, unique, packer)
 
@@ -240,7 +240,7 @@ def _judged_alike(ids, limit, unique, packer):
     """A list is accepted exactly when its ints are, as an int64 array, with the same ids."""
     from unittest import mock
 
-    from kvstate.kernels import ids as id_mod
+    from kvstate.kernels import _ids as id_mod
     ints = all(type(i) is int and -2**63 <= i < 2**63 for i in ids)
     try:
         with mock.patch.object(id_mod, "id_packer", packer):
@@ -264,7 +264,7 @@ def test_compiled_checker_agrees_with_numpy(ids, limit, unique, step):
     """The compiled check accepts exactly what numpy's does (and passes strided arrays to it)."""
     from unittest import mock
 
-    from kvstate.kernels import ids as id_mod
+    from kvstate.kernels import _ids as id_mod
     if id_mod.id_checker is None:
         pytest.skip("the compiled id checker was not built here (no C compiler at install)")
     arr = np.asarray(ids, dtype=np.int64)[::step]
@@ -287,7 +287,7 @@ def test_compiled_checker_agrees_with_numpy(ids, limit, unique, step):
 def test_a_compiled_pair_check_agrees_with_checking_each_list(a, b, sort, limits, h2d):
     """GPU and host ids packed and checked in one call (increasing lists take a shortcut past
     the uniqueness table): accepted exactly when each list passes alone, with the same ids."""
-    from kvstate.kernels import ids as id_mod
+    from kvstate.kernels import _ids as id_mod
     if id_mod.id_packer is None:
         pytest.skip("the compiled id packer was not built here (no C compiler at install)")
     a, b = (sorted(a) if "a" in sort else a), (sorted(set(b)) if "b" in sort else b)
@@ -308,7 +308,7 @@ def test_a_compiled_pair_check_agrees_with_checking_each_list(a, b, sort, limits
 def test_paddle_int_tensors_as_ids():
     import paddle
 
-    from kvstate.kernels.ids import as_ids
+    from kvstate.kernels._ids import as_ids
     assert as_ids(paddle.to_tensor([4, 0, 2], dtype="int32")).tolist() == [4, 0, 2]
     with pytest.raises(BlockError, match="got dtype bool"):
         as_ids(paddle.to_tensor([True, False]))
@@ -321,7 +321,7 @@ def test_identity_key_names_exactly_these_objects(compiled, monkeypatch):
     import gc
     import weakref
 
-    from kvstate.kernels import ids as id_mod
+    from kvstate.kernels import _ids as id_mod
     if compiled and id_mod.id_packer is None:
         pytest.skip("the compiled helpers were not built here (no C compiler at install)")
     if not compiled:
@@ -342,7 +342,7 @@ def test_identity_key_names_exactly_these_objects(compiled, monkeypatch):
 def test_a_call_with_list_ids_is_judged_as_with_arrays(g, h, direction):
     """Both ids as lists (packed and checked together in one compiled pass) against both as
     int64 arrays: the same ids, or the same error."""
-    from kvstate.kernels.plan import plan_layout
+    from kvstate.kernels._plan import plan_layout
     caches = [np.zeros((8, 1, 1, 2), np.uint8)]
     host = np.zeros((8, 1, 1, 1, 2), np.uint8)
     outcomes = []
@@ -362,7 +362,7 @@ def test_packed_ids_narrow_into_int32_as_numpy_would(compiled, ids, start):
     values from the compiled helper and from numpy; a too-short buffer is refused (compiled)."""
     from unittest import mock
 
-    from kvstate.kernels import ids as id_mod
+    from kvstate.kernels import _ids as id_mod
     if compiled and id_mod.id_packer is None:
         pytest.skip("the compiled id packer was not built here (no C compiler at install)")
     packed = np.asarray(ids, np.int64).tobytes()

@@ -12,9 +12,9 @@ from rigs import Clock, small_spec
 
 from kvstate import ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
-from kvstate.keys import KeyCache, block_keys, keys_of_packed, rank_key
-from kvstate.registry import ENDED_MEMORY
-from kvstate.validate import check_int, is_int
+from kvstate._keys import KeyCache, block_keys, keys_of_packed, rank_key
+from kvstate._registry import ENDED_MEMORY
+from kvstate._validate import check_int, is_int
 
 
 def test_keys_with_extra_keys_keep_their_stored_format():

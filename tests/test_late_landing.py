@@ -11,7 +11,7 @@ from rigs import Rig
 
 from kvstate import Policy
 from kvstate import commands as C
-from kvstate.keys import block_keys
+from kvstate._keys import block_keys
 from kvstate.testing import fill_blocks
 
 POLICY = Policy(read_failure="recompute", transfer_timeout=10.0, fence_grace=5.0)

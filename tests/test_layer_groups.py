@@ -1,4 +1,4 @@
-"""Layer groups (kvstate.layers): the spec's rules, what each group needs read, where each
+"""Layer groups (kvstate._layers): the spec's rules, what each group needs read, where each
 kind is moved today, and the latent layout stored once."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from rigs import Rig
 
 from kvstate import CacheSpec, ConfigError, DecodeLifecycle, KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
+from kvstate._keys import block_keys, rank_key
+from kvstate._layers import LayerGroup, checkpoint_floor, read_blocks
+from kvstate._pool import FREED
+from kvstate._spec import check_pair
 from kvstate.backends import MemoryStore, ReferenceBackend
-from kvstate.keys import block_keys, rank_key
-from kvstate.layers import LayerGroup, checkpoint_floor, read_blocks
-from kvstate.pool import FREED
-from kvstate.spec import check_pair
 from kvstate.testing import mismatched_blocks
 
 

@@ -10,7 +10,7 @@ from rigs import Clock, small_spec
 from kvstate import KVStateError, Policy, PrefillLifecycle, ValidationError
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver, ThreadedDriver
-from kvstate.backends.gate import LayerGate
+from kvstate.backends._gate import LayerGate
 from kvstate.testing import fill_layers, mismatched_blocks
 
 SPEC = small_spec(tp=2, num_layers=4, layer_groups=2)
@@ -275,7 +275,7 @@ def test_layer_reports_need_a_layerwise_prefill_and_a_live_one():
 def test_a_save_needs_a_gate_and_a_gate_wait_always_ends():
     clock, store, lc, be = rig()
     save = start(lc)
-    from kvstate.backends.runner import execute
+    from kvstate.backends._runner import execute
     with pytest.raises(ValidationError, match="layer gate"):
         execute(be, save, 0)
     gate = LayerGate(fence=1.0, clock=clock)

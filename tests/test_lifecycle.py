@@ -10,8 +10,8 @@ from kvstate import (
     Policy,
 )
 from kvstate import commands as C
+from kvstate._keys import block_keys
 from kvstate.backends import MemoryStore, Store
-from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 

@@ -20,9 +20,9 @@ from kvstate import (
 )
 from kvstate import commands as C
 from kvstate import events as E
-from kvstate.keys import KeyCache, block_keys
-from kvstate.machine import CompiledMachine
-from kvstate.spec import LayerGroup
+from kvstate._keys import KeyCache, block_keys
+from kvstate._machine import CompiledMachine
+from kvstate._spec import LayerGroup
 
 LIFECYCLES = (PrefillLifecycle, DecodeLifecycle)
 

@@ -11,9 +11,9 @@ from rigs import Clock, small_spec
 
 from kvstate import MACHINES, InvalidTransitionError, PrefillLifecycle, ValidationError
 from kvstate import commands as C
+from kvstate._decode import DECODE, DecodeLifecycle
+from kvstate._machine import CompiledMachine, MachineDef, StockMachine, mermaid, stock_machine
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
-from kvstate.decode import DECODE, DecodeLifecycle
-from kvstate.machine import CompiledMachine, MachineDef, StockMachine, mermaid, stock_machine
 
 
 @pytest.mark.parametrize("trigger", ["finish", "no_such_event"])

@@ -9,7 +9,7 @@ from transitions import Machine, MachineError
 
 from kvstate import MACHINES, InvalidTransitionError, Policy
 from kvstate import commands as C
-from kvstate.machine import CompiledMachine, MachineDef, StockMachine, mermaid, stock_machine
+from kvstate._machine import CompiledMachine, MachineDef, StockMachine, mermaid, stock_machine
 
 
 def _sources(tr):

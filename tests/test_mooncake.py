@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(_MISSING is not None, rea
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    from kvstate.backends.mooncake_master import MooncakeMaster
+    from kvstate.backends._mooncake_master import MooncakeMaster
 
     with MooncakeMaster(log_path=tmp_path_factory.mktemp("mc") / "master.log") as m:
         pid = m.proc.pid
@@ -31,7 +31,7 @@ def master(tmp_path_factory):
 
 
 def mstore(master, **kw):
-    from kvstate.backends.mooncake import MooncakeStore
+    from kvstate.backends._mooncake import MooncakeStore
 
     kw.setdefault("global_segment_size", 64 << 20)
     kw.setdefault("staging_bytes", 8 << 20)
@@ -39,7 +39,7 @@ def mstore(master, **kw):
 
 
 def test_demo_roundtrip_two_ranks(master):
-    from kvstate.app.demo import DemoConfig, run_demo
+    from kvstate.app._demo import DemoConfig, run_demo
 
     s = run_demo(DemoConfig(requests=24, tp=2, store="custom", store_factory=lambda spec: mstore(master)))
     assert s["store"] == "MooncakeStore" and s["integrity_ok"] and s["leaked_blocks"] == 0
@@ -74,7 +74,7 @@ def test_exists_and_skip_already_stored(master):
 def evicting_master(tmp_path):
     """A master of its own that evicts early and much (its default 95 % watermark mostly
     rejects puts for lack of space instead of evicting)."""
-    from kvstate.backends.mooncake_master import MooncakeMaster
+    from kvstate.backends._mooncake_master import MooncakeMaster
 
     with MooncakeMaster(log_path=tmp_path / "master.log",
                         extra_args=["--eviction_high_watermark_ratio=0.6", "--eviction_ratio=0.3"]) as m:
@@ -94,7 +94,7 @@ def test_full_pool_evicts_and_partial_read_runs_policy(evicting_master, policy):
         assert rig.D.state_of("first") == "reading"
         rig.dd.pump()
         held = list(rig.dd.pending)  # hold the read back until the pool evicted its blocks
-        from kvstate.keys import rank_key
+        from kvstate._keys import rank_key
 
         # Push other requests' cache through the 16 MiB pool in rounds of ~50 MiB until the
         # pool evicted an object of the held read (Mooncake evicts asynchronously, and an
@@ -157,7 +157,7 @@ def _drive_to_end(rig, deadline_s=60.0):
 
 
 def test_master_killed_mid_run_then_restarted(tmp_path):
-    from kvstate.backends.mooncake_master import MooncakeMaster
+    from kvstate.backends._mooncake_master import MooncakeMaster
 
     m = MooncakeMaster(log_path=tmp_path / "m.log").start()
     store = mstore(m)
@@ -197,7 +197,7 @@ def test_master_dies_with_a_crashed_owner():
 
     root = str(Path(__file__).resolve().parents[1])
     code = (f"import os, sys; sys.path.insert(0, {root!r})\n"
-            "from kvstate.backends.mooncake_master import MooncakeMaster\n"
+            "from kvstate.backends._mooncake_master import MooncakeMaster\n"
             "m = MooncakeMaster().start(); print(m.proc.pid, flush=True); os._exit(1)  # a crash")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     pid = int(out.stdout.split()[0])
@@ -214,7 +214,7 @@ def test_master_dies_with_a_crashed_owner():
 
 # -- bad input: clear errors naming the setting ---------------------------------------------------
 def test_unreachable_master_and_wrong_metadata(master):
-    from kvstate.backends.mooncake import MooncakeConfig, MooncakeStore
+    from kvstate.backends._mooncake import MooncakeConfig, MooncakeStore
 
     with pytest.raises(StoreError, match="master 127.0.0.1:1 is unreachable"):
         MooncakeStore(MooncakeConfig(master="127.0.0.1:1", metadata=master.metadata_url))
@@ -231,7 +231,7 @@ def test_unreachable_master_and_wrong_metadata(master):
     (dict(staging_bytes=0), "staging_bytes"),
 ])
 def test_config_rules(kw, msg):
-    from kvstate.backends.mooncake import MooncakeConfig
+    from kvstate.backends._mooncake import MooncakeConfig
 
     args = dict(master="127.0.0.1:50051", metadata="http://127.0.0.1:8080/metadata")
     args.update(kw)
@@ -272,7 +272,7 @@ def test_a_batch_bigger_than_staging_moves_in_groups_byte_for_byte(master):
 
 
 def test_cli_start_master_demo(capsys):
-    from kvstate.app.cli import main
+    from kvstate.app._cli import main
 
     assert main(["demo", "--store", "mooncake", "--start-master", "--requests", "8", "--json"]) == 0
     import json

@@ -156,7 +156,7 @@ def test_p_s_store_read_never_writes_into_blocks_the_gpu_prefix_cache_shares():
     from lifecycle_helpers import serve
     from test_prefix_cache import caching_rig
 
-    from kvstate.keys import block_keys
+    from kvstate._keys import block_keys
 
     toks = list(range(200, 213))  # 3 full blocks of 4 and a partial one
     rig = caching_rig()

@@ -1,5 +1,5 @@
 """An engine's paged KV tensors seen as kvstate caches, and a rank's transfers over them
-(kvstate.integrations.pagedkv): every layout served round-trips byte-exact; others are refused
+(kvstate.integrations._pagedkv): every layout served round-trips byte-exact; others are refused
 by name. PyTorch CPU tensors here; the same on CUDA tensors runs on the GPU machine."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from needs import has_module
 
 from kvstate import CacheSpec, ConfigError, ValidationError
-from kvstate.backends.arena import ArenaStore
-from kvstate.backends.stores import MemoryStore
+from kvstate._keys import block_keys
+from kvstate.backends._arena import ArenaStore
+from kvstate.backends._stores import MemoryStore
 from kvstate.commands import ReadBlocks, WriteBlocks
-from kvstate.keys import block_keys
 
 pytestmark = pytest.mark.skipif(not has_module("torch"), reason="needs PyTorch (pip install '.[vllm]')")
 
@@ -57,7 +57,7 @@ def make_store(kind: str, s: CacheSpec):
 
 def roundtrip(s: CacheSpec, src: dict, dst: dict, ids_src: list[int], ids_dst: list[int],
               store_kind: str = "memory") -> None:
-    from kvstate.integrations.pagedkv import RankTransfers
+    from kvstate.integrations._pagedkv import RankTransfers
 
     store = make_store(store_kind, s)  # closing it twice is harmless
     keys = block_keys(list(range(1, len(ids_src) * B + 1)), B, namespace="t")
@@ -128,7 +128,7 @@ def test_float16_and_fp8_caches_round_trip_as_bytes(dtype, device):
     (lambda: (spec(), {"only": layers((2, NB, H, B, D))["layer0"]}), "registered 1 KV cache layers"),
 ])
 def test_a_layout_kvstate_cannot_serve_is_refused_by_name_before_any_transfer(make, rule):
-    from kvstate.integrations.pagedkv import RankTransfers
+    from kvstate.integrations._pagedkv import RankTransfers
 
     s, ls = make()
     with pytest.raises(ConfigError, match=rule):
@@ -142,7 +142,7 @@ def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caugh
     which is evicted, and the blocks before it count."""
     import torch
 
-    from kvstate.integrations.pagedkv import RankTransfers
+    from kvstate.integrations._pagedkv import RankTransfers
 
     if cuda_missing():
         pytest.skip(cuda_missing())
@@ -177,7 +177,7 @@ def test_arena_transfers_count_up_to_a_broken_block_and_read_a_cpu_writers_block
     GPU by the staged path."""
     import torch
 
-    from kvstate.integrations.pagedkv import RankTransfers
+    from kvstate.integrations._pagedkv import RankTransfers
 
     if cuda_missing():
         pytest.skip(cuda_missing())
@@ -219,8 +219,8 @@ def test_p_and_d_at_different_tp_degrees_hand_off_byte_exact_through_the_connect
     ranks' heads side by side, byte for byte, and the lookup sees the cache stored."""
     import torch
 
-    from kvstate.integrations.handoff import Handoff, peer_spec
-    from kvstate.integrations.pagedkv import RankTransfers
+    from kvstate.integrations._handoff import Handoff, peer_spec
+    from kvstate.integrations._pagedkv import RankTransfers
 
     heads, prompt = 4, list(range(7, 7 + 3 * B + 2))  # a cache of 3 full blocks and one partial
 
@@ -264,7 +264,7 @@ def test_p_and_d_at_different_tp_degrees_hand_off_byte_exact_through_the_connect
 
 
 def test_peer_degrees_that_cannot_share_objects_or_a_both_engine_with_a_peer_are_refused():
-    from kvstate.integrations.handoff import peer_spec
+    from kvstate.integrations._handoff import peer_spec
 
     s = CacheSpec(num_layers=2, kv_heads=2, block_size=B, head_dim=D, tp_size=2, total_kv_heads=4)
     assert peer_spec(s, "producer", 0) is s and peer_spec(s, "consumer", 2) is s
@@ -281,7 +281,7 @@ def test_a_layer_wise_save_stores_each_layer_group_only_once_the_forward_reporte
     until the forward reports layers; then exactly the groups reported; then answers whole."""
     from kvstate import rank_key
     from kvstate.commands import SaveLayers
-    from kvstate.integrations.pagedkv import RankTransfers
+    from kvstate.integrations._pagedkv import RankTransfers
 
     s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=D, layer_groups=3)
     src = layers((2, NB, H, B, D))
@@ -320,7 +320,7 @@ def test_a_layer_wise_save_stores_each_layer_group_only_once_the_forward_reporte
 ])
 def test_a_ranks_transfers_refuse_bad_arguments_by_name(call, args):
     from kvstate import KVStateError
-    from kvstate.integrations.pagedkv import RankTransfers
+    from kvstate.integrations._pagedkv import RankTransfers
 
     t = RankTransfers(spec(), 0, layers((2, NB, H, B, D)), MemoryStore(1 << 20))
     try:

@@ -242,7 +242,7 @@ def test_p_on_the_first_gpu_and_d_on_the_second_are_token_exact(model, store, pr
     import torch
 
     from kvstate import Policy
-    from kvstate.app.demo import arena_store
+    from kvstate.app._demo import arena_store
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")

@@ -102,7 +102,7 @@ def test_a_prefix_read_from_the_store_equals_transformers_run(name, request):
 def test_mistral_frees_the_blocks_behind_its_window_and_equals_transformers_run(mistral, monkeypatch):
     """Every layer a window layer: D reads each prompt's last window only, and a decoding
     request frees the blocks wholly behind its window, which its steps then never touch."""
-    from kvstate.pool import FREED
+    from kvstate._pool import FREED
 
     freed_steps = []
     forward = mistral.forward
@@ -123,12 +123,12 @@ def test_mistral_frees_the_blocks_behind_its_window_and_equals_transformers_run(
 
 @pytest.mark.parametrize("preempt", [None, "write", "recompute"])
 def test_gemma2_with_a_table_per_group_frees_its_window_and_equals_transformers_run(gemma, monkeypatch, preempt):
-    """D gives Gemma 2's window and full layers a block table each (kvstate.tables): decoding
+    """D gives Gemma 2's window and full layers a block table each (kvstate._tables): decoding
     frees the window layers' blocks behind the window while the full layers keep theirs, and
     tokens and logits stay transformers' own, through preemption too (a write-back stores the
     full layers' every block and the window's, so a reload continues without recomputing)."""
     from kvstate import Policy
-    from kvstate.pool import FREED
+    from kvstate._pool import FREED
 
     freed_steps = []
     forward = gemma.forward

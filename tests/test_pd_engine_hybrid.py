@@ -61,8 +61,8 @@ def test_qwen3_next_is_a_hybrid_and_its_spec_says_so(qwen):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_handoff_equals_transformers_run(qwen, tp):
+    from kvstate._keys import block_keys, rank_key
     from kvstate.backends import MemoryStore
-    from kvstate.keys import block_keys, rank_key
 
     store, reqs = MemoryStore(1 << 30), workload(8, lengths=LENGTHS)
     eng, leaks = serve(qwen, reqs, store, tp=tp)
@@ -119,8 +119,8 @@ def test_p_keeping_every_checkpoint_lets_a_shorter_shared_prefix_resume(qwen):
     now resumes at 128. All equal transformers' run."""
     from engine import Request
 
+    from kvstate._policy import Policy
     from kvstate.backends import MemoryStore
-    from kvstate.policy import Policy
 
     rng = random.Random(5)
     fresh = lambda n: [rng.randrange(512) for _ in range(n)]  # noqa: E731
@@ -189,8 +189,8 @@ def test_a_state_corrupt_on_one_rank_is_evicted_and_recomputed(qwen):
     from engine import Request
 
     from kvstate import Policy
+    from kvstate._keys import block_keys, rank_key
     from kvstate.backends import MemoryStore
-    from kvstate.keys import block_keys, rank_key
 
     prompt = [random.Random(7).randrange(512) for _ in range(150)]
     name = rank_key(block_keys(prompt, BS)[-1], "state", 1)

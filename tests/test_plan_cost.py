@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from kvstate.app.cli import main
-from kvstate.errors import ConfigError
+from kvstate._errors import ConfigError
+from kvstate.app._cli import main
 from kvstate.sim import Scenario, simulate, with_overrides
-from kvstate.sim.capacity import plan
-from kvstate.sim.gpus import GPUS
+from kvstate.sim._capacity import plan
+from kvstate.sim._gpus import GPUS
 
 SMALL = {"workload.num_requests": 300, "workload.input_mean": 600.0, "workload.output_mean": 32.0,
          "workload.prefix_tokens": 64, "cluster.n_prefill": 1, "cluster.n_decode": 1}
@@ -84,7 +84,7 @@ def test_percentiles_asked_as_vllm_bench_serve_spells_them_are_the_requests_own(
 
     import numpy as np
 
-    from kvstate.sim.metrics import percentiles
+    from kvstate.sim._metrics import percentiles
 
     r = simulate(with_overrides(Scenario(), {**SMALL, "workload.rate": 8.0}))
     got = percentiles(r, ["ttft", "tpot", "itl", "e2el"], [25.0, 50.0, 90.0, 99.0, 99.9])

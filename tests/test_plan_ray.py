@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstate.app.cli import main
+from kvstate.app._cli import main
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'kvstate[ray]')")
 

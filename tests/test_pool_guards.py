@@ -10,11 +10,11 @@ from rigs import Rig
 from test_mutant_guards import first_token_code, no_retry, p_writing
 
 from kvstate import KVStateError
+from kvstate._hostpool import HostBlockPool
+from kvstate._pool import BlockPool
+from kvstate._prefixcache import PrefixCachingPool
+from kvstate._timers import FENCE, TRANSFER, WAIT, Timers
 from kvstate.events import Completion
-from kvstate.hostpool import HostBlockPool
-from kvstate.pool import BlockPool
-from kvstate.prefixcache import PrefixCachingPool
-from kvstate.timers import FENCE, TRANSFER, WAIT, Timers
 
 POOLS = [BlockPool, PrefixCachingPool]
 

@@ -7,8 +7,8 @@ from rigs import Rig, small_spec
 
 from kvstate import DecodeLifecycle, OutOfBlocksError, Policy, ValidationError
 from kvstate import commands as C
-from kvstate.keys import block_keys
-from kvstate.prefixcache import PrefixCachingPool
+from kvstate._keys import block_keys
+from kvstate._prefixcache import PrefixCachingPool
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 KEYS = ["k0", "k1", "k2"]

@@ -23,11 +23,11 @@ from needs import mooncake_missing
 from procrig import FAST, ProcRig, alive
 
 from kvstate import commands as C
-from kvstate.app.demo import DemoConfig
-from kvstate.app.procdemo import run_processes
+from kvstate.app._demo import DemoConfig
+from kvstate.app._procdemo import run_processes
 from kvstate.distributed import RankDown, RankUp
-from kvstate.distributed.shm import shm_directory
-from kvstate.distributed.supervise import remove_orphans
+from kvstate.distributed._shm import shm_directory
+from kvstate.distributed._supervise import remove_orphans
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc, PR_SET_PDEATHSIG)")
 
@@ -247,7 +247,7 @@ def test_the_mooncake_master_stopped_mid_run_then_restarted(tmp_path):
     heartbeats: the liveness limit is set above that, as a deployment on Mooncake must. A worker
     that still goes down while the master is away (its client may also exit) is restarted and
     counted; once recovered, the pool serves without another restart."""
-    from kvstate.backends.mooncake_master import MooncakeMaster
+    from kvstate.backends._mooncake_master import MooncakeMaster
 
     m = MooncakeMaster(log_path=tmp_path / "m.log").start()
     cfg = m.config(global_segment_size=64 << 20, local_buffer_size=16 << 20, staging_bytes=8 << 20)

@@ -95,7 +95,7 @@ def test_a_short_answer_is_partial_and_a_fired_deadline_is_counted():
 
 
 def test_the_collector_refuses_what_is_not_a_lifecycle():
-    from kvstate.errors import KVStateError
+    from kvstate._errors import KVStateError
     from kvstate.prometheus import KVStateCollector
 
     with pytest.raises(KVStateError, match="lifecycle"):

@@ -10,13 +10,13 @@ from hypothesis.stateful import run_state_machine_as_test
 from protocol_machine import Protocol
 from protocol_support import INVARIANTS
 
-from kvstate import pool as pool_mod
+from kvstate import _pool as pool_mod
+from kvstate._decode import DecodeLifecycle
+from kvstate._pins import Transfers
+from kvstate._prefixcache import PrefixCachingPool
+from kvstate._registry import Registry
+from kvstate._timers import TRANSFER, Timers
 from kvstate.backends import ReferenceBackend
-from kvstate.decode import DecodeLifecycle
-from kvstate.pins import Transfers
-from kvstate.prefixcache import PrefixCachingPool
-from kvstate.registry import Registry
-from kvstate.timers import TRANSFER, Timers
 
 # derandomized: each break is found by the same examples every run (a random search missed one
 # in 400 examples now and then, failing a suite run at random)

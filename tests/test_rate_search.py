@@ -1,15 +1,15 @@
-"""The highest rate a configuration holds (kvstate/sim/ratesearch.py, ``plan --search-rate``)."""
+"""The highest rate a configuration holds (kvstate/sim/_ratesearch.py, ``plan --search-rate``)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from kvstate.app.cli import main
-from kvstate.errors import ConfigError
+from kvstate._errors import ConfigError
+from kvstate.app._cli import main
 from kvstate.sim import Scenario, simulate, with_overrides
-from kvstate.sim.metrics import verdict_of
-from kvstate.sim.ratesearch import PRECISION, highest_rate
+from kvstate.sim._metrics import verdict_of
+from kvstate.sim._ratesearch import PRECISION, highest_rate
 
 SMALL = {"workload.num_requests": 300, "workload.input_mean": 600.0, "workload.output_mean": 32.0,
          "workload.prefix_tokens": 64, "cluster.n_prefill": 1, "cluster.n_decode": 1}

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstate.app.cli import main
-from kvstate.errors import ConfigError, KVStateError, ValidationError
-from kvstate.kernels.cost import TransferCostModel, fit_cost_model
-from kvstate.kernels.plan import plan_layout
+from kvstate._errors import ConfigError, KVStateError, ValidationError
+from kvstate.app._cli import main
+from kvstate.kernels._cost import TransferCostModel, fit_cost_model
+from kvstate.kernels._plan import plan_layout
 from kvstate.sim import (
     Cluster,
     Scenario,
@@ -21,9 +21,9 @@ from kvstate.sim import (
     to_json,
     with_overrides,
 )
-from kvstate.sim.metrics import summarize
-from kvstate.sim.tp import TaskSchedule, run_schedule
-from kvstate.sim.workload import load_trace
+from kvstate.sim._metrics import summarize
+from kvstate.sim._tp import TaskSchedule, run_schedule
+from kvstate.sim._workload import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
@@ -374,7 +374,7 @@ def test_cli_plan_finds_the_cheapest_configuration(tmp_path, capsys):
         assert res["best"]["gpus"] == min(r["gpus"] for r in ok)
     assert "cheapest" in capsys.readouterr().out or not ok
     with pytest.raises(KVStateError, match="FIELD=V1"):
-        from kvstate.sim.capacity import parse_sweep
+        from kvstate.sim._capacity import parse_sweep
         parse_sweep(["cluster.n_decode"])
 
 

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from kvstate.app.cli import main
+from kvstate.app._cli import main
 from kvstate.sim import Scenario, with_overrides
-from kvstate.sim.colocated import ColocatedInstance
-from kvstate.sim.colocated_cluster import ColocatedCluster
-from kvstate.sim.metrics import summarize
-from kvstate.sim.report import format_report
-from kvstate.sim.run import simulate
+from kvstate.sim._colocated import ColocatedInstance
+from kvstate.sim._colocated_cluster import ColocatedCluster
+from kvstate.sim._metrics import summarize
+from kvstate.sim._report import format_report
+from kvstate.sim._run import simulate
 
 BASE = {"cluster.mode": "colocated", "cluster.tp": 1, "model.block_size": 16, "workload.num_requests": 300,
         "workload.rate": 20.0, "workload.input_mean": 600.0, "workload.output_mean": 100.0,
@@ -158,7 +158,7 @@ def test_same_seed_same_bytes(capsys):
 
 
 def test_pd_only_settings_are_refused_in_colocated_mode():
-    from kvstate.errors import ConfigError
+    from kvstate._errors import ConfigError
     for name in ("host_blocks", "layerwise", "prefix_cache"):
         value = 64 if name == "host_blocks" else True
         with pytest.raises(ConfigError, match=name):
@@ -166,7 +166,7 @@ def test_pd_only_settings_are_refused_in_colocated_mode():
 
 
 def test_the_scheduler_rules():
-    from kvstate.errors import ConfigError
+    from kvstate._errors import ConfigError
     with pytest.raises(ConfigError, match="max_num_seqs"):
         with_overrides(Scenario(), {"scheduler.max_num_batched_tokens": 64, "scheduler.max_num_seqs": 128})
     with pytest.raises(ConfigError, match="chunked prefill"):

@@ -8,12 +8,12 @@ import math
 
 import pytest
 
-from kvstate.errors import ConfigError
+from kvstate._errors import ConfigError
 from kvstate.sim import Scenario, with_overrides
-from kvstate.sim.compute import ComputeModel
-from kvstate.sim.gpus import GPUS, gpu_overrides
-from kvstate.sim.models import MODELS
-from kvstate.sim.profile import Profile
+from kvstate.sim._compute import ComputeModel
+from kvstate.sim._gpus import GPUS, gpu_overrides
+from kvstate.sim._models import MODELS
+from kvstate.sim._profile import Profile
 
 
 def model(name: str = "llama-3-8b", tp: int = 1, gpu: str = "H100-SXM", **extra) -> ComputeModel:
@@ -196,7 +196,7 @@ def test_fewer_kv_heads_than_ranks_are_replicated_as_vllm_does():
     """Qwen2.5-7B has 4 KV heads: at TP 8 each rank holds one, replicated on two ranks (vLLM
     serves it so); its memory and attention reads are one head a rank, and the store holds each
     head once."""
-    from kvstate.sim.models import MODELS
+    from kvstate.sim._models import MODELS
 
     m = MODELS["qwen2.5-7b"]
     fields = {f"model.{k}": v for k, v in dataclasses.asdict(m).items() if k != "block_size"}

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from kvstate.errors import ConfigError
+from kvstate._errors import ConfigError
 from kvstate.sim import Scenario, simulate, with_overrides
-from kvstate.sim.compute import ComputeModel
-from kvstate.sim.models import MODELS
+from kvstate.sim._compute import ComputeModel
+from kvstate.sim._models import MODELS
 
 MIXTRAL = {f"model.{k}": v for k, v in dataclasses.asdict(MODELS["mixtral-8x7b"]).items()}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_sim import assert_clean, run, small
 
-from kvstate.errors import ConfigError
+from kvstate._errors import ConfigError
 from kvstate.sim import with_overrides
 
 

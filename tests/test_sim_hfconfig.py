@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kvstate.errors import ConfigError
-from kvstate.sim.models import model_from_hf_config
+from kvstate._errors import ConfigError
+from kvstate.sim._models import model_from_hf_config
 
 #: the fields that matter of published configs, and the published parameter counts (billions)
 MIXTRAL = ({"_name_or_path": "mistralai/Mixtral-8x7B-v0.1", "hidden_size": 4096, "num_hidden_layers": 32,
@@ -98,10 +98,10 @@ W4A16 = _ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 12
 def test_quantized_configs_are_read_as_served(tmp_path, quant, dtype, wbytes, eight_bit_cores):
     """The weights' bytes follow the stored width; the GEMMs run on 8-bit tensor cores only when
     the activations are quantized too (weight-only kernels compute in 16 bits)."""
-    from kvstate.sim.compute import ComputeModel
-    from kvstate.sim.gpus import gpu_overrides
-    from kvstate.sim.scenario import Scenario
-    from kvstate.sim.scenario_io import with_overrides
+    from kvstate.sim._compute import ComputeModel
+    from kvstate.sim._gpus import gpu_overrides
+    from kvstate.sim._scenario import Scenario
+    from kvstate.sim._scenario_io import with_overrides
 
     m = load(tmp_path, {**MIXTRAL[0], "quantization_config": quant})
     assert m.weight_dtype == dtype
@@ -116,9 +116,9 @@ def test_quantized_configs_are_read_as_served(tmp_path, quant, dtype, wbytes, ei
 def test_a_quantized_llama4_scout_fits_where_its_bf16_weights_would_not(tmp_path):
     """Llama-4-Scout (109B) at TP 2 on H100s: 218 GB of bf16 weights do not fit 2 x 80 GB; its
     compressed-tensors fp8 checkpoint (109 GB) does, as vLLM serves it."""
-    from kvstate.sim.models import resolve_model
-    from kvstate.sim.scenario import Scenario
-    from kvstate.sim.scenario_io import with_overrides
+    from kvstate.sim._models import resolve_model
+    from kvstate.sim._scenario import Scenario
+    from kvstate.sim._scenario_io import with_overrides
 
     def blocks(cfg: dict) -> int:
         path = tmp_path / "config.json"

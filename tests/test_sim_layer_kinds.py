@@ -9,12 +9,12 @@ import json
 import pytest
 
 from kvstate import ConfigError
-from kvstate.sim.compute import ComputeModel
-from kvstate.sim.hfconfig import model_from_hf_config
-from kvstate.sim.presets import preset
-from kvstate.sim.scenario import Scenario
-from kvstate.sim.scenario_io import scenario_from_dict, with_overrides
-from kvstate.sim.services import Services
+from kvstate.sim._compute import ComputeModel
+from kvstate.sim._hfconfig import model_from_hf_config
+from kvstate.sim._presets import preset
+from kvstate.sim._scenario import Scenario
+from kvstate.sim._scenario_io import scenario_from_dict, with_overrides
+from kvstate.sim._services import Services
 
 BASE = {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4,
         "head_dim": 128, "intermediate_size": 4096, "vocab_size": 32000, "torch_dtype": "bfloat16"}
@@ -145,9 +145,9 @@ def test_state_layers_cost_the_same_at_any_context_and_move_their_state():
 def test_a_stored_prefix_is_reused_from_a_state_checkpoint_only():
     """Prompts share 600-token prefixes: a model without state layers reuses them to the block
     (592 tokens); with states checkpointed every 256 tokens, P stores the state of its prompt's
-    last checkpoint only (kvstate.statepages), so a 700-token prompt's (512) is reused and a
+    last checkpoint only (kvstate._statepages), so a 700-token prompt's (512) is reused and a
     1,200-token prompt's (1,024, past the shared part) never is."""
-    from kvstate.sim.run import simulate
+    from kvstate.sim._run import simulate
 
     work = {"workload.num_requests": 60, "workload.rate": 4.0, "workload.prefix_groups": 2,
             "workload.prefix_tokens": 600, "workload.input_dist": "fixed",
@@ -165,7 +165,7 @@ def test_d_reads_window_layers_from_their_last_window_only():
     """1,200-token prompts, half the layers sliding over 64 tokens: D's reads leave most of
     those layers' bytes in the pool, as the reference backend does; a window as long as the
     prompts reads everything."""
-    from kvstate.sim.run import simulate
+    from kvstate.sim._run import simulate
 
     work = {"workload.num_requests": 40, "workload.rate": 2.0, "workload.prefix_groups": 0,
             "workload.input_mean": 1200.0, "workload.input_dist": "fixed", "workload.output_mean": 8.0,

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from kvstate.app.cli import main
+from kvstate.app._cli import main
 from kvstate.sim import Cluster, Scenario, with_overrides
-from kvstate.sim.metrics import cohort, rate_uncertainty, service_stretch, steady_window, summarize
+from kvstate.sim._metrics import cohort, rate_uncertainty, service_stretch, steady_window, summarize
 
 
 def ramp_trace(path, slow: int, fast: int, output: int) -> str:
@@ -188,14 +188,14 @@ def test_goodput_slos_count_only_the_slos_named_and_the_verdict_names_the_percen
     (["e2el:inf"], "expected e2el:MS"), (["tpot:5", "tpot:6"], "tpot is given twice"),
 ])
 def test_bad_goodput_slos_are_one_line_before_any_run(goodput, needle, capsys, monkeypatch):
-    monkeypatch.setattr("kvstate.sim.run.simulate", lambda *a, **k: pytest.fail("a simulation ran"))
+    monkeypatch.setattr("kvstate.sim._run.simulate", lambda *a, **k: pytest.fail("a simulation ran"))
     assert main(["simulate", "--quiet", "--goodput", *goodput]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
 
 
 def test_a_scenario_with_no_slo_at_all_is_refused():
-    from kvstate.errors import ConfigError
+    from kvstate._errors import ConfigError
 
     with pytest.raises(ConfigError, match="set at least one SLO"):
         with_overrides(Scenario(), {"slo.ttft_ms": 0.0, "slo.tpot_ms": 0.0})

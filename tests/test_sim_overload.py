@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstate.policy import REASONS
+from kvstate._policy import REASONS
 from kvstate.sim import Cluster, scenario_from_dict
-from kvstate.sim.metrics import summarize
+from kvstate.sim._metrics import summarize
 
 #: the shape that crashed: a 70B-class model at TP 4, 1 P + 2 D on H200-class GPUs, bursty
 #: arrivals at about twice what P can prefill, 4,096-token prompts and 512-token answers, D
@@ -86,7 +86,7 @@ def test_a_command_cancelled_before_a_worker_takes_it_costs_no_time(kind):
     """As the threaded driver does: a worker reaching a cancelled command answers it at once,
     moving nothing; the same command not cancelled takes its transfer time."""
     from kvstate import commands as C
-    from kvstate.sim.instance import Swap, Transfer
+    from kvstate.sim._instance import Swap, Transfer
     cl = Cluster(scenario_from_dict({"cluster": {"n_prefill": 1, "tp": 2}}))
     p = cl.prefill[0]
     keys = tuple(f"k{i}" for i in range(8))
@@ -152,7 +152,7 @@ def test_random_overloaded_clusters_end_every_request_and_leak_nothing(data):
 def test_the_lazy_decode_batch_keeps_exact_books(data):
     """After every decode step the batch's context sum equals its members' contexts, every
     member has its next event ahead, and the batch is full whenever requests wait for a slot."""
-    from kvstate.sim.decode import DecodeInstance
+    from kvstate.sim._decode import DecodeInstance
     errors: list[str] = []
     real = DecodeInstance._run_events
 

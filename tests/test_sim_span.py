@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate.sim import Cluster, Scenario, to_json, with_overrides
-from kvstate.sim.decode import DecodeInstance
-from kvstate.sim.metrics import summarize
-from kvstate.sim.span import StepSpan, delay_to
+from kvstate.sim._decode import DecodeInstance
+from kvstate.sim._metrics import summarize
+from kvstate.sim._span import StepSpan, delay_to
 
 
 def step_time(batch: int, context: int) -> float:

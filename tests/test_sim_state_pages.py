@@ -1,5 +1,5 @@
 """State pages in the simulator: a hybrid model's recurrent states hold a page per live
-request on P and D (the lifecycles' own :mod:`kvstate.statepages`), their memory comes out
+request on P and D (the lifecycles' own :mod:`kvstate._statepages`), their memory comes out
 of the blocks', and a co-located instance takes a cached prefix back from a checkpoint only."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from test_sim_layer_kinds import model  # the small model those tests vary
 
 from kvstate import ConfigError
-from kvstate.sim.run import simulate
-from kvstate.sim.scenario_io import with_overrides
+from kvstate.sim._run import simulate
+from kvstate.sim._scenario_io import with_overrides
 
 STATES = {"state_layers": 6, "state_bytes": 1 << 16, "state_checkpoint": 256}
 BUSY = {"workload.num_requests": 80, "workload.rate": 50.0, "workload.output_mean": 256.0,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstate.sim.scenario import StorageSpec
-from kvstate.sim.storage import SimStore
+from kvstate.sim._scenario import StorageSpec
+from kvstate.sim._storage import SimStore
 
 SHARD = 1024  # bytes of one rank's shard of a block
 KEYS = [f"k{i}" for i in range(24)]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstate import BlockError, BlockPool, CacheSpec, ConfigError, OutOfBlocksError, ValidationError
-from kvstate.keys import block_keys, rank_key
+from kvstate._keys import block_keys, rank_key
 
 
 # -- CacheSpec ---------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_keys_never_mutate_and_extra_keys_change_hash():
 
 
 def _chain(toks, bs, seed):
-    """The documented derivation, written independently of kvstate.keys."""
+    """The documented derivation, written independently of kvstate._keys."""
     import hashlib
     import struct
     prev, out = seed, []
@@ -148,7 +148,7 @@ def test_keys_follow_the_documented_derivation():
 
 
 def test_keys_stable_across_processes():
-    code = "from kvstate.keys import block_keys; print(block_keys(list(range(37)), 16)[-1])"
+    code = "from kvstate._keys import block_keys; print(block_keys(list(range(37)), 16)[-1])"
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
@@ -172,7 +172,7 @@ def test_a_key_cache_reuses_shared_prefixes_exactly(base, asks, block, namespace
     computed one, whatever the cache kept, and it keeps at most ``size`` prompts."""
     from array import array
 
-    from kvstate.keys import KeyCache, keys_of_packed
+    from kvstate._keys import KeyCache, keys_of_packed
     cache = KeyCache(size)
     for cut, tail in asks:
         toks = base[:cut] + tail or [7]
@@ -184,7 +184,7 @@ def test_a_key_cache_reuses_shared_prefixes_exactly(base, asks, block, namespace
 def test_a_key_cache_hashes_only_what_a_recent_prompt_did_not_share():
     from array import array
 
-    from kvstate.keys import KeyCache, keys_of_packed
+    from kvstate._keys import KeyCache, keys_of_packed
     cache, base = KeyCache(), list(range(32))  # 8 blocks of 4
     keys_of_packed(array("I", base), 4, None, "m", cache)
     other = base[:26] + [99, 98]  # blocks 0..5 shared; block 6 differs inside
@@ -206,7 +206,7 @@ def test_a_key_cache_changes_no_key(prompts, block, namespace):
     """Kept keys equal computed ones; a prompt asked for twice in a row is not hashed again."""
     from array import array
 
-    from kvstate.keys import KeyCache, keys_of_packed
+    from kvstate._keys import KeyCache, keys_of_packed
     cache = KeyCache()
     for toks in prompts:
         packed = array("I", toks)

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from kvstate import CacheSpec, ConfigError, ValidationError
-from kvstate.spec import LayerGroup as G
-from kvstate.spec import check_pair
+from kvstate._spec import LayerGroup as G
+from kvstate._spec import check_pair
 
 BASE = {"num_layers": 4, "kv_heads": 2, "block_size": 4, "head_dim": 8, "dtype": "float16", "tp_size": 1}
 
@@ -91,7 +91,7 @@ def test_a_bad_layer_group_is_refused_word_for_word(fields, message):
     (BASE, {**BASE, "block_size": 8}, "P (TP 1) and D (TP 1) disagree on block_size: 4 != 8: keys chain over a "
      "block's tokens, so P and D use one block size"),
     (BASE, {**BASE, "tp_size": 2, "kv_heads": 1, "total_kv_heads": 2}, "P (TP 1) and D (TP 2) disagree on "
-     "object_heads: 2 != 1: set store_heads to 1 on both (kvstate.spec.paired)"),
+     "object_heads: 2 != 1: set store_heads to 1 on both (kvstate._spec.paired)"),
     (BASE, {**BASE, "head_dim": 16}, "P (TP 1) and D (TP 1) disagree on head_dim: 8 != 16"),
 ])
 def test_a_p_and_d_that_would_store_different_objects_are_refused_naming_the_field(p, d, message):
@@ -129,6 +129,6 @@ def test_a_spec_s_own_checks_and_conversions_name_their_rule():
 
 
 def test_a_window_starts_at_block_0_while_the_cache_is_shorter_than_it():
-    from kvstate.layers import window_start
+    from kvstate._layers import window_start
 
     assert window_start(8, 5, 1) == 0 and window_start(8, 12, 1) == 4 and window_start(8, 12, 4) == 1

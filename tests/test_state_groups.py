@@ -9,15 +9,15 @@ from rigs import Rig, small_spec
 from state_helpers import BS, TOKS, assert_state, fake_state, hybrid, prefill, state_rig
 
 from kvstate import commands as C
+from kvstate._decode import DecodeLifecycle
+from kvstate._errors import ConfigError, OutOfBlocksError, ValidationError
+from kvstate._keys import block_keys, rank_key
+from kvstate._policy import Policy
+from kvstate._prefill import PrefillLifecycle
+from kvstate._spec import check_pair
 from kvstate.backends import MemoryStore, ReferenceBackend
-from kvstate.backends.stateobjects import STATE_KIND
-from kvstate.decode import DecodeLifecycle
+from kvstate.backends._stateobjects import STATE_KIND
 from kvstate.distributed import ProcessDriver
-from kvstate.errors import ConfigError, OutOfBlocksError, ValidationError
-from kvstate.keys import block_keys, rank_key
-from kvstate.policy import Policy
-from kvstate.prefill import PrefillLifecycle
-from kvstate.spec import check_pair
 
 
 def test_a_hybrid_handoff_moves_the_prompts_state_and_its_last_checkpoint():
@@ -212,7 +212,7 @@ def test_more_checkpoints_kept_let_a_prompt_sharing_only_the_beginning_start_fro
 
 
 def test_a_prompt_keeps_no_more_checkpoints_than_it_passes_nor_than_asked():
-    from kvstate.statepages import StatePages
+    from kvstate._statepages import StatePages
 
     class Req:
         def __init__(self, n):

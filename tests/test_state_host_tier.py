@@ -12,10 +12,10 @@ from rigs import Rig
 from state_helpers import BS, TOKS, assert_state, fake_state, hybrid, prefill
 
 from kvstate import commands as C
-from kvstate.decode import DecodeLifecycle
-from kvstate.errors import ConfigError
-from kvstate.keys import block_keys
-from kvstate.prefill import PrefillLifecycle
+from kvstate._decode import DecodeLifecycle
+from kvstate._errors import ConfigError
+from kvstate._keys import block_keys
+from kvstate._prefill import PrefillLifecycle
 
 KEYS = block_keys(TOKS, BS)
 

@@ -9,9 +9,9 @@ from state_helpers import TOKS, fake_state, hybrid
 
 from kvstate import ConfigError, Policy, PrefillLifecycle
 from kvstate import commands as C
+from kvstate._layers import LayerGroup
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
-from kvstate.backends.runner import execute
-from kvstate.layers import LayerGroup
+from kvstate.backends._runner import execute
 from kvstate.testing import fill_blocks, mismatched_blocks
 
 #: layers 0 and 2 full attention (stored as two layer groups), 1 and 3 state layers: one comes last

@@ -7,7 +7,7 @@ from lifecycle_helpers import deliver
 from state_helpers import BS, TOKS, assert_state, prefill, state_rig
 
 from kvstate import commands as C
-from kvstate.keys import block_keys
+from kvstate._keys import block_keys
 
 
 def cached_rig():
@@ -88,7 +88,7 @@ def test_the_claimed_page_goes_back_once_the_prefill_is_done_not_when_the_write_
 
 
 def test_the_gpu_cache_keeps_every_checkpoint_state_a_prefill_kept():
-    from kvstate.policy import Policy
+    from kvstate._policy import Policy
 
     rig = state_rig(prefix_cache=True, policy=Policy(transfer_timeout=10.0, fence_grace=5.0, state_checkpoints=2))
     a = prefill(rig, "a")

@@ -12,8 +12,8 @@ from state_helpers import BS, assert_state, prefill
 
 from kvstate import Policy
 from kvstate import commands as C
-from kvstate.keys import block_keys
-from kvstate.layers import LayerGroup
+from kvstate._keys import block_keys
+from kvstate._layers import LayerGroup
 
 
 def spec(window: int, checkpoint: int):

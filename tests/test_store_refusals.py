@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvstate import KVStateError
 from kvstate.backends import FileStore, MemoryStore
-from kvstate.backends.arena import ArenaStore
+from kvstate.backends._arena import ArenaStore
 
 not_keys = st.one_of(st.none(), st.integers(), st.text(max_size=3), st.binary(max_size=3), st.just([""]),
                      st.just([1]), st.just(["a", None]), st.just(["x" * 600]), st.just({"a": 1}))

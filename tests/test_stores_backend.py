@@ -4,9 +4,9 @@ import pytest
 from rigs import small_spec
 
 from kvstate import ConfigError, FenceError, StoreError, ValidationError
+from kvstate._keys import block_keys
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend
-from kvstate.backends.base import TOO_LARGE
-from kvstate.keys import block_keys
+from kvstate.backends._base import TOO_LARGE
 
 
 @pytest.fixture(params=["memory", "file"])

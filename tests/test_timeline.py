@@ -11,13 +11,13 @@ from rigs import small_spec
 
 from kvstate import DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate import commands as C
-from kvstate.app.cli import main
+from kvstate._errors import KVStateError
+from kvstate._keys import block_keys
+from kvstate._timeline import Timeline
+from kvstate.app._cli import main
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
-from kvstate.errors import KVStateError
 from kvstate.events import Completion
-from kvstate.keys import block_keys
 from kvstate.testing import fill_blocks
-from kvstate.timeline import Timeline
 
 TIDS = re.compile(r"^(req \S+|rank \d+( #\d+)?|steps)$")
 

@@ -197,7 +197,7 @@ def test_a_cache_dtype_whose_scales_live_beside_the_cache_is_refused(model_dir):
 
 def test_p_and_d_hand_off_through_a_shared_arena_and_one_of_another_geometry_is_refused(engines, model_dir):
     from kvstate import ConfigError
-    from kvstate.backends.arena import ArenaStore
+    from kvstate.backends._arena import ArenaStore
 
     slot = 2 * BS * 128 * 2  # one block of the tiny model's packed cache: 2 layers, 1 head of 128, bf16
     arena = ArenaStore.create(slot, 64, small_bytes=1024)

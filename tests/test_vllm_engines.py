@@ -65,7 +65,7 @@ def corrupt_block(root: Path, block: int) -> None:
     import numpy as np
 
     from kvstate import block_keys, rank_key
-    from kvstate.backends.filestore import FileStore
+    from kvstate.backends._filestore import FileStore
 
     key = block_keys(PROMPTS[0][:-1], 32, namespace=str(root.parent / "model"))[block]
     fs = FileStore(root)

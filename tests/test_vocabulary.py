@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from kvstate import CacheSpec, ConfigError, Policy
-from kvstate.sim.scenario import Scenario
-from kvstate.sim.scenario_io import scenario_from_dict
-from kvstate.spec import check_pair
+from kvstate._spec import check_pair
+from kvstate.sim._scenario import Scenario
+from kvstate.sim._scenario_io import scenario_from_dict
 
 
 def test_the_scenario_s_policy_is_the_library_s_policy():
@@ -75,9 +75,9 @@ def test_from_library_refuses_what_is_not_a_spec_and_a_policy():
 
 def test_every_command_has_one_kind_and_every_driver_declares_the_driver_protocol():
     from kvstate import commands as C
+    from kvstate._errors import ValidationError
     from kvstate.backends import Driver, StepDriver, ThreadedDriver
     from kvstate.distributed import ProcessDriver
-    from kvstate.errors import ValidationError
 
     classes = [getattr(C, n) for n in C.__all__ if isinstance(getattr(C, n), type)]
     concrete = [c for c in classes if c not in (C.Command, C.TransferCommand)]

@@ -1,4 +1,4 @@
-"""Host waits on CUDA events are bounded (kvstate.kernels.cuda_launch.wait_event).
+"""Host waits on CUDA events are bounded (kvstate.kernels._cuda_launch.wait_event).
 
 The swapper's transfers, a rank worker's reads and a process driver's layer reports all wait
 through it: an event that never completes (a hung GPU) fails the wait after its timeout
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kvstate.errors import DriverError, KVStateError
-from kvstate.kernels.cuda_launch import wait_event
+from kvstate._errors import DriverError, KVStateError
+from kvstate.kernels._cuda_launch import wait_event
 
 
 class CupyLike:

@@ -22,15 +22,9 @@ from typing import Any
 import torch
 from model import LlamaConfig, Model, PagedCache
 
-from kvstate import CacheSpec, Policy
+from kvstate import CacheSpec, DecodeLifecycle, LayerGroup, Policy, PrefillLifecycle, paired, rows
 from kvstate import commands as C
-from kvstate.backends import StepDriver, Store
-from kvstate.backends.cuda import CudaBackend
-from kvstate.decode import DecodeLifecycle
-from kvstate.layers import LayerGroup
-from kvstate.prefill import PrefillLifecycle
-from kvstate.spec import paired
-from kvstate.tables import rows
+from kvstate.backends import CudaBackend, StepDriver, Store
 
 __all__ = ["Request", "PDEngine", "cache_spec", "layer_groups", "monolithic"]
 
@@ -115,7 +109,7 @@ def cache_spec(cfg: LlamaConfig, tp: int, block_size: int, layerwise: bool = Fal
 class PDEngine:
     """One P instance of ``tp`` ranks and one D instance of ``d_tp`` (default ``tp``) on one
     GPU, sharing ``store``: of different TP degrees, they store head groups both can split
-    (``kvstate.spec.paired``)."""
+    (``kvstate._spec.paired``)."""
 
     def __init__(self, model: Model, store: Store, *, block_size: int = 16, num_blocks: int = 512,
                  tp: int = 1, policy: Policy | None = None, staging_bytes: int = 4 << 20,
@@ -128,7 +122,7 @@ class PDEngine:
         one more a checkpoint it keeps: ``Policy.state_checkpoints``; D one a request).
         ``host_blocks``: D's host tier, in blocks (``Policy(preempt="swap")`` swaps preempted
         requests into it). ``group_tables``: D gives each layer group a block table of its own
-        (``kvstate.tables``), freeing a window group's blocks behind the window as it decodes.
+        (``kvstate._tables``), freeing a window group's blocks behind the window as it decodes.
         ``d_device``: D's GPU, when it is not P's (the current device): D's caches, backend and
         a copy of the model's weights live there, and the handoff goes through the store."""
         cfg = model.cfg

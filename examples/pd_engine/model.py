@@ -35,8 +35,7 @@ from typing import Protocol
 
 import torch
 
-from kvstate.spec import CacheSpec
-from kvstate.tables import slot_of_layer, table_of_layer
+from kvstate import CacheSpec, slot_of_layer, table_of_layer
 
 __all__ = ["LlamaConfig", "Model", "PagedCache", "TinyLlama"]
 
@@ -88,7 +87,7 @@ class PagedCache:
     def __init__(self, cfg: LlamaConfig, num_blocks: int, block_size: int, tp: int = 1,
                  dtype: torch.dtype = torch.bfloat16, device: str = "cuda", num_states: int = 0,
                  spec: CacheSpec | None = None) -> None:
-        """``spec``: kvstate's spec of these caches; with group tables (``kvstate.tables``) a
+        """``spec``: kvstate's spec of these caches; with group tables (``kvstate._tables``) a
         block is a page of layer slots the groups share, and a request's table has a column
         per group."""
         if not cfg.latent and cfg.kv_heads % tp:

@@ -31,10 +31,7 @@ from model import LlamaConfig, PagedCache, TinyLlama
 
 from kvstate import DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate import commands as C
-from kvstate.distributed import ProcessDriver
-from kvstate.distributed.cudaipc import share_caches
-from kvstate.distributed.pdlink import Link
-from kvstate.distributed.supervise import ChildProcess, die_with_parent, parent_alive
+from kvstate.distributed import ChildProcess, Link, ProcessDriver, die_with_parent, parent_alive, share_caches
 
 __all__ = ["run_split", "SCHEMAS"]
 

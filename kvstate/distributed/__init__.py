@@ -1,21 +1,25 @@
 """kvstate across processes: rank workers, the driver that feeds them, and P-to-D messages.
 
-- :mod:`~kvstate.distributed.wire`: the messages and their checks (msgpack);
-- :mod:`~kvstate.distributed.rankworker`: the process that runs one TP rank's transfers;
-- :mod:`~kvstate.distributed.procdriver`: :class:`ProcessDriver`, the scheduler's side, with
-  :class:`~kvstate.backends.drivers.ThreadedDriver`'s interface;
-- :mod:`~kvstate.distributed.liveness`: which ranks are up, and what each owes;
-- :mod:`~kvstate.distributed.supervise`: child processes that never outlive their parent;
-- :mod:`~kvstate.distributed.shm`: host caches in shared memory, created by the engine and
-  attached by rank workers (:mod:`~kvstate.distributed.cudaipc`: the same on the GPU);
-- :mod:`~kvstate.distributed.pdlink`: messages between P's and D's scheduler processes.
+- :mod:`~kvstate.distributed._wire`: the messages and their checks (msgpack);
+- :mod:`~kvstate.distributed._rankworker`: the process that runs one TP rank's transfers;
+- :mod:`~kvstate.distributed._procdriver`: :class:`ProcessDriver`, the scheduler's side, with
+  :class:`~kvstate.backends._drivers.ThreadedDriver`'s interface;
+- :mod:`~kvstate.distributed._liveness`: which ranks are up, and what each owes;
+- :mod:`~kvstate.distributed._supervise`: child processes that never outlive their parent;
+- :mod:`~kvstate.distributed._shm`: host caches in shared memory, created by the engine and
+  attached by rank workers (:mod:`~kvstate.distributed._cudaipc`: the same on the GPU);
+- :mod:`~kvstate.distributed._pdlink`: messages between P's and D's scheduler processes.
 
 The core knows none of this: it only sees commands out and completions in. ZeroMQ (``pyzmq``)
 and ``msgpack`` are this package's own dependencies.
 """
-from .liveness import RankDown, RankUp
-from .procdriver import ProcessDriver
-from .rankworker import RankWorker, WorkerConfig
-from .shm import SharedCaches
+from ._cudaipc import share_caches
+from ._liveness import RankDown, RankUp
+from ._pdlink import Link
+from ._procdriver import ProcessDriver
+from ._rankworker import RankWorker, WorkerConfig
+from ._shm import SharedCaches
+from ._supervise import ChildProcess, die_with_parent, parent_alive
 
-__all__ = ["ProcessDriver", "RankWorker", "WorkerConfig", "SharedCaches", "RankDown", "RankUp"]
+__all__ = ["ProcessDriver", "RankWorker", "WorkerConfig", "SharedCaches", "share_caches", "RankDown", "RankUp",
+           "Link", "ChildProcess", "die_with_parent", "parent_alive"]

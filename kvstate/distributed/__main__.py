@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .rankworker import main
+from ._rankworker import main
 
 if __name__ == "__main__":  # pragma: no cover - a child process's entry
     if sys.argv[1:2] != ["rankworker"]:

@@ -8,9 +8,9 @@ Load it with no patch to vLLM::
                            "kv_connector_extra_config": {"store": {"kind": "file", "root": "/dev/shm/kv"}}}'
 
 This is the only kvstate module that imports vLLM. The work is kvstate's own: the scheduler
-side is a :class:`~kvstate.integrations.handoff.Handoff` (its rules are the connector's:
+side is a :class:`~kvstate.integrations._handoff.Handoff` (its rules are the connector's:
 what is saved and loaded, when blocks go back, what a bad block does), the worker side a
-:class:`~kvstate.integrations.pagedkv.RankTransfers` over the engine's KV tensors.
+:class:`~kvstate.integrations._pagedkv.RankTransfers` over the engine's KV tensors.
 
 Rules:
 
@@ -50,13 +50,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from .. import commands as C
-from ..backends.base import Store
-from ..errors import ConfigError, KVStateError, ValidationError
+from .._errors import ConfigError, KVStateError, ValidationError
+from .._policy import Policy
+from .._spec import CacheSpec
+from ..backends._base import Store
 from ..events import Completion
-from ..policy import Policy
-from ..spec import CacheSpec
-from .handoff import Handoff, Orders, peer_spec
-from .pagedkv import RankTransfers, spec_dtype
+from ._handoff import Handoff, Orders, peer_spec
+from ._pagedkv import RankTransfers, spec_dtype
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,7 +80,7 @@ class Settings:
     """The connector's ``kv_connector_extra_config`` (every key checked; unknown ones refused)."""
 
     #: the pool: ``{"kind": "file", "root": DIR}``, ``{"kind": "mooncake", "master": ...,
-    #: "metadata": ...}`` (kvstate.backends.mooncake.MooncakeConfig's fields), or ``{"kind":
+    #: "metadata": ...}`` (kvstate.backends._mooncake.MooncakeConfig's fields), or ``{"kind":
     #: "memory", "name": NAME}`` (one process only: tests)
     store: dict[str, Any] = field(default_factory=lambda: {"kind": "memory", "name": "default"})
     namespace: str = ""  #: prefixes every key (default: the model's name)
@@ -92,7 +92,7 @@ class Settings:
     wait_for_cache: float = 30.0  #: seconds a consumer waits for a producer's cache to be stored
     workers: int = 2  #: transfer threads per rank and side (saves, loads)
     #: the other role's TP degree (0: this engine's): P and D at different degrees store objects
-    #: of the head groups both split into (kvstate.integrations.handoff.peer_spec)
+    #: of the head groups both split into (kvstate.integrations._handoff.peer_spec)
     peer_tp: int = 0
     #: objects a block holds per kind, each a group of consecutive layers (P and D the same): with
     #: more than one, a producer saves a prompt computed in one forward layer group by layer group
@@ -133,7 +133,7 @@ class Settings:
 def open_store(cfg: dict[str, Any]) -> Store:
     """A client of the pool ``cfg`` names (reached now: an unreachable one raises)."""
     if cfg.get("kind") == "memory":
-        from ..backends.stores import MemoryStore
+        from ..backends._stores import MemoryStore
 
         if set(cfg) - {"kind", "name", "capacity_bytes"}:
             raise ConfigError(f"a memory store takes a name and a capacity_bytes only, got {sorted(cfg)}")
@@ -141,7 +141,7 @@ def open_store(cfg: dict[str, Any]) -> Store:
         if name not in _MEMORY_STORES:
             _MEMORY_STORES[name] = MemoryStore(int(cfg.get("capacity_bytes", 1 << 30)))
         return _Shared(_MEMORY_STORES[name])
-    from ..distributed.rankworker import build_store
+    from ..distributed._rankworker import build_store
 
     try:
         return build_store(cfg)
@@ -214,7 +214,7 @@ def cache_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Cache
 
 
 class KVStateMetadata(KVConnectorMetadata):
-    """The scheduler's orders for one step (kvstate.integrations.handoff.Orders)."""
+    """The scheduler's orders for one step (kvstate.integrations._handoff.Orders)."""
 
     def __init__(self, orders: Orders) -> None:
         self.orders = orders
@@ -270,7 +270,7 @@ class KVStateConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "HND"  # a block of a layer and kind is one dense run (kvstate.integrations.pagedkv)
+        return "HND"  # a block of a layer and kind is one dense run (kvstate.integrations._pagedkv)
 
     # -- scheduler side -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

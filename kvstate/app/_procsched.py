@@ -1,0 +1,162 @@
+"""A scheduler process of ``kvstate demo --processes``: P's or D's engine with its rank workers.
+
+``python -m kvstate.app._procsched CONFIG_JSON`` (a :class:`~kvstate.app._procdemo.SchedulerConfig`)
+runs one role: it creates its caches in shared memory (as a model runner does), starts one
+rank worker per TP rank attached to them (:class:`~kvstate.distributed.ProcessDriver`), and
+loops: messages from its peers, commands out to its workers, answers in, deadlines. On
+``stop`` it lets its last transfers answer (at most 30 s), reports its figures to the router
+and exits; it exits at once when its parent (the router) is gone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections import deque
+from typing import Any
+
+from .._decode import DecodeLifecycle
+from .._errors import KVStateError
+from .._policy import Policy
+from .._prefill import PrefillLifecycle
+from .._spec import CacheSpec
+from ..backends import MemoryStore, ReferenceBackend
+from ..distributed import ProcessDriver, SharedCaches
+from ..distributed._pdlink import Link
+from ..distributed._supervise import die_with_parent, parent_alive
+from ._demoroles import DecodeRole, Plan, PrefillRole
+from ._procdemo import DEMO_SCHEMAS, SchedulerConfig
+
+__all__ = ["Scheduler", "main"]
+
+
+class Scheduler:
+    """One role's engine loop over its rank workers and its link."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.spec = CacheSpec.from_dict(cfg.spec)
+        self.caches = SharedCaches.create(self.spec, cfg.blocks)
+        self.driver = ProcessDriver(self.spec, cfg.blocks, heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s,
+                                    name=cfg.role)
+        self.link = Link(cfg.addresses[cfg.role], DEMO_SCHEMAS)
+        for peer in ("router", "prefill", "decode"):
+            if peer != cfg.role:
+                self.link.connect(peer, cfg.addresses[peer])
+        # the engine's own view of its caches: it "computes" into them and checks what arrived
+        view = ReferenceBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), caches=self.caches.caches)
+        self.role: Any
+        if cfg.role == "prefill":
+            self.lc: Any = PrefillLifecycle(self.spec, cfg.blocks, Policy())
+            self.role = PrefillRole(self.lc, view, cfg.seed, self._first_token, lambda rid: self._send("decode",
+                                                                                                        "abort", rid))
+        else:
+            self.lc = DecodeLifecycle(self.spec, cfg.blocks, Policy())
+            self.role = DecodeRole(self.lc, view, cfg.seed, self._admit,
+                                   lambda rid: self._send("prefill", "abort", rid),
+                                   lambda rid, state, code: self._send("router", "result", rid, state, code))
+        self.queued: deque[Plan] = deque()  # D: requests waiting for room
+
+    def _send(self, peer: str, kind: str, *items: Any) -> None:
+        self.link.send(peer, kind, *items)
+
+    def _first_token(self, rid: str, token: Any, code: int) -> None:
+        self._send("decode", "first_token", rid, token, code)
+
+    def _admit(self, plan: Plan) -> None:
+        self._send("prefill", "admit", plan.rid, plan.prompt, plan.abort_at)
+
+    def start(self) -> None:
+        for r in range(self.spec.tp_size):
+            self.driver.spawn(r, self.cfg.store, caches={"kind": "shm", "paths": self.caches.paths})
+        self.driver.wait_ready(60)
+        pids = [self.driver.child(r).pid for r in range(self.spec.tp_size)]  # type: ignore[union-attr]
+        self._send("router", "ready", self.cfg.role, os.getpid(), pids)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Serve until ``stop`` (0) or the parent's death (3)."""
+        while True:
+            if self.cfg.parent_pid and not parent_alive(self.cfg.parent_pid):
+                return 3
+            for kind, items in self.link.receive(0.0005):
+                if kind == "stop":
+                    self._drain(time.monotonic() + 30)
+                    self._send("router", "report", self.cfg.role, self.figures())
+                    return 0
+                try:
+                    self._dispatch(kind, items)
+                except KVStateError:
+                    self.link.counters["bad_messages"] += 1  # e.g. tokens that are not token ids
+            self.turn(0.0005)
+
+    def _dispatch(self, kind: str, items: list[Any]) -> None:
+        if kind == "submit":
+            self.queued.append(Plan.from_wire(items))
+        elif kind == "admit":
+            self.role.admit(items[0], items[1], items[2])
+        elif kind == "first_token":
+            self.role.first_token(items[0], items[1], items[2])
+        elif kind == "abort":
+            self.role.abort(items[0])
+
+    def turn(self, wait: float) -> None:
+        """One turn of the engine: admit what fits, commands out, answers in, a step, deadlines."""
+        while self.queued and self.role.try_take(self.queued[0], self.cfg.concurrency):
+            self.queued.popleft()
+        for cmd in self.lc.poll_commands():
+            if not self.driver.submit(cmd):
+                self.role.on_notice(cmd)
+        for c in self.driver.poll(wait):
+            self.lc.complete(c)
+        if self.cfg.role == "decode":
+            self.role.step()
+        self.lc.tick()
+
+    def _drain(self, deadline: float) -> None:
+        """Let the last transfers answer (or their fences pass), and a heartbeat carry the
+        workers' last byte counts, before reporting."""
+        while (self.lc.live_requests() or self.lc.pending_commands()) and time.monotonic() < deadline:
+            self.turn(0.005)
+        time.sleep(2.5 * self.cfg.heartbeat_s)
+
+    def figures(self) -> dict[str, Any]:
+        notices = self.driver.notices()
+        return {"leaked_blocks": self.lc.pool.num_used, "pending_commands": len(self.lc.pending_commands()),
+                "live_requests": len(self.lc.live_requests()), "bytes_moved": self.driver.bytes_moved(),
+                "blocks_checked": self.role.checked, "blocks_mismatched": self.role.mismatched,
+                "preemptions": getattr(self.role, "preemptions", 0),
+                "prefix_blocks_read": getattr(self.role, "prefix_blocks_read", 0),
+                "rank_restarts": self.driver.counters["restarts"], "lost_answers": self.driver.counters["lost"],
+                "rank_notices": len(notices), "link": dict(self.link.counters), "driver": dict(self.driver.counters)}
+
+    def close(self) -> None:
+        for close in (self.driver.close, self.link.close, self.caches.close):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - every resource gets its turn
+                print(f"kvstate demo {self.cfg.role}: while closing: {e}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    cfg = SchedulerConfig(**json.loads(args[0]))
+    die_with_parent(cfg.parent_pid)
+    signal.signal(signal.SIGTERM, _terminate)  # a stop from the router: close everything on the way out
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the router's: it stops this process, quietly
+    sched = Scheduler(cfg)
+    try:
+        sched.start()
+        return sched.serve()
+    finally:
+        sched.close()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":  # pragma: no cover - a child process's entry
+    sys.exit(main())

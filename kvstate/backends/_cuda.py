@@ -1,0 +1,564 @@
+"""The CUDA backend: the core's write and read commands over real GPU caches.
+
+Each TP rank owns layer-major GPU caches per kind (allocated here, or the engine's own
+PyTorch/Paddle/CuPy tensors), a :class:`~kvstate.kernels._cuda.CudaSwapper` (its streams and
+kernels) and a pinned staging ring of two slots, bounded by ``staging_bytes`` (64 MiB by
+default) whatever the request length. A write gathers piece *k+1* into one slot on the GPU
+while the store copies piece *k* out of the other; a read gets piece *k+1* from the store
+while piece *k* is scattered to the GPU. Completion is a CUDA event; the calling (driver)
+thread waits for it with a timeout, so the engine's thread never blocks on a transfer.
+
+With ``host_blocks``, each rank also owns the host tier's pinned block-major arena: a swap
+moves blocks straight between the GPU caches and its slots, one kernel per kind. Blocks'
+checksums are taken on the GPU (:mod:`~kvstate.backends._cuda_sums`). Like every backend it
+knows nothing of request states: it answers how many *leading* blocks it stored, read or found.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from .._errors import ValidationError
+from .._spec import CacheSpec
+from .._validate import check_int
+from ..kernels._cuda import CudaSwapper, DeviceLayers, load_cupy
+from ._arena import ArenaStore
+from ._base import MISSING, Guard, Store, check_fence, leading
+from ._cuda_caches import bind_rank, caches_by_rank
+from ._cuda_states import DevicePages
+from ._cuda_sums import DeviceSums
+from ._integrity import SUM64
+from ._manifested import Deferred, manifest_slice
+from ._objects import StoreBackend
+from ._stateobjects import paged_of
+
+__all__ = ["CudaBackend"]
+
+
+class CudaBackend(DeviceSums, StoreBackend):
+    """Per-rank GPU caches over a :class:`~kvstate.backends._stores.Store`, through pinned staging.
+
+    ``ranks`` (default: all) are the TP ranks held here. ``caches``, when given, is
+    ``caches[rank][kind]`` = per-layer GPU tensors ``[num_blocks, heads, block_size, dim]`` (the
+    engine's, or shared through CUDA IPC): a list with one entry per TP rank, or a dict of the
+    ranks held; otherwise zeroed CuPy arrays are allocated. ``staging_bytes`` is the pinned
+    staging per rank. ``num_states``, ``states``: state pages (:mod:`~kvstate.backends._cuda_states`)."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
+                 device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
+                 host_blocks: int = 0, ranks: Sequence[int] | None = None, num_states: int = 0,
+                 states: Any = None) -> None:
+        full, spec = spec, paged_of(spec)
+        self._setup(spec, num_blocks, store, ranks, host_blocks)
+        self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
+        per_block = spec.bytes_per_block_per_rank
+        if not isinstance(staging_bytes, int) or staging_bytes < 2 * per_block:
+            raise ValidationError(f"CudaBackend: staging_bytes must hold two blocks ({2 * per_block} bytes "
+                                  f"for this spec), got {staging_bytes!r}")
+        caches = None if caches is None else caches_by_rank(spec, self.ranks, caches)
+        self.cp = load_cupy()
+        self.device = device
+        self.per_slot = staging_bytes // 2 // per_block  #: blocks per staging slot
+        self._sum_cache: dict[Any, Any] = {}  # SUM64 kernel, layer pointer tables, sum streams
+        self._swappers: dict[int, CudaSwapper] = {}
+        self._locks = {r: threading.Lock() for r in self.ranks}
+        self._closed = False
+        self._arena_views: dict[str, np.ndarray] | None = None  # the arena's slots, by kind (zero copy)
+        self._registered: int | None = None  # the arena's address, registered as pinned here
+        self._pages = DevicePages(self.cp, self.ranks, self._on, self._side_stream, self._side_wait)
+        self.state_pages = self._pages.pages  #: state_pages[rank]: the rank's state pages on the GPU
+        try:
+            self._layers: dict[int, dict[str, DeviceLayers]] = {}
+            self._slots: dict[int, list[dict[str, np.ndarray]]] = {}
+            self._host: dict[int, dict[str, np.ndarray]] = {}
+            self._parts: dict[int, dict[str, DeviceLayers]] = {}  # the caches as head groups see them
+            self._groups: dict[int, dict[str, list[DeviceLayers]]] = {}  # ... and by layer group
+            for r in self.ranks:
+                sw = CudaSwapper(device, timeout=timeout)
+                self._swappers[r] = sw
+                bound = {kind: bind_rank(self.cp, sw, spec, num_blocks, device, r, kind,
+                                         None if caches is None else caches[r][kind]) for kind in spec.kinds}
+                self._layers[r] = {kind: b[0] for kind, b in bound.items()}
+                self._parts[r] = {kind: b[1] for kind, b in bound.items()}
+                self._groups[r] = {kind: b[2] for kind, b in bound.items()}
+                self._slots[r] = [
+                    {k: sw.pinned((self.per_slot, spec.layers) + spec.block_shape(k), spec.kind_dtype(k))
+                     for k in spec.kinds} for _ in range(2)]
+                if host_blocks:  # the host tier: block-major, slot i at the same place on every rank
+                    self._host[r] = {k: sw.pinned((host_blocks, spec.layers) + spec.block_shape(k),
+                                                  spec.kind_dtype(k)) for k in spec.kinds}
+            self._setup_states(full, num_states, self._pages.gather, self._pages.scatter)
+            self._pages.bind("CudaBackend", (num_states, self.state_size), states, device)
+        except BaseException:
+            self.close()
+            raise
+        #: pinned host memory in all: staging, and the host tier's arena
+        self.pinned_bytes = (2 * self.per_slot + host_blocks) * per_block * len(self.ranks)
+
+    # -- block access (tests, the demo's fake compute) -----------------------------------------
+    def caches(self, rank: int, kind: str) -> DeviceLayers:
+        """The bound per-layer GPU caches of ``kind`` on ``rank``."""
+        return self._layers[rank][kind]
+
+    def _layer_views(self, rank: int, kind: str) -> Any:
+        self._check_open()
+        return self._layers[rank][kind].views
+
+    def _set_chunk(self, layer: Any, block: int, data: np.ndarray) -> None:
+        layer[block] = self.cp.asarray(data)
+
+    def _arena(self, rank: int, kind: str) -> np.ndarray:
+        self._check_open()
+        return self._host[rank][kind]
+
+    # -- TransferBackend -----------------------------------------------------------------------
+    def _swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int], direction: str,
+              guard: Guard | None) -> int:
+        """One kernel per kind straight between the GPU caches and the arena's slots (no staging)."""
+        self._check_open()
+        self._check_swap(rank, block_ids, host_slots)
+        if not block_ids:
+            return 0
+        ids, slots = np.asarray(block_ids, np.int64), np.asarray(host_slots, np.int64)
+        sw, ev = self._swappers[rank], None
+        with self._on(rank):
+            check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", block_ids)
+            for kind in self.spec.kinds:
+                ev = sw.swap_cache_layout_async(self._layers[rank][kind], self._host[rank][kind], ids, slots,
+                                                direction)
+            sw.wait(ev)
+        self.bytes_swapped += len(block_ids) * self.spec.bytes_per_block_per_rank
+        return len(block_ids)
+
+    @contextlib.contextmanager
+    def _on(self, rank: int) -> Iterator[None]:
+        """Hold rank ``rank``'s lock with this backend's device current in the calling thread
+        (a driver's worker thread has no current device until one is set)."""
+        self._swappers[rank].bind_thread()
+        with self._locks[rank], self.cp.cuda.Device(self.device):
+            yield
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValidationError("CudaBackend is closed")
+
+    def _slot(self, rank: int, slot: int, kind: str, m: int, group: int | None) -> np.ndarray:
+        """Staging slot ``slot`` of ``kind`` holding ``m`` blocks of a head group: every layer,
+        or (a layer group, or fewer heads than the rank's) the same memory read as ``[m,
+        layers, object_heads, ...]``, one object per row."""
+        arr, spec = self._slots[rank][slot][kind], self.spec
+        if group is None and spec.head_groups == 1:
+            return arr[:m]
+        a, b = (0, spec.layers) if group is None else spec.group_span(group)
+        shape = (m, b - a) + spec.object_shape(kind)
+        return arr.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+
+    def _piece_views(self, rank: int, slot: int, m: int, group: int | None) -> list[memoryview]:
+        """Byte views of the objects of ``m`` blocks in staging slot ``slot``, in the order of
+        their names: every group's, or one layer group's."""
+        return self._group_views({kind: self._slot(rank, slot, kind, m, group) for kind in self.spec.kinds}, m, group)
+
+    @staticmethod
+    def _wait_all(sw: CudaSwapper, events: list[Any]) -> None:
+        """Wait for every transfer still enqueued on the staging slots."""
+        for ev in events:
+            if ev is not None:
+                sw.wait(ev)
+
+    def _enqueue(self, rank: int, slot: int, ids: Sequence[int], direction: str,
+                 guard: Guard | None, group: int | None = None, g: int = 0) -> Any:
+        """Gather (``d2h``) or scatter blocks ``ids`` of the rank's ``g``-th head group through
+        staging slot ``slot``: every layer, or layer group ``group``."""
+        check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
+        sw, ev = self._swappers[rank], None
+        m, rows = len(ids), np.asarray(self._part_ids(ids, g), np.int64)
+        for kind in self.spec.kinds:
+            layers = self._parts[rank][kind] if group is None else self._groups[rank][kind][group]
+            ev = sw.swap_cache_layout_async(layers, self._slot(rank, slot, kind, m, group),
+                                            rows, np.arange(m, dtype=np.int64), direction)
+        return ev  # one stream: the last event covers every kind
+
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
+              layers: Callable[..., Any] | None = None, tables: Sequence[Sequence[int]] = (),
+              window_from: int = 0) -> int:
+        self._check_open()
+        self._check_transfer(rank, keys, block_ids, tables, window_from)
+        if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
+            return len(keys)
+        if tables:  # group tables: each group from its own blocks
+            ids = self._group_ids(block_ids, tables)
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_groups(
+                keys[:m], ids, window_from, lambda g, ks, b: self._put(rank, part, ks, b, guard, g)))
+        else:
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
+                rank, part, keys[:m], block_ids[:m], guard, layers))
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _write_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, layers: Callable[..., Any] | None) -> int:
+        """Store one head group of the blocks: at once (straight into an arena's slots where
+        the store is one), or layer group by layer group."""
+        if layers is None:
+            if self._zero_copy():
+                return self._arena_put(rank, part, keys, block_ids, guard)
+            return self._put(rank, part, keys, block_ids, guard, None)
+        if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
+            return self._save_groups(rank, part, keys, block_ids, guard, layers)
+        # group by group, each once its layers are computed; the lock is free between groups
+        return self._by_group(len(keys), layers,
+                              lambda g, m, ready: self._put(rank, part, keys[:m], block_ids[:m], guard, g, ready))
+
+    def _pieces(self, group: int | None) -> tuple[int, list[int] | None]:
+        """(blocks of a head group a staging slot holds, the layer groups named) for a transfer
+        of every layer (``group`` None) or of one layer group."""
+        m = self.per_slot * self.spec.head_groups
+        return (m, None) if group is None else (m * self.spec.layer_groups, [group])
+
+    def _save_groups(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                     guard: Guard | None, layers: Callable[..., Any]) -> int:
+        """A layer-wise save whose groups each fit a staging slot: group g + 1, when reported
+        already, is gathered (after its device event) while group g is stored; otherwise the
+        rank's lock is let go while the save waits for it. A group short of a block stores
+        later groups only for the blocks it reached; a gate that says no stores nothing."""
+        spec, sw, n = self.spec, self._swappers[rank], len(keys)
+        count, g = n, 0
+
+        def gather(events: list[Any], g: int, ready: Any) -> None:
+            if ready is not True:
+                sw.wait_on_device(ready)
+            events[g % 2] = self._enqueue(rank, g % 2, block_ids, "d2h", guard, g, part[0])
+
+        while g < spec.layer_groups and count:
+            ready = layers(spec.group_span(g)[1])  # waited for with the rank's lock free
+            if not ready:
+                return 0
+            with self._on(rank):
+                events: list[Any] = [None, None]  # the gathers in flight, by slot
+                try:
+                    gather(events, g, ready)
+                    while True:  # under the lock as long as the next group is reported already
+                        ahead = g + 1 < spec.layer_groups and layers(spec.group_span(g + 1)[1], False)
+                        if ahead:
+                            gather(events, g + 1, ahead)
+                        sw.wait(events[g % 2])  # gathered: its layers are computed, and summed on the GPU
+                        sums = self._flat(self._device_sums(rank, part[0], block_ids[:count], [g]), 0, count)
+                        count = min(count, self.objects.put(part[1], keys[:count], [g],
+                                                            self._piece_views(rank, g % 2, count, g), sums))
+                        g += 1
+                        if not (ahead and count):
+                            break
+                finally:  # nothing may still write a slot when we leave
+                    self._wait_all(sw, events)
+        return count
+
+    def _put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None, group: int | None, ready: Any = True) -> int:
+        """Gather the blocks (every layer, or one layer group, after the device event
+        ``ready`` if one is given) piece by piece through the two staging slots, storing a
+        piece while the next is gathered; leading blocks stored."""
+        sw, n = self._swappers[rank], len(keys)
+        m, groups = self._pieces(group)
+        pieces = [(a, min(n, a + m)) for a in range(0, n, m)]
+        count, pending, sizes = 0, None, list[int]()
+        with self._on(rank):
+            events: list[Any] = [None, None]
+            if ready is not True:
+                sw.wait_on_device(ready)
+            if pieces:
+                events[0] = self._enqueue(rank, 0, block_ids[:pieces[0][1]], "d2h", guard, group, part[0])
+            try:
+                for k, (a, b) in enumerate(pieces):
+                    if k + 1 < len(pieces):  # gather the next piece while this one is stored
+                        a2, b2 = pieces[k + 1]
+                        events[(k + 1) % 2] = self._enqueue(rank, (k + 1) % 2, block_ids[a2:b2], "d2h", guard, group,
+                                                            part[0])
+                    sw.wait(events[k % 2])
+                    if k == 0:  # the first piece gathered: the layers are computed; every block summed at once
+                        pending = self._launch_sums(rank, part[0], block_ids, groups)
+                    views = self._piece_views(rank, k % 2, b - a, group)
+                    done = self.objects.put_piece(part[1], keys[a:b], groups, views,
+                                                  None if pending is None else sizes)  # SUM64: manifests at the end
+                    count += done
+                    if done < b - a:
+                        break
+                if pending is not None and count:
+                    count = self.objects.put_manifests(part[1], keys[:count], groups, sizes,
+                                                       self._flat(pending(), 0, count) or [], SUM64)
+            finally:  # nothing may still write a slot when we leave
+                self._wait_all(sw, events)
+        return count
+
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], guard: Guard | None = None,
+             arrived: Callable[[int, Any], None] | None = None, window_from: int = 0,
+             tables: Sequence[Sequence[int]] = ()) -> int:
+        self._check_open()
+        self._check_transfer(rank, keys, block_ids, tables)
+        check_int(window_from, "CudaBackend.read: window_from", minimum=0, maximum=len(keys))
+        if (window_from and self.spec.splits_groups) or tables:  # group by group (window ones from window_from)
+            return self._each_part(rank, len(keys), lambda part, m, _: self._read_window(
+                part, keys, self._group_ids(block_ids, tables), m, window_from,
+                lambda g, ks, ids: self._get(rank, part, ks, ids, guard, g)))
+        count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
+            rank, part, keys[:m], block_ids[:m], guard, arrived if whole else None))
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _read_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None, arrived: Callable[[int, Any], None] | None) -> int:
+        """Read one head group of the blocks: at once, or layer group by layer group, reporting each."""
+        if arrived is None:
+            if self._zero_copy():
+                return self._arena_get(rank, part, keys, block_ids, guard)
+            return self._get(rank, part, keys, block_ids, guard, None)
+        if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
+            return self._load_groups(rank, part, keys, block_ids, guard, arrived)
+        # group by group, piece by piece; each is in place (synchronised) when it is reported
+        return self._load_by_group(len(keys), arrived, lambda g, m: (
+            self._get(rank, part, keys[:m], block_ids[:m], guard, g), None))
+
+    def _load_groups(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                     guard: Guard | None, arrived: Callable[[int, Any], None]) -> int:
+        """A layer-wise read whose groups each fit a staging slot: group g + 1 is read while
+        group g is scattered, and each group is reported with its scatter's event. A group
+        short of a block ends the pipeline; later groups are then read only for the blocks it
+        reached (so the count is of blocks with every layer in place)."""
+        spec, sw, n = self.spec, self._swappers[rank], len(keys)
+        short = None
+        with self._on(rank):
+            events: list[Any] = [None, None]
+            try:
+                for g in range(spec.layer_groups):
+                    slot = g % 2
+                    if events[slot] is not None:  # the slot's previous scatter must have read it
+                        sw.wait(events[slot])
+                    deferred: Deferred = []
+
+                    def scatter(m: int, slot: int = slot, g: int = g) -> None:
+                        events[slot] = self._enqueue(rank, slot, block_ids[:m], "h2d", guard, g, part[0])
+
+                    done = self.objects.get(part[1], keys, [g], self._piece_views(rank, slot, n, g), scatter,
+                                            deferred)
+                    if deferred:  # verified where it landed before it is reported
+                        sw.wait(events[slot])
+                        sums = self._device_sums(rank, part[0], block_ids[:len(deferred)], [g]) or []
+                        done = min(done, self.objects.verify_deferred(part[1], deferred, sums))
+                    if done < n:
+                        short = (g, done)
+                        break
+                    arrived(spec.group_span(g)[1], events[slot])
+            finally:  # nor read one
+                self._wait_all(sw, events)
+        if short is None:
+            return n
+        count = short[1]
+        for g in range(short[0] + 1, spec.layer_groups):
+            if not count:
+                break
+            count = min(count, self._get(rank, part, keys[:count], block_ids[:count], guard, g))
+        return count
+
+    def _get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None, group: int | None) -> int:
+        """Read the blocks (every layer, or one layer group) piece by piece into the two
+        staging slots, scattering a piece while the next is read; leading blocks scattered."""
+        sw, n = self._swappers[rank], len(keys)
+        m, groups = self._pieces(group)
+        deferred: Deferred | None = [] if self.verify else None  # SUM64 blocks: verified where they land, at the end
+        count, per = 0, len(self.objects.groups_of(groups))
+        with self._on(rank):
+            events: list[Any] = [None, None]
+            try:
+                manifests = self.objects.read_manifests(part[1], keys, groups) if self.verify else None  # all at once
+                for k, a in enumerate(range(0, n, m)):
+                    b, slot = min(n, a + m), k % 2
+                    if events[slot] is not None:  # the slot's previous scatter must have read it
+                        sw.wait(events[slot])
+
+                    def scatter(c: int, slot: int = slot, a: int = a) -> None:
+                        events[slot] = self._enqueue(rank, slot, block_ids[a:a + c], "h2d", guard, group, part[0])
+
+                    # a block counts only if every object arrived whole (and verified)
+                    views = self._piece_views(rank, slot, b - a, group)
+                    done = self.objects.get(part[1], keys[a:b], groups, views, scatter,
+                                            deferred if count == len(deferred or ()) else None,
+                                            None if manifests is None else manifest_slice(manifests, a, b, per))
+                    count += done
+                    if done < b - a:
+                        break
+            finally:  # nor read one
+                self._wait_all(sw, events)
+            if deferred:
+                sums = self._device_sums(rank, part[0], block_ids[:len(deferred)], groups) or []
+                count = min(count, self.objects.verify_deferred(part[1], deferred, sums))
+        return count
+
+    # -- zero copy: an arena store's slots are the host buffer ---------------------------------
+    def _zero_copy(self) -> bool:
+        """Whether transfers go straight between the caches and the store's slots: an
+        :class:`~kvstate.backends._arena.ArenaStore` whose slot is one object of every kind (all
+        layers, one head group), manifests on (SUM64 taken on the GPU). The slots are registered
+        as pinned memory on first use."""
+        if self._arena_views is not None:
+            return bool(self._arena_views)
+        spec, store = self.spec, self.store
+        fits = isinstance(store, ArenaStore) and store.verify and spec.head_groups == 1 and \
+            spec.object_groups == 1 and all(spec.layers * int(np.prod(spec.block_shape(k))) *
+                                            np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
+                                            for k in spec.kinds) and all(self._slots_on_gpu(r) for r in self.ranks)
+        self._arena_views = {}
+        if fits:
+            slots = store.slots()  # type: ignore[attr-defined]
+            ptr = int(slots.__array_interface__["data"][0])
+            with self.cp.cuda.Device(self.device):
+                _pin(self.cp, ptr, slots.nbytes)
+            self._registered = ptr
+            self._arena_views = {k: slots.view(spec.kind_dtype(k)).reshape((len(slots), spec.layers) +
+                                                                         spec.block_shape(k)) for k in spec.kinds}
+        return bool(self._arena_views)
+
+    def _arena_move(self, rank: int, ids: Sequence[int], slots: Sequence[int], direction: str,
+                    guard: Guard | None) -> Any:
+        """Enqueue the gather (``d2h``) of blocks ``ids`` into the arena's ``slots`` (block by
+        block, then kind), or their scatter back; returns the event after it."""
+        nk, sw, ev = len(self.spec.kinds), self._swappers[rank], None
+        check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
+        rows = np.asarray(ids, np.int64)
+        # objects of a MiB or more: the DMA engines move them, one call a run of slots
+        strategy = "staged" if cast(ArenaStore, self.store).big.size >= 1 << 20 else None
+        for k, kind in enumerate(self.spec.kinds):
+            ev = sw.swap_cache_layout_async(self._parts[rank][kind], self._arena_views[kind], rows,  # type: ignore[index]
+                                            np.asarray(slots[k::nk], np.int64), direction, strategy=strategy)
+        return ev
+
+    def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None) -> int:
+        """Take the blocks' SUM64 on the GPU, gather them straight into slots the arena store
+        claimed, stage their manifests while they move, then publish objects and manifests in
+        one step (no copy); leading blocks stored. Claims are let go only once
+        nothing can write their slots (a stuck device keeps them claimed)."""
+        store, nk, n = cast(ArenaStore, self.store), len(self.spec.kinds), len(keys)
+        names = self.objects.names(part[1], keys)
+        by_kind = store.claim([names[i * nk + k] for k in range(nk) for i in range(n)])  # a kind's slots in runs
+        slots = [by_kind[k * n + i] for i in range(n) for k in range(nk)]
+        n = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(n))
+        mnames: list[str] = []
+        moved = n == 0
+        try:
+            with self._on(rank):
+                # summed first: fetching sums while the gather's DMA runs would queue behind it
+                sums = self._device_sums(rank, part[0], block_ids[:n], None) or [] if n else []
+                ev = self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard) if n else None
+                try:
+                    mnames, blobs = self.objects.manifests(part[1], keys[:n], None, [store.big.size] * (n * nk),
+                                                           self._flat(sums, 0, n) or [], SUM64)
+                    staged = store.stage(mnames, blobs)
+                finally:
+                    if ev is not None:
+                        self._swappers[rank].wait(ev)
+                    moved = True
+            n = leading(st == 0 for st in staged)  # a block publishes only with its manifest
+            status = store.publish(names[:n * nk] + mnames[:n])
+            return self.objects.leading_blocks(keys[:n], None, [st == 0 for st in status])
+        finally:
+            if moved:
+                store.release(names + mnames)
+
+    def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None) -> int:
+        """Scatter the blocks straight out of the arena's slots in two pieces (the second's
+        manifests read and slots found while the first moves), then count the leading blocks
+        whose slots held them throughout and whose SUM64, taken where they landed, are their
+        manifests'; the first broken one is evicted. Manifests of host checksums (a writer
+        without a GPU) are read by the staged path."""
+        store, nk, sw = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank]
+        n, names = len(keys), self.objects.names(part[1], keys)
+        # a first quarter, whose bookkeeping is all that runs before the first copy starts
+        halves = [(0, n // 4), (n // 4, n)] if n >= 16 else [(0, n)]
+        moved: list[tuple[int, int, Any, Any]] = []  # (first block, blocks moved, their places, what was read)
+        events: list[Any] = []
+        count, staged_from = 0, None
+        with self._on(rank):
+            try:
+                for a, b in halves:
+                    read, vouched = self.objects.read_manifests(part[1], keys[a:b], None)
+                    places = store.locate(names[a * nk:b * nk])
+                    got = [p.length if p.slot >= 0 else MISSING for p in places]
+                    whole = self.objects.arrived(keys[a:b], [None], got, vouched)
+                    if any(alg != SUM64 for alg, _ in vouched[:whole]):
+                        staged_from = a
+                        break
+                    events.append(self._arena_move(rank, block_ids[a:a + whole], [p.slot for p in places[:whole * nk]],
+                                                   "h2d", guard) if whole else None)
+                    moved.append((a, whole, places, (read, vouched, got, b - a)))
+                    if whole < b - a:
+                        break
+                for (a, whole, places, (read, vouched, got, size)), ev in zip(moved, events):
+                    if ev is not None:
+                        sw.wait(ev)
+                    done = self._arena_verified(rank, part, keys[a:a + size], block_ids[a:a + whole], places,
+                                                vouched)
+                    if done == whole:
+                        self.objects.evict_if_broken(part[1], keys[a:a + size], None, got, read, whole)
+                    count += done
+                    if done < size:
+                        return count
+            finally:
+                self._wait_all(sw, events)  # nothing scatters into the blocks once we return
+        if staged_from is None or count < staged_from:
+            return count
+        return count + self._get(rank, part, keys[count:], block_ids[count:], guard, None)
+
+    def _arena_verified(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                        places: Sequence[Any], vouched: Any) -> int:
+        """Of blocks scattered from the arena, the leading ones whose slots still hold them and
+        whose SUM64 where they landed are their manifests' (the first that differs is evicted)."""
+        nk = len(self.spec.kinds)
+        still = cast(ArenaStore, self.store).unchanged(places[:len(block_ids) * nk])
+        w = leading(all(still[i * nk:(i + 1) * nk]) for i in range(len(block_ids)))
+        sums = self._device_sums(rank, part[0], block_ids[:w], None) if w else []
+        want = [(keys[i], self.objects.expected(i, [None], vouched)) for i in range(w)]
+        return self.objects.verify_deferred(part[1], want, sums or [])
+
+    def close(self) -> None:
+        """Wait for queued transfers, free staging, caches this backend allocated and streams,
+        with the backend's device current (callable from any thread, on any device)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self.cp.cuda.Device(self.device):  # from any thread, whatever its current device
+            for sw in self._swappers.values():
+                sw.close()
+            self._swappers.clear()
+            if self._registered is not None:
+                _unpin(self.cp, self._registered)
+                self._registered, self._arena_views = None, {}
+            self._layers, self._parts, self._groups, self._slots, self._host, self._sum_cache = {}, {}, {}, {}, {}, {}
+            self.state_pages.clear()
+            super().close()
+
+
+
+_PINNED: dict[int, int] = {}  # address registered as pinned -> backends of this process using it
+_PINNED_LOCK = threading.Lock()
+
+
+def _pin(cp: Any, ptr: int, nbytes: int) -> None:
+    """Register host memory as pinned (portable: every device sees it) once per process; an
+    arena's slots are shared by every backend of the process that uses the arena."""
+    with _PINNED_LOCK:
+        if not _PINNED.get(ptr):
+            cp.cuda.runtime.hostRegister(ptr, nbytes, 3)  # cudaHostRegisterPortable | Mapped
+        _PINNED[ptr] = _PINNED.get(ptr, 0) + 1
+
+
+def _unpin(cp: Any, ptr: int) -> None:
+    with _PINNED_LOCK:
+        _PINNED[ptr] -= 1
+        if not _PINNED[ptr]:
+            del _PINNED[ptr]
+            cp.cuda.runtime.hostUnregister(ptr)

@@ -1,0 +1,195 @@
+"""The numpy reference backend: real KV bytes on the CPU, moved through the transfer ops.
+
+Each TP rank owns layer-major caches per kind (``key``, ``value``, fp8 scales), one array
+per layer ``[num_blocks, heads, block_size, dim]``. A write gathers the blocks into a
+block-major host buffer with :func:`~kvstate.kernels.swap_cache_layout` (``"d2h"``) and
+puts one object per (block, kind, rank); a read gets the objects into the host buffer and
+scatters the blocks that arrived whole (``"h2d"``). The backend knows nothing of request
+states: it answers how many *leading* blocks it stored, read or found.
+
+With ``host_blocks`` each rank also holds the host tier's block-major arena; a swap moves
+blocks between the caches and its slots with the same op. With state groups
+(:mod:`kvstate._statepages`), each rank holds ``num_states`` state pages, ``state_pages[rank]``
+``[num_states, state bytes]``, stored as :mod:`~kvstate.backends._stateobjects` says; the
+blocks are those of the spec's paged layers (``CacheSpec.paged``: ``self.spec``).
+
+The ``guard`` (see :mod:`kvstate.backends._base`) is asked just before blocks are gathered or
+scattered. Only the slow store operation runs between the check and the end of the command;
+the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from .._errors import ValidationError
+from .._spec import CacheSpec
+from .._tables import page_layers, slot_of_layer
+from .._validate import check_int
+from ..kernels._reference import swap_cache_layout
+from ._base import Guard, Store, check_caches, check_fence
+from ._objects import StoreBackend
+from ._stateobjects import paged_of
+
+__all__ = ["ReferenceBackend"]
+
+
+class ReferenceBackend(StoreBackend):
+    """Per-rank numpy caches over a :class:`~kvstate.backends._stores.Store`.
+
+    ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
+    when given, maps each of them to ``{kind: [per-layer arrays]}`` the engine owns (shared
+    memory another process created, say); otherwise zeroed arrays are allocated."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0,
+                 ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None,
+                 num_states: int = 0, states: Mapping[int, np.ndarray] | None = None) -> None:
+        full, spec = spec, paged_of(spec)
+        self._setup(spec, num_blocks, store, ranks, host_blocks)
+        self._setup_states(full, num_states, self._gather_state, self._scatter_state)
+        #: state_pages[rank] -> [num_states, state bytes] (with state groups): ``states[rank]``
+        #: when given (e.g. shared memory, :class:`~kvstate.distributed._shm.SharedCaches`), else zeroed
+        self.state_pages = {r: np.zeros((num_states, self.state_size), np.uint8) for r in self.ranks} \
+            if states is None else {r: self._state_array(states, r) for r in self.ranks}
+        if caches is not None:
+            check_caches(spec, num_blocks, self.ranks, caches, "ReferenceBackend")
+        self.host_blocks = host_blocks  #: slots of the host tier arena, per rank
+        #: host[rank][kind] -> block-major arena [host_blocks, layers, heads, block_size, dim]
+        self.host = {r: self._host(host_blocks) for r in self.ranks} if host_blocks else {}
+        #: caches[rank][kind] -> list of per-layer arrays [num_blocks, heads, block_size, dim]
+        #: (with group tables, layers at one slot of a block share an array: :mod:`kvstate._tables`)
+        self.caches: dict[int, dict[str, list[np.ndarray]]] = {
+            r: ({kind: list(caches[r][kind]) for kind in spec.kinds} if caches is not None else
+                {kind: self._layer_arrays(num_blocks, kind) for kind in spec.kinds})
+            for r in self.ranks}
+
+    def _layer_arrays(self, num_blocks: int, kind: str) -> list[np.ndarray]:
+        """Zeroed caches of ``kind``, one array per layer slot of a block, listed per layer."""
+        spec = self.spec
+        slots = [np.zeros((num_blocks,) + spec.block_shape(kind), spec.kind_dtype(kind))
+                 for _ in range(page_layers(spec))]
+        return [slots[i] for i in slot_of_layer(spec)]
+
+    # -- block access (tests, the demo's fake compute) -----------------------------------------
+    def _layer_views(self, rank: int, kind: str) -> list[np.ndarray]:
+        return self.caches[rank][kind]
+
+    def _gather_state(self, rank: int, page: int, out: np.ndarray) -> None:
+        out[:] = self.state_pages[rank][page]
+
+    def _scatter_state(self, rank: int, page: int, data: np.ndarray) -> None:
+        self.state_pages[rank][page] = data
+
+    def _arena(self, rank: int, kind: str) -> np.ndarray:
+        return self.host[rank][kind]
+
+    # -- TransferBackend -----------------------------------------------------------------------
+    def _swap(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int], direction: str,
+              guard: Guard | None) -> int:
+        self._check_swap(rank, block_ids, host_slots)
+        check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", block_ids)
+        if block_ids:
+            for kind, arena in self.host[rank].items():
+                swap_cache_layout(self.caches[rank][kind], arena, list(block_ids), list(host_slots), direction)
+        self.bytes_swapped += len(block_ids) * self.spec.bytes_per_block_per_rank
+        return len(block_ids)
+
+    def _state_array(self, states: Mapping[int, np.ndarray], rank: int) -> np.ndarray:
+        """Rank ``rank``'s given state pages, checked: a writable ``[num_states, state bytes]`` uint8 array."""
+        a = states.get(rank) if isinstance(states, Mapping) else None
+        shape = (self.num_states, self.state_size)
+        if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != np.uint8 or not a.flags.c_contiguous \
+                or not a.flags.writeable:
+            raise ValidationError(f"ReferenceBackend: state pages of rank {rank} must be a writable contiguous "
+                                  f"uint8 array of shape {shape}")
+        return a
+
+    def _host(self, n: int) -> dict[str, np.ndarray]:
+        """The host tier's arena: whole blocks of the rank, every head."""
+        spec = self.spec
+        return {k: np.zeros((n, spec.layers) + spec.block_shape(k), spec.kind_dtype(k)) for k in spec.kinds}
+
+    def write(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+              guard: Guard | None = None, layers: Callable[..., Any] | None = None,
+              tables: Sequence[Sequence[int]] = (), window_from: int = 0) -> int:
+        self._check_transfer(rank, keys, block_ids, tables, window_from)
+        if not self.spec.writes(rank):  # a replica: the first rank holding these heads stores them
+            return len(keys)
+        if tables:  # group tables: each group from its own blocks
+            ids = self._group_ids(block_ids, tables)
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_groups(
+                keys[:m], ids, window_from, lambda g, ks, b: self._put_layers(rank, part, ks, b, guard, g, len(ks))))
+        else:
+            count = self._each_part(rank, len(keys), lambda part, m, _: self._write_part(
+                rank, part, keys, block_ids, guard, layers, m))
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _write_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, layers: Callable[..., Any] | None, m: int) -> int:
+        """Store the first ``m`` blocks of one head group, layer-wise when ``layers`` is given."""
+        put = partial(self._put_layers, rank, part, keys, block_ids, guard)
+        return put(None, m) if layers is None else self._by_group(m, layers, lambda grp, k, _: put(grp, k))
+
+    def _buffers(self, m: int, group: int | None) -> tuple[dict[str, np.ndarray], slice]:
+        """Block-major host rows for ``m`` blocks of every layer (``group`` None) or of one layer
+        group, and the slice of layers they hold."""
+        spec = self.spec
+        a, b = (0, spec.layers) if group is None else spec.group_span(group)
+        return {k: np.empty((m, b - a) + spec.object_shape(k), spec.kind_dtype(k)) for k in spec.kinds}, slice(a, b)
+
+    def _part_layers(self, rank: int, kind: str, span: slice) -> list[np.ndarray]:
+        """The rank's layers at positions ``span`` of the stored order, of ``kind``, seen by part
+        (see :mod:`~kvstate.backends._objects`)."""
+        layers = self.caches[rank][kind]
+        return [self._part_view(layers[i], kind) for i in self.spec.storage_order[span]]
+
+    def _put_layers(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, group: int | None, m: int) -> int:
+        """Gather and store the first ``m`` blocks of head group ``part`` (its place on the rank,
+        its index): every layer, or layer group ``group``."""
+        host, span = self._buffers(m, group)
+        check_fence(guard, rank, "gather", block_ids[:m])
+        ids = self._part_ids(block_ids[:m], part[0])
+        for kind, buf in host.items():
+            swap_cache_layout(self._part_layers(rank, kind, span), buf, ids, list(range(m)), "d2h")
+        return self.objects.put(part[1], keys[:m], None if group is None else [group],
+                                self._group_views(host, m, group))
+
+    def read(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
+             guard: Guard | None = None, arrived: Callable[[int, Any], None] | None = None,
+             window_from: int = 0, tables: Sequence[Sequence[int]] = ()) -> int:
+        self._check_transfer(rank, keys, block_ids, tables)
+        check_int(window_from, "ReferenceBackend.read: window_from", minimum=0, maximum=len(keys))
+        if (window_from and self.spec.splits_groups) or tables:  # group by group
+            return self._each_part(rank, len(keys), lambda part, m, _: self._read_window(
+                part, keys, self._group_ids(block_ids, tables), m, window_from,
+                lambda g, ks, ids: self._get_layers(rank, part, ks, ids, guard, g, len(ks))))
+        count = self._each_part(rank, len(keys), lambda part, m, whole: self._read_part(
+            rank, part, keys, block_ids, guard, arrived if whole else None, m))
+        self.bytes_moved += count * self.spec.bytes_per_block_per_rank
+        return count
+
+    def _read_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None, arrived: Callable[[int, Any], None] | None, m: int) -> int:
+        """Read the first ``m`` blocks of one head group, reporting layers when ``arrived`` is given."""
+        get = partial(self._get_layers, rank, part, keys, block_ids, guard)
+        return get(None, m) if arrived is None else self._load_by_group(m, arrived, lambda grp, k: (get(grp, k), None))
+
+    def _get_layers(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                    guard: Guard | None, group: int | None, m: int) -> int:
+        """Read the first ``m`` blocks of head group ``part`` (every layer, or layer group
+        ``group``) and scatter the leading ones that arrived whole (a short read is a miss)."""
+        host, span = self._buffers(m, group)
+        count = self.objects.get(part[1], keys[:m], None if group is None else [group],
+                                 self._group_views(host, m, group))
+        if count:
+            check_fence(guard, rank, "scatter into", block_ids[:count])
+            ids = self._part_ids(block_ids[:count], part[0])
+            for kind, buf in host.items():
+                swap_cache_layout(self._part_layers(rank, kind, span), buf, ids, list(range(count)), "h2d")
+        return count
+

@@ -1,0 +1,77 @@
+"""SUM64 checksums of stored block objects, taken on the GPU where the caches are.
+
+A block's object of one kind is, in the stored (block-major) layout, its row of each layer of a
+span, one after the other. :data:`~kvstate.backends._integrity.SUM64` weighs each 64-bit word of
+it by ``2i + 1``, ``i`` its position in the object; so per layer it is the row's words weighted
+from ``layer × words`` on, summed mod 2**64 with the other layers'. On the GPU that is one
+kernel: a thread block per (block, layer) row reads the row where it lies, weighs its words and
+adds the row's sum into the block's (uint64 arithmetic wraps; addition commutes, so the order
+of the atomic adds changes nothing). The caches are read once more from HBM, about a quarter of
+a millisecond a GiB, while the transfer is bound by PCIe and the store. The result equals
+:func:`kvstate.backends._integrity.sum64` of the same bytes on the host, which is what lets
+either side verify the other's objects.
+
+Sums are taken on CuPy's current stream: callers wait for the copies that wrote the blocks
+(a scatter's event, a layer-wise save's gather) before they ask.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["block_sums", "summable"]
+
+
+def summable(views: Sequence[Any]) -> bool:
+    """Whether layers' rows are whole 64-bit words (what :func:`block_sums` reads them as)."""
+    return bool(views) and all((v.nbytes // v.shape[0]) % 8 == 0 and v.flags.c_contiguous for v in views)
+
+
+_SOURCE = r"""
+extern "C" __global__ void sum64_rows(const unsigned long long* const* layers, const long long* ids,
+                                      long long words, unsigned long long* out) {
+    const long long i = blockIdx.x, layer = blockIdx.y;
+    const unsigned long long* row = layers[layer] + ids[i] * words;
+    const unsigned long long base = (unsigned long long)layer * words;
+    unsigned long long acc = 0;
+    for (long long j = threadIdx.x; j < words; j += blockDim.x)
+        acc += row[j] * (2ull * (base + j) + 1ull);
+    for (int o = 16; o > 0; o >>= 1)
+        acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0)
+        atomicAdd(out + i, acc);
+}
+"""
+_THREADS = 256
+
+
+def block_sums(cp: Any, views: Sequence[Any], ids: Any, cache: dict[Any, Any], fetch: bool = True,
+               out: Any = None) -> Any:
+    """SUM64 of each block's object made of ``views``' layers (per-layer GPU arrays ``[blocks,
+    ...]`` of one shape, in object order): a uint64 array, one per id (``ids``: a sequence, or
+    an int64 device array already uploaded). With ``fetch`` off, the device array, still being
+    summed (a caller with other work fetches it later rather than wait for the kernel now);
+    with ``out`` (a zeroed uint64 device array, one per id), the sums land there. ``cache``
+    keeps the compiled kernel and, per list of layers, its device pointer table: a backend's
+    layers are fixed, so a call reads none of their attributes again."""
+    kernel = cache.get("kernel")
+    if kernel is None:
+        kernel = cache["kernel"] = cp.RawKernel(_SOURCE, "sum64_rows")
+    table, words = _table(cp, views, cache)
+    ids_d = ids if isinstance(ids, cp.ndarray) else cp.asarray(np.asarray(ids, np.int64))
+    if out is None:
+        out = cp.zeros(len(ids_d), dtype=cp.uint64)
+    kernel((len(ids_d), len(views)), (_THREADS,), (table, ids_d, np.int64(words), out))
+    return cp.asnumpy(out) if fetch else out
+
+
+def _table(cp: Any, views: Sequence[Any], cache: dict[Any, Any]) -> tuple[Any, int]:
+    """The layers' device pointer table and words per row, made once per list of layers (kept
+    in ``cache`` with the list, so its id is not reused while the entry lives)."""
+    entry = cache.get(("layers", id(views)))
+    if entry is None or entry[0] is not views:
+        ptrs = np.asarray([int(v.data.ptr) for v in views], np.uint64)
+        entry = cache[("layers", id(views))] = (views, cp.asarray(ptrs), views[0].nbytes // views[0].shape[0] // 8)
+    return entry[1], entry[2]

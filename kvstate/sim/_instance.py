@@ -1,0 +1,294 @@
+"""What a simulated P or D instance shares: its lifecycle on the simulation clock, its TP
+ranks' transfer workers and PCIe links, and the driver loop that turns the lifecycle's
+commands into timed work and feeds the outcomes back as the events an engine would send.
+
+A transfer command becomes a task of the instance's per-rank worker pools
+(:mod:`kvstate.sim._tp`). A rank's part costs its PCIe time from the calibrated kernel cost
+model (:mod:`kvstate.kernels._cost`), pipelined with the storage pool's bandwidth
+(:mod:`kvstate.sim._storage`), for the blocks it really moves: a write skips the leading
+blocks already stored after one existence query, a read stops at a miss. Its answer comes
+from the simulated pool's contents, so evictions make reads partial exactly as in
+production. Notices go to the role's :meth:`Instance.notice`.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, cast
+
+import simpy
+
+from .. import commands as C
+from .._lifecycle import Lifecycle
+from ..commands import kind_of
+from ..events import Completion
+from ._services import Services
+from ._tp import RankPools
+
+__all__ = ["Instance", "Transfer", "LayerSave", "Swap"]
+
+
+class Transfer:
+    """One transfer command as a task of the rank pools."""
+
+    __slots__ = ("inst", "cmd", "label", "write", "n", "seen")
+
+    def __init__(self, inst: Instance, cmd: C.TransferCommand, write: bool) -> None:
+        self.inst, self.cmd, self.write = inst, cmd, write
+        self.label = cmd.command_id
+        self.n = len(cmd.keys)
+        self.seen: dict[int, tuple[int, int]] = {}  # rank -> (leading keys stored, evictions) at start
+
+    def start(self, rank: int) -> float:
+        """Seconds of this rank's part: a write first asks which leading keys are stored and
+        moves only the rest; a read moves the leading keys found (a miss ends it). A command
+        cancelled before a worker took it is skipped, as the threaded driver skips it."""
+        inst = self.inst
+        if self.cmd.command_id in inst.cancelled:
+            return 0.0  # answered "cancelled" at once
+        store, side = inst.sv.store, inst.side
+        if self.write and not side.writers[rank]:  # a replica: the first rank holding its heads stores them
+            self.seen[rank] = (self.n, store.evictions)
+            return 0.0
+        parts = side.parts[rank]
+        found = store.leading(parts[0], self.cmd.keys)
+        for part in parts[1:]:
+            found = min(found, store.leading(part, self.cmd.keys))
+        self.seen[rank] = (found, store.evictions)
+        if self.write:
+            rest = self.n - found
+            if not rest:
+                return store.query_latency
+            if self.cmd.__class__ is C.FlushHost:  # from host memory: the pool's bandwidth only
+                nbytes = rest * side.shard_bytes
+                return store.query_latency + store.occupy(inst.env.now, nbytes)[1] - inst.env.now
+            return store.query_latency + inst.transfer_time(rank, "d2h", rest)
+        if not found:
+            return store.latency
+        skip = min(getattr(self.cmd, "window_from", 0), found)  # blocks read without their window groups
+        return inst.transfer_time(rank, "h2d", found, skip)
+
+    def finish(self, rank: int) -> None:
+        self.inst.answer(self, rank)
+
+
+class LayerSave(Transfer):
+    """A layer-wise save (``SaveLayers``), submitted when its prompt's prefill forward starts:
+    it moves its bytes as a write does, but cannot end before the forward has, plus the last
+    layer's share of the bytes (stored after the forward computed it)."""
+
+    __slots__ = ("forward_left", "submitted")
+
+    def __init__(self, inst: Instance, cmd: C.TransferCommand, forward_left: float) -> None:
+        super().__init__(inst, cmd, True)
+        self.forward_left = forward_left  #: seconds of the forward still to run at submission
+        self.submitted = inst.env.now
+
+    def start(self, rank: int) -> float:
+        store = self.inst.sv.store
+        moving = super().start(rank)
+        if rank not in self.seen or self.seen[rank][0] == self.n:  # cancelled, or every key stored: at once
+            return moving
+        left = self.forward_left - (self.inst.env.now - self.submitted)
+        tail = (moving - store.query_latency) / self.inst.side.cache_spec.layers
+        return max(moving, left + tail)
+
+
+class Swap:
+    """One swap command (GPU blocks to or from the host tier) as a task of the rank pools."""
+
+    __slots__ = ("inst", "cmd", "label", "out")
+
+    def __init__(self, inst: Instance, cmd: C.TransferCommand, out: bool) -> None:
+        self.inst, self.cmd, self.out, self.label = inst, cmd, out, cmd.command_id
+
+    def start(self, rank: int) -> float:
+        n = len(self.cmd.keys)
+        if not n or self.cmd.command_id in self.inst.cancelled:  # nothing to copy, or skipped
+            return 0.0
+        return self.inst.link_time(rank, "d2h" if self.out else "h2d", n)
+
+    def finish(self, rank: int) -> None:
+        inst, cmd = self.inst, self.cmd
+        count = 0 if cmd.command_id in inst.cancelled else len(cmd.keys)
+        c = Completion(cmd.command_id, rank, count, error="cancelled" if not count and cmd.keys else None)
+        if inst.sv.timeline is not None:
+            inst.sv.timeline.completed(inst.name, [c])
+        inst.lc.complete(c)
+        inst.pump()
+        if not inst.sv.live:
+            inst.sv.check_finished()
+
+
+class Instance(ABC):
+    """One P or D instance: its lifecycle, rank pools and links (the role adds compute)."""
+
+    role = ""
+    lifecycle_cls: type[Lifecycle] = Lifecycle
+
+    def __init__(self, sv: Services, idx: int) -> None:
+        s, env = sv.scenario, sv.env
+        self.sv, self.idx, self.env = sv, idx, env
+        self.side = side = sv.sides[self.role]  #: this role's TP degree, geometry, blocks and compute
+        self.name = f"{self.role[0].upper()}{idx}"
+        self.lc = self.lifecycle_cls(side.lifecycle_spec, side.gpu_blocks, sv.policy,
+                                     clock=lambda: env.now, namespace=s.model.name, key_cache=sv.key_cache,
+                                     num_states=side.num_states, **self.lifecycle_options(s))
+        tp = side.tp
+        self.link_free = [0.0] * tp
+        self.cancelled: set[int] = set()
+        kw: dict[str, Any] = dict(tp=tp, workers=s.cluster.transfer_workers, protocol=s.tp.protocol,
+                                  semantics=s.tp.barrier, skew_s=[x / 1000.0 for x in s.tp.skew_ms],
+                                  barrier_timeout=s.tp.barrier_timeout_s)
+        self.write_pool = RankPools(env, f"{self.name}.write_barrier", reset_by="rank0", **kw)
+        self.read_pool = RankPools(env, f"{self.name}.read_barrier", reset_by="all", **kw)
+        self.wake: simpy.Event | None = None
+        self.busy_time = 0.0  #: seconds the instance computed (a forward counts when it starts)
+        self.computing_until = 0.0  #: when the forward counted last ends (it may outlast the run)
+        self.block_seconds = 0.0  #: integral of blocks used over time
+        self._noted_at, self._noted_used = 0.0, 0  # time and blocks used of the last note
+        self._link_cost: dict[tuple[str, int], float] = {}
+
+    def lifecycle_options(self, s: Any) -> dict[str, Any]:
+        """Keyword arguments of the lifecycle beyond the common ones: the host tier, the GPU
+        prefix cache, layer-wise transfers."""
+        return {"host_blocks": s.cluster.host_blocks, "prefix_cache": s.cluster.prefix_cache,
+                "layerwise": s.cluster.layerwise}
+
+    # -- transfers ---------------------------------------------------------------------------
+    def link_time(self, rank: int, direction: str, n: int) -> float:
+        """Seconds of one rank's PCIe copy of ``n`` blocks starting now, queued on its link
+        (a swap between GPU blocks and the host tier: no storage pool in it)."""
+        now = self.env.now
+        link = self._link_cost.get((direction, n))
+        if link is None:
+            link = self._link_cost[(direction, n)] = self.side.link_seconds(direction, n)
+        start = max(self.link_free[rank], now)
+        self.link_free[rank] = end = start + link
+        return end - now
+
+    def transfer_time(self, rank: int, direction: str, n: int, skip: int = 0) -> float:
+        """Seconds of one rank's part of a transfer of ``n`` blocks starting now, ``skip`` of
+        them without their window groups (a read from a cache's last window)."""
+        cl, side = self.sv, self.side
+        now = self.env.now
+        link = self._link_cost.get((direction, n))
+        if link is None:
+            link = self._link_cost[(direction, n)] = side.link_seconds(direction, n)
+        if skip:  # the link moves that much less, at its rate for these chunks
+            link *= 1.0 - skip * side.window_bytes / (n * side.shard_bytes)
+        start = self.link_free[rank]
+        start = max(start, now)
+        self.link_free[rank] = link_end = start + link
+        nbytes = n * side.shard_bytes - skip * side.window_bytes + (side.state_bytes if n else 0)  # and states
+        s_start, s_end = cl.store.occupy(now, nbytes)
+        s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s  # per object moved, when charged
+        pieces = max(1, math.ceil(nbytes / cl.staging_bytes))
+        end = max(link_end, s_end) + min(link, s_end - s_start) / pieces
+        return end - now
+
+    def answer(self, task: Transfer, rank: int) -> None:
+        """A rank finished its part: answer from the pool's contents (or an injected fault),
+        as :func:`~kvstate.backends._drivers.execute` would from a real pool."""
+        cl, cmd, write = self.sv, task.cmd, task.write
+        fail = cl.faults_write if write else cl.faults_read
+        if cmd.command_id in self.cancelled:
+            c = Completion(cmd.command_id, rank, 0, error="cancelled")
+        elif fail and cl.rng.random() < fail:
+            c = Completion(cmd.command_id, rank, 0, error="injected failure")
+            cl.counters["injected_write_failures" if write else "injected_read_failures"] += 1
+        else:
+            found, evictions = task.seen[rank]
+            known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
+            n = self._stored(rank, cmd.keys, write, known, getattr(cmd, "window_from", 0))
+            c = Completion(cmd.command_id, rank, cl.store.states_moved(rank, cmd.keys, cmd.states, n, write)
+                           if cmd.states else n)
+            # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
+            if self.role == "decode" and not write and c.count < len(cmd.keys):
+                cl.counters["partial_reads"] += 1
+        if cl.timeline is not None:
+            cl.timeline.completed(self.name, [c])
+        self.lc.complete(c)
+        self.pump()
+        if not cl.live:  # the last answers after the last request ended
+            cl.check_finished()
+
+    def _stored(self, rank: int, keys: Sequence[str], write: bool, known: int, window_from: int = 0) -> int:
+        """The pool's answer to one rank's write or read: over each of its head groups (a
+        replica's write: every key, its first replica stores them)."""
+        side, store = self.side, self.sv.store
+        if write and not side.writers[rank]:
+            return len(keys)
+        parts = side.parts[rank]
+        skipped = min(window_from, len(keys)) * side.window_bytes // len(parts)  # a part's window bytes not read
+        count = store.answer(parts[0], keys, write, known, skipped)
+        for part in parts[1:]:
+            count = min(count, store.answer(part, keys, write, known, skipped))
+        return count
+
+    # -- commands out of the lifecycle ------------------------------------------------------------
+    def pump(self) -> None:
+        """Hand every queued command to its worker or to the role's notice handler."""
+        cmds = self.lc.poll_commands()
+        tl = self.sv.timeline
+        if tl is not None:
+            tl.submitted(self.name, cmds)
+            tl.states(self.name, self.lc)
+        if not cmds:
+            return
+        timed = False  # a transfer brings a deadline: the next tick may have to come sooner
+        for cmd in cmds:
+            t = cmd.__class__
+            kind = kind_of(cmd)
+            if kind == "read" or (kind == "write" and t is not C.SaveLayers):
+                tc = cast(C.TransferCommand, cmd)
+                write = kind == "write"
+                (self.write_pool if write else self.read_pool).submit(Transfer(self, tc, write), tc.ranks)
+                timed = True
+            elif kind == "swap":
+                tc = cast(C.TransferCommand, cmd)
+                out = t is C.SwapOut
+                # preemption swaps (P's are prefix loads and cache copies, D's "loading" a read's prefix)
+                rid = tc.request_id
+                if self.role == "decode" and (out or (self.lc.is_live(rid) and self.lc.state_of(rid) == "swapping_in")):
+                    counters = self.sv.counters
+                    counters["swap_outs" if out else "swap_ins"] += 1
+                    counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
+                (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
+                timed = True
+            elif kind == "write":  # a layer-wise save: the role starts it with its prefill; its deadline runs now
+                self.notice(cmd)
+                timed = True
+            elif kind == "cancel":
+                self.cancelled.add(cast(C.CancelCommand, cmd).command_id)
+            elif t is C.LateEvent:
+                name = f"late_{cast(C.LateEvent, cmd).event}"
+                counters = self.sv.counters
+                counters[name] = counters.get(name, 0) + 1
+            else:
+                self.notice(cmd)
+        self.note_blocks()
+        if timed:
+            self.sv.arm_timer(self, self.env.now + self.lc.policy.transfer_timeout)
+
+    @abstractmethod
+    def notice(self, cmd: C.Command) -> None:
+        """A notice of the lifecycle (first token, start prefill, ...): the role's job."""
+
+    # -- accounting ----------------------------------------------------------------------------
+    def note_blocks(self) -> None:
+        """Add the blocks held since the last note to the time integral (called whenever the
+        lifecycle acted, so the integral is exact at the scheduler's resolution)."""
+        now = self.env.now
+        self.block_seconds += (now - self._noted_at) * self._noted_used
+        self._noted_at, self._noted_used = now, self.lc.pool.num_used
+
+    # -- the compute loop's sleep ---------------------------------------------------------------
+    def wake_up(self) -> None:
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def idle(self) -> simpy.Event:
+        self.wake = self.env.event()
+        return self.wake
