@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis.stateful import run_state_machine_as_test
 from protocol_machine import Protocol
-from protocol_support import FAULT_CLASSES, INVARIANTS, STATS, profile_settings
+from protocol_support import FAULT_CLASSES, INVARIANTS, PROFILES, STATS, profile_settings
 
 from kvstate import DECODE, PREFILL
 
@@ -48,6 +49,7 @@ def shortfalls() -> dict[str, tuple[int, int]]:
     return {name: (STATS[name], n) for name, n in QUOTAS if STATS[name] < n}
 
 
+@pytest.mark.slow
 def test_protocol_machines_hold_every_invariant_under_faults():
     """The CI profile's examples, then rounds of :data:`TOP_UP` more while any quota is short:
     every fault class and state is scheduled until its quota is reached, so a thin draw costs
@@ -59,6 +61,15 @@ def test_protocol_machines_hold_every_invariant_under_faults():
     while shortfalls() and STATS["examples"] < MAX_EXAMPLES:
         run_state_machine_as_test(Protocol, settings=profile_settings(max_examples=TOP_UP))
     assert not shortfalls(), f"quotas short after {STATS['examples']} examples: {shortfalls()}"
+
+
+def test_a_quick_round_of_the_protocol_holds_every_invariant():
+    """The fast loop's share: the quick profile's examples (a minute's tenth of the CI run),
+    every invariant checked after every step as in the full run; its quotas are the full run's
+    (marked slow, run by CI and the README's test command)."""
+    before = STATS["examples"]
+    run_state_machine_as_test(Protocol, settings=profile_settings("quick"))
+    assert STATS["examples"] - before >= PROFILES["quick"][0] // 2  # it ran, and not all was filtered away
 
 
 def test_tables_cover_terminal_states():
