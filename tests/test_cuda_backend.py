@@ -408,6 +408,7 @@ def test_a_backend_on_the_second_gpu_closes_from_a_thread_whose_device_is_the_fi
     with cp.cuda.Device(0):
         b = CudaBackend(spec, 8, store, device=1)
         assert b.write(0, ["k0", "k1"], [3, 5]) == 2 and b.read(0, ["k0", "k1"], [6, 7]) == 2
+        assert cp.cuda.runtime.getDevice() == 0  # the caller's thread is still on its own GPU
     errors: list[BaseException] = []
 
     def close_on_device_0() -> None:
@@ -421,3 +422,36 @@ def test_a_backend_on_the_second_gpu_closes_from_a_thread_whose_device_is_the_fi
     t.start()
     t.join(60)
     assert not t.is_alive() and not errors, errors
+
+
+@gpu
+def test_a_store_that_takes_registered_memory_gets_the_staging_and_lets_it_go_at_close():
+    """A store whose transport reads registered memory (Mooncake) is offered the backend's
+    pinned staging and host tier, and asked to let every piece go before the backend frees it."""
+    import numpy as np
+
+    from kvstate import CacheSpec
+    from kvstate.backends import MemoryStore
+    from kvstate.backends._cuda import CudaBackend
+
+    class Registering(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__(1 << 24)
+            self.held: dict[int, int] = {}
+
+        def register_memory(self, buffer) -> bool:
+            a = np.asarray(buffer)
+            self.held[a.ctypes.data] = a.nbytes
+            return True
+
+        def unregister_memory(self, buffer) -> None:
+            del self.held[np.asarray(buffer).ctypes.data]
+
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=16, head_dim=64, dtype="bfloat16", tp_size=2)
+    store = Registering()
+    b = CudaBackend(spec, 8, store, host_blocks=4)
+    assert len(store.held) == 2 * (2 * 2 + 2)  # per rank: two staging slots and the host tier, per kind
+    assert sum(store.held.values()) == b.pinned_bytes
+    assert b.write(0, ["k0", "k1"], [3, 5]) == 2 and b.read(0, ["k0", "k1"], [6, 7]) == 2
+    b.close()
+    assert store.held == {}

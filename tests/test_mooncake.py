@@ -298,3 +298,58 @@ def test_a_healthy_mooncake_demo_keeps_the_librarys_logging_off_stderr(tmp_path)
     said = f"kvstate demo: Mooncake's own logging is in {tmp_path} (set MC_LOG_LEVEL to see it here)"
     assert r.stderr.strip() == said
     assert any(p.name.startswith("mooncake") for p in tmp_path.iterdir())  # the library's files are there
+
+
+def test_registered_memory_moves_without_the_staging_copy(master):
+    """Objects in memory the caller registered go straight to and from the pool (a batch of
+    four 3 MiB objects through a 1 MiB staging buffer could not go through staging at all); a
+    batch with one buffer outside it, or after it is unregistered, goes through staging."""
+    store = mstore(master, staging_bytes=1 << 20)
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 12 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    keys = [f"direct-{i}" for i in range(4)]
+    parts = [src[i * (3 << 20):(i + 1) * (3 << 20)] for i in range(4)]
+    try:
+        assert store.register_memory(src) and store.register_memory(dst)
+        assert store.batch_put_from(keys, parts) == [0] * 4 and store.direct_batches == 1
+        got = store.batch_get_into(keys, [dst[i * (3 << 20):(i + 1) * (3 << 20)] for i in range(4)])
+        assert got == [3 << 20] * 4 and store.direct_batches == 2 and np.array_equal(dst, src)
+        assert store.batch_put_from(["small"], [src[:1000]]) == [0] and store.direct_batches == 3
+        outside = np.zeros(1000, np.uint8)  # outside registered memory: the whole batch is staged
+        assert store.batch_get_into(["small", "small"], [dst[:1000], outside]) == [1000, 1000]
+        assert store.direct_batches == 3 and np.array_equal(outside, src[:1000])
+        store.unregister_memory(dst)
+        store.unregister_memory(outside)  # never registered: ignored
+        dst[:1000] = 0
+        assert store.batch_get_into(["small"], [dst[:1000]]) == [1000] and store.direct_batches == 3
+        assert np.array_equal(dst[:1000], src[:1000])
+        with pytest.raises(ValidationError, match="writable"):
+            store.register_memory(bytes(10))
+    finally:
+        store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.register_memory(np.zeros(10, np.uint8))
+
+
+def test_a_restarted_master_gets_the_registered_memory_again(tmp_path):
+    """The client re-joins a restarted master with its registered memory: batches from it are
+    still direct, and byte-exact."""
+    from kvstate.backends._mooncake_master import MooncakeMaster
+
+    m = MooncakeMaster(log_path=tmp_path / "m.log").start()
+    store = mstore(m)
+    buf = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[:4 << 20].copy()
+    try:
+        assert store.register_memory(buf)
+        m.kill()
+        m = MooncakeMaster(rpc_port=m.rpc_port, http_port=m.http_port, log_path=tmp_path / "m2.log").start()
+        time.sleep(store.LIVENESS_INTERVAL)
+        assert store.batch_put_from(["again"], [buf[:1 << 20]]) == [0] and store.reconnects == 1
+        out = buf[1 << 20:2 << 20]
+        want = buf[:1 << 20].copy()
+        assert store.batch_get_into(["again"], [out]) == [1 << 20] and store.direct_batches == 2
+        assert np.array_equal(out, want)
+    finally:
+        store.close()
+        m.stop()

@@ -261,6 +261,7 @@ def test_p_on_the_first_gpu_and_d_on_the_second_are_token_exact(model, store, pr
         eng, leaks = serve(model, reqs, **kw)
     assert leaks == {"P": 0, "D": 0, "pinned": 0}
     assert eng.d_cache.caches[0]["key"][0].device.index == 1 and eng.backends[1].device == 1
+    assert torch.cuda.current_device() == 0  # D's backend on GPU 1 left the engine's thread on its own GPU
     assert_exact(model, reqs)
     if preemption:
         assert eng.recomputed

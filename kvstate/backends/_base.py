@@ -161,6 +161,17 @@ class Store(ABC):
         that cannot remove anything answers 0, and cannot heal a broken object."""
         return 0
 
+    def register_memory(self, buffer: Any) -> bool:
+        """Offer host memory its caller puts from and gets into again and again (a backend's
+        staging). A store whose transport moves bytes straight from registered memory (Mooncake's
+        transfer engine) registers it, so a batch whose buffers all lie in it skips the store's
+        own staging copy, and answers True; the caller then calls :meth:`unregister_memory`
+        before it frees the memory. Other stores copy anyway and answer False."""
+        return False
+
+    def unregister_memory(self, buffer: Any) -> None:  # noqa: B027 - a default: nothing was registered
+        """Forget memory :meth:`register_memory` took (before its owner frees it)."""
+
     def close(self) -> None:  # noqa: B027 - a default, not an abstract method: most stores hold nothing
         """Release the store's resources (idempotent)."""
 

@@ -91,6 +91,11 @@ class CudaBackend(DeviceSums, StoreBackend):
                 if host_blocks:  # the host tier: block-major, slot i at the same place on every rank
                     self._host[r] = {k: sw.pinned((host_blocks, spec.layers) + spec.block_shape(k),
                                                   spec.kind_dtype(k)) for k in spec.kinds}
+            # a store that moves bytes straight from registered memory (Mooncake) takes the staging
+            # and the host tier: their puts and gets then skip the store's own copy
+            self._offered = [a for a in [*(a for r in self.ranks for slot in self._slots[r] for a in slot.values()),
+                                         *(a for r in self._host for a in self._host[r].values())]
+                             if store.register_memory(a)]
             self._setup_states(full, num_states, self._pages.gather, self._pages.scatter)
             self._pages.bind("CudaBackend", (num_states, self.state_size), states, device)
         except BaseException:
@@ -530,6 +535,8 @@ class CudaBackend(DeviceSums, StoreBackend):
         if self._closed:
             return
         self._closed = True
+        for a in getattr(self, "_offered", ()):  # the store lets go before the memory is freed
+            self.store.unregister_memory(a)
         with self.cp.cuda.Device(self.device):  # from any thread, whatever its current device
             for sw in self._swappers.values():
                 sw.close()

@@ -9,10 +9,12 @@ Version: ``mooncake-transfer-engine`` 0.3.12 and newer need the NVIDIA driver li
 needed. The transfer engine also links ``libibverbs`` (Debian: ``libibverbs1
 ibverbs-providers``), even over tcp.
 
-Data path: every batch goes through one staging buffer registered with the store once at
-start-up (``register_buffer``); puts copy the caller's buffers into it and call
-``batch_put_from``, gets call ``batch_get_into`` and copy out. Per-key results keep
-Mooncake's meaning: bytes read (a short read is a miss to the backend), negative on error.
+Data path: a batch whose buffers all lie in memory its caller registered (:meth:`MooncakeStore.register_memory`:
+a backend's staging slots, registered with the transfer engine once) moves straight from and
+into them, no copy in Python. Any other batch goes through one staging buffer registered at
+start-up (``register_buffer``): puts copy the caller's buffers into it and call
+``batch_put_from``, gets call ``batch_get_into`` and copy out. Per-key results keep Mooncake's
+meaning: bytes read (a short read is a miss to the backend), negative on error.
 """
 from __future__ import annotations
 
@@ -194,6 +196,8 @@ class MooncakeStore(Store):
         self._closed = False
         self._staging = np.empty(config.staging_bytes, np.uint8)
         self._base = self._staging.ctypes.data
+        self._regions: dict[int, int] = {}  # memory callers registered: address -> bytes
+        self.direct_batches = 0  #: batches moved straight from or into registered memory
         self._up, self._checked = False, time.monotonic()
         self.reconnects = 0
         self._sentinel = f"kvstate-sentinel-{uuid.uuid4().hex}"
@@ -216,6 +220,9 @@ class MooncakeStore(Store):
             self._store.close()
             raise StoreError(f"Mooncake could not register the {config.staging_bytes}-byte staging buffer "
                              f"(code {rc})")
+        for base, nbytes in list(self._regions.items()):  # a re-joined client registers them again
+            if self._store.register_buffer(base, nbytes) != 0:
+                del self._regions[base]  # its batches go through staging from now on
         self._up = self._put_sentinel()
 
     def _put_sentinel(self) -> bool:
@@ -269,6 +276,47 @@ class MooncakeStore(Store):
             self._join()  # up once its sentinel is stored
             self.reconnects += 1
 
+    # -- memory callers register: batches without a copy --------------------------------------
+    def register_memory(self, buffer: Any) -> bool:
+        """Register writable, contiguous host memory with the transfer engine; a batch whose
+        buffers all lie in registered memory moves without the staging copy. False (nothing
+        registered) when the engine refuses it."""
+        v = check_batch(["buffer"], "MooncakeStore.register_memory", [buffer])[0]
+        if v.readonly or not v.nbytes:
+            raise ValidationError("MooncakeStore.register_memory: the memory must be writable and not empty")
+        base = _address(v)
+        with self._lock:
+            if self._closed:
+                raise StoreError("MooncakeStore.register_memory: the store is closed")
+            if base in self._regions:
+                return True
+            if self._store.register_buffer(base, v.nbytes) != 0:
+                return False
+            self._regions[base] = v.nbytes
+        return True
+
+    def unregister_memory(self, buffer: Any) -> None:
+        """Forget registered memory (before its owner frees it); unknown memory is ignored."""
+        base = _address(check_batch(["buffer"], "MooncakeStore.unregister_memory", [buffer])[0])
+        with self._lock:
+            if self._regions.pop(base, None) is not None and not self._closed:
+                self._store.unregister_buffer(base)
+
+    def _registered(self, views: list[memoryview], writing: bool) -> list[int] | None:
+        """Each view's address when every one lies in registered memory (and, for a get, is
+        writable); None otherwise."""
+        if not self._regions:
+            return None
+        out = []
+        for v in views:
+            if writing and v.readonly:
+                return None
+            a = _address(v)
+            if not any(base <= a and a + v.nbytes <= base + n for base, n in self._regions.items()):
+                return None
+            out.append(a)
+        return out
+
     # -- batching through the registered staging buffer --------------------------------------
     def _groups(self, views: list[memoryview]) -> list[tuple[int, int]]:
         """Split a batch into [start, end) groups that fit the staging buffer."""
@@ -299,13 +347,19 @@ class MooncakeStore(Store):
         return check_batch(keys, f"MooncakeStore.{op}", buffers)
 
     def _in_groups(self, keys: Sequence[str], views: list[memoryview],
-                   move: Callable[[list[str], list[memoryview], list[int]], list[int]]) -> list[int]:
-        """Call ``move(keys, views, offsets)`` for each run of objects that fits the staging
-        buffer together (placed back to back at ``offsets``), under the lock, with the master
-        up; the per-key results in order."""
+                   move: Callable[[list[str], list[memoryview], list[int]], list[int]],
+                   direct: Callable[[list[str], list[int], list[int]], list[int]], writing: bool) -> list[int]:
+        """Under the lock, with the master up: ``direct(keys, addresses, sizes)`` when every
+        buffer lies in registered memory; else ``move(keys, views, offsets)`` for each run of
+        objects that fits the staging buffer together (placed back to back at ``offsets``).
+        The per-key results in order."""
         out: list[int] = []
         with self._lock:
             self._ensure_master()
+            addresses = self._registered(views, writing)
+            if addresses is not None:
+                self.direct_batches += 1
+                return direct(list(keys), addresses, [v.nbytes for v in views])
             for a, b in self._groups(views):
                 group = views[a:b]
                 offs = list(itertools.accumulate((v.nbytes for v in group), initial=0))[:-1]
@@ -316,11 +370,14 @@ class MooncakeStore(Store):
         def put(ks: list[str], group: list[memoryview], offs: list[int]) -> list[int]:
             for v, o in zip(group, offs):
                 self._staging[o:o + v.nbytes] = np.frombuffer(v, np.uint8)
-            rcs = self._store.batch_put_from(ks, [self._base + o for o in offs], [v.nbytes for v in group])
+            return store(ks, [self._base + o for o in offs], [v.nbytes for v in group])
+
+        def store(ks: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+            rcs = self._store.batch_put_from(ks, addresses, sizes)
             self._note(rcs)
             return [0 if rc == 0 else (rc if rc < 0 else MISSING) for rc in rcs]
 
-        return self._in_groups(keys, self._check_batch(keys, buffers, "batch_put_from"), put)
+        return self._in_groups(keys, self._check_batch(keys, buffers, "batch_put_from"), put, store, False)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         def get(ks: list[str], group: list[memoryview], offs: list[int]) -> list[int]:
@@ -331,7 +388,12 @@ class MooncakeStore(Store):
                     v[:n] = self._staging.data[o:o + n]
             return list(got)
 
-        return self._in_groups(keys, self._check_batch(keys, buffers, "batch_get_into"), get)
+        def load(ks: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+            got = self._store.batch_get_into(ks, addresses, sizes)
+            self._note(got)
+            return list(got)
+
+        return self._in_groups(keys, self._check_batch(keys, buffers, "batch_get_into"), get, load, True)
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         self._check_keys(keys, "batch_is_exist")
@@ -367,6 +429,13 @@ class MooncakeStore(Store):
         self._closed = True
         with self._lock:
             try:
-                self._store.unregister_buffer(self._base)
+                for base in [self._base, *self._regions]:
+                    self._store.unregister_buffer(base)
+                self._regions.clear()
             finally:
                 self._store.close()
+
+
+def _address(v: memoryview) -> int:
+    """Where a byte view's memory starts (read-only views too)."""
+    return int(np.frombuffer(v, np.uint8).ctypes.data) if v.nbytes else 0

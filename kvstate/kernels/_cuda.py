@@ -95,12 +95,18 @@ class CudaSwapper:
         self._threads = threading.local()  # .bound: this thread has the device's context current
 
     def bind_thread(self) -> None:
-        """Make this swapper's device current in the calling thread; call it first in any
-        thread other than the creator's (a driver's worker). Until then a fresh thread has no
-        CUDA context bound, and the runtime cannot even tell pinned host memory apart."""
+        """Bind this swapper's device's context to the calling thread once; call it first in
+        any thread other than the creator's (a driver's worker). Until then a fresh thread has
+        no CUDA context bound, and the runtime cannot even tell pinned host memory apart. The
+        thread's current device is left as it was: an engine's thread calling a backend on
+        another GPU (a step driver's) keeps computing on its own."""
         if not getattr(self._threads, "bound", False):
-            self.cp.cuda.runtime.setDevice(self.device)
-            self.cp.cuda.runtime.free(0)  # binds the device's primary context to this thread
+            runtime = self.cp.cuda.runtime
+            before = runtime.getDevice()
+            runtime.setDevice(self.device)
+            runtime.free(0)  # binds the device's primary context to this thread
+            if before != self.device:
+                runtime.setDevice(before)
             self._threads.bound = True
 
     # -- lifetime ------------------------------------------------------------------------------
