@@ -40,8 +40,9 @@ from typing import Any
 from ._errors import BlockError, ConfigError, OutOfBlocksError, ValidationError
 from ._pool import FREED, BlockPool, PoolStats
 from ._prefixcache import PrefixCachingPool
+from ._spec import CacheSpec
 from ._tables import check_layout, give, held, per_block, table
-from ._validate import MAX_BLOCKS, check_int, check_request_id, is_int
+from ._validate import MAX_BLOCKS, check_int, check_name, check_request_id, is_int
 
 __all__ = ["BlockManager", "EngineBlocks", "EnginePool", "LayerKind", "LAYER_KINDS", "table_kinds", "check_manager"]
 
@@ -102,7 +103,12 @@ class BlockManager:
                  who: str = "BlockManager", pool: BlockPool | None = None) -> None:
         """``prefix_cache``: a GPU prefix cache over the pool (:mod:`kvstate._prefixcache`);
         ``pool``: a pool of ``num_blocks`` to manage instead of a new one (a subclass's)."""
+        check_name(who, "BlockManager: who")
         check_int(num_blocks, f"{who}: num_blocks", minimum=0, maximum=MAX_BLOCKS)
+        if not isinstance(spec, CacheSpec):
+            raise ValidationError(f"{who}: spec must be a CacheSpec, got {spec!r}")
+        if pool is not None and (not isinstance(pool, BlockPool) or pool.num_blocks != num_blocks):
+            raise ValidationError(f"{who}: pool must be a BlockPool of num_blocks ({num_blocks}) blocks, got {pool!r}")
         if prefix_cache.__class__ is not bool:
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         check_layout(spec, prefix_cache, 0, who)  # the prefix cache's rule; the host tier's is its lifecycle's
@@ -271,6 +277,7 @@ class EngineBlocks(BlockManager):
     ``append_tokens`` grows it); ``returned`` says which the engine may free."""
 
     def __init__(self, spec: Any, num_blocks: int, who: str = "EngineBlocks") -> None:
+        check_name(who, "EngineBlocks: who")
         check_int(num_blocks, f"{who}: num_blocks", minimum=0, maximum=MAX_BLOCKS)
         super().__init__(spec, num_blocks, who=who, pool=EnginePool(num_blocks))
         self._lent: dict[str, list[int]] = {}

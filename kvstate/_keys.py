@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 
 from ._errors import ValidationError
-from ._validate import TOKEN_TYPECODE, check_int, is_int, pack_tokens
+from ._validate import MAX_DIM, TOKEN_TYPECODE, check_int, is_int, pack_tokens
 
 __all__ = ["block_keys", "keys_of_packed", "full_blocks", "rank_key", "KeyCache", "KEY_PREFIX_SEP"]
 
@@ -37,7 +37,7 @@ def block_keys(
     the chain, every later one). ``namespace`` (e.g. a model name) prefixes every key so
     two models sharing one pool never collide.
     """
-    check_int(block_size, "block_keys: block_size", minimum=1)
+    check_int(block_size, "block_keys: block_size", minimum=1, maximum=MAX_DIM)
     return keys_of_packed(pack_tokens(token_ids), block_size, extra_keys, namespace)
 
 
@@ -64,7 +64,7 @@ class KeyCache:
     __slots__ = ("hits", "misses", "reused", "size", "_last", "_heads")
 
     def __init__(self, size: int = 64) -> None:
-        check_int(size, "KeyCache: size", minimum=1)
+        check_int(size, "KeyCache: size", minimum=1, maximum=1 << 20)
         self.hits = 0  #: prompts answered whole
         self.misses = 0  #: prompts hashed
         self.reused = 0  #: full blocks whose keys a hashed prompt took from a recent one
@@ -202,7 +202,7 @@ def rank_key(key: str, kind: str, rank: int, group: int | None = None) -> str:
     group ``rank`` (a rank's own, by default); ``group``: which layer group, when a block is
     stored in several (``CacheSpec.layer_groups``)."""
     if key.__class__ is not str or not key or kind.__class__ is not str or not kind or not is_int(rank) \
-            or rank < 0 or group is not None and (not is_int(group) or group < 0):
-        raise ValidationError(f"rank_key: key and kind must be non-empty str, rank and group ints >= 0; got "
-                              f"{key!r}, {kind!r}, {rank!r}, {group!r}")
+            or not 0 <= rank <= MAX_DIM or group is not None and (not is_int(group) or not 0 <= group <= MAX_DIM):
+        raise ValidationError(f"rank_key: key and kind must be non-empty str, rank and group ints in "
+                              f"0..{MAX_DIM}; got {key!r}, {kind!r}, {rank!r}, {group!r}")
     return f"{key}_{kind}_{rank}" if group is None else f"{key}_{kind}_{rank}_g{group}"

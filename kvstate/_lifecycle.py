@@ -46,7 +46,7 @@ from ._spec import CacheSpec
 from ._statepages import StatePages, usable_count
 from ._tables import check_layout, cut, pinned, rows
 from ._timers import FENCE, TRANSFER, WAIT, Timers
-from ._validate import check_int, check_request_id, check_tokens, is_int, read_clock
+from ._validate import MAX_BLOCKS, check_int, check_request_id, check_tokens, is_int, read_clock
 
 __all__ = ["Lifecycle", "TransferView", "LANDING"]
 
@@ -78,8 +78,13 @@ class Lifecycle(Generic[R]):
         ``blocks``: the block manager to decide with (:mod:`kvstate._blocks`: an
         :class:`~kvstate._blocks.EngineBlocks` over an engine's own blocks), of ``spec`` and
         ``num_blocks``; by default one owning a pool of ``num_blocks``."""
-        check_int(host_blocks, "host_blocks", minimum=0)
-        check_int(num_states, "num_states", minimum=0)
+        if not hasattr(self, "DEFINITION"):
+            raise ValidationError("Lifecycle is the base of PrefillLifecycle and DecodeLifecycle: build one of those")
+        check_int(host_blocks, "host_blocks", minimum=0, maximum=MAX_BLOCKS)
+        check_int(num_states, "num_states", minimum=0, maximum=MAX_BLOCKS)
+        if not (isinstance(machine_cls, type) and callable(getattr(machine_cls, "fire", None))):
+            raise ValidationError(f"machine_cls must be a machine class (CompiledMachine, StockMachine), got "
+                                  f"{machine_cls!r}")
         if prefix_cache.__class__ is not bool:
             raise ValidationError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(spec, CacheSpec):

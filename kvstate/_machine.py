@@ -24,7 +24,7 @@ from typing import Any
 
 from transitions import Machine
 
-from ._errors import InvalidTransitionError
+from ._errors import ConfigError, InvalidTransitionError
 
 __all__ = ["MachineDef", "CompiledMachine", "StockMachine", "stock_machine", "mermaid"]
 
@@ -40,6 +40,34 @@ class MachineDef:
     initial: str
     terminal: tuple[str, ...]
     transitions: tuple[Mapping[str, Any], ...]
+
+    def __post_init__(self) -> None:
+        """A table that names its states and whose rows go between them: what ``transitions``
+        would otherwise find only when the first request fires a bad row."""
+        who = f"MachineDef {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"MachineDef: name must be a non-empty str, got {self.name!r}")
+        for field_name in ("states", "terminal", "transitions"):
+            if not isinstance(getattr(self, field_name), tuple):
+                raise ConfigError(f"{who}: {field_name} must be a tuple")
+        if not self.states or not all(isinstance(x, str) and x for x in self.states) or \
+                len(set(self.states)) != len(self.states):
+            raise ConfigError(f"{who}: states must be distinct non-empty strs, got {self.states!r}")
+        known = set(self.states)
+        ends = (self.initial, *self.terminal)
+        if not all(isinstance(x, str) and x in known for x in ends):
+            raise ConfigError(f"{who}: initial {self.initial!r} and terminal {self.terminal!r} must be its states")
+        self._check_rows(who, known)
+
+    def _check_rows(self, who: str, known: set[str]) -> None:
+        for row in self.transitions:
+            if not isinstance(row, Mapping) or not isinstance(row.get("trigger"), str) or \
+                    not isinstance(row.get("dest"), str) or row["dest"] not in known:
+                raise ConfigError(f"{who}: a transition must map trigger to a str and dest to a state, got {row!r}")
+            src = row.get("source")
+            sources = [src] if isinstance(src, str) else src if isinstance(src, (list, tuple)) else [None]
+            if not all(isinstance(x, str) and x in known for x in sources):
+                raise ConfigError(f"{who}: transition {row.get('trigger')!r} starts from unknown states {src!r}")
 
     @property
     def live(self) -> tuple[str, ...]:

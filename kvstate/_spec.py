@@ -374,6 +374,8 @@ def check_pair(p: CacheSpec, d: CacheSpec) -> None:
 
 def paired(p: CacheSpec, d: CacheSpec) -> tuple[CacheSpec, CacheSpec]:
     """P's and D's specs storing the largest head groups both can split into, checked as a pair."""
+    if not isinstance(p, CacheSpec) or not isinstance(d, CacheSpec):
+        raise ValidationError(f"paired: P's and D's specs must be CacheSpecs, got {p!r} and {d!r}")
     heads = gcd(p.kv_heads, d.kv_heads)
     p2, d2 = replace(p, store_heads=heads), replace(d, store_heads=heads)
     check_pair(p2, d2)

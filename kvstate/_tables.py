@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
-from ._errors import ConfigError
+from ._errors import ConfigError, ValidationError
 from ._pool import FREED
+from ._validate import is_int
 
 __all__ = ["per_block", "page_layers", "table_of_layer", "slot_of_layer", "rows", "cut",
            "held", "give", "check_layout", "pinned", "table"]
@@ -51,7 +52,7 @@ def page_layers(spec: Any) -> int:
 
 def table_of_layer(spec: Any) -> tuple[int, ...]:
     """For each paged layer (of ``spec.paged()``'s numbering), the table holding its blocks."""
-    paged = spec.paged()
+    paged = _paged(spec, "table_of_layer")
     if not paged.group_tables:
         return (0,) * paged.layers
     out = [0] * paged.layers
@@ -64,7 +65,7 @@ def table_of_layer(spec: Any) -> tuple[int, ...]:
 def slot_of_layer(spec: Any) -> tuple[int, ...]:
     """For each paged layer, its slot in a pool block: its place in its group (with group
     tables), else the layer itself."""
-    paged = spec.paged()
+    paged = _paged(spec, "slot_of_layer")
     if not paged.group_tables:
         return tuple(range(paged.layers))
     out = [0] * paged.layers
@@ -74,9 +75,29 @@ def slot_of_layer(spec: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _paged(spec: Any, who: str) -> Any:
+    """The paged part of a cache spec (anything else refused)."""
+    if not callable(getattr(spec, "paged", None)) or not hasattr(spec, "group_tables"):
+        raise ValidationError(f"{who}: spec must be a CacheSpec, got {spec!r}")
+    return spec.paged()
+
+
+def _ids(ids: Any, who: str) -> None:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or \
+            not all(is_int(b) and (b >= 0 or b == FREED) for b in ids):
+        raise ValidationError(f"{who}: block ids must be a sequence of ints >= 0 (or FREED), got {ids!r}")
+
+
 def rows(block_ids: Sequence[int], tables: Sequence[Sequence[int]] = ()) -> list[Any]:
     """Logical blocks as a backend's test helpers take them: the block ids themselves (one
     table), or per logical block the tuple of its blocks, table by table."""
+    _ids(block_ids, "rows")
+    if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence):
+        raise ValidationError(f"rows: tables must be a sequence of block tables, got {tables!r}")
+    for t in tables:
+        _ids(t, "rows: a table's")
+        if len(t) != len(block_ids):
+            raise ValidationError(f"rows: every table must hold {len(block_ids)} blocks, got {len(t)}")
     if not tables:
         return list(block_ids)
     return [tuple(t) for t in zip(block_ids, *tables, strict=True)]

@@ -42,6 +42,28 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
     return int(value)
 
 
+def is_real(x: Any) -> bool:
+    """A finite int or float (numpy's too); never a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) or \
+        (is_int(x) or getattr(getattr(x, "dtype", None), "kind", None) == "f" and getattr(x, "ndim", None) == 0
+         and math.isfinite(float(x)))
+
+
+def check_name(value: Any, name: str, error: type[KVStateError] = ValidationError) -> str:
+    """A label (a non-empty str of at most 200 characters, no NUL), else ``error``."""
+    if not isinstance(value, str) or not value or len(value) > 200 or "\0" in value:
+        raise error(f"{name} must be a non-empty str (a label), got {value!r}")
+    return value
+
+
+def check_callable(value: Any, name: str, optional: bool = False,
+                   error: type[KVStateError] = ValidationError) -> None:
+    """A callable (or None where ``optional``), else ``error``: refused where it is handed over,
+    not where it is first called."""
+    if not (callable(value) or (optional and value is None)):
+        raise error(f"{name} must be callable{' or None' if optional else ''}, got {value!r}")
+
+
 def read_clock(clock: Callable[[], float]) -> float:
     """The clock's reading, refused unless a finite number: a NaN deadline would never fire."""
     t = clock()

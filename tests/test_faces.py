@@ -16,9 +16,9 @@ FACES = {
         "UnknownRequestError", "ValidationError", "__version__", "block_keys", "commands", "events", "paired",
         "rank_key", "rows", "slot_of_layer", "table_of_layer"],
     "kvstate.backends": [
-        "ArenaStore", "CommandRunner", "CudaBackend", "Driver", "FileStore", "Guard", "MISSING", "MemoryStore",
+        "ArenaStore", "CudaBackend", "Driver", "FileStore", "Guard", "MISSING", "MemoryStore",
         "MooncakeConfig", "MooncakeMaster", "MooncakeStore", "ReferenceBackend", "StepDriver", "Store",
-        "StoreBackend", "ThreadedDriver", "TransferBackend", "check_fence", "execute", "leading"],
+        "StoreBackend", "ThreadedDriver", "TransferBackend", "check_fence"],
     "kvstate.distributed": ["ChildProcess", "Link", "ProcessDriver", "RankDown", "RankUp", "RankWorker",
                             "SharedCaches", "WorkerConfig", "die_with_parent", "parent_alive", "share_caches"],
     "kvstate.sim": [

@@ -47,8 +47,8 @@ def test_a_key_cache_keeps_a_prompt_hashed_again_without_evicting_another():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: block_keys([1, 2], 0), r"^block_keys: block_size must be an int > 0, got 0$"),
-    (lambda: KeyCache(0), r"^KeyCache: size must be an int > 0, got 0$"),
+    (lambda: block_keys([1, 2], 0), r"^block_keys: block_size must be an int > 0 and <= 1048576, got 0$"),
+    (lambda: KeyCache(0), r"^KeyCache: size must be an int > 0 and <= 1048576, got 0$"),
     (lambda: block_keys([1, 2], 4, extra_keys=["x"]), r"^block_keys: extra_keys must map block indices"),
     (lambda: block_keys(list(range(8)), 4, extra_keys={2: ["x"]}), r"block 2, outside 0\.\.1$"),
     (lambda: rank_key("k", "", 0), r"^rank_key: key and kind must be non-empty str"),

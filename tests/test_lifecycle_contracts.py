@@ -29,7 +29,7 @@ LIFECYCLES = (PrefillLifecycle, DecodeLifecycle)
 
 @pytest.mark.parametrize("cls", LIFECYCLES)
 @pytest.mark.parametrize("kwargs, message", [
-    ({"host_blocks": -1}, r"^host_blocks must be an int >= 0, got -1$"),
+    ({"host_blocks": -1}, r"^host_blocks must be an int >= 0 and <= 2147483648, got -1$"),
     ({"spec": "x"}, r"^spec must be a CacheSpec, got str$"),
     ({"policy": 1}, r"^policy must be a Policy, got int$"),
     ({"clock": 5}, r"^clock must be callable$"),

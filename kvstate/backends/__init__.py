@@ -8,17 +8,16 @@ drive (CuPy, Mooncake) are optional, and importing this face costs none of them.
 from typing import Any
 
 from ._arena import ArenaStore
-from ._base import MISSING, Guard, Store, TransferBackend, check_fence, leading
+from ._base import MISSING, Guard, Store, TransferBackend, check_fence
 from ._drivers import Driver, StepDriver, ThreadedDriver
 from ._filestore import FileStore
 from ._objects import StoreBackend
 from ._reference import ReferenceBackend
-from ._runner import CommandRunner, execute
 from ._stores import MemoryStore
 
 __all__ = ["Store", "MemoryStore", "FileStore", "ArenaStore", "MISSING", "TransferBackend", "StoreBackend",
            "ReferenceBackend", "CudaBackend", "MooncakeStore", "MooncakeConfig", "MooncakeMaster", "Guard",
-           "check_fence", "leading", "Driver", "StepDriver", "ThreadedDriver", "CommandRunner", "execute"]
+           "check_fence", "Driver", "StepDriver", "ThreadedDriver"]
 
 #: names imported on first use, and the module that holds each
 _ON_DEMAND = {"CudaBackend": "._cuda", "MooncakeStore": "._mooncake", "MooncakeConfig": "._mooncake",

@@ -184,7 +184,9 @@ class ArenaStore(Store):
 
     def __init__(self, path: str | os.PathLike[str], *, owner: bool = False, slot_bytes: int | None = None,
                  tag: str | None = None, verify: bool = True) -> None:
-        self.path, self.owner, self.verify = str(path), owner, bool(verify)
+        if owner.__class__ is not bool or verify.__class__ is not bool:
+            raise ConfigError(f"ArenaStore: owner and verify must be bools, got {owner!r} and {verify!r}")
+        self.path, self.owner, self.verify = str(path), owner, verify
         try:
             self._fd = os.open(self.path, os.O_RDWR)
         except OSError as e:

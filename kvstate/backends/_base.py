@@ -28,6 +28,7 @@ import xxhash
 
 from .._errors import FenceError, ValidationError
 from .._spec import CacheSpec
+from .._validate import is_int
 
 __all__ = ["Store", "TransferBackend", "Guard", "check_fence", "check_batch", "leading", "check_caches",
            "check_keys", "check_verify", "as_bytes_view", "MISSING", "TOO_LARGE", "MAX_KEY_LEN"]
@@ -52,8 +53,21 @@ def leading(flags: Iterable[bool]) -> int:
     return n
 
 
+def check_backend(backend: Any, who: str) -> None:
+    """A transfer backend (``query``, ``write`` and ``read``, as :class:`TransferBackend` has)."""
+    if not all(callable(getattr(backend, m, None)) for m in ("query", "write", "read")):
+        raise ValidationError(f"{who}: backend must be a transfer backend (query, write, read), got {backend!r}")
+
+
 def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[int]) -> None:
     """Raise :class:`FenceError` when ``guard`` says the blocks may no longer be touched."""
+    if guard is not None and not callable(guard):
+        raise ValidationError(f"check_fence: guard must be callable or None, got {guard!r}")
+    if not is_int(rank) or not 0 <= rank < 1 << 20 or not isinstance(what, str) or \
+            not isinstance(block_ids, (Sequence, np.ndarray)) or isinstance(block_ids, (str, bytes)) or \
+            not all(map(is_int, block_ids)):
+        raise ValidationError(f"check_fence: rank must be an int >= 0, what a str and block_ids a sequence of "
+                              f"ints; got {rank!r}, {what!r}, {block_ids!r}")
     if guard is not None and not guard():
         raise FenceError(f"rank {rank}: the command's fence passed before it could {what} "
                          f"blocks {list(block_ids)}: none touched")

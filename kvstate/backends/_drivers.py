@@ -29,9 +29,9 @@ from typing import Any, Protocol, cast, runtime_checkable
 from .. import commands as C
 from .._errors import DriverError, ValidationError
 from .._timeline import Timeline
-from .._validate import check_int, is_int
+from .._validate import check_callable, check_int, check_name, is_int
 from ..events import Completion
-from ._base import TransferBackend
+from ._base import TransferBackend, check_backend
 from ._gate import LayerArrivals
 from ._runner import CommandRunner, execute
 
@@ -87,6 +87,12 @@ class StepDriver(Driver):
 
     def __init__(self, lifecycle: Any, backend: TransferBackend | None = None,
                  on_notice: Callable[[C.Command], None] | None = None) -> None:
+        if not all(callable(getattr(lifecycle, m, None)) for m in ("poll_commands", "complete")):
+            raise ValidationError(f"StepDriver: lifecycle must be a lifecycle (poll_commands, complete), got "
+                                  f"{lifecycle!r}")
+        if backend is not None:
+            check_backend(backend, "StepDriver")
+        check_callable(on_notice, "StepDriver: on_notice", optional=True)
         self.lifecycle = lifecycle
         self.backend = backend
         self.on_notice = on_notice
@@ -215,6 +221,10 @@ class StepDriver(Driver):
 _STOP = object()  #: a worker thread ends when it takes this
 
 
+#: transfer threads a ThreadedDriver may start (each holds a stack; ranks in flight rarely pass 64)
+MAX_WORKERS = 1024
+
+
 class ThreadedDriver(Driver):
     """Runs transfer commands on ``workers`` threads; the engine polls the completions.
 
@@ -235,7 +245,9 @@ class ThreadedDriver(Driver):
         """``timeline``: record each command's part on each rank, from submission to answer, under
         the instance ``name`` (the engine adds its requests' states: ``timeline.states(name, lc)``
         once a loop turn)."""
-        check_int(workers, "ThreadedDriver: workers", minimum=1)
+        check_backend(backend, "ThreadedDriver")
+        check_name(name, "ThreadedDriver: name")
+        check_int(workers, "ThreadedDriver: workers", minimum=1, maximum=MAX_WORKERS)
         if not callable(clock):
             raise ValidationError("ThreadedDriver: clock must be callable (the lifecycle's clock)")
         if timeline is not None and not isinstance(timeline, Timeline):

@@ -51,9 +51,9 @@ class FileStore(Store):
             raise ValidationError(f"FileStore: directory must be a path, got {directory!r}")
         self.verify = check_verify(verify, "FileStore")
         io_threads = default_threads() if io_threads is None else io_threads
-        check_int(io_threads, "FileStore: io_threads", minimum=1)
+        check_int(io_threads, "FileStore: io_threads", minimum=1, maximum=256)
         if capacity_bytes is not None:
-            check_int(capacity_bytes, "FileStore: capacity_bytes", minimum=1)
+            check_int(capacity_bytes, "FileStore: capacity_bytes", minimum=1, maximum=1 << 60)
         self._threads = io_threads
         self._pool: ThreadPoolExecutor | None = None
         self.capacity_bytes = capacity_bytes

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import ConfigError, StoreError, ValidationError
+from .._validate import is_int, is_real
 from ._base import MISSING, Store, check_batch, check_keys, check_verify
 
 __all__ = ["MooncakeConfig", "MooncakeStore", "load_mooncake", "probe", "host_port", "INSTALL_HINT"]
@@ -141,9 +142,17 @@ class MooncakeConfig:
     staging_bytes: int = 64 << 20
     connect_timeout: float = 5.0
 
+    def __post_init__(self) -> None:
+        self.validate()  # a config that exists is valid
+
     def validate(self) -> None:
+        for name in ("master", "metadata", "protocol", "local_hostname", "device_name"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or "\0" in v or (not v and name != "device_name"):
+                raise ConfigError(f"MooncakeConfig.{name} must be a{'' if name == 'device_name' else ' non-empty'} "
+                                  f"str, got {v!r}")
         host_port(self.master, "master")
-        if not str(self.metadata).startswith(("http://", "etcd://", "P2PHANDSHAKE")):
+        if not self.metadata.startswith(("http://", "etcd://", "P2PHANDSHAKE")):
             raise ConfigError(f"metadata must be an http:// URL (e.g. http://127.0.0.1:8080/metadata), "
                               f"got {self.metadata!r}")
         if self.protocol not in ("tcp", "rdma"):
@@ -154,13 +163,13 @@ class MooncakeConfig:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         for name in ("global_segment_size", "local_buffer_size", "staging_bytes"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ConfigError(f"{name} must be an int > 0, got {v!r}")
             if v > total:
                 raise ConfigError(f"{name} = {v} bytes is larger than this machine's memory ({total} bytes): "
                                   "choose a smaller segment")
-        if self.connect_timeout <= 0:
-            raise ConfigError("connect_timeout must be > 0")
+        if not is_real(self.connect_timeout) or not 0 < self.connect_timeout <= 3600:
+            raise ConfigError(f"connect_timeout must be seconds in (0, 3600], got {self.connect_timeout!r}")
 
 
 def probe(cfg: MooncakeConfig) -> None:

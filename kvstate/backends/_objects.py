@@ -29,7 +29,7 @@ from .._errors import ValidationError
 from .._pool import FREED
 from .._spec import CacheSpec
 from .._tables import check_layout, per_block, table_of_layer
-from .._validate import check_int, is_int
+from .._validate import MAX_BLOCKS, check_int, is_int
 from ._base import Guard, Store, TransferBackend, as_bytes_view, leading
 from ._integrity import Hasher
 from ._manifested import MANIFEST_KIND, BlockObjects
@@ -52,10 +52,10 @@ class StoreBackend(TransferBackend):
         if not isinstance(spec, CacheSpec):
             raise ValidationError(f"{name}: spec must be a CacheSpec")
         spec.check_moved(name)
-        check_int(host_blocks, f"{name}: host_blocks", minimum=0)
+        check_int(host_blocks, f"{name}: host_blocks", minimum=0, maximum=MAX_BLOCKS)
         check_layout(spec, False, host_blocks, name)
-        if not is_int(num_blocks) or num_blocks <= 0:
-            raise ValidationError(f"{name}: num_blocks must be an int > 0, got {num_blocks!r}")
+        if not is_int(num_blocks) or not 0 < num_blocks <= MAX_BLOCKS:
+            raise ValidationError(f"{name}: num_blocks must be an int in 1..{MAX_BLOCKS}, got {num_blocks!r}")
         if not isinstance(store, Store):
             raise ValidationError(f"{name}: store must be a kvstate Store")
         self.spec, self.num_blocks, self.store = spec, num_blocks, store

@@ -25,8 +25,9 @@ from typing import Any
 
 from .. import commands as C
 from .._errors import KVStateError, ValidationError
+from .._validate import check_callable
 from ..events import Completion
-from ._base import TransferBackend
+from ._base import TransferBackend, check_backend
 from ._gate import LayerArrivals, LayerGate
 
 __all__ = ["CommandRunner", "execute"]
@@ -175,6 +176,9 @@ class CommandRunner:
 
     def __init__(self, backend: TransferBackend, clock: Callable[[], float] = time.monotonic,
                  on_arrived: Callable[[int, int, int, Any], None] | None = None) -> None:
+        check_backend(backend, "CommandRunner")
+        check_callable(clock, "CommandRunner: clock")
+        check_callable(on_arrived, "CommandRunner: on_arrived", optional=True)
         self.backend, self.clock = backend, clock
         self._on_arrived = on_arrived
         self._lock = threading.Lock()

@@ -53,9 +53,10 @@ class MemoryStore(Store):
         on :meth:`close`. ``verify``: blocks
         stored here carry checksummed manifests (off: a trusted pool; see
         :mod:`kvstate.backends._integrity`)."""
-        check_int(capacity_bytes, "MemoryStore: capacity_bytes", minimum=1)
+        check_int(capacity_bytes, "MemoryStore: capacity_bytes (this host's memory at most)", minimum=1,
+                  maximum=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         copy_threads = default_threads() if copy_threads is None else copy_threads
-        check_int(copy_threads, "MemoryStore: copy_threads", minimum=1)
+        check_int(copy_threads, "MemoryStore: copy_threads", minimum=1, maximum=256)
         self.verify = check_verify(verify, "MemoryStore")
         self.capacity_bytes = capacity_bytes
         self._pool = ThreadPoolExecutor(copy_threads, "kvstate-memorystore") if copy_threads > 1 else None

@@ -24,6 +24,7 @@ from typing import Any
 from .._dtypes import as_16bit_ints, is_bfloat16
 from .._errors import ConfigError
 from .._spec import CacheSpec
+from .._validate import check_int, is_int
 from ..kernels._cuda_launch import load_cupy
 
 __all__ = ["share_caches", "open_caches"]
@@ -61,6 +62,14 @@ def share_caches(caches: Mapping[int, Mapping[str, Sequence[Any]]], device: int 
     """The IPC description of ``caches[rank][kind]`` = per-layer GPU tensors (and, for a spec
     with state groups, ``states[rank]`` = the rank's ``[num_states, state bytes]`` uint8 pages):
     what a rank worker's ``caches`` configuration is (``{"kind": "cuda-ipc", ...}``)."""
+    if not isinstance(caches, Mapping) or not all(
+            is_int(r) and isinstance(by_kind, Mapping) and all(isinstance(k, str) and isinstance(layers, Sequence)
+                                                              for k, layers in by_kind.items())
+            for r, by_kind in caches.items()):
+        raise ConfigError("share_caches: caches must map each rank (an int) to {kind: [per-layer tensors]}")
+    check_int(device, "share_caches: device", minimum=0, maximum=1023, error=ConfigError)
+    if states is not None and (not isinstance(states, Mapping) or not all(is_int(r) for r in states)):
+        raise ConfigError("share_caches: states must map each rank (an int) to its state pages, or be None")
     cp = load_cupy()
     handles: dict[int, str] = {}  # allocation base -> its IPC handle (hex), one per allocation
     out: dict[str, dict[str, list[list[Any]]]] = {}

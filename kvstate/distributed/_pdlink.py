@@ -24,6 +24,7 @@ import msgpack
 import zmq
 
 from .._errors import ConfigError, KVStateError, ProtocolError
+from .._validate import check_int
 from . import _wire as wire
 
 __all__ = ["Link", "SCHEMAS", "Schema"]
@@ -42,6 +43,11 @@ class Link:
     """This process's mailbox (bound at ``address``) and its sends to named peers."""
 
     def __init__(self, address: str, schemas: Mapping[str, Schema] | None = None, hwm: int = 10_000) -> None:
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"Link: address must be a tcp://, ipc:// or inproc:// address, got {address!r}")
+        if schemas is not None and not isinstance(schemas, Mapping):
+            raise ConfigError(f"Link: schemas must map message kinds to their schemas, got {schemas!r}")
+        check_int(hwm, "Link: hwm", minimum=1, maximum=1 << 20, error=ConfigError)
         self.schemas = dict(SCHEMAS)
         self.schemas.update(schemas or {})
         self.counters = {"received": 0, "sent": 0, "bad_messages": 0, "dropped": 0}

@@ -48,7 +48,7 @@ import zmq
 from .. import commands as C
 from .._errors import ConfigError, DriverError, KVStateError, ProtocolError
 from .._spec import CacheSpec
-from .._validate import check_int
+from .._validate import MAX_BLOCKS, check_int, check_name
 from ..backends._drivers import Driver, check_commands, check_timeout
 from ..backends._gate import LayerArrivals
 from ..events import Completion
@@ -76,8 +76,11 @@ class ProcessDriver(Driver):
                  spin_us: float = 200.0, name: str = "kvstate", num_states: int = 0) -> None:
         if not isinstance(spec, CacheSpec):
             raise ConfigError("ProcessDriver: spec must be a CacheSpec")
-        check_int(num_blocks, "ProcessDriver: num_blocks", minimum=1, error=ConfigError)
-        check_int(num_states, "ProcessDriver: num_states", minimum=0, error=ConfigError)
+        check_int(num_blocks, "ProcessDriver: num_blocks", minimum=1, maximum=MAX_BLOCKS, error=ConfigError)
+        check_int(num_states, "ProcessDriver: num_states", minimum=0, maximum=MAX_BLOCKS, error=ConfigError)
+        check_name(name, "ProcessDriver: name", error=ConfigError)
+        if restart.__class__ is not bool:
+            raise ConfigError(f"ProcessDriver: restart must be a bool, got {restart!r}")
         spec.check_num_states("ProcessDriver", num_states)  # the workers' state pages
         self.num_states = num_states  #: state pages a rank (state groups): every worker's must match
         for what, v in (("heartbeat_s", heartbeat_s), ("dead_after_s", dead_after_s),

@@ -44,7 +44,7 @@ import zmq
 from .. import commands as C
 from .._errors import ConfigError, KVStateError, ProtocolError
 from .._spec import CacheSpec
-from .._validate import check_int
+from .._validate import MAX_BLOCKS, check_int, is_real
 from ..backends._base import Store, TransferBackend
 from ..backends._runner import CommandRunner
 from ..kernels._cuda_launch import wait_event
@@ -90,6 +90,9 @@ class WorkerConfig:
     #: driver starts gets it from ``KVSTATE_WORKER_SECRET`` instead, never on its command line
     secret: str = ""
 
+    def __post_init__(self) -> None:
+        self.validate()  # a config that exists is valid: refused where it is made, not in the worker
+
     def validate(self) -> CacheSpec:
         """Check every field; returns the cache spec it describes."""
         if not isinstance(self.spec, dict):
@@ -101,16 +104,17 @@ class WorkerConfig:
         check_int(self.rank, "WorkerConfig.rank", minimum=0, error=ConfigError)
         if self.rank >= spec.tp_size:
             raise ConfigError(f"WorkerConfig.rank {self.rank} is outside the spec's {spec.tp_size} TP ranks")
-        for name, low in (("num_blocks", 1), ("host_blocks", 0), ("num_states", 0), ("lanes", 1), ("device", 0),
-                          ("parent_pid", 0)):
-            check_int(getattr(self, name), f"WorkerConfig.{name}", minimum=low, error=ConfigError)
+        for name, low, high in (("num_blocks", 1, MAX_BLOCKS), ("host_blocks", 0, MAX_BLOCKS),
+                                ("num_states", 0, MAX_BLOCKS), ("lanes", 1, 256), ("device", 0, 1023),
+                                ("parent_pid", 0, 2**31 - 1)):
+            check_int(getattr(self, name), f"WorkerConfig.{name}", minimum=low, maximum=high, error=ConfigError)
         for name in ("command_address", "reply_address", "control_address"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ConfigError(f"WorkerConfig.{name} must be a tcp://, ipc:// or inproc:// address, got {v!r}")
         if not isinstance(self.secret, str):
             raise ConfigError("WorkerConfig.secret must be a str (the driver's per-start secret)")
-        if not isinstance(self.heartbeat_s, (int, float)) or not 0 < self.heartbeat_s <= 60:
+        if not is_real(self.heartbeat_s) or not 0 < self.heartbeat_s <= 60:
             raise ConfigError(f"WorkerConfig.heartbeat_s must be in (0, 60], got {self.heartbeat_s!r}")
         if self.backend not in ("reference", "cuda"):
             raise ConfigError(f"WorkerConfig.backend must be 'reference' or 'cuda', got {self.backend!r}")

@@ -25,7 +25,7 @@ import numpy as np
 
 from .._errors import ConfigError, ValidationError
 from .._spec import CacheSpec
-from .._validate import check_int
+from .._validate import MAX_BLOCKS, check_int, is_int
 from ..backends._hostfiles import remove_orphans, shm_directory
 
 __all__ = ["SharedCaches", "cache_layout", "shm_directory"]
@@ -55,9 +55,13 @@ class SharedCaches:
                  num_states: int = 0) -> None:
         if not isinstance(spec, CacheSpec):
             raise ValidationError("SharedCaches: spec must be a CacheSpec")
-        check_int(num_blocks, "SharedCaches: num_blocks", minimum=1)
+        check_int(num_blocks, "SharedCaches: num_blocks", minimum=1, maximum=MAX_BLOCKS)
         check_int(num_states, "SharedCaches: num_states", minimum=0)
         spec.check_num_states("SharedCaches", num_states, ValidationError)
+        if not isinstance(paths, Mapping) or not all(is_int(r) and isinstance(p, str) and p for r, p in paths.items()):
+            raise ValidationError(f"SharedCaches: paths must map each rank (an int) to its file, got {paths!r}")
+        if owner.__class__ is not bool:
+            raise ValidationError(f"SharedCaches: owner must be a bool, got {owner!r}")
         self.spec, self.num_blocks, self.num_states, self.owner = spec, num_blocks, num_states, owner
         self.paths: dict[int, str] = dict(paths)  #: rank -> file: the handle a worker attaches with
         self._maps: list[mmap.mmap] = []
@@ -78,7 +82,7 @@ class SharedCaches:
         (``num_states``: state pages a rank, for a spec with state groups)."""
         if not isinstance(spec, CacheSpec):
             raise ValidationError("SharedCaches: spec must be a CacheSpec")
-        check_int(num_blocks, "SharedCaches: num_blocks", minimum=1)
+        check_int(num_blocks, "SharedCaches: num_blocks", minimum=1, maximum=MAX_BLOCKS)
         check_int(num_states, "SharedCaches: num_states", minimum=0)
         spec.check_num_states("SharedCaches", num_states, ValidationError)  # refused before any file is made
         ranks = list(range(spec.tp_size)) if ranks is None else list(ranks)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import ConfigError, DriverError
+from .._validate import check_int, check_name
 from ..backends._hostfiles import pid_alive, remove_orphans
 
 __all__ = ["ChildProcess", "die_with_parent", "parent_alive", "pid_alive", "remove_orphans"]
@@ -54,6 +55,7 @@ def die_with_parent(parent_pid: int) -> None:
 def parent_alive(parent_pid: int) -> bool:
     """Whether this process's parent is still ``parent_pid`` (a dead parent's children are
     re-parented, so the pid changes)."""
+    check_int(parent_pid, "parent_alive: parent_pid", minimum=0, maximum=2**31 - 1)
     return os.getppid() == parent_pid
 
 
@@ -64,7 +66,20 @@ class ChildProcess:
                  quiet: bool = False, log_path: str | os.PathLike[str] | None = None) -> None:
         """``log_path``: a file the child's stdout and stderr are appended to (its libraries'
         logs too: Mooncake's clients log every retry); else they are this process's, or with
-        ``quiet`` only stderr is."""
+        ``quiet`` only stderr is. Everything is checked before the child starts."""
+        check_name(name, "ChildProcess: name", error=ConfigError)
+        if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
+            raise ConfigError(f"{name}: module must be a dotted module name, got {module!r}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence) or \
+                not all(isinstance(a, str) and "\0" not in a for a in args):
+            raise ConfigError(f"{name}: args must be a sequence of str, got {args!r}")
+        if env is not None and (not isinstance(env, dict) or
+                                not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise ConfigError(f"{name}: env must be a dict of str to str, or None")
+        if quiet.__class__ is not bool:
+            raise ConfigError(f"{name}: quiet must be a bool, got {quiet!r}")
+        if log_path is not None and not isinstance(log_path, (str, os.PathLike)):
+            raise ConfigError(f"{name}: log_path must be a path or None, got {log_path!r}")
         self.name = name
         with contextlib.ExitStack() as files:
             out: Any = subprocess.DEVNULL if quiet else None

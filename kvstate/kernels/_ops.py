@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .._errors import ValidationError
 from . import _reference as reference
 from ._plan import TransferPlan
 
@@ -35,6 +36,8 @@ def _gpu_device(x: Any) -> int | None:
 
 def _dispatch(op: str, gpu_side: Any, args: tuple, swapper: Any) -> TransferPlan:
     """Run ``op`` on ``swapper``, on a transient swapper for GPU tensors, or in numpy."""
+    if swapper is not None and not callable(getattr(swapper, op, None)):
+        raise ValidationError(f"{op}: swapper must be a CudaSwapper (kvstate.kernels._cuda), got {swapper!r}")
     if swapper is not None:
         return getattr(swapper, op)(*args)
     dev = _gpu_device(gpu_side)

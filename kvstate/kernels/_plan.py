@@ -117,6 +117,11 @@ def _run_bounds(breaks: np.ndarray, n: int) -> list[tuple[int, int]]:
 
 def coalesce_runs(gpu_ids: np.ndarray, host_ids: np.ndarray) -> tuple[tuple[int, int, int], ...]:
     """Group positions where both id lists advance by one into (gpu, host, length) runs."""
+    for name, ids in (("gpu_ids", gpu_ids), ("host_ids", host_ids)):
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValidationError(f"coalesce_runs: {name} must be a 1-D integer array, got {ids!r}")
+    if gpu_ids.size != host_ids.size:
+        raise ValidationError(f"coalesce_runs: {gpu_ids.size} gpu ids but {host_ids.size} host ids")
     return tuple((int(gpu_ids[s]), int(host_ids[s]), e - s)
                  for s, e in _run_bounds(_breaks(gpu_ids, host_ids), int(gpu_ids.size)))
 

@@ -23,6 +23,8 @@ _DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost (pinned host memory is CPU-addressab
 
 def as_numpy(x: Any, name: str = "array") -> np.ndarray:
     """A zero-copy numpy view of a numpy array or a CPU DLPack tensor."""
+    if not isinstance(name, str) or not name:
+        raise ValidationError(f"as_numpy: name must be a non-empty str (the array's, for errors), got {name!r}")
     if isinstance(x, np.ndarray):
         return x
     dev = getattr(x, "__dlpack_device__", None)

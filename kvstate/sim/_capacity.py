@@ -34,10 +34,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import ConfigError, KVStateError
+from .._validate import check_callable, check_int, is_real
 from ._metrics import verdict_of
 from ._ratesearch import highest_rate
 from ._run import simulate
-from ._scenario import Scenario, WorkloadSpec
+from ._scenario import Scenario, WorkloadSpec, check_scenario
 from ._scenario_io import field_names, with_overrides
 from ._sweep import run_all
 from ._workload import check_workload, offered_rate
@@ -181,6 +182,27 @@ def _jobs(base: Scenario, sweep: Mapping[str, Sequence[Any]], fixed: dict[str, A
     return jobs
 
 
+def _check_plan(base: Any, sweep: Any, rate: Any, attainment: Any, workers: Any, ray: Any, on_row: Any,
+                search_rate: Any) -> None:
+    """Every argument of :func:`plan`, before anything runs."""
+    check_scenario(base, "plan: base")
+    if not isinstance(sweep, Mapping) or not sweep or not all(
+            isinstance(k, str) and isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and v
+            for k, v in sweep.items()):
+        raise ConfigError("plan: sweep must map at least one 'section.field' to a non-empty list of values")
+    for name, v, low in (("rate", rate, 0.0), ("attainment", attainment, 0.0)):
+        if v is not None and (not is_real(v) or v <= low or (name == "attainment" and v > 1)):
+            raise ConfigError(f"plan: {name} must be a finite number > 0{' and <= 1' if name == 'attainment' else ''}"
+                              f", got {v!r}")
+    if workers is not None:
+        check_int(workers, "plan: workers", minimum=1, maximum=1024, error=ConfigError)
+    if ray is not None and (not isinstance(ray, str) or not ray):
+        raise ConfigError(f"plan: ray must be a Ray address (a non-empty str), got {ray!r}")
+    check_callable(on_row, "plan: on_row", optional=True, error=ConfigError)
+    if search_rate.__class__ is not bool:
+        raise ConfigError(f"plan: search_rate must be a bool, got {search_rate!r}")
+
+
 def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | None = None,
          attainment: float | None = None, workers: int | None = None, ray: str | None = None,
          on_row: Callable[[Row, int, int], None] | None = None, search_rate: bool = False) -> dict[str, Any]:
@@ -190,10 +212,7 @@ def plan(base: Scenario, sweep: Mapping[str, Sequence[Any]], *, rate: float | No
     order: the same wherever they ran) and ``best`` (or None). ``search_rate``: each row also
     gets the highest rate its configuration holds (``max_rate_rps``, :mod:`~kvstate.sim._ratesearch`).
     ``on_row(row, done, total)`` sees each row as it comes."""
-    if not sweep:
-        raise ConfigError("plan: give at least one field to sweep")
-    if attainment is not None and not 0 < attainment <= 1:
-        raise ConfigError(f"plan: attainment must be within (0, 1], got {attainment}")
+    _check_plan(base, sweep, rate, attainment, workers, ray, on_row, search_rate)
     fixed: dict[str, Any] = {}
     if rate is not None:
         fixed["workload.trace_rate" if base.workload.arrival == "trace" else "workload.rate"] = rate

@@ -17,6 +17,7 @@ from typing import Any
 from .. import commands as C
 from .._errors import ConfigError
 from .._spec import CacheSpec
+from .._validate import check_callable
 from ..kernels._cost import TransferCostModel
 from ._decode import DecodeInstance
 from ._instance import Instance
@@ -25,7 +26,7 @@ from ._pdmetrics import pd_sections
 from ._prefill import PrefillInstance
 from ._request import SimRequest
 from ._router import Router
-from ._scenario import Scenario
+from ._scenario import Scenario, check_scenario
 from ._services import Services
 from ._workload import arrivals
 
@@ -41,6 +42,10 @@ class Cluster:
 
     def __init__(self, scenario: Scenario, cost: TransferCostModel | None = None,
                  on_end: Callable[[int, int], None] | None = None) -> None:
+        check_scenario(scenario, "Cluster")
+        check_callable(on_end, "Cluster: on_end", optional=True, error=ConfigError)
+        if cost is not None and not callable(getattr(cost, "time", None)):
+            raise ConfigError(f"Cluster: cost must be a transfer cost model or None, got {cost!r}")
         s = self.scenario = scenario
         sv = self.sv = Services(scenario, cost)
         sv.first_token, sv.ended, sv.check_finished = self.first_token, self.ended, self.check_finished

@@ -4,13 +4,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .._errors import ConfigError
 from ._metrics import SLOS, WINDOW_LABELS
 
 __all__ = ["format_report", "to_json"]
 
 
+def _check_result(r: Any, who: str) -> None:
+    if not isinstance(r, dict) or not all(k in r for k in ("deadlock", "requests", "scenario")):
+        raise ConfigError(f"{who}: expected what simulate() returns, got {type(r).__name__}")
+
+
 def to_json(result: dict[str, Any]) -> str:
     """The ``--json`` document: every metric, wall time left out so equal seeds give equal bytes."""
+    _check_result(result, "to_json")
     return json.dumps({k: v for k, v in result.items() if k != "wall_s" and not k.startswith("_")}, sort_keys=True)
 
 
@@ -153,6 +160,7 @@ def _resources(r: dict[str, Any]) -> list[str]:
 
 def format_report(r: dict[str, Any]) -> str:
     """The human-readable report: header, latencies, rates and SLOs, resources, any deadlock."""
+    _check_result(r, "format_report")
     lines = _header(r) + _latencies(r) + _slo(r) + _resources(r)
     d = r["deadlock"]
     if d:

@@ -7,10 +7,11 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._timeline import Timeline
+from .._validate import check_callable
 from ._cluster import Cluster
 from ._colocated_cluster import ColocatedCluster
 from ._metrics import summarize
-from ._scenario import Scenario
+from ._scenario import Scenario, check_scenario
 
 __all__ = ["simulate"]
 
@@ -21,6 +22,10 @@ def simulate(s: Scenario, progress: Callable[[int, int], None] | None = None,
     ``wall_s`` (left out of ``--json``, so equal seeds give equal bytes). ``progress(done,
     total)`` is called as requests end. ``timeline`` (a PD run's) records every request's
     states, transfers and steps on the simulated clock."""
+    check_scenario(s, "simulate")
+    check_callable(progress, "simulate: progress", optional=True, error=ConfigError)
+    if timeline is not None and not isinstance(timeline, Timeline):
+        raise ConfigError(f"simulate: timeline must be a kvstate Timeline or None, got {timeline!r}")
     t = time.perf_counter()
     cl: Cluster | ColocatedCluster
     if s.cluster.mode == "colocated":

@@ -40,8 +40,8 @@ from ._tp import PROTOCOLS
 
 __all__ = ["Scenario", "Section", "setting", "type_ok", "ModelSpec", "GpuSpec", "ClusterSpec", "SchedulerSpec",
            "StorageSpec", "NetworkSpec", "TpSpec", "Policy", "WorkloadSpec", "SloSpec", "FaultSpec", "SECTIONS",
-           "MODES", "TOP_LEVEL", "doc_of", "WEIGHT_DTYPES", "WEIGHT_KINDS", "layer_groups", "MAX_REQUESTS",
-           "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS", "MAX_BATCH", "MAX_TOKENS"]
+           "MODES", "TOP_LEVEL", "doc_of", "check_scenario", "WEIGHT_DTYPES", "WEIGHT_KINDS", "layer_groups",
+           "MAX_REQUESTS", "MAX_INSTANCES", "MAX_TP", "MAX_BLOCKS", "MAX_BATCH", "MAX_TOKENS"]
 
 
 # -- sections: typed fields, checked when built ------------------------------------------------
@@ -77,9 +77,14 @@ class Section:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
-            ok, v = type_ok(f.default, v)
+            if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+                want = type(f.default_factory())
+                ok = isinstance(v, want)  # a section: of its own class
+            else:
+                want = type(f.default)
+                ok, v = type_ok(f.default, v)
             if not ok:
-                raise ConfigError(f"{f.name}: expected {type(f.default).__name__}, got {v!r}")
+                raise ConfigError(f"{f.name}: expected {want.__name__}, got {v!r}")
             object.__setattr__(self, f.name, v)
         self.check()
 
@@ -602,6 +607,7 @@ class Scenario(Section):
     def check(self) -> None:
         self.positive("time_limit_s", "sample_ms")
         self.non_negative("seed")
+        self.at_most(seed=2**63 - 1)
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"[{name}] must be a {cls.__name__}")
@@ -764,6 +770,12 @@ class Scenario(Section):
                               f"on each of {instances} instances; a run holds at most {MAX_BLOCKS:,} (set "
                               "[cluster] gpu_blocks lower)")
         return blocks
+
+
+def check_scenario(s: Any, who: str) -> None:
+    """``s`` is a :class:`Scenario` (which, existing, is valid), else a ConfigError naming ``who``."""
+    if not isinstance(s, Scenario):
+        raise ConfigError(f"{who}: expected a Scenario (kvstate.sim.load_scenario, with_overrides), got {s!r}")
 
 
 TOP_LEVEL = ("seed", "time_limit_s", "sample_ms")  #: the scenario's own fields (not sections)

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError
-from ._scenario import SECTIONS, TOP_LEVEL, Scenario, WorkloadSpec, doc_of
+from .._validate import check_name
+from ._scenario import SECTIONS, TOP_LEVEL, Scenario, WorkloadSpec, check_scenario, doc_of
 
 __all__ = ["load_scenario", "scenario_from_dict", "scenario_to_dict", "with_overrides", "to_toml",
            "field_names"]
@@ -35,6 +36,7 @@ def _known(cls: type) -> list[str]:
 
 def scenario_from_dict(data: Any, source: str = "<dict>") -> Scenario:
     """Validate a parsed TOML document (or an equivalent dict) into a :class:`Scenario`."""
+    check_name(source, "scenario_from_dict: source", error=ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a scenario is a table of sections")
     kwargs: dict[str, Any] = {}
@@ -104,6 +106,7 @@ def field_names() -> list[str]:
 
 def with_overrides(s: Scenario, overrides: dict[str, Any]) -> Scenario:
     """A copy with ``{"section.field": value}`` (or a top-level ``"seed"``...) replaced, validated again."""
+    check_scenario(s, "with_overrides")
     if not isinstance(overrides, dict):
         raise ConfigError(f"overrides must be a dict of 'section.field' -> value, got {type(overrides).__name__}")
     d = scenario_to_dict(s)
@@ -153,6 +156,9 @@ def _toml_value(v: Any) -> str:
 
 def to_toml(s: Scenario, title: str = "") -> str:
     """The whole scenario as TOML, each key under a comment saying what it is."""
+    check_scenario(s, "to_toml")
+    if not isinstance(title, str):
+        raise ConfigError(f"to_toml: title must be a str, got {title!r}")
     lines = [f"# {line}" for line in title.splitlines()] + [""] if title else []
     for f in dataclasses.fields(s):
         if f.name in TOP_LEVEL:
