@@ -68,6 +68,7 @@ def test_a_read_moves_every_checkpoint_past_its_start_and_a_whole_cache_s_end():
     assert sp.candidates(req, 0, 5, False) == ((2, 5), (4, 5))
     assert sp.candidates(req, 0, 5, True) == ((2, 5), (4, 5), (5, 5))
     assert sp.candidates(req, 1, 4, True) == ((1, 5), (3, 5))  # its end is a checkpoint: once
+    assert sp.candidates(req, 1, 5, True) == ((1, 5), (3, 5), (4, 5))  # relative to the start
     assert sp.candidates(req, 3, 3, True) == ()  # nothing read, nothing moved
 
 
@@ -118,6 +119,8 @@ def test_a_cached_prefix_starts_at_the_last_checkpoint_whose_state_is_cached():
     pool.release(page)
     req = request(30, keys=6)
     assert sp.claim_start(req, keys, blocks) == 2 and req.from_page == page[0]
+    again = request(30, keys=6)  # the page is held (by req) now, not idle: still a start
+    assert sp.claim_start(again, keys, blocks) == 2 and again.from_page == page[0]
     none = request(30, keys=6)
     assert sp.claim_start(none, ["x"] + keys[1:], blocks) == 0 and none.from_page == -1
     assert StatePages(hybrid(8), 4, "P", prefix_cache=False).claim_start(request(30), keys, blocks) == 0
