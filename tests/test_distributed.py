@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from procrig import FAST, SPEC, ProcRig, alive
 
-from kvstate import CacheSpec, ConfigError, DriverError, ProtocolError
+from kvstate import CacheSpec, ConfigError, DriverError, ProtocolError, ValidationError
 from kvstate import commands as C
 from kvstate.distributed import ProcessDriver, RankDown, RankUp, SharedCaches, WorkerConfig
 from kvstate.distributed import _wire as wire
@@ -487,3 +487,42 @@ def test_a_hello_without_the_starts_secret_is_dropped_and_counted(tmp_path):
         assert 1 not in drv.control.info()["up"]  # rank 1 has no worker: no forged one took it
         assert drv.secret not in " ".join(drv.child(0).popen.args)  # not on the worker's command line
         assert drv.control.info()["up"] == [0]  # the worker it started joined
+
+
+def test_over_tcp_the_link_is_encrypted_and_a_peer_without_the_key_is_not_heard(tmp_path):
+    """Over tcp the driver's sockets are CURVE servers under a key made for this start: its
+    worker (told the public key) joins and serves commands byte-exact, while a peer that
+    connects in the clear, even with the start's secret, completes no handshake and is never
+    heard, not even counted."""
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=1)
+    with SharedCaches.create(spec, 16) as caches, \
+            ProcessDriver(spec, 16, address="tcp://127.0.0.1", restart=False, heartbeat_s=0.1) as drv:
+        assert len(drv.curve_key) == 40 and all(a.startswith("tcp://127.0.0.1:") for a in drv.addresses)
+        cfg = drv.worker_config(0, {"kind": "file", "root": str(tmp_path)}, caches={"kind": "shm",
+                                                                                   "paths": caches.paths})
+        assert cfg.curve_key == drv.curve_key
+        drv.spawn(0, {"kind": "file", "root": str(tmp_path)}, caches={"kind": "shm", "paths": caches.paths})
+        drv.wait_ready(60)
+        caches.caches[0]["key"][0][3] = 7.0
+        with pytest.raises(ValidationError, match="names ranks"):  # a rank this driver does not have
+            drv.submit(cmd(cid=9, keys=("k",), blocks=(3,)))
+        now = time.monotonic()
+        drv.submit(C.WriteBlocks("r", 1, (0,), now + 10, ("k",), (3,), fence=now + 20))
+        (done,) = drv.poll(10)
+        assert (done.count, done.error) == (1, None)
+        drv.submit(C.ReadBlocks("r", 2, (0,), now + 10, ("k",), (9,), fence=now + 20))
+        (read,) = drv.poll(10)
+        assert read.count == 1 and np.all(caches.caches[0]["key"][0][9] == 7.0)
+        clear = zmq.Context.instance().socket(zmq.PUSH)
+        clear.setsockopt(zmq.LINGER, 0)
+        clear.connect(drv.addresses[2])
+        try:
+            for secret in ("0" * 32, drv.secret):  # in the clear, a wrong one would be counted
+                clear.send(wire.pack(wire.HELLO, 0, 77, 4242, 1, wire.geometry(spec, 16), 1, secret), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no handshake, no peer to queue for: what a clear peer gets
+        finally:
+            clear.close()
+        time.sleep(1.0)
+        assert drv.counters["unauthenticated_hellos"] == 0 and drv.counters["foreign_hellos"] == 0
+        assert drv.counters["bad_messages"] == 0 and drv.control.info()["up"] == [0]  # its worker, untouched

@@ -46,7 +46,7 @@ from typing import Any, cast
 import zmq
 
 from .. import commands as C
-from .._errors import ConfigError, DriverError, KVStateError, ProtocolError
+from .._errors import ConfigError, DriverError, KVStateError, ProtocolError, ValidationError
 from .._spec import CacheSpec
 from .._validate import MAX_BLOCKS, check_int, check_name
 from ..backends._drivers import Driver, check_commands, check_timeout
@@ -137,13 +137,21 @@ class ProcessDriver(Driver):
             raise ConfigError(f"ProcessDriver: address must be 'ipc' or 'tcp://HOST' (ports are chosen), got "
                               f"{address!r}")
         self._cmd = self._ctx.socket(zmq.ROUTER)
+        self._reply, self._control = self._pull(), self._pull()
+        #: over tcp, the sockets' CURVE public key (Z85): a worker must know it to connect, and
+        #: everything on the wire is encrypted (the secret in a hello included); "" over ipc,
+        #: whose socket directory only this user can open
+        self.curve_key = ""
+        if targets[0].startswith("tcp://"):
+            self.curve_key = self._curve((self._cmd, self._reply, self._control))
         # Commands only leave on it: no worker sends here (a DEALER's identity, at most 255 bytes,
         # is all that comes in), so a peer sending more is disconnected (MAXMSGSIZE 256) and
         # nothing queues (RCVHWM 1): a flood of frames here cannot grow this process's memory.
         for opt, v in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.SNDHWM, 4096), (zmq.LINGER, 0),
                        (zmq.SNDTIMEO, int(1000 * submit_timeout)), (zmq.MAXMSGSIZE, 256), (zmq.RCVHWM, 1)):
             self._cmd.setsockopt(opt, v)
-        self._reply, self._control = self._pull(), self._pull()
+        if self.curve_key:  # a CURVE handshake's INITIATE (a key, a vouch, the metadata) is larger
+            self._cmd.setsockopt(zmq.MAXMSGSIZE, 1024)
         # answers made in other threads (lost ranks) wake a waiting poll through this pair
         self._wake_in, self._wake_out = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
         self._wake_in.bind(f"inproc://kvstate-wake-{id(self)}")
@@ -159,6 +167,17 @@ class ProcessDriver(Driver):
         self._poller = zmq.Poller()
         self._poller.register(self._reply, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
+
+    @staticmethod
+    def _curve(socks: tuple[zmq.Socket, ...]) -> str:
+        """Make ``socks`` CURVE servers under one keypair made for this start; its public key."""
+        if not zmq.has("curve"):
+            raise ConfigError("ProcessDriver: tcp needs ZeroMQ's CURVE encryption, which this pyzmq lacks "
+                              "(use address 'ipc' on one host)")
+        public, secret = zmq.curve_keypair()
+        for sock in socks:
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        return public.decode()
 
     def _pull(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PULL)
@@ -196,7 +215,7 @@ class ProcessDriver(Driver):
         cfg = WorkerConfig(rank=rank, spec=spec, num_blocks=self.num_blocks, command_address=self.addresses[0],
                            reply_address=self.addresses[1], control_address=self.addresses[2], store=store,
                            heartbeat_s=self.heartbeat_s, parent_pid=os.getpid(), num_states=self.num_states,
-                           secret=self.secret, **kw)
+                           secret=self.secret, curve_key=self.curve_key, **kw)
         cfg.validate()
         return cfg
 
@@ -246,6 +265,11 @@ class ProcessDriver(Driver):
         if kind not in C.TRANSFER_KINDS:
             return False
         cmd = cast(C.TransferCommand, cmd)
+        tp = self.spec.tp_size
+        if not isinstance(cmd.ranks, tuple) or not cmd.ranks or \
+                not all(r.__class__ is int and 0 <= r < tp for r in cmd.ranks):
+            raise ValidationError(f"ProcessDriver.submit: command {cmd.command_id} of request {cmd.request_id!r} "
+                                  f"names ranks {cmd.ranks!r}; this driver's are 0..{tp - 1}")
         sends, down = self.ledger.register(cmd)
         for r in down:
             self._done.put(Completion(cmd.command_id, r, 0, error=f"rank {r} is down"))

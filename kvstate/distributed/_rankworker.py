@@ -89,6 +89,9 @@ class WorkerConfig:
     #: the driver's per-start secret its hello must carry (``ProcessDriver.secret``); a worker the
     #: driver starts gets it from ``KVSTATE_WORKER_SECRET`` instead, never on its command line
     secret: str = ""
+    #: the driver's CURVE public key (Z85, 40 characters) over tcp, "" over ipc: the worker
+    #: connects as a CURVE client with a keypair of its own (``ProcessDriver.curve_key``)
+    curve_key: str = ""
 
     def __post_init__(self) -> None:
         self.validate()  # a config that exists is valid: refused where it is made, not in the worker
@@ -112,8 +115,7 @@ class WorkerConfig:
             v = getattr(self, name)
             if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ConfigError(f"WorkerConfig.{name} must be a tcp://, ipc:// or inproc:// address, got {v!r}")
-        if not isinstance(self.secret, str):
-            raise ConfigError("WorkerConfig.secret must be a str (the driver's per-start secret)")
+        self._check_keys()
         if not is_real(self.heartbeat_s) or not 0 < self.heartbeat_s <= 60:
             raise ConfigError(f"WorkerConfig.heartbeat_s must be in (0, 60], got {self.heartbeat_s!r}")
         if self.backend not in ("reference", "cuda"):
@@ -125,6 +127,14 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.caches must be a dict whose kind is one of {list(_CACHES)}")
         self._check_states(spec)
         return spec
+
+    def _check_keys(self) -> None:
+        """The secret a hello carries, and the driver's CURVE key over tcp."""
+        if not isinstance(self.curve_key, str) or len(self.curve_key) not in (0, 40):
+            raise ConfigError(f"WorkerConfig.curve_key must be the driver's Z85 CURVE key (40 characters) or "
+                              f"'', got {self.curve_key!r}")
+        if not isinstance(self.secret, str):
+            raise ConfigError("WorkerConfig.secret must be a str (the driver's per-start secret)")
 
     def _check_states(self, spec: CacheSpec) -> None:
         """State pages exactly when the spec has state groups, and only where they can be shared."""
@@ -187,6 +197,7 @@ class RankWorker:
         self._stop = threading.Event()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
+        self._curve: tuple[bytes, bytes] | None = None  # its CURVE keypair over tcp, made once
         self._sockets_lock = threading.Lock()
         self._resources: list[Callable[[], None]] = []  # closed in reverse order
 
@@ -235,6 +246,11 @@ class RankWorker:
             s.setsockopt(zmq.IDENTITY, identity)  # before connecting: the driver routes to it by name
         s.setsockopt(zmq.LINGER, 1000)
         s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        if self.config.curve_key:  # tcp: an encrypted link to the driver it knows by key
+            if self._curve is None:
+                self._curve = zmq.curve_keypair()
+            s.curve_serverkey = self.config.curve_key.encode()
+            s.curve_publickey, s.curve_secretkey = self._curve
         with self._sockets_lock:
             self._sockets.append(s)
         s.connect(address)
