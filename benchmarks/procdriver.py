@@ -1,6 +1,6 @@
 """The cross-process driver against the in-process one, on the same commands, side by side.
 
-    python benchmarks/procdriver.py [--json] [--rounds 12] [--ranks 1 4]
+    python benchmarks/procdriver.py [--json] [--rounds 12] [--ranks 1 4] [--address ipc|tcp://HOST]
 
 Per-command overhead: one command at a time, submitted and polled until every rank answered,
 through a :class:`~kvstate.backends._drivers.ThreadedDriver` (in-process worker threads) and a
@@ -69,11 +69,11 @@ def throughput(drv, tp: int, n: int = 4000) -> float:
     return n / (time.perf_counter() - t)
 
 
-def measure(tp: int, rounds: int, root: str) -> dict:
+def measure(tp: int, rounds: int, root: str, address: str = "ipc") -> dict:
     spec = spec_for(tp)
     caches = SharedCaches.create(spec, BLOCKS)
     threaded = ThreadedDriver(ReferenceBackend(spec, BLOCKS, FileStore(root), caches=caches.caches), workers=4)
-    process = ProcessDriver(spec, BLOCKS)
+    process = ProcessDriver(spec, BLOCKS, address=address)
     try:
         for r in range(tp):
             process.spawn(r, {"kind": "file", "root": root}, caches={"kind": "shm", "paths": caches.paths})
@@ -110,13 +110,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--rounds", type=int, default=12, help="alternating rounds of 200 round trips per driver")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="TP ranks (one worker process each)")
+    ap.add_argument("--address", default="ipc", help="the driver's transport: ipc, or tcp://HOST (CURVE-encrypted)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="kvstate-bench-", dir=shm_directory())
     try:
-        rows = [measure(tp, args.rounds, root) for tp in args.ranks]
+        rows = [measure(tp, args.rounds, root, args.address) for tp in args.ranks]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"cpus": os.cpu_count(), "rows": rows}
+    result = {"cpus": os.cpu_count(), "address": args.address, "rows": rows}
     if args.json:
         print(json.dumps(result))
         return
