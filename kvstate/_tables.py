@@ -34,6 +34,7 @@ from typing import Any
 
 from ._errors import ConfigError, ValidationError
 from ._pool import FREED
+from ._spec import CacheSpec
 from ._validate import is_int
 
 __all__ = ["per_block", "page_layers", "table_of_layer", "slot_of_layer", "rows", "cut",
@@ -77,7 +78,7 @@ def slot_of_layer(spec: Any) -> tuple[int, ...]:
 
 def _paged(spec: Any, who: str) -> Any:
     """The paged part of a cache spec (anything else refused)."""
-    if not callable(getattr(spec, "paged", None)) or not hasattr(spec, "group_tables"):
+    if not isinstance(spec, CacheSpec):
         raise ValidationError(f"{who}: spec must be a CacheSpec, got {spec!r}")
     return spec.paged()
 

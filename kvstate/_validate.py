@@ -44,9 +44,10 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
 
 def is_real(x: Any) -> bool:
     """A finite int or float (numpy's too); never a bool."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) or \
-        (is_int(x) or getattr(getattr(x, "dtype", None), "kind", None) == "f" and getattr(x, "ndim", None) == 0
-         and math.isfinite(float(x)))
+    if is_int(x):
+        return True  # any int is finite (and 10**400 has no float to test)
+    float_scalar = getattr(getattr(x, "dtype", None), "kind", None) == "f" and getattr(x, "ndim", None) == 0
+    return (isinstance(x, float) or float_scalar) and math.isfinite(x)
 
 
 def check_name(value: Any, name: str, error: type[KVStateError] = ValidationError) -> str:

@@ -27,9 +27,10 @@ Reading and writing TOML lives in :mod:`kvstate.sim._scenario_io`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from .._dtypes import DTYPES
 from .._errors import ConfigError
@@ -71,6 +72,12 @@ def type_ok(default: Any, v: Any) -> tuple[bool, Any]:
     return True, v
 
 
+@functools.cache
+def _made_by(factory: Any) -> type:
+    """The class a section field's default factory makes (made once, not at every build)."""
+    return type(factory())
+
+
 class Section:
     """What every section does when built: check each field's type, then its own rules."""
 
@@ -78,7 +85,7 @@ class Section:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
             if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
-                want = type(f.default_factory())
+                want = _made_by(cast(Any, f.default_factory))  # a class or a lambda: hashable
                 ok = isinstance(v, want)  # a section: of its own class
             else:
                 want = type(f.default)
