@@ -131,7 +131,7 @@ class BlockManager:
 
     def new_tables(self) -> list[list[int]]:
         """A new request's tables besides ``Request.blocks``: empty, one per other table."""
-        return [[] for _ in range(self.per_block - 1)]
+        return [[] for _ in range(self.per_block - 1)] if self.per_block > 1 else []
 
     def check_fits(self, req: Any, nblocks: int) -> None:
         """Refuse a request whose ``nblocks`` logical blocks exceed the whole pool."""
@@ -149,6 +149,10 @@ class BlockManager:
         """Give ``req`` ``n`` more logical blocks, in every table (keeping ``headroom`` free);
         returns the pool blocks. Raises :class:`~kvstate._errors.OutOfBlocksError`, changing
         nothing."""
+        if self.per_block == 1:  # one table: the common case, on every decode step that crosses a block
+            ids = self.pool.allocate(n, headroom)
+            req.blocks.extend(ids)
+            return ids
         ids = self.pool.allocate(n * self.per_block, headroom)
         give(req, ids)
         return ids
@@ -184,8 +188,12 @@ class BlockManager:
     def release(self, req: Any) -> tuple[list[int], int]:
         """Take every block ``req`` holds from it (its tables left empty); returns the blocks
         and how many came free (the rest a transfer still pins)."""
-        blocks = held(req)
-        req.blocks, req.tables = [], [[] for _ in req.tables]
+        if req.tables or FREED in req.blocks:
+            blocks = held(req)
+            req.tables = [[] for _ in req.tables]
+        else:  # one table, nothing freed behind a window: the list itself is handed over
+            blocks = req.blocks
+        req.blocks = []
         return blocks, (self.pool.release(blocks) if blocks else 0)
 
 

@@ -211,8 +211,9 @@ class DecodeLifecycle(Lifecycle[DecodeRequest]):
     # -- engine API --------------------------------------------------------------------------
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` fits while keeping running requests' headroom."""
-        check_int(num_tokens, "num_tokens", minimum=1)
-        if not self.states.can_take():
+        if num_tokens.__class__ is not int or num_tokens < 1:
+            check_int(num_tokens, "num_tokens", minimum=1)
+        if self.states.pool is not None and not self.states.can_take():
             return False  # no state page
         return self.blocks.can_allocate(self.spec.blocks_for(num_tokens + 1), self._headroom())
 

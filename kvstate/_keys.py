@@ -70,8 +70,9 @@ class KeyCache:
         self.reused = 0  #: full blocks whose keys a hashed prompt took from a recent one
         self.size = size
         self._last: tuple[bytes, int, str, list[str]] | None = None  # token bytes, block size, namespace, keys
-        # (first block's bytes, block size, namespace) -> (token bytes, its full blocks' chained keys)
-        self._heads: dict[tuple[bytes, int, str], tuple[bytes, list[str]]] = {}
+        # (first block's bytes, block size, namespace) -> (token bytes, its full blocks' chained keys,
+        # unprefixed and as returned)
+        self._heads: dict[tuple[bytes, int, str], tuple[bytes, list[str], list[str]]] = {}
 
     def __len__(self) -> int:
         """Prompts kept for their shared blocks (at most ``size``)."""
@@ -86,12 +87,13 @@ class KeyCache:
         self.misses += 1
         return None
 
-    def common(self, raw: bytes, step: int, nfull: int, block_size: int, namespace: str) -> list[str]:
-        """Chained keys (unprefixed) of the leading full blocks ``raw`` shares with the latest
-        kept prompt that starts with the same block."""
+    def common(self, raw: bytes, step: int, nfull: int, block_size: int, namespace: str) -> tuple[list[str], list[str]]:
+        """Chained keys of the leading full blocks ``raw`` shares with the latest kept prompt
+        that starts with the same block: unprefixed (to chain on) and as returned (the same
+        string objects as that prompt's, so sets and dicts holding them compare by identity)."""
         kept = self._heads.get((raw[:step], block_size, namespace)) if nfull else None
         if kept is None:
-            return []
+            return [], []
         k = min(nfull, len(kept[1]))
         if raw[:k * step] != kept[0][:k * step]:  # they part inside: bisect for the first block that differs
             lo, hi, other = 1, k - 1, kept[0]  # blocks [0, lo) are equal; the answer is at most hi
@@ -103,21 +105,23 @@ class KeyCache:
                     hi = mid - 1
             k = lo
         self.reused += k
-        return kept[1][:k]
+        return kept[1][:k], kept[2][:k]
 
     def remember(self, raw: bytes, block_size: int, namespace: str, keys: list[str]) -> None:
         """The prompt just hashed, for :meth:`whole` (``keys`` as returned: kept, not copied)."""
         self._last = (raw, block_size, namespace, keys)
 
-    def keep(self, raw: bytes, step: int, block_size: int, namespace: str, chain: list[str]) -> None:
-        """Keep a hashed prompt's chained full-block keys, under its first block."""
+    def keep(self, raw: bytes, step: int, block_size: int, namespace: str, chain: list[str],
+             named: list[str]) -> None:
+        """Keep a hashed prompt's chained full-block keys (unprefixed and as returned), under its
+        first block."""
         if not chain:
             return
         head = (raw[:step], block_size, namespace)
         heads = self._heads
         if heads.pop(head, None) is None and len(heads) >= self.size:
             del heads[next(iter(heads))]  # the longest unused first block goes
-        heads[head] = (raw, chain)
+        heads[head] = (raw, chain, named)
 
 
 def _check_extra(extra_keys: Mapping[int, Sequence[str]], nblocks: int) -> None:
@@ -159,11 +163,15 @@ def keys_of_packed(packed: array[int], block_size: int, extra_keys: Mapping[int,
     kept = cache.whole(raw, block_size, namespace)
     if kept is not None:
         return kept
-    keys = _chain(raw, step, end, cache.common(raw, step, nfull, block_size, namespace), namespace.encode(), partial)
-    cache.keep(raw, step, block_size, namespace, keys[:nfull])
-    keys = [prefix + k for k in keys] if prefix else keys
-    cache.remember(raw, block_size, namespace, keys)
-    return list(keys)
+    chain, named = cache.common(raw, step, nfull, block_size, namespace)
+    keys = _chain(raw, step, end, chain, namespace.encode(), partial)
+    if prefix:
+        named += [prefix + k for k in keys[len(named):]]
+    else:
+        named = keys
+    cache.keep(raw, step, block_size, namespace, keys[:nfull], named[:nfull])
+    cache.remember(raw, block_size, namespace, named)
+    return list(named)
 
 
 def _chain(raw: bytes, step: int, end: int, keys: list[str], first: bytes, partial: str) -> list[str]:

@@ -26,6 +26,7 @@ Rules every role keeps:
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
@@ -46,7 +47,7 @@ from ._spec import CacheSpec
 from ._statepages import StatePages, usable_count
 from ._tables import check_layout, cut, pinned, rows
 from ._timers import FENCE, TRANSFER, WAIT, Timers
-from ._validate import MAX_BLOCKS, check_int, check_request_id, check_tokens, is_int, read_clock
+from ._validate import MAX_BLOCKS, check_int, check_request_id, check_tokens, clock_reading, is_int, read_clock
 
 __all__ = ["Lifecycle", "TransferView", "LANDING"]
 
@@ -248,6 +249,8 @@ class Lifecycle(Generic[R]):
 
     def is_live(self, request_id: str) -> bool:
         """Whether ``request_id`` (a str, else refused) is live here (admitted or reserved)."""
+        if request_id.__class__ is str and request_id:
+            return request_id in self._reqs
         return check_request_id(request_id) in self._reqs
 
     def next_deadline(self) -> float | None:
@@ -325,8 +328,11 @@ class Lifecycle(Generic[R]):
         """Read the clock once, at the start of a public call that may change anything, before
         it does: a clock that cannot tell the time (NaN) refuses the call whole, and every
         deadline the call sets counts from this one reading (``_wait``, ``_transfer``)."""
-        self._now = read_clock(self.clock)
-        return self._now
+        t = self.clock()
+        if t.__class__ is not float or not -math.inf < t < math.inf:  # a float is the common reading
+            t = clock_reading(t)
+        self._now = t
+        return t
 
     def _live_timer(self, kind: int, ident: Any) -> bool:
         """Whether a timer still has work: its transfer unanswered (or, for a fence, not yet
@@ -374,7 +380,7 @@ class Lifecycle(Generic[R]):
         counts = t.counts
         # TP: the minimum over every rank; a rank that never answered counts 0
         value = min(counts.values()) if len(counts) == len(t.cmd.ranks) else 0
-        if value and self.states and t.cmd.__class__ not in HOST_COPIES:
+        if value and self.states.pool is not None and t.cmd.__class__ not in HOST_COPIES:
             # floored to a state's end; a read's ranks must agree
             value = usable_count(t.cmd, counts, t.trigger != "written")
         self._fire(req, t.trigger, value)
@@ -418,7 +424,7 @@ class Lifecycle(Generic[R]):
             self._out.append(ended)
         elif blocks:
             self._out.append(C.FreeBlocks(req.id, tuple(blocks)))
-        if pages:
+        if pages and self.states.pool is not None:
             freed += self.states.release(req)  # its pages, as its blocks
         if freed:
             self._freed = True

@@ -60,8 +60,9 @@ class BlockPool:
 
     def can_allocate(self, n: int, headroom: int = 0) -> bool:
         """Whether ``n`` blocks can be allocated while ``headroom`` blocks stay free."""
-        self._check_count(n, "n")
-        self._check_count(headroom, "headroom")
+        if n.__class__ is not int or headroom.__class__ is not int or n < 0 or headroom < 0:
+            self._check_count(n, "n")  # bool, float, negative: raise with the rule broken
+            self._check_count(headroom, "headroom")
         return len(self._free) - n >= headroom
 
     def refcount(self, block_id: int) -> int:

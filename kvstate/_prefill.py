@@ -220,9 +220,9 @@ class PrefillLifecycle(Lifecycle[PrefillRequest]):
         cache (with state groups, up to a checkpoint whose state it cached); False, holding
         nothing, when too few are free."""
         n, lookup = len(req.keys), req.keys[:self._prefix_limit(req)]
-        if self.states and self.prefix_cache is not None:
+        if self.states.pool is not None and self.prefix_cache is not None:
             lookup = lookup[:self.states.claim_start(req, lookup, self.prefix_cache)]
-        if self.states and not self.states.take(req, self.states.pages_for(req)):
+        if self.states.pool is not None and not self.states.take(req, self.states.pages_for(req)):
             got = False
         elif self.prefix_cache is None:
             got = self.blocks.can_allocate(n, 0, req.id)
@@ -246,7 +246,7 @@ class PrefillLifecycle(Lifecycle[PrefillRequest]):
     # -- actions (named in PREFILL) ---------------------------------------------------------------
     def _wants_prefix(self, req: PrefillRequest, value: Any) -> bool:  # with state groups, only past a checkpoint
         return self.policy.read_prefix and self._prefix_limit(req) > req.hits and \
-            (not self.states or self._prefix_limit(req) >= self.states.step)
+            (self.states.pool is None or self._prefix_limit(req) >= self.states.step)
 
     def _send_prefix_read(self, req: PrefillRequest, value: Any) -> None:
         n = self._prefix_limit(req)
@@ -267,7 +267,7 @@ class PrefillLifecycle(Lifecycle[PrefillRequest]):
             req.snaps = tuple(s for s in self.states.snapshots(req) if s > blocks)
         start = req.from_page if blocks and blocks == req.hits else -1  # the cached state it claimed
         cmd = C.StartPrefill(req.id, tuple(req.blocks), blocks * bs, state_pages=tuple(req.pages),
-                             checkpoints=tuple(s * bs for s in req.snaps), state_from=start,
+                             checkpoints=tuple(s * bs for s in req.snaps) if req.snaps else (), state_from=start,
                              tables=cut(req, 0, len(req.blocks)))
         if req.pages:  # a read it gave up on would overwrite the running state: wait until none can land
             self._send_settled(req, cmd)

@@ -310,6 +310,8 @@ class CacheSpec:
     def window_first_block(self, num_tokens: int) -> int:
         """The first block a cache of ``num_tokens`` tokens needs from its window groups (0:
         every block, or no window group)."""
+        if not self.groups:
+            return 0
         return min((window_start(g.window, num_tokens, self.block_size) for g in self.groups if g.kind == "window"),
                    default=0)
 

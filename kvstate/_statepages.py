@@ -188,7 +188,7 @@ class StatePages:
     def candidates(self, req: Request, start: int, end: int, whole: bool) -> tuple[tuple[int, int], ...]:
         """A read of blocks ``[start, end)``: every checkpoint past ``start`` (and ``end``
         itself when ``whole``: a cache stored whole), relative to ``start``, into pages[0]."""
-        if not self:
+        if self.pool is None:
             return ()
         page = req.pages[0]
         first = (start // self.step + 1) * self.step
@@ -200,7 +200,7 @@ class StatePages:
     def written(self, req: Request, base: int, end: int) -> tuple[tuple[int, int], ...]:
         """A write of blocks ``[base, end)``: the checkpoints P's prefill copied (``req.snaps``
         blocks, into pages[1:], those past ``base``), then the running state at ``end``."""
-        if not self:
+        if self.pool is None:
             return ()
         out = [(s - base, page) for s, page in zip(req.snaps, req.pages[1:]) if base < s < end]
         if end > base:

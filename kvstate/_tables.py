@@ -106,6 +106,8 @@ def rows(block_ids: Sequence[int], tables: Sequence[Sequence[int]] = ()) -> list
 
 def cut(req: Any, start: int, end: int) -> tuple[tuple[int, ...], ...]:
     """The other tables' entries for logical blocks ``[start, end)`` (for a command's ``tables``)."""
+    if not req.tables:
+        return ()
     return tuple(tuple(t[start:end]) for t in req.tables)
 
 
@@ -118,6 +120,8 @@ def pinned(block_ids: tuple[int, ...], tables: Sequence[Sequence[int]]) -> tuple
 
 def held(req: Any) -> list[int]:
     """Every block the request holds, table by table (freed entries left out)."""
+    if not req.tables and FREED not in req.blocks:  # one table with nothing freed: the common case
+        return list(req.blocks)
     return [b for b in chain(req.blocks, *req.tables) if b != FREED]
 
 

@@ -67,7 +67,11 @@ def check_callable(value: Any, name: str, optional: bool = False,
 
 def read_clock(clock: Callable[[], float]) -> float:
     """The clock's reading, refused unless a finite number: a NaN deadline would never fire."""
-    t = clock()
+    return clock_reading(clock())
+
+
+def clock_reading(t: Any) -> float:
+    """``t``, a clock's reading, refused unless a finite number (see :func:`read_clock`)."""
     if (t.__class__ is float or isinstance(t, (int, float)) and not isinstance(t, bool)) and -math.inf < t < math.inf:
         return t
     raise ValidationError(f"the clock must read a finite number of seconds, read {t!r}")
@@ -109,6 +113,8 @@ def _refuse_bools(token_ids: Sequence[int]) -> None:
 
 def check_tokens(request_id: str, token_ids: Any) -> array[int]:
     """Validated token ids as our own uint32 array: the caller's list is never mutated."""
+    if token_ids.__class__ is array and token_ids.typecode == TOKEN_TYPECODE and token_ids:
+        return token_ids[:]  # already uint32 ids: a copy of our own
     if token_ids.__class__ is list and token_ids:  # the hot case: the packing is the check
         packed = array(TOKEN_TYPECODE)
         try:

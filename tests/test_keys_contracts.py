@@ -37,6 +37,18 @@ def test_a_key_cache_reuses_exactly_the_blocks_a_kept_prompt_shares():
         assert cache.reused == 2 * j  # the latest kept prompt of that first block: the other's j again
 
 
+def test_a_key_cache_hands_out_the_kept_prompts_own_key_objects_for_the_shared_blocks():
+    """Shared blocks' keys are the very strings of the prompt that was kept, namespace and all:
+    a store's sets and dicts then find them by identity, with their hashes already cached."""
+    cache = KeyCache(4)
+    base = list(range(32))
+    first = keys_of_packed(array("I", base + [1]), 4, None, "ns", cache)
+    other = keys_of_packed(array("I", base[:20] + [999] * 12), 4, None, "ns", cache)
+    assert other == block_keys(base[:20] + [999] * 12, 4, namespace="ns")
+    assert all(a is b for a, b in zip(first[:5], other[:5]))  # the 5 shared blocks
+    assert not any(a is b for a, b in zip(first[5:], other[5:]))
+
+
 def test_a_key_cache_keeps_a_prompt_hashed_again_without_evicting_another():
     cache = KeyCache(2)
     a, b = list(range(8)), list(range(100, 108))
