@@ -209,3 +209,20 @@ def test_fewer_kv_heads_than_ranks_are_replicated_as_vllm_does():
     assert ComputeModel(at8).kv_token_layer == ComputeModel(at4).kv_token_layer
     with pytest.raises(ConfigError, match="neither split over 3 ranks nor replicate"):
         with_overrides(Scenario(), {**fields, "cluster.tp": 3})
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "mixtral-8x7b"])
+def test_step_times_kept_per_token_count_equal_a_fresh_models_to_the_last_bit(name):
+    """A step's token-count part and a prefill batch's time are kept for reuse: whatever was
+    asked before, each answer is exactly the one a model asked first would give."""
+    shapes = [((n, c, True),) for n in (1, 17, 512, 4096) for c in (0, 300)] + [((64, 0, False), (9, 40, True))]
+    warm = model(name, tp=2)
+    for prompts in shapes:  # every shape once, so the reverse order below finds them all kept
+        warm.step_time(prompts, batch=3, context=900)
+        warm.prefill_time([(n, c) for n, c, _ in prompts])
+    for prompts in reversed(shapes):
+        fresh = model(name, tp=2)
+        assert warm.step_time(prompts, batch=3, context=900) == fresh.step_time(prompts, batch=3, context=900)
+        work = [(n, c) for n, c, _ in prompts]
+        assert warm.prefill_time(work) == model(name, tp=2).prefill_time(work)
+        assert fresh.step_time(prompts, 0, 0) == model(name, tp=2).step_time(prompts)

@@ -49,7 +49,7 @@ class Cluster:
         s = self.scenario = scenario
         sv = self.sv = Services(scenario, cost)
         sv.first_token, sv.ended, sv.check_finished = self.first_token, self.ended, self.check_finished
-        sv.blocks_freed, sv.retry_backlog = self._blocks_freed, self._retry_backlog
+        sv.blocks_freed = self._blocks_freed
         # the run's records and models, shared with the instances (the same objects)
         self.env, self.store, self.counters = sv.env, sv.store, sv.counters
         self.reqs, self.live, self.done, self.round_trips = sv.reqs, sv.live, sv.done, sv.round_trips
@@ -59,6 +59,7 @@ class Cluster:
         self.decode = [DecodeInstance(sv, i) for i in range(s.cluster.n_decode)]
         self.instances: list[Instance] = [*self.prefill, *self.decode]
         self.router = Router(sv, self.prefill, self.decode)
+        sv.retry_backlog = self.router.retry_backlog
         self.total, self._arrivals = arrivals(s.workload, s.seed, s.model.context, s.time_limit_s)
         self.arrived = 0
         self.finished = self.env.event()
@@ -77,9 +78,6 @@ class Cluster:
         """Blocks came free at a D: each D's step ends now, where the backlog is retried."""
         for d in self.decode:
             d.cut_span()
-
-    def _retry_backlog(self) -> None:
-        self.router.retry_backlog()
 
     # -- request flow -------------------------------------------------------------------------
     def _arrive(self):

@@ -56,6 +56,7 @@ __all__ = ["ComputeModel"]
 _ELEMENTWISE_HIDDENS = 2 * 2 + 2 * 3
 _ELEMENTWISE_KERNELS = 4  #: vLLM's fused kernels: two add-and-RMSNorm, rotary, the gated activation
 _ACT = 2  #: bytes of an activation (bf16)
+_MEMO = 1 << 16  #: prefill batches whose times are kept (cleared when full)
 
 
 class ComputeModel:
@@ -100,6 +101,8 @@ class ComputeModel:
         if g.profile:
             self._use_profile(s, g.profile)
         self._decode_fixed: dict[int, float] = {}
+        self._prefill: dict[tuple[tuple[int, int], ...], float] = {}
+        self._tokens: dict[int, tuple[float, float, float]] = {}
         self._decode_per_token = self.decode_attention(1, 1) - self.decode_attention(1, 0)  # one layer's
 
     def _use_profile(self, s: Scenario, path: str) -> None:
@@ -182,8 +185,11 @@ class ComputeModel:
         """Every layer's attention (or state update) in one step, by layer kind."""
         t = 0.0
         if self.full_layers:
-            full = self.decode_attention(batch, context) + sum(self.prefill_attention(n, c) for n, c, _ in prompts)
-            t += self.full_layers * full
+            full = self.decode_attention(batch, context)
+            prefill = 0.0  # the prompts' attention, summed in their order
+            for n, c, _ in prompts:
+                prefill += self.prefill_attention(n, c)
+            t += self.full_layers * (full + prefill)
         if self.window_layers:
             window = self.decode_attention(batch, min(context, batch * self.window)) + sum(
                 self.window_prefill_attention(n, c) for n, c, _ in prompts)
@@ -210,7 +216,7 @@ class ComputeModel:
 
     def _mlp(self, tokens: int, moe: bool) -> float:
         if not moe:
-            return sum(self.gemm(name, tokens, k, n) for name, k, n in self.dense_mats)
+            return self._gemms(tokens, self.dense_mats)
         e, k = self.experts, self.top_k
         touched = e * (1.0 - (1.0 - k / e) ** tokens)
         per_expert = tokens * k / touched  # tokens each touched expert multiplies
@@ -244,22 +250,58 @@ class ComputeModel:
         """Seconds of one step: prompts' chunks ``(new, cached, ends_the_prompt)`` and one token
         of each of ``batch`` decoding requests holding ``context`` tokens in all."""
         prompts = list(prompts)
-        tokens = batch + sum(n for n, _, _ in prompts)
-        sampled = batch + sum(1 for _, _, last in prompts if last)
+        tokens = sampled = batch
+        for n, _, last in prompts:
+            tokens += n
+            if last:
+                sampled += 1
         if tokens <= 0:
             return 0.0
-        per_layer = sum(self.gemm(name, tokens, k, n) for name, k, n in self.attn_mats)
-        per_layer += self.elementwise(tokens) + 2 * self.allreduce(tokens * self.hidden * _ACT)
-        dense = self.layers - self.moe_layers
-        t = self.layers * per_layer + self._layers_attention(prompts, batch, context)
-        t += dense * self._mlp(tokens, False)
+        layers, dense, moe = self._by_tokens(tokens)
+        t = layers + self._layers_attention(prompts, batch, context)
+        t += dense
         if self.moe_layers:
-            t += self.moe_layers * self._mlp(tokens, True)
+            t += moe
         return t + self.gemm("lm_head", sampled, self.hidden, self.vocab / self.tp) + self.overhead
 
+    def _by_tokens(self, tokens: int) -> tuple[float, float, float]:
+        """A step's parts that depend on its token count alone, kept per count: every layer's
+        projections, element-wise kernels and all-reduces; the dense MLPs; the MoE ones."""
+        got = self._tokens.get(tokens)
+        if got is not None:
+            return got
+        per_layer = self._gemms(tokens, self.attn_mats)
+        per_layer += self.elementwise(tokens) + 2 * self.allreduce(tokens * self.hidden * _ACT)
+        dense = (self.layers - self.moe_layers) * self._mlp(tokens, False)
+        moe = self.moe_layers * self._mlp(tokens, True) if self.moe_layers else 0.0
+        if len(self._tokens) >= _MEMO:
+            self._tokens.clear()
+        got = self._tokens[tokens] = (self.layers * per_layer, dense, moe)
+        return got
+
+    def _gemms(self, m: int, mats: Sequence[tuple[str, float, float]]) -> float:
+        """``sum(gemm(name, m, k, n) for name, k, n in mats)``, the roofline's loop written out
+        (its arithmetic unchanged) where no profile measures a matrix."""
+        if self.profile is not None or m <= 0:
+            return sum(self.gemm(name, m, k, n) for name, k, n in mats)
+        compute = self.peak * (self.mfu * m / (m + self.half))
+        memory, kernel, wbytes = self.hbm * self.mbu, self.kernel, self.wbytes
+        t = 0.0
+        for _, k, n in mats:
+            t += kernel + max(2.0 * m * k * n / compute, (k * n * wbytes + _ACT * m * (k + n)) / memory)
+        return t
+
     def prefill_time(self, work: Iterable[tuple[int, int]]) -> float:
-        """Seconds of one forward over whole prompts ``(new_tokens, cached_tokens)``."""
-        return self.step_time(((n, c, True) for n, c in work))
+        """Seconds of one forward over whole prompts ``(new_tokens, cached_tokens)``, kept per
+        batch of prompts: a trace's prompts repeat their lengths, and a step costs tens of
+        gemm calls."""
+        key = tuple(work)
+        t = self._prefill.get(key)
+        if t is None:
+            if len(self._prefill) >= _MEMO:
+                self._prefill.clear()
+            t = self._prefill[key] = self.step_time((n, c, True) for n, c in key)
+        return t
 
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         """Seconds of one decode step of ``batch`` requests with ``context_tokens`` in all: the

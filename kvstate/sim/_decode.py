@@ -137,10 +137,11 @@ class DecodeInstance(Instance):
                 self._stepping = False
             self.steps += 1
             self.context += b  # every member made one token, until its event says otherwise
-            for req, _, _ in work:
-                if lc.is_live(req.rid) and lc.state_of(req.rid) == "recomputing":
-                    lc.recompute_done(req.rid)
-            self.pump()  # recomputed requests join for the next step
+            if work:
+                for req, _, _ in work:
+                    if lc.is_live(req.rid) and lc.state_of(req.rid) == "recomputing":
+                        lc.recompute_done(req.rid)
+                self.pump()  # recomputed requests join for the next step
             self._run_events(b, t)
             self.pump()
             cl.retry_backlog()

@@ -15,30 +15,36 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from functools import partial
+from operator import attrgetter
 from typing import Any, cast
 
 import simpy
 
 from .. import commands as C
 from .._lifecycle import Lifecycle
-from ..commands import kind_of
+from ..commands import KINDS, kind_of
 from ..events import Completion
 from ._services import Services
 from ._tp import RankPools
 
 __all__ = ["Instance", "Transfer", "LayerSave", "Swap"]
 
+#: the clock the lifecycles read, ``env.now`` with no Python frame of its own (a lambda is one)
+_NOW = attrgetter("now")
+
 
 class Transfer:
     """One transfer command as a task of the rank pools."""
 
-    __slots__ = ("inst", "cmd", "label", "write", "n", "seen")
+    __slots__ = ("inst", "cmd", "label", "write", "n", "seen", "left")
 
     def __init__(self, inst: Instance, cmd: C.TransferCommand, write: bool) -> None:
         self.inst, self.cmd, self.write = inst, cmd, write
         self.label = cmd.command_id
         self.n = len(cmd.keys)
         self.seen: dict[int, tuple[int, int]] = {}  # rank -> (leading keys stored, evictions) at start
+        self.left = len(cmd.ranks)  #: ranks yet to answer: only the last answer can start anything
 
     def start(self, rank: int) -> float:
         """Seconds of this rank's part: a write first asks which leading keys are stored and
@@ -53,8 +59,9 @@ class Transfer:
             return 0.0
         parts = side.parts[rank]
         found = store.leading(parts[0], self.cmd.keys)
-        for part in parts[1:]:
-            found = min(found, store.leading(part, self.cmd.keys))
+        if len(parts) > 1:
+            for part in parts[1:]:
+                found = min(found, store.leading(part, self.cmd.keys))
         self.seen[rank] = (found, store.evictions)
         if self.write:
             rest = self.n - found
@@ -66,8 +73,8 @@ class Transfer:
             return store.query_latency + inst.transfer_time(rank, "d2h", rest)
         if not found:
             return store.latency
-        skip = min(getattr(self.cmd, "window_from", 0), found)  # blocks read without their window groups
-        return inst.transfer_time(rank, "h2d", found, skip)
+        skip = self.cmd.window_from if self.cmd.__class__ is C.ReadBlocks else getattr(self.cmd, "window_from", 0)
+        return inst.transfer_time(rank, "h2d", found, min(skip, found))  # skipped: read without window groups
 
     def finish(self, rank: int) -> None:
         self.inst.answer(self, rank)
@@ -133,7 +140,7 @@ class Instance(ABC):
         self.side = side = sv.sides[self.role]  #: this role's TP degree, geometry, blocks and compute
         self.name = f"{self.role[0].upper()}{idx}"
         self.lc = self.lifecycle_cls(side.lifecycle_spec, side.gpu_blocks, sv.policy,
-                                     clock=lambda: env.now, namespace=s.model.name, key_cache=sv.key_cache,
+                                     clock=partial(_NOW, env), namespace=s.model.name, key_cache=sv.key_cache,
                                      num_states=side.num_states, **self.lifecycle_options(s))
         tp = side.tp
         self.link_free = [0.0] * tp
@@ -183,7 +190,8 @@ class Instance(ABC):
         self.link_free[rank] = link_end = start + link
         nbytes = n * side.shard_bytes - skip * side.window_bytes + (side.state_bytes if n else 0)  # and states
         s_start, s_end = cl.store.occupy(now, nbytes)
-        s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s  # per object moved, when charged
+        if cl.object_s:  # per object moved, when charged
+            s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s
         pieces = max(1, math.ceil(nbytes / cl.staging_bytes))
         end = max(link_end, s_end) + min(link, s_end - s_start) / pieces
         return end - now
@@ -201,7 +209,12 @@ class Instance(ABC):
         else:
             found, evictions = task.seen[rank]
             known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
-            n = self._stored(rank, cmd.keys, write, known, getattr(cmd, "window_from", 0))
+            window_from = cmd.window_from if cmd.__class__ is C.ReadBlocks else getattr(cmd, "window_from", 0)
+            parts = self.side.parts[rank]
+            if len(parts) == 1 and not window_from and (not write or self.side.writers[rank]):
+                n = cl.store.answer(parts[0], cmd.keys, write, known)  # one head group: _stored's common case
+            else:
+                n = self._stored(rank, cmd.keys, write, known, window_from)
             c = Completion(cmd.command_id, rank, cl.store.states_moved(rank, cmd.keys, cmd.states, n, write)
                            if cmd.states else n)
             # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
@@ -210,7 +223,9 @@ class Instance(ABC):
         if cl.timeline is not None:
             cl.timeline.completed(self.name, [c])
         self.lc.complete(c)
-        self.pump()
+        task.left -= 1
+        if not task.left:  # an earlier rank's answer is only recorded: no command can follow it
+            self.pump()
         if not cl.live:  # the last answers after the last request ended
             cl.check_finished()
 
@@ -221,10 +236,11 @@ class Instance(ABC):
         if write and not side.writers[rank]:
             return len(keys)
         parts = side.parts[rank]
-        skipped = min(window_from, len(keys)) * side.window_bytes // len(parts)  # a part's window bytes not read
-        count = store.answer(parts[0], keys, write, known, skipped)
-        for part in parts[1:]:
-            count = min(count, store.answer(part, keys, write, known, skipped))
+        skipped = min(window_from, len(keys)) * side.window_bytes // len(parts) if window_from else 0
+        count = store.answer(parts[0], keys, write, known, skipped)  # a part's window bytes not read: skipped
+        if len(parts) > 1:
+            for part in parts[1:]:
+                count = min(count, store.answer(part, keys, write, known, skipped))
         return count
 
     # -- commands out of the lifecycle ------------------------------------------------------------
@@ -240,7 +256,7 @@ class Instance(ABC):
         timed = False  # a transfer brings a deadline: the next tick may have to come sooner
         for cmd in cmds:
             t = cmd.__class__
-            kind = kind_of(cmd)
+            kind = KINDS.get(t) or kind_of(cmd)
             if kind == "read" or (kind == "write" and t is not C.SaveLayers):
                 tc = cast(C.TransferCommand, cmd)
                 write = kind == "write"

@@ -60,8 +60,10 @@ class SimStore:
         """How many leading ``keys`` hold ``rank``'s shard (a look that counts no query).
         ``known``: so many leading keys were seen stored with no eviction since."""
         stored = self._ranks[rank]
+        if known >= len(keys) or keys[known] not in stored:  # nothing more: a write's new keys, a miss
+            return known if known < len(keys) else len(keys)
         rest = keys[known:] if known else keys
-        if stored.issuperset(rest):  # the common answer, found in C
+        if stored.issuperset(rest):  # every key: a read of a stored cache, found in C
             return known + len(rest)
         return known + len(list(takewhile(stored.__contains__, rest)))
 
