@@ -226,3 +226,14 @@ def test_step_times_kept_per_token_count_equal_a_fresh_models_to_the_last_bit(na
         work = [(n, c) for n, c, _ in prompts]
         assert warm.prefill_time(work) == model(name, tp=2).prefill_time(work)
         assert fresh.step_time(prompts, 0, 0) == model(name, tp=2).step_time(prompts)
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "gemma-3-27b"])
+def test_a_spans_step_times_are_its_steps_one_by_one(name):
+    """A span of quiet decode steps asks for all its steps at once; each must be the step
+    time asked alone, to the last bit (a window model caps its window layers' context)."""
+    cm = model(name)
+    for batch, context, count in ((1, 0, 3), (7, 5000, 40), (64, 100, 1)):
+        one_by_one = [cm.decode_step_time(batch, context + i * batch) for i in range(count)]
+        assert cm.decode_step_times(batch, context, count) == one_by_one
+    assert cm.decode_step_times(0, 10, 2) == [0.0, 0.0]

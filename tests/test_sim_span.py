@@ -21,8 +21,12 @@ def step_time(batch: int, context: int) -> float:
     return 1e-3 + 1e-7 * context + 1e-5 * batch
 
 
+def step_times(batch: int, context: int, count: int) -> list[float]:
+    return [step_time(batch, context + i * batch) for i in range(count)]
+
+
 def test_a_span_sums_its_steps_as_the_clock_does():
-    span = StepSpan(0.1, 4, 1000, 5, step_time)
+    span = StepSpan(0.1, 4, 1000, 5, step_times)
     t, ctx = 0.1, 1000
     for i in range(5):
         t = t + step_time(4, ctx)
@@ -32,7 +36,7 @@ def test_a_span_sums_its_steps_as_the_clock_does():
 
 
 def test_a_cut_ends_the_span_with_the_running_step_and_never_lengthens_it():
-    span = StepSpan(0.0, 2, 10, 6, step_time)
+    span = StepSpan(0.0, 2, 10, 6, step_times)
     assert span.over_at(span.ends[1]) == 2  # a step ending exactly now is over
     assert span.cut((span.ends[1] + span.ends[2]) / 2)
     assert span.last == 2

@@ -306,7 +306,7 @@ class ComputeModel:
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         """Seconds of one decode step of ``batch`` requests with ``context_tokens`` in all: the
         step with no context, kept per batch size, plus the context's attention (linear in it),
-        so the simulator's many decode steps cost a dictionary look-up each."""
+        so the simulator's many decode steps cost a look-up each."""
         if batch <= 0:
             return 0.0
         fixed = self._decode_fixed.get(batch)
@@ -314,6 +314,20 @@ class ComputeModel:
             fixed = self._decode_fixed[batch] = self.step_time((), batch, 0)
         window = min(context_tokens, batch * self.window) if self.window_layers else 0
         return fixed + self._decode_per_token * (self.full_layers * context_tokens + self.window_layers * window)
+
+    def decode_step_times(self, batch: int, context: int, count: int) -> list[float]:
+        """:meth:`decode_step_time` of ``count`` steps from ``context``, growing by ``batch`` a
+        step (a span of quiet steps, :mod:`kvstate.sim._span`): one look-up for them all."""
+        if batch <= 0:
+            return [0.0] * count
+        fixed = self._decode_fixed.get(batch)
+        if fixed is None:
+            fixed = self._decode_fixed[batch] = self.step_time((), batch, 0)
+        per, full, wl = self._decode_per_token, self.full_layers, self.window_layers
+        if not wl:  # ``wl * window`` is 0: the same sums without it
+            return [fixed + per * (full * (context + i * batch)) for i in range(count)]
+        reach = batch * self.window
+        return [fixed + per * (full * c + wl * min(c, reach)) for c in range(context, context + count * batch, batch)]
 
 
 def _kv_itemsize(dtype: str) -> int:

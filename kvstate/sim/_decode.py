@@ -158,7 +158,7 @@ class DecodeInstance(Instance):
         """Sleep through ``count`` steps of batch ``b`` (fewer if cut); account for all but the
         last, which the loop ends as any step. Returns the last step's seconds."""
         env = self.env
-        span = StepSpan(env.now, b, self.context, count, self.side.compute.decode_step_time)
+        span = StepSpan(env.now, b, self.context, count, self.side.compute.decode_step_times)
         self._span, self._span_base = span, (self.busy_time, self.slot_seconds)
         self.spans += 1
         self._count_busy(span)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable
+from itertools import accumulate
 
 __all__ = ["StepSpan", "delay_to"]
 
@@ -25,23 +26,17 @@ __all__ = ["StepSpan", "delay_to"]
 class StepSpan:
     """``count`` decode steps of a fixed batch of ``batch`` requests from time ``now``.
 
-    ``step_time(batch, context)`` gives each step's seconds; the context grows by ``batch``
-    a step. ``done`` steps are accounted for; ``last`` is the index of the step the span
+    ``step_times(batch, context, count)`` gives the steps' seconds; the context grows by
+    ``batch`` a step. ``done`` steps are accounted for; ``last`` is the index of the step the span
     ends with (it shrinks when the span is cut).
     """
 
     __slots__ = ("batch", "lens", "ends", "done", "last")
 
     def __init__(self, now: float, batch: int, context: int, count: int,
-                 step_time: Callable[[int, int], float]) -> None:
-        lens, ends = [], []
-        t = now
-        for _ in range(count):
-            d = step_time(batch, context)
-            context += batch
-            t = t + d  # the sum the clock makes, step after step
-            lens.append(d)
-            ends.append(t)
+                 step_times: Callable[[int, int, int], list[float]]) -> None:
+        lens = step_times(batch, context, count)
+        ends = list(accumulate(lens, initial=now))[1:]  # the sums the clock makes, step after step
         self.batch, self.lens, self.ends = batch, lens, ends
         self.done = 0
         self.last = count - 1
