@@ -139,7 +139,8 @@ class RankPools:
 
     def _start(self, r: int, task: Any) -> None:
         dt = task.start(r) + self.skew[r]
-        self.env.timeout(dt if dt > 0 else 0.0).callbacks.append(lambda _e: self._worked(r, task))
+        then = self._worked if self.barrier is not None else self._done  # no barrier: done when worked
+        self.env.timeout(dt if dt > 0 else 0.0).callbacks.append(lambda _e: then(r, task))
 
     def _worked(self, r: int, task: Any) -> None:
         barrier = self.barrier
