@@ -11,18 +11,19 @@ at least 99 %; every call that is not a clean refusal is listed when the bar is 
 """
 from __future__ import annotations
 
-import atexit
 import importlib
 import inspect
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from rigs import small_spec
 
 from kvstate import KVStateError, PrefillLifecycle
@@ -47,8 +48,31 @@ SKIPPED = {
     "kvstate.distributed.RankUp": "an event the driver emits",
 }
 
-_TMP = tempfile.mkdtemp(prefix="kvstate-faces-")
-atexit.register(shutil.rmtree, _TMP, True)
+_ARENA: list[Any] = []
+_SHARED: list[Any] = []
+_TMP = ""  #: the sweep's folder, made and removed around it (``swept_in_a_folder``)
+
+
+@contextmanager
+def swept_in_a_folder() -> Iterator[None]:
+    """A private folder for the files valid arguments name, removed afterwards."""
+    global _TMP
+    _TMP = tempfile.mkdtemp(prefix="kvstate-faces-")
+    try:
+        yield
+    finally:
+        for made in (*_ARENA, *_SHARED):
+            made.close()
+        _ARENA.clear()
+        _SHARED.clear()
+        shutil.rmtree(_TMP, ignore_errors=True)
+        _TMP = ""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _folder() -> Iterator[None]:
+    with swept_in_a_folder():
+        yield
 
 
 def _scenario() -> Any:
@@ -56,23 +80,17 @@ def _scenario() -> Any:
     return with_overrides(Scenario(), {"workload.num_requests": 4, "workload.rate": 50.0})
 
 
-_ARENA: list[Any] = []
-_SHARED: list[Any] = []
-
-
 def _arena() -> str:
-    """An arena made once (in the sweep's directory, removed at exit): what a valid open opens."""
+    """An arena made once (in the sweep's folder, closed with it): what a valid open opens."""
     if not _ARENA:
         _ARENA.append(ArenaStore.create(4096, 4, directory=_TMP))
-        atexit.register(_ARENA[0].close)
     return str(_ARENA[0].path)
 
 
 def _shared() -> dict[int, str]:
-    """Caches in shared memory made once (removed at exit): what a valid attach attaches."""
+    """Caches in shared memory made once (closed with the sweep's folder): what a valid attach attaches."""
     if not _SHARED:
         _SHARED.append(SharedCaches.create(small_spec(1), 4, directory=_TMP))
-        atexit.register(_SHARED[0].close)
     return dict(_SHARED[0].paths)
 
 
@@ -277,6 +295,7 @@ def test_bad_input_at_every_face_is_refused_cleanly():
 
 
 if __name__ == "__main__":
-    n, bad, files = sweep()
+    with swept_in_a_folder():
+        n, bad, files = sweep()
     print(f"{n} calls, {n - len(bad)} clean ({1 - len(bad) / n:.2%}); files left: {len(files)}")
     print("\n".join(bad))
