@@ -231,3 +231,20 @@ def test_decoding_requests_spend_the_budget_first_and_a_prompt_takes_what_is_lef
     assert rig.steps == [([(1, 0, True), (1, 0, True), (1, 0, True), (1, 0, False)], 0, 0),
                          ([(1, 1, False)], 3, 6), ([(1, 2, False)], 3, 9), ([(3, 3, True)], 0, 0)]
     assert times(*rs) == [(1.0, 3.0, 3)] * 3 + [(4.0, 4.0, 1)]
+
+
+def test_a_request_preempted_while_decoding_and_again_while_recomputing_counts_its_tokens_once():
+    """3 blocks of 4, a budget of 2. b (2 tokens, making 4) is preempted at step 5 while
+    decoding (3 tokens made), re-admitted for a 5-token recompute, and preempted again at step
+    7 while recomputing, by a's growth; after a ends it recomputes in chunks and makes its last
+    token. Its round trip counts from the later preemption, its gap from its last token."""
+    rig = Rig(blocks=3, budget=2)
+    a, b = req(0, 2, 8), req(1, 2, 4)
+    rig.run(a, b)
+    assert rig.steps == [([(2, 0, True)], 0, 0), ([(1, 0, False)], 1, 3), ([(1, 1, True)], 1, 4), ([], 2, 8),
+                         ([], 2, 10), ([], 1, 7), ([(1, 0, False)], 1, 8), ([], 1, 9),
+                         ([(2, 0, False)], 0, 0), ([(2, 2, False)], 0, 0), ([(1, 4, True)], 0, 0)]
+    assert times(a, b) == [(1.0, 8.0, 8), (3.0, 11.0, 4)]
+    assert (b.preemptions, rig.counters["preemptions"], b.last_token) == (2, 2, 11.0)
+    assert rig.c.round_trips == [4.0] and rig.c.itl == {1.0: 9, 6.0: 1}
+    assert (rig.c.block_seconds, rig.c.slot_seconds) == (23.0, 16.0)
