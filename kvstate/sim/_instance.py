@@ -73,7 +73,7 @@ class Transfer:
             return store.query_latency + inst.transfer_time(rank, "d2h", rest)
         if not found:
             return store.latency
-        skip = self.cmd.window_from if self.cmd.__class__ is C.ReadBlocks else getattr(self.cmd, "window_from", 0)
+        skip = getattr(self.cmd, "window_from", 0)
         return inst.transfer_time(rank, "h2d", found, min(skip, found))  # skipped: read without window groups
 
     def finish(self, rank: int) -> None:
@@ -209,12 +209,7 @@ class Instance(ABC):
         else:
             found, evictions = task.seen[rank]
             known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
-            window_from = cmd.window_from if cmd.__class__ is C.ReadBlocks else getattr(cmd, "window_from", 0)
-            parts = self.side.parts[rank]
-            if len(parts) == 1 and not window_from and (not write or self.side.writers[rank]):
-                n = cl.store.answer(parts[0], cmd.keys, write, known)  # one head group: _stored's common case
-            else:
-                n = self._stored(rank, cmd.keys, write, known, window_from)
+            n = self._stored(rank, cmd.keys, write, known, getattr(cmd, "window_from", 0))
             c = Completion(cmd.command_id, rank, cl.store.states_moved(rank, cmd.keys, cmd.states, n, write)
                            if cmd.states else n)
             # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
