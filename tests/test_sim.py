@@ -22,8 +22,9 @@ from kvstate.sim import (
     with_overrides,
 )
 from kvstate.sim._metrics import summarize
+from kvstate.sim._request import SimRequest
 from kvstate.sim._tp import TaskSchedule, run_schedule
-from kvstate.sim._workload import load_trace
+from kvstate.sim._workload import Arrival, load_trace, unique_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
@@ -205,6 +206,16 @@ def test_same_seed_same_bytes_other_seed_other_bytes():
     a, b = to_json(simulate(small())), to_json(simulate(small()))
     assert a == b
     assert to_json(simulate(small(seed=5))) != a
+
+
+def test_a_requests_decoded_tokens_are_its_own_run_however_sliced():
+    """D's decoded tokens come from one run made at first use: any slice equals the run's
+    tokens at those positions, and positions past what it decodes still come out right."""
+    req = SimRequest(Arrival(7, 0.0, 100, 40, unique_tokens(0, 0, 100)))
+    for lo, hi in [(101, 102), (101, 141), (120, 141), (101, 165), (90, 95), (140, 141)]:
+        assert list(req.decoded(lo, hi)) == list(unique_tokens(req.base, lo, hi)), (lo, hi)
+    other = SimRequest(Arrival(8, 0.0, 100, 40, unique_tokens(9, 0, 100)))
+    assert not set(req.decoded(101, 141)) & set(other.decoded(101, 141))  # each request's own run
 
 
 def test_storage_evictions_make_reads_partial_and_the_policy_runs():

@@ -30,7 +30,6 @@ from .._errors import OutOfBlocksError
 from ._instance import Instance
 from ._services import Services
 from ._span import StepSpan, delay_to
-from ._workload import unique_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._request import SimRequest
@@ -312,7 +311,7 @@ class DecodeInstance(Instance):
     def _sync(self, req: SimRequest, upto: int) -> tuple[int, ...]:
         added: tuple[int, ...] = ()
         if upto > req.synced:
-            added = self.lc.append_tokens(req.rid, unique_tokens(req.base, req.synced, upto))
+            added = self.lc.append_tokens(req.rid, req.decoded(req.synced, upto))
             req.synced = upto
         return added
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from ._workload import Arrival, unique_start
+from ._workload import Arrival, unique_start, unique_tokens
 
 __all__ = ["SimRequest"]
 
@@ -18,7 +18,8 @@ class SimRequest:
 
     __slots__ = ("rid", "index", "arrival", "input_len", "out", "tokens", "d", "p", "first_token",
                  "finish", "last_token", "state", "error", "reason", "generated", "ctx", "synced", "cap",
-                 "base", "preemptions", "cached_tokens", "s0", "ver", "event_step", "explicit", "preempted_at")
+                 "base", "_decoded", "preemptions", "cached_tokens", "s0", "ver", "event_step", "explicit",
+                 "preempted_at")
 
     def __init__(self, a: Arrival) -> None:
         self.rid = f"r{a.index}"
@@ -40,6 +41,7 @@ class SimRequest:
         self.synced = 0  #: tokens D's lifecycle knows of
         self.cap = 0  #: tokens its D blocks can hold
         self.base = unique_start(a.index, salt=1)  #: where the run of its decoded tokens starts
+        self._decoded: array | None = None  # that run's tokens from the prompt's end, made at first use
         self.preemptions = 0
         self.preempted_at: float | None = None  #: when its pending preemption began
         self.cached_tokens = 0  #: prompt tokens P found cached (GPU, host memory or storage)
@@ -47,3 +49,16 @@ class SimRequest:
         self.ver = 0  #: bumped when it leaves a batch: its scheduled event is stale
         self.event_step = -1  #: the D step of its next event (-1: none)
         self.explicit = False  #: its next token's gap is not one step (it joined, or stalled)
+
+    def decoded(self, lo: int, hi: int) -> array:
+        """Its tokens ``lo .. hi-1`` past the prompt (``lo > input_len``): its own run from
+        ``base``, made once for every token it can decode, then sliced (a numpy call each
+        time would cost ten slices)."""
+        start = self.input_len + 1
+        run = self._decoded
+        if run is None:
+            run = self._decoded = unique_tokens(self.base, start, start + self.out)
+        if lo < start or hi > start + len(run):
+            return unique_tokens(self.base, lo, hi)  # past what it decodes: not in the run
+        return run[lo - start:hi - start]
+

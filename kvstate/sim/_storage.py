@@ -12,7 +12,7 @@ aggregate-bandwidth pool), plus a fixed per-operation latency.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from itertools import takewhile
 
@@ -30,14 +30,13 @@ class SimStore:
         self.bandwidth = spec.bandwidth_gbps * 1e9
         self.latency = spec.latency_ms / 1000.0
         self.query_latency = spec.query_latency_ms / 1000.0
-        self._blocks: OrderedDict[str, int] = OrderedDict()  # LRU order: key -> bitmask of ranks stored
+        self._blocks: OrderedDict[str, None] = OrderedDict()  # every key some rank stored, in LRU order
         self._ranks: list[set[str]] = [set() for _ in range(tp)]  # the keys each rank's shard is stored under
-        self._holders = [[self._ranks[r] for r in range(tp) if m >> r & 1] for m in range(1 << tp)]  # by mask
-        self._width = [len(h) for h in self._holders]  # ranks stored, by mask
         self.used = 0
         self.peak = 0
         self._lru_moves = 0  # LRU reorderings so far (reads, writes)
         self._last_read: tuple[Sequence[str], int, int] | None = None  # keys, count, reordering after it
+        self._last_write: tuple[Sequence[str], int] | None = None  # keys, reordering after it
         self._states: dict[str, int] = {}  # key -> bitmask of the TP ranks whose state after it is stored
         self.busy_until = 0.0
         self.stats = dict.fromkeys(("puts", "gets", "queries", "bytes_written", "bytes_read",
@@ -89,9 +88,9 @@ class SimStore:
         stats["hits"] += n
         stats["misses"] += len(keys) - n
         if self._last_read != (keys, n, self._lru_moves):  # else: another rank's read of the same
-            touch = self._blocks.move_to_end                # keys just put them at the end, in order
-            for k in keys[:n]:
-                touch(k)
+            # keys just put them at the end, in order; each found key goes to the LRU end (the
+            # deque of length 0 runs the map in C and keeps nothing)
+            deque(map(self._blocks.move_to_end, keys[:n]), 0)
             self._lru_moves += 1
             self._last_read = (keys, n, self._lru_moves)
         return n
@@ -100,18 +99,20 @@ class SimStore:
         stored, blocks = self._ranks[rank], self._blocks
         self.stats["puts"] += 1
         self.stats["bytes_written"] += len(keys) * self.shard_bytes
-        self._lru_moves += 1
         before = len(stored)
         stored.update(keys)
         self.used += (len(stored) - before) * self.shard_bytes
-        get, touch, bit = blocks.get, blocks.move_to_end, 1 << rank
-        for k in keys:  # this rank's bit on every key, each to the LRU end in write order
-            m = get(k)
-            if m is None:
-                blocks[k] = bit
-            else:
-                blocks[k] = m | bit
-                touch(k)
+        if blocks.keys().isdisjoint(keys):  # every key new to the pool: appended in write order
+            blocks.update(dict.fromkeys(keys))
+        elif self._last_write is None or self._last_write[1] != self._lru_moves or self._last_write[0] != keys:
+            touch = blocks.move_to_end  # else: another rank's write of the same keys just put them
+            for k in keys:              # at the end, in order
+                if k in blocks:
+                    touch(k)
+                else:
+                    blocks[k] = None
+        self._lru_moves += 1
+        self._last_write = (keys, self._lru_moves)
         if self.used > self.capacity:
             self._evict()
         self.peak = max(self.peak, self.used)
@@ -131,31 +132,41 @@ class SimStore:
         return next((e for e in reversed(moved) if self._states.get(keys[e - 1], 0) >> rank & 1), 0)
 
     def _evict(self) -> None:
-        blocks, shard, holders = self._blocks, self.shard_bytes, self._holders
-        width = self._width
+        blocks, shard, ranks = self._blocks, self.shard_bytes, self._ranks
         gone: dict[int, list[str]] = {}  # rank mask -> keys evicted: one set update per rank
         excess, n = self.used - self.capacity, 0
         while excess > 0 and blocks:
-            k, m = blocks.popitem(last=False)
+            k = blocks.popitem(last=False)[0]
+            m = self._mask(k)
             keys = gone.get(m)
             if keys is None:
                 gone[m] = keys = []
             keys.append(k)
-            excess -= shard * width[m]
+            excess -= shard * m.bit_count()
             n += 1
         for m, keys in gone.items():
-            for stored in holders[m]:
-                stored.difference_update(keys)
+            for r, stored in enumerate(ranks):
+                if m >> r & 1:
+                    stored.difference_update(keys)
             if self._states:
                 for k in keys:
                     self._states.pop(k, None)
+        self._lru_moves += 1  # keys went from the pool: no earlier read or write is its tail now
         self.used = self.capacity + excess
         self.stats["evicted_blocks"] += n
+
+    def _mask(self, key: str) -> int:
+        """The ranks whose shard of ``key`` is stored, as a bitmask."""
+        m = 0
+        for r, stored in enumerate(self._ranks):
+            if key in stored:
+                m |= 1 << r
+        return m
 
     def contents(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every stored key with the ranks whose shard it holds, least recently used first
         (a copy: for checks and reports)."""
-        return [(k, tuple(r for r in range(len(self._ranks)) if m >> r & 1)) for k, m in self._blocks.items()]
+        return [(k, tuple(r for r, stored in enumerate(self._ranks) if k in stored)) for k in self._blocks]
 
     def __len__(self) -> int:
         return len(self._blocks)

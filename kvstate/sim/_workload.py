@@ -46,7 +46,7 @@ def unique_tokens(start: int, lo: int, hi: int) -> array:
     ids ``2**31 + (start + i) mod 2**31`` (a run that may wrap once)."""
     a = (start + lo) % _HALF
     n = hi - lo
-    if n <= 128:  # a block's worth: cheaper without numpy
+    if n <= 16:  # a few tokens: cheaper without numpy (a block's worth is not)
         if a + n <= _HALF:
             return array("I", range(_HALF + a, _HALF + a + n))
         out = array("I", range(_HALF + a, 1 << 32))
