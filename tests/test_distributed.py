@@ -100,6 +100,9 @@ def test_shared_caches_are_one_memory_for_creator_and_worker():
             assert theirs.caches[0]["key"][0].shape == (8,) + SPEC.block_shape("key")
         finally:
             theirs.close()
+        assert all(__import__("os").path.exists(p) for p in mine.paths.values())  # a worker's close keeps them
+        with SharedCaches.attach(SPEC, 8, mine.paths) as again:
+            assert np.all(again.caches[1]["value"][1][5] == 7.0)
         paths = list(mine.paths.values())
     assert not any(__import__("os").path.exists(p) for p in paths)  # the creator removed them
 

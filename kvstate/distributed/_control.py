@@ -14,7 +14,7 @@ driver started. On that thread it
 - declares a rank *down* when it is silent past ``dead_after_s``, says goodbye, or its
   process (one this driver started) exits; the driver's ``on_down`` answers what it owed.
   With ``restart`` a started worker is killed first (a stopped process could still touch
-  blocks) and started again, as a new incarnation.
+  blocks) and started again, as a new incarnation, as :class:`RestartBackoff` allows.
 
 Every message that does not parse or breaks a rule is counted (``bad_messages``) and dropped; a
 hello without the driver's per-start secret is counted (``unauthenticated_hellos``) and dropped.
@@ -38,9 +38,36 @@ from ._liveness import RankDown, RankTable, RankUp
 from ._rankworker import SECRET_ENV, WorkerConfig
 from ._supervise import ChildProcess
 
-__all__ = ["RankControl"]
+__all__ = ["RankControl", "RestartBackoff"]
 
 Send = Callable[[int, int, bytes], bool]  #: (rank, lane, message): False when that socket is not connected
+
+
+class RestartBackoff:
+    """When a rank's worker may be started again. A worker that exits before its hello (its
+    store unreachable, say) is started again after 0.25 s, then twice as long each time, up
+    to 5 s: a worker that cannot come up costs a start every 5 s, not a busy loop. A hello
+    ends the back-off: the next death restarts at once."""
+
+    FIRST_S, MAX_S = 0.25, 5.0
+
+    def __init__(self) -> None:
+        self._starts: dict[int, tuple[float, int]] = {}  # rank -> (last start, starts since its last hello)
+
+    def started(self, rank: int, now: float) -> None:
+        self._starts[rank] = (now, self._starts.get(rank, (0.0, 0))[1] + 1)
+
+    def hello(self, rank: int) -> None:
+        """``rank``'s worker came up: its next start waits only from its last start."""
+        self._starts[rank] = (self._starts.get(rank, (0.0, 0))[0], 0)
+
+    def delay(self, rank: int) -> float:
+        """Seconds from ``rank``'s last start to its next."""
+        starts = self._starts.get(rank, (0.0, 0))[1]
+        return min(self.MAX_S, self.FIRST_S * 2 ** max(0, starts - 1))
+
+    def may_start(self, rank: int, now: float) -> bool:
+        return now - self._starts.get(rank, (0.0, 0))[0] >= self.delay(rank)
 
 
 class RankControl:
@@ -62,7 +89,7 @@ class RankControl:
         self.children: dict[int, ChildProcess] = {}
         self._configs: dict[int, WorkerConfig] = {}
         self._logs: dict[int, str | None] = {}
-        self._starts: dict[int, tuple[float, int]] = {}  # rank -> (last start, starts since its last hello)
+        self.backoff = RestartBackoff()
         self._notices: list[RankDown | RankUp] = []
         self.running = True
         self.stopping = False
@@ -79,14 +106,8 @@ class RankControl:
                              f"{self.name} rank {cfg.rank} worker", log_path=log_path,
                              env={**os.environ, SECRET_ENV: cfg.secret})
         self.children[cfg.rank], self._configs[cfg.rank], self._logs[cfg.rank] = child, cfg, log_path
-        self._starts[cfg.rank] = (time.monotonic(), self._starts.get(cfg.rank, (0.0, 0))[1] + 1)
+        self.backoff.started(cfg.rank, time.monotonic())
         return child
-
-    def _may_restart(self, rank: int, now: float) -> bool:
-        """Restarts back off: a worker that exits before its hello (its store unreachable, say)
-        waits 0.25 s, then twice as long each time, up to 5 s, before the next start."""
-        last, starts = self._starts.get(rank, (0.0, 0))
-        return now - last >= min(5.0, 0.25 * 2 ** max(0, starts - 1))
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until every rank is up; a refused worker, or a started one that exited before
@@ -216,7 +237,7 @@ class RankControl:
         with self.lock:
             self.ranks.up(msg.rank, msg.incarnation, msg.pid, time.monotonic(), msg.lanes)
             self._notices.append(RankUp(msg.rank, msg.pid, time.monotonic()))
-        self._starts[msg.rank] = (self._starts.get(msg.rank, (0.0, 0))[0], 0)  # it started well: no back-off
+        self.backoff.hello(msg.rank)  # it started well: no back-off
         self._on_up(msg.rank)
 
     def _check(self) -> None:
@@ -232,7 +253,7 @@ class RankControl:
         if self.restart and not self.stopping:
             for rank, child in list(self.children.items()):
                 if not child.alive() and not self.ranks.incarnation(rank) and rank in self._configs \
-                        and self._may_restart(rank, now):
+                        and self.backoff.may_start(rank, now):
                     self.spawn(self._configs[rank], self._logs[rank])
                     with self.lock:
                         self.counters["restarts"] += 1

@@ -153,13 +153,11 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
                             f"do not fit a {cls.__name__}")
     window = _int(items[10], f"command {cid}: the window's first key", 0, len(keys) + 1)
     if cls in _SLOTTED:
+        if window:
+            raise ProtocolError(f"command {cid}: a {cls.__name__} has no window to start from")
         extra: dict[str, Any] = {"host_slots": slots}
-    elif issubclass(cls, (C.ReadBlocks, C.WriteBlocks)):
+    else:  # every other kind reads or writes (layer-wise ones too): it starts from its window
         extra = {"window_from": window}
-    else:
-        extra = {}
-    if window and "window_from" not in extra:
-        raise ProtocolError(f"command {cid}: a {cls.__name__} has no window to start from")
     states = _states(items[11], cid, len(keys))
     return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, states=states,
                tables=_tables(items[12], cid, len(blocks)), **extra)

@@ -1,0 +1,127 @@
+"""The wire format's refusals, word for word, and its bounds, exactly at the limit.
+
+A rank worker and its driver trust nothing the other process sends: each item is checked
+and a bad one refused with a :class:`ProtocolError` naming the command and the item. These
+cases pin each refusal's message (a worker's log and the driver's counters are how an
+operator finds a bad peer) and each bound on both sides of its limit.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvstate import commands as C
+from kvstate._errors import ProtocolError
+from kvstate.distributed import _wire as wire
+
+NOW = time.monotonic()
+
+
+def items(**over) -> list:
+    """A good CMD message's items for a two-key WriteBlocks, with ``over`` replacing some."""
+    c = C.WriteBlocks("r7", 3, (0,), NOW + 10, ("a", "b"), (4, 5), fence=NOW + 20)
+    out = wire.unpack(wire.command_message(c, 77))
+    names = ["type", "inc", "kind", "cid", "rid", "keys", "blocks", "slots", "deadline", "fence", "window",
+             "states", "tables"]
+    for name, value in over.items():
+        out[names.index(name)] = value
+    return out
+
+
+def refused(msg: list) -> str:
+    with pytest.raises(ProtocolError) as e:
+        wire.command_of(msg, 0)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"kind": 8}, "the command kind must be an int in [1, 8), got 8"),
+    ({"kind": 0}, "the command kind must be an int in [1, 8), got 0"),
+    ({"cid": 0}, f"the command id must be an int in [1, {1 << 63}), got 0"),
+    ({"rid": ""}, "the request id must be a non-empty str of at most 4096 chars"),
+    ({"keys": "ab"}, "command 3: keys must be a list"),
+    ({"keys": ["a", 5]}, "command 3: a key must be a non-empty str of at most 4096 chars"),
+    ({"blocks": [4, -1]}, "command 3: block ids must be a list of ints >= 0"),
+    ({"blocks": [4, 1 << 63]}, "command 3: block ids must be a list of ints >= 0"),
+    ({"slots": [1, 2]}, "command 3: 2 keys, 2 block ids and 2 host slots do not fit a WriteBlocks"),
+    ({"slots": "x"}, "command 3: host slots must be a list of ints >= 0"),
+    ({"deadline": "soon"}, "command 3: the deadline must be a number of seconds, got 'soon'"),
+    ({"fence": None}, "command 3: the fence must be a number of seconds, got None"),
+    ({"fence": float("nan")}, "command 3: the fence must be a number of seconds, got nan"),
+    ({"window": 3}, "command 3: the window's first key must be an int in [0, 3), got 3"),
+    ({"states": [1]}, "command 3: states must be (end, page) pairs with ends increasing in 1..2"),
+    ({"states": [2, 0, 1, 0]}, "command 3: states must be (end, page) pairs with ends increasing in 1..2"),
+    ({"states": [3, 0]}, "command 3: states must be (end, page) pairs with ends increasing in 1..2"),
+    ({"states": "s"}, "command 3: states must be a list of ints >= 0"),
+    ({"tables": {}}, "command 3: group tables must be a list of lists"),
+    ({"tables": [[1]]}, "command 3: each group table must hold 2 block ids"),
+    ({"tables": [[1, "b"]]}, "command 3: a group table must be a list of ints >= 0"),
+])
+def test_each_bad_item_of_a_command_is_refused_by_name(over, message):
+    assert refused(items(**over)) == message
+
+
+def test_a_command_of_the_wrong_length_names_the_type_and_counts():
+    assert refused(items()[:-1]) == "a CMD message has 12 items after its type, got 11"
+    with pytest.raises(ProtocolError, match=r"^a DONE message has 5 items after its type, got 4$"):
+        wire.from_worker(wire.pack(wire.DONE, 0, 1, 2, 0))
+
+
+def test_a_swap_has_no_window_and_a_read_or_write_keeps_its_own():
+    c = C.SwapOut("r", 4, (0,), NOW + 1, ("a",), (2,), fence=NOW + 2, host_slots=(9,))
+    msg = wire.unpack(wire.command_message(c, 1))
+    assert wire.command_of(msg, 0).host_slots == (9,)
+    msg[10] = 1
+    assert refused(msg) == "command 4: a SwapOut has no window to start from"
+    for cls in (C.ReadBlocks, C.LoadLayers, C.WriteBlocks, C.SaveLayers):
+        c = cls("r", 5, (0,), NOW + 1, ("a", "b"), (2, 3), fence=NOW + 2)
+        msg = wire.unpack(wire.command_message(c, 1))
+        msg[10] = 1
+        back = wire.command_of(msg, 0)
+        assert type(back) is cls and back.window_from == 1
+
+
+def test_bounds_hold_exactly_at_their_limit(monkeypatch):
+    monkeypatch.setattr(wire, "_MAX_ITEMS", 3)
+    three = items(keys=["a", "b", "c"], blocks=[1, 2, 3], tables=[[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    assert wire.command_of(three, 0).keys == ("a", "b", "c")  # at the limit: taken
+    four = ["a", "b", "c", "d"]
+    assert refused(items(keys=four, blocks=[1, 2, 3, 4])) == "command 3: keys must be a list"
+    assert refused(items(keys=["a", "b", "c"], blocks=[1, 2, 3, 4])) == \
+        "command 3: block ids must be a list of ints >= 0"
+    assert refused(items(tables=[[1, 2]] * 4)) == "command 3: group tables must be a list of lists"
+    top = (1 << 63) - 1
+    assert wire.command_of(items(blocks=[0, top]), 0).block_ids == (0, top)  # the largest id: taken
+
+
+def test_a_long_bad_value_is_cut_in_the_message():
+    long = "x" * 500
+    assert len(refused(items(deadline=long))) == 200
+    assert len(refused(items(kind=long))) == 200
+    assert refused(items(deadline=long)).startswith("command 3: the deadline must be a number of seconds, got 'xxx")
+
+
+@pytest.mark.parametrize("msg, message", [
+    ((wire.HB, 0, 5, 10, [1, 2]), "a heartbeat's store faults must be 3 counts"),
+    ((wire.HB, 0, 0, 10, [1, 2, 3]), f"the incarnation must be an int in [1, {1 << 63}), got 0"),
+    ((wire.DONE, 0, 5, 0, 1, None), f"the command id must be an int in [1, {1 << 63}), got 0"),
+    ((wire.DONE, 0, 5, 1, 1, 7), "the error must be a str of at most 4096 chars"),
+    ((wire.ARRIVED, 0, 5, 1, 0), f"the layers must be an int in [1, {1 << 63}), got 0"),
+    ((wire.HELLO, 0, 5, 9, 2, "g", 257, ""), "lanes must be an int in [1, 257), got 257"),
+    ((wire.HELLO, 0, 5, 9, 2, "", 1, ""), "the geometry must be a non-empty str of at most 4096 chars"),
+    ((wire.BYE, 0, 5, None), "the reason must be a str of at most 4096 chars"),
+    ((99, 0), "unknown message type 99 from a worker"),
+])
+def test_each_bad_worker_message_is_refused_by_name(msg, message):
+    with pytest.raises(ProtocolError) as e:
+        wire.from_worker(wire.pack(*msg))
+    assert str(e.value) == message
+
+
+def test_good_worker_messages_decode_item_by_item():
+    assert wire.from_worker(wire.pack(wire.HB, 1, 5, 10, [1, 2, 3])) == wire.Beat(1, 5, 10, (1, 2, 3))
+    assert wire.from_worker(wire.pack(wire.DONE, 1, 5, 9, 2, "")) == wire.Done(1, 5, 9, 2, "")
+    assert wire.from_worker(wire.pack(wire.ARRIVED, 1, 5, 9, 3)) == wire.Arrived(1, 5, 9, 3)
+    assert wire.from_worker(wire.pack(wire.HELLO, 1, 5, 9, 2, "g", 256, "s")) == wire.Hello(1, 5, 9, 2, "g", 256, "s")
+    assert wire.from_worker(wire.pack(wire.BYE, 1, 5, "")) == wire.Bye(1, 5, "")
