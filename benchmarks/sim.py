@@ -80,11 +80,14 @@ def colocated_general() -> dict:
 def child(tree: str, quick: bool) -> dict:
     """One run of ``tree``'s own benchmark, in a fresh process on that tree's sources."""
     cmd = [sys.executable, os.path.join(tree, "benchmarks", "sim.py"), "--json"] + (["--quick"] if quick else [])
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    # that tree first, then whatever path this process was given (where its dependencies are)
+    path = os.pathsep.join(p for p in (os.path.abspath(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
-    if r.returncode not in (0, 1):  # 1: that run was not deterministic, its figures still stand
+    lines = r.stdout.strip().splitlines()
+    if r.returncode not in (0, 1) or not lines:  # 1: that run was not deterministic, its figures still stand
         raise SystemExit(f"{tree}: benchmarks/sim.py exited {r.returncode}: {r.stderr.strip()[-500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(lines[-1])
 
 
 def against(tree: str, repeats: int, quick: bool) -> dict:
