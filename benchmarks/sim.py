@@ -92,6 +92,7 @@ def child(tree: str, quick: bool) -> dict:
 
 def against(tree: str, repeats: int, quick: bool) -> dict:
     """This tree's and ``tree``'s figures, alternating runs; the best of each and the speed-ups."""
+    tree = os.path.abspath(tree)  # each child runs in its own tree: a relative path would not hold there
     if not os.path.isfile(os.path.join(tree, "benchmarks", "sim.py")):
         raise SystemExit(f"--against {tree}: no benchmarks/sim.py there (give a kvstate checkout)")
     runs: dict[str, list[dict]] = {"this": [], "that": []}
