@@ -210,12 +210,16 @@ class ProcessDriver(Driver):
     # -- workers ---------------------------------------------------------------------------------
     def worker_config(self, rank: int, store: dict[str, Any], **kw: Any) -> WorkerConfig:
         """The configuration of ``rank``'s worker for this driver (``kw``: :class:`WorkerConfig`
-        fields, e.g. ``caches``, ``backend``, ``host_blocks``, ``lanes``)."""
+        fields, e.g. ``caches``, ``backend``, ``host_blocks``, ``lanes``). The worker watches
+        this process as its parent and exits when it is gone, as a worker :meth:`spawn` started
+        must; one hosted anywhere else (in this process's threads, or an engine's process)
+        takes ``parent_pid=0``: its host stops it."""
         spec = {f: getattr(self.spec, f) for f in self.spec.__dataclass_fields__}
+        fields: dict[str, Any] = {"parent_pid": os.getpid(), **kw}
         cfg = WorkerConfig(rank=rank, spec=spec, num_blocks=self.num_blocks, command_address=self.addresses[0],
                            reply_address=self.addresses[1], control_address=self.addresses[2], store=store,
-                           heartbeat_s=self.heartbeat_s, parent_pid=os.getpid(), num_states=self.num_states,
-                           secret=self.secret, curve_key=self.curve_key, **kw)
+                           heartbeat_s=self.heartbeat_s, num_states=self.num_states, secret=self.secret,
+                           curve_key=self.curve_key, **fields)
         cfg.validate()
         return cfg
 
