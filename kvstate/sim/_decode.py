@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import simpy
@@ -113,8 +114,11 @@ class DecodeInstance(Instance):
                 req.finish = env.now
                 lc.finish(req.rid)
                 self.pump()
-            self._resume_preempted()
-            work, self.recompute = self.recompute, []
+            if self.preempted:
+                self._resume_preempted()
+            work: Sequence[tuple[SimRequest, int, int]] = ()  # recomputes asked for during the step wait
+            if self.recompute:
+                work, self.recompute = self.recompute, []
             b = len(self.batch)
             if not b and not work:
                 yield self.idle()

@@ -186,14 +186,16 @@ class Instance(ABC):
         if skip:  # the link moves that much less, at its rate for these chunks
             link *= 1.0 - skip * side.window_bytes / (n * side.shard_bytes)
         start = self.link_free[rank]
-        start = max(start, now)
+        start = start if start >= now else now  # max and min written out: twelve thousand calls a run
         self.link_free[rank] = link_end = start + link
         nbytes = n * side.shard_bytes - skip * side.window_bytes + (side.state_bytes if n else 0)  # and states
         s_start, s_end = cl.store.occupy(now, nbytes)
         if cl.object_s:  # per object moved, when charged
             s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s
         pieces = max(1, math.ceil(nbytes / cl.staging_bytes))
-        end = max(link_end, s_end) + min(link, s_end - s_start) / pieces
+        store_s = s_end - s_start
+        tail = (link if link <= store_s else store_s) / pieces  # pipelined in pieces: the faster stage's last one
+        end = (link_end if link_end >= s_end else s_end) + tail
         return end - now
 
     def answer(self, task: Transfer, rank: int) -> None:

@@ -119,6 +119,7 @@ class RankPools:
         self.env, self.name, self.tp, self.protocol = env, name, tp, protocol
         skew = list(skew_s)
         self.skew = skew + [0.0] * (tp - len(skew))
+        self._skewed = any(self.skew)
         self.barrier_timeout = barrier_timeout
         self.reset_by = reset_by
         self.manual = semantics == "manual-reset"
@@ -126,6 +127,7 @@ class RankPools:
         self.queues: list[deque[Any]] = [deque() for _ in range(tp)]
         self.idle = [workers] * tp  #: free workers per rank
         self.stuck: list[Stuck] = []
+        self._then = self._worked if self.barrier is not None else self._done  # no barrier: done when worked
 
     def submit(self, task: Any, ranks: Iterable[int]) -> None:
         """Hand ``task`` to each rank: ``task.start(rank) -> seconds`` is called when a worker
@@ -138,8 +140,10 @@ class RankPools:
                 self.queues[r].append(task)
 
     def _start(self, r: int, task: Any) -> None:
-        dt = task.start(r) + self.skew[r]
-        then = self._worked if self.barrier is not None else self._done  # no barrier: done when worked
+        dt = task.start(r)
+        if self._skewed:
+            dt += self.skew[r]
+        then = self._then
         self.env.timeout(dt if dt > 0 else 0.0).callbacks.append(lambda _e: then(r, task))
 
     def _worked(self, r: int, task: Any) -> None:
