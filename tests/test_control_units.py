@@ -3,10 +3,13 @@ report, every figure exact."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
+from kvstate._errors import DriverError
 from kvstate._spec import CacheSpec
+from kvstate.distributed import ProcessDriver
 from kvstate.distributed._control import RankControl, RestartBackoff
 from kvstate.distributed._liveness import RankTable
 
@@ -41,3 +44,18 @@ def test_the_rank_report_names_up_and_down_ranks():
                       lock=threading.Lock(), counters={}, send=lambda *a: True, on_down=lambda *a: None,
                       on_up=lambda r: None, on_arrived=lambda *a: None, name="test")
     assert ctl.info() == {"up": [1], "down": [0, 2], "pids": {}}  # it started no worker itself
+
+
+def test_a_hello_from_a_rank_never_started_here_waits_from_time_0():
+    b = RestartBackoff()
+    b.hello(2)  # a worker the engine started itself
+    assert b.delay(2) == 0.25 and b.may_start(2, 0.25) and not b.may_start(2, 0.24)
+
+
+def test_waiting_for_ranks_that_never_say_hello_names_them_at_the_deadline():
+    with ProcessDriver(CacheSpec(2, 1, 4, 8, tp_size=2), 4) as drv:
+        t = time.monotonic()
+        with pytest.raises(DriverError) as e:
+            drv.wait_ready(0.2)
+        assert 0.2 <= time.monotonic() - t < 1.0  # it looks often, not once a second
+    assert str(e.value) == "ProcessDriver kvstate: ranks [0, 1] did not say hello within 0.2 s"
