@@ -10,8 +10,9 @@ import pytest
 from kvstate._errors import DriverError
 from kvstate._spec import CacheSpec
 from kvstate.distributed import ProcessDriver
+from kvstate.distributed import _wire as wire
 from kvstate.distributed._control import RankControl, RestartBackoff
-from kvstate.distributed._liveness import RankTable
+from kvstate.distributed._liveness import RankDown, RankTable, RankUp
 
 
 @pytest.mark.parametrize("starts, delay", [(0, 0.25), (1, 0.25), (2, 0.5), (3, 1.0), (4, 2.0), (5, 4.0), (6, 5.0),
@@ -59,3 +60,97 @@ def test_waiting_for_ranks_that_never_say_hello_names_them_at_the_deadline():
             drv.wait_ready(0.2)
         assert 0.2 <= time.monotonic() - t < 1.0  # it looks often, not once a second
     assert str(e.value) == "ProcessDriver kvstate: ranks [0, 1] did not say hello within 0.2 s"
+
+
+SPEC2 = CacheSpec(2, 1, 4, 8, tp_size=2)
+
+
+class Rig:
+    """A RankControl fed control messages by hand; what it sends and reports is recorded."""
+
+    def __init__(self, secret: str = "s3") -> None:
+        self.sent, self.downs, self.ups, self.arrived = [], [], [], []
+        self.ranks = RankTable(2)
+        self.counters = dict.fromkeys(("stale", "bad_messages", "refused", "foreign_hellos",
+                                       "unauthenticated_hellos", "restarts"), 0)
+        self.geometry = wire.geometry(SPEC2, 4)
+        self.ctl = RankControl(SPEC2, self.geometry, heartbeat_s=0.1, dead_after_s=1.0, restart=False,
+                               ranks=self.ranks, lock=threading.Lock(), counters=self.counters,
+                               send=lambda r, lane, m: self.sent.append((r, lane, wire.unpack(m))) or True,
+                               on_down=lambda r, owed, why, lost: self.downs.append((r, owed, why, lost)),
+                               on_up=self.ups.append, on_arrived=lambda *a: self.arrived.append(a),
+                               name="ctl", secret=secret)
+
+    def hello(self, rank: int, inc: int, secret: str = "s3", geometry: str | None = None, tp: int = 2,
+              lanes: int = 2) -> None:
+        self.ctl.receive(wire.pack(wire.HELLO, rank, inc, 900 + rank, tp, geometry or self.geometry, lanes, secret))
+
+
+def test_a_hello_with_the_secret_is_welcomed_on_every_lane_and_the_rank_is_up():
+    rig = Rig()
+    rig.hello(1, 55)
+    assert rig.sent == [(1, 1, [wire.WELCOME, 55]), (1, 0, [wire.WELCOME, 55])]
+    assert rig.ranks.incarnation(1) == 55 and rig.ranks.lanes(1) == 2 and rig.ups == [1]
+    assert [type(n) for n in rig.ctl.notices()] == [RankUp]
+    rig.hello(1, 55)  # repeated: the welcome crossed it
+    rig.hello(1, 56)  # another worker for a live rank: dropped, never answered
+    assert len(rig.sent) == 2 and rig.counters["foreign_hellos"] == 1 and rig.ranks.incarnation(1) == 55
+
+
+def test_hellos_without_the_secret_or_with_another_geometry_are_refused_their_way():
+    rig = Rig()
+    rig.hello(0, 7, secret="guess")
+    assert rig.sent == [] and rig.counters["unauthenticated_hellos"] == 1 and rig.ranks.incarnation(0) == 0
+    rig.hello(0, 8, tp=4)
+    assert rig.sent == [(0, 0, [wire.REFUSE, 8, "rank 0's worker has TP 4, the scheduler 2"])]
+    rig.hello(1, 9, geometry="other")
+    assert rig.sent[-1] == (1, 0, [wire.REFUSE, 9, f"rank 1's worker has another cache geometry: other against "
+                                                   f"the scheduler's {rig.geometry}"])
+    assert rig.counters["refused"] == 2 and rig.ranks.down() == [0, 1] and rig.ups == []
+
+
+def test_heartbeats_count_for_the_current_incarnation_and_a_stopped_one_is_asked_to_rejoin():
+    rig = Rig()
+    rig.hello(0, 5)
+    rig.sent.clear()
+    rig.ctl.receive(wire.pack(wire.HB, 0, 5, 4096, [1, 0, 2]))
+    assert rig.ranks.bytes_moved() == 4096 and rig.ranks.store_faults() == (1, 0, 2) and rig.counters["stale"] == 0
+    rig.ctl.receive(wire.pack(wire.HB, 0, 6, 1, [0, 0, 0]))  # another incarnation of a live rank
+    assert rig.counters["stale"] == 1 and rig.sent == [] and rig.ranks.bytes_moved() == 4096
+    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0]))  # a rank declared dead that lives on
+    assert rig.counters["stale"] == 2 and rig.sent == [(1, 0, [wire.REJOIN, 3])]
+    rig.ctl.stopping = True
+    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0]))  # stopping: nobody is asked back
+    assert rig.counters["stale"] == 3 and len(rig.sent) == 1
+
+
+def test_no_rejoin_is_asked_while_a_refusal_stands():
+    rig = Rig()
+    rig.hello(0, 8, tp=4)
+    rig.sent.clear()
+    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0]))
+    assert rig.sent == [] and rig.counters["stale"] == 1
+
+
+def test_a_goodbye_declares_its_rank_down_and_hands_back_what_it_owed():
+    rig = Rig()
+    rig.hello(0, 5)
+    rig.ranks.owe(0, 41)
+    rig.ranks.owe(0, 40)
+    rig.ctl.receive(wire.pack(wire.BYE, 0, 4, "old"))  # another incarnation's goodbye: changes nothing
+    assert rig.downs == [] and rig.ranks.incarnation(0) == 5
+    rig.ctl.receive(wire.pack(wire.BYE, 0, 5, "exit 0"))
+    assert rig.downs == [(0, [40, 41], "rank 0 lost: its worker said goodbye (exit 0)", True)]
+    notices = rig.ctl.notices()
+    assert [type(n) for n in notices] == [RankUp, RankDown] and notices[1].rank == 0
+    assert notices[1].reason == "its worker said goodbye (exit 0)" and rig.ranks.down() == [0, 1]
+
+
+def test_arrivals_are_forwarded_and_bad_messages_counted():
+    rig = Rig()
+    rig.ctl.receive(wire.pack(wire.ARRIVED, 1, 5, 12, 3))
+    assert rig.arrived == [(1, 5, 12, 3)]
+    for bad in (b"junk", wire.pack(wire.DONE, 0, 5, 1, 1, None), wire.pack(wire.HB, 2, 5, 0, [0, 0, 0]),
+                wire.pack(wire.HELLO, 0, 5, 9)):
+        rig.ctl.receive(bad)
+    assert rig.counters["bad_messages"] == 4 and rig.sent == [] and rig.arrived == [(1, 5, 12, 3)]

@@ -164,14 +164,16 @@ class RankControl:
                             data = sock.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._receive(data)
+                        self.receive(data)
                 self._check()
             except zmq.ZMQError:
                 if not self.running:
                     return
                 raise
 
-    def _receive(self, data: bytes) -> None:
+    def receive(self, data: bytes) -> None:
+        """Act on one message of the control channel, as the I/O thread reads it: a hello, a
+        heartbeat, a layer arrival or a goodbye; anything else is counted and dropped."""
         try:
             msg = wire.from_worker(data)
             if not msg.rank < self.spec.tp_size or isinstance(msg, wire.Done):
