@@ -125,3 +125,47 @@ def test_good_worker_messages_decode_item_by_item():
     assert wire.from_worker(wire.pack(wire.ARRIVED, 1, 5, 9, 3)) == wire.Arrived(1, 5, 9, 3)
     assert wire.from_worker(wire.pack(wire.HELLO, 1, 5, 9, 2, "g", 256, "s")) == wire.Hello(1, 5, 9, 2, "g", 256, "s")
     assert wire.from_worker(wire.pack(wire.BYE, 1, 5, "")) == wire.Bye(1, 5, "")
+
+
+#: each worker message's good items, and each int item's name and lower bound (text items apart)
+GOOD = {
+    wire.HB: ([1, 5, 10, [1, 2, 3]], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the bytes", 0)}),
+    wire.DONE: ([1, 5, 9, 2, None], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the command id", 1),
+                                     4: ("the count", 0)}),
+    wire.ARRIVED: ([1, 5, 9, 3], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the command id", 1),
+                                  4: ("the layers", 1)}),
+    wire.HELLO: ([1, 5, 9, 2, "g", 4, "s"], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the pid", 1),
+                                            4: ("the TP size", 1), 6: ("lanes", 1)}),
+    wire.BYE: ([1, 5, "bye"], {1: ("the rank", 0), 2: ("the incarnation", 1)}),
+}
+NAMES = {wire.HB: "HB", wire.DONE: "DONE", wire.ARRIVED: "ARRIVED", wire.HELLO: "HELLO", wire.BYE: "BYE"}
+
+
+def worker_refusal(kind: int, items: list) -> str:
+    with pytest.raises(ProtocolError) as e:
+        wire.from_worker(wire.pack(kind, *items))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kind", sorted(GOOD))
+def test_every_int_item_of_every_worker_message_is_refused_by_its_name_below_its_bound(kind):
+    items, ints = GOOD[kind]
+    wire.from_worker(wire.pack(kind, *items))  # the good message decodes
+    for i, (name, low) in ints.items():
+        bad = list(items)
+        bad[i - 1] = low - 1
+        high = 257 if name == "lanes" else 1 << 63
+        assert worker_refusal(kind, bad) == f"{name} must be an int in [{low}, {high}), got {low - 1}"
+    assert worker_refusal(kind, items[:-1]) == \
+        f"a {NAMES[kind]} message has {len(items)} items after its type, got {len(items) - 1}"
+
+
+def test_a_fault_count_and_texts_are_refused_by_name_and_text_is_bounded_at_4096():
+    assert worker_refusal(wire.HB, [1, 5, 10, [1, -1, 3]]) == f"a fault count must be an int in [0, {1 << 63}), got -1"
+    assert worker_refusal(wire.DONE, [1, 5, 9, 2, "e" * 4097]) == "the error must be a str of at most 4096 chars"
+    assert wire.from_worker(wire.pack(wire.DONE, 1, 5, 9, 2, "e" * 4096)).error == "e" * 4096
+    assert worker_refusal(wire.HELLO, [1, 5, 9, 2, "g", 4, 7]) == "the secret must be a str of at most 4096 chars"
+    assert worker_refusal(wire.BYE, [1, 5, 3]) == "the reason must be a str of at most 4096 chars"
+    assert wire.from_worker(wire.pack(wire.HELLO, 1, 5, 9, 2, "g" * 4096, 4, "")).geometry == "g" * 4096
+    assert worker_refusal(wire.HELLO, [1, 5, 9, 2, "g" * 4097, 4, ""]) == \
+        "the geometry must be a non-empty str of at most 4096 chars"
