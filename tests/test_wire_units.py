@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import pytest
 
 from kvstate import commands as C
 from kvstate._errors import ProtocolError
+from kvstate._spec import CacheSpec
 from kvstate.distributed import _wire as wire
 
 NOW = time.monotonic()
@@ -169,3 +171,36 @@ def test_a_fault_count_and_texts_are_refused_by_name_and_text_is_bounded_at_4096
     assert wire.from_worker(wire.pack(wire.HELLO, 1, 5, 9, 2, "g" * 4096, 4, "")).geometry == "g" * 4096
     assert worker_refusal(wire.HELLO, [1, 5, 9, 2, "g" * 4097, 4, ""]) == \
         "the geometry must be a non-empty str of at most 4096 chars"
+
+
+@pytest.mark.parametrize("data, message", [
+    ("text", "a message must be bytes of at most 64 MiB"),
+    (None, "a message must be bytes of at most 64 MiB"),
+    (b"\xc1", "a message did not parse as msgpack (FormatError)"),
+    (wire.pack(1) + b"x", "a message did not parse as msgpack (ExtraData)"),
+    (msgpack.packb([1, {2: 3}]), "a message did not parse as msgpack (ValueError)"),  # a map keyed by an int
+    (msgpack.packb({"a": 1}), "a message must be an array opening with its type"),
+    (msgpack.packb([]), "a message must be an array opening with its type"),
+    (msgpack.packb(["1", 2]), "a message must be an array opening with its type"),
+])
+def test_a_message_that_is_no_array_of_items_is_refused_by_what_it_is(data, message):
+    with pytest.raises(ProtocolError) as e:
+        wire.unpack(data)
+    assert str(e.value) == message
+
+
+def test_the_size_bound_holds_at_its_limit_and_texts_travel_as_text(monkeypatch):
+    msg = wire.pack(wire.BYE, 1, 5, "é")
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", len(msg))
+    assert wire.unpack(msg) == [wire.BYE, 1, 5, "é"]  # at the limit: taken
+    with pytest.raises(ProtocolError, match="^a message must be bytes of at most 64 MiB$"):
+        wire.unpack(msg + b"\x00")
+    assert msgpack.unpackb(wire.pack("k", b"\x00"), raw=False) == ["k", b"\x00"]  # bytes stay bytes
+
+
+def test_the_geometry_names_every_field_the_blocks_and_the_states():
+    assert wire.geometry(CacheSpec(2, 1, 4, 8), 4) == (
+        "num_layers=2|kv_heads=1|block_size=4|head_dim=8|dtype=bfloat16|extra_layers=0|has_value=True|"
+        "fp8_scales=False|tp_size=1|layer_groups=1|total_kv_heads=0|store_heads=0|groups=()|"
+        "group_tables=False|blocks=4|states=0")
+    assert wire.geometry(CacheSpec(2, 1, 4, 8), 4, 3).endswith("|blocks=4|states=3")
