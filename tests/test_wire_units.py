@@ -204,3 +204,9 @@ def test_the_geometry_names_every_field_the_blocks_and_the_states():
         "fp8_scales=False|tp_size=1|layer_groups=1|total_kv_heads=0|store_heads=0|groups=()|"
         "group_tables=False|blocks=4|states=0")
     assert wire.geometry(CacheSpec(2, 1, 4, 8), 4, 3).endswith("|blocks=4|states=3")
+
+
+def test_incarnations_are_fresh_63_bit_numbers_never_0():
+    drawn = {wire.new_incarnation() for _ in range(64)}
+    assert len(drawn) == 64 and all(1 <= i < 1 << 63 for i in drawn)
+    assert max(drawn) > 1 << 56  # drawn from the whole range, not a small one
