@@ -88,19 +88,27 @@ class Rig:
 
 def test_a_hello_with_the_secret_is_welcomed_on_every_lane_and_the_rank_is_up():
     rig = Rig()
+    for t in (1.0, 2.0, 3.0):
+        rig.ctl.backoff.started(1, t)  # a worker that failed to come up twice before
+    before = time.monotonic()
     rig.hello(1, 55)
     assert rig.sent == [(1, 1, [wire.WELCOME, 55]), (1, 0, [wire.WELCOME, 55])]
     assert rig.ranks.incarnation(1) == 55 and rig.ranks.lanes(1) == 2 and rig.ups == [1]
-    assert [type(n) for n in rig.ctl.notices()] == [RankUp]
+    assert rig.ranks.pid(1) == 901 and rig.ranks.live()[0][:2] == (1, 55) and rig.ranks.live()[0][2] >= before
+    (up,) = rig.ctl.notices()
+    assert type(up) is RankUp and (up.rank, up.pid) == (1, 901) and up.at >= before
+    assert rig.ctl.backoff.delay(1) == 0.25  # it came up: the back-off starts over
     rig.hello(1, 55)  # repeated: the welcome crossed it
     rig.hello(1, 56)  # another worker for a live rank: dropped, never answered
-    assert len(rig.sent) == 2 and rig.counters["foreign_hellos"] == 1 and rig.ranks.incarnation(1) == 55
+    rig.hello(1, 57)
+    assert len(rig.sent) == 2 and rig.counters["foreign_hellos"] == 2 and rig.ranks.incarnation(1) == 55
 
 
 def test_hellos_without_the_secret_or_with_another_geometry_are_refused_their_way():
     rig = Rig()
     rig.hello(0, 7, secret="guess")
-    assert rig.sent == [] and rig.counters["unauthenticated_hellos"] == 1 and rig.ranks.incarnation(0) == 0
+    rig.hello(0, 7, secret="")
+    assert rig.sent == [] and rig.counters["unauthenticated_hellos"] == 2 and rig.ranks.incarnation(0) == 0
     rig.hello(0, 8, tp=4)
     assert rig.sent == [(0, 0, [wire.REFUSE, 8, "rank 0's worker has TP 4, the scheduler 2"])]
     rig.hello(1, 9, geometry="other")
@@ -113,8 +121,10 @@ def test_heartbeats_count_for_the_current_incarnation_and_a_stopped_one_is_asked
     rig = Rig()
     rig.hello(0, 5)
     rig.sent.clear()
+    before = time.monotonic()
     rig.ctl.receive(wire.pack(wire.HB, 0, 5, 4096, [1, 0, 2]))
     assert rig.ranks.bytes_moved() == 4096 and rig.ranks.store_faults() == (1, 0, 2) and rig.counters["stale"] == 0
+    assert rig.ranks.live()[0][2] >= before  # heard from now
     rig.ctl.receive(wire.pack(wire.HB, 0, 6, 1, [0, 0, 0]))  # another incarnation of a live rank
     assert rig.counters["stale"] == 1 and rig.sent == [] and rig.ranks.bytes_moved() == 4096
     rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0]))  # a rank declared dead that lives on
