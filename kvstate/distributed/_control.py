@@ -50,24 +50,25 @@ class RestartBackoff:
     ends the back-off: the next death restarts at once."""
 
     FIRST_S, MAX_S = 0.25, 5.0
+    _NEVER = (0.0, 0)  # a rank never started: (last start, starts since its last hello)
 
     def __init__(self) -> None:
         self._starts: dict[int, tuple[float, int]] = {}  # rank -> (last start, starts since its last hello)
 
     def started(self, rank: int, now: float) -> None:
-        self._starts[rank] = (now, self._starts.get(rank, (0.0, 0))[1] + 1)
+        self._starts[rank] = (now, self._starts.get(rank, self._NEVER)[1] + 1)
 
     def hello(self, rank: int) -> None:
         """``rank``'s worker came up: its next start waits only from its last start."""
-        self._starts[rank] = (self._starts.get(rank, (0.0, 0))[0], 0)
+        self._starts[rank] = (self._starts.get(rank, self._NEVER)[0], 0)
 
     def delay(self, rank: int) -> float:
         """Seconds from ``rank``'s last start to its next."""
-        starts = self._starts.get(rank, (0.0, 0))[1]
+        starts = self._starts.get(rank, self._NEVER)[1]
         return min(self.MAX_S, self.FIRST_S * 2 ** max(0, starts - 1))
 
     def may_start(self, rank: int, now: float) -> bool:
-        return now - self._starts.get(rank, (0.0, 0))[0] >= self.delay(rank)
+        return now - self._starts.get(rank, self._NEVER)[0] >= self.delay(rank)
 
 
 class RankControl:

@@ -61,4 +61,3 @@ class SimRequest:
         if lo < start or hi > start + len(run):
             return unique_tokens(self.base, lo, hi)  # past what it decodes: not in the run
         return run[lo - start:hi - start]
-

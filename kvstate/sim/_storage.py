@@ -104,7 +104,7 @@ class SimStore:
         self.used += (len(stored) - before) * self.shard_bytes
         if blocks.keys().isdisjoint(keys):  # every key new to the pool: appended in write order
             blocks.update(dict.fromkeys(keys))
-        elif self._last_write is None or self._last_write[1] != self._lru_moves or self._last_write[0] != keys:
+        elif self._last_write != (keys, self._lru_moves):
             touch = blocks.move_to_end  # else: another rank's write of the same keys just put them
             for k in keys:              # at the end, in order
                 if k in blocks:
