@@ -282,3 +282,35 @@ def test_a_live_writers_claims_are_never_taken_from_it(arena):
         p.send_signal(signal.SIGKILL)
         p.wait(30)
     assert arena.batch_put_from(["mine", "again"], [blob(1), blob(2)]) == [0, 0] and arena.reclaimed == 4
+
+
+def test_a_large_batch_of_keys_of_every_length_is_found_exactly(tmp_path):
+    """The index is searched once per batch (the batch's hashes sorted, the slots' looked up in
+    them): across 300 keys of lengths 1 to 40, stored or not, asked in any order, each answer
+    is that key's own."""
+    rng = np.random.default_rng(5)
+    a = ArenaStore.create(64, 8, small_bytes=32, small_slots=400, directory=tmp_path)
+    try:
+        keys = [f"k{i}" + "x" * int(rng.integers(0, 38)) for i in range(300)]
+        stored = set(keys[::3])
+        assert a.batch_put_from(sorted(stored), [bytes([i % 256]) * 8 for i in range(len(stored))]) == \
+            [0] * len(stored)
+        order = list(rng.permutation(len(keys)))
+        asked = [keys[i] for i in order]
+        assert a.batch_is_exist(asked) == [int(k in stored) for k in asked]
+        outs = [bytearray(8) for _ in stored]
+        assert a.batch_get_into(sorted(stored)[::-1], outs) == [8] * len(stored)
+        assert [bytes(o) for o in outs[::-1]] == [bytes([i % 256]) * 8 for i in range(len(stored))]
+        assert a.evict(asked) == len(stored) and len(a) == 0
+    finally:
+        a.close()
+
+
+def test_a_key_whose_hash_is_zero_is_stored_and_found_all_the_same(arena, monkeypatch):
+    import kvstate.backends._arena as arena_module
+
+    monkeypatch.setattr(arena_module.xxhash, "xxh3_64_intdigest", lambda b: 0)  # 0 marks an empty slot
+    assert arena.batch_put_from(["zero", "nil"], [blob(1), b"m"]) == [0, 0]
+    assert arena.batch_is_exist(["nil", "zero", "none"]) == [1, 1, 0]
+    out = bytearray(SLOT)
+    assert arena.batch_get_into(["zero"], [out]) == [SLOT] and bytes(out) == blob(1).tobytes()

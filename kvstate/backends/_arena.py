@@ -41,6 +41,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -80,11 +81,14 @@ class _Keys:
 
     def __init__(self, keys: Sequence[str]) -> None:
         raw = [k.encode() for k in keys]
-        self.lens = np.fromiter((len(b) for b in raw), np.uint16, len(raw))
+        self.lens = np.array(list(map(len, raw)), np.uint16)
         self.width = int(self.lens.max()) if len(raw) else 0
-        self.rows = np.frombuffer(b"".join(b.ljust(self.width, b"\0") for b in raw), np.uint8) \
+        pad = [self.width] * len(raw)
+        self.rows = np.frombuffer(b"".join(map(bytes.ljust, raw, pad, repeat(b"\0"))), np.uint8) \
             .reshape(len(raw), self.width)
-        self.hashes = np.fromiter(((xxhash.xxh3_64_intdigest(b) or 1) for b in raw), np.uint64, len(raw))
+        self.hashes = np.array(list(map(xxhash.xxh3_64_intdigest, raw)), np.uint64)
+        self.hashes[self.hashes == 0] = 1
+        self.sorted = np.sort(self.hashes)  # what the index's hashes are looked up in
 
     def __len__(self) -> int:
         return len(self.lens)
@@ -93,7 +97,7 @@ class _Keys:
         """The keys at ``idx`` (a sub-batch)."""
         out = _Keys.__new__(_Keys)
         out.lens, out.rows, out.hashes = self.lens[idx], self.rows[idx], self.hashes[idx]
-        out.width = self.width
+        out.width, out.sorted = self.width, np.sort(out.hashes)
         return out
 
 
@@ -131,7 +135,11 @@ class _Class:
         matched by sorting, then the key bytes compared; a hash two stored keys share is
         resolved key by key)."""
         out = np.full(len(keys), -1, np.int64)
-        cand = np.flatnonzero((self.state == STORED) & np.isin(self.hash, keys.hashes))
+        if not len(keys):
+            return out
+        stored = np.flatnonzero(self.state == STORED)
+        at = np.minimum(np.searchsorted(keys.sorted, self.hash[stored]), len(keys) - 1)
+        cand = stored[keys.sorted[at] == self.hash[stored]]  # slots whose hash is one of the batch's
         if not len(cand):
             return out
         order = np.argsort(self.hash[cand], kind="stable")
