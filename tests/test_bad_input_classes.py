@@ -9,7 +9,7 @@ from protocol_support import snapshot
 from rigs import Rig, small_spec
 
 from kvstate import KVStateError, Policy
-from kvstate._keys import block_keys, rank_key
+from kvstate._keys import block_keys, rank_key, rank_keys
 from kvstate._prefill import PrefillLifecycle
 from kvstate._spec import CacheSpec
 from kvstate.backends import FileStore, MemoryStore, ReferenceBackend
@@ -106,6 +106,17 @@ def test_extra_keys_are_checked_on_both_sides_before_anything_changes(extra, rul
 def test_object_names_are_checked(args):
     with pytest.raises(KVStateError, match="rank_key"):
         rank_key(*args)
+
+
+def test_names_in_a_batch_are_each_rank_key_and_checked_as_it_checks():
+    keys, kinds = ["a", "bb"], ("key", "value")
+    assert rank_keys(keys, kinds, 3) == [rank_key(k, kind, 3) for k in keys for kind in kinds]
+    assert rank_keys(keys, kinds, 0, [0, 2]) == [rank_key(k, kind, 0, g) for k in keys for kind in kinds
+                                                 for g in (0, 2)]
+    for args in [(["a", ""], kinds, 0), (["a", None], kinds, 0), (keys, ("key", ""), 0), (keys, kinds, -1),
+                 (keys, kinds, True), (keys, kinds, 0, [1, -1]), (keys, kinds, 0, [1.5])]:
+        with pytest.raises(KVStateError, match="rank_key"):
+            rank_keys(*args)
 
 
 def test_key_namespaces_are_str():

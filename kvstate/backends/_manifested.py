@@ -14,9 +14,9 @@ from the device. The first block that fails ends the count; a broken one is evic
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
-from .._keys import rank_key
+from .._keys import rank_keys
 from ._base import TOO_LARGE, Store, leading
 from ._integrity import SUM64, XXH3, ManifestError, geometry_id, manifest_size, pack_manifest, sum64, unpack_manifest
 
@@ -59,9 +59,8 @@ class BlockObjects:
         then layer group (all groups, or only ``groups``)."""
         spec = self.spec
         if spec.object_groups == 1 and groups is None:
-            return [rank_key(key, kind, part) for key in keys for kind in spec.kinds]
-        gs = range(spec.object_groups) if groups is None else groups
-        return [rank_key(key, kind, part, g) for key in keys for kind in spec.kinds for g in gs]
+            return rank_keys(keys, spec.kinds, part)
+        return rank_keys(keys, spec.kinds, part, range(spec.object_groups) if groups is None else groups)
 
     def groups_of(self, groups: Sequence[int] | None) -> list[int | None]:
         """The layer groups each block's objects are named for, in :meth:`names`' order."""
@@ -71,8 +70,10 @@ class BlockObjects:
 
     def manifest_names(self, part: int, keys: Sequence[str], groups: Sequence[int] | None) -> list[str]:
         """One manifest per block and layer group of head group ``part``, block by block."""
-        return [rank_key(key, MANIFEST_KIND, part) if g is None else rank_key(key, MANIFEST_KIND, part, g)
-                for key in keys for g in self.groups_of(groups)]
+        gs = self.groups_of(groups)
+        if gs == [None]:
+            return rank_keys(keys, (MANIFEST_KIND,), part)
+        return rank_keys(keys, (MANIFEST_KIND,), part, cast("list[int]", gs))
 
     def objects_of(self, i: int, gi: int, ng: int) -> range:
         """Indices (in :meth:`names`' order) of block ``i``'s objects of its ``gi``-th group."""
