@@ -206,6 +206,24 @@ def test_backend_roundtrip_two_ranks_and_partial_read():
     assert d.block_bytes(0, "key", 4) == p.block_bytes(0, "key", 5)
 
 
+def test_a_query_asks_for_the_first_block_alone_and_the_rest_only_when_it_is_stored():
+    """Most writes are of new prompts: a query whose first block is missing answers 0 from
+    one block's objects and manifest; a stored first block is followed by the whole batch."""
+    spec = small_spec(tp=1)
+    store = MemoryStore(1 << 22)
+    p = ReferenceBackend(spec, 8, store)
+    asked: list[int] = []
+    real = store.batch_is_exist
+    store.batch_is_exist = lambda names: asked.append(len(names)) or real(names)  # type: ignore[method-assign]
+    keys = block_keys(list(range(16)), 4)
+    assert p.query(0, keys) == 0 and asked == [3]  # key, value and manifest of block 0
+    assert p.write(0, keys[:3], [1, 2, 3]) == 3
+    asked.clear()
+    assert p.query(0, keys) == 3 and asked == [3, 12]
+    asked.clear()
+    assert p.query(0, keys[:1]) == 1 and asked == [3]
+
+
 def test_layer_groups_store_a_block_as_one_object_per_group():
     """With layer groups each (block, kind) is several objects of consecutive layers; a block
     counts as stored only with every group, and its bytes come back whole."""

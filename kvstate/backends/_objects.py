@@ -455,13 +455,18 @@ class StoreBackend(TransferBackend):
         self._check_keys(rank, keys)
         count = len(keys)
         for part in self.spec.parts(rank):
-            names = self.objects.names(part, keys[:count])
-            if not self.verify:
-                count = self._whole([f == 1 for f in self.store.batch_is_exist(names)], count)
-            else:
-                found = self.store.batch_is_exist(names + self.objects.manifest_names(part, keys[:count], None))
-                count = self.objects.leading_blocks(keys[:count], None, [f == 1 for f in found])
+            if count > 1 and not self._stored(part, keys[:1]):  # a new prompt: its first block answers
+                return 0
+            count = self._stored(part, keys[:count])
         return count
+
+    def _stored(self, part: int, keys: Sequence[str]) -> int:
+        """Leading keys whose objects (and manifests) head group ``part`` holds in the store."""
+        names = self.objects.names(part, keys)
+        if not self.verify:
+            return self._whole([f == 1 for f in self.store.batch_is_exist(names)], len(keys))
+        found = self.store.batch_is_exist(names + self.objects.manifest_names(part, keys, None))
+        return self.objects.leading_blocks(keys, None, [f == 1 for f in found])
 
     def close(self) -> None:
         self._hash.close()
