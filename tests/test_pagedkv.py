@@ -212,6 +212,36 @@ def test_arena_transfers_count_up_to_a_broken_block_and_read_a_cpu_writers_block
             t.close(5)
 
 
+@pytest.mark.gpu
+def test_a_zero_copy_save_whose_fence_passes_between_its_runs_stores_nothing_and_claims_nothing():
+    """A save gathers its runs as it claims them, and publishes none before all are under way:
+    a fence that passes after the first run was gathered fails the save with no object
+    visible and every slot it claimed free again; the same save before its fence stores all."""
+    import torch
+
+    from kvstate import FenceError
+    from kvstate.integrations._pagedkv import RankTransfers
+
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    s, nb, n = spec(), 40, 34
+    src = layers((2, nb, H, B, D), device="cuda")
+    store = ArenaStore.create(s.num_layers * s.chunk_bytes("key"), 4 * n + 8, small_bytes=512)
+    keys = tuple(block_keys(list(range(1, n * B + 1)), B, namespace="f"))
+    p = RankTransfers(s, 0, src, store)
+    try:
+        calls: list[int] = []
+        with pytest.raises(FenceError):
+            p.backend.write(0, keys, list(range(n)), guard=lambda: calls.append(1) or len(calls) < 2)
+        assert len(calls) == 2, "the second run's gather is where the fence was found passed"
+        assert len(store) == 0 and int((store.big.state != 0).sum()) == 0 and int((store.small.state != 0).sum()) == 0
+        assert p.backend.write(0, keys, list(range(n)), guard=lambda: True) == n
+        assert len(store) == 3 * n  # two kinds and a manifest a block
+        torch.cuda.synchronize()
+    finally:
+        p.close(5)
+
+
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
 def test_p_and_d_at_different_tp_degrees_hand_off_byte_exact_through_the_connectors_core(p_tp, d_tp):
     """The connector's whole path without vLLM, P and D at different TP degrees: each side's

@@ -26,6 +26,7 @@ from .._errors import ValidationError
 from .._spec import CacheSpec
 from .._validate import check_int
 from ..kernels._cuda import CudaSwapper, DeviceLayers, load_cupy
+from ..kernels._cuda_launch import register_host, unregister_host
 from ._arena import ArenaStore
 from ._base import MISSING, Guard, Store, check_fence, leading
 from ._cuda_caches import bind_rank, caches_by_rank
@@ -420,7 +421,7 @@ class CudaBackend(DeviceSums, StoreBackend):
             slots = store.slots()  # type: ignore[attr-defined]
             ptr = int(slots.__array_interface__["data"][0])
             with self.cp.cuda.Device(self.device):
-                _pin(self.cp, ptr, slots.nbytes)
+                register_host(self.cp, ptr, slots.nbytes)
             self._registered = ptr
             self._arena_views = {k: slots.view(spec.kind_dtype(k)).reshape((len(slots), spec.layers) +
                                                                          spec.block_shape(k)) for k in spec.kinds}
@@ -442,71 +443,100 @@ class CudaBackend(DeviceSums, StoreBackend):
 
     def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None) -> int:
-        """Take the blocks' SUM64 on the GPU, gather them straight into slots the arena store
-        claimed, stage their manifests while they move, then publish objects and manifests in
-        one step (no copy); leading blocks stored. Claims are let go only once
-        nothing can write their slots (a stuck device keeps them claimed)."""
-        store, nk, n = cast(ArenaStore, self.store), len(self.spec.kinds), len(keys)
+        """Gather the blocks straight into slots the arena store claimed, in runs (:func:`_pieces`:
+        each run claimed while the one before it moves, and given its own event), take their
+        SUM64 on the GPU meanwhile and stage their manifests, then publish each run, objects
+        and manifests in one step, as soon as its copy has landed: only the first run's claim
+        comes before the copy and only the last run's publish after it. Leading blocks stored.
+        Claims are let go only once nothing can write their slots (a stuck device keeps them
+        claimed)."""
+        store, nk = cast(ArenaStore, self.store), len(self.spec.kinds)
         names = self.objects.names(part[1], keys)
-        by_kind = store.claim([names[i * nk + k] for k in range(nk) for i in range(n)])  # a kind's slots in runs
-        slots = [by_kind[k * n + i] for i in range(n) for k in range(nk)]
-        n = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(n))
+        claimed: list[str] = []
         mnames: list[str] = []
-        moved = n == 0
-        try:
-            with self._on(rank):
-                # summed first: fetching sums while the gather's DMA runs would queue behind it
-                sums = self._device_sums(rank, part[0], block_ids[:n], None) or [] if n else []
-                ev = self._arena_move(rank, block_ids[:n], slots[:n * nk], "d2h", guard) if n else None
-                try:
-                    mnames, blobs = self.objects.manifests(part[1], keys[:n], None, [store.big.size] * (n * nk),
-                                                           self._flat(sums, 0, n) or [], SUM64)
-                    staged = store.stage(mnames, blobs)
-                finally:
-                    if ev is not None:
-                        self._swappers[rank].wait(ev)
-                    moved = True
-            n = leading(st == 0 for st in staged)  # a block publishes only with its manifest
-            status = store.publish(names[:n * nk] + mnames[:n])
-            return self.objects.leading_blocks(keys[:n], None, [st == 0 for st in status])
-        finally:
-            if moved:
-                store.release(names + mnames)
+        events: list[Any] = []
+        runs: list[tuple[int, int]] = []  # the runs moving, each with its event
+        count = 0
+        with self._on(rank):
+            try:  # every run enqueued before any is published: a fence that passes stores none
+                for a, b in _pieces(len(keys)):
+                    run = names[a * nk:b * nk]
+                    claimed += run
+                    by_kind = store.claim([run[i * nk + k] for k in range(nk) for i in range(b - a)])  # kinds in runs
+                    slots = [by_kind[k * (b - a) + i] for i in range(b - a) for k in range(nk)]
+                    m = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(b - a))
+                    if m:
+                        events.append(self._arena_move(rank, block_ids[a:a + m], slots[:m * nk], "d2h", guard))
+                        runs.append((a, a + m))
+                    if m < b - a:
+                        break
+                n = runs[-1][1] if runs else 0
+                pending = self._launch_sums(rank, part[0], block_ids[:n], None) if n else None
+                sums = pending() if pending is not None else []
+                mnames, blobs = self.objects.manifests(part[1], keys[:n], None, [store.big.size] * (n * nk),
+                                                       self._flat(sums, 0, n) or [], SUM64)
+                staged = store.stage(mnames, blobs)
+                count = self._publish_runs(rank, keys, names, mnames, runs, events, leading(st == 0 for st in staged))
+                return count
+            finally:
+                self._wait_all(self._swappers[rank], events)  # a stuck device raises: its claims stay
+                store.release(claimed[count * nk:] + mnames[count:])  # the blocks counted were published
+
+    def _publish_runs(self, rank: int, keys: Sequence[str], names: Sequence[str], mnames: Sequence[str],
+                      runs: Sequence[tuple[int, int]], events: Sequence[Any], n: int) -> int:
+        """Publish the first ``n`` blocks' objects and manifests run by run, each once its
+        gather's event passed; the leading blocks stored (a run short of its end stops it)."""
+        store, nk, sw, count = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank], 0
+        for (a, b), ev in zip(runs, events):
+            b = min(b, n)
+            if a >= b:
+                break
+            sw.wait(ev)
+            status = store.publish(list(names[a * nk:b * nk]) + list(mnames[a:b]))
+            done = self.objects.leading_blocks(keys[a:b], None, [st == 0 for st in status])
+            count += done
+            if done < b - a:
+                break
+        return count
 
     def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None) -> int:
-        """Scatter the blocks straight out of the arena's slots in two pieces (the second's
-        manifests read and slots found while the first moves), then count the leading blocks
-        whose slots held them throughout and whose SUM64, taken where they landed, are their
-        manifests'; the first broken one is evicted. Manifests of host checksums (a writer
-        without a GPU) are read by the staged path."""
+        """Scatter the blocks straight out of the arena's slots in pieces (:func:`_pieces`), each
+        piece's slots found while the one before it moves and its manifests read while it moves
+        itself (a block they do not vouch for moved in vain and never counts), so only finding
+        the first, small piece's slots comes before the copy. Each piece's SUM64 is taken on the
+        GPU where it landed as soon as it has (the host does not wait for it); then the leading
+        blocks whose slots held them throughout and whose sums are their manifests' count, the
+        first broken one evicted. Manifests of host checksums (a writer without a GPU) are read
+        by the staged path."""
         store, nk, sw = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank]
         n, names = len(keys), self.objects.names(part[1], keys)
-        # a first quarter, whose bookkeeping is all that runs before the first copy starts
-        halves = [(0, n // 4), (n // 4, n)] if n >= 16 else [(0, n)]
         moved: list[tuple[int, int, Any, Any]] = []  # (first block, blocks moved, their places, what was read)
         events: list[Any] = []
         count, staged_from = 0, None
         with self._on(rank):
             try:
-                for a, b in halves:
-                    read, vouched = self.objects.read_manifests(part[1], keys[a:b], None)
+                for a, b in _pieces(n):
                     places = store.locate(names[a * nk:b * nk])
+                    here = leading(all(p.slot >= 0 for p in places[i * nk:(i + 1) * nk]) for i in range(b - a))
+                    ev = self._arena_move(rank, block_ids[a:a + here], [p.slot for p in places[:here * nk]],
+                                          "h2d", guard) if here else None
+                    events.append(ev)
+                    sums = self._launch_sums(rank, part[0], block_ids[a:a + here], None, after=ev) if here else None
+                    # the manifests are read while the blocks move: those they do not vouch for never count
+                    read, vouched = self.objects.read_manifests(part[1], keys[a:b], None)
                     got = [p.length if p.slot >= 0 else MISSING for p in places]
-                    whole = self.objects.arrived(keys[a:b], [None], got, vouched)
+                    whole = min(here, self.objects.arrived(keys[a:b], [None], got, vouched))
                     if any(alg != SUM64 for alg, _ in vouched[:whole]):
                         staged_from = a
                         break
-                    events.append(self._arena_move(rank, block_ids[a:a + whole], [p.slot for p in places[:whole * nk]],
-                                                   "h2d", guard) if whole else None)
-                    moved.append((a, whole, places, (read, vouched, got, b - a)))
+                    moved.append((a, whole, places, (read, vouched, got, b - a, sums)))
                     if whole < b - a:
                         break
-                for (a, whole, places, (read, vouched, got, size)), ev in zip(moved, events):
+                for (a, whole, places, (read, vouched, got, size, sums)), ev in zip(moved, events):
                     if ev is not None:
                         sw.wait(ev)
-                    done = self._arena_verified(rank, part, keys[a:a + size], block_ids[a:a + whole], places,
-                                                vouched)
+                    done = self._arena_verified(part, keys[a:a + size], whole, places, vouched, sums)
                     if done == whole:
                         self.objects.evict_if_broken(part[1], keys[a:a + size], None, got, read, whole)
                     count += done
@@ -518,16 +548,17 @@ class CudaBackend(DeviceSums, StoreBackend):
             return count
         return count + self._get(rank, part, keys[count:], block_ids[count:], guard, None)
 
-    def _arena_verified(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
-                        places: Sequence[Any], vouched: Any) -> int:
-        """Of blocks scattered from the arena, the leading ones whose slots still hold them and
-        whose SUM64 where they landed are their manifests' (the first that differs is evicted)."""
+    def _arena_verified(self, part: tuple[int, int], keys: Sequence[str], whole: int, places: Sequence[Any],
+                        vouched: Any, sums: Callable[[], list[list[int]]] | None) -> int:
+        """Of ``whole`` blocks scattered from the arena, the leading ones whose slots still
+        hold them and whose SUM64 where they landed (``sums``, launched after the scatter) are
+        their manifests' (the first that differs is evicted)."""
         nk = len(self.spec.kinds)
-        still = cast(ArenaStore, self.store).unchanged(places[:len(block_ids) * nk])
-        w = leading(all(still[i * nk:(i + 1) * nk]) for i in range(len(block_ids)))
-        sums = self._device_sums(rank, part[0], block_ids[:w], None) if w else []
+        still = cast(ArenaStore, self.store).unchanged(places[:whole * nk])
+        w = leading(all(still[i * nk:(i + 1) * nk]) for i in range(whole))
+        got = sums()[:w] if sums is not None and w else []
         want = [(keys[i], self.objects.expected(i, [None], vouched)) for i in range(w)]
-        return self.objects.verify_deferred(part[1], want, sums or [])
+        return self.objects.verify_deferred(part[1], want, got)
 
     def close(self) -> None:
         """Wait for queued transfers, free staging, caches this backend allocated and streams,
@@ -538,34 +569,31 @@ class CudaBackend(DeviceSums, StoreBackend):
         for a in getattr(self, "_offered", ()):  # the store lets go before the memory is freed
             self.store.unregister_memory(a)
         with self.cp.cuda.Device(self.device):  # from any thread, whatever its current device
+            for rank in self._swappers:  # checksums may still land in pinned memory kept for them
+                if ("held", rank) in self._sum_cache:
+                    self._side_wait(rank)
             for sw in self._swappers.values():
                 sw.close()
             self._swappers.clear()
             if self._registered is not None:
-                _unpin(self.cp, self._registered)
+                unregister_host(self.cp, self._registered)
                 self._registered, self._arena_views = None, {}
             self._layers, self._parts, self._groups, self._slots, self._host, self._sum_cache = {}, {}, {}, {}, {}, {}
             self.state_pages.clear()
             super().close()
 
 
-
-_PINNED: dict[int, int] = {}  # address registered as pinned -> backends of this process using it
-_PINNED_LOCK = threading.Lock()
-
-
-def _pin(cp: Any, ptr: int, nbytes: int) -> None:
-    """Register host memory as pinned (portable: every device sees it) once per process; an
-    arena's slots are shared by every backend of the process that uses the arena."""
-    with _PINNED_LOCK:
-        if not _PINNED.get(ptr):
-            cp.cuda.runtime.hostRegister(ptr, nbytes, 3)  # cudaHostRegisterPortable | Mapped
-        _PINNED[ptr] = _PINNED.get(ptr, 0) + 1
-
-
-def _unpin(cp: Any, ptr: int) -> None:
-    with _PINNED_LOCK:
-        _PINNED[ptr] -= 1
-        if not _PINNED[ptr]:
-            del _PINNED[ptr]
-            cp.cuda.runtime.hostUnregister(ptr)
+def _pieces(n: int) -> list[tuple[int, int]]:
+    """A zero-copy transfer of ``n`` blocks in pieces: from 32 blocks on, a sixteenth, then
+    pieces each twice the one before, then the rest but a last sixteenth, then that sixteenth.
+    A piece's bookkeeping (about a quarter of its copy's time, a claim or a manifest read)
+    hides behind the copy of the piece before it; only the first piece's comes before the
+    copy, and only the last, small piece's publish or check after it."""
+    if n < 32:
+        return [(0, n)] if n else []
+    last = n // 16
+    out, a, size = [], 0, last
+    while n - last - a > 2 * size:
+        out.append((a, a + size))
+        a, size = a + size, 2 * size
+    return out + [(a, n - last), (n - last, n)]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels._cuda_checksum import block_sums, summable
+from ..kernels._cuda_checksum import block_sums, summable, to_host
 from ._base import Guard
 from ._integrity import sum64
 
@@ -56,10 +56,13 @@ class DeviceSums:
         return None if pending is None else pending()
 
     def _launch_sums(self, rank: int, g: int, ids: Sequence[int], groups: Sequence[int] | None,
-                     always: bool = False) -> Callable[[], list[list[int]]] | None:
+                     always: bool = False, after: Any = None) -> Callable[[], list[list[int]]] | None:
         """As :meth:`_device_sums`, without waiting for them: the kernels are launched and the
-        answer is what the returned function gives (a write fetches them once its objects are
-        stored, so the GPU sums while the host copies). ``always``: even for a trusted store."""
+        answer is what the returned function gives (a write fetches them once its gather is
+        under way, so the GPU sums while the host copies). ``always``: even for a trusted
+        store. ``after``: a device event the sums wait for (a scatter's: the host goes on).
+        The sums land in pinned host memory by a kernel's stores, never behind a copy engine's
+        queue (:func:`~kvstate.kernels._cuda_checksum.to_host`)."""
         if not (self.verify or always) or not ids:
             return None
         objects = self._object_layers(rank, groups)
@@ -67,15 +70,29 @@ class DeviceSums:
             return None
         cp, stream = self.cp, self._side_stream(rank)
         with stream:
+            if after is not None:
+                stream.wait_event(after)
             rows = cp.asarray(np.asarray(self._part_ids(ids, g), np.int64))
             out = cp.zeros((len(objects), len(ids)), dtype=cp.uint64)
             for j, layers in enumerate(objects):
                 block_sums(cp, layers.views, rows, self._sum_cache, fetch=False, out=out[j])
+            host = to_host(cp, out, self._sum_cache)
+            done = cp.cuda.Event(block=False, disable_timing=True)
+            done.record(stream)
+        self._keep_until(rank, done, host)
 
-        def fetch() -> list[list[int]]:  # one copy back; per block, its objects' sums
-            self._side_wait(rank)
-            return cp.asnumpy(out, stream=stream).T.tolist()
+        def fetch() -> list[list[int]]:  # per block, its objects' sums
+            self._swappers[rank].wait(done)
+            return host.T.tolist()
         return fetch
+
+    def _keep_until(self, rank: int, event: Any, host: Any) -> None:
+        """Hold ``host`` (pinned memory a kernel writes) until ``event`` passed, whatever the
+        caller does with it: returned to CuPy's pool earlier, it could be handed out again
+        while the kernel still writes it. Entries whose events passed are let go here."""
+        held = self._sum_cache.setdefault(("held", rank), [])
+        held[:] = [(ev, h) for ev, h in held if not ev.done]
+        held.append((event, host))
 
     def _side_stream(self, rank: int) -> Any:
         """The rank's stream for checksums and state pages, its own and non-blocking. Every

@@ -12,7 +12,11 @@ a millisecond a GiB, while the transfer is bound by PCIe and the store. The resu
 either side verify the other's objects.
 
 Sums are taken on CuPy's current stream: callers wait for the copies that wrote the blocks
-(a scatter's event, a layer-wise save's gather) before they ask.
+(a scatter's event, a layer-wise save's gather) before they ask, or make the stream wait.
+:func:`to_host` lands them in pinned host memory with a kernel's stores rather than a copy:
+a copy from the device queues on a copy engine behind the DMAs a save has in flight, so a
+write that fetched its sums that way would wait for its own gather before it could write its
+manifests.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["block_sums", "summable"]
+__all__ = ["block_sums", "summable", "to_host"]
 
 
 def summable(views: Sequence[Any]) -> bool:
@@ -45,6 +49,14 @@ extern "C" __global__ void sum64_rows(const unsigned long long* const* layers, c
 }
 """
 _THREADS = 256
+
+_TO_HOST = r"""
+extern "C" __global__ void u64_to_host(const unsigned long long* src, unsigned long long* dst, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n)
+        dst[i] = src[i];
+}
+"""
 
 
 def block_sums(cp: Any, views: Sequence[Any], ids: Any, cache: dict[Any, Any], fetch: bool = True,
@@ -75,3 +87,22 @@ def _table(cp: Any, views: Sequence[Any], cache: dict[Any, Any]) -> tuple[Any, i
         ptrs = np.asarray([int(v.data.ptr) for v in views], np.uint64)
         entry = cache[("layers", id(views))] = (views, cp.asarray(ptrs), views[0].nbytes // views[0].shape[0] // 8)
     return entry[1], entry[2]
+
+
+def to_host(cp: Any, sums: Any, cache: dict[Any, Any]) -> Any:
+    """A pinned host array of ``sums``' shape, filled by a kernel on CuPy's current stream
+    (its stores cross PCIe as mapped writes, never through a copy engine); read it once an
+    event recorded after this call has passed. The memory comes from CuPy's pinned pool and
+    returns there when the array is dropped: the caller keeps it until that event passed."""
+    import cupyx
+
+    kernel = cache.get("to_host")
+    if kernel is None:
+        kernel = cache["to_host"] = cp.RawKernel(_TO_HOST, "u64_to_host")
+    host = cupyx.empty_pinned(sums.shape, np.uint64)
+    n = int(sums.size)
+    if n:
+        # pinned memory is mapped under unified addressing; the device's address for it, asked
+        dst = int(cp.cuda.runtime.pointerGetAttributes(int(host.ctypes.data)).devicePointer)
+        kernel((-(-n // _THREADS),), (_THREADS,), (cp.ascontiguousarray(sums), np.uint64(dst), np.int64(n)))
+    return host

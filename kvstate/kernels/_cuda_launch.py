@@ -11,10 +11,13 @@
 - :class:`ParamRing` uploads the ids of larger calls through a small ring of pinned and device
   slots, each reused only after the call that last uploaded into it has run (on whatever
   stream: a staged call's last kernels read their ids long after the upload).
+- :func:`register_host` pins host memory made elsewhere (an arena store's shared slots) once
+  per process, counting its users; :func:`unregister_host` lets it go with the last.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,7 +32,8 @@ from ._ids import narrow_into
 from ._plan import LayerSet
 
 __all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "wait_event", "EVENT_TIMEOUT_S",
-           "external_stream", "Buffer", "Kernels", "DeviceLayers", "ParamRing", "H2D", "D2H"]
+           "external_stream", "Buffer", "Kernels", "DeviceLayers", "ParamRing", "H2D", "D2H", "register_host",
+           "unregister_host"]
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 _THREADS = 256
@@ -348,3 +352,25 @@ class DeviceLayers(LayerSet):
 
     def __len__(self) -> int:
         return len(self.ptrs)
+
+
+_REGISTERED: dict[int, int] = {}  # address registered as pinned -> its users in this process
+_REGISTERED_LOCK = threading.Lock()
+
+
+def register_host(cp: Any, ptr: int, nbytes: int) -> None:
+    """Register host memory as pinned (portable and mapped: every device sees it) once per
+    process, however many users ask (an arena's slots serve every backend of the process)."""
+    with _REGISTERED_LOCK:
+        if not _REGISTERED.get(ptr):
+            cp.cuda.runtime.hostRegister(ptr, nbytes, 3)  # cudaHostRegisterPortable | Mapped
+        _REGISTERED[ptr] = _REGISTERED.get(ptr, 0) + 1
+
+
+def unregister_host(cp: Any, ptr: int) -> None:
+    """One user of :func:`register_host`'s memory is done; the last unregisters it."""
+    with _REGISTERED_LOCK:
+        _REGISTERED[ptr] -= 1
+        if not _REGISTERED[ptr]:
+            del _REGISTERED[ptr]
+            cp.cuda.runtime.hostUnregister(ptr)
