@@ -342,6 +342,49 @@ def test_a_layer_wise_save_stores_each_layer_group_only_once_the_forward_reporte
         t.close(5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_wise_save_waits_for_each_layers_event_and_stores_what_the_forward_wrote(device):
+    """As the connector's ``save_kv_layer`` drives it on a GPU: the forward writes a layer's
+    blocks, records an event after it without waiting (a long kernel first keeps the write
+    back), and reports the layer; the save's gathers wait for the event on the device. What
+    is read back into other blocks is what the forward wrote, every layer, byte for byte."""
+    import torch
+
+    from kvstate.commands import SaveLayers
+    from kvstate.integrations._pagedkv import RankTransfers
+
+    if device == "cuda" and cuda_missing():
+        pytest.skip(cuda_missing())
+    s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=D, layer_groups=3)
+    caches = layers((2, NB, H, B, D), device=device)
+    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
+    store = MemoryStore(1 << 26)
+    keys = tuple(block_keys(list(range(1, 3 * B + 1)), B, namespace="ev"))
+    p, d = RankTransfers(s, 0, caches, store), RankTransfers(s, 0, dst, store)
+    written = {}
+    try:
+        now = time.monotonic()
+        p.submit("save", [SaveLayers("r", 1, (0,), now + 30, keys, (2, 5, 7), fence=now + 60)])
+        for i, name in enumerate(caches):
+            event = None
+            if device == "cuda":
+                torch.cuda._sleep(50_000_000)  # tens of ms of GPU time before the layer is written
+            caches[name][:, [2, 5, 7]] = torch.full_like(caches[name][:, [2, 5, 7]], float(i + 1))
+            written[name] = caches[name][:, [2, 5, 7]].clone()
+            if device == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            p.layers_computed([("r", 1)], i + 1, event)
+        assert [c.count for c in p.poll("save", 10)] == [3]
+        d.submit("load", [ReadBlocks("r", 2, (0,), time.monotonic() + 30, keys, (0, 1, 3))])
+        assert [c.count for c in d.poll("load", 10)] == [3]
+        for name in caches:
+            assert torch.equal(dst[name][:, [0, 1, 3]], written[name]), name
+    finally:
+        for t in (p, d):
+            t.close(5)
+
+
 @pytest.mark.parametrize("call, args", [
     ("submit", ("save", None)), ("submit", ("nope", [])), ("submit", ("save", [1])),
     ("poll", ("save", "x")), ("poll", ("save", -1)), ("poll", (None,)),
