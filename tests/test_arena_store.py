@@ -314,3 +314,84 @@ def test_a_key_whose_hash_is_zero_is_stored_and_found_all_the_same(arena, monkey
     assert arena.batch_is_exist(["nil", "zero", "none"]) == [1, 1, 0]
     out = bytearray(SLOT)
     assert arena.batch_get_into(["zero"], [out]) == [SLOT] and bytes(out) == blob(1).tobytes()
+
+
+def test_a_hash_shared_inside_a_batch_of_other_hashes_is_resolved_by_the_bytes(arena, monkeypatch):
+    """Colliding keys sit between others in the sorted index: a key is looked for from the
+    first of its hash on, and a key of that hash that is not stored is a miss."""
+    import kvstate.backends._arena as arena_module
+
+    monkeypatch.setattr(arena_module.xxhash, "xxh3_64_intdigest", lambda b: {b"a": 7, b"c": 9}.get(b[:1], 11))
+    assert arena.batch_put_from(["a-x", "c-one", "c-two", "e-y"], [b"1", b"2", b"3", b"4"]) == [0, 0, 0, 0]
+    assert arena.batch_is_exist(["c-two", "c-zzz", "e-y", "c-one", "a-x", "a-q"]) == [1, 0, 1, 1, 1, 0]
+    outs = [bytearray(8) for _ in range(3)]
+    assert arena.batch_get_into(["c-two", "c-zzz", "c-one"], outs) == [1, MISSING, 1]
+    assert bytes(outs[0][:1]) == b"3" and bytes(outs[2][:1]) == b"2"
+
+
+@pytest.mark.parametrize("kw, rule", [
+    (dict(slot_bytes=7, slots=1), "ArenaStore: slot_bytes"), (dict(slot_bytes=64, slots=0), "ArenaStore: slots"),
+    (dict(slot_bytes=64, slots=1, small_bytes=7), "ArenaStore: small_bytes"),
+    (dict(slot_bytes=64, slots=1, small_bytes=64), "ArenaStore: small_bytes"),
+    (dict(slot_bytes=64, slots=1, small_slots=0), "ArenaStore: small_slots"),
+    (dict(slot_bytes=64, slots=1, tag="t" * 65), "tag must be a str of at most 64 bytes"),
+    (dict(slot_bytes=64, slots=1, tag=b"geo"), "tag must be a str of at most 64 bytes"),
+])
+def test_create_refuses_each_bound_past_its_limit_by_name_and_makes_nothing(tmp_path, kw, rule):
+    with pytest.raises(ValidationError, match=rule):
+        ArenaStore.create(small_bytes=kw.pop("small_bytes", 8), directory=tmp_path, **kw)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_create_takes_every_bound_at_its_limit(tmp_path):
+    with pytest.raises(ValidationError, match="small_bytes"):  # small slots must be smaller than big ones
+        ArenaStore.create(8, 1, small_bytes=8, directory=tmp_path)
+    b = ArenaStore.create(9, 1, small_bytes=8, small_slots=1, tag="t" * 64, directory=tmp_path)
+    try:
+        assert (b.big.slots, b.big.size, b.small.slots, b.small.size, b.tag) == (1, 9, 1, 8, "t" * 64)
+        assert b.batch_put_from(["big", "small"], [b"x" * 9, b"y" * 8]) == [0, 0]
+    finally:
+        b.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_create_in_a_path_that_is_not_a_directory_names_it(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"")
+    with pytest.raises(ConfigError, match=f"{str(f)!r} is not a directory"):
+        ArenaStore.create(64, 1, small_bytes=8, directory=f)
+
+
+@pytest.mark.parametrize("kw", [dict(owner=1), dict(verify=1), dict(owner=None, verify=True)])
+def test_owner_and_verify_must_each_be_bools(arena, kw):
+    with pytest.raises(ConfigError, match="owner and verify must be bools"):
+        ArenaStore(arena.path, **kw)
+
+
+def test_a_claim_past_the_free_slots_takes_the_first_keys_and_answers_minus_one_for_the_rest(tmp_path):
+    a = ArenaStore.create(SLOT, 4, small_bytes=64, small_slots=4, directory=tmp_path)
+    try:
+        slots = a.claim(["k0", "k1", "k2", "k3", "k4", "k5"])
+        assert sorted(slots[:4]) == [0, 1, 2, 3] and slots[4:] == [-1, -1]
+        for i, s in enumerate(slots[:4]):
+            a.slots()[s][:] = i
+        assert a.batch_put_from([f"k{i}" for i in range(4)], [a.slots()[s] for s in slots[:4]]) == [0] * 4
+        out = bytearray(SLOT)
+        assert a.batch_get_into(["k2"], [out]) == [SLOT] and set(out) == {2}
+        assert a.locate(["k9"]) == [Place(-1, 0, 0)]  # a miss is no place, however the last slot is used
+        assert a.puts == 4
+    finally:
+        a.close()
+
+
+def test_a_claimed_slot_filled_whole_is_published_in_place_and_a_claim_put_from_elsewhere_moves(arena):
+    s = arena.claim(["whole"])[0]
+    arena.slots()[s][:] = 7
+    assert arena.stage(["whole"], [arena.slots()[s]]) == [0]  # exactly a slot: filled in place, no copy
+    assert arena.publish(["whole"]) == [0] and arena.locate(["whole"])[0].slot == s
+    assert arena.claim(["moved"])[0] >= 0
+    assert arena.stage(["moved"], [blob(3)]) == [0]  # put from another buffer: the claim is let go
+    assert arena.publish(["moved"]) == [0]
+    out = bytearray(SLOT)
+    assert arena.batch_get_into(["moved"], [out]) == [SLOT] and bytes(out) == blob(3).tobytes()
+    assert int((arena.big.state == 1).sum()) == 0 and arena.puts == 2
