@@ -339,7 +339,7 @@ def test_a_hash_shared_inside_a_batch_of_other_hashes_is_resolved_by_the_bytes(a
 ])
 def test_create_refuses_each_bound_past_its_limit_by_name_and_makes_nothing(tmp_path, kw, rule):
     with pytest.raises(ValidationError, match=rule):
-        ArenaStore.create(small_bytes=kw.pop("small_bytes", 8), directory=tmp_path, **kw)
+        ArenaStore.create(**{"small_bytes": 8, **kw}, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
