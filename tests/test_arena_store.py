@@ -395,3 +395,78 @@ def test_a_claimed_slot_filled_whole_is_published_in_place_and_a_claim_put_from_
     out = bytearray(SLOT)
     assert arena.batch_get_into(["moved"], [out]) == [SLOT] and bytes(out) == blob(3).tobytes()
     assert int((arena.big.state == 1).sum()) == 0 and arena.puts == 2
+
+
+def test_a_short_or_cut_file_is_refused_with_its_size(arena, tmp_path):
+    short = tmp_path / "short"
+    short.write_bytes(b"\0" * 100)
+    with pytest.raises(ConfigError, match=r"is not an arena \(100 bytes\)"):
+        ArenaStore.open(short)
+    cut = tmp_path / "cut"
+    cut.write_bytes(Path(arena.path).read_bytes()[:-4096])
+    with pytest.raises(ConfigError, match="its header needs"):
+        ArenaStore.open(cut)
+
+
+def test_an_opener_verifies_by_default_and_the_use_counter_leaves_the_header_alone(arena):
+    other = ArenaStore.open(arena.path)
+    try:
+        assert other.verify is True and arena.verify is True
+        for i in range(300):  # stamps: every put and locate counts up the shared use counter
+            other.batch_put_from([f"s{i % 3}"], [blob(i)])
+            other.locate([f"s{i % 3}"])
+        again = ArenaStore.open(arena.path, slot_bytes=SLOT, tag="geo")  # the header still reads right
+        again.close()
+    finally:
+        other.close()
+
+
+def test_counters_count_each_get_put_and_eviction(arena):
+    arena.batch_put_from(["a", "b"], [blob(1), blob(2)])
+    arena.batch_put_from(["a"], [blob(3)])
+    arena.batch_get_into(["a", "b", "zz"], [bytearray(SLOT) for _ in range(3)])
+    arena.batch_get_into(["b"], [bytearray(SLOT)])
+    assert arena.evict(["a", "b", "zz"]) == 2
+    assert arena.evict(["b"]) == 0
+    assert (arena.puts, arena.gets, arena.evictions) == (3, 3, 2)
+
+
+def test_a_miss_before_a_hit_in_one_batch_does_not_end_the_batch(arena):
+    arena.batch_put_from(["there"], [blob(4)])
+    outs = [bytearray(SLOT), bytearray(SLOT)]
+    assert arena.batch_get_into(["absent", "there"], outs) == [MISSING, SLOT]
+    assert bytes(outs[1]) == blob(4).tobytes()
+
+
+def test_a_get_whose_slot_is_taken_back_while_it_copies_answers_missing(arena, monkeypatch):
+    arena.batch_put_from(["k"], [blob(5)])
+    real = arena._copy
+
+    def copy_then_evict(pairs):
+        real(pairs)
+        arena.evict(["k"])  # between the copy and the check: what was copied may be torn
+    monkeypatch.setattr(arena, "_copy", copy_then_evict)
+    assert arena.batch_get_into(["k"], [bytearray(SLOT)]) == [MISSING]
+
+
+def test_releasing_lets_go_of_its_own_claim_only(arena):
+    arena.batch_put_from(["kept"], [blob(6)])
+    s = arena.claim(["mine"])[0]
+    arena.release(["mine"])
+    assert int(arena.big.state[s]) == 0 and arena.batch_is_exist(["kept"]) == [1]
+    t = arena.claim(["again"])[0]
+    arena.big.gen[t] += 1  # the slot was taken back and claimed anew by another writer
+    arena.release(["again"])
+    assert int(arena.big.state[t]) == 1 and arena.batch_is_exist(["kept"]) == [1]
+
+
+def test_a_batch_past_the_parallel_size_is_copied_on_the_threads_byte_for_byte(tmp_path):
+    a = ArenaStore.create(1 << 20, 12, small_bytes=64, small_slots=2, directory=tmp_path)
+    try:
+        data = [blob(i, 1 << 20) for i in range(10)]  # 10 MiB: past PARALLEL_BYTES
+        assert a.batch_put_from([f"p{i}" for i in range(10)], data) == [0] * 10
+        outs = [bytearray(1 << 20) for _ in range(10)]
+        assert a.batch_get_into([f"p{i}" for i in range(10)], outs) == [1 << 20] * 10
+        assert all(bytes(o) == d.tobytes() for o, d in zip(outs, data))
+    finally:
+        a.close()
