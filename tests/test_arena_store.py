@@ -470,3 +470,89 @@ def test_a_batch_past_the_parallel_size_is_copied_on_the_threads_byte_for_byte(t
         assert all(bytes(o) == d.tobytes() for o, d in zip(outs, data))
     finally:
         a.close()
+
+
+ENTRIES = ["claim", "release", "locate", "publish", "batch_is_exist", "evict"]
+
+
+@pytest.mark.parametrize("entry", ENTRIES + ["stage", "batch_get_into"])
+def test_each_entry_names_itself_when_it_refuses_keys(arena, entry):
+    call = getattr(arena, entry)
+    with pytest.raises(ValidationError, match=rf"^ArenaStore\.{entry}: keys must be a sequence of str$"):
+        call("k") if entry in ENTRIES else call("k", [b"x"])
+    assert len(arena) == 0
+
+
+@pytest.mark.parametrize("kw, name", [(dict(slot_bytes=7), "slot_bytes"), (dict(slots=0), "slots"),
+                                      (dict(small_bytes=7), "small_bytes"), (dict(small_slots=0), "small_slots")])
+def test_create_names_the_bound_at_the_start_of_its_refusal(tmp_path, kw, name):
+    with pytest.raises(ValidationError, match=rf"^ArenaStore: {name} "):
+        ArenaStore.create(**{"slot_bytes": 64, "slots": 1, "small_bytes": 8, **kw}, directory=tmp_path)
+
+
+def test_a_buffer_too_small_for_one_object_does_not_stop_the_next(arena):
+    arena.batch_put_from(["a", "b"], [blob(1), blob(2)])
+    outs = [bytearray(8), bytearray(SLOT)]
+    assert arena.batch_get_into(["a", "b"], outs) == [TOO_LARGE, SLOT] and bytes(outs[1]) == blob(2).tobytes()
+
+
+def test_a_slot_filled_whole_in_place_keeps_its_claim_and_generation(arena):
+    s = arena.claim(["whole"])[0]
+    gen = int(arena.big.gen[s])
+    arena.slots()[s][:] = 9
+    assert arena.stage(["whole"], [arena.slots()[s]]) == [0] and int(arena.big.gen[s]) == gen
+    assert arena.publish(["whole"]) == [0] and arena.locate(["whole"])[0] == Place(s, gen, SLOT)
+
+
+def test_a_put_whose_publish_fails_answers_the_failure(arena, monkeypatch):
+    monkeypatch.setattr(arena, "publish", lambda keys: [MISSING] * len(keys))
+    assert arena.batch_put_from(["a", "huge"], [blob(1), bytes(SLOT + 1)]) == [MISSING, TOO_LARGE]
+
+
+def test_the_use_order_is_shared_by_every_handle_of_the_file(arena):
+    other = ArenaStore.open(arena.path)
+    try:
+        arena.batch_put_from([f"k{i}" for i in range(4)], [blob(i) for i in range(4)])
+        other.locate(["k0"])  # used last, through the other handle
+        arena.batch_put_from(["new"], [blob(9)])
+        assert arena.batch_is_exist(["k0", "k1", "k2", "k3"]) == [1, 0, 1, 1]  # k1 was least recently used
+    finally:
+        other.close()
+
+
+def test_create_defaults_and_settings_carry_to_the_store(tmp_path):
+    a = ArenaStore.create(64, 1, small_bytes=8, verify=False, tag="geoX", directory=tmp_path)
+    try:
+        assert a.verify is False and a.tag == "geoX"
+        assert ArenaStore.open(a.path, verify=False).verify is False
+    finally:
+        a.close()
+    b = ArenaStore.create(64, 1, small_bytes=8)  # the host's shared-memory directory
+    try:
+        assert b.tag == "" and Path(b.path).exists() and b.verify is True
+    finally:
+        b.close()
+    assert not Path(b.path).exists()
+
+
+def test_an_arena_past_the_free_space_is_refused_with_both_sizes(tmp_path, monkeypatch):
+    real = os.statvfs
+
+    class Tiny:
+        def __init__(self, st):
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+    monkeypatch.setattr(os, "statvfs", lambda d: Tiny(real(d)))
+    with pytest.raises(ConfigError, match=r"bytes do not fit in .* free\)"):
+        ArenaStore.create(1 << 20, 4, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lost_puts_add_up_and_a_closed_arena_names_itself(arena):
+    for k in ("x", "y"):
+        slot = arena.claim([k])[0]
+        arena.big.gen[slot] += 1
+        assert arena.publish([k]) == [MISSING]
+    assert arena.lost_puts == 2
+    arena.close()
+    with pytest.raises(ValidationError, match=rf"ArenaStore {arena.path!r} is closed"):
+        arena.locate(["x"])
