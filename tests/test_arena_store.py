@@ -4,6 +4,7 @@ put, and an opener of another geometry."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def test_every_slot_claimed_by_a_live_writer_fails_a_put_at_once(arena):
 def test_another_geometry_version_or_file_is_refused_by_name(arena, tmp_path):
     with pytest.raises(ConfigError, match="geometry 'geo', not 'other'"):
         ArenaStore.open(arena.path, tag="other")
-    with pytest.raises(ConfigError, match="4096-byte slots, 8192"):
+    with pytest.raises(ConfigError, match="4096-byte slots, 8192 were asked for: it was made for another geometry$"):
         ArenaStore.open(arena.path, slot_bytes=8192)
     bad = tmp_path / "kvstate-arena-x"
     bad.write_bytes(b"\0" * 8192)
@@ -362,6 +363,15 @@ def test_create_in_a_path_that_is_not_a_directory_names_it(tmp_path):
         ArenaStore.create(64, 1, small_bytes=8, directory=f)
 
 
+def test_a_store_made_on_an_existing_file_verifies_unless_told_not_to(arena):
+    for other, want in ((ArenaStore(arena.path), True), (ArenaStore(arena.path, verify=False), False)):
+        try:
+            assert other.verify is want and other.owner is False
+        finally:
+            other.close()
+    assert Path(arena.path).exists()  # only the creator removes the file
+
+
 @pytest.mark.parametrize("kw", [dict(owner=1), dict(verify=1), dict(owner=None, verify=True)])
 def test_owner_and_verify_must_each_be_bools(arena, kw):
     with pytest.raises(ConfigError, match="owner and verify must be bools"):
@@ -542,7 +552,7 @@ def test_an_arena_past_the_free_space_is_refused_with_both_sizes(tmp_path, monke
         def __init__(self, st):
             self.f_frsize, self.f_bavail = st.f_frsize, 1
     monkeypatch.setattr(os, "statvfs", lambda d: Tiny(real(d)))
-    with pytest.raises(ConfigError, match=r"bytes do not fit in .* free\)"):
+    with pytest.raises(ConfigError, match=rf"bytes do not fit in {re.escape(repr(str(tmp_path)))} \(\d[\d,]* free\)$"):
         ArenaStore.create(1 << 20, 4, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
