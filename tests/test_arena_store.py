@@ -566,3 +566,15 @@ def test_lost_puts_add_up_and_a_closed_arena_names_itself(arena):
     arena.close()
     with pytest.raises(ValidationError, match=rf"ArenaStore {arena.path!r} is closed"):
         arena.locate(["x"])
+
+
+def test_closing_twice_closes_nothing_else(tmp_path):
+    a = ArenaStore.create(64, 1, small_bytes=8, directory=tmp_path)
+    probe = os.open(os.devnull, os.O_RDONLY)  # a descriptor the second close must leave alone
+    try:
+        a.close()
+        a.close()
+        os.fstat(probe)
+        os.fstat(1)
+    finally:
+        os.close(probe)
