@@ -4,8 +4,11 @@ A write launches its blocks' SUM64 once their layers are gathered (so they are c
 fetches them once its last piece is stored, so the GPU sums while the host copies; their
 manifests then go in one batch. A read gets every manifest in one batch first, scatters the
 blocks that arrived whole and asks for the SUM64 of what landed, comparing them with the
-manifests before the blocks count. Layers whose rows are
-not whole 64-bit words fall back to host checksums (XXH3), as does a trusted store (none).
+manifests before the blocks count. A zero-copy transfer (an arena store's slots) launches a
+write's sums once its gathers are queued and a read's sums right behind each piece's scatter,
+on the device. Sums always land in pinned host memory by a kernel's stores: a copy would queue
+behind the DMAs a write has in flight. Layers whose rows are not whole 64-bit words fall back
+to host checksums (XXH3), as does a trusted store (none).
 
 The host tier's slot checks are taken on the GPU too: a swap-out notes the SUM64 of the blocks
 it copied, a swap-in copies the slots in and compares the SUM64 of what landed, the count
@@ -96,8 +99,9 @@ class DeviceSums:
 
     def _side_stream(self, rank: int) -> Any:
         """The rank's stream for checksums and state pages, its own and non-blocking. Every
-        caller has waited on the host for the transfer whose blocks it sums, so the sums need no
-        order with the transfer streams; on CUDA's legacy default stream they would queue behind
+        caller has waited on the host for the transfer whose blocks it sums, or hands its event
+        over (``after``), so the sums need no other order with the transfer streams; on CUDA's
+        legacy default stream they would queue behind
         whatever an engine computes there, and behind every other rank's work. Kept in the sum
         cache, which the backend drops when it closes."""
         key = ("stream", rank)
