@@ -578,3 +578,24 @@ def test_closing_twice_closes_nothing_else(tmp_path):
         os.fstat(1)
     finally:
         os.close(probe)
+
+
+def test_slots_of_dead_writers_are_taken_back_one_put_at_a_time_and_counted(arena):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    slots = arena.claim([f"w{i}" for i in range(4)])  # every big slot claimed by this live writer
+    for n, s in enumerate(slots[:2], start=1):
+        arena.big.owner[s] = dead.pid  # as if its writer had died mid-put
+        assert arena.batch_put_from([f"new{n}"], [blob(n)]) == [0]
+        assert arena.reclaimed == n and arena.locate([f"new{n}"])[0].slot == s
+
+
+def test_a_file_that_cannot_be_made_is_refused_by_its_directory_and_left_nowhere(tmp_path, monkeypatch):
+    import kvstate.backends._arena as arena_module
+
+    def no_map(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(arena_module.mmap, "mmap", no_map)
+    with pytest.raises(ConfigError, match=rf"cannot make [\d,]+ bytes in {re.escape(repr(str(tmp_path)))} "):
+        ArenaStore.create(64, 1, small_bytes=8, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
