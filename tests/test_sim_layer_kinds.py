@@ -10,7 +10,7 @@ import pytest
 
 from kvstate import ConfigError
 from kvstate.sim._compute import ComputeModel
-from kvstate.sim._hfconfig import model_from_hf_config
+from kvstate.sim._models import model_from_hf_config
 from kvstate.sim._presets import preset
 from kvstate.sim._scenario import Scenario
 from kvstate.sim._scenario_io import scenario_from_dict, with_overrides

@@ -659,7 +659,7 @@ class Scenario(Section):
                         ("store_heads", spec.store_heads), ("has_value", not spec.has_value)):
             if v:
                 raise ConfigError(f"Scenario.from_library: CacheSpec.{name} = {getattr(spec, name)!r} is not modeled "
-                                  "by a scenario (MLA models come from their HF config: kvstate.sim._hfconfig)")
+                                  "by a scenario (MLA models come from their HF config: kvstate.sim._models)")
         model = replace(base.model, num_layers=spec.num_layers, total_kv_heads=spec.heads_total,
                         head_dim=spec.head_dim, dtype=spec.dtype, block_size=spec.block_size)
         cluster = replace(base.cluster, tp=spec.tp_size, d_tp=0,
