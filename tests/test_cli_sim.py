@@ -13,7 +13,7 @@ import pytest
 from kvstate import __version__
 from kvstate.app import _simcmds as simcmds
 from kvstate.app._cli import EXIT_CODES, main
-from kvstate.app._progress import Progress
+from kvstate.app._simcmds import Progress
 from kvstate.sim import Scenario, load_scenario, with_overrides
 from kvstate.sim._models import MODELS, model_from_hf_config
 from kvstate.sim._presets import PRESETS, preset

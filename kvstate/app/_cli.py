@@ -1,27 +1,50 @@
-"""The ``kvstate`` command line: ``simulate``, ``plan``, ``scenario``, ``demo`` and ``diagram``.
+"""The ``kvstate`` command line: its parser, and the commands that are not the simulator's.
 
+``simulate``, ``plan`` and ``scenario`` run in :mod:`~kvstate.app._simcmds`; ``demo``,
+``profile``, ``arena`` and ``diagram`` are here, each an options function and a run function.
 Bad input (an option, a scenario, a path) is one line on stderr and exit 2, checked before
 anything runs; see :data:`EXIT_CODES`.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 from .. import __version__
 from .._errors import ConfigError, KVStateError
 from ..sim._gpus import GPUS
 from ..sim._scenario import MODES
-from . import _arenacmd as arenacmd
-from . import _democmd as democmd
-from . import _profilecmd as profilecmd
 from . import _simcmds as simcmds
-from ._argtypes import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, number
 
 __all__ = ["main", "EXIT_CODES"]
+
+
+def _number(kind: Callable[[str], float], low: float, inclusive: bool, what: str) -> Callable[[str], float]:
+    """An argparse type: ``kind(text)``, finite and above ``low`` (or at it, ``inclusive``)."""
+    def parse(text: str) -> float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(v) or not (v >= low if inclusive else v > low):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    return parse
+
+
+POSITIVE_INT = _number(int, 0, False, "an integer > 0")
+NON_NEGATIVE_INT = _number(int, 0, True, "an integer >= 0")
+POSITIVE_FLOAT = _number(float, 0, False, "a number > 0")
+
 
 #: What the exit status means (``kvstate --help`` and the README print this).
 EXIT_CODES = {
@@ -67,6 +90,153 @@ def _overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
 
+def _add_demo(sub: Any) -> None:
+    """``kvstate demo``: P -> storage -> D on real bytes, every byte checked."""
+    d = sub.add_parser("demo", help="run requests P -> storage -> D on real bytes and check every byte")
+    d.add_argument("--requests", type=POSITIVE_INT, default=64, help="number of requests (default 64)")
+    d.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="workload seed (default 0)")
+    d.add_argument("--tp", type=POSITIVE_INT, default=2, help="TP ranks per instance (default 2)")
+    d.add_argument("--store", choices=("memory", "arena", "file", "mooncake"), default=None,
+                   help="storage pool (default memory; with --processes a shared-memory arena)")
+    d.add_argument("--store-dir", help="an existing directory for the file store (with --store file)")
+    d.add_argument("--master", help="Mooncake master HOST:PORT (with --store mooncake)")
+    d.add_argument("--metadata", help="Mooncake metadata server URL, e.g. http://HOST:8080/metadata")
+    d.add_argument("--protocol", choices=("tcp", "rdma"), default="tcp", help="Mooncake transport (default tcp)")
+    d.add_argument("--start-master", action="store_true",
+                   help="start a local mooncake_master on free loopback ports for this run, stop it after")
+    d.add_argument("--backend", choices=("reference", "cuda"), default="reference",
+                   help="reference: numpy caches on the CPU (default); cuda: GPU caches through the CUDA kernels")
+    d.add_argument("--concurrency", type=POSITIVE_INT, default=8, help="requests in flight (default 8)")
+    d.add_argument("--processes", action="store_true",
+                   help="run P and D as separate processes, each a scheduler plus --tp rank-worker processes, over a "
+                        "store that works across processes (a shared-memory arena, a FileStore, or Mooncake)")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    """Options that go together, checked before anything starts."""
+    if args.store_dir and args.store != "file":
+        raise ConfigError("--store-dir goes with --store file")
+    if args.store == "file":
+        if not args.store_dir:
+            raise ConfigError("--store file needs --store-dir DIR")
+        if not Path(args.store_dir).is_dir():
+            raise ConfigError(f"--store-dir {args.store_dir}: no such directory (create it first)")
+    if args.processes and args.store == "memory":
+        raise ConfigError("--processes needs a store other processes reach: --store arena, file or mooncake "
+                          "(without --store: an arena)")
+    if args.processes and args.backend != "reference":
+        raise ConfigError("--processes runs the reference (numpy) backend; the GPU split is examples/pd_engine")
+    if args.store != "mooncake" and (args.start_master or args.master or args.metadata):
+        raise ConfigError("--master, --metadata and --start-master go with --store mooncake")
+    if args.store == "mooncake":
+        if args.start_master and (args.master or args.metadata):
+            raise ConfigError("--start-master starts its own master: drop --master/--metadata")
+        if not args.start_master and not (args.master and args.metadata):
+            raise ConfigError("--store mooncake needs --master HOST:PORT and --metadata URL, or --start-master")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ._demo import DemoConfig, format_summary, run_demo
+
+    _check_demo(args)
+    cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store or "memory",
+                     store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend)
+    master = None
+    try:
+        worker_store = {"kind": "file", "root": args.store_dir} if args.store == "file" else None
+        if args.store == "mooncake":
+            from ..backends._mooncake import MooncakeConfig, MooncakeStore
+            from ..backends._mooncake_master import MooncakeMaster
+
+            if args.start_master:
+                master = MooncakeMaster().start()
+                mc = master.config(protocol=args.protocol)
+            else:
+                mc = MooncakeConfig(master=args.master, metadata=args.metadata, protocol=args.protocol)
+            mc.validate()
+            cfg.store, cfg.store_factory = "custom", lambda spec: MooncakeStore(mc)
+            worker_store = {"kind": "mooncake", **dataclasses.asdict(mc)}
+        if args.processes:
+            from ._procdemo import run_processes
+
+            s = run_processes(cfg, worker_store)
+        else:
+            s = run_demo(cfg)
+    finally:
+        if master is not None:
+            master.stop()
+    print(json.dumps(s, sort_keys=True) if args.json else format_summary(s))
+    if args.store == "mooncake":
+        from ..backends._mooncake import mooncake_log_dir
+
+        where = mooncake_log_dir()
+        print(f"kvstate demo: Mooncake's own logging is in {where} (set MC_LOG_LEVEL to see it here)" if where
+              else "kvstate demo: Mooncake's own logging follows your MC_LOG_LEVEL", file=sys.stderr)
+    return 0 if s["integrity_ok"] and s["leaked_blocks"] == 0 else 1
+
+
+def _add_profile(sub: Any) -> None:
+    """``kvstate profile``: measure a model's kernels on this GPU into a profile file."""
+    p = sub.add_parser("profile", help="time a model's GEMMs, attention, element-wise kernels and all-reduce on "
+                                       "this GPU; a scenario given the file (gpu.profile) interpolates it")
+    p.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
+                   help="a model preset (llama-3-8b, ...) or a Hugging Face config.json")
+    p.add_argument("--tp", type=POSITIVE_INT, default=1, help="the TP degree whose per-rank shapes are timed "
+                                                              "(all-reduce too, where that many GPUs are present)")
+    p.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    p.add_argument("--quick", action="store_true", help="half the token sizes (a quicker, coarser profile)")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from ..sim._models import resolve_model
+    from ._gpuprofile import measure_profile
+
+    out = simcmds.check_output_file(args.out, "--out")
+    model = resolve_model(args.model)
+    profile = measure_profile(model, args.tp, quick=args.quick)
+    simcmds.write_json(out, profile, "--out")
+    gemm = profile["gemm"]
+    print(f"kvstate profile: {model.name} at TP {args.tp} on {profile['gpu']['name']}: {len(gemm)} GEMMs over "
+          f"{len(next(iter(gemm.values())))} sizes, attention, element-wise"
+          + (", all-reduce" if profile["allreduce"] else "") + f"; wrote {out}")
+    print(json.dumps({"gpu": profile["gpu"], "tp": args.tp}))
+    return 0
+
+
+def _add_arena(sub: Any) -> None:
+    """``kvstate arena``: make a shared-memory arena store and hold it for a host's engines."""
+    p = sub.add_parser("arena", help="make a shared-memory arena store, print its path, and hold it until stopped "
+                                     "(P's and D's engines on this host name the path)")
+    p.add_argument("--slot-bytes", type=POSITIVE_INT, required=True,
+                   help="one object: one block of one kind, every layer, one rank "
+                        "(layers x heads/TP x block size x head dim x dtype bytes)")
+    p.add_argument("--slots", type=POSITIVE_INT, required=True,
+                   help="objects it holds (its memory: slots x slot bytes)")
+    p.add_argument("--small-bytes", type=POSITIVE_INT, default=1024, help="a manifest slot (default 1024)")
+    p.add_argument("--tag", default="", help="the geometry it is for; an opener naming another is refused")
+    p.add_argument("--directory", help="where the file goes (default /dev/shm)")
+
+
+def _arena(args: argparse.Namespace) -> int:
+    """Make the arena (every page touched now), print its path, hold it until SIGTERM or
+    SIGINT, then remove it; the engines' mappings stay valid until they exit."""
+    from ..backends._arena import ArenaStore
+
+    store = ArenaStore.create(args.slot_bytes, args.slots, small_bytes=args.small_bytes, tag=args.tag,
+                              directory=args.directory)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(store.path, flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        store.close()
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
     p = _Parser(prog="kvstate", description="The KV-cache life of PD-disaggregated LLM serving: simulate a "
@@ -89,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
                     help="a field and its values, e.g. cluster.n_decode=1,2,4 (repeatable; each field once); "
                          "default: cluster.n_prefill and cluster.n_decode 1..4")
-    pl.add_argument("--attainment", type=number(float, 0, False, "a number in (0, 1]"),
+    pl.add_argument("--attainment", type=_number(float, 0, False, "a number in (0, 1]"),
                     help="share of requests that must meet each SLO (default: the scenario's)")
     pl.add_argument("--workers", type=POSITIVE_INT, help="parallel simulations (default: every core)")
     pl.add_argument("--ray", metavar="ADDRESS", help="run the configurations as tasks on a Ray cluster: 'auto' "
@@ -104,9 +274,9 @@ def _parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scenario", help="print the default scenario, or a preset, as commented TOML")
     sc.add_argument("name", nargs="?", default="default", help="a preset (default: the embedded default)")
     sc.add_argument("--list", action="store_true", help="list the presets")
-    democmd.add_parser(sub)
-    profilecmd.add_parser(sub)
-    arenacmd.add_parser(sub)
+    _add_demo(sub)
+    _add_profile(sub)
+    _add_arena(sub)
     g = sub.add_parser("diagram", help="print each lifecycle machine's diagram (mermaid), drawn from the machines")
     g.add_argument("--machine", choices=("prefill", "decode"), help="only this machine")
     return p
@@ -123,7 +293,7 @@ def _diagram(args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": simcmds.simulate, "plan": simcmds.plan, "scenario": simcmds.scenario,
-    "demo": democmd.run, "diagram": _diagram, "profile": profilecmd.run, "arena": arenacmd.run,
+    "demo": _demo, "diagram": _diagram, "profile": _profile, "arena": _arena,
 }
 
 

@@ -1,4 +1,5 @@
-"""The simulator's commands: ``kvstate simulate``, ``kvstate plan`` and ``kvstate scenario``."""
+"""The simulator's commands: ``kvstate simulate``, ``kvstate plan`` and ``kvstate scenario``, and the
+progress line a long run shows on a terminal."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,9 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .._errors import ConfigError
 from ..sim._gpus import gpu_overrides
@@ -19,10 +21,41 @@ from ..sim._presets import PRESETS, describe, preset
 from ..sim._scenario import ModelSpec, Scenario
 from ..sim._scenario_io import load_scenario, to_toml, with_overrides
 from ..sim._workload import check_workload
-from ._progress import Progress
 
 __all__ = ["simulate", "plan", "scenario", "build_scenario", "check_mode_options", "check_output_file",
-           "check_output_dir", "write_json", "Interrupted"]
+           "check_output_dir", "write_json", "Interrupted", "Progress"]
+
+
+class Progress:
+    """``update(done, total)`` redraws ``label: done/total`` at most five times a second, once
+    the run has taken ``after`` seconds; ``close()`` ends the line. Silent when ``quiet`` or
+    when ``stream`` is not a terminal (a pipe or a CI log gets the result only)."""
+
+    def __init__(self, label: str, quiet: bool = False, stream: TextIO | None = None, after: float = 2.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.label, self.after = label, after
+        self.enabled = not quiet and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self._last = 0.0
+        self.shown = False
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self.start < self.after or (now - self._last < 0.2 and done < total):
+            return
+        self._last = now
+        pct = 100 * done // total if total else 100
+        self.stream.write(f"\r{self.label}: {done:,}/{total:,} ({pct} %), {now - self.start:.0f} s")
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = False
 
 
 class Interrupted(Exception):
