@@ -1,4 +1,4 @@
-"""The highest rate a configuration holds (kvstate/sim/_ratesearch.py, ``plan --search-rate``)."""
+"""The highest rate a configuration holds (kvstate/sim/_capacity.py, ``plan --search-rate``)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import pytest
 from kvstate._errors import ConfigError
 from kvstate.app._cli import main
 from kvstate.sim import Scenario, simulate, with_overrides
+from kvstate.sim._capacity import PRECISION, highest_rate
 from kvstate.sim._metrics import verdict_of
-from kvstate.sim._ratesearch import PRECISION, highest_rate
 
 SMALL = {"workload.num_requests": 300, "workload.input_mean": 600.0, "workload.output_mean": 32.0,
          "workload.prefix_tokens": 64, "cluster.n_prefill": 1, "cluster.n_decode": 1}

@@ -11,7 +11,7 @@
   SimPy drivers of the P and D lifecycles; :mod:`~kvstate.sim._router` — routing;
 - :mod:`~kvstate.sim._cluster` — one run wired together; :mod:`~kvstate.sim._run` — its entry point;
 - :mod:`~kvstate.sim._metrics` — metrics; :mod:`~kvstate.sim._report` — text and JSON;
-  :mod:`~kvstate.sim._capacity` — capacity planning; :mod:`~kvstate.sim._plot` — PNG charts.
+  :mod:`~kvstate.sim._capacity` — capacity planning and the highest rate held; :mod:`~kvstate.sim._plot` — PNG charts.
 """
 from ._capacity import plan
 from ._cluster import Cluster

@@ -21,8 +21,7 @@ from .._validate import check_callable
 from ..kernels._cost import TransferCostModel
 from ._decode import DecodeInstance
 from ._instance import Instance
-from ._metrics import sample_series
-from ._pdmetrics import pd_sections
+from ._metrics import pd_sections, sample_series
 from ._prefill import PrefillInstance
 from ._request import SimRequest
 from ._router import Router
