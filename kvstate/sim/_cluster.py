@@ -108,6 +108,7 @@ class Cluster:
         passed while the prompt waited at P), the router aborts it there, as an engine's
         router would on D's ``RequestEnded``."""
         req.state, req.error, req.reason = end.state, end.error_code, end.reason
+        req.drop_tokens()
         if req.finish is None:
             req.finish = self.env.now
         self.live.discard(req.rid)

@@ -61,3 +61,8 @@ class SimRequest:
         if lo < start or hi > start + len(run):
             return unique_tokens(self.base, lo, hi)  # past what it decodes: not in the run
         return run[lo - start:hi - start]
+
+    def drop_tokens(self) -> None:
+        """Let go of its decoded tokens' run once it has ended: a run's records outlive their
+        requests (the report reads them), its token arrays need not."""
+        self._decoded = None
