@@ -385,7 +385,58 @@ def test_a_layer_wise_save_waits_for_each_layers_event_and_stores_what_the_forwa
             t.close(5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_wise_load_brings_each_layer_before_its_wait_returns_and_names_the_blocks_it_did_not(device):
+    """As the connector's ``wait_for_layer_load`` drives it: after each wait (on the engine's
+    CUDA stream for GPU caches), that layer of every block is the saved one, byte for byte,
+    and after the forward no block is reported. With one block's last group corrupted in the
+    store, the first two layers still arrive, the last wait gives up, and the blocks from the
+    bad one on are reported once the load answered."""
+    import torch
+
+    from kvstate import rank_key
+    from kvstate.commands import LoadLayers
+    from kvstate.integrations._pagedkv import RankTransfers
+
+    if device == "cuda" and cuda_missing():
+        pytest.skip(cuda_missing())
+    s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=D, layer_groups=3)
+    caches = layers((2, NB, H, B, D), device=device)
+    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
+    store = MemoryStore(1 << 26)
+    keys = tuple(block_keys(list(range(1, 3 * B + 1)), B, namespace="ll"))
+    p, d = RankTransfers(s, 0, caches, store), RankTransfers(s, 0, dst, store)
+    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else None
+    try:
+        p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, keys, (2, 5, 7))])
+        assert [c.count for c in p.poll("save", 10)] == [3]
+        load = LoadLayers("r", 1, (0,), time.monotonic() + 30, keys, (0, 1, 3))
+        d.submit("load", [load])
+        for i, name in enumerate(caches):
+            assert d.wait_layers([load], i + 1, stream) == set()
+            assert torch.equal(dst[name][:, [0, 1, 3]].clone(), caches[name][:, [2, 5, 7]]), name
+        assert d.load_errors([load]) == set()
+        assert [c.count for c in d.poll("load")] == [3]  # kept for the scheduler, handed out once
+        name = rank_key(keys[1], "key", 0, 2)
+        import numpy as np
+
+        buf = np.zeros(1 << 16, np.uint8)
+        size = store.batch_get_into([name], [buf])[0]
+        buf[size // 2] ^= 0xFF
+        store.batch_put_from([name], [buf[:size]])  # the last group of the middle block, one byte flipped
+        load = LoadLayers("r", 2, (0,), time.monotonic() + 30, keys, (4, 6, 8))
+        d.submit("load", [load])
+        assert d.wait_layers([load], 2, stream) == set()
+        assert d.wait_layers([load], 3, stream) == {2}
+        assert d.load_errors([load]) == {6, 8}
+        assert [c.count for c in d.poll("load")] == [1]
+    finally:
+        for t in (p, d):
+            t.close(5)
+
+
 @pytest.mark.parametrize("call, args", [
+    ("wait_layers", ([1], 1)), ("wait_layers", ([], 0)), ("wait_layers", ("x", 1)), ("load_errors", ([None],)),
     ("submit", ("save", None)), ("submit", ("nope", [])), ("submit", ("save", [1])),
     ("poll", ("save", "x")), ("poll", ("save", -1)), ("poll", (None,)),
     ("layers_computed", ([("r", 1)], 0)), ("layers_computed", ("x", 1)), ("layers_computed", ([1, 2], 1)),

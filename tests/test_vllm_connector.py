@@ -171,6 +171,7 @@ def test_a_lost_answer_ends_at_the_deadline_and_leaks_nothing(engines):
     ({"transfer_timeout": -1}, "transfer_timeout must be seconds"),
     ({"workers": 0}, "workers must be an int"),
     ({"peer_tp": "2"}, "peer_tp must be an int"),
+    ({"load": "eager"}, "load must be 'async' or 'layerwise'"),
     ({"store": {"kind": "file", "root": "/proc/kvstate-nope"}}, "cannot be reached|Read-only|No such|denied"),
 ])
 def test_bad_extra_config_is_refused_when_vllm_builds_the_connector(model_dir, extra, rule):

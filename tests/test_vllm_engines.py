@@ -60,8 +60,9 @@ def reference(tmp: Path) -> list[list[int]]:
     return engine(tmp, 8)["tokens"]
 
 
-def corrupt_block(root: Path, block: int) -> None:
-    """Flip bytes of one stored block of the first prompt, through the store's own API."""
+def corrupt_block(root: Path, block: int, group: int | None = None) -> None:
+    """Flip bytes of one stored block of the first prompt (of one layer group's object, with
+    layer groups), through the store's own API."""
     import numpy as np
 
     from kvstate import block_keys, rank_key
@@ -69,7 +70,7 @@ def corrupt_block(root: Path, block: int) -> None:
 
     key = block_keys(PROMPTS[0][:-1], 32, namespace=str(root.parent / "model"))[block]
     fs = FileStore(root)
-    name = [rank_key(key, "key", 0)]
+    name = [rank_key(key, "key", 0, group)]
     buf = np.zeros(1 << 20, np.uint8)
     n = fs.batch_get_into(name, [buf])[0]
     assert n > 0
@@ -97,6 +98,19 @@ def test_p_saving_layer_by_layer_hands_d_the_same_tokens(tmp, reference):
     assert p["counters"]["saved"] == p["counters"]["layerwise_saves"] == len(PROMPTS)
     d = engine(tmp, 8, role="kv_consumer", extra=store, remote=True, **KVSTATE)
     assert d["counters"]["loaded"] == len(PROMPTS) and d["tokens"] == reference
+
+
+def test_d_loading_layer_by_layer_within_its_forward_keeps_the_tokens_and_survives_a_corrupt_block(tmp, reference):
+    store = {"store": {"kind": "file", "root": str(tmp / "kv-layerload")}, "layer_groups": 2}
+    p = engine(tmp, 1, role="kv_producer", extra=store, **KVSTATE)
+    assert p["counters"]["saved"] == len(PROMPTS)
+    load = {**store, "load": "layerwise", "wait_for_cache": 0}
+    d = engine(tmp, 8, role="kv_consumer", extra=load, remote=True, **KVSTATE)
+    assert d["counters"]["loaded"] == len(PROMPTS) and d["tokens"] == reference
+    corrupt_block(tmp / "kv-layerload", 1, group=1)  # the second group: the first arrived, the forward ran on
+    d = engine(tmp, 8, role="kv_consumer", extra=load, remote=True, **KVSTATE)
+    assert d["counters"]["load_partial"] == 1 and d["counters"]["loaded"] == len(PROMPTS) - 1
+    assert d["tokens"] == reference
 
 
 def test_a_model_with_sliding_window_layers_hands_off_token_exact(tmp):

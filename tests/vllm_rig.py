@@ -122,7 +122,11 @@ class Engine:
         if self.model:
             self.poison_loads()
         w.bind_connector_metadata(so.kv_connector_metadata)
+        if self.model:
+            self.poison_layerwise(so)
         w.start_load_kv(None)  # as vLLM: loads and this forward's layer-wise saves start before it
+        for name in self.caches_names():  # each attention waits for its layer's layer-wise loads
+            w.wait_for_layer_load(name)
         if self.model:
             self.compute(so)
         for name in self.caches_names():  # the forward wrote each layer's KV
@@ -172,6 +176,15 @@ class Engine:
                 ids = [b for b in self.block_ids(rid) if pool[b].block_hash is None]
                 for t in self.caches.values():
                     t[ids] = 0
+
+    def poison_layerwise(self, so: Any) -> None:
+        """As :meth:`poison_loads` for this step's layer-wise loads, which run as it computes."""
+        from kvstate import commands as C
+
+        for cmd in so.kv_connector_metadata.orders.commands["load"]:
+            if isinstance(cmd, C.LoadLayers):
+                for t in self.caches.values():
+                    t[list(cmd.block_ids)] = 0
 
     def write_tokens(self, rid: str, tokens: list[int], lo: int, hi: int) -> None:
         ids = self.block_ids(rid)

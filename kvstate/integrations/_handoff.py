@@ -29,6 +29,13 @@ Rules:
   its save before it (:meth:`Handoff.start_save`): the save goes out with that step's orders
   and each rank stores a layer group once its forward reports the group's layers; ``save``
   then gives the first token. Nothing is stored before the forward reported its layers.
+- Layer-wise loads (``layerwise_loads``): the engine runs a loading request's first forward
+  as the load goes out, waiting before each layer for its group (a
+  :class:`~kvstate.commands.LoadLayers`), and its workers report the blocks that did not
+  arrive whole themselves, after that forward and once no load touches them, so the engine
+  drops that step's tokens and recomputes from the first of them. ``Orders.received`` and
+  ``Orders.invalid`` then never name a request the engine still runs: only one it ended
+  while the load was in flight, whose blocks it keeps until then.
 - Every request the engine ends is ended here (:meth:`Handoff.finished`): aborted in any
   state, its blocks held by the engine until the orders release them.
 - Every request is named once in ``sent`` or ``received``, and only if the engine holds its
@@ -127,6 +134,7 @@ class _Tracked:
     held: bool = True  # the engine holds the blocks until the orders name the request
     invalid_from: int | None = None  # a load: the first block not read whole on every rank
     computing: bool = False  # a layer-wise save started before its forward: save() gives its first token
+    engine_ended: bool = False  # the engine ended the request and keeps its blocks until the orders name it
 
 
 class Handoff:
@@ -134,11 +142,12 @@ class Handoff:
 
     ``lookup_store`` is a client of the pool the scheduler asks which caches are stored
     (closed by :meth:`close`); ``num_blocks`` the engine's blocks; ``policy`` the deadlines
-    and retries (a load that stops short always reports the blocks it verified)."""
+    and retries (a load that stops short always reports the blocks it verified);
+    ``layerwise`` saves and ``layerwise_loads`` loads go layer group by layer group."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, role: str, lookup_store: Store, *,
                  policy: Policy | None = None, namespace: str = "", clock: Callable[[], float] = time.monotonic,
-                 layerwise: bool = False) -> None:
+                 layerwise: bool = False, layerwise_loads: bool = False) -> None:
         if role not in ROLES:
             raise ValidationError(f"Handoff: role must be one of {list(ROLES)}, got {role!r}")
         if not isinstance(lookup_store, Store):
@@ -150,7 +159,8 @@ class Handoff:
                                         clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks),
                                         layerwise=layerwise)
         self.decode = DecodeLifecycle(spec, num_blocks, dataclasses.replace(policy, read_failure="recompute"),
-                                      clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks))
+                                      clock=clock, namespace=namespace, blocks=EngineBlocks(spec, num_blocks),
+                                      layerwise=layerwise_loads)
         from ..backends._reference import ReferenceBackend  # a cacheless view: it only asks the store
 
         self._view = ReferenceBackend(spec, 1, lookup_store)
@@ -280,6 +290,7 @@ class Handoff:
                 self.counters["aborted"] += 1
         if request_id not in self._ending and t.held:
             self._ending.add(request_id)
+            t.engine_ended = True
         elif not t.held:
             del self._tracked[request_id]
         return t.held
@@ -350,14 +361,17 @@ class Handoff:
         t = self._tracked.get(request_id)
         if t is None or t.side != "load" or not t.held:
             return  # judged already (a recompute's StartDecode follows its Recompute)
-        self._orders.received.add(request_id)
+        layerwise = self.decode.layerwise  # then the engine runs the request: its workers judged the load
+        if not layerwise:
+            self._orders.received.add(request_id)
         t.held = False  # the engine owns the outcome from here
         if invalid_from is None:
             self.counters["loaded"] += 1
             return
         self.counters["load_partial"] += 1
         t.invalid_from = invalid_from
-        self._orders.invalid.update(t.block_ids[invalid_from:])
+        if not layerwise:
+            self._orders.invalid.update(t.block_ids[invalid_from:])
         keys = self.cache_keys(t.tokens)[invalid_from:]
         self._events.append(StoredEvent(request_id, tuple(keys), (), False))
 
@@ -368,9 +382,9 @@ class Handoff:
         if t.side == "load" and t.held and cmd.state == "failed":
             self.counters["load_failed"] += 1
             t.invalid_from = 0
-        if t.held:
+        if t.held and (t.side == "save" or not self.decode.layerwise or t.engine_ended):
             self._ending.add(cmd.request_id)
-        else:
+        else:  # a layer-wise load the engine still runs: its workers reported its blocks
             self._tracked.pop(cmd.request_id, None)
 
     def _release_unpinned(self) -> None:
@@ -387,7 +401,8 @@ class Handoff:
                 self._orders.sent.add(rid)
             else:
                 self._orders.received.add(rid)
-                self._orders.invalid.update(t.block_ids[t.invalid_from or 0:])
+                if not self.decode.layerwise:
+                    self._orders.invalid.update(t.block_ids[t.invalid_from or 0:])
 
     def take_events(self) -> list[StoredEvent]:
         """The pool's changes seen since the last call."""

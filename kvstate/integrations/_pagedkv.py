@@ -27,11 +27,17 @@ Rules:
   first that does not is named in the error.
 - A command reaches a rank as that rank's share (``ranks=(rank,)``); completions go back
   to the scheduler as :class:`~kvstate.events.Completion` s, which it checks.
+- Layer-wise loads (:class:`~kvstate.commands.LoadLayers`) run beside the engine's forward:
+  before a layer's attention the engine waits for it (:meth:`RankTransfers.wait_layers`,
+  within the load's deadline; a device event is waited for on the engine's stream), and after
+  the forward it learns which blocks did not arrive whole (:meth:`RankTransfers.load_errors`),
+  once no load touches them any more: each load answered, or its fence passed.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from .. import commands as C
@@ -148,12 +154,14 @@ class RankTransfers:
         views = check_layers(spec, layers)
         first = views[spec.kinds[0]][0]
         self.spec, self.rank, self.store = spec, rank, store
+        self.device: str = first.device.type  #: "cpu" or "cuda": where the caches are
         self.num_blocks = int(first.shape[0])
         self.backend = self._backend(views, first, staging_bytes)
         #: one driver per side (kvstate.integrations._handoff.SIDES): each side numbers its
         #: commands on its own, and loads never queue behind saves
         self.drivers = {side: ThreadedDriver(self.backend, workers=workers, name=f"rank{rank}-{side}")
                         for side in ("save", "load")}
+        self._kept: dict[str, list[Completion]] = {side: [] for side in self.drivers}  # answers polled early
 
     def _backend(self, views: dict[str, list[Any]], first: Any, staging_bytes: int) -> TransferBackend:
         if first.device.type == "cuda":
@@ -201,6 +209,40 @@ class RankTransfers:
         done = self.spec.paged_layers_done(layers)
         self.submit("save", [C.LayersReady(rid, cid, done, event) for rid, cid in pairs])
 
+    def wait_layers(self, loads: Sequence[C.LoadLayers], layers: int, stream: Any = None) -> set[int]:
+        """Wait until each of ``loads`` (layer-wise loads submitted here) scattered its first
+        ``layers`` layers on this rank, each within its deadline; returns the command ids that
+        will not bring them (ended short, or past the deadline). A device event after a scatter
+        is waited for on ``stream`` (a CUDA stream's handle), or on the host when None."""
+        check_int(layers, "RankTransfers.wait_layers: layers", minimum=1, maximum=self.spec.layers)
+        short: set[int] = set()
+        for cmd in _loads(loads, "RankTransfers.wait_layers"):
+            arrivals = self.drivers["load"].arrivals(cmd.command_id, self.rank)
+            if arrivals is None:  # answered and polled already: its outcome is in load_errors
+                continue
+            ok, event = arrivals.wait(self.spec.paged_layers_done(layers), max(0.0, cmd.deadline - time.monotonic()))
+            if not ok:
+                short.add(cmd.command_id)
+            elif event is not None:
+                _device_wait(event, stream)
+        return short
+
+    def load_errors(self, loads: Sequence[C.LoadLayers]) -> set[int]:
+        """The engine blocks ``loads`` did not bring whole on this rank: each load's blocks from
+        the first one it did not read, scatter and verify. Returns once no load touches its
+        blocks: each answered (its answer kept for :meth:`poll`), or its fence passed (then
+        every block it was to bring counts)."""
+        pending = {cmd.command_id: cmd for cmd in _loads(loads, "RankTransfers.load_errors")}
+        counts: dict[int, int] = {c.command_id: c.count for c in self._kept["load"] if c.command_id in pending}
+        while len(counts) < len(pending):
+            left = min(cmd.fence for cid, cmd in pending.items() if cid not in counts) - time.monotonic()
+            if left <= 0:
+                break
+            got = self._driver("load").poll(min(left, 1.0))
+            self._kept["load"] += got
+            counts.update((c.command_id, c.count) for c in got if c.command_id in pending)
+        return {b for cid, cmd in pending.items() for b in cmd.block_ids[counts.get(cid, 0):len(cmd.keys)]}
+
     def _driver(self, side: str) -> ThreadedDriver:
         try:
             return self.drivers[side]
@@ -208,8 +250,11 @@ class RankTransfers:
             raise ValidationError(f"RankTransfers: side must be one of {list(self.drivers)}, got {side!r}") from None
 
     def poll(self, side: str, timeout: float = 0.0) -> list[Completion]:
-        """This rank's answers to one side's commands, ready now."""
-        return self._driver(side).poll(timeout)
+        """This rank's answers to one side's commands, ready now (those :meth:`load_errors`
+        waited for first)."""
+        driver = self._driver(side)
+        kept, self._kept[side] = self._kept[side], []
+        return kept + driver.poll(0.0 if kept else timeout)
 
     def inflight(self) -> int:
         """Transfers submitted and not answered yet, both sides."""
@@ -226,3 +271,22 @@ class RankTransfers:
             finally:
                 self.store.close()
 
+
+def _loads(loads: Any, who: str) -> list[C.LoadLayers]:
+    if isinstance(loads, (str, bytes)) or not isinstance(loads, Iterable):
+        raise ValidationError(f"{who}: loads must be LoadLayers commands, got {loads!r:.80}")
+    out = list(loads)
+    for cmd in out:
+        if not isinstance(cmd, C.LoadLayers):
+            raise ValidationError(f"{who}: loads must be LoadLayers commands, got a {type(cmd).__name__}")
+    return out
+
+
+def _device_wait(event: Any, stream: Any) -> None:
+    """Make ``stream`` (a CUDA stream's handle) wait for ``event``, or the host if None."""
+    if stream is None:
+        event.synchronize()
+        return
+    import cupy as cp
+
+    cp.cuda.runtime.streamWaitEvent(int(stream), event.ptr, 0)

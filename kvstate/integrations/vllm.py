@@ -21,9 +21,15 @@ Rules:
   ``do_remote_prefill``) waits up to ``wait_for_cache`` seconds for its cache to be stored
   before it computes it itself; any other prompt loads only what is there. A prompt with a
   local prefix hit loads only the blocks past it.
-- Transfers run on each rank's threads, after the step's forward; their commands and the
-  scheduler's releases travel in the step's connector metadata, their answers in the worker
-  metadata. ``finished_sending`` / ``finished_recving`` and the load errors are the
+- Loads are whole-request by default (``load`` ``"async"``): the request waits until its
+  load was judged, then runs. With ``load`` ``"layerwise"`` it runs at once, its first
+  forward computing the prompt's last token while the load goes out layer group by layer
+  group: before each layer's attention the forward waits for that layer (within the load's
+  deadline), and after it each rank reports the blocks its loads did not bring whole, so vLLM
+  drops that step's tokens and recomputes from the first of them (``kv_load_failure_policy``).
+- Transfers run on each rank's threads; their commands and the scheduler's releases travel
+  in the step's connector metadata, their answers in the worker metadata.
+  ``finished_sending`` / ``finished_recving`` and a whole-request load's errors are the
   scheduler's decisions, which every rank reports back the step after.
 - Every ``kv_connector_extra_config`` key is checked when vLLM builds the connector, with the
   store reached and the KV cache's layout read: an unknown key, an unreachable store, or a
@@ -98,6 +104,9 @@ class Settings:
     #: more than one, a producer saves a prompt computed in one forward layer group by layer group
     #: as the forward reports its layers, so only the last group trails the prefill
     layer_groups: int = 1
+    #: "async": a request runs once its whole load was judged; "layerwise": it runs at once and
+    #: its first forward waits before each layer for that layer's load (see the module's rules)
+    load: str = "async"
 
     @classmethod
     def from_extra(cls, extra: Any) -> Settings:
@@ -124,6 +133,8 @@ class Settings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be seconds >= 0, got {v!r}")
+        if self.load not in ("async", "layerwise"):
+            raise ConfigError(f"kv_connector_extra_config.load must be 'async' or 'layerwise', got {self.load!r}")
         for name, lo in (("write_retries", 0), ("workers", 1), ("peer_tp", 0), ("layer_groups", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 64:
@@ -250,6 +261,8 @@ class KVStateConnector(KVConnectorBase_V1):
         #: layer-wise saves started for this step's forward: (request id, command id) (worker side)
         self._layered: list[tuple[str, int]] = []
         self._layer_of: dict[str, int] = {}  # a layer's name -> its index (worker side)
+        self._loading: list[C.LoadLayers] = []  # this step's layer-wise loads (worker side)
+        self._short: set[int] = set()  # ... those that did not bring a layer the forward waited for
         if self.settings.store.get("kind") == "arena":  # its slots must be this model's objects: refused if not
             self.settings = dataclasses.replace(self.settings, store={
                 "slot_bytes": self.spec.block_bytes(self.spec.kinds[0]), **self.settings.store})
@@ -264,7 +277,7 @@ class KVStateConnector(KVConnectorBase_V1):
             layerwise = self.spec.layer_groups > 1 and tc.kv_role != "kv_consumer"
             self.handoff = Handoff(self.spec, kv_cache_config.num_blocks, ROLE_OF[tc.kv_role],
                                    open_store(self.settings.store), policy=policy, namespace=self.namespace,
-                                   layerwise=layerwise)
+                                   layerwise=layerwise, layerwise_loads=self.settings.load == "layerwise")
         else:
             open_store(self.settings.store).close()  # reached now, not at the first request
 
@@ -281,6 +294,8 @@ class KVStateConnector(KVConnectorBase_V1):
         n = h.lookup(request.request_id, prompt)
         if n > num_computed_tokens:
             self._first_seen.pop(request.request_id, None)
+            if self.settings.load == "layerwise":  # loaded as it runs: its forward computes the last token
+                return n - 1 - num_computed_tokens, False
             return n - num_computed_tokens, True  # past the engine's own prefix hit
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):
@@ -294,8 +309,9 @@ class KVStateConnector(KVConnectorBase_V1):
         if num_external_tokens > 0:
             prompt = request.prompt_token_ids or []
             self._loaded.add(request.request_id)
+            cached = len(prompt) - (self.settings.load == "layerwise")  # the tokens a load and a prefix hit give
             self._handoff().load(request.request_id, prompt, blocks.get_block_ids()[0],
-                                 computed=len(prompt) - num_external_tokens)
+                                 computed=cached - num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         h = self._handoff()
@@ -387,9 +403,21 @@ class KVStateConnector(KVConnectorBase_V1):
         for side, cmds in orders.commands.items():
             self.transfers.submit(side, cmds)
         self._layered = [(c.request_id, c.command_id) for c in orders.commands["save"] if isinstance(c, C.SaveLayers)]
+        self._loading = [c for c in orders.commands["load"] if isinstance(c, C.LoadLayers) and
+                         self.transfers.rank in c.ranks]
+        self._short = set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole-request loads, into blocks no forward reads before they are judged
+        """Before ``layer_name``'s attention: wait for this step's layer-wise loads to bring it
+        (on the device's stream for CUDA caches). A load that will not is noted; the forward
+        goes on, and its blocks are reported after it (``get_block_ids_with_load_errors``)."""
+        layer = self._layer_of.get(layer_name)
+        if self.transfers is None or layer is None:
+            return
+        pending = [c for c in self._loading if c.command_id not in self._short]
+        if pending:
+            stream = torch.cuda.current_stream().cuda_stream if self.transfers.device == "cuda" else None
+            self._short |= self.transfers.wait_layers(pending, layer + 1, stream)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """This forward wrote ``layer_name``'s KV: the layer-wise saves it computes may store the
@@ -414,8 +442,14 @@ class KVStateConnector(KVConnectorBase_V1):
         return set(orders.sent) or None, set(orders.received) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """The scheduler's verdicts on whole-request loads, and the blocks this step's
+        layer-wise loads did not bring whole on this rank (once none touches them)."""
         orders = self._orders()
-        return set(orders.invalid) if orders is not None else set()
+        invalid = set(orders.invalid) if orders is not None else set()
+        if self._loading and self.transfers is not None:
+            invalid |= self.transfers.load_errors(self._loading)
+            self._loading = []
+        return invalid
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.transfers is None:
