@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels._cuda_checksum import block_sums, summable, to_host
+from ..kernels._cuda_launch import event_ptr, transfer_stream
 from ._base import Guard
 from ._integrity import sum64
 
@@ -73,8 +74,8 @@ class DeviceSums:
             return None
         cp, stream = self.cp, self._side_stream(rank)
         with stream:
-            if after is not None:
-                stream.wait_event(after)
+            if after is not None:  # a CuPy or a PyTorch event
+                cp.cuda.runtime.streamWaitEvent(stream.ptr, event_ptr(after), 0)
             rows = cp.asarray(np.asarray(self._part_ids(ids, g), np.int64))
             out = cp.zeros((len(objects), len(ids)), dtype=cp.uint64)
             for j, layers in enumerate(objects):
@@ -98,7 +99,8 @@ class DeviceSums:
         held.append((event, host))
 
     def _side_stream(self, rank: int) -> Any:
-        """The rank's stream for checksums and state pages, its own and non-blocking. Every
+        """The rank's stream for checksums and state pages, its own, non-blocking and at the
+        device's highest priority (``transfer_stream``). Every
         caller has waited on the host for the transfer whose blocks it sums, or hands its event
         over (``after``), so the sums need no other order with the transfer streams; on CUDA's
         legacy default stream they would queue behind
@@ -106,7 +108,7 @@ class DeviceSums:
         cache, which the backend drops when it closes."""
         key = ("stream", rank)
         if key not in self._sum_cache:
-            self._sum_cache[key] = self.cp.cuda.Stream(non_blocking=True)
+            self._sum_cache[key] = transfer_stream(self.cp)  # on the rank's device: callers hold it current
         return self._sum_cache[key]
 
     def _side_wait(self, rank: int) -> None:

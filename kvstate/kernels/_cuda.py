@@ -43,6 +43,7 @@ from ._cuda_launch import (
     external_stream,
     load_cupy,
     stream_ptr,
+    transfer_stream,
     wait_event,
 )
 from ._cuda_src import INLINE_IDS
@@ -79,8 +80,8 @@ class CudaSwapper:
         self.staging_bytes, self.max_bound, self.inline_ids = staging_bytes, max_bound, inline_ids
         self._closed, self._buffers = False, list[Buffer]()  # every raw allocation this swapper made
         with cp.cuda.Device(device):
-            self.stream = cp.cuda.Stream(non_blocking=True)
-            self._copy_stream = cp.cuda.Stream(non_blocking=True)
+            self.stream = transfer_stream(cp)
+            self._copy_stream = transfer_stream(cp)
             self._kernels = Kernels(cp)
         self._params = ParamRing(cp, self._event, self._alloc, self._release, self.wait)
         self._mover = Mover(cp, self._kernels, self._params, self._copy_stream, staging_bytes, self._alloc,

@@ -11,6 +11,9 @@
 - :class:`ParamRing` uploads the ids of larger calls through a small ring of pinned and device
   slots, each reused only after the call that last uploaded into it has run (on whatever
   stream: a staged call's last kernels read their ids long after the upload).
+- :func:`transfer_stream` makes the streams transfers and checksums run on: non-blocking, at
+  the device's highest priority, so their short kernels go ahead of an engine's queued GEMM
+  blocks instead of waiting behind a forward (a layer-wise save runs beside one).
 - :func:`register_host` pins host memory made elsewhere (an arena store's shared slots) once
   per process, counting its users; :func:`unregister_host` lets it go with the last.
 """
@@ -33,7 +36,7 @@ from ._plan import LayerSet
 
 __all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "wait_event", "EVENT_TIMEOUT_S",
            "external_stream", "Buffer", "Kernels", "DeviceLayers", "ParamRing", "H2D", "D2H", "register_host",
-           "unregister_host"]
+           "unregister_host", "transfer_stream"]
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 _THREADS = 256
@@ -114,6 +117,29 @@ class _ExtStream:
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return (0, self.ptr)
+
+
+def transfer_stream(cp: Any) -> Any:
+    """A non-blocking stream of the current device at its highest priority (see the rules;
+    at the default priority where this CuPy makes no prioritized stream)."""
+    try:
+        return cp.cuda.Stream(non_blocking=True, priority=_greatest_priority(cp))
+    except TypeError:  # pragma: no cover - a CuPy before stream priorities
+        return cp.cuda.Stream(non_blocking=True)
+
+
+def _greatest_priority(cp: Any) -> int:
+    """The current context's highest stream priority (CUDA counts down: -5 on recent GPUs),
+    from CuPy where it has the call, else libcuda's ``cuCtxGetStreamPriorityRange``."""
+    fn = getattr(cp.cuda.runtime, "deviceGetStreamPriorityRange", None)
+    if fn is not None:
+        return int(fn()[1])
+    cp.cuda.runtime.free(0)  # the device's context made current, as CuPy makes it lazily
+    least, greatest = ctypes.c_int(), ctypes.c_int()
+    rc = ctypes.CDLL("libcuda.so.1").cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))
+    if rc:
+        raise DriverError(f"cuCtxGetStreamPriorityRange failed with CUDA error {rc}")
+    return greatest.value
 
 
 def external_stream(cp: Any, ptr: int, device: int) -> Any:
