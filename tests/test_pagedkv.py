@@ -242,6 +242,61 @@ def test_a_zero_copy_save_whose_fence_passes_between_its_runs_stores_nothing_and
         p.close(5)
 
 
+@pytest.mark.gpu
+def test_an_arena_of_layer_group_objects_takes_whole_and_layer_wise_transfers_in_place():
+    """With layer groups, an arena whose slot is one group's object is moved into and out of
+    in place, whole and layer by layer: byte-exact both ways, each layer there when its wait
+    returns; a flipped byte in one block's last group lets the earlier groups arrive, then
+    stops the load's count at that block."""
+    import torch
+
+    from kvstate import rank_key
+    from kvstate.commands import LoadLayers, SaveLayers
+    from kvstate.integrations._pagedkv import RankTransfers
+
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=64, layer_groups=3)
+    src = layers((2, NB, H, B, 64), device="cuda")
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    store = ArenaStore.create(s.chunk_bytes("key"), 64, small_bytes=1024)
+    whole, lw = (tuple(block_keys(list(range(1, n * B + 1)), B, namespace=ns)) for n, ns in ((4, "w"), (3, "l")))
+    p, d = RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
+    stream = torch.cuda.current_stream().cuda_stream
+    try:
+        p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, whole, (1, 3, 5, 7))])
+        assert [c.count for c in p.poll("save", 10)] == [4]
+        assert p.backend._arena_views, "the zero-copy path was not taken"
+        d.submit("load", [ReadBlocks("r", 1, (0,), time.monotonic() + 30, whole, (0, 2, 4, 6))])
+        assert [c.count for c in d.poll("load", 10)] == [4]
+        assert all(torch.equal(src[k][:, [1, 3, 5, 7]], dst[k][:, [0, 2, 4, 6]]) for k in src)
+        now = time.monotonic()
+        p.submit("save", [SaveLayers("r", 2, (0,), now + 30, lw, (2, 5, 7), fence=now + 60)])
+        for i, name in enumerate(src):  # each layer written behind a long kernel, reported at once
+            torch.cuda._sleep(50_000_000)
+            src[name][:, [2, 5, 7]] = float(i + 2)
+            event = torch.cuda.Event()
+            event.record()
+            p.layers_computed([("r", 2)], i + 1, event)
+        assert [c.count for c in p.poll("save", 10)] == [3]
+        load = LoadLayers("r", 2, (0,), time.monotonic() + 30, lw, (1, 3, 8))
+        d.submit("load", [load])
+        for i, name in enumerate(src):
+            assert d.wait_layers([load], i + 1, stream) == set()
+            assert torch.equal(dst[name][:, [1, 3, 8]].clone(), src[name][:, [2, 5, 7]]), name
+        assert d.load_errors([load]) == set() and [c.count for c in d.poll("load")] == [3]
+        place = store.locate([rank_key(lw[1], "value", 0, 2)])[0]
+        store.slots()[place.slot][7] ^= 0xFF
+        load = LoadLayers("r", 3, (0,), time.monotonic() + 30, lw, (0, 4, 6))
+        d.submit("load", [load])
+        assert d.wait_layers([load], 2, stream) == set() and d.wait_layers([load], 3, stream) == {3}
+        assert d.load_errors([load]) == {4, 6} and [c.count for c in d.poll("load")] == [1]
+        assert d.backend.broken_blocks == 1
+    finally:
+        for t in (p, d):
+            t.close(5)
+
+
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
 def test_p_and_d_at_different_tp_degrees_hand_off_byte_exact_through_the_connectors_core(p_tp, d_tp):
     """The connector's whole path without vLLM, P and D at different TP degrees: each side's

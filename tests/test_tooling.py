@@ -42,6 +42,8 @@ def _python_files() -> list[Path]:
 #: modules looked at again past MAX_MODULE_LINES and kept whole: each holds one concept
 ONE_CONCEPT: dict[str, str] = {
     "kvstate/sim/_scenario.py": "the scenario schema: every section, its fields and its rules, read in one place",
+    "kvstate/backends/_cuda.py": "the CUDA backend's transfers: the staged and the zero-copy paths share its bound "
+                                 "caches, streams, locks and checksums",
 }
 
 

@@ -209,9 +209,13 @@ class CudaBackend(DeviceSums, StoreBackend):
                     guard: Guard | None, layers: Callable[..., Any] | None) -> int:
         """Store one head group of the blocks: at once (straight into an arena's slots where
         the store is one), or layer group by layer group."""
+        if self._zero_copy():  # straight into the arena's slots, each object once its layers are computed
+            if self.spec.object_groups == 1:
+                ready = True if layers is None else layers(self.spec.layers)
+                return self._arena_put(rank, part, keys, block_ids, guard, None, ready) if ready else 0
+            return self._by_group(len(keys), layers or _computed, lambda g, m, ready: self._arena_put(
+                rank, part, keys[:m], block_ids[:m], guard, g, ready))
         if layers is None:
-            if self._zero_copy():
-                return self._arena_put(rank, part, keys, block_ids, guard)
             return self._put(rank, part, keys, block_ids, guard, None)
         if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
             return self._save_groups(rank, part, keys, block_ids, guard, layers)
@@ -317,9 +321,15 @@ class CudaBackend(DeviceSums, StoreBackend):
     def _read_part(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None, arrived: Callable[[int, Any], None] | None) -> int:
         """Read one head group of the blocks: at once, or layer group by layer group, reporting each."""
+        if self._zero_copy():  # straight out of the arena's slots, each object in place when reported
+            if self.spec.object_groups == 1:
+                count = self._arena_get(rank, part, keys, block_ids, guard)
+                if arrived is not None and count == len(keys):
+                    arrived(self.spec.layers, None)
+                return count
+            return self._load_by_group(len(keys), arrived or _ignore, lambda g, m: (
+                self._arena_get(rank, part, keys[:m], block_ids[:m], guard, g), None))
         if arrived is None:
-            if self._zero_copy():
-                return self._arena_get(rank, part, keys, block_ids, guard)
             return self._get(rank, part, keys, block_ids, guard, None)
         if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined
             return self._load_groups(rank, part, keys, block_ids, guard, arrived)
@@ -406,16 +416,17 @@ class CudaBackend(DeviceSums, StoreBackend):
     # -- zero copy: an arena store's slots are the host buffer ---------------------------------
     def _zero_copy(self) -> bool:
         """Whether transfers go straight between the caches and the store's slots: an
-        :class:`~kvstate.backends._arena.ArenaStore` whose slot is one object of every kind (all
-        layers, one head group), manifests on (SUM64 taken on the GPU). The slots are registered
-        as pinned memory on first use."""
+        :class:`~kvstate.backends._arena.ArenaStore` whose slot is one object of every kind (one
+        head group; all layers, or one layer group's with ``layer_groups``), manifests on (SUM64
+        taken on the GPU). The slots are registered as pinned memory on first use."""
         if self._arena_views is not None:
             return bool(self._arena_views)
         spec, store = self.spec, self.store
+        per = spec.group_layers  # layers an object holds
         fits = isinstance(store, ArenaStore) and store.verify and spec.head_groups == 1 and \
-            spec.object_groups == 1 and all(spec.layers * int(np.prod(spec.block_shape(k))) *
-                                            np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
-                                            for k in spec.kinds) and all(self._slots_on_gpu(r) for r in self.ranks)
+            not spec.splits_groups and all(per * int(np.prod(spec.block_shape(k))) *
+                                           np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
+                                           for k in spec.kinds) and all(self._slots_on_gpu(r) for r in self.ranks)
         self._arena_views = {}
         if fits:
             slots = store.slots()  # type: ignore[attr-defined]
@@ -423,41 +434,45 @@ class CudaBackend(DeviceSums, StoreBackend):
             with self.cp.cuda.Device(self.device):
                 register_host(self.cp, ptr, slots.nbytes)
             self._registered = ptr
-            self._arena_views = {k: slots.view(spec.kind_dtype(k)).reshape((len(slots), spec.layers) +
+            self._arena_views = {k: slots.view(spec.kind_dtype(k)).reshape((len(slots), per) +
                                                                          spec.block_shape(k)) for k in spec.kinds}
         return bool(self._arena_views)
 
     def _arena_move(self, rank: int, ids: Sequence[int], slots: Sequence[int], direction: str,
-                    guard: Guard | None) -> Any:
-        """Enqueue the gather (``d2h``) of blocks ``ids`` into the arena's ``slots`` (block by
-        block, then kind), or their scatter back; returns the event after it."""
+                    guard: Guard | None, group: int | None = None) -> Any:
+        """Enqueue the gather (``d2h``) of blocks ``ids`` (every layer, or layer group ``group``)
+        into the arena's ``slots`` (block by block, then kind), or their scatter back; returns
+        the event after it."""
         nk, sw, ev = len(self.spec.kinds), self._swappers[rank], None
         check_fence(guard, rank, "gather" if direction == "d2h" else "scatter into", ids)
         rows = np.asarray(ids, np.int64)
         # objects of a MiB or more: the DMA engines move them, one call a run of slots
         strategy = "staged" if cast(ArenaStore, self.store).big.size >= 1 << 20 else None
         for k, kind in enumerate(self.spec.kinds):
-            ev = sw.swap_cache_layout_async(self._parts[rank][kind], self._arena_views[kind], rows,  # type: ignore[index]
+            layers = self._parts[rank][kind] if group is None else self._groups[rank][kind][group]
+            ev = sw.swap_cache_layout_async(layers, self._arena_views[kind], rows,  # type: ignore[index]
                                             np.asarray(slots[k::nk], np.int64), direction, strategy=strategy)
         return ev
 
     def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
-                   guard: Guard | None) -> int:
+                   guard: Guard | None, group: int | None = None, ready: Any = True) -> int:
         """Gather the blocks straight into slots the arena store claimed, in runs (:func:`_pieces`:
         each run claimed while the one before it moves, and given its own event), take their
         SUM64 on the GPU meanwhile and stage their manifests, then publish each run, objects
         and manifests in one step, as soon as its copy has landed: only the first run's claim
         comes before the copy and only the last run's publish after it. Leading blocks stored.
         Claims are let go only once nothing can write their slots (a stuck device keeps them
-        claimed)."""
-        store, nk = cast(ArenaStore, self.store), len(self.spec.kinds)
-        names = self.objects.names(part[1], keys)
+        claimed). ``group``: one layer group's objects, gathered after the device event ``ready``."""
+        store, nk, groups = cast(ArenaStore, self.store), len(self.spec.kinds), None if group is None else [group]
+        names = self.objects.names(part[1], keys, groups)
         claimed: list[str] = []
         mnames: list[str] = []
         events: list[Any] = []
         runs: list[tuple[int, int]] = []  # the runs moving, each with its event
         count = 0
         with self._on(rank):
+            if ready is not True:
+                self._swappers[rank].wait_on_device(ready)
             try:  # every run enqueued before any is published: a fence that passes stores none
                 for a, b in _pieces(len(keys)):
                     run = names[a * nk:b * nk]
@@ -466,24 +481,27 @@ class CudaBackend(DeviceSums, StoreBackend):
                     slots = [by_kind[k * (b - a) + i] for i in range(b - a) for k in range(nk)]
                     m = leading(all(s >= 0 for s in slots[i * nk:(i + 1) * nk]) for i in range(b - a))
                     if m:
-                        events.append(self._arena_move(rank, block_ids[a:a + m], slots[:m * nk], "d2h", guard))
+                        events.append(self._arena_move(rank, block_ids[a:a + m], slots[:m * nk], "d2h", guard, group))
                         runs.append((a, a + m))
                     if m < b - a:
                         break
                 n = runs[-1][1] if runs else 0
-                pending = self._launch_sums(rank, part[0], block_ids[:n], None) if n else None
+                pending = self._launch_sums(rank, part[0], block_ids[:n], groups,  # once the layers are computed
+                                            after=None if ready is True else ready) if n else None
                 sums = pending() if pending is not None else []
-                mnames, blobs = self.objects.manifests(part[1], keys[:n], None, [store.big.size] * (n * nk),
+                mnames, blobs = self.objects.manifests(part[1], keys[:n], groups, [store.big.size] * (n * nk),
                                                        self._flat(sums, 0, n) or [], SUM64)
                 staged = store.stage(mnames, blobs)
-                count = self._publish_runs(rank, keys, names, mnames, runs, events, leading(st == 0 for st in staged))
+                count = self._publish_runs(rank, keys, names, mnames, runs, events, leading(st == 0 for st in staged),
+                                           groups)
                 return count
             finally:
                 self._wait_all(self._swappers[rank], events)  # a stuck device raises: its claims stay
                 store.release(claimed[count * nk:] + mnames[count:])  # the blocks counted were published
 
     def _publish_runs(self, rank: int, keys: Sequence[str], names: Sequence[str], mnames: Sequence[str],
-                      runs: Sequence[tuple[int, int]], events: Sequence[Any], n: int) -> int:
+                      runs: Sequence[tuple[int, int]], events: Sequence[Any], n: int,
+                      groups: Sequence[int] | None) -> int:
         """Publish the first ``n`` blocks' objects and manifests run by run, each once its
         gather's event passed; the leading blocks stored (a run short of its end stops it)."""
         store, nk, sw, count = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank], 0
@@ -493,14 +511,14 @@ class CudaBackend(DeviceSums, StoreBackend):
                 break
             sw.wait(ev)
             status = store.publish(list(names[a * nk:b * nk]) + list(mnames[a:b]))
-            done = self.objects.leading_blocks(keys[a:b], None, [st == 0 for st in status])
+            done = self.objects.leading_blocks(keys[a:b], groups, [st == 0 for st in status])
             count += done
             if done < b - a:
                 break
         return count
 
     def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
-                   guard: Guard | None) -> int:
+                   guard: Guard | None, group: int | None = None) -> int:
         """Scatter the blocks straight out of the arena's slots in pieces (:func:`_pieces`), each
         piece's slots found while the one before it moves and its manifests read while it moves
         itself (a block they do not vouch for moved in vain and never counts), so only finding
@@ -508,9 +526,10 @@ class CudaBackend(DeviceSums, StoreBackend):
         GPU where it landed as soon as it has (the host does not wait for it); then the leading
         blocks whose slots held them throughout and whose sums are their manifests' count, the
         first broken one evicted. Manifests of host checksums (a writer without a GPU) are read
-        by the staged path."""
+        by the staged path. ``group``: one layer group's objects."""
         store, nk, sw = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank]
-        n, names = len(keys), self.objects.names(part[1], keys)
+        groups = None if group is None else [group]
+        n, names = len(keys), self.objects.names(part[1], keys, groups)
         moved: list[tuple[int, int, Any, Any]] = []  # (first block, blocks moved, their places, what was read)
         events: list[Any] = []
         count, staged_from = 0, None
@@ -520,13 +539,13 @@ class CudaBackend(DeviceSums, StoreBackend):
                     places = store.locate(names[a * nk:b * nk])
                     here = leading(all(p.slot >= 0 for p in places[i * nk:(i + 1) * nk]) for i in range(b - a))
                     ev = self._arena_move(rank, block_ids[a:a + here], [p.slot for p in places[:here * nk]],
-                                          "h2d", guard) if here else None
+                                          "h2d", guard, group) if here else None
                     events.append(ev)
-                    sums = self._launch_sums(rank, part[0], block_ids[a:a + here], None, after=ev) if here else None
+                    sums = self._launch_sums(rank, part[0], block_ids[a:a + here], groups, after=ev) if here else None
                     # the manifests are read while the blocks move: those they do not vouch for never count
-                    read, vouched = self.objects.read_manifests(part[1], keys[a:b], None)
+                    read, vouched = self.objects.read_manifests(part[1], keys[a:b], groups)
                     got = [p.length if p.slot >= 0 else MISSING for p in places]
-                    whole = min(here, self.objects.arrived(keys[a:b], [None], got, vouched))
+                    whole = min(here, self.objects.arrived(keys[a:b], [group], got, vouched))
                     if any(alg != SUM64 for alg, _ in vouched[:whole]):
                         staged_from = a
                         break
@@ -536,9 +555,9 @@ class CudaBackend(DeviceSums, StoreBackend):
                 for (a, whole, places, (read, vouched, got, size, sums)), ev in zip(moved, events):
                     if ev is not None:
                         sw.wait(ev)
-                    done = self._arena_verified(part, keys[a:a + size], whole, places, vouched, sums)
+                    done = self._arena_verified(part, keys[a:a + size], whole, places, vouched, sums, group)
                     if done == whole:
-                        self.objects.evict_if_broken(part[1], keys[a:a + size], None, got, read, whole)
+                        self.objects.evict_if_broken(part[1], keys[a:a + size], groups, got, read, whole)
                     count += done
                     if done < size:
                         return count
@@ -546,10 +565,10 @@ class CudaBackend(DeviceSums, StoreBackend):
                 self._wait_all(sw, events)  # nothing scatters into the blocks once we return
         if staged_from is None or count < staged_from:
             return count
-        return count + self._get(rank, part, keys[count:], block_ids[count:], guard, None)
+        return count + self._get(rank, part, keys[count:], block_ids[count:], guard, group)
 
     def _arena_verified(self, part: tuple[int, int], keys: Sequence[str], whole: int, places: Sequence[Any],
-                        vouched: Any, sums: Callable[[], list[list[int]]] | None) -> int:
+                        vouched: Any, sums: Callable[[], list[list[int]]] | None, group: int | None) -> int:
         """Of ``whole`` blocks scattered from the arena, the leading ones whose slots still
         hold them and whose SUM64 where they landed (``sums``, launched after the scatter) are
         their manifests' (the first that differs is evicted)."""
@@ -557,7 +576,7 @@ class CudaBackend(DeviceSums, StoreBackend):
         still = cast(ArenaStore, self.store).unchanged(places[:whole * nk])
         w = leading(all(still[i * nk:(i + 1) * nk]) for i in range(whole))
         got = sums()[:w] if sums is not None and w else []
-        want = [(keys[i], self.objects.expected(i, [None], vouched)) for i in range(w)]
+        want = [(keys[i], self.objects.expected(i, [group], vouched)) for i in range(w)]
         return self.objects.verify_deferred(part[1], want, got)
 
     def close(self) -> None:
@@ -597,3 +616,12 @@ def _pieces(n: int) -> list[tuple[int, int]]:
         out.append((a, a + size))
         a, size = a + size, 2 * size
     return out + [(a, n - last), (n - last, n)]
+
+
+def _computed(layers: int, block: bool = True) -> bool:
+    """A whole transfer's layers: computed already."""
+    return True
+
+
+def _ignore(layers: int, event: Any) -> None:
+    """A whole load's groups: nobody waits for them."""
