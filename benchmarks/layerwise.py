@@ -6,7 +6,8 @@ and D's first decode step after the handoff against the slower of its read and i
 A Llama-3-8B-shaped model (``benchmarks/fast_llama.py``: 32 layers, hidden 4096, 8 KV heads,
 bf16, seeded random weights) prefills one ``--tokens`` prompt and writes each layer's keys and
 values into a paged cache (blocks of 64 tokens) as it goes. Through the public API only
-(``PrefillLifecycle``, ``ThreadedDriver``, ``CudaBackend`` over a ``MemoryStore``, ``--groups``
+(``PrefillLifecycle``, ``ThreadedDriver``, ``CudaBackend`` over a ``MemoryStore``, or with
+``--store arena`` an ``ArenaStore`` the GPU gathers into and scatters out of in place, ``--groups``
 stored objects per block and kind), each repetition runs a fresh prompt, from ``admit`` to P's first token:
 
 - ``prefill``: the prefill with its paged writes, nothing stored (the bar's baseline);
@@ -50,6 +51,7 @@ from fast_llama import HEAD_DIM, KV_HEADS, FastLlama  # noqa: E402
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle  # noqa: E402
 from kvstate import commands as C  # noqa: E402
 from kvstate.backends import (  # noqa: E402
+    ArenaStore,
     CudaBackend,  # noqa: E402
     MemoryStore,
     ThreadedDriver,
@@ -61,7 +63,8 @@ BLOCK = 64
 class Rig:
     """The model, P's paged cache, and P's lifecycle, backend and driver."""
 
-    def __init__(self, torch: Any, tokens: int, groups: int = 32, copy_threads: int = 4, layers: int = 32) -> None:
+    def __init__(self, torch: Any, tokens: int, groups: int = 32, copy_threads: int = 4, layers: int = 32,
+                 store: str = "memory") -> None:
         self.torch, self.tokens = torch, tokens
         self.model = FastLlama(torch, layers)
         self.spec = CacheSpec(num_layers=layers, kv_heads=KV_HEADS, block_size=BLOCK, head_dim=HEAD_DIM,
@@ -73,7 +76,11 @@ class Rig:
         per_request = self.spec.blocks_for(tokens) * self.spec.bytes_per_block_per_rank
         # room for two requests: after the warm-up the pool is full, as a serving pool is, and
         # each put reuses an evicted object's memory instead of page-faulting fresh memory
-        self.store = MemoryStore(2 * per_request + (64 << 20), copy_threads=copy_threads)
+        if store == "arena":  # slots of one layer group's object: the GPU moves them in place
+            obj = layers // groups * KV_HEADS * BLOCK * HEAD_DIM * 2
+            self.store: Any = ArenaStore.create(obj, 2 * per_request // obj + 64, small_bytes=1024)
+        else:
+            self.store = MemoryStore(2 * per_request + (64 << 20), copy_threads=copy_threads)
         self.backend = CudaBackend(self.spec, self.nblocks, self.store, caches=[self.cache])
         self.driver = ThreadedDriver(self.backend, workers=2)
         self.n = 0
@@ -83,6 +90,7 @@ class Rig:
     def close(self) -> None:
         self.driver.close()
         self.backend.close()
+        self.store.close()
 
     def prompt(self) -> list[int]:
         self.n += 1  # a fresh prompt: nothing of it is stored yet
@@ -295,6 +303,8 @@ def main() -> int:
     ap.add_argument("--lag", type=int, default=2, help="layers the GPU runs ahead of the reports")
     ap.add_argument("--groups", type=int, default=32, help="stored objects per block and kind (layer groups)")
     ap.add_argument("--copy-threads", type=int, default=4, help="MemoryStore's copy threads")
+    ap.add_argument("--store", choices=["memory", "arena"], default="memory",
+                    help="memory: a MemoryStore; arena: an ArenaStore whose slot is one layer group's object")
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="Python's GIL switch interval for the run (0: the default, 5 ms)")
     ap.add_argument("--out", default="")
@@ -304,7 +314,7 @@ def main() -> int:
     import torch
 
     from kvstate import block_keys
-    rig = Rig(torch, args.tokens, args.groups, args.copy_threads)
+    rig = Rig(torch, args.tokens, args.groups, args.copy_threads, store=args.store)
     times: dict[str, list[float]] = {"prefill": [], "serial": [], "layerwise": [], "at_launch": []}
     try:
         for rep in range(args.reps + 1):  # the first is a warm-up; the paths interleave
@@ -323,6 +333,7 @@ def main() -> int:
         rig.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"gpu": torch.cuda.get_device_name(0), "tokens": args.tokens, "lag": args.lag, "layer_groups": args.groups,
+           "store": args.store,
            "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
            "serial_vs_prefill": med["serial"] / med["prefill"],
            "layerwise_vs_prefill": med["layerwise"] / med["prefill"],

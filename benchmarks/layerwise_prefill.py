@@ -5,12 +5,15 @@
 A Llama-3-8B-shaped prefill of one 8,192-token prompt at TP 1: 32 layers, each the layer's
 GEMMs at their shapes (QKV 4096 -> 6144, O 4096 -> 4096, gate, up 4096 -> 14336, down 14336 ->
 4096; bf16) and then its KV written into vLLM's paged cache (``[2, blocks, 8, 64, 128]``
-under ``HND``, 128 blocks, 1 GiB in all). Three runs, alternating, medians of ``--reps``:
+under ``HND``, 128 blocks, 1 GiB in all). Four runs, alternating, medians of ``--reps``:
 
 - ``prefill``: the forward alone;
+- ``prefill + copy_``: the forward with each layer's blocks copied to pinned host memory by
+  ``copy_`` on a side stream as soon as computed: what the link itself costs beside it;
 - ``prefill + save``: the forward with the connector's layer-wise save (``RankTransfers``, a
   ``SaveLayers`` submitted before the forward, each layer reported with a CUDA event after it,
   as ``save_kv_layer`` does), timed until the save answered: when P can send the first token;
+  and that forward's own time on the GPU's clock (``forward_beside_save``);
 - ``layer-wise load``: D's side, a ``LoadLayers`` of the prompt's cache into other blocks and
   the forward of the prompt's last token (vLLM's first step with ``load`` ``"layerwise"``),
   each layer waiting for its group before its GEMMs (as ``wait_for_layer_load`` does, on the
@@ -58,6 +61,7 @@ class Rig:
         from kvstate.integrations._pagedkv import RankTransfers
 
         self.torch = torch
+        self.forward_ms: list[float] = []  #: each save's forward, on the GPU's clock
         self.spec = CacheSpec(num_layers=LAYERS, kv_heads=HEADS, block_size=BS, head_dim=DIM, layer_groups=groups)
         obj = LAYERS // groups * HEADS * BS * DIM * 2
         self.store = (ArenaStore.create(obj, 2 * N * groups * (reps + 1) + 64, small_bytes=1024)
@@ -67,8 +71,12 @@ class Rig:
                          for n in self.names}
         self.d_caches = {n: torch.zeros_like(t) for n, t in self.p_caches.items()}
         self.scratch = {n: torch.zeros_like(t) for n, t in self.p_caches.items()}  # D's own token's KV
-        self.p = RankTransfers(self.spec, 0, self.p_caches, self.store, workers=2)
-        self.d = RankTransfers(self.spec, 0, self.d_caches, self.store, workers=2)
+        try:
+            self.p = RankTransfers(self.spec, 0, self.p_caches, self.store, workers=2)
+            self.d = RankTransfers(self.spec, 0, self.d_caches, self.store, workers=2)
+        except BaseException:
+            self.store.close()  # an arena's file goes with it
+            raise
         gen = torch.Generator(device="cuda").manual_seed(0)
         shapes = {"qkv": (HIDDEN, HIDDEN + 2 * HEADS * DIM), "o": (HIDDEN, HIDDEN), "gate": (HIDDEN, INTER),
                   "up": (HIDDEN, INTER), "down": (INTER, HIDDEN)}
@@ -89,6 +97,8 @@ class Rig:
         from kvstate.commands import SaveLayers
 
         torch = self.torch
+        for c in self.p_caches.values():  # what the save stores must be this forward's writes
+            c.zero_()
         torch.cuda.synchronize()
         t, now = time.perf_counter(), time.monotonic()
         self.p.submit("save", [SaveLayers("r", cid, (0,), now + 60, keys, tuple(range(N)), fence=now + 120)])
@@ -97,8 +107,34 @@ class Rig:
             ev = torch.cuda.Event()
             ev.record()
             self.p.layers_computed([("r", cid)], i + 1, ev)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         forward(torch, self.w, self.x, self.p_caches, self.names, after=reported)
+        end.record()
         assert [c.count for c in self.p.poll("save", 60)] == [N]
+        took = time.perf_counter() - t
+        end.synchronize()
+        self.forward_ms.append(begin.elapsed_time(end))  # the forward's own time beside the save
+        return took
+
+    def prefill_copy(self) -> float:
+        """The forward with each layer's blocks copied to pinned host memory by ``copy_`` on a
+        side stream once computed: the link's own cost beside the forward, no store at all."""
+        torch = self.torch
+        if not hasattr(self, "host"):
+            self.host = torch.empty(LAYERS, 2, N, HEADS, BS, DIM, dtype=torch.bfloat16, pin_memory=True)
+            self.side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+
+        def copied(i: int) -> None:
+            ev = torch.cuda.Event()
+            ev.record()
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(ev)
+                self.host[i].copy_(self.p_caches[self.names[i]][:, :N], non_blocking=True)
+        forward(torch, self.w, self.x, self.p_caches, self.names, after=copied)
+        torch.cuda.synchronize()
         return time.perf_counter() - t
 
     def layerwise_load(self, cid: int, keys: tuple[str, ...]) -> float:
@@ -140,17 +176,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     rig = Rig(torch, a.groups, a.store, a.reps)
-    rows: dict[str, list[float]] = {"prefill": [], "prefill_save": [], "layerwise_load": []}
+    rows: dict[str, list[float]] = {"prefill": [], "prefill_copy": [], "prefill_save": [], "layerwise_load": []}
     try:
         for rep in range(a.reps + 1):  # the first is warm-up
             keys = tuple(block_keys(list(range(rep * 10**6, rep * 10**6 + N * BS)), BS, namespace="lw"))
-            got = {"prefill": rig.prefill(), "prefill_save": rig.prefill_save(rep + 1, keys),
+            got = {"prefill": rig.prefill(), "prefill_copy": rig.prefill_copy(),
+                   "prefill_save": rig.prefill_save(rep + 1, keys),
                    "layerwise_load": rig.layerwise_load(rep + 1, keys)}
             for k, v in got.items():
                 if rep:
                     rows[k].append(v)
     finally:
         rig.close()
+    rows["forward_beside_save"] = [x / 1e3 for x in rig.forward_ms[1:]]
     report(torch, a, rig.spec, rows)
 
 
@@ -159,6 +197,7 @@ def report(torch, a: argparse.Namespace, spec, rows: dict[str, list[float]]) -> 
     nbytes = N * spec.bytes_per_block_per_rank
     out = {"gpu": torch.cuda.get_device_name(), "groups": a.groups, "store": a.store, "reps": a.reps,
            "bytes": nbytes, "median_ms": med, "save_over_prefill": med["prefill_save"] / med["prefill"],
+           "save_over_copy": med["prefill_save"] / med["prefill_copy"],
            "load_gbps": nbytes / med["layerwise_load"] / 1e6,
            "runs_ms": {k: [x * 1e3 for x in v] for k, v in rows.items()}}
     print(f"{nbytes / 2**30:.2f} GiB, {a.groups} layer groups, {a.store} store; medians of {a.reps}")
