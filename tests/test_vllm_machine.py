@@ -4,7 +4,8 @@ stored block corrupted or evicted between D's lookup and its load). Each forward
 token's KV as a function of the tokens before it, so a block is right or wrong by its bytes.
 
 Invariants: no token D counts as computed came from a block that was not verified (its KV is
-the pattern, token by token, when D first schedules the request); no request waits on a
+the pattern, token by token, when D first schedules the request; with layer-wise loads, after
+every step); no request waits on a
 transfer past its deadline and fence; at the end every request ends and every block is back in
 vLLM's pool, on both sides, with no transfer in flight."""
 from __future__ import annotations
@@ -29,12 +30,16 @@ _MODEL: dict[str, str] = {}
 
 
 class ConnectorMachine(RuleBasedStateMachine):
+    #: D's extra configuration (the layer-wise machine loads within the request's forward)
+    d_extra: dict[str, Any] = {}
+
     def __init__(self) -> None:
         super().__init__()
         store = f"machine{time.monotonic_ns()}"
-        knobs = {"transfer_timeout": TIMEOUT, "fence_grace": GRACE, "wait_for_cache": 0.1}
+        knobs = {"transfer_timeout": TIMEOUT, "fence_grace": GRACE, "wait_for_cache": 0.1,
+                 "layer_groups": self.d_extra.get("layer_groups", 1)}
         self.P = Engine(_MODEL["dir"], "kv_producer", store, **knobs)
-        self.D = Engine(_MODEL["dir"], "kv_consumer", store, **knobs)
+        self.D = Engine(_MODEL["dir"], "kv_consumer", store, **{**knobs, **self.d_extra})
         self.P.model = self.D.model = True
         self.n = 0
         self.d_prompt: dict[str, list[int]] = {}
@@ -106,10 +111,11 @@ class ConnectorMachine(RuleBasedStateMachine):
         import numpy as np
 
         buf = np.zeros(1 << 16, np.uint8)
-        got = store.batch_get_into(names, [buf])[0]
+        name = sorted(names)[-1:]  # with layer groups, the last group's: the earlier ones arrive first
+        got = store.batch_get_into(name, [buf])[0]
         if got > 0:
             buf[got // 3] ^= 0x55
-            store.batch_put_from(names, [buf[:got]])
+            store.batch_put_from(name, [buf[:got]])
 
     # -- invariants ----------------------------------------------------------------------------
     def check_verified(self, rid: str, upto: int) -> None:
@@ -154,6 +160,33 @@ def model_dir() -> Any:
     shutil.rmtree(d, ignore_errors=True)
 
 
+class LayerwiseMachine(ConnectorMachine):
+    """The same, with D loading layer by layer within each request's first forward. A forward
+    may then read a block its load did not bring whole (or one another request's load shares
+    with it): that step's token must be dropped, which vLLM does for the blocks the ranks
+    report in that very step. So: a step whose forward read a token's KV that is not the
+    pattern keeps no token for that request."""
+
+    d_extra = {"load": "layerwise", "layer_groups": 2}
+
+    @rule()
+    def step_d(self) -> None:
+        reqs = self.D.scheduler.requests
+        read_wrong: dict[str, list[int]] = {}
+
+        def check(rid: str, upto: int) -> None:  # after the forward, before the step's report
+            bad = self.D.wrong_tokens(rid, self.d_prompt[rid], min(upto, len(self.d_prompt[rid])))
+            if bad:
+                read_wrong[rid] = bad
+        assert self.D.step_checked(set(reqs), check, settle=0.5) is not None
+        for rid in read_wrong:
+            assert rid not in self.D.kept, \
+                f"{rid}: a token computed from unverified KV (positions {read_wrong[rid][:5]}...) was kept"
+
+
+SETTINGS = settings(max_examples=12, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow], database=None)
 TestConnectorMachine = ConnectorMachine.TestCase
-TestConnectorMachine.settings = settings(max_examples=12, stateful_step_count=30, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow], database=None)
+TestConnectorMachine.settings = SETTINGS
+TestLayerwiseMachine = LayerwiseMachine.TestCase
+TestLayerwiseMachine.settings = SETTINGS

@@ -154,7 +154,9 @@ class Engine:
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[[token] for _ in ids], logprobs=None, prompt_logprobs_dict={},
                                 pooler_output=None, kv_connector_output=kco)
-        self.scheduler.update_from_output(so, out)
+        #: the request ids whose tokens this step kept (vLLM drops those of a step that read an invalid block)
+        self.kept = {o.request_id for outs in self.scheduler.update_from_output(so, out).values()
+                     for o in outs.outputs if o.new_token_ids}
         return so
 
     def compute(self, so: Any) -> None:
