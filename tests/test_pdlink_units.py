@@ -167,6 +167,11 @@ def test_a_link_refuses_a_bad_configuration_by_name(kwargs, words):
     assert str(e.value).startswith(words)
 
 
+def test_ipc_and_inproc_addresses_are_taken(tmp_path):
+    with Link(f"ipc://{tmp_path}/mailbox") as a, Link("inproc://mailbox") as b:
+        assert a.address == f"ipc://{tmp_path}/mailbox" and b.address == "inproc://mailbox"
+
+
 def test_the_bounds_of_hwm_are_taken():
     for hwm in (1, 1 << 20):
         Link(LOCAL, hwm=hwm).close()
