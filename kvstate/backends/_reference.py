@@ -19,6 +19,7 @@ the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -34,7 +35,12 @@ from ._base import Guard, Store, check_caches, check_fence
 from ._objects import StoreBackend
 from ._stateobjects import paged_of
 
-__all__ = ["ReferenceBackend"]
+__all__ = ["ReferenceBackend", "KEEP_STAGING_BYTES"]
+
+#: host rows a transfer thread keeps between its transfers, per kind: memory touched once is
+#: reused (a fresh buffer page-faults on every first write, and a read's copy into one ran at
+#: a seventh of the speed); a larger transfer gets rows of its own, freed after it
+KEEP_STAGING_BYTES = 256 << 20
 
 
 class ReferenceBackend(StoreBackend):
@@ -56,6 +62,7 @@ class ReferenceBackend(StoreBackend):
             if states is None else {r: self._state_array(states, r) for r in self.ranks}
         if caches is not None:
             check_caches(spec, num_blocks, self.ranks, caches, "ReferenceBackend")
+        self._staging = threading.local()  # each transfer thread's kept host rows (_buffers)
         self.host_blocks = host_blocks  #: slots of the host tier arena, per rank
         #: host[rank][kind] -> block-major arena [host_blocks, layers, heads, block_size, dim]
         self.host = {r: self._host(host_blocks) for r in self.ranks} if host_blocks else {}
@@ -107,6 +114,11 @@ class ReferenceBackend(StoreBackend):
                                   f"uint8 array of shape {shape}")
         return a
 
+    def close(self) -> None:
+        """Let go of every thread's kept host rows, then the store's side."""
+        self._staging = threading.local()
+        super().close()
+
     def _host(self, n: int) -> dict[str, np.ndarray]:
         """The host tier's arena: whole blocks of the rank, every head."""
         spec = self.spec
@@ -136,10 +148,24 @@ class ReferenceBackend(StoreBackend):
 
     def _buffers(self, m: int, group: int | None) -> tuple[dict[str, np.ndarray], slice]:
         """Block-major host rows for ``m`` blocks of every layer (``group`` None) or of one layer
-        group, and the slice of layers they hold."""
+        group, and the slice of layers they hold: this thread's own, kept and reused up to
+        :data:`KEEP_STAGING_BYTES` a kind (each transfer thread has its own: they run at once)."""
         spec = self.spec
         a, b = (0, spec.layers) if group is None else spec.group_span(group)
-        return {k: np.empty((m, b - a) + spec.object_shape(k), spec.kind_dtype(k)) for k in spec.kinds}, slice(a, b)
+        kept = self._staging.__dict__.setdefault("rows", {})
+        out = {}
+        for k in spec.kinds:
+            shape, dtype = (m, b - a) + spec.object_shape(k), np.dtype(spec.kind_dtype(k))
+            need = int(np.prod(shape))
+            if need * dtype.itemsize > KEEP_STAGING_BYTES:
+                out[k] = np.empty(shape, dtype)
+                continue
+            rows = kept.get(k)
+            if rows is None or rows.size < need:
+                rows = kept[k] = np.empty(need, dtype)
+                rows.view(np.uint8).fill(0)  # touched now, once
+            out[k] = rows[:need].reshape(shape)
+        return out, slice(a, b)
 
     def _part_layers(self, rank: int, kind: str, span: slice) -> list[np.ndarray]:
         """The rank's layers at positions ``span`` of the stored order, of ``kind``, seen by part
