@@ -14,7 +14,12 @@ the median over the rounds (the bar's figure):
   numpy backend moves through across processes), ``FileStore`` put and get in ``--dir``
   (``/dev/shm``: tmpfs), each plain and hashed (the checksums of :mod:`kvstate.backends._integrity` taken as they copy);
 - ``xxh3``: the checksums of :mod:`kvstate.backends._integrity` over the same bytes, on one core
-  and on the stores' threads.
+  and on the stores' threads;
+- ``numpy backend write`` and ``read``: a ``ReferenceBackend`` (the CPU rank's backend) moving
+  the same bytes as Llama-3-8B-shaped blocks (32 layers, 8 KV heads, head dim 128, bf16; blocks
+  of ``--object-mib`` per kind) through an ``ArenaStore`` with manifests: gathered from its
+  layer-major caches, checksummed and put, then got, verified and scattered into other blocks
+  (a write takes fresh keys each time; a store holding them would skip them).
 """
 from __future__ import annotations
 
@@ -64,6 +69,35 @@ def store_rows(name: str, store: object, keys: list[str], srcs: list, dsts: list
             f"{name} get, hashed": lambda: store.batch_get_hashed(keys, dsts)}  # type: ignore[attr-defined]
 
 
+def backend_rows(object_bytes: int, n: int) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    """The numpy backend's write and read rows over an arena (see the module's docstring), and
+    what closes them."""
+    from kvstate import CacheSpec, block_keys
+    from kvstate.backends import ReferenceBackend
+
+    block = max(1, object_bytes // (32 * 8 * 128 * 2))
+    spec = CacheSpec(num_layers=32, kv_heads=8, block_size=block, head_dim=128, dtype="bfloat16")
+    blocks = max(1, n // 2)
+    arena = ArenaStore.create(spec.bytes_per_block_per_rank // 2, 4 * blocks + 8, small_bytes=1024)
+    p, d = ReferenceBackend(spec, blocks, arena), ReferenceBackend(spec, 2 * blocks, arena)
+    fresh = iter(range(1, 1 << 40))
+    last: list[list[str]] = []
+
+    def write() -> None:
+        base = next(fresh) * blocks * block
+        last[:] = [block_keys(list(range(base, base + blocks * block)), block, namespace="speed")]
+        assert p.write(0, last[0], list(range(blocks))) == blocks
+
+    def read() -> None:
+        assert d.read(0, last[0], list(range(blocks, 2 * blocks))) == blocks
+
+    def close() -> None:
+        p.close()
+        d.close()
+        arena.close()
+    return {"numpy backend write": write, "numpy backend read": read}, close
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -85,24 +119,21 @@ def main() -> int:
         list(pool.map(lambda i: np.copyto(dst[i::threads], src[i::threads]), range(threads)))
 
     out: dict[str, float | int | str] = {"bytes": total, "objects": n, "threads": threads, "dir": a.dir}
-    rows = {"memcpy": memcpy}
+    rows: dict[str, Callable[[], object]] = {"memcpy": memcpy}
     mem = MemoryStore(2 * total, verify=False)
-    rows["MemoryStore put"] = lambda: mem.batch_put_from(keys, srcs)
-    rows["MemoryStore get"] = lambda: mem.batch_get_into(keys, dsts)
-    rows["MemoryStore put, hashed"] = lambda: mem.batch_put_hashed(keys, srcs)
-    rows["MemoryStore get, hashed"] = lambda: mem.batch_get_hashed(keys, dsts)
+    rows.update(store_rows("MemoryStore", mem, keys, srcs, dsts))
     arena = ArenaStore.create(size, 2 * n, small_bytes=1024, verify=False)
     rows.update(store_rows("ArenaStore", arena, keys, srcs, dsts))
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvstate-store-speed-") as d:
         files = FileStore(d, verify=False)
-        rows["FileStore put"] = lambda: files.batch_put_from(keys, srcs)
-        rows["FileStore get"] = lambda: files.batch_get_into(keys, dsts)
-        rows["FileStore put, hashed"] = lambda: files.batch_put_hashed(keys, srcs)
-        rows["FileStore get, hashed"] = lambda: files.batch_get_hashed(keys, dsts)
+        rows.update(store_rows("FileStore", files, keys, srcs, dsts))
         hasher = Hasher(threads)
         rows["xxh3, one core"] = lambda: [xxhash.xxh3_64_intdigest(v) for v in srcs]
         rows[f"xxh3, {threads} threads"] = lambda: hasher(srcs)
+        backend, close_backend = backend_rows(size, n)
+        rows.update(backend)
         times = rounds(rows, a.reps)
+        close_backend()
         files.close()
         hasher.close()
     mem.close()
