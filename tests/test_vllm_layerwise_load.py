@@ -35,7 +35,7 @@ def saved(model_dir: str, request: Any) -> Any:
     assert P.handoff.counters["saved"] == 1
 
     def consumer(**extra: Any) -> Engine:
-        D = Engine(model_dir, "kv_consumer", store, **{**LAYERWISE, **extra})
+        D = Engine(model_dir, "kv_consumer", store, prefix_caching=False, **{**LAYERWISE, **extra})
         D.model = True
         made.append(D)
         return D
@@ -113,3 +113,17 @@ def test_a_load_that_misses_its_deadline_is_reported_once_its_fence_passed(saved
     assert D.wrong_tokens("a", PROMPT, len(PROMPT)) == []
     D.run(6)
     D.assert_clean()
+
+
+def test_layerwise_loads_with_the_recompute_policy_and_vllms_prefix_cache_are_refused(model_dir):
+    """vLLM keeps the blocks a step reports invalid in its prefix cache for their request to
+    recompute (it evicts them only under the fail policy); a request aborted first leaves them
+    for a later prompt to hit, unverified. That combination is refused when vLLM builds the
+    connector; without the prefix cache, or for a producer, it is taken."""
+    from kvstate import ConfigError
+
+    with pytest.raises(ConfigError, match="'layerwise' with kv_load_failure_policy 'recompute' needs "
+                                          "enable_prefix_caching off"):
+        Engine(model_dir, "kv_consumer", "refused", load="layerwise")
+    for role, caching in (("kv_consumer", False), ("kv_producer", True)):
+        Engine(model_dir, role, "taken", prefix_caching=caching, load="layerwise").close()

@@ -40,7 +40,8 @@ def write_model(d: Any) -> str:
 class Engine:
     """vLLM's scheduler with one worker-side connector and fake model outputs."""
 
-    def __init__(self, model_dir: str, role: str, store_name: str, cache_dtype: str = "auto", **extra: Any) -> None:
+    def __init__(self, model_dir: str, role: str, store_name: str, cache_dtype: str = "auto",
+                 prefix_caching: bool = True, **extra: Any) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
         import torch
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -56,7 +57,7 @@ class Engine:
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048,
                              enable_chunked_prefill=True, is_encoder_decoder=False)
-        cc = CacheConfig(block_size=BS, cache_dtype=cache_dtype, enable_prefix_caching=True)
+        cc = CacheConfig(block_size=BS, cache_dtype=cache_dtype, enable_prefix_caching=prefix_caching)
         tc = KVTransferConfig(kv_connector="KVStateConnector", kv_connector_module_path="kvstate.integrations.vllm",
                               kv_role=role, kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"store": {"kind": "memory", "name": store_name}, **extra})

@@ -27,6 +27,9 @@ Rules:
   group: before each layer's attention the forward waits for that layer (within the load's
   deadline), and after it each rank reports the blocks its loads did not bring whole, so vLLM
   drops that step's tokens and recomputes from the first of them (``kv_load_failure_policy``).
+  With the ``recompute`` policy this needs vLLM's prefix caching off, and is refused with it
+  on: vLLM keeps blocks reported invalid in its prefix cache for their request to recompute,
+  and a request aborted first would leave them for a later prompt to hit unverified.
 - Transfers run on each rank's threads; their commands and the scheduler's releases travel
   in the step's connector metadata, their answers in the worker metadata.
   ``finished_sending`` / ``finished_recving`` and a whole-request load's errors are the
@@ -253,6 +256,13 @@ class KVStateConnector(KVConnectorBase_V1):
         self.settings = Settings.from_extra(tc.kv_connector_extra_config)
         if tc.kv_role not in ROLE_OF:
             raise ConfigError(f"KVStateConnector: kv_role {tc.kv_role!r} is not one of {sorted(ROLE_OF)}")
+        if self.settings.load == "layerwise" and tc.kv_role != "kv_producer" and \
+                getattr(tc, "kv_load_failure_policy", "recompute") == "recompute" and \
+                getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+            raise ConfigError("kv_connector_extra_config.load 'layerwise' with kv_load_failure_policy 'recompute' "
+                              "needs enable_prefix_caching off: vLLM keeps the blocks a step reports invalid in "
+                              "its prefix cache for their request to recompute, and if that request ends first, "
+                              "a later prompt hits them unverified")
         spec = peer_spec(cache_spec(vllm_config, kv_cache_config), ROLE_OF[tc.kv_role], self.settings.peer_tp)
         try:
             self.spec = dataclasses.replace(spec, layer_groups=self.settings.layer_groups)
