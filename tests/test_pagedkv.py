@@ -397,6 +397,23 @@ def test_a_layer_wise_save_stores_each_layer_group_only_once_the_forward_reporte
         t.close(5)
 
 
+def layerwise_pair(device: str, namespace: str) -> tuple[Any, dict, dict, tuple[str, ...], Any, Any]:
+    """P's and D's transfers over one MemoryStore, three layers in three groups on ``device``:
+    (store, P's caches, D's caches (zeros), keys of three blocks, P, D)."""
+    from kvstate.integrations._pagedkv import RankTransfers
+
+    if device == "cuda" and cuda_missing():
+        pytest.skip(cuda_missing())
+    import torch
+
+    s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=D, layer_groups=3)
+    caches = layers((2, NB, H, B, D), device=device)
+    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
+    store = MemoryStore(1 << 26)
+    keys = tuple(block_keys(list(range(1, 3 * B + 1)), B, namespace=namespace))
+    return store, caches, dst, keys, RankTransfers(s, 0, caches, store), RankTransfers(s, 0, dst, store)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_layer_wise_save_waits_for_each_layers_event_and_stores_what_the_forward_wrote(device):
     """As the connector's ``save_kv_layer`` drives it on a GPU: the forward writes a layer's
@@ -406,16 +423,8 @@ def test_a_layer_wise_save_waits_for_each_layers_event_and_stores_what_the_forwa
     import torch
 
     from kvstate.commands import SaveLayers
-    from kvstate.integrations._pagedkv import RankTransfers
 
-    if device == "cuda" and cuda_missing():
-        pytest.skip(cuda_missing())
-    s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=D, layer_groups=3)
-    caches = layers((2, NB, H, B, D), device=device)
-    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
-    store = MemoryStore(1 << 26)
-    keys = tuple(block_keys(list(range(1, 3 * B + 1)), B, namespace="ev"))
-    p, d = RankTransfers(s, 0, caches, store), RankTransfers(s, 0, dst, store)
+    store, caches, dst, keys, p, d = layerwise_pair(device, "ev")
     written = {}
     try:
         now = time.monotonic()
@@ -451,16 +460,8 @@ def test_a_layer_wise_load_brings_each_layer_before_its_wait_returns_and_names_t
 
     from kvstate import rank_key
     from kvstate.commands import LoadLayers
-    from kvstate.integrations._pagedkv import RankTransfers
 
-    if device == "cuda" and cuda_missing():
-        pytest.skip(cuda_missing())
-    s = CacheSpec(num_layers=3, kv_heads=H, block_size=B, head_dim=D, layer_groups=3)
-    caches = layers((2, NB, H, B, D), device=device)
-    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
-    store = MemoryStore(1 << 26)
-    keys = tuple(block_keys(list(range(1, 3 * B + 1)), B, namespace="ll"))
-    p, d = RankTransfers(s, 0, caches, store), RankTransfers(s, 0, dst, store)
+    store, caches, dst, keys, p, d = layerwise_pair(device, "ll")
     stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else None
     try:
         p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, keys, (2, 5, 7))])
