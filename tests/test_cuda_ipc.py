@@ -33,8 +33,8 @@ def test_rank_workers_move_blocks_of_caches_shared_through_cuda_ipc(tp, tmp_path
     of D changed."""
     import torch
 
+    from kvstate.backends._cudaipc import share_caches
     from kvstate.distributed import ProcessDriver
-    from kvstate.distributed._cudaipc import share_caches
 
     spec = CacheSpec(num_layers=3, kv_heads=4 // tp, block_size=16, head_dim=64, dtype="bfloat16", tp_size=tp)
     nb = 32
@@ -73,8 +73,8 @@ def test_rank_workers_move_state_pages_shared_through_cuda_ipc(tp, tmp_path):
     import torch
 
     from kvstate._layers import LayerGroup
+    from kvstate.backends._cudaipc import share_caches
     from kvstate.distributed import ProcessDriver
-    from kvstate.distributed._cudaipc import share_caches
 
     spec = CacheSpec(num_layers=3, kv_heads=4 // tp, block_size=16, head_dim=64, dtype="bfloat16", tp_size=tp,
                      groups=(LayerGroup("full", (0,)), LayerGroup("state", (1, 2), state_bytes=2048, checkpoint=32)))

@@ -7,13 +7,13 @@
 - :mod:`~kvstate.distributed._liveness`: which ranks are up, and what each owes;
 - :mod:`~kvstate.distributed._supervise`: child processes that never outlive their parent;
 - :mod:`~kvstate.distributed._shm`: host caches in shared memory, created by the engine and
-  attached by rank workers (:mod:`~kvstate.distributed._cudaipc`: the same on the GPU);
+  attached by rank workers (:mod:`~kvstate.backends._cudaipc`: the same on the GPU);
 - :mod:`~kvstate.distributed._pdlink`: messages between P's and D's scheduler processes.
 
 The core knows none of this: it only sees commands out and completions in. ZeroMQ (``pyzmq``)
 and ``msgpack`` are this package's own dependencies.
 """
-from ._cudaipc import share_caches
+from ..backends._cudaipc import share_caches
 from ._liveness import RankDown, RankUp
 from ._pdlink import Link
 from ._procdriver import ProcessDriver

@@ -67,7 +67,7 @@ class WorkerConfig:
     worker's objects) or ``{"kind": "mooncake", ...}`` (the fields of
     :class:`~kvstate.backends._mooncake.MooncakeConfig`). ``caches``: ``{"kind": "shm", "paths":
     {rank: file}}`` (:class:`~kvstate.distributed._shm.SharedCaches`), ``{"kind": "cuda-ipc",
-    ...}`` (:mod:`~kvstate.distributed._cudaipc`) or ``{"kind": "own"}`` (zeroed caches of its
+    ...}`` (:mod:`~kvstate.backends._cudaipc`) or ``{"kind": "own"}`` (zeroed caches of its
     own: benchmarks of the transport alone). ``num_states``: state pages, for a spec with state
     groups (in the shared file with ``shm``; beside the caches with ``cuda-ipc``)."""
 
@@ -220,7 +220,7 @@ class RankWorker:
             caches = {self.rank: shared.caches[self.rank]}
             states = {self.rank: shared.states[self.rank]} if cfg.num_states else None
         elif kind == "cuda-ipc":
-            from ._cudaipc import open_caches
+            from ..backends._cudaipc import open_caches
 
             caches, states, closer = open_caches(spec, cfg.num_blocks, self.rank, cfg.caches, cfg.device,
                                                  cfg.num_states)
