@@ -351,13 +351,15 @@ class Lifecycle(Generic[R]):
 
     # -- transfers -------------------------------------------------------------------------------
     def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
-                  host_slots: Sequence[int] | None = None, awaited: bool = True, **fields: Any) -> None:
+                  host_slots: Sequence[int] | None = None, awaited: bool = True, timeout: float | None = None,
+                  **fields: Any) -> None:
         """Send a transfer of ``keys`` into / from ``blocks`` (and, for a swap, host tier
         ``host_slots``, whose entries it references until it retires); ``trigger`` takes its
         answer, unless the request does not wait for it (``awaited=False``: a copy that only
-        pins its blocks once the request lets go of them)."""
+        pins its blocks once the request lets go of them). Its deadline is ``timeout`` from
+        now (``Policy.transfer_timeout`` by default)."""
         cid = next(self._ids)
-        deadline = self._now + self.policy.transfer_timeout
+        deadline = self._now + (self.policy.transfer_timeout if timeout is None else timeout)
         ids = tuple(blocks)
         fence = deadline + self.policy.fence_grace
         if host_slots is None:

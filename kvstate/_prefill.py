@@ -37,6 +37,18 @@ Rules:
   request ended change nothing.
 - Only a cache stored whole sends the first token (200); P's blocks are then recycled. A write
   that keeps failing sends the first token with 503 and recycles (reason ``write_failed``).
+- Direct handoff (``handoff`` ``"direct"`` or ``"both"``, for a D on the same host): once the
+  prefill is done P *lends* its blocks (a ``LendBlocks``, ``lending``) and sends the first
+  token at once; D's ranks pull the blocks straight from P's GPU
+  (:mod:`kvstate.backends._lends`). The lend answers once D pulled them, or at its deadline
+  (``lend_timeout``) when nobody took them; either way the request is then ``done``
+  (``counters['lends_pulled']`` / ``['lends_unpulled']``) and its blocks recycle (a D still
+  copying past the deadline holds them until the fence). With ``"both"`` P also writes the
+  cache to the store beside the lend, for later prompts and for a D whose pull failed; that
+  write is not awaited (it pins its blocks once the request ends, and a failure costs only
+  that reuse). With ``"direct"`` nothing is stored: a D that cannot pull fails or recomputes
+  by its own policy. The direct handoff lends whole caches of paged blocks: it is refused
+  with a layer-wise save, state pages or per-group block tables.
 - With state groups (:mod:`kvstate._statepages`), a prompt waits for state pages with its
   blocks; the GPU prefix cache gives blocks only up to a checkpoint whose state it kept, and
   the prefill starts from that state (``StartPrefill.state_from``); the prefix read takes
@@ -49,6 +61,7 @@ Rules:
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -57,19 +70,20 @@ from typing import Any
 from . import commands as C
 from . import events as E
 from ._blocks import BlockManager
-from ._errors import ValidationError
+from ._errors import ConfigError, ValidationError
 from ._keys import KeyCache
 from ._lifecycle import Lifecycle
 from ._machine import CompiledMachine, MachineDef
 from ._policy import ERROR_TIMEOUT, ERROR_WRITE_FAILED, Policy
 from ._registry import PrefillRequest
 from ._spec import CacheSpec
-from ._tables import cut
+from ._tables import cut, per_block
 from ._validate import check_int, check_layerwise, check_token
 
-__all__ = ["PREFILL", "PrefillLifecycle"]
+__all__ = ["PREFILL", "PrefillLifecycle", "HANDOFFS"]
 
-_LIVE = ("waiting", "loading_prefix", "reading_prefix", "prefilling", "saved", "writing")
+_LIVE = ("waiting", "loading_prefix", "reading_prefix", "prefilling", "saved", "writing", "lending")
+HANDOFFS = ("store", "direct", "both")  #: ``PrefillLifecycle(handoff=)``
 
 PREFILL = MachineDef(
     name="prefill",
@@ -89,7 +103,9 @@ PREFILL = MachineDef(
              after="_send_rest_read"),
         dict(trigger="host_prefix", source="loading_prefix", dest="prefilling", after="_start_prefill_from_host"),
         dict(trigger="prefix_read", source="reading_prefix", dest="prefilling", after="_start_prefill"),
-        # prefill computed: write what is not stored yet (a full hit writes nothing and answers in full)
+        # prefill computed: lend the blocks to D on this host (first token at once), or write what is
+        # not stored yet (a full hit writes nothing and answers in full)
+        dict(trigger="prefill_done", source="prefilling", dest="lending", conditions="_lends", after="_send_lend"),
         dict(trigger="prefill_done", source="prefilling", dest="writing", conditions="_saving", after="_keep_token"),
         dict(trigger="prefill_done", source="prefilling", dest="writing", after="_send_write"),
         # layer-wise: the save answered while the prefill still ran; judged once it is done
@@ -104,6 +120,7 @@ PREFILL = MachineDef(
              after=["_send_first_token", "_copy_to_host", "_recycle"]),
         dict(trigger="written", source="writing", dest="writing", conditions="_can_retry", after="_retry_write"),
         dict(trigger="written", source="writing", dest="failed", after=["_send_write_error", "_recycle"]),
+        dict(trigger="written", source="lending", dest="done", after=["_note_lend", "_copy_to_host", "_recycle"]),
         dict(trigger="abort", source=list(_LIVE), dest="aborted", after="_recycle"),
     ),
 )
@@ -120,15 +137,21 @@ class PrefillLifecycle(Lifecycle[PrefillRequest]):
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
                  host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False,
-                 num_states: int = 0, blocks: BlockManager | None = None) -> None:
-        """``layerwise``: save the cache layer by layer while the prefill runs (see the rules); the others as
+                 num_states: int = 0, blocks: BlockManager | None = None, handoff: str = "store",
+                 lend_timeout: float = 5.0) -> None:
+        """``layerwise``: save the cache layer by layer while the prefill runs; ``handoff``
+        (one of :data:`HANDOFFS`) and ``lend_timeout`` (seconds a lend waits for D to pull):
+        how the cache reaches D (see the rules); the others as
         :class:`~kvstate._lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         check_layerwise(layerwise, spec)
+        _check_handoff(handoff, lend_timeout, layerwise, spec, num_states)
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
                          num_states=num_states, blocks=blocks)
         self.layerwise = layerwise
-        self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0)
+        self.handoff, self.lend_timeout = handoff, float(lend_timeout)
+        self.counters.update(gpu_prefix_blocks=0, host_prefix_blocks=0, store_prefix_blocks=0, lends_pulled=0,
+                             lends_unpulled=0)
         self._waiting: deque[PrefillRequest] = deque()
 
     # -- engine API --------------------------------------------------------------------------
@@ -323,6 +346,24 @@ class PrefillLifecycle(Lifecycle[PrefillRequest]):
                            awaited=False)  # its entries are committed when every rank copied them whole
         host.release(req.keys)  # the copy holds its own references until it retires
 
+    # -- the direct handoff -----------------------------------------------------------------------
+    def _lends(self, req: PrefillRequest, value: Any) -> bool:
+        return self.handoff != "store"
+
+    def _send_lend(self, req: PrefillRequest, value: int) -> None:
+        """Lend every block to D (and, ``both``, write them beside the lend, not awaited: the
+        write pins its blocks once the request lets go), then send the first token."""
+        self._keep_token(req, value)
+        keys, blocks = req.keys, req.blocks[:len(req.keys)]
+        both = self.handoff == "both"
+        if both:
+            self._transfer(req, C.WriteBlocks, "", keys, blocks, awaited=False)
+        self._transfer(req, C.LendBlocks, "written", keys, blocks, timeout=self.lend_timeout, stores=both)
+        self._send_first_token(req, value)
+
+    def _note_lend(self, req: PrefillRequest, value: int) -> None:
+        self.counters["lends_pulled" if value >= len(req.keys) else "lends_unpulled"] += 1
+
     def _send_write(self, req: PrefillRequest, value: int) -> None:
         self._keep_token(req, value)
         self._write(req, 0)
@@ -360,3 +401,17 @@ class PrefillLifecycle(Lifecycle[PrefillRequest]):
     def _send_queue_timeout(self, req: PrefillRequest, value: Any) -> None:
         req.error_code, req.reason = ERROR_TIMEOUT, "queue_timeout"
         self._out.append(C.SendFirstToken(req.id, None, ERROR_TIMEOUT))
+
+
+def _check_handoff(handoff: Any, lend_timeout: Any, layerwise: bool, spec: CacheSpec, num_states: int) -> None:
+    """The direct handoff's settings: a mode, a finite timeout; it lends whole caches of
+    paged blocks, so not with a layer-wise save, state layers or per-group block tables."""
+    if handoff not in HANDOFFS:
+        raise ConfigError(f"PrefillLifecycle: handoff must be one of {HANDOFFS}, got {handoff!r}")
+    if isinstance(lend_timeout, bool) or not isinstance(lend_timeout, (int, float)) or \
+            not 0 < lend_timeout < math.inf:
+        raise ConfigError(f"PrefillLifecycle: lend_timeout must be a finite number of seconds > 0, "
+                          f"got {lend_timeout!r}")
+    if handoff != "store" and (layerwise or num_states or per_block(spec) != 1):
+        raise ConfigError(f"PrefillLifecycle: handoff={handoff!r} lends a whole cache of paged blocks: not with "
+                          "layerwise=True, state pages or per-group block tables")

@@ -4,7 +4,7 @@ Commands are slotted dataclasses, treated as immutable (not frozen: a frozen dat
 costs about 1 µs more to build, and the lifecycle builds ~10 per request).
 
 Transfer commands (:class:`ReadBlocks`, :class:`LoadLayers`, :class:`WriteBlocks`,
-:class:`SaveLayers`, :class:`SwapOut`, :class:`SwapIn`, :class:`FlushHost`) carry a
+:class:`SaveLayers`, :class:`LendBlocks`, :class:`SwapOut`, :class:`SwapIn`, :class:`FlushHost`) carry a
 ``command_id``, the TP ``ranks`` that must each answer with a
 :class:`~kvstate.events.Completion`, an absolute ``deadline`` on the lifecycle's clock, and a
 ``fence`` (the deadline plus ``Policy.fence_grace``): from the fence on the lifecycle may
@@ -15,11 +15,12 @@ before gathering or scattering blocks). Notices (:class:`SendFirstToken`,
 need no answer.
 
 :data:`KINDS` is the one vocabulary every driver and the simulator dispatch on: each command
-class's kind (``read``, ``write``, ``swap``, ``layers``, ``cancel``, ``notice``), and
+class's kind (``read``, ``write``, ``swap``, ``lend``, ``layers``, ``cancel``, ``notice``), and
 :func:`kind_of` reads it. A transfer's kind (:data:`TRANSFER_KINDS`) is what its ranks do:
 ``read`` scatters stored bytes into GPU blocks, ``write`` stores blocks (from the GPU, or
 from the host tier: :class:`FlushHost`), ``swap`` copies between GPU blocks and the host
-tier. :data:`LAYERWISE` names the transfers that move one layer group at a time.
+tier, ``lend`` holds GPU blocks for a D on the same host to pull. :data:`LAYERWISE` names
+the transfers that move one layer group at a time.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any
 from ._errors import ValidationError
 
 __all__ = [
-    "Command", "TransferCommand", "ReadBlocks", "LoadLayers", "WriteBlocks", "SaveLayers", "LayersReady",
+    "Command", "TransferCommand", "ReadBlocks", "LoadLayers", "WriteBlocks", "SaveLayers", "LayersReady", "LendBlocks",
     "SwapOut", "SwapIn", "FlushHost", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
     "LateEvent", "KINDS", "TRANSFER_KINDS", "LAYERWISE", "kind_of",
@@ -119,6 +120,18 @@ class LayersReady(Command):
     command_id: int
     layers: int
     event: Any = None
+
+
+@dataclass(slots=True)
+class LendBlocks(TransferCommand):
+    """Lend GPU blocks ``block_ids`` (holding ``keys``) to a D instance on this host, which
+    pulls them straight into its own blocks (:mod:`kvstate.backends._lends`): each rank posts
+    them with their checksums, and holds them until D released them, or until the deadline
+    when nobody took them (until the fence when D still copies); answer the count D pulled
+    whole (all or none). ``stores``: P writes them to the store as well (a
+    :class:`WriteBlocks` beside this one), so a D whose pull failed waits for the store."""
+
+    stores: bool = field(default=False, kw_only=True)
 
 
 @dataclass(slots=True)
@@ -241,13 +254,13 @@ class LateEvent(Command):
 #: each command class's kind: the vocabulary drivers and the simulator dispatch on
 KINDS: dict[type[Command], str] = {
     ReadBlocks: "read", LoadLayers: "read", WriteBlocks: "write", SaveLayers: "write", FlushHost: "write",
-    SwapOut: "swap", SwapIn: "swap",
+    SwapOut: "swap", SwapIn: "swap", LendBlocks: "lend",
     LayersReady: "layers", CancelCommand: "cancel",
     SendFirstToken: "notice", StartPrefill: "notice", StartDecode: "notice", Recompute: "notice",
     FreeBlocks: "notice", RequestEnded: "notice", LateEvent: "notice",
 }
 #: the kinds of transfer commands, each answered by a Completion from every rank it names
-TRANSFER_KINDS = frozenset({"read", "write", "swap"})
+TRANSFER_KINDS = frozenset({"read", "write", "swap", "lend"})
 #: transfers that move one layer group at a time (a save waits for its layers to be reported)
 LAYERWISE = frozenset({LoadLayers, SaveLayers})
 

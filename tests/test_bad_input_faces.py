@@ -196,7 +196,8 @@ def bad_values(p: inspect.Parameter) -> tuple[Any, ...] | None:
         (lambda t: t.startswith("Callable"), (5, "x", Junk())),
         (lambda t: t in ("np.ndarray", "Any", "Store", "CacheSpec", "Policy", "Scenario", "BlockPool", "KeyCache",
                          "BlockManager", "Timeline", "TransferCostModel", "Guard", "WorkerConfig", "type",
-                         "TransferBackend", "Lifecycle", "Command", "MooncakeConfig") or t.endswith("Spec"),
+                         "TransferBackend", "Lifecycle", "Command", "MooncakeConfig", "LendBoard")
+         or t.endswith("Spec"),
          OBJECTS),
     ]
     for match, values in table:

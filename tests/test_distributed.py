@@ -33,7 +33,8 @@ def cmd(cls=C.WriteBlocks, cid=1, keys=("a", "b"), blocks=(3, 4), **kw):
                                cmd(C.SwapOut, host_slots=(0, 1)), cmd(C.SwapIn, host_slots=(5, 6)),
                                cmd(C.FlushHost, blocks=(), host_slots=(1, 2)), cmd(tables=((5, 6), (7, 8))),
                                cmd(C.ReadBlocks, window_from=1, tables=((5, 6),)),
-                               cmd(C.WriteBlocks, window_from=1, tables=((5, 6),))])
+                               cmd(C.WriteBlocks, window_from=1, tables=((5, 6),)), cmd(C.LendBlocks),
+                               cmd(C.LendBlocks, stores=True)])
 def test_every_command_crosses_the_wire_for_one_rank(c):
     items = wire.unpack(wire.command_message(c, 77))
     assert items[1] == 77
@@ -44,10 +45,11 @@ def test_every_command_crosses_the_wire_for_one_rank(c):
     assert getattr(back, "host_slots", ()) == getattr(c, "host_slots", ())
     assert getattr(back, "window_from", 0) == getattr(c, "window_from", 0)
     assert back.states == c.states and back.tables == c.tables
+    assert getattr(back, "stores", False) == getattr(c, "stores", False)
 
 
 @pytest.mark.parametrize("items, needle", [
-    ([wire.CMD, 1, 9, 1, "r", [], [], [], 1.0, 2.0, 0, [], []], "command kind"),
+    ([wire.CMD, 1, 10, 1, "r", [], [], [], 1.0, 2.0, 0, [], []], "command kind"),
     ([wire.CMD, 1, 1, 0, "r", [], [], [], 1.0, 2.0, 0, [], []], "command id"),
     ([wire.CMD, 1, 1, 1, "", [], [], [], 1.0, 2.0, 0, [], []], "request id"),
     ([wire.CMD, 1, 1, 1, "r", ["k"], [], [], 1.0, 2.0, 0, [], []], "do not fit"),
@@ -57,6 +59,7 @@ def test_every_command_crosses_the_wire_for_one_rank(c):
     ([wire.CMD, 1, 1, 1, "r", [], [], [], float("nan"), 2.0, 0, [], []], "deadline"),
     ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 2, [], []], "window's first key"),
     ([wire.CMD, 1, 5, 1, "r", ["k"], [1], [1], 1.0, 2.0, 1, [], []], "a SwapOut has no window"),
+    ([wire.CMD, 1, 9, 1, "r", ["k"], [1], [], 1.0, 2.0, 1, [], []], "a LendBlocks has no window"),
     ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [1], []], "states must be"),
     ([wire.CMD, 1, 1, 1, "r", ["k"], [1], [], 1.0, 2.0, 0, [2, 0], []], "states must be"),
     ([wire.CMD, 1, 1, 1, "r", ["k", "j"], [1, 2], [], 1.0, 2.0, 0, [2, 0, 1, 1], []], "states must be"),

@@ -242,6 +242,25 @@ class TransferBackend(ABC):
         only when not 0): the window layer groups are needed from that key on; a backend that
         reads every block whole (always right) need not take it."""
 
+    #: the lend boards (:mod:`kvstate.backends._lends`) blocks are lent on (P) and reads pulled
+    #: from (D); None: none
+    lends: Any = None
+    pulls: Any = None
+
+    def lend(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], until: Callable[[], bool],
+             guard: Guard | None = None, stores: bool = False) -> int:
+        """Lend blocks to a D on this host (a :class:`~kvstate.commands.LendBlocks`) until it
+        pulled them or ``until()`` turns False; how many it pulled whole. Backends without a
+        lend board raise."""
+        raise ValidationError(f"{type(self).__name__} has no lend board: build it with lends=LendBoard(...)")
+
+    def pull(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], until: Callable[[], bool],
+             guard: Guard | None = None) -> int | None:
+        """Pull ``keys`` into ``block_ids`` from a P on this host that lends them: how many
+        leading blocks arrived and matched; None when no P lends them; -1 when the pull failed
+        and that P writes them to the store too (read them there)."""
+        return None
+
     def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
                  guard: Guard | None = None) -> int:
         """Copy GPU block ``block_ids[i]`` into host tier slot ``host_slots[i]``; how many

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._errors import ValidationError
+from .._errors import ProtocolError, ValidationError
 from .._spec import CacheSpec
 from .._validate import check_int
 from ..kernels._cuda import CudaSwapper, DeviceLayers, load_cupy
@@ -30,9 +30,11 @@ from ..kernels._cuda_launch import register_host, unregister_host
 from ._arena import ArenaStore
 from ._base import MISSING, Guard, Store, check_fence, leading
 from ._cuda_caches import bind_rank, caches_by_rank
+from ._cuda_peers import CudaPeers
 from ._cuda_states import DevicePages
 from ._cuda_sums import DeviceSums
 from ._integrity import SUM64
+from ._lends import LendBoard, fold_sums
 from ._manifested import Deferred, manifest_slice
 from ._objects import StoreBackend
 from ._stateobjects import paged_of
@@ -47,14 +49,18 @@ class CudaBackend(DeviceSums, StoreBackend):
     ``caches[rank][kind]`` = per-layer GPU tensors ``[num_blocks, heads, block_size, dim]`` (the
     engine's, or shared through CUDA IPC): a list with one entry per TP rank, or a dict of the
     ranks held; otherwise zeroed CuPy arrays are allocated. ``staging_bytes`` is the pinned
-    staging per rank. ``num_states``, ``states``: state pages (:mod:`~kvstate.backends._cuda_states`)."""
+    staging per rank. ``num_states``, ``states``: state pages (:mod:`~kvstate.backends._cuda_states`).
+    ``lends`` / ``pulls``: the direct handoff's board (:mod:`~kvstate.backends._lends`), to lend
+    blocks on (P) or pull reads from (D): another process's caches through CUDA IPC, or another
+    backend's of this process, on this GPU or one joined to it (:mod:`~kvstate.backends._cuda_peers`)."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
                  host_blocks: int = 0, ranks: Sequence[int] | None = None, num_states: int = 0,
-                 states: Any = None) -> None:
+                 states: Any = None, lends: LendBoard | None = None, pulls: LendBoard | None = None) -> None:
         full, spec = spec, paged_of(spec)
         self._setup(spec, num_blocks, store, ranks, host_blocks)
+        self._setup_lends(lends, pulls, full)
         self.host_blocks = host_blocks  #: slots of the pinned host tier arena, per rank
         per_block = spec.bytes_per_block_per_rank
         if not isinstance(staging_bytes, int) or staging_bytes < 2 * per_block:
@@ -71,6 +77,7 @@ class CudaBackend(DeviceSums, StoreBackend):
         self._arena_views: dict[str, np.ndarray] | None = None  # the arena's slots, by kind (zero copy)
         self._registered: int | None = None  # the arena's address, registered as pinned here
         self._pages = DevicePages(self.cp, self.ranks, self._on, self._side_stream, self._side_wait)
+        self._peers = CudaPeers(self.cp, spec, device, self)  # the direct handoff's mappings
         self.state_pages = self._pages.pages  #: state_pages[rank]: the rank's state pages on the GPU
         try:
             self._layers: dict[int, dict[str, DeviceLayers]] = {}
@@ -579,6 +586,51 @@ class CudaBackend(DeviceSums, StoreBackend):
         want = [(keys[i], self.objects.expected(i, [group], vouched)) for i in range(w)]
         return self.objects.verify_deferred(part[1], want, got)
 
+    # -- the direct handoff (kvstate.backends._lends): CUDA IPC, a kernel reading the lender's GPU --
+    def lend_peer(self, rank: int) -> dict[str, Any]:
+        self._check_open()
+        return self._peers.describe(rank, self._layers[rank], self.num_blocks)
+
+    def lend_sums(self, rank: int, block_ids: Sequence[int]) -> list[int]:
+        """SUM64 of each block, every kind and head group, folded into one: taken on the GPU."""
+        self._check_open()
+        with self._on(rank):
+            fetches = [self._launch_sums(rank, g, list(block_ids), None, always=True)
+                       for g in range(self.spec.head_groups)]
+        return self._folded(fetches)
+
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
+                  guard: Guard | None) -> list[int]:
+        """Copy a lender's blocks into this rank's (one kernel a kind, on this GPU, reading the
+        lender's over the link), then sum what landed, on the device: in up to four pieces,
+        every copy queued first, each piece's sums (local memory) then running beside the
+        next piece's copy (the link)."""
+        self._check_open()
+        sw, n = self._swappers[rank], len(dst_ids)
+        step = max(16, -(-n // 4))
+        sums: list[int] = []
+        with self._on(rank):
+            theirs = self._peers.open(peer, rank, sw.bind)
+            check_fence(guard, rank, "scatter into", dst_ids)
+            copied = []
+            for a in range(0, n, step):
+                src, dst = list(src_ids[a:a + step]), list(dst_ids[a:a + step])
+                for kind in self.spec.kinds:
+                    ev = sw.copy_blocks(theirs[kind], self._layers[rank][kind], src, dst)
+                copied.append((dst, ev))
+            pieces = [[self._launch_sums(rank, g, dst, None, always=True, after=ev)
+                       for g in range(self.spec.head_groups)] for dst, ev in copied]
+        for fetches in pieces:
+            sums += self._folded(fetches)
+        return sums
+
+    @staticmethod
+    def _folded(fetches: list[Any]) -> list[int]:
+        if any(f is None for f in fetches):
+            raise ProtocolError("the direct handoff on CUDA sums rows of whole 64-bit words; these are not")
+        per_group = [f() for f in fetches]
+        return [fold_sums([x for g in per_group for x in g[i]]) for i in range(len(per_group[0]))]
+
     def close(self) -> None:
         """Wait for queued transfers, free staging, caches this backend allocated and streams,
         with the backend's device current (callable from any thread, on any device)."""
@@ -591,6 +643,8 @@ class CudaBackend(DeviceSums, StoreBackend):
             for rank in self._swappers:  # checksums may still land in pinned memory kept for them
                 if ("held", rank) in self._sum_cache:
                     self._side_wait(rank)
+            if hasattr(self, "_peers"):
+                self._peers.close()
             for sw in self._swappers.values():
                 sw.close()
             self._swappers.clear()

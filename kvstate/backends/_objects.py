@@ -20,18 +20,20 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import fields
+from typing import Any, cast
 
 import numpy as np
 
 from .._blocks import table_kinds
-from .._errors import ValidationError
+from .._errors import ConfigError, ValidationError
 from .._pool import FREED
 from .._spec import CacheSpec
 from .._tables import check_layout, per_block, table_of_layer
 from .._validate import MAX_BLOCKS, check_int, is_int
 from ._base import Guard, Store, TransferBackend, as_bytes_view, leading
 from ._integrity import Hasher
+from ._lends import LendBoard, PeerOps, lend_blocks, pull_blocks
 from ._manifested import MANIFEST_KIND, BlockObjects
 from ._stateobjects import PageCopy, StateObjects
 from ._stores import default_threads
@@ -69,6 +71,50 @@ class StoreBackend(TransferBackend):
         self._hash = Hasher(default_threads())  # a transfer's host checksums on a thread a core, up to 8
         self._slot_sums: dict[tuple[int, int], list[int]] = {}  # (rank, host slot) -> checksum per kind
         self.broken_slots = 0  #: host tier slots whose bytes no longer matched their checksums
+
+    def _setup_lends(self, lends: Any, pulls: Any, full: CacheSpec) -> None:
+        """The lend boards, checked: ``lends`` (P: lend blocks there) and ``pulls`` (D: pull its
+        reads from P's lends there first; P's own prefix reads must not wait for lends). The
+        direct handoff moves a cache's paged blocks whole, so it serves specs without state
+        layers or group tables."""
+        name = type(self).__name__
+        for what, board in (("lends", lends), ("pulls", pulls)):
+            if board is not None and not isinstance(board, LendBoard):
+                raise ConfigError(f"{name}: {what} must be a LendBoard or None, got {type(board).__name__}")
+            if board is not None and (full.state_bytes_per_rank or per_block(self.spec) != 1):
+                raise ConfigError(f"{name}: the direct handoff ({what}=) moves paged caches without state layers "
+                                  "or per-group block tables")
+        self.lends, self.pulls = lends, pulls
+        #: lends posted and how they ended; pulls and how they ended (``no_lend``: the store was read)
+        self.lend_counts = dict.fromkeys(("lent", "pulled", "unpulled", "pulls", "pull_failed", "no_lend"), 0)
+
+    def lend(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], until: Callable[[], bool],
+             guard: Guard | None = None, stores: bool = False) -> int:
+        if self.lends is None:
+            return super().lend(rank, keys, block_ids, until, guard, stores)
+        self._check_transfer(rank, keys, block_ids)
+        n = lend_blocks(self.lends, cast(PeerOps, self), rank, keys, block_ids, until, guard, stores)
+        self.lend_counts["lent"] += 1
+        self.lend_counts["pulled" if n else "unpulled"] += 1
+        return n
+
+    def pull(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], until: Callable[[], bool],
+             guard: Guard | None = None) -> int | None:
+        if self.pulls is None:
+            return None
+        self._check_transfer(rank, keys, block_ids)
+        n = pull_blocks(self.pulls, cast(PeerOps, self), rank, keys, block_ids, until, guard)
+        key = "no_lend" if n is None else "pulls" if n == len(keys) else "pull_failed"
+        self.lend_counts[key] += 1
+        if n is not None and n == len(keys):
+            self.bytes_moved += n * self.spec.bytes_per_block_per_rank
+        return n
+
+    def lend_geometry(self) -> str:
+        """The backend's kind and every field of its spec: equal on both sides exactly when a
+        block of one is a block of the other."""
+        spec = self.spec
+        return f"{type(self).__name__}|" + "|".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec))
 
     def _setup_states(self, spec: CacheSpec, num_states: int, gather: PageCopy, scatter: PageCopy) -> None:
         """The state pages' part (``spec``: the whole cache's, state groups and all), over the

@@ -19,6 +19,7 @@ the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -26,12 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ValidationError
+from .._errors import ProtocolError, ValidationError
 from .._spec import CacheSpec
 from .._tables import page_layers, slot_of_layer
-from .._validate import check_int
+from .._validate import check_int, is_int
 from ..kernels._reference import swap_cache_layout
 from ._base import Guard, Store, check_caches, check_fence
+from ._integrity import sum64
+from ._lends import LendBoard, fold_sums, local_peer
 from ._objects import StoreBackend
 from ._stateobjects import paged_of
 
@@ -48,13 +51,18 @@ class ReferenceBackend(StoreBackend):
 
     ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
     when given, maps each of them to ``{kind: [per-layer arrays]}`` the engine owns (shared
-    memory another process created, say); otherwise zeroed arrays are allocated."""
+    memory another process created, say); otherwise zeroed arrays are allocated. ``lends`` /
+    ``pulls``: the direct handoff's board (:mod:`kvstate.backends._lends`), to lend blocks on
+    (P) or pull reads from (D), between backends of one process."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0,
                  ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None,
-                 num_states: int = 0, states: Mapping[int, np.ndarray] | None = None) -> None:
+                 num_states: int = 0, states: Mapping[int, np.ndarray] | None = None,
+                 lends: LendBoard | None = None, pulls: LendBoard | None = None) -> None:
         full, spec = spec, paged_of(spec)
         self._setup(spec, num_blocks, store, ranks, host_blocks)
+        self._setup_lends(lends, pulls, full)
+        self._token = local_peer(self)  # what a D backend of this process finds its caches by
         self._setup_states(full, num_states, self._gather_state, self._scatter_state)
         #: state_pages[rank] -> [num_states, state bytes] (with state groups): ``states[rank]``
         #: when given (e.g. shared memory, :class:`~kvstate.distributed._shm.SharedCaches`), else zeroed
@@ -103,6 +111,31 @@ class ReferenceBackend(StoreBackend):
                 swap_cache_layout(self.caches[rank][kind], arena, list(block_ids), list(host_slots), direction)
         self.bytes_swapped += len(block_ids) * self.spec.bytes_per_block_per_rank
         return len(block_ids)
+
+    # -- the direct handoff (kvstate.backends._lends): within this process ----------------------
+    def lend_peer(self, rank: int) -> dict[str, Any]:
+        return {"kind": "local", "pid": os.getpid(), "token": self._token}
+
+    def lend_sums(self, rank: int, block_ids: Sequence[int]) -> list[int]:
+        """SUM64 of each block's bytes, every kind and layer."""
+        return [fold_sums([sum64(self.block_bytes(rank, k, b)) for k in self.spec.kinds]) for b in block_ids]
+
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
+                  guard: Guard | None) -> list[int]:
+        """Copy a lending backend's blocks of this process (numpy caches: no other process
+        reaches them) into this one's; their checksums."""
+        if peer.get("kind") != "local" or peer.get("pid") != os.getpid():
+            raise ProtocolError(f"a reference backend pulls from backends of its own process, not {peer!r:.120}")
+        src: ReferenceBackend = local_peer(None, peer.get("token"))
+        if rank not in src.caches or len(src_ids) != len(dst_ids) or \
+                not all(is_int(b) and 0 <= b < src.num_blocks for b in src_ids):
+            raise ProtocolError(f"rank {rank}: the lend names blocks {list(src_ids)[:8]} its backend does not hold")
+        check_fence(guard, rank, "scatter into", dst_ids)
+        ids, into = list(src_ids), list(dst_ids)
+        for kind in self.spec.kinds:
+            for mine, theirs in zip(self.caches[rank][kind], src.caches[rank][kind], strict=True):
+                mine[into] = theirs[ids]
+        return self.lend_sums(rank, dst_ids)
 
     def _state_array(self, states: Mapping[int, np.ndarray], rank: int) -> np.ndarray:
         """Rank ``rank``'s given state pages, checked: a writable ``[num_states, state bytes]`` uint8 array."""

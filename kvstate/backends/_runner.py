@@ -35,7 +35,8 @@ __all__ = ["CommandRunner", "execute"]
 
 def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: int | None = None,
             clock: Callable[[], float] | None = None, layers: Callable[..., Any] | None = None,
-            arrived: Callable[[int, Any], None] | None = None) -> Completion:
+            arrived: Callable[[int, Any], None] | None = None,
+            cancelled: Callable[[], bool] | None = None) -> Completion:
     """Run one rank's part of ``cmd`` on ``backend`` (only the first ``limit`` keys when given).
 
     With ``clock`` (the lifecycle's), blocks are touched only while ``clock() < cmd.fence``:
@@ -43,21 +44,50 @@ def execute(backend: TransferBackend, cmd: C.TransferCommand, rank: int, limit: 
     was gathered or scattered. A :class:`~kvstate.commands.SaveLayers` needs ``layers``
     (``layers(n, block=True)``, a :meth:`~kvstate.backends._gate.LayerGate.ready`: False, or
     True or a device event once the first ``n`` layers are computed); a
-    :class:`~kvstate.commands.LoadLayers` reports each group it scattered to ``arrived(n, event)``."""
+    :class:`~kvstate.commands.LoadLayers` reports each group it scattered to ``arrived(n, event)``.
+    A :class:`~kvstate.commands.LendBlocks`, and a read that waits for a lend, wait while
+    ``clock() < cmd.deadline`` (the backend's own clock and ``timeout`` without one) and
+    ``cancelled()`` is False."""
     keys = cmd.keys if limit is None else cmd.keys[:limit]
     fence = cmd.fence
     guard = None if clock is None or fence == math.inf else (lambda: clock() < fence)
+    until = _until(backend, cmd, clock, cancelled)
     if cmd.__class__ is C.SaveLayers and layers is None:
         raise ValidationError(f"command {cmd.command_id}: a SaveLayers needs a layer gate (layers=)")
     try:
         early = _load_state_first(backend, cmd, rank, keys, guard) if cmd.__class__ is C.LoadLayers else 0
-        n = _move_blocks(backend, cmd, rank, keys, guard, layers, arrived)
+        n = _direct(backend, cmd, rank, keys, guard, until)
+        if n is None:
+            n = _move_blocks(backend, cmd, rank, keys, guard, layers, arrived)
         if cmd.states:  # a save's states exist once every layer is computed; never past its gate's close
             saved = cmd.__class__ is not C.SaveLayers or _computed(layers, backend.spec.layers)
             n = _move_states(backend, cmd, rank, keys, n, guard, early) if saved else 0
     except (KVStateError, OSError) as e:
         return Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
     return Completion(cmd.command_id, rank, n)
+
+
+def _until(backend: TransferBackend, cmd: C.TransferCommand, clock: Callable[[], float] | None,
+           cancelled: Callable[[], bool] | None) -> Callable[[], bool]:
+    """Whether a wait for a lend may go on: before the command's deadline, not cancelled."""
+    if clock is None:
+        end, clock = time.monotonic() + getattr(backend, "timeout", 60.0), time.monotonic
+    else:
+        end = cmd.deadline
+    stop = cancelled or (lambda: False)
+    return lambda: clock() < end and not stop()
+
+
+def _direct(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], guard: Any,
+            until: Callable[[], bool]) -> int | None:
+    """The direct handoff's part (:mod:`kvstate.backends._lends`): a lend, or a read a backend
+    pulls from a lend first; None for every other command."""
+    if cmd.__class__ is C.LendBlocks:
+        return backend.lend(rank, keys, cmd.block_ids[:len(keys)], until, guard, cmd.stores)
+    if cmd.__class__ is C.ReadBlocks and backend.pulls is not None and keys and not cmd.states and \
+            not cmd.tables and not cmd.window_from:
+        return _pull_or_read(backend, rank, keys, cmd.block_ids[:len(keys)], until, guard)
+    return None
 
 
 def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, keys: tuple[str, ...], guard: Any,
@@ -90,6 +120,22 @@ def _move_blocks(backend: TransferBackend, cmd: C.TransferCommand, rank: int, ke
     else:
         raise ValidationError(f"cannot execute {type(cmd).__name__}")
     return n
+
+
+def _pull_or_read(backend: TransferBackend, rank: int, keys: tuple[str, ...], block_ids: Sequence[int],
+                  until: Callable[[], bool], guard: Any) -> int:
+    """A read on a backend with a lend board: pulled from the P that lends the blocks, or,
+    when none does or the pull failed, read from the store (waiting for it while ``until()``
+    when that P writes the store too)."""
+    n = backend.pull(rank, keys, block_ids, until, guard)
+    if n is not None and n >= len(keys):
+        return n
+    if n is not None and n < 0:  # the pull failed and that P writes the store as well: wait for it
+        pause = 0.001
+        while backend.query(rank, keys) < len(keys) and until():
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+    return backend.read(rank, keys, block_ids, guard)
 
 
 def _tables(cmd: C.TransferCommand, start: int, end: int) -> dict[str, Any]:
@@ -220,7 +266,7 @@ class CommandRunner:
                 c = Completion(cmd.command_id, rank, 0, error="cancelled")
             else:
                 c = execute(self.backend, cmd, rank, None, self.clock, None if live.gate is None else live.gate.ready,
-                            None if arrivals is None else arrivals.arrive)
+                            None if arrivals is None else arrivals.arrive, lambda: live.cancelled)
         except Exception as e:  # noqa: BLE001 - a rank must always answer
             c = Completion(cmd.command_id, rank, 0, error=f"{type(e).__name__}: {e}")
         if arrivals is not None:

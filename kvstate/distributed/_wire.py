@@ -58,8 +58,9 @@ HELLO, HB, DONE, ARRIVED, BYE = 11, 12, 13, 14, 15
 
 #: transfer command classes by their wire code
 KINDS: dict[int, type[C.TransferCommand]] = {1: C.ReadBlocks, 2: C.LoadLayers, 3: C.WriteBlocks, 4: C.SaveLayers,
-                                             5: C.SwapOut, 6: C.SwapIn, 7: C.FlushHost}
+                                             5: C.SwapOut, 6: C.SwapIn, 7: C.FlushHost, 8: C.LendBlocks}
 _CODES = {cls: code for code, cls in KINDS.items()}
+_LEND_STORES = 9  # a LendBlocks whose P writes the store too
 _SLOTTED = (C.SwapOut, C.SwapIn, C.FlushHost)
 MAX_MESSAGE_BYTES = 64 << 20  #: larger messages are refused by the sockets themselves
 _MAX_ITEMS = 1 << 20  # keys or blocks in one command
@@ -128,15 +129,16 @@ def command_message(cmd: C.TransferCommand, incarnation: int) -> bytes:
     slots = list(cmd.host_slots) if isinstance(cmd, _SLOTTED) else []
     window = cmd.window_from if isinstance(cmd, (C.ReadBlocks, C.WriteBlocks)) else 0
     states = [x for pair in cmd.states for x in pair]
-    return pack(CMD, incarnation, _CODES[cmd.__class__], cmd.command_id, cmd.request_id, list(cmd.keys),
+    code = _LEND_STORES if cmd.__class__ is C.LendBlocks and cmd.stores else _CODES[cmd.__class__]
+    return pack(CMD, incarnation, code, cmd.command_id, cmd.request_id, list(cmd.keys),
                 list(cmd.block_ids), slots, cmd.deadline, cmd.fence, window, states, [list(t) for t in cmd.tables])
 
 
 def command_of(items: list[Any], rank: int) -> C.TransferCommand:
     """The command a ``CMD`` message carries, for ``rank`` alone."""
     _arity(items, 13, "CMD")
-    code = _int(items[2], "the command kind", 1, 8)
-    cls = KINDS[code]
+    code = _int(items[2], "the command kind", 1, _LEND_STORES + 1)
+    cls = KINDS[min(code, 8)]
     cid = _int(items[3], "the command id", 1)
     rid = _text(items[4], "the request id")
     keys = items[5]
@@ -156,6 +158,10 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
         if window:
             raise ProtocolError(f"command {cid}: a {cls.__name__} has no window to start from")
         extra: dict[str, Any] = {"host_slots": slots}
+    elif cls is C.LendBlocks:
+        if window:
+            raise ProtocolError(f"command {cid}: a LendBlocks has no window to start from")
+        extra = {"stores": code == _LEND_STORES}
     else:  # every other kind reads or writes (layer-wise ones too): it starts from its window
         extra = {"window_from": window}
     states = _states(items[11], cid, len(keys))

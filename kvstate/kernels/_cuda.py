@@ -376,6 +376,37 @@ class CudaSwapper:
             self.wait(end)
         return ev
 
+    def copy_blocks(self, src: Sequence[Any] | DeviceLayers, dst: Sequence[Any] | DeviceLayers, src_ids: Any,
+                    dst_ids: Any) -> Any:
+        """Copy block ``src_ids[i]`` of every layer of ``src`` into block ``dst_ids[i]`` of
+        ``dst`` (caches of one shape and dtype) on this swapper's stream; returns the event
+        after it. ``src`` may be another process's caches mapped here through CUDA IPC, on
+        another GPU: the kernel then reads them over the link between the GPUs (a pull)."""
+        self._check_open()
+        s, d = self.bind(src, "src"), self.bind(dst, "dst")
+        if len(s) != len(d) or s.shape != d.shape or s.itemsize != d.itemsize or s.dtype != d.dtype:
+            raise ValidationError(f"copy_blocks: src ({len(s)} layers of {s.shape} {s.dtype}) and dst "
+                                  f"({len(d)} layers of {d.shape} {d.dtype}) differ")
+        gids, fids = (np.asarray(x, np.int64) if isinstance(x, (Sequence, np.ndarray)) else None
+                      for x in (src_ids, dst_ids))
+        blocks = s.shape[0]
+        if gids is None or fids is None or gids.ndim != 1 or gids.shape != fids.shape or \
+                ((gids < 0) | (gids >= blocks) | (fids < 0) | (fids >= d.shape[0])).any() or \
+                len(set(fids.tolist())) != fids.size:
+            raise ValidationError(f"copy_blocks: block ids must be two equally long lists of ids in range, the "
+                                  f"destination's distinct; got {src_ids!r:.80} and {dst_ids!r:.80}")
+        chunk = s.itemsize * int(np.prod(s.shape[1:], dtype=np.int64))
+        with self.cp.cuda.Device(self.device):
+            ev = self.cp.cuda.Event(block=False, disable_timing=True)
+            if gids.size:
+                g, f = self._params.upload([gids, fids], self.stream)
+                self._kernels.launch(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, 0, 0, g, f,
+                                     int(gids.size), (len(s), chunk, 1), chunk, gather=True,
+                                     vectors=chunk % 16 == 0 and s.aligned and d.aligned)
+                self._params.held_until(self.stream)
+            ev.record(self.stream)
+        return ev
+
     # -- waiting -------------------------------------------------------------------------------
     def wait(self, ev: Any) -> None:
         """Wait for the CUDA event (or stream) ``ev`` within ``timeout`` (:func:`wait_event`)."""

@@ -1,0 +1,146 @@
+"""The direct handoff across processes: D's GPU pulls P's 8k-token cache (1 GiB) over NVLink.
+
+    python3 benchmarks/direct_pull.py [--reps 9] [--out direct_pull.json]
+
+P is a process of its own with a CudaBackend on GPU 0 that lends a Llama-3-8B-shaped request
+(32 layers, 8 KV heads of 128, bf16, blocks of 16 tokens: 512 blocks, 1 GiB) on a lend board,
+rep after rep. D, this process, has a CudaBackend on GPU 1 (GPU 0 when there is one) and
+pulls each: the board's take, one kernel a kind reading P's GPU through CUDA IPC, the sums of
+what landed compared with P's, the release; each pull is timed from when P's entry is on the
+board (in serving, P posts it with the first token). Beside it, in the same run, the plain peer copy
+of the same bytes: ``torch.Tensor.copy_`` from a GPU 0 tensor to a GPU 1 tensor. Prints a
+table (medians) and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstate import CacheSpec  # noqa: E402
+from kvstate.backends import CudaBackend, MemoryStore  # noqa: E402
+from kvstate.backends._lends import LendBoard  # noqa: E402
+
+SPEC = CacheSpec(num_layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="bfloat16", tp_size=1)
+BLOCKS, REQUEST = 1024, 512  # blocks in each cache; blocks of the request (8k tokens)
+
+
+def _keys(rep: int) -> list[str]:
+    return [f"rep{rep}-block{i}" for i in range(REQUEST)]
+
+
+def _within(seconds: float):
+    """A lend's ``until``: True for ``seconds`` from now."""
+    end = time.monotonic() + seconds
+    return lambda: time.monotonic() < end
+
+
+def lender(root: str, reps: int, ready, done) -> None:
+    """P: fill the caches, then lend rep after rep (each until D released it)."""
+    import cupy as cp
+    import numpy as np
+
+    be = CudaBackend(SPEC, BLOCKS, MemoryStore(1 << 20), device=0, lends=LendBoard(root, wait=0))
+    with cp.cuda.Device(0):
+        for kind in SPEC.kinds:
+            for arr in be.caches(0, kind).views:
+                raw = arr.view(cp.uint8)
+                raw[...] = cp.random.randint(0, 256, raw.shape, dtype=cp.uint8)
+        cp.cuda.runtime.deviceSynchronize()
+    ids = np.random.default_rng(1).permutation(BLOCKS)[:REQUEST].tolist()
+    ready.set()
+    pulled = 0
+    for rep in range(reps):
+        pulled += be.lend(0, _keys(rep), ids, _within(60.0)) > 0
+    done.put(pulled)
+    be.close()
+
+
+def peer_copy_ms(reps: int) -> list[float]:
+    """torch ``copy_`` of the request's bytes from GPU 0 to GPU 1 (the issue's baseline)."""
+    import torch
+
+    n = REQUEST * SPEC.bytes_per_block_per_rank
+    dst_dev = 1 if torch.cuda.device_count() > 1 else 0
+    a = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(n, dtype=torch.uint8, device=f"cuda:{dst_dev}")
+    out = []
+    for _ in range(reps + 1):
+        with torch.cuda.device(dst_dev):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            b.copy_(a, non_blocking=True)
+            e.record()
+            e.synchronize()
+        out.append(s.elapsed_time(e))
+    del a, b
+    torch.cuda.empty_cache()
+    return out[1:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--out", default="direct_pull.json")
+    args = ap.parse_args()
+    import cupy as cp
+    import numpy as np
+
+    d_dev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
+    root = tempfile.mkdtemp(prefix="kvstate-bench-lends-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Queue()
+    reps = args.reps + 1  # the first pull maps P's caches: reported apart
+    proc = ctx.Process(target=lender, args=(root, reps, ready, done), daemon=True)
+    proc.start()
+    db = CudaBackend(SPEC, BLOCKS, MemoryStore(1 << 20), device=d_dev, pulls=LendBoard(root, wait=30))
+    dst = np.random.default_rng(2).permutation(BLOCKS)[:REQUEST].tolist()
+    pull_ms, copy_ms = [], []
+    try:
+        if not ready.wait(120):
+            raise SystemExit("the lender did not start")
+        for rep in range(reps):
+            while not list(Path(root).glob("*.lend")):  # the pull is timed from P's post on, as after a
+                time.sleep(0.0001)                      # first token that follows the post
+            t0 = time.perf_counter()
+            n = db.pull(0, _keys(rep), dst, lambda: True)
+            pull_ms.append((time.perf_counter() - t0) * 1e3)
+            if n != REQUEST:
+                raise SystemExit(f"rep {rep}: pulled {n} of {REQUEST} blocks")
+            copy_ms += peer_copy_ms(1)
+        pulled = done.get(timeout=60)
+        proc.join(30)
+    finally:
+        db.close()
+        if proc.is_alive():
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    gib = REQUEST * SPEC.bytes_per_block_per_rank / 2**30
+    first, steady = pull_ms[0], pull_ms[1:]
+    row = {"bytes": REQUEST * SPEC.bytes_per_block_per_rank, "gib": gib, "d_device": d_dev, "reps": args.reps,
+           "pull_ms": steady, "first_pull_ms": first, "peer_copy_ms": copy_ms[1:], "pulled_by_p": pulled,
+           "pull_median_ms": statistics.median(steady), "copy_median_ms": statistics.median(copy_ms[1:])}
+    row["ratio"] = row["pull_median_ms"] / row["copy_median_ms"]
+    row["pull_gbps"] = row["bytes"] / row["pull_median_ms"] / 1e6
+    print(f"P on GPU 0 (its own process) -> D on GPU {d_dev}, {gib:.2f} GiB, medians of {args.reps}")
+    print("| path | ms | GB/s | / copy_ |")
+    print("| --- | --- | --- | --- |")
+    print(f"| direct pull (take, copy, sums, release) | {row['pull_median_ms']:.2f} | {row['pull_gbps']:.0f} | "
+          f"{row['ratio']:.3f}x |")
+    print(f"| torch copy_ GPU 0 -> GPU {d_dev} | {row['copy_median_ms']:.2f} | "
+          f"{row['bytes'] / row['copy_median_ms'] / 1e6:.0f} | 1.000x |")
+    print(f"| first pull (maps P's caches) | {first:.2f} | | |")
+    Path(args.out).write_text(json.dumps(row, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""The CUDA backend's side of the direct handoff: its caches described for a puller, a
+lender's caches mapped here.
+
+A lender (P) describes each rank's caches once: CUDA IPC handles of the allocations holding
+them (:func:`~kvstate.backends._cudaipc.share_caches`), its device, its block count, its pid,
+and a token by which a backend of the same process finds them (CUDA IPC cannot open a handle
+in the process that made it). A puller (D) maps a lender's caches on its own device the first
+time it meets them and keeps the mapping (at most ``keep`` lenders, the least recently used
+closed first): a kernel on D's GPU then reads P's blocks over the link between the GPUs.
+
+Rules: the lender's GPU must be reachable from the puller's (peer access: NVLink, or PCIe
+P2P), else the pull is refused naming that rule, and D reads the store. A description from
+another process is checked before anything is mapped (its kind, ints in range, sizes that fit
+the spec); an IPC handle the driver refuses (its process died before the handle was opened)
+is a :class:`~kvstate._errors.ProtocolError` too. A mapping opened keeps P's memory alive
+while it lasts, even past P's death: the copy reads the bytes P left, and the checksums P
+took before it lent them decide whether they count.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._errors import KVStateError, ProtocolError
+from .._spec import CacheSpec
+from .._validate import MAX_BLOCKS, is_int
+from ._cudaipc import open_caches, share_caches
+from ._lends import local_peer
+
+__all__ = ["CudaPeers"]
+
+
+class CudaPeers:
+    """One backend's descriptions of its own caches and mappings of lenders' caches."""
+
+    def __init__(self, cp: Any, spec: CacheSpec, device: int, owner: Any, keep: int = 8) -> None:
+        self.cp, self.spec, self.device, self.keep = cp, spec, device, keep
+        self._token = local_peer(owner)
+        self._described: dict[int, dict[str, Any]] = {}
+        self._open: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], Callable[[], None]]] = OrderedDict()
+        self._peer_access: set[int] = set()
+
+    def describe(self, rank: int, layers: Mapping[str, Any], num_blocks: int) -> dict[str, Any]:
+        """``rank``'s caches (``layers[kind]``: their bound layers) for a puller (JSON)."""
+        if rank not in self._described:
+            shared = share_caches({rank: {k: list(v.views) for k, v in layers.items()}}, self.device)
+            self._described[rank] = {**shared, "num_blocks": num_blocks, "pid": os.getpid(), "token": self._token}
+        return self._described[rank]
+
+    def open(self, peer: Mapping[str, Any], rank: int, bind: Callable[[Any, str], Any]) -> dict[str, Any]:
+        """The lender's caches of ``rank``, bound on this device (``bind``: the rank's swapper's)."""
+        pid, dev, blocks = peer.get("pid"), peer.get("device"), peer.get("num_blocks")
+        if peer.get("kind") != "cuda-ipc" or not (is_int(pid) and is_int(dev) and is_int(blocks)) or \
+                not 0 <= dev < 1024 or not 0 < blocks <= MAX_BLOCKS:
+            raise ProtocolError(f"a lend's peer must describe CUDA caches (kind, pid, device, num_blocks), got "
+                                f"{dict(peer)!r:.160}")
+        key = (pid, dev, blocks, repr(peer.get("tensors", {}).get(str(rank))))
+        hit = self._open.get(key)
+        if hit is not None:
+            self._open.move_to_end(key)
+            return hit[0]
+        self._reach(dev)
+        if pid == os.getpid():
+            owner = local_peer(None, peer.get("token"))
+            opened, close = self._same_process(owner, rank, bind), _nothing
+        else:
+            opened, close = self._other_process(peer, rank, blocks, bind)
+        self._open[key] = (opened, close)
+        while len(self._open) > self.keep:
+            self._open.popitem(last=False)[1][1]()
+        return opened
+
+    def _reach(self, dev: int) -> None:
+        """Whether this GPU reads ``dev``'s memory; enabled once for this process's context."""
+        if dev == self.device or dev in self._peer_access:
+            return
+        rt = self.cp.cuda.runtime
+        if dev >= rt.getDeviceCount() or not rt.deviceCanAccessPeer(self.device, dev):
+            raise ProtocolError(f"GPU {self.device} cannot read GPU {dev}'s memory (no peer access over NVLink or "
+                                "PCIe): the direct handoff needs P's and D's GPUs joined")
+        with self.cp.cuda.Device(self.device):
+            try:
+                rt.deviceEnablePeerAccess(dev)
+            except self.cp.cuda.runtime.CUDARuntimeError as e:
+                if "PeerAccessAlreadyEnabled" not in str(e):
+                    raise ProtocolError(f"GPU {self.device}: peer access to GPU {dev} failed: {e}") from None
+        self._peer_access.add(dev)
+
+    def _same_process(self, owner: Any, rank: int, bind: Callable[[Any, str], Any]) -> dict[str, Any]:
+        """Another backend of this process: its arrays, viewed as memory of this device."""
+        cp = self.cp
+        out = {}
+        for kind in self.spec.kinds:
+            views = []
+            for v in owner.caches(rank, kind).views:
+                mem = cp.cuda.UnownedMemory(int(v.data.ptr), int(v.nbytes), v, self.device)
+                views.append(cp.ndarray(v.shape, v.dtype, cp.cuda.MemoryPointer(mem, 0)))
+            out[kind] = bind(views, f"lender's {kind} caches")
+        return out
+
+    def _other_process(self, peer: Mapping[str, Any], rank: int, blocks: int,
+                       bind: Callable[[Any, str], Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+        try:
+            caches, _, close = open_caches(self.spec, blocks, rank, peer, self.device)
+        except KVStateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the driver's refusal of a handle (its process is gone)
+            raise ProtocolError(f"the lender's caches could not be mapped on GPU {self.device}: {e}") from None
+        try:
+            return {kind: bind(layers, f"lender's {kind} caches") for kind, layers in caches[rank].items()}, close
+        except BaseException:
+            close()
+            raise
+
+    def close(self) -> None:
+        """Unmap every lender's caches (the backend closes)."""
+        while self._open:
+            self._open.popitem()[1][1]()
+
+
+def _nothing() -> None:
+    """A same-process lender's arrays: nothing to unmap."""

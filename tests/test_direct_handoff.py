@@ -1,0 +1,320 @@
+"""The direct handoff: P lends its blocks on the lend board, D pulls them straight into its own.
+
+The board's protocol (post, take, release, withdraw, sweep) and the refusal of malformed
+entries; then P and D lifecycles on reference backends in one process, each over a
+ThreadedDriver: pulled byte-exact, P's blocks held until D released them, the store written
+beside the lend or not, and every way a pull fails falling back to the store (``both``) or
+to D's read-failure policy (``direct``).
+"""
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from rigs import small_spec
+
+from kvstate import ConfigError, DecodeLifecycle, Policy, PrefillLifecycle, ProtocolError
+from kvstate import commands as C
+from kvstate._keys import block_keys
+from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
+from kvstate.backends._lends import LendBoard, fold_sums, pull_blocks
+from kvstate.testing import fill_blocks, mismatched_blocks
+
+
+class _Ops:
+    """A stand-in backend side: fixed geometry, sums of the block id, a copy that records."""
+
+    def __init__(self, geometry="g", bad=()):
+        self.geometry, self.bad, self.copied = geometry, set(bad), []
+
+    def lend_geometry(self):
+        return self.geometry
+
+    def lend_peer(self, rank):
+        return {"kind": "test"}
+
+    def lend_sums(self, rank, ids):
+        return [fold_sums([b]) for b in ids]
+
+    def pull_copy(self, rank, peer, src, dst, guard):
+        self.copied.append((list(src), list(dst)))
+        return [fold_sums([b + 1 if b in self.bad else b]) for b in src]
+
+
+def _always():
+    return True
+
+
+# -- the board -------------------------------------------------------------------------------------
+def test_a_posted_lend_is_taken_once_then_released(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a", "b", "c"], [7, 8, 9], [1, 2, 3], {"kind": "test"})
+    assert board.state(name) == "lend"
+    lend = board.take(0, ["b", "c"], _always)  # a suffix of the keys: a D with a prefix of its own
+    assert (lend.blocks, lend.sums, lend.stores) == ((8, 9), (2, 3), False)
+    assert board.state(name) == "taken" and board.take(0, ["b", "c"], _always) is None
+    assert not board.withdraw(name)  # P cannot withdraw what D holds
+    board.release(name, True)
+    assert board.state(name) == "done"
+    board.remove(name)
+    assert board.state(name) is None and list(tmp_path.iterdir()) == []
+
+
+def test_only_the_right_rank_and_keys_find_a_lend(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    board.post(1, "g", ["a", "b"], [7, 8], [1, 2], {})
+    assert board.take(0, ["a", "b"], _always) is None  # another rank's
+    assert board.take(1, ["x", "b"], _always) is None  # the same last key after other keys: not these bytes
+    assert board.take(1, ["a", "b"], _always) is not None
+
+
+def test_a_withdrawn_lend_is_not_taken_and_d_waits_only_its_wait(tmp_path):
+    board = LendBoard(tmp_path, wait=0.05)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    assert board.withdraw(name)
+    t0 = time.monotonic()
+    assert board.take(0, ["a"], _always) is None
+    assert 0.04 <= time.monotonic() - t0 < 1.0
+
+
+def test_d_finds_a_lend_posted_while_it_looks(tmp_path):
+    board = LendBoard(tmp_path, wait=2.0)
+    threading.Timer(0.05, lambda: board.post(0, "g", ["a"], [7], [1], {})).start()
+    lend = board.take(0, ["a"], _always)
+    assert lend is not None and lend.blocks == (7,)
+
+
+def test_many_takers_one_winner(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    board.post(0, "g", ["a"], [7], [1], {})
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(board.take(0, ["a"], _always))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(x is not None for x in got) == 1
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda d: d.update(version=2), "version"),
+    (lambda d: d.update(blocks=[-1]), "blocks ints >= 0"),
+    (lambda d: d.update(sums=[1 << 64]), "64-bit"),
+    (lambda d: d.update(keys=["a", "b"]), "2 keys, 1 blocks"),
+    (lambda d: d.update(rank=3), "rank must be 0"),
+    (lambda d: d.pop("stores"), "whether P stores"),
+])
+def test_a_malformed_entry_is_refused_by_rule_and_released_failed(tmp_path, change, rule):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    path = name.with_name(name.name + ".lend")
+    d = json.loads(path.read_text())
+    change(d)
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProtocolError, match=rule):
+        board.take(0, ["a"], _always)
+    assert board.state(name) == "fail"
+
+
+def test_entries_of_a_dead_p_are_skipped_and_swept(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    dead = name.with_name(name.name.replace(f".{os.getpid()}.", ".999999999."))
+    os.rename(name.with_name(name.name + ".lend"), dead.with_name(dead.name + ".lend"))
+    assert board.take(0, ["a"], _always) is None
+    assert LendBoard(tmp_path).sweep() == 0 and list(tmp_path.iterdir()) == []  # the new board swept it
+
+
+def test_bad_board_settings_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="wait"):
+        LendBoard(tmp_path, wait=-1)
+    with pytest.raises(ConfigError, match="directory"):
+        LendBoard(42)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError):
+        LendBoard(tmp_path / "f")
+
+
+def test_pull_checks_geometry_and_sums_and_releases(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a", "b"], [7, 8], [fold_sums([7]), fold_sums([8])], {}, stores=True)
+    assert pull_blocks(board, _Ops("other"), 0, ["a", "b"], [1, 2], _always, None) == -1  # geometry: store
+    assert board.state(name) == "fail"
+    board.remove(name)
+    name = board.post(0, "g", ["a", "b"], [7, 8], [fold_sums([7]), fold_sums([8])], {})
+    ops = _Ops(bad={8})
+    assert pull_blocks(board, ops, 0, ["a", "b"], [1, 2], _always, None) == 1  # the second block differs
+    assert ops.copied == [([7, 8], [1, 2])] and board.state(name) == "fail"
+    board.remove(name)
+    name = board.post(0, "g", ["a", "b"], [7, 8], [fold_sums([7]), fold_sums([8])], {})
+    assert pull_blocks(board, _Ops(), 0, ["a", "b"], [1, 2], _always, None) == 2
+    assert board.state(name) == "done"
+
+
+# -- P and D lifecycles over the board ----------------------------------------------------------------
+class _Pair:
+    """P and D in one process, each a lifecycle, a reference backend and a ThreadedDriver,
+    sharing a lend board and a store; ``serve`` runs prompts P → D and checks D's bytes."""
+
+    def __init__(self, tmp_path, handoff, read_failure="fail", lend_timeout=5.0, d_board=True, p_backend=None,
+                 d_backend=None, spec=None, wait=0.5):
+        self.spec = spec = spec or small_spec(tp=2)
+        self.store = MemoryStore(1 << 24)
+        board = LendBoard(tmp_path, wait=wait)
+        pol = Policy(transfer_timeout=5.0, fence_grace=1.0, read_failure=read_failure)
+        self.P = PrefillLifecycle(spec, 64, pol, handoff=handoff, lend_timeout=lend_timeout)
+        self.D = DecodeLifecycle(spec, 64, pol)
+        self.pb = (p_backend or ReferenceBackend)(spec, 64, self.store, lends=board)
+        self.db = (d_backend or ReferenceBackend)(spec, 64, self.store, pulls=board if d_board else None)
+        self.on_prefill = None
+
+    def serve(self, prompts, pull=True):
+        outcome, decoded, seen = {}, {}, []
+        with ThreadedDriver(self.pb, workers=4, name="p") as pd, ThreadedDriver(self.db, workers=4, name="d") as dd:
+            for rid, toks in prompts.items():
+                self.D.reserve(rid, toks)
+                self.P.admit(rid, toks)
+            end = time.monotonic() + 20
+            while len(outcome) < len(prompts) or self.P.live_requests() or self.P.pool.num_used:
+                assert time.monotonic() < end, (outcome, self.P.live_requests())
+                for lc, drv in ((self.P, pd), (self.D, dd)):
+                    for n in drv.submit_all(lc.poll_commands()):
+                        seen.append(n)
+                        self._notice(n, lc, prompts, decoded, outcome, pull)
+                    for c in drv.poll():
+                        lc.complete(c)
+                    lc.tick()
+                time.sleep(0.0005)
+        bad = [(rid, *x) for rid, blocks in decoded.items()
+               for x in mismatched_blocks(self.db, block_keys(prompts[rid], self.spec.block_size), blocks)]
+        return outcome, bad, seen
+
+    def _notice(self, n, lc, prompts, decoded, outcome, pull):
+        if isinstance(n, C.StartPrefill):
+            fill_blocks(self.pb, block_keys(prompts[n.request_id], self.spec.block_size), n.block_ids)
+            self.P.prefill_done(n.request_id, 11)
+            if self.on_prefill:
+                self.on_prefill(n)
+        elif isinstance(n, C.SendFirstToken) and pull:
+            self.D.deliver_first_token(n.request_id, n.token, n.error_code)
+        elif isinstance(n, C.SendFirstToken):
+            self.D.abort(n.request_id)
+        elif isinstance(n, C.StartDecode):
+            decoded[n.request_id] = n.block_ids
+            self.D.finish(n.request_id)
+        elif isinstance(n, (C.Recompute,)):
+            fill_blocks(self.db, block_keys(prompts[n.request_id], self.spec.block_size), n.block_ids)
+            self.D.recompute_done(n.request_id)
+        elif isinstance(n, C.RequestEnded) and lc is self.D:
+            outcome[n.request_id] = n.state
+
+    def close(self):
+        for b in (self.pb, self.db):
+            b.close()
+
+
+PROMPTS = {f"r{i}": [(i * 7 + j) % 13 for j in range(5 + 3 * i)] for i in range(8)}
+
+
+@pytest.mark.parametrize("handoff", ["direct", "both"])
+def test_d_pulls_every_cache_byte_exact_and_p_frees_after(tmp_path, handoff):
+    pair = _Pair(tmp_path, handoff)
+    try:
+        outcome, bad, seen = pair.serve(PROMPTS)
+        assert outcome == {rid: "done" for rid in PROMPTS} and bad == []
+        assert pair.db.lend_counts["pulls"] == 2 * len(PROMPTS)  # every rank of every request
+        assert pair.db.lend_counts["no_lend"] == pair.db.lend_counts["pull_failed"] == 0
+        assert pair.P.counters["lends_pulled"] == len(PROMPTS) and pair.P.counters["lends_unpulled"] == 0
+        stored = sum(pair.pb.query(r, block_keys(t, pair.spec.block_size)) for t in PROMPTS.values() for r in (0, 1))
+        assert (stored > 0) == (handoff == "both")  # "direct" stores nothing
+        # the first token went with the lend, before any answer: D decoded while P still lent
+        first = [i for i, n in enumerate(seen) if isinstance(n, C.SendFirstToken)]
+        assert len(first) == len(PROMPTS)
+        assert pair.P.pool.num_used == pair.D.pool.num_used == 0
+        assert list(tmp_path.iterdir()) == []  # every lend removed
+    finally:
+        pair.close()
+
+
+def test_a_lend_nobody_pulls_ends_at_its_timeout_and_frees_the_blocks(tmp_path):
+    pair = _Pair(tmp_path, "direct", lend_timeout=0.3)
+    try:
+        t0 = time.monotonic()
+        outcome, _, _ = pair.serve({"r0": PROMPTS["r3"]}, pull=False)
+        assert outcome == {"r0": "aborted"} and time.monotonic() - t0 >= 0.3
+        assert pair.P.counters["lends_unpulled"] == 1 and pair.P.pool.num_used == 0
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        pair.close()
+
+
+class _Reusing(ReferenceBackend):
+    """A P whose blocks change after it posted them (what a bug freeing them early would do)."""
+
+    def lend_sums(self, rank, ids):
+        sums = super().lend_sums(rank, ids)
+        for kind in self.spec.kinds:
+            self.caches[rank][kind][0].view(np.uint8)[list(ids)[-1]] ^= 0xFF
+        return sums
+
+
+@pytest.mark.parametrize("handoff, read_failure, want", [("both", "fail", "done"), ("direct", "fail", "failed"),
+                                                         ("direct", "recompute", "done")])
+def test_a_pull_that_does_not_match_falls_back(tmp_path, handoff, read_failure, want):
+    pair = _Pair(tmp_path, handoff, read_failure, p_backend=_Reusing)
+    try:
+        prompts = {"r0": PROMPTS["r5"]}
+        outcome, bad, _ = pair.serve(prompts)
+        assert outcome == {"r0": want}
+        assert pair.db.lend_counts["pull_failed"] >= 1
+        if handoff == "both":
+            # the store's copy came from the changed blocks too: D refused nothing it could not check,
+            # and every byte it kept is what P's blocks held when they were stored
+            assert pair.db.lend_counts["pulls"] + pair.db.lend_counts["pull_failed"] == 2
+        if want == "done" and handoff == "direct":
+            assert bad == []  # recomputed
+        assert pair.P.pool.num_used == pair.D.pool.num_used == 0
+    finally:
+        pair.close()
+
+
+def test_a_d_without_a_lend_from_a_storing_p_reads_the_store(tmp_path):
+    pair = _Pair(tmp_path, "store")
+    try:
+        outcome, bad, _ = pair.serve({"r0": PROMPTS["r4"]})
+        assert outcome == {"r0": "done"} and bad == []
+        assert pair.db.lend_counts["no_lend"] == 2 and pair.db.lend_counts["pulls"] == 0
+    finally:
+        pair.close()
+
+
+def test_p_aborted_while_it_lends_holds_its_blocks_until_the_lend_ends(tmp_path):
+    pair = _Pair(tmp_path, "direct", lend_timeout=2.0)
+    pair.on_prefill = lambda n: pair.P.abort(n.request_id)
+    try:
+        outcome, _, _ = pair.serve({"r0": PROMPTS["r4"]}, pull=False)
+        assert pair.P.counters["aborted"] == 1 and pair.P.pool.num_used == 0
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("kw, rule", [
+    ({"handoff": "nvlink"}, "handoff must be one of"),
+    ({"handoff": "direct", "lend_timeout": 0}, "lend_timeout"),
+    ({"handoff": "direct", "lend_timeout": float("inf")}, "lend_timeout"),
+    ({"handoff": "both", "layerwise": True}, "not with"),
+])
+def test_bad_handoff_settings_are_refused(kw, rule):
+    with pytest.raises(ConfigError, match=rule):
+        PrefillLifecycle(small_spec(tp=1), 8, **kw)
+
+
+def test_a_backend_without_a_board_refuses_to_lend(tmp_path):
+    be = ReferenceBackend(small_spec(tp=1), 8, MemoryStore(1 << 20))
+    with pytest.raises(Exception, match="no lend board"):
+        be.lend(0, ["a"], [0], _always)
+    with pytest.raises(ConfigError, match="LendBoard"):
+        ReferenceBackend(small_spec(tp=1), 8, MemoryStore(1 << 20), lends=str(tmp_path))
