@@ -34,7 +34,7 @@ from ._cuda_peers import CudaPeers
 from ._cuda_states import DevicePages
 from ._cuda_sums import DeviceSums
 from ._integrity import SUM64
-from ._lends import LendBoard, fold_sums
+from ._lends import LendBoard, fold_rows
 from ._manifested import Deferred, manifest_slice
 from ._objects import StoreBackend
 from ._stateobjects import paged_of
@@ -628,8 +628,7 @@ class CudaBackend(DeviceSums, StoreBackend):
     def _folded(fetches: list[Any]) -> list[int]:
         if any(f is None for f in fetches):
             raise ProtocolError("the direct handoff on CUDA sums rows of whole 64-bit words; these are not")
-        per_group = [f() for f in fetches]
-        return [fold_sums([x for g in per_group for x in g[i]]) for i in range(len(per_group[0]))]
+        return fold_rows(np.concatenate([np.asarray(f(), dtype=np.uint64) for f in fetches], axis=1))
 
     def close(self) -> None:
         """Wait for queued transfers, free staging, caches this backend allocated and streams,

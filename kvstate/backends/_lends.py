@@ -43,11 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from .._errors import ConfigError, KVStateError, ProtocolError
 from .._validate import check_int, is_int
+from ._hostfiles import pid_alive
 
-__all__ = ["LendBoard", "Lend", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "local_peer", "FORMAT",
-           "VERSION"]
+__all__ = ["LendBoard", "Lend", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "fold_rows", "local_peer",
+           "FORMAT", "VERSION"]
 
 FORMAT, VERSION = "kvstate-lend", 1
 _STATES = ("lend", "taken", "done", "fail")
@@ -59,12 +62,24 @@ _LOCAL: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  #
 _LOCAL_IDS = itertools.count(1)
 
 
+_FOLD_BASIS, _FOLD_PRIME = 0xCBF29CE484222325, 0x100000001B3
+
+
 def fold_sums(sums: Sequence[int]) -> int:
     """One 64-bit checksum of a block from its objects' checksums, in their order."""
-    h = 0xCBF29CE484222325
+    h = _FOLD_BASIS
     for x in sums:
-        h = ((h ^ int(x)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ int(x)) * _FOLD_PRIME) & 0xFFFFFFFFFFFFFFFF
     return h
+
+
+def fold_rows(rows: Any) -> list[int]:
+    """:func:`fold_sums` of each row of a ``[blocks, objects]`` array of checksums, at once."""
+    a = np.asarray(rows, dtype=np.uint64)
+    h = np.full(a.shape[0], _FOLD_BASIS, dtype=np.uint64)
+    for j in range(a.shape[1] if a.ndim == 2 else 0):
+        h = (h ^ a[:, j]) * np.uint64(_FOLD_PRIME)  # uint64 arithmetic wraps modulo 2**64
+    return [int(x) for x in h]
 
 
 def local_peer(backend: Any, token: int | None = None) -> Any:
@@ -198,7 +213,7 @@ class LendBoard:
     def _try_take(self, name: Path, rank: int, keys: Sequence[str]) -> Lend | None:
         """The entry ``name`` if it is live, lends ``keys`` and this call took it first. A
         posted entry never changes, so it is read before it is taken."""
-        if not _alive(_pid_of(name)):
+        if not pid_alive(_pid_of(name)):
             return None
         try:
             raw = _at(name, "lend").read_bytes()
@@ -230,7 +245,7 @@ class LendBoard:
         n = 0
         for p in self.root.iterdir():
             pid = _pid_of(p.with_suffix(""))
-            if pid and not _alive(pid):
+            if pid and not pid_alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
                     n += 1
@@ -244,16 +259,6 @@ def _at(name: Path, state: str) -> Path:
 def _pid_of(name: Path) -> int:
     parts = name.name.split(".")
     return int(parts[1]) if len(parts) >= 4 and parts[1].isdigit() else 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid > 0
 
 
 def _checked(raw: bytes, path: Path, rank: int) -> Lend:

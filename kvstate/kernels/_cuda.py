@@ -398,11 +398,15 @@ class CudaSwapper:
         chunk = s.itemsize * int(np.prod(s.shape[1:], dtype=np.int64))
         with self.cp.cuda.Device(self.device):
             ev = self.cp.cuda.Event(block=False, disable_timing=True)
-            if gids.size:
+            vectors = chunk % 16 == 0 and s.aligned and d.aligned
+            if gids.size and gids.size <= self.inline_ids and max(blocks, d.shape[0]) < 2**31:
+                # the ids in the kernel's parameters: no upload, nothing for the host to wait on
+                self._kernels.launch(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, 0, 0, gids, fids,
+                                     int(gids.size), (len(s), chunk, 1), chunk, gather=True, vectors=vectors)
+            elif gids.size:
                 g, f = self._params.upload([gids, fids], self.stream)
                 self._kernels.launch(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, 0, 0, g, f,
-                                     int(gids.size), (len(s), chunk, 1), chunk, gather=True,
-                                     vectors=chunk % 16 == 0 and s.aligned and d.aligned)
+                                     int(gids.size), (len(s), chunk, 1), chunk, gather=True, vectors=vectors)
                 self._params.held_until(self.stream)
             ev.record(self.stream)
         return ev
