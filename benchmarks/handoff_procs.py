@@ -45,8 +45,8 @@ from kvstate.backends import (  # noqa: E402
     ThreadedDriver,
 )
 from kvstate.backends._base import as_bytes_view  # noqa: E402
+from kvstate.backends._shm import shm_directory  # noqa: E402
 from kvstate.distributed import ProcessDriver, share_caches  # noqa: E402
-from kvstate.distributed._shm import shm_directory  # noqa: E402
 
 SPEC = CacheSpec(num_layers=32, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", tp_size=1)
 N = 128  # blocks of an 8,192-token prompt

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvstate import CacheSpec  # noqa: E402
 from kvstate import commands as C  # noqa: E402
 from kvstate.backends import FileStore, ReferenceBackend, ThreadedDriver  # noqa: E402
+from kvstate.backends._shm import shm_directory  # noqa: E402
 from kvstate.distributed import ProcessDriver, SharedCaches  # noqa: E402
-from kvstate.distributed._shm import shm_directory  # noqa: E402
 
 BLOCKS = 64
 _ids = iter(range(1, 1 << 62))

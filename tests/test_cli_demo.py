@@ -90,9 +90,23 @@ def test_demo_as_processes(capsys):
     assert s["schedulers_reported"] == ["decode", "prefill"] and s["store"] == "arena"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, PR_SET_PDEATHSIG)")
+@pytest.mark.parametrize("handoff", ["direct", "both"])
+def test_demo_as_processes_with_the_direct_handoff(capsys, handoff):
+    """D's rank workers pull each cache from P's rank workers' shared caches (another
+    process's memory), every byte checked; P's lends all end pulled. ``direct`` stores
+    nothing, so P never finds a stored prefix; ``both`` stores the caches beside the lends."""
+    assert main(["demo", "--processes", "--handoff", handoff, "--requests", "24", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["unfinished"] == 0
+    assert s["failed"] == 0 and s["lends_unpulled"] == 0 and s["lends_pulled"] >= s["finished"] > 0
+    assert (s["prefix_blocks_read"] > 0) == (handoff == "both")
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--processes", "--store", "memory"], "needs a store other processes reach"),
     (["--processes", "--backend", "cuda"], "examples/pd_engine"),
+    (["--handoff", "direct"], "needs --processes"),
 ])
 def test_demo_processes_bad_options(args, needle, capsys):
     assert main(["demo", *args]) == 2

@@ -318,3 +318,45 @@ def test_a_backend_without_a_board_refuses_to_lend(tmp_path):
         be.lend(0, ["a"], [0], _always)
     with pytest.raises(ConfigError, match="LendBoard"):
         ReferenceBackend(small_spec(tp=1), 8, MemoryStore(1 << 20), lends=str(tmp_path))
+
+
+def test_a_reference_backend_maps_a_lenders_shared_caches_and_no_other_file(tmp_path):
+    """Across processes a reference D maps P's shared-memory cache file; a lend naming a file
+    outside kvstate's shared-memory caches is refused by rule and nothing is copied."""
+    from kvstate.backends._shm import SharedCaches
+
+    spec = small_spec(tp=1)
+    shared = SharedCaches.create(spec, 8)
+    try:
+        p = ReferenceBackend(spec, 8, MemoryStore(1 << 20), caches=shared, lends=LendBoard(tmp_path, wait=0))
+        d = ReferenceBackend(spec, 8, MemoryStore(1 << 20), pulls=LendBoard(tmp_path, wait=0))
+        keys = block_keys(list(range(12)), spec.block_size)
+        fill_blocks(p, keys, [5, 6, 7])
+        peer = dict(p.lend_peer(0), pid=1)  # as another process would see it: its file, not its token
+        assert peer["kind"] == "shm" and peer["path"] == shared.paths[0]
+        got = d.pull_copy(0, peer, [5, 6, 7], [0, 1, 2], None)
+        assert got == p.lend_sums(0, [5, 6, 7]) and mismatched_blocks(d, keys, [0, 1, 2]) == []
+        for bad in ({**peer, "path": "/etc/passwd"}, {**peer, "path": str(tmp_path / "kvstate-x")},
+                    {**peer, "kind": "cuda-ipc"}):
+            with pytest.raises(ProtocolError, match="shared-memory"):
+                d.pull_copy(0, bad, [5], [3], None)
+        p.close()
+        d.close()
+    finally:
+        shared.close()
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("lends", "relative/dir", "absolute directory"), ("pulls", 5, "absolute directory"),
+    ("pull_wait", -1, "pull_wait"), ("pull_wait", float("nan"), "pull_wait"),
+])
+def test_worker_boards_are_checked(field, value, rule):
+    from kvstate.distributed import WorkerConfig
+
+    spec = small_spec(tp=1)
+    kw = {"rank": 0, "spec": {f: getattr(spec, f) for f in spec.__dataclass_fields__}, "num_blocks": 8,
+          "command_address": "ipc:///tmp/a",
+          "reply_address": "ipc:///tmp/b", "control_address": "ipc:///tmp/c", "store": {"kind": "file", "root": "/"},
+          field: value}
+    with pytest.raises(ConfigError, match=rule):
+        WorkerConfig(**kw)

@@ -155,7 +155,7 @@ def test_a_state_corrupt_on_one_rank_is_evicted_by_the_worker_and_recomputed(sid
 def test_state_pages_across_processes_are_refused_where_they_cannot_go(tmp_path):
     import os
 
-    from kvstate.distributed._shm import shm_directory
+    from kvstate.backends._shm import shm_directory
 
     spec = hybrid()
     with pytest.raises(ValidationError, match="needs state pages"):

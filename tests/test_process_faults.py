@@ -25,8 +25,8 @@ from procrig import FAST, ProcRig, alive
 from kvstate import commands as C
 from kvstate.app._demo import DemoConfig
 from kvstate.app._procdemo import run_processes
+from kvstate.backends._shm import shm_directory
 from kvstate.distributed import RankDown, RankUp
-from kvstate.distributed._shm import shm_directory
 from kvstate.distributed._supervise import remove_orphans
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc, PR_SET_PDEATHSIG)")

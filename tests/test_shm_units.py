@@ -9,7 +9,7 @@ import pytest
 from kvstate._errors import ValidationError
 from kvstate._spec import CacheSpec
 from kvstate._validate import MAX_BLOCKS
-from kvstate.distributed._shm import SharedCaches
+from kvstate.backends._shm import SharedCaches
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm)")
 

@@ -110,6 +110,9 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--processes", action="store_true",
                    help="run P and D as separate processes, each a scheduler plus --tp rank-worker processes, over a "
                         "store that works across processes (a shared-memory arena, a FileStore, or Mooncake)")
+    d.add_argument("--handoff", choices=("store", "direct", "both"), default="store",
+                   help="how a cache reaches D: through the store (default), or pulled straight from P's caches "
+                        "(direct; both: the store written too, for D to fall back on), with --processes")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
 
 
@@ -125,6 +128,8 @@ def _check_demo(args: argparse.Namespace) -> None:
     if args.processes and args.store == "memory":
         raise ConfigError("--processes needs a store other processes reach: --store arena, file or mooncake "
                           "(without --store: an arena)")
+    if args.handoff != "store" and not args.processes:
+        raise ConfigError("--handoff direct or both needs --processes (P and D running side by side)")
     if args.processes and args.backend != "reference":
         raise ConfigError("--processes runs the reference (numpy) backend; the GPU split is examples/pd_engine")
     if args.store != "mooncake" and (args.start_master or args.master or args.metadata):
@@ -141,7 +146,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     _check_demo(args)
     cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store or "memory",
-                     store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend)
+                     store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend,
+                     handoff=args.handoff)
     master = None
     try:
         worker_store = {"kind": "file", "root": args.store_dir} if args.store == "file" else None

@@ -16,7 +16,7 @@ from typing import Any
 from .._decode import DecodeLifecycle
 from .._errors import ConfigError
 from .._policy import Policy
-from .._prefill import PrefillLifecycle
+from .._prefill import HANDOFFS, PrefillLifecycle
 from .._spec import CacheSpec
 from ..backends import FileStore, MemoryStore, ReferenceBackend, StepDriver, Store
 from ._demoroles import DecodeRole, PrefillRole, make_plans
@@ -39,6 +39,9 @@ class DemoConfig:
     blocks_per_instance: int = 256
     concurrency: int = 8
     backend: str = "reference"  #: "reference" (numpy, CPU) or "cuda" (GPU caches, P and D on one GPU)
+    #: how caches reach D (``PrefillLifecycle(handoff=)``): through the store, or pulled straight from
+    #: P's caches ("direct", "both": with ``--processes``, whose instances run side by side)
+    handoff: str = "store"
     store_factory: Callable[[CacheSpec], Store] | None = field(default=None, repr=False)
 
     def validate(self) -> None:
@@ -54,6 +57,8 @@ class DemoConfig:
             raise ConfigError(f"--backend must be 'reference' or 'cuda', got {self.backend!r}")
         if not isinstance(self.concurrency, int) or self.concurrency <= 0:
             raise ConfigError(f"--concurrency must be an int > 0, got {self.concurrency!r}")
+        if self.handoff not in HANDOFFS:
+            raise ConfigError(f"--handoff must be one of {list(HANDOFFS)}, got {self.handoff!r}")
 
 
 def arena_store(spec: CacheSpec, blocks: int) -> Store:
@@ -85,6 +90,9 @@ class _Demo:
             self.store = arena_store(self.spec, 2 * cfg.blocks_per_instance)
         else:
             self.store = MemoryStore(1 << 30)
+        if cfg.handoff != "store":
+            raise ConfigError("--handoff direct or both needs --processes: a lend waits for D to pull while P and D "
+                              "run side by side, which the one-process demo's answers in turn cannot")
         nb = cfg.blocks_per_instance
         self.P = PrefillLifecycle(self.spec, nb, policy, clock=clock)
         self.D = DecodeLifecycle(self.spec, nb, policy, clock=clock)

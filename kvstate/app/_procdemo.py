@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._errors import ConfigError, DriverError
-from ..distributed._shm import shm_directory
+from ..backends._shm import shm_directory
 from ..distributed._supervise import remove_orphans
 from ._demo import DemoConfig, arena_store, summary
 from ._demoroles import make_plans
@@ -75,11 +75,12 @@ def _spec(cfg: DemoConfig) -> dict[str, Any]:
             "head_dim": cfg.head_dim, "dtype": cfg.dtype, "tp_size": cfg.tp}
 
 
-def _start(role: str, cfg: DemoConfig, store: dict[str, Any], addresses: dict[str, str]) -> Any:
+def _start(role: str, cfg: DemoConfig, store: dict[str, Any], addresses: dict[str, str],
+           extra: dict[str, Any]) -> Any:
     from ..distributed._supervise import ChildProcess
 
     sc = SchedulerConfig(role, _spec(cfg), cfg.blocks_per_instance, store, addresses, cfg.seed + 1 + _ROLES.index(role),
-                         cfg.concurrency, os.getpid())
+                         cfg.concurrency, os.getpid(), extra=extra)
     return ChildProcess("kvstate.app._procsched", [sc.to_json()], f"demo {role} scheduler")
 
 
@@ -105,10 +106,12 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
             closers.append(arena.close)
             store = {"kind": "arena", "path": arena.path}  # type: ignore[attr-defined]
         addresses = {name: f"ipc://{tmp}/{name}" for name in ("router", *_ROLES)}
+        # the direct handoff: P's rank workers lend on a board in this run's directory, D's pull there
+        extra = {"handoff": cfg.handoff, "board": os.path.join(tmp, "lends") if cfg.handoff != "store" else ""}
         with Link(addresses["router"], DEMO_SCHEMAS) as link:
             for role in _ROLES:
                 link.connect(role, addresses[role])
-                children[role] = _start(role, cfg, store, addresses)
+                children[role] = _start(role, cfg, store, addresses, extra)
             workers = _wait_ready(link, children, deadline=time.monotonic() + 120)
             pids = {role: [children[role].pid, *workers[role]] for role in _ROLES}
             if on_start is not None:
@@ -177,7 +180,7 @@ def _reports(link: Any, children: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"leaked_blocks": 0, "pending_commands": 0, "bytes_moved": 0, "blocks_checked": 0,
                            "blocks_mismatched": 0, "preemptions": 0, "prefix_blocks_read": 0,
                            "schedulers_reported": sorted(got), "rank_restarts": 0, "lost_answers": 0,
-                           "live_requests": 0}
+                           "live_requests": 0, "lends_pulled": 0, "lends_unpulled": 0}
     for figures in got.values():
         for k in out:
             if k in figures and k != "schedulers_reported":

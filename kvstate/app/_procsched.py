@@ -48,8 +48,9 @@ class Scheduler:
         # the engine's own view of its caches: it "computes" into them and checks what arrived
         view = ReferenceBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), caches=self.caches.caches)
         self.role: Any
+        self.handoff, self.board = cfg.extra.get("handoff", "store"), cfg.extra.get("board", "")
         if cfg.role == "prefill":
-            self.lc: Any = PrefillLifecycle(self.spec, cfg.blocks, Policy())
+            self.lc: Any = PrefillLifecycle(self.spec, cfg.blocks, Policy(), handoff=self.handoff)
             self.role = PrefillRole(self.lc, view, cfg.seed, self._first_token, lambda rid: self._send("decode",
                                                                                                         "abort", rid))
         else:
@@ -69,8 +70,10 @@ class Scheduler:
         self._send("prefill", "admit", plan.rid, plan.prompt, plan.abort_at)
 
     def start(self) -> None:
+        board = self.board if self.handoff != "store" else ""
+        boards = {"lends": board} if self.cfg.role == "prefill" else {"pulls": board}
         for r in range(self.spec.tp_size):
-            self.driver.spawn(r, self.cfg.store, caches={"kind": "shm", "paths": self.caches.paths})
+            self.driver.spawn(r, self.cfg.store, caches={"kind": "shm", "paths": self.caches.paths}, **boards)
         self.driver.wait_ready(60)
         pids = [self.driver.child(r).pid for r in range(self.spec.tp_size)]  # type: ignore[union-attr]
         self._send("router", "ready", self.cfg.role, os.getpid(), pids)
@@ -130,7 +133,9 @@ class Scheduler:
                 "preemptions": getattr(self.role, "preemptions", 0),
                 "prefix_blocks_read": getattr(self.role, "prefix_blocks_read", 0),
                 "rank_restarts": self.driver.counters["restarts"], "lost_answers": self.driver.counters["lost"],
-                "rank_notices": len(notices), "link": dict(self.link.counters), "driver": dict(self.driver.counters)}
+                "rank_notices": len(notices), "link": dict(self.link.counters), "driver": dict(self.driver.counters),
+                "lends_pulled": self.lc.counters.get("lends_pulled", 0),
+                "lends_unpulled": self.lc.counters.get("lends_unpulled", 0)}
 
     def close(self) -> None:
         for close in (self.driver.close, self.link.close, self.caches.close):

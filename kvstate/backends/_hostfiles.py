@@ -1,6 +1,6 @@
 """Files a process leaves on its host: where shared memory lives, and clearing what dead processes left.
 
-Shared caches (:mod:`kvstate.distributed._shm`), arena stores (:mod:`kvstate.backends._arena`),
+Shared caches (:mod:`kvstate.backends._shm`), arena stores (:mod:`kvstate.backends._arena`),
 sockets and logs are named ``PREFIX<pid>-...`` after the process that made them, so a later
 process can tell a dead creator's entries from a live one's: a process killed with SIGKILL
 cannot clean up after itself; its parent, or the next process to make such an entry, does.

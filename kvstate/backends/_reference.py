@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._errors import ProtocolError, ValidationError
+from .._errors import KVStateError, ProtocolError, ValidationError
 from .._spec import CacheSpec
 from .._tables import page_layers, slot_of_layer
 from .._validate import check_int, is_int
@@ -36,6 +38,7 @@ from ._base import Guard, Store, check_caches, check_fence
 from ._integrity import sum64
 from ._lends import LendBoard, fold_sums, local_peer
 from ._objects import StoreBackend
+from ._shm import SharedCaches, shm_directory
 from ._stateobjects import paged_of
 
 __all__ = ["ReferenceBackend", "KEEP_STAGING_BYTES"]
@@ -50,22 +53,31 @@ class ReferenceBackend(StoreBackend):
     """Per-rank numpy caches over a :class:`~kvstate.backends._stores.Store`.
 
     ``ranks`` (default: all) are the TP ranks held here: a rank worker holds one. ``caches``,
-    when given, maps each of them to ``{kind: [per-layer arrays]}`` the engine owns (shared
-    memory another process created, say); otherwise zeroed arrays are allocated. ``lends`` /
+    when given, maps each of them to ``{kind: [per-layer arrays]}`` the engine owns, or is a
+    :class:`~kvstate.backends._shm.SharedCaches` (shared memory another process created: a
+    puller of a third process can then map it too); otherwise zeroed arrays are allocated. ``lends`` /
     ``pulls``: the direct handoff's board (:mod:`kvstate.backends._lends`), to lend blocks on
     (P) or pull reads from (D), between backends of one process."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, host_blocks: int = 0,
-                 ranks: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, Sequence[Any]]] | None = None,
+                 ranks: Sequence[int] | None = None,
+                 caches: Mapping[int, Mapping[str, Sequence[Any]]] | SharedCaches | None = None,
                  num_states: int = 0, states: Mapping[int, np.ndarray] | None = None,
                  lends: LendBoard | None = None, pulls: LendBoard | None = None) -> None:
         full, spec = spec, paged_of(spec)
         self._setup(spec, num_blocks, store, ranks, host_blocks)
         self._setup_lends(lends, pulls, full)
         self._token = local_peer(self)  # what a D backend of this process finds its caches by
+        #: rank -> the shared-memory file its caches live in (``caches`` given as a SharedCaches):
+        #: what a puller of another process maps
+        self._files: dict[int, str] = {}
+        if isinstance(caches, SharedCaches):
+            self._files = {r: caches.paths[r] for r in self.ranks if r in caches.paths}
+            caches = caches.caches
+        self._peers: OrderedDict[str, SharedCaches] = OrderedDict()  # lenders' files mapped here
         self._setup_states(full, num_states, self._gather_state, self._scatter_state)
         #: state_pages[rank] -> [num_states, state bytes] (with state groups): ``states[rank]``
-        #: when given (e.g. shared memory, :class:`~kvstate.distributed._shm.SharedCaches`), else zeroed
+        #: when given (e.g. shared memory, :class:`~kvstate.backends._shm.SharedCaches`), else zeroed
         self.state_pages = {r: np.zeros((num_states, self.state_size), np.uint8) for r in self.ranks} \
             if states is None else {r: self._state_array(states, r) for r in self.ranks}
         if caches is not None:
@@ -114,6 +126,9 @@ class ReferenceBackend(StoreBackend):
 
     # -- the direct handoff (kvstate.backends._lends): within this process ----------------------
     def lend_peer(self, rank: int) -> dict[str, Any]:
+        if rank in self._files:
+            return {"kind": "shm", "pid": os.getpid(), "token": self._token, "path": self._files[rank],
+                    "num_blocks": self.num_blocks}
         return {"kind": "local", "pid": os.getpid(), "token": self._token}
 
     def lend_sums(self, rank: int, block_ids: Sequence[int]) -> list[int]:
@@ -122,20 +137,42 @@ class ReferenceBackend(StoreBackend):
 
     def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
                   guard: Guard | None) -> list[int]:
-        """Copy a lending backend's blocks of this process (numpy caches: no other process
-        reaches them) into this one's; their checksums."""
-        if peer.get("kind") != "local" or peer.get("pid") != os.getpid():
-            raise ProtocolError(f"a reference backend pulls from backends of its own process, not {peer!r:.120}")
-        src: ReferenceBackend = local_peer(None, peer.get("token"))
-        if rank not in src.caches or len(src_ids) != len(dst_ids) or \
-                not all(is_int(b) and 0 <= b < src.num_blocks for b in src_ids):
-            raise ProtocolError(f"rank {rank}: the lend names blocks {list(src_ids)[:8]} its backend does not hold")
+        """Copy a lender's blocks into this backend's: another backend of this process, or
+        (``shm``) caches in a shared-memory file of this host, mapped here; their checksums."""
+        theirs = self._lender_caches(peer, rank)
+        blocks = len(theirs[self.spec.kinds[0]][0])
+        if len(src_ids) != len(dst_ids) or not all(is_int(b) and 0 <= b < blocks for b in src_ids):
+            raise ProtocolError(f"rank {rank}: the lend names blocks {list(src_ids)[:8]} its caches do not hold")
         check_fence(guard, rank, "scatter into", dst_ids)
         ids, into = list(src_ids), list(dst_ids)
         for kind in self.spec.kinds:
-            for mine, theirs in zip(self.caches[rank][kind], src.caches[rank][kind], strict=True):
-                mine[into] = theirs[ids]
+            for mine, layer in zip(self.caches[rank][kind], theirs[kind], strict=True):
+                mine[into] = layer[ids]
         return self.lend_sums(rank, dst_ids)
+
+    def _lender_caches(self, peer: dict[str, Any], rank: int) -> dict[str, list[np.ndarray]]:
+        """The lender's caches of ``rank``: its arrays when it is of this process, else its
+        shared-memory file mapped (a file of this host's shared-memory directory only)."""
+        kind, pid = peer.get("kind"), peer.get("pid")
+        if kind in ("local", "shm") and pid == os.getpid():
+            src: ReferenceBackend = local_peer(None, peer.get("token"))
+            if rank not in src.caches:
+                raise ProtocolError(f"rank {rank}: the lending backend does not hold this rank")
+            return src.caches[rank]
+        path, blocks = peer.get("path"), peer.get("num_blocks")
+        if kind != "shm" or not isinstance(path, str) or not is_int(blocks) or \
+                Path(path).parent != shm_directory() or not Path(path).name.startswith("kvstate-"):
+            raise ProtocolError(f"a reference backend pulls from its own process or from kvstate's shared-memory "
+                                f"caches in {shm_directory()}, not {peer!r:.160}")
+        if path not in self._peers:
+            try:
+                self._peers[path] = SharedCaches.attach(self.spec, blocks, {rank: path})
+            except KVStateError as e:
+                raise ProtocolError(f"the lender's caches {path}: {e}") from None
+            while len(self._peers) > 8:
+                self._peers.popitem(last=False)[1].close()
+        self._peers.move_to_end(path)
+        return self._peers[path].caches[rank]
 
     def _state_array(self, states: Mapping[int, np.ndarray], rank: int) -> np.ndarray:
         """Rank ``rank``'s given state pages, checked: a writable ``[num_states, state bytes]`` uint8 array."""
@@ -148,8 +185,10 @@ class ReferenceBackend(StoreBackend):
         return a
 
     def close(self) -> None:
-        """Let go of every thread's kept host rows, then the store's side."""
+        """Let go of every thread's kept host rows and lenders' mapped files, then the store's side."""
         self._staging = threading.local()
+        while getattr(self, "_peers", None):
+            self._peers.popitem()[1].close()
         super().close()
 
     def _host(self, n: int) -> dict[str, np.ndarray]:

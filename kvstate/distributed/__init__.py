@@ -6,7 +6,7 @@
   :class:`~kvstate.backends._drivers.ThreadedDriver`'s interface;
 - :mod:`~kvstate.distributed._liveness`: which ranks are up, and what each owes;
 - :mod:`~kvstate.distributed._supervise`: child processes that never outlive their parent;
-- :mod:`~kvstate.distributed._shm`: host caches in shared memory, created by the engine and
+- :mod:`~kvstate.backends._shm`: host caches in shared memory, created by the engine and
   attached by rank workers (:mod:`~kvstate.backends._cudaipc`: the same on the GPU);
 - :mod:`~kvstate.distributed._pdlink`: messages between P's and D's scheduler processes.
 
@@ -14,11 +14,11 @@ The core knows none of this: it only sees commands out and completions in. ZeroM
 and ``msgpack`` are this package's own dependencies.
 """
 from ..backends._cudaipc import share_caches
+from ..backends._shm import SharedCaches
 from ._liveness import RankDown, RankUp
 from ._pdlink import Link
 from ._procdriver import ProcessDriver
 from ._rankworker import RankWorker, WorkerConfig
-from ._shm import SharedCaches
 from ._supervise import ChildProcess, die_with_parent, parent_alive
 
 __all__ = ["ProcessDriver", "RankWorker", "WorkerConfig", "SharedCaches", "share_caches", "RankDown", "RankUp",

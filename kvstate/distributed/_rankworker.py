@@ -46,6 +46,7 @@ from .._errors import ConfigError, KVStateError, ProtocolError
 from .._spec import CacheSpec
 from .._validate import MAX_BLOCKS, check_int, is_real
 from ..backends._base import Store, TransferBackend
+from ..backends._lends import LendBoard
 from ..backends._runner import CommandRunner
 from ..kernels._cuda_launch import wait_event
 from . import _wire as wire
@@ -66,7 +67,7 @@ class WorkerConfig:
     ``store``: ``{"kind": "file", "root": DIR}`` (and ``"capacity_bytes"`` to bound this
     worker's objects) or ``{"kind": "mooncake", ...}`` (the fields of
     :class:`~kvstate.backends._mooncake.MooncakeConfig`). ``caches``: ``{"kind": "shm", "paths":
-    {rank: file}}`` (:class:`~kvstate.distributed._shm.SharedCaches`), ``{"kind": "cuda-ipc",
+    {rank: file}}`` (:class:`~kvstate.backends._shm.SharedCaches`), ``{"kind": "cuda-ipc",
     ...}`` (:mod:`~kvstate.backends._cudaipc`) or ``{"kind": "own"}`` (zeroed caches of its
     own: benchmarks of the transport alone). ``num_states``: state pages, for a spec with state
     groups (in the shared file with ``shm``; beside the caches with ``cuda-ipc``)."""
@@ -92,6 +93,11 @@ class WorkerConfig:
     #: the driver's CURVE public key (Z85, 40 characters) over tcp, "" over ipc: the worker
     #: connects as a CURVE client with a keypair of its own (``ProcessDriver.curve_key``)
     curve_key: str = ""
+    #: the direct handoff (:mod:`kvstate.backends._lends`): the lend board's directory to lend
+    #: blocks on (P) and to pull reads from (D), "" for none; how long a pull looks for a lend
+    lends: str = ""
+    pulls: str = ""
+    pull_wait: float = 0.5
 
     def __post_init__(self) -> None:
         self.validate()  # a config that exists is valid: refused where it is made, not in the worker
@@ -126,7 +132,17 @@ class WorkerConfig:
         if not isinstance(self.caches, dict) or self.caches.get("kind") not in _CACHES:
             raise ConfigError(f"WorkerConfig.caches must be a dict whose kind is one of {list(_CACHES)}")
         self._check_states(spec)
+        self._check_boards()
         return spec
+
+    def _check_boards(self) -> None:
+        """The direct handoff's boards: absolute directories or none, a finite wait."""
+        for name in ("lends", "pulls"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or (v and not os.path.isabs(v)):
+                raise ConfigError(f"WorkerConfig.{name} must be an absolute directory path or \"\", got {v!r}")
+        if not is_real(self.pull_wait) or not 0 <= self.pull_wait <= 600:
+            raise ConfigError(f"WorkerConfig.pull_wait must be seconds in [0, 600], got {self.pull_wait!r}")
 
     def _check_keys(self) -> None:
         """The secret a hello carries, and the driver's CURVE key over tcp."""
@@ -210,14 +226,14 @@ class RankWorker:
         states: Any = None
         kind = cfg.caches["kind"]
         if kind == "shm":
-            from ._shm import SharedCaches
+            from ..backends._shm import SharedCaches
 
             paths = {int(r): p for r, p in cfg.caches["paths"].items() if int(r) == self.rank}
             if not paths:
                 raise ConfigError(f"rank {self.rank}: the shared caches name no file for this rank")
             shared = SharedCaches.attach(spec, cfg.num_blocks, paths, cfg.num_states)
             self._resources.append(shared.close)
-            caches = {self.rank: shared.caches[self.rank]}
+            caches = shared  # its file too: a puller of another process maps it (the direct handoff)
             states = {self.rank: shared.states[self.rank]} if cfg.num_states else None
         elif kind == "cuda-ipc":
             from ..backends._cudaipc import open_caches
@@ -225,18 +241,21 @@ class RankWorker:
             caches, states, closer = open_caches(spec, cfg.num_blocks, self.rank, cfg.caches, cfg.device,
                                                  cfg.num_states)
             self._resources.append(closer)
+        lends, pulls = (LendBoard(root, wait=cfg.pull_wait) if root else None for root in (cfg.lends, cfg.pulls))
         if cfg.backend == "cuda":
             from ..backends._cuda import CudaBackend
 
             backend: TransferBackend = CudaBackend(spec, cfg.num_blocks, store, caches=caches, device=cfg.device,
                                                    host_blocks=cfg.host_blocks, ranks=(self.rank,),
                                                    num_states=cfg.num_states,
-                                                   states=states if kind == "cuda-ipc" else None)
+                                                   states=states if kind == "cuda-ipc" else None, lends=lends,
+                                                   pulls=pulls)
         else:
             from ..backends._reference import ReferenceBackend
 
             backend = ReferenceBackend(spec, cfg.num_blocks, store, host_blocks=cfg.host_blocks, ranks=(self.rank,),
-                                       caches=caches, num_states=cfg.num_states, states=states)
+                                       caches=caches, num_states=cfg.num_states, states=states, lends=lends,
+                                       pulls=pulls)
         self._resources.append(backend.close)
         return backend
 

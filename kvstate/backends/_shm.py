@@ -26,7 +26,7 @@ import numpy as np
 from .._errors import ConfigError, ValidationError
 from .._spec import CacheSpec
 from .._validate import MAX_BLOCKS, check_int, is_int
-from ..backends._hostfiles import remove_orphans, shm_directory
+from ._hostfiles import remove_orphans, shm_directory
 
 __all__ = ["SharedCaches", "cache_layout", "shm_directory"]
 
