@@ -360,3 +360,23 @@ def test_worker_boards_are_checked(field, value, rule):
           field: value}
     with pytest.raises(ConfigError, match=rule):
         WorkerConfig(**kw)
+
+
+def test_a_step_driver_answers_a_lend_as_told_and_never_waits(tmp_path):
+    """A step driver runs commands in the caller's thread: a lend there would wait for a D
+    that cannot run. The caller's outcome is the lend's answer instead."""
+    from kvstate.backends import StepDriver
+
+    spec = small_spec(tp=1)
+    P = PrefillLifecycle(spec, 8, Policy(read_prefix=False), handoff="direct")
+    drv = StepDriver(P, ReferenceBackend(spec, 8, MemoryStore(1 << 20), lends=LendBoard(tmp_path, wait=0)))
+    P.admit("a", list(range(9)))
+    drv.pump()
+    assert [type(n) for n in drv.notices] == [C.StartPrefill]
+    P.prefill_done("a", 3)
+    drv.pump()
+    [(cid, rank)] = list(drv.pending)
+    assert isinstance(drv.pending[(cid, rank)], C.LendBlocks) and P.state_of("a") == "lending"
+    t0 = time.monotonic()
+    assert drv.complete(cid, rank, 0).count == 0 and time.monotonic() - t0 < 1.0
+    assert P.counters["lends_unpulled"] == 1 and P.pool.num_used == 0 and list(tmp_path.iterdir()) == []

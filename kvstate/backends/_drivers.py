@@ -157,7 +157,9 @@ class StepDriver(Driver):
 
         ``outcome``: ``None`` runs it in full (on the backend if there is one), an int runs
         only that many leading keys (a partial transfer), ``"fail"`` answers 0 with an
-        error and moves nothing.
+        error and moves nothing. A :class:`~kvstate.commands.LendBlocks` is never run here: its
+        answer is what D pulled, which no D does while this thread waits, so the caller's
+        outcome is the answer (``None``: pulled whole).
         """
         key = self._pending_key(command_id, rank)
         cmd = self.pending[key]
@@ -172,6 +174,8 @@ class StepDriver(Driver):
         ready, event = self.layers.get(cmd.command_id, 0), self._events.get(cmd.command_id)
         if fail:
             c = Completion(cmd.command_id, rank, 0, error="injected failure")
+        elif cmd.__class__ is C.LendBlocks:  # the caller plays D: a lend run here would wait for nobody
+            c = Completion(cmd.command_id, rank, len(cmd.keys) if limit is None else limit)
         elif self.backend is not None:  # an answer past the fence moves nothing (FenceError)
             gate = functools.partial(_reported, ready, event)
             c = execute(self.backend, cmd, rank, limit, self.lifecycle.clock, layers=gate)
