@@ -204,6 +204,42 @@ def test_kill_9_of_the_d_scheduler_while_p_writes():
     assert not left, f"files left by the schedulers: {left}"
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("handoff", ["direct", "both"])
+def test_kill_9_of_a_lending_rank_worker(handoff):
+    """P's rank worker is killed while it lends: its lends fail (the driver answers for the
+    dead rank), D skips the dead worker's entries and reads the store (``both``) or fails or
+    recomputes by its policy (``direct``); the worker restarts and lends again. Every request
+    ends, no byte D kept differs, no block leaks, no lend file is left."""
+    killed = []
+
+    def on_start(children):
+        def kill():
+            workers = _children(children["prefill"].pid)
+            if workers:
+                killed.append(workers[0])
+                os.kill(workers[0], signal.SIGKILL)
+        threading.Timer(0.3, kill).start()
+
+    s = run_processes(DemoConfig(requests=160, concurrency=16, handoff=handoff), timeout=120, on_start=on_start)
+    assert killed and s["rank_restarts"] >= 1
+    assert s["unfinished"] == 0 and s["finished"] + s["aborted"] + s["failed"] == 160 and s["finished"] > 0
+    assert s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["live_requests"] == 0
+    assert s["blocks_mismatched"] == 0 and s["lends_pulled"] > 0
+
+
 @pytest.mark.slow
 def test_no_worker_outlives_its_parent(tmp_path):
     """A scheduler process killed with SIGKILL takes its rank workers with it."""
