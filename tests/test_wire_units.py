@@ -38,8 +38,8 @@ def refused(msg: list) -> str:
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"kind": 8}, "the command kind must be an int in [1, 8), got 8"),
-    ({"kind": 0}, "the command kind must be an int in [1, 8), got 0"),
+    ({"kind": 10}, "the command kind must be an int in [1, 10), got 10"),
+    ({"kind": 0}, "the command kind must be an int in [1, 10), got 0"),
     ({"cid": 0}, f"the command id must be an int in [1, {1 << 63}), got 0"),
     ({"rid": ""}, "the request id must be a non-empty str of at most 4096 chars"),
     ({"keys": "ab"}, "command 3: keys must be a list"),
