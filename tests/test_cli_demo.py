@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from needs import gpu, gpu_missing
 
 from kvstate.app._cli import main
 from kvstate.app._demo import DemoConfig, run_demo
@@ -105,12 +106,38 @@ def test_demo_as_processes_with_the_direct_handoff(capsys, handoff):
 
 @pytest.mark.parametrize("args, needle", [
     (["--processes", "--store", "memory"], "needs a store other processes reach"),
-    (["--processes", "--backend", "cuda"], "examples/pd_engine"),
+    (["--devices", "0,1"], "--devices goes with --processes --backend cuda"),
     (["--handoff", "direct"], "needs --processes"),
 ])
 def test_demo_processes_bad_options(args, needle, capsys):
     assert main(["demo", *args]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_devices_must_be_two_gpu_indices(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--processes", "--backend", "cuda", "--devices", "0"])
+    assert e.value.code == 2 and "expected two GPU indices P,D" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(gpu_missing() is None, reason="checks the refusal where CuPy or a GPU is missing")
+def test_the_gpu_demo_is_refused_without_a_gpu(capsys):
+    assert main(["demo", "--processes", "--backend", "cuda"]) == 2
+    assert "--backend cuda needs CuPy and a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@gpu()
+@pytest.mark.parametrize("handoff", ["store", "direct"])
+def test_demo_as_processes_on_gpus(capsys, handoff):
+    """Each scheduler's caches on its GPU (P on 0, D on 1 where there is one), its rank workers
+    attached through CUDA IPC; with the direct handoff D's workers pull from P's GPU."""
+    assert main(["demo", "--processes", "--backend", "cuda", "--handoff", handoff, "--requests", "24",
+                 "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["unfinished"] == 0
+    assert s["processes"] == 7 and s["finished"] > 0
+    assert (s["lends_pulled"] >= s["finished"]) == (handoff == "direct")
 
 
 @pytest.mark.slow

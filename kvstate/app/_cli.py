@@ -105,15 +105,26 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--start-master", action="store_true",
                    help="start a local mooncake_master on free loopback ports for this run, stop it after")
     d.add_argument("--backend", choices=("reference", "cuda"), default="reference",
-                   help="reference: numpy caches on the CPU (default); cuda: GPU caches through the CUDA kernels")
+                   help="reference: numpy caches on the CPU (default); cuda: GPU caches through the CUDA kernels "
+                        "(with --processes: each scheduler's caches on its GPU, its rank workers attached by CUDA IPC)")
     d.add_argument("--concurrency", type=POSITIVE_INT, default=8, help="requests in flight (default 8)")
     d.add_argument("--processes", action="store_true",
                    help="run P and D as separate processes, each a scheduler plus --tp rank-worker processes, over a "
                         "store that works across processes (a shared-memory arena, a FileStore, or Mooncake)")
+    d.add_argument("--devices", type=_device_pair, metavar="P,D",
+                   help="with --processes --backend cuda: P's and D's GPU (default 0,1 with two GPUs, else 0,0)")
     d.add_argument("--handoff", choices=("store", "direct", "both"), default="store",
                    help="how a cache reaches D: through the store (default), or pulled straight from P's caches "
                         "(direct; both: the store written too, for D to fall back on), with --processes")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+
+
+def _device_pair(text: str) -> tuple[int, int]:
+    """``P,D``: two GPU indices."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) < 1024 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected two GPU indices P,D, got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def _check_demo(args: argparse.Namespace) -> None:
@@ -128,10 +139,7 @@ def _check_demo(args: argparse.Namespace) -> None:
     if args.processes and args.store == "memory":
         raise ConfigError("--processes needs a store other processes reach: --store arena, file or mooncake "
                           "(without --store: an arena)")
-    if args.handoff != "store" and not args.processes:
-        raise ConfigError("--handoff direct or both needs --processes (P and D running side by side)")
-    if args.processes and args.backend != "reference":
-        raise ConfigError("--processes runs the reference (numpy) backend; the GPU split is examples/pd_engine")
+    _check_demo_engines(args)
     if args.store != "mooncake" and (args.start_master or args.master or args.metadata):
         raise ConfigError("--master, --metadata and --start-master go with --store mooncake")
     if args.store == "mooncake":
@@ -141,13 +149,26 @@ def _check_demo(args: argparse.Namespace) -> None:
             raise ConfigError("--store mooncake needs --master HOST:PORT and --metadata URL, or --start-master")
 
 
+def _check_demo_engines(args: argparse.Namespace) -> None:
+    """The engines' options: the handoff, the GPUs."""
+    if args.handoff != "store" and not args.processes:
+        raise ConfigError("--handoff direct or both needs --processes (P and D running side by side)")
+    if args.devices is not None and not (args.processes and args.backend == "cuda"):
+        raise ConfigError("--devices goes with --processes --backend cuda")
+    if args.backend == "cuda":
+        from ..kernels._cuda_launch import cuda_available
+
+        if not cuda_available():
+            raise ConfigError("--backend cuda needs CuPy and a CUDA device (none here)")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import DemoConfig, format_summary, run_demo
 
     _check_demo(args)
     cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store or "memory",
                      store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend,
-                     handoff=args.handoff)
+                     handoff=args.handoff, devices=args.devices)
     master = None
     try:
         worker_store = {"kind": "file", "root": args.store_dir} if args.store == "file" else None

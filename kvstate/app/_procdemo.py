@@ -79,8 +79,9 @@ def _start(role: str, cfg: DemoConfig, store: dict[str, Any], addresses: dict[st
            extra: dict[str, Any]) -> Any:
     from ..distributed._supervise import ChildProcess
 
+    device = -1 if cfg.devices is None else cfg.devices[_ROLES.index(role)]  # -1: the scheduler picks
     sc = SchedulerConfig(role, _spec(cfg), cfg.blocks_per_instance, store, addresses, cfg.seed + 1 + _ROLES.index(role),
-                         cfg.concurrency, os.getpid(), extra=extra)
+                         cfg.concurrency, os.getpid(), extra={**extra, "device": device})
     return ChildProcess("kvstate.app._procsched", [sc.to_json()], f"demo {role} scheduler")
 
 
@@ -107,7 +108,8 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
             store = {"kind": "arena", "path": arena.path}  # type: ignore[attr-defined]
         addresses = {name: f"ipc://{tmp}/{name}" for name in ("router", *_ROLES)}
         # the direct handoff: P's rank workers lend on a board in this run's directory, D's pull there
-        extra = {"handoff": cfg.handoff, "board": os.path.join(tmp, "lends") if cfg.handoff != "store" else ""}
+        extra = {"handoff": cfg.handoff, "board": os.path.join(tmp, "lends") if cfg.handoff != "store" else "",
+                 "backend": cfg.backend}
         with Link(addresses["router"], DEMO_SCHEMAS) as link:
             for role in _ROLES:
                 link.connect(role, addresses[role])

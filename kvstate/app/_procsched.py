@@ -1,7 +1,8 @@
 """A scheduler process of ``kvstate demo --processes``: P's or D's engine with its rank workers.
 
 ``python -m kvstate.app._procsched CONFIG_JSON`` (a :class:`~kvstate.app._procdemo.SchedulerConfig`)
-runs one role: it creates its caches in shared memory (as a model runner does), starts one
+runs one role: it creates its caches (as a model runner does: numpy caches in shared memory,
+or with ``backend`` ``cuda`` GPU caches on its ``device`` shared through CUDA IPC), starts one
 rank worker per TP rank attached to them (:class:`~kvstate.distributed.ProcessDriver`), and
 loops: messages from its peers, commands out to its workers, answers in, deadlines. On
 ``stop`` it lets its last transfers answer (at most 30 s), reports its figures to the router
@@ -38,15 +39,15 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
         self.spec = CacheSpec.from_dict(cfg.spec)
-        self.caches = SharedCaches.create(self.spec, cfg.blocks)
+        # the engine's own view of its caches: it "computes" into them and checks what arrived
+        self.view, self.worker_caches, self.worker_kw = self._caches(cfg)
         self.driver = ProcessDriver(self.spec, cfg.blocks, heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s,
                                     name=cfg.role)
         self.link = Link(cfg.addresses[cfg.role], DEMO_SCHEMAS)
         for peer in ("router", "prefill", "decode"):
             if peer != cfg.role:
                 self.link.connect(peer, cfg.addresses[peer])
-        # the engine's own view of its caches: it "computes" into them and checks what arrived
-        view = ReferenceBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), caches=self.caches.caches)
+        view = self.view
         self.role: Any
         self.handoff, self.board = cfg.extra.get("handoff", "store"), cfg.extra.get("board", "")
         if cfg.role == "prefill":
@@ -59,6 +60,30 @@ class Scheduler:
                                    lambda rid: self._send("prefill", "abort", rid),
                                    lambda rid, state, code: self._send("router", "result", rid, state, code))
         self.queued: deque[Plan] = deque()  # D: requests waiting for room
+
+    def _caches(self, cfg: SchedulerConfig) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """This engine's caches, as a model runner makes them, and what its rank workers attach
+        with: numpy caches in shared-memory files, or (``backend`` ``cuda``) GPU caches on its
+        ``device`` shared through CUDA IPC; the view is a backend over them."""
+        view: Any
+        if cfg.extra.get("backend", "reference") != "cuda":
+            shared = SharedCaches.create(self.spec, cfg.blocks)
+            self._release: Any = shared.close
+            view = ReferenceBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), caches=shared.caches)
+            return view, {"kind": "shm", "paths": shared.paths}, {}
+        from ..backends._cuda import CudaBackend
+        from ..backends._cudaipc import share_caches
+
+        device = int(cfg.extra.get("device", -1))
+        if device < 0:  # P on GPU 0, D on GPU 1 where there is one
+            from ..kernels._cuda_launch import load_cupy
+
+            device = int(cfg.role == "decode" and load_cupy().cuda.runtime.getDeviceCount() > 1)
+        view = CudaBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), device=device, staging_bytes=1 << 20)
+        self._release = view.close
+        desc = share_caches({r: {k: list(view.caches(r, k).views) for k in self.spec.kinds}
+                             for r in range(self.spec.tp_size)}, device)
+        return view, desc, {"backend": "cuda", "device": device}
 
     def _send(self, peer: str, kind: str, *items: Any) -> None:
         self.link.send(peer, kind, *items)
@@ -73,7 +98,7 @@ class Scheduler:
         board = self.board if self.handoff != "store" else ""
         boards = {"lends": board} if self.cfg.role == "prefill" else {"pulls": board}
         for r in range(self.spec.tp_size):
-            self.driver.spawn(r, self.cfg.store, caches={"kind": "shm", "paths": self.caches.paths}, **boards)
+            self.driver.spawn(r, self.cfg.store, caches=self.worker_caches, **self.worker_kw, **boards)
         self.driver.wait_ready(60)
         pids = [self.driver.child(r).pid for r in range(self.spec.tp_size)]  # type: ignore[union-attr]
         self._send("router", "ready", self.cfg.role, os.getpid(), pids)
@@ -138,7 +163,7 @@ class Scheduler:
                 "lends_unpulled": self.lc.counters.get("lends_unpulled", 0)}
 
     def close(self) -> None:
-        for close in (self.driver.close, self.link.close, self.caches.close):
+        for close in (self.driver.close, self.link.close, self._release):
             try:
                 close()
             except Exception as e:  # noqa: BLE001 - every resource gets its turn

@@ -52,12 +52,14 @@ class CudaBackend(DeviceSums, StoreBackend):
     staging per rank. ``num_states``, ``states``: state pages (:mod:`~kvstate.backends._cuda_states`).
     ``lends`` / ``pulls``: the direct handoff's board (:mod:`~kvstate.backends._lends`), to lend
     blocks on (P) or pull reads from (D): another process's caches through CUDA IPC, or another
-    backend's of this process, on this GPU or one joined to it (:mod:`~kvstate.backends._cuda_peers`)."""
+    backend's of this process, on this GPU or one joined to it (:mod:`~kvstate.backends._cuda_peers`);
+    ``shared``: the CUDA IPC description ``caches`` were opened from, which a lender passes on."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
                  host_blocks: int = 0, ranks: Sequence[int] | None = None, num_states: int = 0,
-                 states: Any = None, lends: LendBoard | None = None, pulls: LendBoard | None = None) -> None:
+                 states: Any = None, lends: LendBoard | None = None, pulls: LendBoard | None = None,
+                 shared: dict[str, Any] | None = None) -> None:
         full, spec = spec, paged_of(spec)
         self._setup(spec, num_blocks, store, ranks, host_blocks)
         self._setup_lends(lends, pulls, full)
@@ -77,7 +79,7 @@ class CudaBackend(DeviceSums, StoreBackend):
         self._arena_views: dict[str, np.ndarray] | None = None  # the arena's slots, by kind (zero copy)
         self._registered: int | None = None  # the arena's address, registered as pinned here
         self._pages = DevicePages(self.cp, self.ranks, self._on, self._side_stream, self._side_wait)
-        self._peers = CudaPeers(self.cp, spec, device, self)  # the direct handoff's mappings
+        self._peers = CudaPeers(self.cp, spec, device, self, shared=shared)  # the direct handoff's mappings
         self.state_pages = self._pages.pages  #: state_pages[rank]: the rank's state pages on the GPU
         try:
             self._layers: dict[int, dict[str, DeviceLayers]] = {}
@@ -122,7 +124,11 @@ class CudaBackend(DeviceSums, StoreBackend):
         return self._layers[rank][kind].views
 
     def _set_chunk(self, layer: Any, block: int, data: np.ndarray) -> None:
-        layer[block] = self.cp.asarray(data)
+        """Write one chunk and wait for it: the copy is a kernel on the calling thread's stream,
+        and a rank worker of another process may read the block as soon as this returns."""
+        with self.cp.cuda.Device(self.device):
+            layer[block] = self.cp.asarray(data)
+            self.cp.cuda.get_current_stream().synchronize()
 
     def _arena(self, rank: int, kind: str) -> np.ndarray:
         self._check_open()

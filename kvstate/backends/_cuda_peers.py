@@ -2,7 +2,8 @@
 lender's caches mapped here.
 
 A lender (P) describes each rank's caches once: CUDA IPC handles of the allocations holding
-them (:func:`~kvstate.backends._cudaipc.share_caches`), its device, its block count, its pid,
+them (:func:`~kvstate.backends._cudaipc.share_caches`; a rank worker, whose caches are another
+process's, passes on the handles it opened them with), its device, its block count, its pid,
 and a token by which a backend of the same process finds them (CUDA IPC cannot open a handle
 in the process that made it). A puller (D) maps a lender's caches on its own device the first
 time it meets them and keeps the mapping (at most ``keep`` lenders, the least recently used
@@ -35,8 +36,12 @@ __all__ = ["CudaPeers"]
 class CudaPeers:
     """One backend's descriptions of its own caches and mappings of lenders' caches."""
 
-    def __init__(self, cp: Any, spec: CacheSpec, device: int, owner: Any, keep: int = 8) -> None:
+    def __init__(self, cp: Any, spec: CacheSpec, device: int, owner: Any, keep: int = 8,
+                 shared: Mapping[str, Any] | None = None) -> None:
         self.cp, self.spec, self.device, self.keep = cp, spec, device, keep
+        #: the CUDA IPC description the owner's caches came from (a rank worker's): passed on as
+        #: it is, since memory a process imported cannot be exported again
+        self.shared = shared
         self._token = local_peer(owner)
         self._described: dict[int, dict[str, Any]] = {}
         self._open: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], Callable[[], None]]] = OrderedDict()
@@ -45,7 +50,11 @@ class CudaPeers:
     def describe(self, rank: int, layers: Mapping[str, Any], num_blocks: int) -> dict[str, Any]:
         """``rank``'s caches (``layers[kind]``: their bound layers) for a puller (JSON)."""
         if rank not in self._described:
-            shared = share_caches({rank: {k: list(v.views) for k, v in layers.items()}}, self.device)
+            if self.shared is not None:
+                shared = {"kind": "cuda-ipc", "device": self.shared["device"],
+                          "tensors": {str(rank): self.shared["tensors"][str(rank)]}}
+            else:
+                shared = share_caches({rank: {k: list(v.views) for k, v in layers.items()}}, self.device)
             self._described[rank] = {**shared, "num_blocks": num_blocks, "pid": os.getpid(), "token": self._token}
         return self._described[rank]
 

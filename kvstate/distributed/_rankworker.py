@@ -249,7 +249,7 @@ class RankWorker:
                                                    host_blocks=cfg.host_blocks, ranks=(self.rank,),
                                                    num_states=cfg.num_states,
                                                    states=states if kind == "cuda-ipc" else None, lends=lends,
-                                                   pulls=pulls)
+                                                   pulls=pulls, shared=cfg.caches if kind == "cuda-ipc" else None)
         else:
             from ..backends._reference import ReferenceBackend
 
