@@ -380,3 +380,23 @@ def test_a_step_driver_answers_a_lend_as_told_and_never_waits(tmp_path):
     t0 = time.monotonic()
     assert drv.complete(cid, rank, 0).count == 0 and time.monotonic() - t0 < 1.0
     assert P.counters["lends_unpulled"] == 1 and P.pool.num_used == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_lends_nobody_pulls_never_hold_back_other_transfers(tmp_path):
+    """A lend waits for D on a thread of its own: with every worker thread's worth of lends
+    waiting, a read still runs at once; closing the driver ends the waiting lends."""
+    spec = small_spec(tp=1)
+    store = MemoryStore(1 << 20)
+    be = ReferenceBackend(spec, 16, store, lends=LendBoard(tmp_path, wait=0))
+    now = time.monotonic()
+    with ThreadedDriver(be, workers=2) as d:
+        for i in range(4):  # twice the workers
+            d.submit(C.LendBlocks(f"l{i}", i + 1, (0,), now + 60, (f"k{i}",), (i,), fence=now + 120))
+        d.submit(C.ReadBlocks("r", 9, (0,), now + 60, ("absent",), (9,), fence=now + 120))
+        got = []
+        end = time.monotonic() + 5
+        while not got and time.monotonic() < end:
+            got = d.poll(0.05)
+        assert [(c.command_id, c.count) for c in got] == [(9, 0)]  # the read answered; the lends still wait
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5 and list(tmp_path.iterdir()) == []  # closing ended them

@@ -238,7 +238,9 @@ class ThreadedDriver(Driver):
     be the lifecycle's clock). A :class:`~kvstate.commands.SaveLayers` holds a worker per rank
     while its prefill runs, waiting on its :class:`~kvstate.backends._gate.LayerGate` (give it
     more workers than the saves' ranks in flight at once, or other transfers wait behind
-    them); a cancel closes the gate. A :class:`~kvstate.commands.LoadLayers` reports into a
+    them); a cancel closes the gate. A :class:`~kvstate.commands.LendBlocks` waits for D on a
+    thread of its own (a lend lasts until D pulled it: on a worker it would hold back every
+    transfer queued behind it), and closing cancels it. A :class:`~kvstate.commands.LoadLayers` reports into a
     :class:`~kvstate.backends._gate.LayerArrivals` per rank (``arrivals``), kept until its
     completion is polled. The commands' state between threads lives in a
     :class:`~kvstate.backends._runner.CommandRunner`.
@@ -267,6 +269,7 @@ class ThreadedDriver(Driver):
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-transfer-{i}", daemon=True)
                          for i in range(workers)]
+        self._lends: list[threading.Thread] = []  # lends' own threads, joined on close
         for t in self._threads:
             t.start()
 
@@ -288,7 +291,12 @@ class ThreadedDriver(Driver):
         with self._lock:
             self._inflight += len(cmd.ranks)
         for r in cmd.ranks:
-            self._jobs.put((cmd, r))
+            if cmd.__class__ is C.LendBlocks:  # it waits for D: on a thread of its own, never a worker's
+                t = threading.Thread(target=self._finish, args=(cmd, r), name=f"{self.name}-lend", daemon=True)
+                self._lends = [x for x in self._lends if x.is_alive()] + [t]
+                t.start()
+            else:
+                self._jobs.put((cmd, r))
         return True
 
     def submit_all(self, cmds: Iterable[C.Command]) -> list[C.Command]:
@@ -327,10 +335,13 @@ class ThreadedDriver(Driver):
             job = self._jobs.get()
             if job is _STOP:
                 return
-            c = self._runner.run(*job)
-            with self._lock:
-                self._inflight -= 1
-            self._done.put(c)
+            self._finish(*job)
+
+    def _finish(self, cmd: C.TransferCommand, rank: int) -> None:
+        c = self._runner.run(cmd, rank)
+        with self._lock:
+            self._inflight -= 1
+        self._done.put(c)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop accepting work, let queued work finish, and join every thread by ``timeout``."""
@@ -338,12 +349,13 @@ class ThreadedDriver(Driver):
         if self._closed:
             return
         self._closed = True
+        self._runner.cancel_all(lends_only=True)  # a lend waiting for D answers now
         for _ in self._threads:
             self._jobs.put(_STOP)
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        for t in [*self._threads, *self._lends]:
             t.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in self._threads if t.is_alive()]
+        alive = [t.name for t in [*self._threads, *self._lends] if t.is_alive()]
         if alive:
             raise DriverError(f"ThreadedDriver.close: threads {alive} still running after {timeout}s")
 

@@ -206,12 +206,13 @@ def _ignore(layers: int, event: Any) -> None:
 
 
 class _Live:
-    """An admitted command: ranks yet to run, its gate (a save), whether it was cancelled."""
+    """An admitted command: ranks yet to run, its gate (a save), whether it was cancelled,
+    whether it is a lend."""
 
-    __slots__ = ("left", "gate", "cancelled")
+    __slots__ = ("left", "gate", "cancelled", "lend")
 
-    def __init__(self, left: int, gate: LayerGate | None) -> None:
-        self.left, self.gate, self.cancelled = left, gate, False
+    def __init__(self, left: int, gate: LayerGate | None, lend: bool = False) -> None:
+        self.left, self.gate, self.cancelled, self.lend = left, gate, False, lend
 
 
 class CommandRunner:
@@ -235,7 +236,7 @@ class CommandRunner:
         """Take ``cmd`` in: each of its ranks runs once, through :meth:`run`."""
         with self._lock:
             gate = LayerGate(cmd.fence, self.clock) if cmd.__class__ is C.SaveLayers else None
-            self._live[cmd.command_id] = _Live(len(cmd.ranks), gate)
+            self._live[cmd.command_id] = _Live(len(cmd.ranks), gate, cmd.__class__ is C.LendBlocks)
             if cmd.__class__ is C.LoadLayers:
                 for r in cmd.ranks:
                     self._arrivals[(cmd.command_id, r)] = LayerArrivals(self._reporter(cmd.command_id, r))
@@ -278,10 +279,11 @@ class CommandRunner:
                     del self._live[cmd.command_id]
         return c
 
-    def cancel_all(self) -> None:
-        """Cancel every live command (its owner is closing): saves stop waiting for layers."""
+    def cancel_all(self, lends_only: bool = False) -> None:
+        """Cancel every live command (its owner is closing): saves stop waiting for layers,
+        lends for D (``lends_only``: only those)."""
         with self._lock:
-            live = list(self._live.values())
+            live = [x for x in self._live.values() if x.lend or not lends_only]
         for x in live:
             x.cancelled = True
             if x.gate is not None:

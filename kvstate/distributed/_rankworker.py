@@ -57,6 +57,7 @@ SECRET_ENV = "KVSTATE_WORKER_SECRET"  #: where a started worker finds its driver
 __all__ = ["WorkerConfig", "RankWorker", "main", "build_store", "SECRET_ENV"]
 
 _STORES = ("arena", "file", "mooncake")
+MAX_LENDS = 64  #: lends a rank worker holds at once, each on a thread (mostly asleep) while D pulls
 _CACHES = ("own", "shm", "cuda-ipc")
 
 
@@ -315,6 +316,8 @@ class RankWorker:
             self._runner = CommandRunner(self._backend(), time.monotonic, self._arrived)
             self._saves = ThreadPoolExecutor(self.config.lanes, f"kvstate-rank{self.rank}-save")
             self._resources.append(self._saves.shutdown)
+            self._lends = ThreadPoolExecutor(MAX_LENDS, f"kvstate-rank{self.rank}-lend")
+            self._resources.append(self._lends.shutdown)
             self._resources.append(self._runner.cancel_all)  # first: a save waiting for layers stops
             lanes = [self._socket(zmq.DEALER, self.config.command_address, f"r{self.rank}:{i}".encode())
                      for i in range(self.config.lanes)]
@@ -404,6 +407,8 @@ class RankWorker:
         self._runner.admit(cmd)
         if cmd.__class__ is C.SaveLayers:  # it waits for layer reports: never on a receiving thread
             self._saves.submit(self._answer, cmd)
+        elif cmd.__class__ is C.LendBlocks:  # it waits for D: never on a lane, which others queue behind
+            self._lends.submit(self._answer, cmd)
         else:
             self._answer(cmd)
 
