@@ -400,3 +400,19 @@ def test_lends_nobody_pulls_never_hold_back_other_transfers(tmp_path):
         assert [(c.command_id, c.count) for c in got] == [(9, 0)]  # the read answered; the lends still wait
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 5 and list(tmp_path.iterdir()) == []  # closing ended them
+
+
+def test_an_unfenced_lend_taken_by_a_d_that_died_ends_after_its_hold(tmp_path, monkeypatch):
+    """A lend run without a fence, taken by a D that never releases it (it died): P's rank
+    waits past the lend's deadline at most UNFENCED_HOLD seconds, then answers."""
+    import kvstate.backends._lends as L
+
+    monkeypatch.setattr(L, "UNFENCED_HOLD", 0.3)
+    board = LendBoard(tmp_path, wait=2)
+    end = time.monotonic() + 0.2
+    taken = threading.Thread(target=lambda: board.take(0, ["a"], _always))  # takes, never releases
+    taken.start()
+    t0 = time.monotonic()
+    assert L.lend_blocks(board, _Ops(), 0, ["a"], [7], lambda: time.monotonic() < end, None) == 0
+    taken.join()
+    assert 0.45 <= time.monotonic() - t0 < 3 and list(tmp_path.iterdir()) == []

@@ -17,12 +17,14 @@ one file a (lend, rank), and its name says its state, so every step is one atomi
   an entry taken already stays lent until D releases it or P's fence passes, since D's
   copy may be reading the blocks. P then removes every file of the lend.
 
-Entries are named by a hash of the request's last key (keys are content hashes of the
-whole prefix, so any entry ending with D's last key holds D's bytes), P's pid, a sequence
-number and the rank. Entries of a P that died are skipped by D and swept by the next
-board opened on the directory. Everything read from the board is checked before it is
-used: a malformed entry is a :class:`~kvstate._errors.ProtocolError` naming the rule, the
-entry is released as failed, and D reads the store.
+Entries are named by a hash of the request's last key, P's pid, a sequence number and the
+rank; D takes only an entry whose keys end with its own (a D with a prefix of its own reads
+the rest). Entries of a P that died are skipped by D and swept by the next board opened on
+the directory. Everything read from the board is checked before it is used: a malformed
+entry is a :class:`~kvstate._errors.ProtocolError` naming the rule, the entry is marked
+failed, and D reads the store. A lend without a fence (a command run without the
+lifecycle's clock) waits for a D that took it at most ``UNFENCED_HOLD`` seconds past its
+deadline: a D that died holding it never releases it.
 
 How bytes move and are checked is the backend's (:class:`PeerOps`); this module is the
 protocol: :func:`lend_blocks` for P's rank, :func:`pull_blocks` for D's.
@@ -56,6 +58,7 @@ FORMAT, VERSION = "kvstate-lend", 1
 _STATES = ("lend", "taken", "done", "fail")
 _MAX_ENTRY = 64 << 20  # bytes of one entry file at most
 _POLL = (0.0002, 0.002)  # first and longest sleep between looks at the board, seconds
+UNFENCED_HOLD = 30.0  #: seconds an unfenced lend waits past its deadline for a D that took it
 
 
 _LOCAL: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # backends lending in-process
@@ -293,10 +296,16 @@ def lend_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], 
     check_int(rank, "lend: rank", minimum=0)
     name = board.post(rank, ops.lend_geometry(), list(keys), list(block_ids), ops.lend_sums(rank, block_ids),
                       ops.lend_peer(rank), stores)
+    if guard is None:  # no fence: bound the wait for a D that took the lend by the clock here
+        hold_end: list[float] = []
+
+        def guard() -> bool:
+            hold_end[:] = hold_end or [time.monotonic() + UNFENCED_HOLD]
+            return time.monotonic() < hold_end[0]
     try:
         state, pause = board.state(name), _POLL[0]
         while state in ("lend", "taken"):
-            if not until() and (board.withdraw(name) or guard is not None and not guard()):
+            if not until() and (board.withdraw(name) or not guard()):
                 return 0
             time.sleep(pause)
             pause = min(2 * pause, _POLL[1])
