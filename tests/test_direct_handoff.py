@@ -268,7 +268,7 @@ def test_a_pull_that_does_not_match_falls_back(tmp_path, handoff, read_failure, 
         prompts = {"r0": PROMPTS["r5"]}
         outcome, bad, _ = pair.serve(prompts)
         assert outcome == {"r0": want}
-        assert pair.db.lend_counts["pull_failed"] >= 1
+        assert pair.db.lend_counts["pull_failed"] == 2  # a pull on each rank, each refused by the sums
         if handoff == "both":
             # the store's copy came from the changed blocks too: D refused nothing it could not check,
             # and every byte it kept is what P's blocks held when they were stored
@@ -416,3 +416,19 @@ def test_an_unfenced_lend_taken_by_a_d_that_died_ends_after_its_hold(tmp_path, m
     assert L.lend_blocks(board, _Ops(), 0, ["a"], [7], lambda: time.monotonic() < end, None) == 0
     taken.join()
     assert 0.45 <= time.monotonic() - t0 < 3 and list(tmp_path.iterdir()) == []
+
+
+def test_the_blocks_a_failed_pull_brought_whole_are_kept(tmp_path):
+    """P's last block changed after it posted: D keeps the leading blocks that matched, reads
+    the rest from the store (nothing there with ``direct``), and recomputes only from there."""
+    pair = _Pair(tmp_path, "direct", "recompute", p_backend=_Reusing)
+    try:
+        toks = PROMPTS["r5"]
+        lent = len(block_keys(toks, pair.spec.block_size))  # P's changed block is the last of these
+        outcome, bad, seen = pair.serve({"r0": toks})
+        assert outcome == {"r0": "done"} and bad == []
+        [rec] = [n for n in seen if isinstance(n, C.Recompute)]
+        assert rec.from_token == (lent - 1) * pair.spec.block_size  # from the changed block, not from 0
+        assert pair.db.lend_counts["pull_failed"] == 2  # both ranks pulled, and each found the change
+    finally:
+        pair.close()

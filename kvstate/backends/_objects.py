@@ -111,10 +111,10 @@ class StoreBackend(TransferBackend):
         return n
 
     def lend_geometry(self) -> str:
-        """The backend's kind and every field of its spec: equal on both sides exactly when a
-        block of one is a block of the other."""
-        spec = self.spec
-        return f"{type(self).__name__}|" + "|".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec))
+        """The backend's kind (its kvstate class, whatever subclasses it) and every field of its
+        spec: equal on both sides exactly when a block of one is a block of the other."""
+        spec, kind = self.spec, next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("kvstate."))
+        return f"{kind}|" + "|".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec))
 
     def _setup_states(self, spec: CacheSpec, num_states: int, gather: PageCopy, scatter: PageCopy) -> None:
         """The state pages' part (``spec``: the whole cache's, state groups and all), over the

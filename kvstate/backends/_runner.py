@@ -135,7 +135,8 @@ def _pull_or_read(backend: TransferBackend, rank: int, keys: tuple[str, ...], bl
         while backend.query(rank, keys) < len(keys) and until():
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
-    return backend.read(rank, keys, block_ids, guard)
+    start = n if n is not None and n > 0 else 0  # the leading blocks pulled whole stay: read the rest
+    return start + backend.read(rank, keys[start:], block_ids[start:], guard) if start < len(keys) else start
 
 
 def _tables(cmd: C.TransferCommand, start: int, end: int) -> dict[str, Any]:
