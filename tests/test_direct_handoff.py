@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from rigs import small_spec
 
-from kvstate import ConfigError, DecodeLifecycle, Policy, PrefillLifecycle, ProtocolError
+from kvstate import ConfigError, DecodeLifecycle, Policy, PrefillLifecycle, ProtocolError, ValidationError
 from kvstate import commands as C
 from kvstate._keys import block_keys
 from kvstate.backends import MemoryStore, ReferenceBackend, ThreadedDriver
@@ -432,3 +432,114 @@ def test_the_blocks_a_failed_pull_brought_whole_are_kept(tmp_path):
         assert pair.db.lend_counts["pull_failed"] == 2  # both ranks pulled, and each found the change
     finally:
         pair.close()
+
+
+# -- the board's rules, one by one (each of these failed on a mutant that survived the rest) -------
+def test_fold_rows_is_fold_sums_of_each_row_and_order_matters():
+    from kvstate.backends._lends import fold_rows
+
+    rows = np.random.default_rng(3).integers(0, 2**63, (7, 4), dtype=np.uint64) * 2 + 1
+    assert fold_rows(rows) == [fold_sums([int(x) for x in r]) for r in rows]
+    assert fold_rows(np.zeros((0, 2), np.uint64)) == []
+    assert len({fold_sums([1, 2]), fold_sums([2, 1]), fold_sums([3]), fold_sums([1, 3])}) == 4
+
+
+@pytest.mark.parametrize("keys, blocks, sums", [(["a", "b"], [1], [1]), (["a"], [1], [1, 2]), ([], [], [])])
+def test_a_post_needs_as_many_keys_blocks_and_checksums(tmp_path, keys, blocks, sums):
+    with pytest.raises(ProtocolError, match="as many keys, blocks and checksums"):
+        LendBoard(tmp_path, wait=0).post(0, "g", keys, blocks, sums, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda d: d.clear(), "version"), (lambda d: d.update(format="other"), "version"),
+    (lambda d: d.update(keys="a"), "keys must be strings"), (lambda d: d.update(keys=[5]), "keys must be strings"),
+    (lambda d: d.update(blocks=7), "blocks ints"), (lambda d: d.update(blocks=[True]), "blocks ints"),
+    (lambda d: d.update(sums=3), "checksums"), (lambda d: d.update(sums=["1"]), "checksums"),
+    (lambda d: d.update(sums=[-1]), "checksums"),
+    (lambda d: d.update(pid="9"), "with a pid"), (lambda d: d.update(geometry=5), "a geometry"),
+    (lambda d: d.update(peer=[]), "peer description"),
+])
+def test_each_field_of_an_entry_is_checked(tmp_path, change, rule):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    path = name.with_name(name.name + ".lend")
+    d = json.loads(path.read_text())
+    change(d)
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProtocolError, match=rule):
+        board.take(0, ["a"], _always)
+
+
+def test_a_taken_lend_carries_every_field(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    board.post(2, "geo", ["a", "b"], [7, 8], [0, (1 << 64) - 1], {"x": 1}, stores=True)  # sums at both ends
+    lend = board.take(2, ["b"], _always)
+    assert (lend.pid, lend.rank, lend.geometry, lend.keys, lend.blocks, lend.sums, lend.peer, lend.stores) == \
+        (os.getpid(), 2, "geo", ("b",), (8,), ((1 << 64) - 1,), {"x": 1}, True)
+
+
+def _lend_in_thread(board, ops, stores=False):
+    from kvstate.backends._lends import lend_blocks
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(lend_blocks(board, ops, 0, ["a", "b"], [7, 8], _always, None,
+                                                               stores)))
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("stores", [False, True])
+def test_a_lend_answers_what_d_did(tmp_path, stores):
+    board = LendBoard(tmp_path, wait=5)
+    t, out = _lend_in_thread(board, _Ops(), stores)
+    assert pull_blocks(board, _Ops(), 0, ["a", "b"], [1, 2], _always, None) == 2  # pulled whole
+    t.join(5)
+    assert out == [2]
+    t, out = _lend_in_thread(board, _Ops(), stores)
+    assert pull_blocks(board, _Ops(bad={7}), 0, ["a", "b"], [1, 2], _always, None) == (-1 if stores else 0)
+    t.join(5)
+    assert out == [0] and list(tmp_path.iterdir()) == []
+
+
+def test_a_lend_nobody_takes_answers_zero_at_its_deadline(tmp_path):
+    from kvstate.backends._lends import lend_blocks
+
+    end = time.monotonic() + 0.1
+    assert lend_blocks(LendBoard(tmp_path, wait=0), _Ops(), 0, ["a"], [7], lambda: time.monotonic() < end, None) == 0
+    with pytest.raises(ValidationError):
+        lend_blocks(LendBoard(tmp_path, wait=0), _Ops(), -1, ["a"], [7], _always, None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pull_past_its_fence_moves_nothing(tmp_path):
+    """D's guard reaches the copy: past the fence the backend refuses before a byte moves."""
+    spec = small_spec(tp=1)
+    board = LendBoard(tmp_path, wait=5)
+    p = ReferenceBackend(spec, 8, MemoryStore(1 << 20), lends=board)
+    d = ReferenceBackend(spec, 8, MemoryStore(1 << 20), pulls=board)
+    keys = block_keys(list(range(8)), spec.block_size)
+    fill_blocks(p, keys, [3, 4])
+    before = [d.block_bytes(0, k, b) for k in spec.kinds for b in (0, 1)]
+    t = threading.Thread(target=lambda: p.lend(0, keys, [3, 4], _always, None, True))
+    t.start()
+    assert d.pull(0, keys, [0, 1], _always, lambda: False) == -1  # P stores too: read the store
+    t.join(5)
+    assert [d.block_bytes(0, k, b) for k in spec.kinds for b in (0, 1)] == before
+
+
+def test_sweep_counts_what_it_removed_and_keeps_the_living(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    live = board.post(0, "g", ["a"], [7], [1], {})
+    for i, state in enumerate(("lend", "taken")):
+        (tmp_path / f"ab.999999999.{i}.r0.{state}").write_text("{}")
+    (tmp_path / "unrelated.txt").write_text("x")
+    assert board.sweep() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name + ".lend", "unrelated.txt"])
+
+
+def test_a_token_that_is_no_int_finds_no_backend():
+    from kvstate.backends._lends import local_peer
+
+    with pytest.raises(ProtocolError, match="no backend of this process lends under token 'x'"):
+        local_peer(None, "x")
