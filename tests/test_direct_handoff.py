@@ -543,3 +543,21 @@ def test_a_token_that_is_no_int_finds_no_backend():
 
     with pytest.raises(ProtocolError, match="no backend of this process lends under token 'x'"):
         local_peer(None, "x")
+
+
+class _Broken(_Ops):
+    def pull_copy(self, rank, peer, src, dst, guard):
+        raise ProtocolError("the lender's caches could not be mapped")
+
+
+@pytest.mark.parametrize("stores", [False, True])
+def test_a_pull_that_raises_or_meets_a_bad_entry_answers_by_whether_p_stores(tmp_path, stores):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a"], [7], [fold_sums([7])], {}, stores=stores)
+    assert pull_blocks(board, _Broken(), 0, ["a"], [1], _always, None) == (-1 if stores else 0)
+    assert board.state(name) == "fail"
+    board.remove(name)
+    name = board.post(0, "g", ["a"], [7], [fold_sums([7])], {}, stores=stores)
+    path = name.with_name(name.name + ".lend")
+    path.write_text(path.read_text().replace('"version": 1', '"version": 7'))
+    assert pull_blocks(board, _Ops(), 0, ["a"], [1], _always, None) == 0  # unreadable: whether P stores is unknown
