@@ -18,6 +18,7 @@ writes nothing: the first replica stores them.
 """
 from __future__ import annotations
 
+import threading
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import fields
@@ -87,6 +88,7 @@ class StoreBackend(TransferBackend):
         self.lends, self.pulls = lends, pulls
         #: lends posted and how they ended; pulls and how they ended (``no_lend``: the store was read)
         self.lend_counts = dict.fromkeys(("lent", "pulled", "unpulled", "pulls", "pull_failed", "no_lend"), 0)
+        self._counting = threading.Lock()  # lends and pulls end on several threads at once
 
     def lend(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], until: Callable[[], bool],
              guard: Guard | None = None, stores: bool = False) -> int:
@@ -94,8 +96,9 @@ class StoreBackend(TransferBackend):
             return super().lend(rank, keys, block_ids, until, guard, stores)
         self._check_transfer(rank, keys, block_ids)
         n = lend_blocks(self.lends, cast(PeerOps, self), rank, keys, block_ids, until, guard, stores)
-        self.lend_counts["lent"] += 1
-        self.lend_counts["pulled" if n else "unpulled"] += 1
+        with self._counting:
+            self.lend_counts["lent"] += 1
+            self.lend_counts["pulled" if n else "unpulled"] += 1
         return n
 
     def pull(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], until: Callable[[], bool],
@@ -105,9 +108,10 @@ class StoreBackend(TransferBackend):
         self._check_transfer(rank, keys, block_ids)
         n = pull_blocks(self.pulls, cast(PeerOps, self), rank, keys, block_ids, until, guard)
         key = "no_lend" if n is None else "pulls" if n == len(keys) else "pull_failed"
-        self.lend_counts[key] += 1
-        if n is not None and n == len(keys):
-            self.bytes_moved += n * self.spec.bytes_per_block_per_rank
+        with self._counting:
+            self.lend_counts[key] += 1
+            if n is not None and n == len(keys):
+                self.bytes_moved += n * self.spec.bytes_per_block_per_rank
         return n
 
     def lend_geometry(self) -> str:
