@@ -105,6 +105,13 @@ def test_many_takers_one_winner(tmp_path):
     (lambda d: d.update(keys=["a", "b"]), "2 keys, 1 blocks"),
     (lambda d: d.update(rank=3), "rank must be 0"),
     (lambda d: d.pop("stores"), "whether P stores"),
+    (lambda d: d.clear(), "version"), (lambda d: d.update(format="other"), "version"),
+    (lambda d: d.update(keys="a"), "keys must be strings"), (lambda d: d.update(keys=[5]), "keys must be strings"),
+    (lambda d: d.update(blocks=7), "blocks ints"), (lambda d: d.update(blocks=[True]), "blocks ints"),
+    (lambda d: d.update(sums=3), "checksums"), (lambda d: d.update(sums=["1"]), "checksums"),
+    (lambda d: d.update(sums=[-1]), "checksums"),
+    (lambda d: d.update(pid="9"), "with a pid"), (lambda d: d.update(geometry=5), "a geometry"),
+    (lambda d: d.update(peer=[]), "peer description"),
 ])
 def test_a_malformed_entry_is_refused_by_rule_and_released_failed(tmp_path, change, rule):
     board = LendBoard(tmp_path, wait=0)
@@ -121,7 +128,7 @@ def test_a_malformed_entry_is_refused_by_rule_and_released_failed(tmp_path, chan
 def test_entries_of_a_dead_p_are_skipped_and_swept(tmp_path):
     board = LendBoard(tmp_path, wait=0)
     name = board.post(0, "g", ["a"], [7], [1], {})
-    dead = name.with_name(name.name.replace(f".{os.getpid()}.", ".999999999."))
+    dead = name.with_name(name.name.replace(f"-{os.getpid()}-", "-999999999-"))
     os.rename(name.with_name(name.name + ".lend"), dead.with_name(dead.name + ".lend"))
     assert board.take(0, ["a"], _always) is None
     assert LendBoard(tmp_path).sweep() == 0 and list(tmp_path.iterdir()) == []  # the new board swept it
@@ -451,26 +458,6 @@ def test_a_post_needs_as_many_keys_blocks_and_checksums(tmp_path, keys, blocks, 
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("change, rule", [
-    (lambda d: d.clear(), "version"), (lambda d: d.update(format="other"), "version"),
-    (lambda d: d.update(keys="a"), "keys must be strings"), (lambda d: d.update(keys=[5]), "keys must be strings"),
-    (lambda d: d.update(blocks=7), "blocks ints"), (lambda d: d.update(blocks=[True]), "blocks ints"),
-    (lambda d: d.update(sums=3), "checksums"), (lambda d: d.update(sums=["1"]), "checksums"),
-    (lambda d: d.update(sums=[-1]), "checksums"),
-    (lambda d: d.update(pid="9"), "with a pid"), (lambda d: d.update(geometry=5), "a geometry"),
-    (lambda d: d.update(peer=[]), "peer description"),
-])
-def test_each_field_of_an_entry_is_checked(tmp_path, change, rule):
-    board = LendBoard(tmp_path, wait=0)
-    name = board.post(0, "g", ["a"], [7], [1], {})
-    path = name.with_name(name.name + ".lend")
-    d = json.loads(path.read_text())
-    change(d)
-    path.write_text(json.dumps(d))
-    with pytest.raises(ProtocolError, match=rule):
-        board.take(0, ["a"], _always)
-
-
 def test_a_taken_lend_carries_every_field(tmp_path):
     board = LendBoard(tmp_path, wait=0)
     board.post(2, "geo", ["a", "b"], [7, 8], [0, (1 << 64) - 1], {"x": 1}, stores=True)  # sums at both ends
@@ -532,7 +519,7 @@ def test_sweep_counts_what_it_removed_and_keeps_the_living(tmp_path):
     board = LendBoard(tmp_path, wait=0)
     live = board.post(0, "g", ["a"], [7], [1], {})
     for i, state in enumerate(("lend", "taken")):
-        (tmp_path / f"ab.999999999.{i}.r0.{state}").write_text("{}")
+        (tmp_path / f"lend-999999999-ab-{i}.r0.{state}").write_text("{}")
     (tmp_path / "unrelated.txt").write_text("x")
     assert board.sweep() == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name + ".lend", "unrelated.txt"])

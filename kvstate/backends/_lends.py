@@ -17,7 +17,7 @@ one file a (lend, rank), and its name says its state, so every step is one atomi
   an entry taken already stays lent until D releases it or P's fence passes, since D's
   copy may be reading the blocks. P then removes every file of the lend.
 
-Entries are named by a hash of the request's last key, P's pid, a sequence number and the
+Entries are named by P's pid, a hash of the request's last key, a sequence number and the
 rank; D takes only an entry whose keys end with its own (a D with a prefix of its own reads
 the rest). Entries of a P that died are skipped by D and swept by the next board opened on
 the directory. Everything read from the board is checked before it is used: a malformed
@@ -49,13 +49,14 @@ import numpy as np
 
 from .._errors import ConfigError, KVStateError, ProtocolError
 from .._validate import check_int, is_int
-from ._hostfiles import pid_alive
+from ._hostfiles import pid_alive, remove_orphans
 
 __all__ = ["LendBoard", "Lend", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "fold_rows", "local_peer",
            "FORMAT", "VERSION"]
 
 FORMAT, VERSION = "kvstate-lend", 1
 _STATES = ("lend", "taken", "done", "fail")
+_PREFIX = "lend-"  # an entry is lend-PID-TAG-SEQ.rRANK.STATE: the pid where remove_orphans looks
 _MAX_ENTRY = 64 << 20  # bytes of one entry file at most
 _POLL = (0.0002, 0.002)  # first and longest sleep between looks at the board, seconds
 UNFENCED_HOLD = 30.0  #: seconds an unfenced lend waits past its deadline for a D that took it
@@ -168,7 +169,7 @@ class LendBoard:
         if not keys or len(keys) != len(blocks) or len(sums) != len(blocks):
             raise ProtocolError(f"a lend needs as many keys, blocks and checksums, got {len(keys)}, {len(blocks)}, "
                                 f"{len(sums)}")
-        name = self.root / f"{self._tag(keys[-1])}.{os.getpid()}.{next(self._seq)}.r{rank}"
+        name = self.root / f"{_PREFIX}{os.getpid()}-{self._tag(keys[-1])}-{next(self._seq)}.r{rank}"
         body = json.dumps({"format": FORMAT, "version": VERSION, "pid": os.getpid(), "rank": rank,
                            "geometry": geometry, "keys": list(keys), "blocks": list(blocks), "sums": list(sums),
                            "peer": peer, "stores": bool(stores)}).encode()
@@ -202,9 +203,9 @@ class LendBoard:
         end = time.monotonic() + self.wait
         pause = _POLL[0]
         while True:
-            head, tail = f"{self._tag(keys[-1])}.", f".r{rank}.lend"
+            tag, tail = f"-{self._tag(keys[-1])}-", f".r{rank}.lend"
             for entry in os.scandir(self.root):
-                if entry.name.startswith(head) and entry.name.endswith(tail):
+                if entry.name.startswith(_PREFIX) and tag in entry.name and entry.name.endswith(tail):
                     lend = self._try_take(self.root / entry.name[:-5], rank, keys)
                     if lend is not None:
                         return lend
@@ -245,14 +246,7 @@ class LendBoard:
 
     def sweep(self) -> int:
         """Remove the files of lends whose P process is gone; how many."""
-        n = 0
-        for p in self.root.iterdir():
-            pid = _pid_of(p.with_suffix(""))
-            if pid and not pid_alive(pid):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-                    n += 1
-        return n
+        return remove_orphans(self.root, _PREFIX)
 
 
 def _at(name: Path, state: str) -> Path:
@@ -260,8 +254,9 @@ def _at(name: Path, state: str) -> Path:
 
 
 def _pid_of(name: Path) -> int:
-    parts = name.name.split(".")
-    return int(parts[1]) if len(parts) >= 4 and parts[1].isdigit() else 0
+    """The pid in an entry's name (``lend-PID-...``, as :func:`remove_orphans` reads it)."""
+    pid = name.name[len(_PREFIX):].split("-", 1)[0] if name.name.startswith(_PREFIX) else ""
+    return int(pid) if pid.isdigit() else 0
 
 
 def _checked(raw: bytes, path: Path, rank: int) -> Lend:
