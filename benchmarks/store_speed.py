@@ -18,8 +18,10 @@ the median over the rounds (the bar's figure):
 - ``numpy backend write`` and ``read``: a ``ReferenceBackend`` (the CPU rank's backend) moving
   the same bytes as Llama-3-8B-shaped blocks (32 layers, 8 KV heads, head dim 128, bf16; blocks
   of ``--object-mib`` per kind) through an ``ArenaStore`` with manifests: gathered from its
-  layer-major caches, checksummed and put, then got, verified and scattered into other blocks
-  (a write takes fresh keys each time; a store holding them would skip them).
+  layer-major caches straight into the arena's slots, checksummed as they copy, then scattered
+  straight out of them into other blocks and verified
+  (a write takes fresh keys each time; a store holding them would skip them); the read also by
+  a backend of another process that opened the arena (the handoff's shape: P and D are processes).
 """
 from __future__ import annotations
 
@@ -27,11 +29,13 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -69,33 +73,73 @@ def store_rows(name: str, store: object, keys: list[str], srcs: list, dsts: list
             f"{name} get, hashed": lambda: store.batch_get_hashed(keys, dsts)}  # type: ignore[attr-defined]
 
 
-def backend_rows(object_bytes: int, n: int) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
-    """The numpy backend's write and read rows over an arena (see the module's docstring), and
-    what closes them."""
-    from kvstate import CacheSpec, block_keys
-    from kvstate.backends import ReferenceBackend
+def bench_spec(object_bytes: int) -> Any:
+    """The Llama-3-8B-shaped cache whose (block, kind) object is about ``object_bytes``."""
+    from kvstate import CacheSpec
 
     block = max(1, object_bytes // (32 * 8 * 128 * 2))
-    spec = CacheSpec(num_layers=32, kv_heads=8, block_size=block, head_dim=128, dtype="bfloat16")
-    blocks = max(1, n // 2)
+    return CacheSpec(num_layers=32, kv_heads=8, block_size=block, head_dim=128, dtype="bfloat16")
+
+
+def speed_keys(spec: Any, blocks: int, round_no: int) -> list[str]:
+    from kvstate import block_keys
+
+    base = round_no * blocks * spec.block_size
+    return block_keys(list(range(base, base + blocks * spec.block_size)), spec.block_size, namespace="speed")
+
+
+def reader(path: str, object_bytes: int, blocks: int) -> int:
+    """The other process's side of ``numpy backend read, other process``: per line of stdin (a
+    write's round number), read that write's blocks from the arena at ``path``, answer a line."""
+    from kvstate.backends import ReferenceBackend
+
+    spec = bench_spec(object_bytes)
+    arena = ArenaStore.open(path)
+    d = ReferenceBackend(spec, blocks, arena)
+    for line in sys.stdin:
+        n = d.read(0, speed_keys(spec, blocks, int(line)), list(range(blocks)))
+        print(n, flush=True)
+    d.close()
+    arena.close()
+    return 0
+
+
+def backend_rows(object_bytes: int, n: int) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    """The numpy backend's write and read rows over an arena (see the module's docstring), the
+    read also by a backend of another process, and what closes them."""
+    from kvstate.backends import ReferenceBackend
+
+    spec, blocks = bench_spec(object_bytes), max(1, n // 2)
     arena = ArenaStore.create(spec.bytes_per_block_per_rank // 2, 4 * blocks + 8, small_bytes=1024)
     p, d = ReferenceBackend(spec, blocks, arena), ReferenceBackend(spec, 2 * blocks, arena)
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reader", arena.path,
+                              "--object-mib", str(object_bytes / 2**20), "--blocks", str(blocks)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     fresh = iter(range(1, 1 << 40))
-    last: list[list[str]] = []
+    last = [0]
 
     def write() -> None:
-        base = next(fresh) * blocks * block
-        last[:] = [block_keys(list(range(base, base + blocks * block)), block, namespace="speed")]
-        assert p.write(0, last[0], list(range(blocks))) == blocks
+        last[0] = next(fresh)
+        assert p.write(0, speed_keys(spec, blocks, last[0]), list(range(blocks))) == blocks
 
     def read() -> None:
-        assert d.read(0, last[0], list(range(blocks, 2 * blocks))) == blocks
+        assert d.read(0, speed_keys(spec, blocks, last[0]), list(range(blocks, 2 * blocks))) == blocks
+
+    def read_there() -> None:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(f"{last[0]}\n")
+        child.stdin.flush()
+        assert int(child.stdout.readline()) == blocks, "the other process did not read the blocks whole"
 
     def close() -> None:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(30)
         p.close()
         d.close()
         arena.close()
-    return {"numpy backend write": write, "numpy backend read": read}, close
+    return {"numpy backend write": write, "numpy backend read": read,
+            "numpy backend read, other process": read_there}, close
 
 
 def main() -> int:
@@ -105,7 +149,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--reader", help=argparse.SUPPRESS)  # the other process's side: the arena's path
+    ap.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.reader:
+        return reader(a.reader, int(a.object_mib * 2**20), a.blocks)
     size, n = int(a.object_mib * 2**20), int(a.gib * 2**30 / (a.object_mib * 2**20))
     threads = default_threads()
     src = np.random.default_rng(0).integers(0, 255, (n, size), dtype=np.uint8)
@@ -141,12 +189,12 @@ def main() -> int:
     pool.shutdown()
     print(f"{total / 2**30:.2f} GiB in {n} objects of {a.object_mib:g} MiB, {threads} threads, files in {a.dir}, "
           f"{a.reps} rounds")
-    print(f"  {'path':<26}{'best GB/s':>10}{'/ memcpy (median of rounds)':>30}")
+    print(f"  {'path':<36}{'best GB/s':>10}{'/ memcpy (median of rounds)':>30}")
     for name, ts in times.items():
         ratio = statistics.median(m / t for m, t in zip(times["memcpy"], ts))
         out[f"{name} GB/s"] = round(total / min(ts) / 1e9, 2)
         out[f"{name} / memcpy"] = round(ratio, 3)
-        print(f"  {name:<26}{out[f'{name} GB/s']:>10.2f}{ratio:>29.2f}x")
+        print(f"  {name:<36}{out[f'{name} GB/s']:>10.2f}{ratio:>29.2f}x")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

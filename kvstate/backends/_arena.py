@@ -11,8 +11,9 @@ Rules:
   of ``slot_bytes`` (a block's object: its creator sizes them to the cache's geometry) and
   *small* slots of ``small_bytes`` (manifests). An object goes to the smallest class it fits;
   one larger than a big slot is refused (``TOO_LARGE``). The creator takes and touches every
-  page up front, so no put or get page-faults, and every opener checks the header: another
-  format version, slot size or ``tag`` (the geometry it was made for) is refused by name.
+  page up front and every opener maps them all at open, so no put or get page-faults; every
+  opener checks the header: another format version, slot size or ``tag`` (the geometry it was
+  made for) is refused by name.
 - A slot is FREE, WRITING (claimed: the claiming process's pid noted) or STORED (its key and
   length visible). Its generation grows on every claim. The index changes only under the
   file's ``flock`` (the kernel lets go of it when its holder dies) and the opener's thread
@@ -218,7 +219,8 @@ class ArenaStore(Store):
         size = os.fstat(self._fd).st_size
         if size < _PAGE:
             raise ConfigError(f"ArenaStore: {self.path!r} is not an arena ({size} bytes)")
-        self._map = mmap.mmap(self._fd, size)
+        # its page tables filled now: no copy of this process faults on a page of the file
+        self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         magic, version, key_max, slots, sbytes, small_slots, small_bytes, raw = _HEADER.unpack_from(self._map, 0)
         if magic != _MAGIC:
             raise ConfigError(f"ArenaStore: {self.path!r} is not an arena (no header)")

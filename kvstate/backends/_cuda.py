@@ -428,18 +428,13 @@ class CudaBackend(DeviceSums, StoreBackend):
 
     # -- zero copy: an arena store's slots are the host buffer ---------------------------------
     def _zero_copy(self) -> bool:
-        """Whether transfers go straight between the caches and the store's slots: an
-        :class:`~kvstate.backends._arena.ArenaStore` whose slot is one object of every kind (one
-        head group; all layers, or one layer group's with ``layer_groups``), manifests on (SUM64
-        taken on the GPU). The slots are registered as pinned memory on first use."""
+        """Whether transfers go straight between the caches and the store's slots (an arena
+        whose slot is one object, :meth:`_arena_fits`, and the caches' sums on the GPU). The
+        slots are registered as pinned memory on first use."""
         if self._arena_views is not None:
             return bool(self._arena_views)
-        spec, store = self.spec, self.store
-        per = spec.group_layers  # layers an object holds
-        fits = isinstance(store, ArenaStore) and store.verify and spec.head_groups == 1 and \
-            not spec.splits_groups and all(per * int(np.prod(spec.block_shape(k))) *
-                                           np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
-                                           for k in spec.kinds) and all(self._slots_on_gpu(r) for r in self.ranks)
+        spec, store, per = self.spec, self.store, self.spec.group_layers  # layers an object holds
+        fits = self._arena_fits() and all(self._slots_on_gpu(r) for r in self.ranks)
         self._arena_views = {}
         if fits:
             slots = store.slots()  # type: ignore[attr-defined]

@@ -32,6 +32,7 @@ from .._pool import FREED
 from .._spec import CacheSpec
 from .._tables import check_layout, per_block, table_of_layer
 from .._validate import MAX_BLOCKS, check_int, is_int
+from ._arena import ArenaStore
 from ._base import Guard, Store, TransferBackend, as_bytes_view, leading
 from ._integrity import Hasher
 from ._lends import LendBoard, PeerOps, lend_blocks, pull_blocks
@@ -113,6 +114,17 @@ class StoreBackend(TransferBackend):
             if n is not None and n == len(keys):
                 self.bytes_moved += n * self.spec.bytes_per_block_per_rank
         return n
+
+    def _arena_fits(self) -> bool:
+        """Whether transfers can go straight between the caches and the store's slots: an
+        :class:`~kvstate.backends._arena.ArenaStore` with manifests on, whose big slot is exactly
+        one object (one kind of a block, every layer or one layer group's), one head group a
+        rank and no window groups (whose objects differ in size)."""
+        spec, store = self.spec, self.store
+        return isinstance(store, ArenaStore) and store.verify and spec.head_groups == 1 and \
+            not spec.splits_groups and all(spec.group_layers * int(np.prod(spec.block_shape(k))) *
+                                           np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
+                                           for k in spec.kinds)
 
     def lend_geometry(self) -> str:
         """The backend's kind (its kvstate class, whatever subclasses it) and every field of its

@@ -13,6 +13,15 @@ blocks between the caches and its slots with the same op. With state groups
 ``[num_states, state bytes]``, stored as :mod:`~kvstate.backends._stateobjects` says; the
 blocks are those of the spec's paged layers (``CacheSpec.paged``: ``self.spec``).
 
+Through an :class:`~kvstate.backends._arena.ArenaStore` whose slot is one object (the shared
+store of the processes of a host), a write gathers each object straight into the slot the store
+claimed for it and a read scatters straight out of the slot it found: the host's memory is
+crossed once, on the backend's copy threads, each object's XXH3 taken a layer's chunk at a time
+while the chunk is still in cache. A read counts a block only when its slots still held it after
+the copy (:meth:`~kvstate.backends._arena.ArenaStore.unchanged`) and its checksums are its
+manifest's; a block scattered but not counted is not the caller's to use. Manifests of another
+algorithm (a CUDA writer's SUM64) are read through host rows, as every other store's are.
+
 The ``guard`` (see :mod:`kvstate.backends._base`) is asked just before blocks are gathered or
 scattered. Only the slow store operation runs between the check and the end of the command;
 the check-to-copy window is a local copy, which ``Policy.fence_grace`` covers.
@@ -23,23 +32,28 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import xxhash
 
 from .._errors import KVStateError, ProtocolError, ValidationError
 from .._spec import CacheSpec
 from .._tables import page_layers, slot_of_layer
 from .._validate import check_int, is_int
 from ..kernels._reference import swap_cache_layout
-from ._base import Guard, Store, check_caches, check_fence
-from ._integrity import sum64
+from ._arena import ArenaStore
+from ._base import MISSING, Guard, Store, check_caches, check_fence, leading
+from ._hostcopy import stream_copy
+from ._integrity import XXH3, sum64
 from ._lends import LendBoard, fold_sums, local_peer
 from ._objects import StoreBackend
 from ._shm import SharedCaches, shm_directory
 from ._stateobjects import paged_of
+from ._stores import PARALLEL_BYTES, default_threads
 
 __all__ = ["ReferenceBackend", "KEEP_STAGING_BYTES"]
 
@@ -83,6 +97,9 @@ class ReferenceBackend(StoreBackend):
         if caches is not None:
             check_caches(spec, num_blocks, self.ranks, caches, "ReferenceBackend")
         self._staging = threading.local()  # each transfer thread's kept host rows (_buffers)
+        self._in_place: bool | None = None  # whether transfers go straight through an arena's slots
+        self._movers: ThreadPoolExecutor | None = None  # their copy threads, started on first use
+        self._movers_lock = threading.Lock()
         self.host_blocks = host_blocks  #: slots of the host tier arena, per rank
         #: host[rank][kind] -> block-major arena [host_blocks, layers, heads, block_size, dim]
         self.host = {r: self._host(host_blocks) for r in self.ranks} if host_blocks else {}
@@ -187,6 +204,10 @@ class ReferenceBackend(StoreBackend):
     def close(self) -> None:
         """Let go of every thread's kept host rows and lenders' mapped files, then the store's side."""
         self._staging = threading.local()
+        with self._movers_lock:
+            movers, self._movers = self._movers, None
+        if movers is not None:
+            movers.shutdown(wait=True)
         while getattr(self, "_peers", None):
             self._peers.popitem()[1].close()
         super().close()
@@ -249,6 +270,8 @@ class ReferenceBackend(StoreBackend):
                     guard: Guard | None, group: int | None, m: int) -> int:
         """Gather and store the first ``m`` blocks of head group ``part`` (its place on the rank,
         its index): every layer, or layer group ``group``."""
+        if self._zero_copy():
+            return self._arena_put(rank, part, keys[:m], block_ids[:m], guard, group)
         host, span = self._buffers(m, group)
         check_fence(guard, rank, "gather", block_ids[:m])
         ids = self._part_ids(block_ids[:m], part[0])
@@ -281,6 +304,10 @@ class ReferenceBackend(StoreBackend):
                     guard: Guard | None, group: int | None, m: int) -> int:
         """Read the first ``m`` blocks of head group ``part`` (every layer, or layer group
         ``group``) and scatter the leading ones that arrived whole (a short read is a miss)."""
+        if self._zero_copy():
+            count = self._arena_get(rank, part, keys[:m], block_ids[:m], guard, group)
+            if count is not None:
+                return count
         host, span = self._buffers(m, group)
         count = self.objects.get(part[1], keys[:m], None if group is None else [group],
                                  self._group_views(host, m, group))
@@ -291,3 +318,114 @@ class ReferenceBackend(StoreBackend):
                 swap_cache_layout(self._part_layers(rank, kind, span), buf, ids, list(range(count)), "h2d")
         return count
 
+
+    # -- zero copy: an arena store's slots are the host rows -----------------------------------
+    def _zero_copy(self) -> bool:
+        if self._in_place is None:
+            self._in_place = self._arena_fits()
+        return self._in_place
+
+    def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None, group: int | None) -> int:
+        """Gather the blocks straight into slots the arena claimed, hashing each object as it
+        lands, then publish the objects and their manifests in one step: leading blocks stored.
+        Claims not published are let go, whatever stops the write."""
+        store, groups = cast(ArenaStore, self.store), None if group is None else [group]
+        per, names = self.objects.per(groups), self.objects.names(part[1], keys, groups)
+        mnames: list[str] = []
+        count = 0
+        try:
+            slots = store.claim(names)
+            n = leading(all(s >= 0 for s in slots[i * per:(i + 1) * per]) for i in range(len(keys)))
+            check_fence(guard, rank, "gather", block_ids[:n])
+            sums = self._move_objects(self._slot_objects(rank, part, block_ids[:n], slots, groups), True)
+            mnames, blobs = self.objects.manifests(part[1], keys[:n], groups, [store.big.size] * len(sums), sums, XXH3)
+            n = leading(st == 0 for st in store.stage(mnames, blobs))
+            status = store.publish(names[:n * per] + mnames[:n])
+            count = self.objects.leading_blocks(keys[:n], groups, [st == 0 for st in status])
+            return count
+        finally:
+            store.release(names[count * per:] + mnames[count:])
+
+    def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
+                   guard: Guard | None, group: int | None) -> int | None:
+        """Scatter the blocks straight out of the slots the arena holds them in, hashing each
+        object as it leaves; the leading blocks whose slots held them throughout and whose
+        checksums are their manifests' (the first broken one evicted). None: their manifests
+        hold another algorithm, for the host rows' path to read."""
+        store, groups = cast(ArenaStore, self.store), None if group is None else [group]
+        per, gs = self.objects.per(groups), self.objects.groups_of(groups)
+        places = store.locate(self.objects.names(part[1], keys, groups))
+        read, vouched = self.objects.read_manifests(part[1], keys, groups)
+        got = [p.length if p.slot >= 0 else MISSING for p in places]
+        whole = self.objects.arrived(keys, gs, got, vouched)
+        if any(alg != XXH3 for alg, _ in vouched[:whole * len(gs)]):
+            return None
+        check_fence(guard, rank, "scatter into", block_ids[:whole])
+        sums = self._move_objects(self._slot_objects(rank, part, block_ids[:whole], [p.slot for p in places],
+                                                     groups), False)
+        still = store.unchanged(places[:whole * per])
+        w = leading(all(still[i * per:(i + 1) * per]) for i in range(whole))
+        want = [(keys[i], self.objects.expected(i, gs, vouched)) for i in range(w)]
+        done = self.objects.verify_deferred(part[1], want, [sums[i * per:(i + 1) * per] for i in range(w)])
+        if done == whole:
+            self.objects.evict_if_broken(part[1], keys, groups, got, read, whole)
+        return done
+
+    def _slot_objects(self, rank: int, part: tuple[int, int], block_ids: Sequence[int], slots: Sequence[int],
+                      groups: Sequence[int] | None) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+        """Each object of the blocks (names' order: block, kind, layer group), as its slot's
+        bytes and the block's chunk of each layer it holds, in the stored order."""
+        spec, rows = self.spec, cast(ArenaStore, self.store).slots()
+        spans = [slice(0, spec.layers) if g is None else slice(*spec.group_span(g))
+                 for g in self.objects.groups_of(groups)]
+        layers = {(k, i): self._part_layers(rank, k, span) for k in spec.kinds for i, span in enumerate(spans)}
+        ids = self._part_ids(block_ids, part[0])
+        return [(rows[slots[j]], [layer[b] for layer in layers[k, i]])
+                for j, (b, k, i) in enumerate((b, k, i) for b in ids for k in spec.kinds for i in range(len(spans)))]
+
+    def _move_objects(self, objects: list[tuple[np.ndarray, list[np.ndarray]]], gather: bool) -> list[int]:
+        """Move each object between its slot and its chunks (``gather``: into the slot), on
+        the copy threads when the batch is large; each object's XXH3, in order. Returns only
+        when every copy has ended, whatever failed."""
+        sums = [0] * len(objects)
+
+        def run(idx: range) -> None:
+            for i in idx:
+                sums[i] = _move_object(*objects[i], gather)
+
+        threads = default_threads()
+        if threads < 2 or len(objects) < 2 or sum(r.nbytes for r, _ in objects) < PARALLEL_BYTES:
+            run(range(len(objects)))
+            return sums
+        with self._movers_lock:
+            if self._movers is None:
+                self._movers = ThreadPoolExecutor(threads, "kvstate-move")
+            futures = [self._movers.submit(run, range(i, len(objects), threads)) for i in range(threads)]
+        wait(futures)
+        for f in futures:
+            f.result()
+        return sums
+
+
+def _move_object(row: np.ndarray, chunks: Sequence[np.ndarray], gather: bool) -> int:
+    """Copy ``chunks`` into the slot bytes ``row`` one after another (``gather``), or back out
+    of it; the XXH3 of the bytes moved. Each chunk is hashed where it is read from, then copied
+    while it is still in cache, with streaming stores where the helper is built (the copy's
+    destination is not read again soon, so it need not be read into the cache first)."""
+    h, at = xxhash.xxh3_64(), 0
+    for c in chunks:
+        piece = row[at:at + c.nbytes]
+        at += c.nbytes
+        if stream_copy is not None and c.flags.c_contiguous:
+            flat = c.reshape(-1).view(np.uint8)
+            src, dst = (flat, piece) if gather else (piece, flat)
+            h.update(src.data)
+            stream_copy(dst, src)
+        elif gather:
+            np.copyto(piece.view(c.dtype).reshape(c.shape), c)
+            h.update(piece.data)
+        else:
+            h.update(piece.data)
+            np.copyto(c, piece.view(c.dtype).reshape(c.shape))
+    return h.intdigest()
