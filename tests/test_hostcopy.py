@@ -95,3 +95,53 @@ def test_the_batch_copy_checks_every_pair_before_moving_a_byte():
     with pytest.raises(ValueError, match="2 destinations for 1 sources"):
         hostcopy.stream_copy_many(dsts, [np.ones(8, np.uint8)], 0)
     assert not any(d.any() for d in dsts)
+
+
+def test_copy_sum64_copies_every_pair_and_sums_each_object_across_its_pairs():
+    """Objects of one to three pairs, of whole groups of eight words and not, destinations
+    16-byte aligned (streamed) and not: every byte copied and nothing around it; each SUM64 is
+    :func:`sum64` of the object's bytes."""
+    if hostcopy.copy_sum64 is None:
+        pytest.skip("the C helper kvstate.backends._streamcopy was not built (no C compiler at install)")
+    from kvstate.backends._integrity import sum64
+
+    rng = np.random.default_rng(2)
+    sizes = [[8], [16 << 10, 8, (40 << 10) + 24], [(3 << 20) + 8, 24], [64, 128], [72]]
+    srcs, dsts, starts, whole = [], [], [], []
+    at = []
+    for obj in sizes:
+        starts.append(len(srcs))
+        for n in obj:
+            off, at_ = int(rng.integers(0, 8)), 16 * int(rng.integers(0, 2)) + 5 * (len(srcs) % 2)
+            srcs.append(rng.integers(0, 256, n + 8, dtype=np.uint8)[off:off + n])
+            base = np.zeros(n + 64, np.uint8)
+            base = base[(-base.__array_interface__["data"][0]) % 16:]  # 16-byte aligned
+            dsts.append(base[at_:at_ + n])
+            at.append(at_)
+        whole.append(np.concatenate(srcs[starts[-1]:]))
+    assert {a % 16 for a in at} == {0, 5}
+    before = [d.base.copy() for d in dsts]
+    assert hostcopy.copy_sum64(dsts, srcs, starts) == [sum64(w) for w in whole]
+    for s, d, b, a in zip(srcs, dsts, before, at):
+        assert np.array_equal(s, d)
+        assert np.array_equal(d.base[:a], b[:a]) and np.array_equal(d.base[a + len(d):], b[a + len(d):])
+    assert hostcopy.copy_sum64([], [], []) == []
+
+
+@pytest.mark.parametrize("dsts, srcs, starts, rule", [
+    ([np.zeros(8, np.uint8)], [np.ones(16, np.uint8)], [0], "16 bytes into 8"),
+    ([np.zeros(12, np.uint8)], [np.ones(12, np.uint8)], [0], "12 bytes, not whole 64-bit words"),
+    ([np.zeros(8, np.uint8)] * 2, [np.ones(8, np.uint8)] * 2, [1], "rise from 0"),
+    ([np.zeros(8, np.uint8)] * 2, [np.ones(8, np.uint8)] * 2, [0, 0], "rise from 0"),
+    ([np.zeros(8, np.uint8)] * 2, [np.ones(8, np.uint8)] * 2, [0, 2], "each below the 2 pairs"),
+    ([np.zeros(8, np.uint8)], [np.ones(8, np.uint8)], [], "without an object"),
+    ([np.zeros(8, np.uint8)], [], [0], "1 destinations for 0 sources"),
+])
+def test_copy_sum64_refuses_what_it_cannot_copy_and_writes_nothing(dsts, srcs, starts, rule):
+    if hostcopy.copy_sum64 is None:
+        pytest.skip("the C helper kvstate.backends._streamcopy was not built (no C compiler at install)")
+    with pytest.raises(ValueError, match=rule):
+        hostcopy.copy_sum64(dsts, srcs, starts)
+    assert not any(d.any() for d in dsts)
+    with pytest.raises(BufferError):
+        hostcopy.copy_sum64([b"read-only"], [b"read-only"], [0])

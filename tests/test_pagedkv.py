@@ -173,8 +173,7 @@ def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caugh
 @pytest.mark.gpu
 def test_arena_transfers_count_up_to_a_broken_block_and_read_a_cpu_writers_blocks():
     """Of 34 blocks, a flipped byte in block 20 stops the count there, every block before it
-    landed byte-exact, and a cache a CPU writer stored (host checksums) is read back on the
-    GPU by the staged path."""
+    landed byte-exact, and a cache a CPU writer stored in place is read back on the GPU."""
     import torch
 
     from kvstate.integrations._pagedkv import RankTransfers

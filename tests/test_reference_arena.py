@@ -10,7 +10,7 @@ from kvstate import FenceError
 from kvstate._keys import block_keys
 from kvstate.backends import ReferenceBackend, _reference
 from kvstate.backends._arena import ArenaStore
-from kvstate.backends._integrity import SUM64, sum64
+from kvstate.backends._integrity import SUM64, XXH3
 from kvstate.backends._stores import PARALLEL_BYTES
 
 
@@ -41,13 +41,19 @@ def spec():
     return small_spec(tp=1, num_layers=3)
 
 
-@pytest.fixture(params=["streaming", "numpy copies"])
+def without_helper(monkeypatch) -> None:
+    """As where the C helper was not built: XXH3 chunk by chunk, numpy's copies."""
+    monkeypatch.setattr(_reference, "stream_copy", None)
+    monkeypatch.setattr(_reference, "copy_sum64", None)
+
+
+@pytest.fixture(params=["C helper", "numpy copies"])
 def copies(request, monkeypatch):
-    """Both ways a chunk is copied: the C helper's streaming stores, or numpy's copy."""
+    """Both ways a chunk is copied: the C helper's (SUM64 as it copies), or numpy's (XXH3)."""
     if request.param == "numpy copies":
-        monkeypatch.setattr(_reference, "stream_copy", None)
-    elif _reference.stream_copy is None:
-        pytest.skip("the streaming-copy helper was not built here")
+        without_helper(monkeypatch)
+    elif _reference.copy_sum64 is None:
+        pytest.skip("the C helper was not built here")
     return request.param
 
 
@@ -175,21 +181,62 @@ def test_layer_group_objects_move_in_place_whole_and_group_by_group():
         store.close()
 
 
-def test_blocks_under_another_checksum_are_read_through_the_host_rows(spec):
-    """A CUDA writer's manifests hold SUM64: the numpy reader verifies them on its staged path."""
+@pytest.mark.parametrize("writer, reader", [("helper", "none"), ("none", "helper")])
+def test_a_block_summed_by_either_algorithm_is_read_by_a_reader_with_or_without_the_helper(spec, writer, reader,
+                                                                                            monkeypatch):
+    """A writer with the C helper stores SUM64 manifests, one without XXH3. A reader without
+    the helper reads SUM64 through the host rows; a reader with it reads XXH3 in place."""
+    if _reference.copy_sum64 is None:
+        pytest.skip("the C helper was not built here")
     store = arena_for(spec)
     try:
         p, d = filled(spec, store, seed=6), ReferenceBackend(spec, 16, store)
         keys = block_keys(list(range(8)), 4)
-        assert p.write(0, keys, [1, 2]) == 2
-        sums = [sum64(p.block_bytes(0, k, b)) for b in (1, 2) for k in spec.kinds]
-        names, blobs = p.objects.manifests(0, keys, None, [store.big.size] * 4, sums, SUM64)
-        assert store.batch_put_from(names, blobs) == [0, 0]
+        with monkeypatch.context() as m:
+            if writer == "none":
+                without_helper(m)
+            assert p.write(0, keys, [1, 2]) == 2
+        algorithm = SUM64 if writer == "helper" else XXH3
+        assert all(alg == algorithm for alg, _ in p.objects.read_manifests(0, keys, None)[1])
+        taken: list[int] = []
+        real = d._buffers
+        d._buffers = lambda m, g: taken.append(m) or real(m, g)
+        if reader == "none":
+            without_helper(monkeypatch)
+        assert d.read(0, keys, [5, 6]) == 2
+        assert taken == ([2] if reader == "none" else [])
+        assert all(d.block_bytes(0, k, b) == p.block_bytes(0, k, a) for k in spec.kinds for a, b in ((1, 5), (2, 6)))
+    finally:
+        store.close()
+
+
+def test_blocks_under_two_algorithms_in_one_read_go_through_the_host_rows(spec, monkeypatch):
+    if _reference.copy_sum64 is None:
+        pytest.skip("the C helper was not built here")
+    store = arena_for(spec)
+    try:
+        p, d = filled(spec, store, seed=8), ReferenceBackend(spec, 16, store)
+        keys = block_keys(list(range(8)), 4)
+        assert p.write(0, keys[:1], [1]) == 1  # SUM64
+        with monkeypatch.context() as m:
+            without_helper(m)
+            assert p.write(0, keys[1:], [2]) == 1  # XXH3
         taken: list[int] = []
         real = d._buffers
         d._buffers = lambda m, g: taken.append(m) or real(m, g)
         assert d.read(0, keys, [5, 6]) == 2 and taken == [2]
         assert d.block_bytes(0, "value", 6) == p.block_bytes(0, "value", 2)
+    finally:
+        store.close()
+
+
+def test_dense_caches_of_whole_words_are_summed_by_the_helper_and_others_are_not(spec):
+    store = arena_for(spec)
+    try:
+        b = ReferenceBackend(spec, 8, store)
+        assert b._summable(0) == (_reference.copy_sum64 is not None)
+        b.caches[0]["key"][1] = np.zeros((16,) + spec.block_shape("key"), spec.kind_dtype("key"))[::2]
+        assert not b._summable(0)
     finally:
         store.close()
 

@@ -4,6 +4,9 @@ Rules:
 
 - :func:`copy_into` copies ``src``'s bytes into ``dst`` (numpy byte arrays of one length) and
   releases the GIL while it copies, so several copy threads run at once.
+- ``copy_sum64`` (the C helper's alone) copies many pairs with streaming stores and takes each
+  object's SUM64 (:func:`~kvstate.backends._integrity.sum64`) a cache-sized piece before it
+  copies it: a checksummed copy that reads its source from memory once.
 - :func:`copy_all` copies many pairs (any flat byte buffers) in one call: with the C helper,
   the GIL is released once for the whole batch, so a thread moving many small objects does
   not queue for the GIL between them.
@@ -20,20 +23,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copy_into", "copy_all", "stream_copy", "STREAMING", "STREAM_BYTES"]
+__all__ = ["copy_into", "copy_all", "stream_copy", "copy_sum64", "STREAMING", "STREAM_BYTES"]
 
 
-def _compiled() -> tuple[Callable[[Any, Any], None] | None, Callable[[Any, Any, int], None] | None]:
+def _compiled() -> tuple[Callable[[Any, Any], None] | None, Callable[[Any, Any, int], None] | None,
+                         Callable[[Any, Any, Any], list[int]] | None]:
     try:
-        from ._streamcopy import copy, copy_many
+        from ._streamcopy import copy, copy_many, copy_sum64
     except ImportError:  # pragma: no cover - where no C compiler was found at install
-        return None, None
-    return copy, copy_many
+        return None, None, None
+    return copy, copy_many, copy_sum64
 
 
-#: the C helper's ``copy(dst, src)`` (streaming stores) and ``copy_many(dsts, srcs,
-#: stream_from)``; None where it was not built
-stream_copy, stream_copy_many = _compiled()
+#: the C helper's ``copy(dst, src)`` (streaming stores), ``copy_many(dsts, srcs, stream_from)``
+#: and ``copy_sum64(dsts, srcs, starts)`` (each object's SUM64 taken as it is copied: see
+#: ``_streamcopy.c``); None where it was not built
+stream_copy, stream_copy_many, copy_sum64 = _compiled()
 
 #: whether copies from :data:`STREAM_BYTES` up use streaming stores
 STREAMING: bool = stream_copy is not None

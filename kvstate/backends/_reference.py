@@ -16,8 +16,10 @@ blocks are those of the spec's paged layers (``CacheSpec.paged``: ``self.spec``)
 Through an :class:`~kvstate.backends._arena.ArenaStore` whose slot is one object (the shared
 store of the processes of a host), a write gathers each object straight into the slot the store
 claimed for it and a read scatters straight out of the slot it found: the host's memory is
-crossed once, on the backend's copy threads, each object's XXH3 taken a layer's chunk at a time
-while the chunk is still in cache. A read counts a block only when its slots still held it after
+crossed once, on the backend's copy threads. Each object's checksum is taken as it is copied:
+SUM64 by the C helper (:mod:`~kvstate.backends._hostcopy`'s ``copy_sum64``, the GIL let go once
+a thread), or XXH3 a layer's chunk at a time where the helper was not built or the caches are
+not dense; a reader verifies either. A read counts a block only when its slots still held it after
 the copy (:meth:`~kvstate.backends._arena.ArenaStore.unchanged`) and its checksums are its
 manifest's; a block scattered but not counted is not the caller's to use. Manifests of another
 algorithm (a CUDA writer's SUM64) are read through host rows, as every other store's are.
@@ -47,8 +49,8 @@ from .._validate import check_int, is_int
 from ..kernels._reference import swap_cache_layout
 from ._arena import ArenaStore
 from ._base import MISSING, Guard, Store, check_caches, check_fence, leading
-from ._hostcopy import stream_copy
-from ._integrity import XXH3, sum64
+from ._hostcopy import copy_sum64, stream_copy
+from ._integrity import SUM64, XXH3, sum64
 from ._lends import LendBoard, fold_sums, local_peer
 from ._objects import StoreBackend
 from ._shm import SharedCaches, shm_directory
@@ -338,8 +340,10 @@ class ReferenceBackend(StoreBackend):
             slots = store.claim(names)
             n = leading(all(s >= 0 for s in slots[i * per:(i + 1) * per]) for i in range(len(keys)))
             check_fence(guard, rank, "gather", block_ids[:n])
-            sums = self._move_objects(self._slot_objects(rank, part, block_ids[:n], slots, groups), True)
-            mnames, blobs = self.objects.manifests(part[1], keys[:n], groups, [store.big.size] * len(sums), sums, XXH3)
+            algorithm = SUM64 if self._summable(rank) else XXH3
+            sums = self._move_objects(self._slot_objects(rank, part, block_ids[:n], slots, groups), True, algorithm)
+            mnames, blobs = self.objects.manifests(part[1], keys[:n], groups, [store.big.size] * len(sums), sums,
+                                                   algorithm)
             n = leading(st == 0 for st in store.stage(mnames, blobs))
             status = store.publish(names[:n * per] + mnames[:n])
             count = self.objects.leading_blocks(keys[:n], groups, [st == 0 for st in status])
@@ -352,18 +356,20 @@ class ReferenceBackend(StoreBackend):
         """Scatter the blocks straight out of the slots the arena holds them in, hashing each
         object as it leaves; the leading blocks whose slots held them throughout and whose
         checksums are their manifests' (the first broken one evicted). None: their manifests
-        hold another algorithm, for the host rows' path to read."""
+        are of two algorithms, or of SUM64 where the C helper cannot take it: for the host rows'
+        path to read."""
         store, groups = cast(ArenaStore, self.store), None if group is None else [group]
         per, gs = self.objects.per(groups), self.objects.groups_of(groups)
         places = store.locate(self.objects.names(part[1], keys, groups))
         read, vouched = self.objects.read_manifests(part[1], keys, groups)
         got = [p.length if p.slot >= 0 else MISSING for p in places]
         whole = self.objects.arrived(keys, gs, got, vouched)
-        if any(alg != XXH3 for alg, _ in vouched[:whole * len(gs)]):
+        algorithms = {alg for alg, _ in vouched[:whole * len(gs)]} or {XXH3}
+        if len(algorithms) > 1 or algorithms == {SUM64} and not self._summable(rank):
             return None
         check_fence(guard, rank, "scatter into", block_ids[:whole])
         sums = self._move_objects(self._slot_objects(rank, part, block_ids[:whole], [p.slot for p in places],
-                                                     groups), False)
+                                                     groups), False, algorithms.pop())
         still = store.unchanged(places[:whole * per])
         w = leading(all(still[i * per:(i + 1) * per]) for i in range(whole))
         want = [(keys[i], self.objects.expected(i, gs, vouched)) for i in range(w)]
@@ -384,15 +390,27 @@ class ReferenceBackend(StoreBackend):
         return [(rows[slots[j]], [layer[b] for layer in layers[k, i]])
                 for j, (b, k, i) in enumerate((b, k, i) for b in ids for k in spec.kinds for i in range(len(spans)))]
 
-    def _move_objects(self, objects: list[tuple[np.ndarray, list[np.ndarray]]], gather: bool) -> list[int]:
+    def _summable(self, rank: int) -> bool:
+        """Whether the rank's chunks can be copied with their SUM64 taken by the C helper: it is
+        built, and every layer is C-contiguous with chunks of whole 64-bit words."""
+        return copy_sum64 is not None and self.spec.chunk_bytes() % 8 == 0 and all(
+            layer.flags.c_contiguous and layer[0].nbytes % 8 == 0
+            for layers in self.caches[rank].values() for layer in layers)
+
+    def _move_objects(self, objects: list[tuple[np.ndarray, list[np.ndarray]]], gather: bool,
+                      algorithm: int) -> list[int]:
         """Move each object between its slot and its chunks (``gather``: into the slot), on
-        the copy threads when the batch is large; each object's XXH3, in order. Returns only
-        when every copy has ended, whatever failed."""
+        the copy threads when the batch is large; each object's checksum under ``algorithm``
+        (SUM64 by the C helper, one call a thread; XXH3 chunk by chunk), in order. Returns
+        only when every copy has ended, whatever failed."""
         sums = [0] * len(objects)
 
         def run(idx: range) -> None:
-            for i in idx:
-                sums[i] = _move_object(*objects[i], gather)
+            if algorithm == SUM64:
+                sums[idx.start:idx.stop] = _copy_summed([objects[i] for i in idx], gather)
+            else:
+                for i in idx:
+                    sums[i] = _move_object(*objects[i], gather)
 
         threads = default_threads()
         if threads < 2 or len(objects) < 2 or sum(r.nbytes for r, _ in objects) < PARALLEL_BYTES:
@@ -401,11 +419,29 @@ class ReferenceBackend(StoreBackend):
         with self._movers_lock:
             if self._movers is None:
                 self._movers = ThreadPoolExecutor(threads, "kvstate-move")
-            futures = [self._movers.submit(run, range(i, len(objects), threads)) for i in range(threads)]
+            step = -(-len(objects) // threads)
+            futures = [self._movers.submit(run, range(a, min(a + step, len(objects))))
+                       for a in range(0, len(objects), step)]
         wait(futures)
         for f in futures:
             f.result()
         return sums
+
+
+def _copy_summed(objects: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]], gather: bool) -> list[int]:
+    """Move the objects with the C helper (one call, the GIL let go once); their SUM64."""
+    dsts: list[np.ndarray] = []
+    srcs: list[np.ndarray] = []
+    starts = []
+    for row, chunks in objects:
+        starts.append(len(dsts))
+        at = 0
+        for c in chunks:
+            piece, flat = row[at:at + c.nbytes], c.reshape(-1).view(np.uint8)
+            at += c.nbytes
+            dsts.append(piece if gather else flat)
+            srcs.append(flat if gather else piece)
+    return cast(Callable[..., list[int]], copy_sum64)(dsts, srcs, starts)  # there: _summable said so
 
 
 def _move_object(row: np.ndarray, chunks: Sequence[np.ndarray], gather: bool) -> int:
