@@ -1,0 +1,178 @@
+"""Process supervision (kvstate.distributed._supervise) rule by rule, on real child processes:
+a stop always ends within its deadline, a child never outlives its parent, bad arguments start
+nothing."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstate import ConfigError
+from kvstate.distributed import _supervise
+from kvstate.distributed._supervise import ChildProcess, die_with_parent, parent_alive, pid_alive
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+#: ``python -m timeit`` runs a statement once after a setup: a child any test can shape
+SLEEP = ["-n", "1", "-r", "1", "import time; time.sleep(60)"]
+
+
+def timeit(setup: str, stmt: str = "pass") -> list[str]:
+    return ["-n", "1", "-r", "1", "-s", setup, stmt]
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not pid_alive(pid)
+
+
+@pytest.fixture
+def children():
+    made: list[ChildProcess] = []
+    yield made
+    for c in made:
+        c.kill()
+
+
+def test_a_stop_asks_with_sigterm_and_the_child_is_reaped_and_forgotten(children):
+    c = ChildProcess("timeit", SLEEP, "sleeper")
+    children.append(c)
+    assert c.alive() and c.returncode is None and c in _supervise._LIVE
+    t = time.monotonic()
+    assert c.stop(10) == -signal.SIGTERM
+    assert time.monotonic() - t < 5
+    assert not c.alive() and not pid_alive(c.pid) and c not in _supervise._LIVE
+
+
+def test_a_child_deaf_to_sigterm_is_killed_at_the_stops_deadline(children):
+    c = ChildProcess("timeit", timeit("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)",
+                                      "time.sleep(60)"), "deaf")
+    children.append(c)
+    time.sleep(0.5)  # its handler is set
+    t = time.monotonic()
+    assert c.stop(0.4) == -signal.SIGKILL
+    assert 0.35 <= time.monotonic() - t < 5
+
+
+def test_a_stopped_child_is_killed_and_a_negative_deadline_kills_at_once(children):
+    c = ChildProcess("timeit", SLEEP, "frozen")
+    children.append(c)
+    c.signal(signal.SIGSTOP)
+    assert c.kill() == -signal.SIGKILL and c.returncode == -signal.SIGKILL
+    c.signal(signal.SIGTERM)  # a dead child is not signalled (nor its pid, perhaps someone else's now)
+    d = ChildProcess("timeit", SLEEP, "impatient")
+    children.append(d)
+    t = time.monotonic()
+    assert d.stop(-1) in (-signal.SIGTERM, -signal.SIGKILL) and time.monotonic() - t < 5
+
+
+def test_wait_answers_none_while_the_child_runs_and_its_status_once_it_exits(children):
+    c = ChildProcess("timeit", timeit("import time; time.sleep(0.5)"), "brief", quiet=True)
+    children.append(c)
+    t = time.monotonic()
+    assert c.wait(0.1) is None and 0.08 <= time.monotonic() - t < 0.5
+    assert c.wait(10) == 0 and c.returncode == 0
+
+
+def test_output_goes_to_the_log_file_or_nowhere_when_quiet(children, tmp_path, capfd):
+    stmt = "import sys; print('out-line'); print('err-line', file=sys.stderr)"
+    log = tmp_path / "child.log"
+    log.write_text("before\n")
+    for kw in ({"log_path": log}, {"quiet": True}):
+        c = ChildProcess("timeit", timeit(stmt), "talker", **kw)
+        children.append(c)
+        assert c.wait(20) == 0
+    text = log.read_text()
+    assert text.startswith("before\n") and "out-line" in text and "err-line" in text  # appended, both streams
+    out, err = capfd.readouterr()
+    assert "out-line" not in out and "err-line" in err  # quiet: stdout dropped, stderr kept
+
+
+def test_the_childs_environment_is_the_one_given(children, tmp_path):
+    f = tmp_path / "env"
+    c = ChildProcess("timeit", timeit(f"import os; open({str(f)!r}, 'w').write(os.environ.get('KVX', '-') + "
+                                      "os.environ.get('HOME', '-'))"), "env", env={"KVX": "seen"})
+    children.append(c)
+    assert c.wait(20) == 0 and f.read_text() == "seen-"
+
+
+@pytest.mark.parametrize("kw, rule", [
+    ({"module": "-m os"}, "module must be a dotted module name"),
+    ({"module": 3}, "module must be a dotted module name"),
+    ({"args": "abc"}, "args must be a sequence of str"),
+    ({"args": ["a\0b"]}, "args must be a sequence of str"),
+    ({"args": [1]}, "args must be a sequence of str"),
+    ({"env": {"A": 1}}, "env must be a dict of str to str"),
+    ({"env": [("A", "b")]}, "env must be a dict of str to str"),
+    ({"quiet": 1}, "quiet must be a bool"),
+    ({"log_path": 5}, "log_path must be a path or None"),
+    ({"log_path": "/nonexistent-dir/x.log"}, "cannot open its log file '/nonexistent-dir/x.log'"),
+    ({"name": ""}, "name"),
+])
+def test_bad_arguments_are_refused_by_name_and_start_nothing(kw, rule, monkeypatch):
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    args = {"module": "timeit", "args": SLEEP, "name": "bad"} | kw
+    with pytest.raises(ConfigError, match=rule):
+        ChildProcess(**args)
+    assert not started
+
+
+def test_parent_alive_compares_the_parent_pid_and_refuses_bad_ones():
+    assert parent_alive(os.getppid())
+    assert not parent_alive(os.getppid() + 1)
+    for bad in (-1, 2**31, "1", 1.0, True):
+        with pytest.raises(Exception, match="parent_pid"):
+            parent_alive(bad)
+
+
+def run_child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+
+def test_a_child_whose_parent_is_already_gone_exits_and_one_whose_parent_lives_goes_on():
+    gone = run_child("from kvstate.distributed._supervise import die_with_parent\n"
+                     "import os; die_with_parent(os.getppid() + 1); print('ran on')")
+    assert gone.returncode == 3 and "ran on" not in gone.stdout
+    kept = run_child("from kvstate.distributed._supervise import die_with_parent\n"
+                     "import os; die_with_parent(os.getppid()); die_with_parent(0); print('ran on')")
+    assert kept.returncode == 0 and "ran on" in kept.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_kernel_kills_a_child_when_its_parent_dies():
+    """A parent starts a grandchild that calls die_with_parent, then is killed: the grandchild
+    dies with it, though it was sleeping and never checked."""
+    code = ("import subprocess, sys, os, time\n"
+            "g = subprocess.Popen([sys.executable, '-c', 'import os, time\\n"
+            "from kvstate.distributed._supervise import die_with_parent\\n"
+            "die_with_parent(os.getppid()); print(\"armed\", flush=True); time.sleep(60)'], stdout=subprocess.PIPE,"
+            " text=True)\n"
+            "assert g.stdout.readline().strip() == 'armed'\n"
+            "print(g.pid, flush=True); time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(parent.stdout.readline())
+        assert pid_alive(grandchild)
+        parent.kill()
+        parent.wait(10)
+        assert gone_within(grandchild, 5), "the grandchild outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(10)
+
+
+def test_children_an_owner_forgot_are_killed_at_exit(children):
+    forgotten = ChildProcess("timeit", SLEEP, "forgotten")
+    children.append(forgotten)
+    _supervise._stop_forgotten_children()
+    assert not forgotten.alive() and forgotten.returncode == -signal.SIGKILL
+    assert forgotten not in _supervise._LIVE
+
+
+def test_die_with_parent_is_a_no_op_without_a_parent_pid():
+    assert die_with_parent(0) is None
