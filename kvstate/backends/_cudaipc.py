@@ -107,8 +107,8 @@ def open_caches(spec: CacheSpec, num_blocks: int, rank: int, cfg: Mapping[str, A
     """Map ``rank``'s caches (and its ``num_states`` state pages) from a :func:`share_caches`
     description: ``({rank: {kind: [CuPy arrays]}}, {rank: pages} or None, close)``. Sizes are
     checked against the spec before anything is mapped."""
-    cp = load_cupy()
     tensors, paged = _check_shared(spec, num_blocks, rank, cfg, num_states), spec.paged()
+    cp = load_cupy()
     opened: dict[str, int] = {}
 
     def view(row: Sequence[Any], shape: tuple[int, ...], dtype: Any) -> Any:
