@@ -117,7 +117,7 @@ def test_a_worker_of_another_process_sees_and_writes_the_engines_caches_through_
     with pytest.raises(ConfigError, match=r"caches\[0\]\['key'\]: a layer: not contiguous"):
         share_caches({0: {"key": [pool[0].transpose(1, 2)]}})
     cfg = share_caches(caches, states={0: pages})
-    assert cfg["states"]["0"][2] == pages.numel() and cfg["states"]["0"][0] != cfg["tensors"]["0"]["key"][0][0]
+    assert cfg["states"]["0"][2] == pages.numel() and list(cfg["tensors"]) == ["0"]
 
 
 @needs_gpu("torch")
