@@ -39,14 +39,29 @@ def test_a_description_of_another_geometry_is_refused_before_any_gpu_call(cfg, r
         open_caches(SPEC, NB, 0, cfg, 0)
 
 
-def test_state_pages_of_the_wrong_size_or_missing_are_refused_before_any_gpu_call(monkeypatch):
+def test_a_geometry_refusal_says_the_sizes_it_wanted_in_full():
+    with pytest.raises(ConfigError) as e:
+        open_caches(SPEC, NB, 0, description(rows=1), 0)
+    assert str(e.value) == "rank 0: caches of 'key' must be 2 layers of 768 bytes (another geometry?)"
+
+
+def test_state_pages_are_taken_from_the_ranks_row_and_refused_missing_or_of_the_wrong_size(monkeypatch):
+    from kvstate._layers import LayerGroup
     from kvstate.backends import _cudaipc
 
+    spec = CacheSpec(num_layers=3, kv_heads=2, block_size=4, head_dim=8, dtype="float16",
+                     groups=(LayerGroup("full", (0,)), LayerGroup("state", (1, 2), state_bytes=64, checkpoint=4)))
+    size, nb = 3 * spec.state_bytes_per_rank, NB
+    rows = {k: [["00", 0, nb * spec.paged().chunk_bytes(k)]] for k in spec.paged().kinds}
+    good = {"kind": "cuda-ipc", "tensors": {"0": rows, "1": rows}, "states": {"0": ["aa", 0, size], "1": ["bb", 0, 1]}}
     monkeypatch.setattr(_cudaipc, "load_cupy", lambda: pytest.fail("CuPy was loaded before the check"))
-    for cfg in (description(), description(states={"0": ["00", 0, 5]}), description(states={"0": "x"})):
-        with pytest.raises(ConfigError, match=r"rank 0: the shared caches must give its state pages, \d+ bytes"):
-            _cudaipc._check_shared(SPEC, NB, 0, cfg, 3)
-    assert _cudaipc._check_shared(SPEC, NB, 0, description(), 0) == description()["tensors"]["0"]
+    assert _cudaipc._check_shared(spec, nb, 0, good, 3) == rows
+    for rank, cfg in ((1, good), (0, good | {"states": {"1": ["aa", 0, size]}}), (0, good | {"states": {}}),
+                      (0, {"tensors": good["tensors"]}), (0, good | {"states": {"0": "x"}})):
+        rule = rf"rank {rank}: the shared caches must give its state pages, {size} bytes"
+        with pytest.raises(ConfigError, match=rule):
+            _cudaipc._check_shared(spec, nb, rank, cfg, 3)
+    assert _cudaipc._check_shared(spec, nb, 1, good, 0) == rows  # no pages asked for: none checked
 
 
 @pytest.mark.parametrize("kw, rule", [
@@ -99,6 +114,8 @@ def test_a_worker_of_another_process_sees_and_writes_the_engines_caches_through_
     caches = {0: {"key": [pool[0], pool[1]], "value": [pool[2], pool[3]]}}
     pages = torch.arange(3 * 16, dtype=torch.uint8, device="cuda").reshape(3, 16)
     cfg = share_caches(caches)
+    with pytest.raises(Exception):  # noqa: B017 - CUDA refuses a process its own IPC handles
+        open_caches(SPEC, NB, 0, cfg, 0)  # (and what it opened before the refusal is let go)
     rows = [r for k in ("key", "value") for r in cfg["tensors"]["0"][k]]
     assert cfg["kind"] == "cuda-ipc" and cfg["device"] == 0 and "states" not in cfg
     assert len({r[0] for r in rows}) == 1, "one allocation, one handle"
