@@ -41,7 +41,8 @@ def children():
 def test_a_stop_asks_with_sigterm_and_the_child_is_reaped_and_forgotten(children):
     c = ChildProcess("timeit", SLEEP, "sleeper")
     children.append(c)
-    assert c.alive() and c.returncode is None and c in _supervise._LIVE
+    assert c.alive() and c.returncode is None and c in _supervise._LIVE and c.name == "sleeper"
+    assert os.getsid(c.pid) == os.getsid(0), "the child stays in its parent's session (Ctrl-C reaches it)"
     t = time.monotonic()
     assert c.stop(10) == -signal.SIGTERM
     assert time.monotonic() - t < 5
@@ -55,7 +56,7 @@ def test_a_child_deaf_to_sigterm_is_killed_at_the_stops_deadline(children):
     time.sleep(0.5)  # its handler is set
     t = time.monotonic()
     assert c.stop(0.4) == -signal.SIGKILL
-    assert 0.35 <= time.monotonic() - t < 5
+    assert 0.35 <= time.monotonic() - t < 0.98  # not a second: the deadline is the one given
 
 
 def test_a_stopped_child_is_killed_and_a_negative_deadline_kills_at_once(children):
@@ -82,14 +83,17 @@ def test_output_goes_to_the_log_file_or_nowhere_when_quiet(children, tmp_path, c
     stmt = "import sys; print('out-line'); print('err-line', file=sys.stderr)"
     log = tmp_path / "child.log"
     log.write_text("before\n")
-    for kw in ({"log_path": log}, {"quiet": True}):
+    for kw in ({"log_path": log}, {"quiet": True}, {}):
         c = ChildProcess("timeit", timeit(stmt), "talker", **kw)
         children.append(c)
         assert c.wait(20) == 0
     text = log.read_text()
     assert text.startswith("before\n") and "out-line" in text and "err-line" in text  # appended, both streams
     out, err = capfd.readouterr()
-    assert "out-line" not in out and "err-line" in err  # quiet: stdout dropped, stderr kept
+    assert out.count("out-line") == 1 and err.count("err-line") == 2  # quiet drops stdout only
+    d = ChildProcess("json.tool", ["--help"], "dotted", quiet=True)  # a dotted module runs
+    children.append(d)
+    assert d.wait(20) == 0
 
 
 def test_the_childs_environment_is_the_one_given(children, tmp_path):
@@ -111,7 +115,8 @@ def test_the_childs_environment_is_the_one_given(children, tmp_path):
     ({"quiet": 1}, "quiet must be a bool"),
     ({"log_path": 5}, "log_path must be a path or None"),
     ({"log_path": "/nonexistent-dir/x.log"}, "cannot open its log file '/nonexistent-dir/x.log'"),
-    ({"name": ""}, "name"),
+    ({"name": ""}, "^ChildProcess: name must be"),
+    ({"module": "os path"}, "module must be a dotted module name"),
 ])
 def test_bad_arguments_are_refused_by_name_and_start_nothing(kw, rule, monkeypatch):
     started = []
@@ -125,9 +130,34 @@ def test_bad_arguments_are_refused_by_name_and_start_nothing(kw, rule, monkeypat
 def test_parent_alive_compares_the_parent_pid_and_refuses_bad_ones():
     assert parent_alive(os.getppid())
     assert not parent_alive(os.getppid() + 1)
+    assert not parent_alive(0) and not parent_alive(2**31 - 1)  # the bounds themselves are pids
     for bad in (-1, 2**31, "1", 1.0, True):
-        with pytest.raises(Exception, match="parent_pid"):
+        with pytest.raises(Exception, match=r"^parent_alive: parent_pid must be an int >= 0 and <= 2147483647"):
             parent_alive(bad)
+
+
+class FakeLibc:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def prctl(self, *args) -> int:
+        self.calls.append(args)
+        return 0
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_die_with_parent_asks_the_kernel_for_sigkill_and_exits_3_if_the_parent_is_gone(alive, monkeypatch):
+    """In this process, with the kernel call and the exit recorded instead of made."""
+    libc, exits = FakeLibc(), []
+    monkeypatch.setattr(_supervise.ctypes, "CDLL", lambda name, use_errno: libc if name is None and use_errno else 0)
+    monkeypatch.setattr(_supervise.sys, "platform", "linux")
+    monkeypatch.setattr(_supervise.os, "_exit", exits.append)
+    die_with_parent(os.getppid() if alive else os.getppid() + 1)
+    assert libc.calls == [(1, signal.SIGKILL, 0, 0, 0)]
+    assert exits == ([] if alive else [3])
+    monkeypatch.setattr(_supervise.sys, "platform", "darwin")
+    die_with_parent(os.getppid())
+    assert len(libc.calls) == 1, "PR_SET_PDEATHSIG is asked for on Linux only"
 
 
 def run_child(code: str) -> subprocess.CompletedProcess:
