@@ -64,15 +64,19 @@ def test_state_pages_are_taken_from_the_ranks_row_and_refused_missing_or_of_the_
     assert _cudaipc._check_shared(spec, nb, 1, good, 0) == rows  # no pages asked for: none checked
 
 
+CACHES_RULE = r"^share_caches: caches must map each rank \(an int\) to \{kind: \[per-layer tensors\]\}$"
+STATES_RULE = r"^share_caches: states must map each rank \(an int\) to its state pages, or be None$"
+
+
 @pytest.mark.parametrize("kw, rule", [
-    ({"caches": {"0": {"key": []}}}, "caches must map each rank"),
-    ({"caches": {0: {1: []}}}, "caches must map each rank"),
-    ({"caches": {0: {"key": 5}}}, "caches must map each rank"),
-    ({"caches": [1]}, "caches must map each rank"),
-    ({"device": -1}, "device"),
-    ({"device": 1024}, "device"),
-    ({"states": {"0": 1}}, "states must map each rank"),
-    ({"states": [1]}, "states must map each rank"),
+    ({"caches": {"0": {"key": []}}}, CACHES_RULE),
+    ({"caches": {0: {1: []}}}, CACHES_RULE),
+    ({"caches": {0: {"key": 5}}}, CACHES_RULE),
+    ({"caches": [1]}, CACHES_RULE),
+    ({"device": -1}, "^share_caches: device must be an int >= 0 and <= 1023"),
+    ({"device": 1024}, "^share_caches: device must be"),
+    ({"states": {"0": 1}}, STATES_RULE),
+    ({"states": [1]}, STATES_RULE),
 ])
 def test_share_caches_refuses_what_it_cannot_describe_before_any_gpu_call(kw, rule, monkeypatch):
     from kvstate.backends import _cudaipc
