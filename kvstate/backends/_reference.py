@@ -21,8 +21,9 @@ SUM64 by the C helper (:mod:`~kvstate.backends._hostcopy`'s ``copy_sum64``, the 
 a thread), or XXH3 a layer's chunk at a time where the helper was not built or the caches are
 not dense; a reader verifies either. A read counts a block only when its slots still held it after
 the copy (:meth:`~kvstate.backends._arena.ArenaStore.unchanged`) and its checksums are its
-manifest's; a block scattered but not counted is not the caller's to use. Manifests of another
-algorithm (a CUDA writer's SUM64) are read through host rows, as every other store's are.
+manifest's; a block scattered but not counted is not the caller's to use. A read whose
+manifests are of two algorithms, or of SUM64 where the helper was not built, goes through host
+rows, as every other store's reads do.
 
 The ``guard`` (see :mod:`kvstate.backends._base`) is asked just before blocks are gathered or
 scattered. Only the slow store operation runs between the check and the end of the command;
@@ -320,7 +321,6 @@ class ReferenceBackend(StoreBackend):
                 swap_cache_layout(self._part_layers(rank, kind, span), buf, ids, list(range(count)), "h2d")
         return count
 
-
     # -- zero copy: an arena store's slots are the host rows -----------------------------------
     def _zero_copy(self) -> bool:
         if self._in_place is None:
@@ -329,8 +329,9 @@ class ReferenceBackend(StoreBackend):
 
     def _arena_put(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None, group: int | None) -> int:
-        """Gather the blocks straight into slots the arena claimed, hashing each object as it
-        lands, then publish the objects and their manifests in one step: leading blocks stored.
+        """Gather the blocks straight into slots the arena claimed, each object's checksum
+        taken as it copies, then publish the objects and their manifests in one step: leading
+        blocks stored.
         Claims not published are let go, whatever stops the write."""
         store, groups = cast(ArenaStore, self.store), None if group is None else [group]
         per, names = self.objects.per(groups), self.objects.names(part[1], keys, groups)
@@ -353,8 +354,8 @@ class ReferenceBackend(StoreBackend):
 
     def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None, group: int | None) -> int | None:
-        """Scatter the blocks straight out of the slots the arena holds them in, hashing each
-        object as it leaves; the leading blocks whose slots held them throughout and whose
+        """Scatter the blocks straight out of the slots the arena holds them in, each object's
+        checksum taken as it copies; the leading blocks whose slots held them throughout and whose
         checksums are their manifests' (the first broken one evicted). None: their manifests
         are of two algorithms, or of SUM64 where the C helper cannot take it: for the host rows'
         path to read."""
@@ -393,9 +394,8 @@ class ReferenceBackend(StoreBackend):
     def _summable(self, rank: int) -> bool:
         """Whether the rank's chunks can be copied with their SUM64 taken by the C helper: it is
         built, and every layer is C-contiguous with chunks of whole 64-bit words."""
-        return copy_sum64 is not None and self.spec.chunk_bytes() % 8 == 0 and all(
-            layer.flags.c_contiguous and layer[0].nbytes % 8 == 0
-            for layers in self.caches[rank].values() for layer in layers)
+        return copy_sum64 is not None and all(layer.flags.c_contiguous and layer[0].nbytes % 8 == 0
+                                              for layers in self.caches[rank].values() for layer in layers)
 
     def _move_objects(self, objects: list[tuple[np.ndarray, list[np.ndarray]]], gather: bool,
                       algorithm: int) -> list[int]:
