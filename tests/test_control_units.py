@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvstate._errors import DriverError
+from kvstate._errors import ConfigError, DriverError
 from kvstate._spec import CacheSpec
 from kvstate.distributed import ProcessDriver
 from kvstate.distributed import _wire as wire
@@ -164,3 +164,122 @@ def test_arrivals_are_forwarded_and_bad_messages_counted():
                 wire.pack(wire.HELLO, 0, 5, 9)):
         rig.ctl.receive(bad)
     assert rig.counters["bad_messages"] == 4 and rig.sent == [] and rig.arrived == [(1, 5, 12, 3)]
+
+
+class FakeChild:
+    """A started worker as RankControl sees it: alive or exited, killed when told."""
+
+    def __init__(self, alive: bool = True, status: int | None = None, pid: int = 4242) -> None:
+        self._alive, self.returncode, self.pid, self.kills, self.waits, self.stops = alive, status, pid, 0, [], []
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def kill(self) -> int:
+        self.kills += 1
+        self._alive = False
+        return -9
+
+    def wait(self, timeout: float) -> None:
+        self.waits.append(timeout)
+
+    def stop(self, timeout: float) -> int:
+        self.stops.append(timeout)
+        return 0
+
+
+def test_a_started_worker_that_exited_is_declared_down_with_its_status_and_reaped():
+    rig = Rig()
+    rig.hello(0, 5)
+    rig.hello(1, 6)
+    rig.ranks.owe(0, 7)
+    rig.ctl.children[0] = child = FakeChild(alive=False, status=-11)
+    rig.ctl.children[1] = alive = FakeChild()
+    rig.ctl._check()
+    assert rig.downs == [(0, [7], "rank 0 lost: its worker process exited (status -11)", False)]
+    assert child.kills == 1 and alive.kills == 0 and rig.ranks.down() == [0]
+    assert rig.ctl.info() == {"up": [1], "down": [0], "pids": {1: 4242}}
+
+
+def test_a_silent_rank_is_declared_down_past_the_heartbeat_limit_and_a_live_one_is_only_stopped_not_killed():
+    rig = Rig()
+    rig.hello(0, 5)
+    rig.ctl.children[0] = child = FakeChild()
+    rig.ctl.dead_after_s = 10.0
+    rig.ctl._check()
+    assert rig.downs == []  # heard from just now
+    rig.ctl.dead_after_s = 0.0
+    time.sleep(0.01)
+    rig.ctl._check()
+    ((rank, owed, why, lost),) = rig.downs
+    assert (rank, owed, lost) == (0, [], True) and why.startswith("rank 0 lost: no heartbeat for 0.0")
+    assert why.endswith(" s") and child.kills == 0  # without restart a live worker may only be stopped
+
+
+def test_declaring_a_later_incarnation_down_changes_nothing_and_restart_kills_a_live_worker():
+    rig = Rig()
+    rig.hello(0, 5)
+    rig.ctl.declare_down(0, "stale", 4)
+    assert rig.downs == [] and rig.ranks.incarnation(0) == 5
+    rig.ctl.restart = True
+    rig.ctl.children[0] = child = FakeChild()
+    rig.ctl.declare_down(0, "told", 5)
+    assert child.kills == 1 and rig.downs == [(0, [], "rank 0 lost: told", False)]
+
+
+def test_a_dead_started_worker_is_started_again_as_the_back_off_allows_and_counted(monkeypatch):
+    rig = Rig()
+    rig.ctl.restart = True
+    started = []
+    monkeypatch.setattr(rig.ctl, "spawn", lambda cfg, log: started.append((cfg, log)))
+    rig.ctl.children[0] = FakeChild(alive=False, status=1)
+    rig.ctl._configs[0], rig.ctl._logs[0] = "cfg0", "log0"
+    rig.ctl.children[1] = FakeChild(alive=False, status=1)  # started by hand elsewhere: no config kept
+    rig.ctl._check()
+    assert started == [("cfg0", "log0")] and rig.counters["restarts"] == 1
+    rig.ctl.backoff.started(0, time.monotonic())
+    rig.ctl.backoff.started(0, time.monotonic())
+    rig.ctl._check()  # inside the back-off now
+    assert len(started) == 1 and rig.ctl.restarting(0) and not rig.ctl.restarting(1)
+    rig.ctl.stopping = True
+    rig.ctl.backoff = type(rig.ctl.backoff)()
+    rig.ctl._check()
+    assert len(started) == 1 and not rig.ctl.restarting(0)
+
+
+def test_lanes_come_from_the_started_config_else_the_last_hello_at_least_one():
+    rig = Rig()
+    assert rig.ctl.lanes(0) == 1
+    rig.hello(0, 5, lanes=3)
+    assert rig.ctl.lanes(0) == 3
+    rig.ctl._configs[0] = type("Cfg", (), {"lanes": 5})()
+    assert rig.ctl.lanes(0) == 5
+
+
+def test_stopping_children_waits_out_the_deadline_then_stops_each_within_two_seconds():
+    rig = Rig()
+    a, b = FakeChild(), FakeChild()
+    rig.ctl.children = {0: a, 1: b}
+    rig.ctl.stop_children(time.monotonic() + 5.0)
+    assert 4.5 < a.waits[0] <= 5.0 and 4.5 < b.waits[0] <= 5.0
+    assert a.stops == [2.0] and b.stops == [2.0]
+    c = FakeChild()
+    rig.ctl.children = {0: c}
+    rig.ctl.stop_children(time.monotonic() - 1.0)
+    assert c.waits == [0.0] and c.stops == [0.0]
+
+
+def test_a_started_worker_gone_before_its_hello_is_named_with_its_status_unless_it_restarts():
+    rig = Rig()
+    rig.ctl.children[0] = FakeChild(alive=False, status=2)
+    with pytest.raises(ConfigError) as e:
+        rig.ctl.wait_ready(5.0)
+    assert str(e.value) == "ctl: rank 0's worker exited with status 2 before it said hello (see its stderr)"
+    rig.ctl.restart = True
+    t = time.monotonic()
+    with pytest.raises(DriverError, match=r"^ctl: ranks \[0, 1\] did not say hello within 0.1 s$"):
+        rig.ctl.wait_ready(0.1)
+    assert time.monotonic() - t < 0.5
+    rig.hello(1, 4, tp=4)
+    with pytest.raises(ConfigError, match="^ctl: rank 1's worker has TP 4, the scheduler 2$"):
+        rig.ctl.wait_ready(5.0)
