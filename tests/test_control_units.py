@@ -223,8 +223,11 @@ def test_declaring_a_later_incarnation_down_changes_nothing_and_restart_kills_a_
     assert rig.downs == [] and rig.ranks.incarnation(0) == 5
     rig.ctl.restart = True
     rig.ctl.children[0] = child = FakeChild()
+    before = time.monotonic()
     rig.ctl.declare_down(0, "told", 5)
     assert child.kills == 1 and rig.downs == [(0, [], "rank 0 lost: told", False)]
+    down = rig.ctl.notices()[-1]
+    assert type(down) is RankDown and down.reason == "told" and before <= down.at <= time.monotonic()
 
 
 def test_a_dead_started_worker_is_started_again_as_the_back_off_allows_and_counted(monkeypatch):
@@ -241,10 +244,13 @@ def test_a_dead_started_worker_is_started_again_as_the_back_off_allows_and_count
     rig.ctl.backoff.started(0, time.monotonic())
     rig.ctl._check()  # inside the back-off now
     assert len(started) == 1 and rig.ctl.restarting(0) and not rig.ctl.restarting(1)
+    rig.ctl.backoff = type(rig.ctl.backoff)()
+    rig.ctl._check()  # the back-off forgotten: a second start, counted on top
+    assert len(started) == 2 and rig.counters["restarts"] == 2
     rig.ctl.stopping = True
     rig.ctl.backoff = type(rig.ctl.backoff)()
     rig.ctl._check()
-    assert len(started) == 1 and not rig.ctl.restarting(0)
+    assert len(started) == 2 and not rig.ctl.restarting(0)
 
 
 def test_lanes_come_from_the_started_config_else_the_last_hello_at_least_one():
