@@ -289,3 +289,52 @@ def test_a_started_worker_gone_before_its_hello_is_named_with_its_status_unless_
     rig.hello(1, 4, tp=4)
     with pytest.raises(ConfigError, match="^ctl: rank 1's worker has TP 4, the scheduler 2$"):
         rig.ctl.wait_ready(5.0)
+
+
+def test_a_second_worker_for_a_rank_with_a_live_one_is_refused_and_none_is_started(monkeypatch):
+    from kvstate.distributed import _control
+
+    rig = Rig()
+    monkeypatch.setattr(_control, "ChildProcess", lambda *a, **k: pytest.fail("a worker was started"))
+    rig.ctl.children[0] = FakeChild(pid=77)
+    with pytest.raises(ConfigError) as e:
+        rig.ctl.spawn(type("Cfg", (), {"rank": 0})())
+    assert str(e.value) == "ctl: rank 0 already has a worker (pid 77)"
+
+
+def test_a_started_worker_gets_its_secret_by_environment_never_on_its_command_line(monkeypatch):
+    import dataclasses
+
+    from kvstate.distributed import _control
+    from kvstate.distributed._rankworker import SECRET_ENV
+
+    @dataclasses.dataclass
+    class Cfg:
+        rank: int
+        secret: str
+        lanes: int = 1
+
+        def to_json(self) -> str:
+            return f"rank={self.rank} secret={self.secret}"
+
+    made = []
+    monkeypatch.setattr(_control, "ChildProcess", lambda *a, **k: made.append((a, k)) or FakeChild(pid=88))
+    rig = Rig()
+    rig.ctl.children[1] = FakeChild(alive=False)  # an exited worker may be replaced
+    child = rig.ctl.spawn(Cfg(1, "hush"), "/tmp/w1.log")
+    ((args, kw),) = made
+    assert args == ("kvstate.distributed", ["rankworker", "rank=1 secret="], "ctl rank 1 worker")
+    assert kw["env"][SECRET_ENV] == "hush" and kw["log_path"] == "/tmp/w1.log"
+    assert rig.ctl.children[1] is child and rig.ctl._logs[1] == "/tmp/w1.log" and rig.ctl.lanes(1) == 1
+    assert not rig.ctl.backoff.may_start(1, time.monotonic()), "the start is noted for the back-off"
+
+
+def test_without_a_secret_a_hello_with_none_is_welcomed():
+    ranks = RankTable(2)
+    sent = []
+    ctl = RankControl(SPEC2, wire.geometry(SPEC2, 4), heartbeat_s=0.1, dead_after_s=1.0, restart=False,
+                      ranks=ranks, lock=threading.Lock(), counters=dict.fromkeys(("unauthenticated_hellos",), 0),
+                      send=lambda r, lane, m: sent.append(wire.unpack(m)) or True, on_down=lambda *a: None,
+                      on_up=lambda r: None, on_arrived=lambda *a: None, name="open")
+    ctl.receive(wire.pack(wire.HELLO, 0, 3, 900, 2, wire.geometry(SPEC2, 4), 1, ""))
+    assert sent == [[wire.WELCOME, 3]] and ranks.incarnation(0) == 3
