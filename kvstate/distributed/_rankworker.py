@@ -193,6 +193,10 @@ def build_store(cfg: dict[str, Any]) -> Store:
         from ..backends._mooncake import MooncakeConfig, MooncakeStore
 
         fields = {k: v for k, v in cfg.items() if k != "kind"}
+        known, needed = {f.name for f in dataclasses.fields(MooncakeConfig)}, {"master", "metadata"}
+        if set(fields) - known or not needed <= set(fields):
+            raise ConfigError(f"a mooncake store takes master and metadata (and {sorted(known - needed)}) only, "
+                              f"got {sorted(fields)}")
         return MooncakeStore(MooncakeConfig(**fields))
     raise ConfigError(f"no store of kind {cfg.get('kind')!r} reaches across processes "
                       "(use 'arena', 'file' or 'mooncake')")

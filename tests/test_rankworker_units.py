@@ -1,0 +1,70 @@
+"""A rank worker's store configuration (kvstate.distributed._rankworker.build_store), rule by
+rule: each kind a worker may open, what each takes, and every refusal word for word."""
+import pytest
+
+from kvstate import ConfigError
+from kvstate.backends import FileStore
+from kvstate.backends._arena import ArenaStore
+from kvstate.distributed._rankworker import build_store
+
+
+def test_a_file_store_opens_at_its_root_with_its_capacity(tmp_path):
+    s = build_store({"kind": "file", "root": str(tmp_path / "pool"), "capacity_bytes": 4096})
+    try:
+        assert type(s) is FileStore and s.capacity_bytes == 4096
+        assert s.batch_put_from(["k"], [b"x" * 8]) == [0] and (tmp_path / "pool").is_dir()
+    finally:
+        s.close()
+    s = build_store({"kind": "file", "root": str(tmp_path / "other")})
+    assert s.capacity_bytes is None
+    s.close()
+
+
+def test_an_arena_opens_by_path_and_checks_the_slot_size_and_tag_it_is_given():
+    made = ArenaStore.create(4096, 4, small_bytes=512, tag="geo")
+    try:
+        s = build_store({"kind": "arena", "path": made.path, "slot_bytes": 4096, "tag": "geo"})
+        assert type(s) is ArenaStore and s.path == made.path and s.tag == "geo" and not s.owner
+        s.close()
+        build_store({"kind": "arena", "path": made.path}).close()
+        with pytest.raises(ConfigError, match="has 4096-byte slots, 8192 were asked for"):
+            build_store({"kind": "arena", "path": made.path, "slot_bytes": 8192})
+        with pytest.raises(ConfigError, match="was made for geometry 'geo', not 'other'"):
+            build_store({"kind": "arena", "path": made.path, "tag": "other"})
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"kind": "file"}, "a file store takes a root and a capacity_bytes only, got ['kind']"),
+    ({"kind": "file", "root": "/x", "size": 1},
+     "a file store takes a root and a capacity_bytes only, got ['kind', 'root', 'size']"),
+    ({"kind": "arena"}, "an arena store takes a path (and the slot_bytes and tag it must have) only, got ['kind']"),
+    ({"kind": "arena", "path": "/x", "root": "/y"},
+     "an arena store takes a path (and the slot_bytes and tag it must have) only, got ['kind', 'path', 'root']"),
+    ({"kind": "memory"}, "no store of kind 'memory' reaches across processes (use 'arena', 'file' or 'mooncake')"),
+    ({}, "no store of kind None reaches across processes (use 'arena', 'file' or 'mooncake')"),
+])
+def test_a_store_a_worker_cannot_open_is_refused_word_for_word_and_nothing_is_made(cfg, message, tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        build_store(cfg)
+    assert str(e.value) == message
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_mooncake_store_is_configured_from_every_field_but_the_kind(monkeypatch):
+    from kvstate.backends import _mooncake
+
+    seen = []
+    monkeypatch.setattr(_mooncake, "MooncakeStore", lambda config: seen.append(config) or "store")
+    assert build_store({"kind": "mooncake", "master": "127.0.0.1:50051", "metadata": "P2PHANDSHAKE",
+                        "local_hostname": "h"}) == "store"
+    (config,) = seen
+    assert type(config) is _mooncake.MooncakeConfig and config.master == "127.0.0.1:50051"
+    assert config.metadata == "P2PHANDSHAKE" and config.local_hostname == "h"
+    for bad in ({"master": "m", "metadata": "d", "no_such_field": 1}, {"master": "m"}):
+        with pytest.raises(ConfigError, match=r"^a mooncake store takes master and metadata \(and \[.*'protocol'"):
+            build_store({"kind": "mooncake", **bad})
+    assert len(seen) == 1
