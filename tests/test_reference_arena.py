@@ -29,6 +29,14 @@ def filled(spec, store, blocks: int = 16, seed: int = 0) -> ReferenceBackend:
     return b
 
 
+def rows_taken(backend: ReferenceBackend) -> list[int]:
+    """The block counts of each use of the staged path (host rows), recorded as it runs."""
+    taken: list[int] = []
+    real = backend._buffers
+    backend._buffers = lambda m, g: taken.append(m) or real(m, g)
+    return taken
+
+
 def no_rows(backend: ReferenceBackend) -> None:
     """Make the staged path (host rows) fail if it is taken."""
     def refuse(*_a, **_k):
@@ -198,9 +206,7 @@ def test_a_block_summed_by_either_algorithm_is_read_by_a_reader_with_or_without_
             assert p.write(0, keys, [1, 2]) == 2
         algorithm = SUM64 if writer == "helper" else XXH3
         assert all(alg == algorithm for alg, _ in p.objects.read_manifests(0, keys, None)[1])
-        taken: list[int] = []
-        real = d._buffers
-        d._buffers = lambda m, g: taken.append(m) or real(m, g)
+        taken = rows_taken(d)
         if reader == "none":
             without_helper(monkeypatch)
         assert d.read(0, keys, [5, 6]) == 2
@@ -221,9 +227,7 @@ def test_blocks_under_two_algorithms_in_one_read_go_through_the_host_rows(spec, 
         with monkeypatch.context() as m:
             without_helper(m)
             assert p.write(0, keys[1:], [2]) == 1  # XXH3
-        taken: list[int] = []
-        real = d._buffers
-        d._buffers = lambda m, g: taken.append(m) or real(m, g)
+        taken = rows_taken(d)
         assert d.read(0, keys, [5, 6]) == 2 and taken == [2]
         assert d.block_bytes(0, "value", 6) == p.block_bytes(0, "value", 2)
     finally:
