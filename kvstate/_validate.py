@@ -31,6 +31,15 @@ def is_int(x: Any) -> TypeGuard[int]:
     return getattr(getattr(x, "dtype", None), "kind", None) in ("i", "u") and getattr(x, "ndim", None) == 0
 
 
+def all_ints(values: Any) -> bool:
+    """Whether every item of ``values`` is :func:`is_int`: a one-dimensional integer numpy
+    array at once, a list of plain ints in C loops (a pull checks hundreds of block ids on the
+    path of a first token), anything else item by item."""
+    if getattr(values, "ndim", None) == 1 and getattr(getattr(values, "dtype", None), "kind", None) in ("i", "u"):
+        return True
+    return set(map(type, values)) <= {int} or all(map(is_int, values))
+
+
 def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None,
               error: type[KVStateError] = ValidationError) -> int:
     """``value`` as an int within ``minimum..maximum`` (inclusive), else ``error``."""

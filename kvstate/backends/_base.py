@@ -28,7 +28,7 @@ import xxhash
 
 from .._errors import FenceError, ValidationError
 from .._spec import CacheSpec
-from .._validate import is_int
+from .._validate import all_ints, is_int
 
 __all__ = ["Store", "TransferBackend", "Guard", "check_fence", "check_batch", "leading", "check_caches",
            "check_keys", "check_verify", "as_bytes_view", "MISSING", "TOO_LARGE", "MAX_KEY_LEN"]
@@ -65,7 +65,7 @@ def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[i
         raise ValidationError(f"check_fence: guard must be callable or None, got {guard!r}")
     if not is_int(rank) or not 0 <= rank < 1 << 20 or not isinstance(what, str) or \
             not isinstance(block_ids, (Sequence, np.ndarray)) or isinstance(block_ids, (str, bytes)) or \
-            not all(map(is_int, block_ids)):
+            not all_ints(block_ids):
         raise ValidationError(f"check_fence: rank must be an int >= 0, what a str and block_ids a sequence of "
                               f"ints; got {rank!r}, {what!r}, {block_ids!r}")
     if guard is not None and not guard():

@@ -31,7 +31,7 @@ from .._errors import ConfigError, ValidationError
 from .._pool import FREED
 from .._spec import CacheSpec
 from .._tables import check_layout, per_block, table_of_layer
-from .._validate import MAX_BLOCKS, check_int, is_int
+from .._validate import MAX_BLOCKS, all_ints, check_int, is_int
 from ._arena import ArenaStore
 from ._base import Guard, Store, TransferBackend, as_bytes_view, leading
 from ._integrity import Hasher
@@ -129,8 +129,12 @@ class StoreBackend(TransferBackend):
     def lend_geometry(self) -> str:
         """The backend's kind (its kvstate class, whatever subclasses it) and every field of its
         spec: equal on both sides exactly when a block of one is a block of the other."""
-        spec, kind = self.spec, next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("kvstate."))
-        return f"{kind}|" + "|".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec))
+        spec, known = self.spec, self.__dict__.get("_geometry")
+        if known is None or known[0] is not spec:  # asked on every pull; the spec is frozen
+            kind = next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("kvstate."))
+            text = f"{kind}|" + "|".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec))
+            known = self.__dict__["_geometry"] = (spec, text)
+        return known[1]
 
     def _setup_states(self, spec: CacheSpec, num_states: int, gather: PageCopy, scatter: PageCopy) -> None:
         """The state pages' part (``spec``: the whole cache's, state groups and all), over the
@@ -179,7 +183,7 @@ class StoreBackend(TransferBackend):
         if rank not in self.ranks:
             raise ValidationError(f"{name}: rank {rank} is not held here (this backend holds ranks {self.ranks})")
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) \
-                or not all(isinstance(k, str) and k for k in keys):
+                or not (set(map(type, keys)) <= {str} and all(keys) or all(isinstance(k, str) and k for k in keys)):
             raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
 
     def _check_transfer(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
@@ -203,8 +207,7 @@ class StoreBackend(TransferBackend):
             lo = window_from if t in windows else 0
             if FREED in ids[:lo]:
                 ids = [b for b in ids[:lo] if b != FREED] + list(ids[lo:])
-            for b in ids:
-                self._check_block(b)
+            self._check_blocks(ids)
             every += ids
         if len(set(every)) != len(every):
             raise ValidationError(f"{name}: block ids {every} name a block twice")
@@ -324,6 +327,19 @@ class StoreBackend(TransferBackend):
             done = self.objects.put(part, keys[n:n + done], None, views[:done * self.objects.per(None)])
         self.bytes_moved += done * self.spec.bytes_per_block_per_rank
         return n + done
+
+    def _check_blocks(self, ids: Sequence[Any]) -> None:
+        """:meth:`_check_block` of each id; many plain ints at once through numpy (a pull's
+        hundreds of ids are on the path of a first token)."""
+        if len(ids) >= 64 and all_ints(ids):
+            try:
+                a = np.array(ids, np.int64)
+            except OverflowError:
+                a = None
+            if a is not None and a.min() >= 0 and a.max() < self.num_blocks:
+                return
+        for b in ids:
+            self._check_block(b)
 
     def _check_block(self, b: Any) -> None:
         if not is_int(b) or not 0 <= b < self.num_blocks:
