@@ -36,11 +36,19 @@ def _cuda(device):
     return functools.partial(CudaBackend, device=device)
 
 
+@pytest.mark.parametrize("summed", [True, False], ids=["sums-in-copy", "sums-after"])
 @pytest.mark.parametrize("handoff", ["direct", "both"])
 @pytest.mark.parametrize("d_device", [0, 1])
-def test_d_pulls_from_p_in_one_process_byte_exact(tmp_path, handoff, d_device):
+def test_d_pulls_from_p_in_one_process_byte_exact(tmp_path, handoff, d_device, summed, monkeypatch):
+    from kvstate.kernels._cuda import CudaSwapper
+
     if d_device >= _devices():
         pytest.skip("needs two GPUs")
+    calls = []
+    real = CudaSwapper.copy_blocks
+    monkeypatch.setattr(CudaSwapper, "copy_blocks", lambda self, *a, **k: calls.append(k) or real(self, *a, **k))
+    if not summed:  # the other path: copies first, then the sums kernel behind each piece
+        monkeypatch.setattr(CudaSwapper, "copies_with_sums", lambda self, s, d: False)
     # D waits long enough for P's first checksums, whose kernel compiles on first use (seconds)
     pair = _Pair(tmp_path, handoff, p_backend=_cuda(0), d_backend=_cuda(d_device), spec=SPEC, wait=4.0)
     try:
@@ -48,8 +56,62 @@ def test_d_pulls_from_p_in_one_process_byte_exact(tmp_path, handoff, d_device):
         assert outcome == {rid: "done" for rid in PROMPTS} and bad == []
         assert pair.db.lend_counts["pulls"] == 2 * len(PROMPTS) and pair.db.lend_counts["pull_failed"] == 0
         assert pair.P.pool.num_used == pair.D.pool.num_used == 0
+        assert calls and all(("sums" in k) == summed for k in calls)
     finally:
         pair.close()
+
+
+def _filled(cp, device, blocks, seed):
+    """Eight layers of ``blocks`` blocks of 16 tokens x 2 heads x 64 bf16 (as int16), random."""
+    with cp.cuda.Device(device):
+        rs = cp.random.RandomState(seed)
+        return [rs.randint(-2**15, 2**15, (blocks, 16, 2, 64), dtype=cp.int16) for _ in range(8)]
+
+
+@pytest.mark.parametrize("n", [3, 480, 700], ids=["inline", "inline-max", "uploaded"])
+def test_copy_blocks_sums_what_it_moved_as_the_sums_kernel_does(n):
+    import cupy as cp
+
+    from kvstate.kernels._cuda import CudaSwapper
+    from kvstate.kernels._cuda_checksum import block_sums
+
+    src, dst = _filled(cp, 0, 1024, 1), _filled(cp, 0, 1024, 2)
+    rng = np.random.default_rng(n)
+    gids, fids = rng.permutation(1024)[:n], rng.permutation(1024)[:n]
+    with CudaSwapper(0) as sw:
+        sums = cp.zeros((2, n), dtype=cp.uint64)  # two kinds: the first four layers, the last four
+        sw.wait(sw.copy_blocks([(src[:4], dst[:4]), (src[4:], dst[4:])], gids, fids, sums=sums))
+        for a, b in zip(src, dst):
+            assert (a[cp.asarray(gids)].get() == b[cp.asarray(fids)].get()).all()
+        for j, layers in enumerate((slice(0, 4), slice(4, 8))):
+            want = block_sums(cp, dst[layers], fids.tolist(), {})
+            assert (sums[j].get() == want).all() and len(set(want.tolist())) == n  # every block its own sum
+            assert (block_sums(cp, src[layers], gids.tolist(), {}) == want).all()  # the source's, weighed alike
+
+
+def test_copy_blocks_refuses_bad_sums_and_moves_nothing():
+    import cupy as cp
+
+    from kvstate import ValidationError
+    from kvstate.kernels._cuda import CudaSwapper
+
+    src, dst = _filled(cp, 0, 16, 1), _filled(cp, 0, 16, 2)
+    before = [d.copy() for d in dst]
+    odd = [cp.zeros((16, 3, 1, 2), cp.int16) for _ in range(2)]  # rows of 12 bytes: no whole vectors
+    with CudaSwapper(0) as sw:
+        for bad in (cp.zeros((1, 2), cp.uint64), cp.zeros((1, 3), cp.int64), np.zeros((1, 3), np.uint64),
+                    cp.zeros(3, cp.uint64), cp.zeros((2, 3), cp.uint64)[:, :1]):
+            with pytest.raises(ValidationError, match="sums must be a contiguous uint64"):
+                sw.copy_blocks([(src, dst)], [1, 2, 3], [4, 5, 6], sums=bad)
+        with pytest.raises(ValidationError, match="whole aligned 16-byte vectors"):
+            sw.copy_blocks([(odd, [o.copy() for o in odd])], [1], [2], sums=cp.zeros((1, 1), cp.uint64))
+        for g, f in (([1, 2], [4, 4]), ([1], [16]), ([-1], [2]), ([1, 2], [3])):
+            with pytest.raises(ValidationError, match="distinct"):
+                sw.copy_blocks([(src, dst)], g, f, sums=cp.zeros((1, len(g)), cp.uint64))
+        with pytest.raises(ValidationError, match="no .src, dst. pair"):
+            sw.copy_blocks([], [1], [2])
+        cp.cuda.runtime.deviceSynchronize()
+    assert all((a == b).all() for a, b in zip(before, dst))
 
 
 def _lender(root, device, keys, blocks, ready, hold):

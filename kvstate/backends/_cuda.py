@@ -34,7 +34,7 @@ from ._cuda_peers import CudaPeers
 from ._cuda_states import DevicePages
 from ._cuda_sums import DeviceSums
 from ._integrity import SUM64
-from ._lends import LendBoard, fold_rows
+from ._lends import LendBoard, fold_rows, leading_matches
 from ._manifested import Deferred, manifest_slice
 from ._objects import StoreBackend
 from ._stateobjects import paged_of
@@ -600,30 +600,43 @@ class CudaBackend(DeviceSums, StoreBackend):
                        for g in range(self.spec.head_groups)]
         return self._folded(fetches)
 
-    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
-                  guard: Guard | None) -> list[int]:
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int],
+                  sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
         """Copy a lender's blocks into this rank's (one kernel a kind, on this GPU, reading the
-        lender's over the link), then sum what landed, on the device: in up to four pieces,
-        every copy queued first, each piece's sums (local memory) then running beside the
-        next piece's copy (the link)."""
+        lender's over the link), sum what landed and compare with the lender's ``sums``: how
+        many leading blocks match. Where a block is one object a kind of rows of whole 16-byte
+        vectors, the copy's own kernel sums the words it moves and another compares on the
+        device, so the host reads one number; otherwise the sums follow the copy, in up to
+        four pieces, each piece's sums (local memory) running beside the next piece's copy."""
         self._check_open()
-        sw, n = self._swappers[rank], len(dst_ids)
-        step = max(16, -(-n // 4))
-        sums: list[int] = []
+        sw = self._swappers[rank]
+        fetch: Callable[[], int]
         with self._on(rank):
             theirs = self._peers.open(peer, rank, sw.bind)
             check_fence(guard, rank, "scatter into", dst_ids)
-            copied = []
-            for a in range(0, n, step):
-                src, dst = list(src_ids[a:a + step]), list(dst_ids[a:a + step])
-                for kind in self.spec.kinds:
-                    ev = sw.copy_blocks(theirs[kind], self._layers[rank][kind], src, dst)
-                copied.append((dst, ev))
-            pieces = [[self._launch_sums(rank, g, dst, None, always=True, after=ev)
-                       for g in range(self.spec.head_groups)] for dst, ev in copied]
-        for fetches in pieces:
-            sums += self._folded(fetches)
-        return sums
+            ours = self._layers[rank]
+            spec = self.spec
+            if spec.head_groups == 1 and spec.object_groups == 1 and not spec.splits_groups and \
+                    all(sw.copies_with_sums(theirs[k], ours[k]) for k in spec.kinds):
+                fetch = self._peers.pull(rank, sw, [(theirs[k], ours[k]) for k in spec.kinds], src_ids, dst_ids,
+                                         sums, self._keep_until)
+            else:
+                pieces = self._pull_pieces(rank, theirs, src_ids, dst_ids)
+                fetch = lambda: leading_matches([s for f in pieces for s in self._folded(f)], sums)  # noqa: E731
+        return fetch()  # the rank's lock let go: the host only waits for the GPU now
+
+    def _pull_pieces(self, rank: int, theirs: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
+                     dst_ids: Sequence[int]) -> list[list[Any]]:
+        """Copies queued in up to four pieces, then each piece's sums launched behind its copy."""
+        sw, n = self._swappers[rank], len(dst_ids)
+        step = max(16, -(-n // 4))
+        copied = []
+        for a in range(0, n, step):
+            src, dst = list(src_ids[a:a + step]), list(dst_ids[a:a + step])
+            ev = sw.copy_blocks([(theirs[k], self._layers[rank][k]) for k in self.spec.kinds], src, dst)
+            copied.append((dst, ev))
+        return [[self._launch_sums(rank, g, dst, None, always=True, after=ev)
+                 for g in range(self.spec.head_groups)] for dst, ev in copied]
 
     @staticmethod
     def _folded(fetches: list[Any]) -> list[int]:

@@ -1,13 +1,24 @@
 """The CUDA backend's side of the direct handoff: its caches described for a puller, a
-lender's caches mapped here.
+lender's caches mapped here, and the pull that copies, sums and compares on the device.
 
 A lender (P) describes each rank's caches once: CUDA IPC handles of the allocations holding
 them (:func:`~kvstate.backends._cudaipc.share_caches`; a rank worker, whose caches are another
 process's, passes on the handles it opened them with), its device, its block count, its pid,
 and a token by which a backend of the same process finds them (CUDA IPC cannot open a handle
 in the process that made it). A puller (D) maps a lender's caches on its own device the first
-time it meets them and keeps the mapping (at most ``keep`` lenders, the least recently used
+time it meets them (known by the description's random ``id``, so a pull does not read the
+handles again) and keeps the mapping (at most ``keep`` lenders, the least recently used
 closed first): a kernel on D's GPU then reads P's blocks over the link between the GPUs.
+
+A pull whose blocks are one object a kind of rows of whole 16-byte vectors runs as two
+kernels and one small upload on the rank's stream: the copy adds each block's SUM64 from the
+words it moves (:meth:`~kvstate.kernels._cuda.CudaSwapper.copy_blocks`), then one CTA folds
+them and compares with the lender's checksums
+(:func:`~kvstate.kernels._cuda_checksum.fold_match`), storing in pinned memory how many
+leading blocks match: the host reads one number. Its scratch (the sums, the lender's checksums
+on both sides, the answer) is kept from pull to pull, each rank its own, since a pull's
+allocations are on the path of a first token; a pull that timed out leaves its scratch to the
+kernels that may still use it, and the next one takes new.
 
 Rules: the lender's GPU must be reachable from the puller's (peer access: NVLink, or PCIe
 P2P), else the pull is refused naming that rule, and D reads the store. A description from
@@ -20,13 +31,17 @@ took before it lent them decide whether they count.
 from __future__ import annotations
 
 import os
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from .._errors import KVStateError, ProtocolError
 from .._spec import CacheSpec
 from .._validate import MAX_BLOCKS, is_int
+from ..kernels._cuda_checksum import fold_match
 from ._cudaipc import open_caches, share_caches
 from ._lends import local_peer
 
@@ -46,6 +61,8 @@ class CudaPeers:
         self._described: dict[int, dict[str, Any]] = {}
         self._open: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], Callable[[], None]]] = OrderedDict()
         self._peer_access: set[int] = set()
+        self._scratch: dict[int, dict[str, Any]] = {}  # a rank's pull scratch (see the rules)
+        self._kernels: dict[str, Any] = {}  # fold_match's compiled kernel
 
     def describe(self, rank: int, layers: Mapping[str, Any], num_blocks: int) -> dict[str, Any]:
         """``rank``'s caches (``layers[kind]``: their bound layers) for a puller (JSON)."""
@@ -55,7 +72,8 @@ class CudaPeers:
                           "tensors": {str(rank): self.shared["tensors"][str(rank)]}}
             else:
                 shared = share_caches({rank: {k: list(v.views) for k, v in layers.items()}}, self.device)
-            self._described[rank] = {**shared, "num_blocks": num_blocks, "pid": os.getpid(), "token": self._token}
+            self._described[rank] = {**shared, "num_blocks": num_blocks, "pid": os.getpid(), "token": self._token,
+                                     "id": uuid.uuid4().hex}
         return self._described[rank]
 
     def open(self, peer: Mapping[str, Any], rank: int, bind: Callable[[Any, str], Any]) -> dict[str, Any]:
@@ -65,7 +83,8 @@ class CudaPeers:
                 not 0 <= dev < 1024 or not 0 < blocks <= MAX_BLOCKS:
             raise ProtocolError(f"a lend's peer must describe CUDA caches (kind, pid, device, num_blocks), got "
                                 f"{dict(peer)!r:.160}")
-        key = (pid, dev, blocks, repr(peer.get("tensors", {}).get(str(rank))))
+        tag = peer.get("id")  # one description's: its handles are not read again on every pull
+        key = (pid, dev, blocks, tag if isinstance(tag, str) else repr(peer.get("tensors", {}).get(str(rank))))
         hit = self._open.get(key)
         if hit is not None:
             self._open.move_to_end(key)
@@ -123,10 +142,59 @@ class CudaPeers:
             close()
             raise
 
+    def pull(self, rank: int, sw: Any, pairs: list[tuple[Any, Any]], src_ids: Sequence[int] | np.ndarray,
+             dst_ids: Sequence[int], sums: Sequence[int] | np.ndarray,
+             keep: Callable[[int, Any, Any], None]) -> Callable[[], int]:
+        """Queue the copy of ``pairs`` (a kind's lender's and own caches, bound on ``sw``, the
+        rank's swapper, with its device current), its sums and their comparison with the
+        lender's ``sums``; answers the fetch of how many leading blocks match (it waits once).
+        ``keep(rank, event, scratch)`` holds the scratch until the event passed."""
+        cp, rt, n = self.cp, self.cp.cuda.runtime, len(dst_ids)
+        buf = self._buffers(rank, len(pairs), n)
+        rt.memsetAsync(buf["out"].data.ptr, 0, buf["out"].nbytes, sw.stream.ptr)
+        buf["expect_host"][:n] = sums
+        rt.memcpyAsync(buf["expect"].data.ptr, buf["expect_host"].ctypes.data, 8 * n, 1, sw.stream.ptr)  # H2D
+        sw.copy_blocks(pairs, src_ids, dst_ids, sums=buf["out"])
+        with sw.stream:
+            fold_match(cp, buf["out"], buf["expect"][:n], buf["answer_ptr"], self._kernels)
+            done = cp.cuda.Event(block=False, disable_timing=True)
+            done.record(sw.stream)
+        buf["held"]["done"] = done
+        keep(rank, done, buf["held"])
+
+        def fetch() -> int:
+            sw.wait(done)
+            return int(buf["answer"][0])
+        return fetch
+
+    def _buffers(self, rank: int, kinds: int, n: int) -> dict[str, Any]:
+        """The rank's pull scratch for ``kinds`` x ``n`` sums: the sums on the device (``out``),
+        the lender's in pinned memory and on the device (``expect_host``, ``expect``), the
+        answer in pinned memory (``answer``, ``answer_ptr`` the device's address of it); views
+        made once a shape."""
+        cp, need = self.cp, kinds * n
+        held = self._scratch.get(rank)
+        if held is None or held["size"] < need or (held["done"] is not None and not held["done"].done):
+            import cupyx
+            size = max(need, 1024)
+            host = cupyx.empty_pinned(size + 1, np.uint64)  # the lender's sums, then the answer
+            held = self._scratch[rank] = {
+                "size": size, "done": None, "out": cp.empty(size, cp.uint64), "expect": cp.empty(size, cp.uint64),
+                "host": host, "views": {},
+                "answer_ptr": int(cp.cuda.runtime.pointerGetAttributes(int(host.ctypes.data)).devicePointer) + 8 * size}
+        views = held["views"].get((kinds, n))
+        if views is None:
+            views = held["views"][(kinds, n)] = {
+                "out": held["out"][:need].reshape(kinds, n), "expect": held["expect"], "held": held,
+                "expect_host": held["host"][:held["size"]], "answer": held["host"][held["size"]:].view(np.int64),
+                "answer_ptr": held["answer_ptr"]}
+        return views
+
     def close(self) -> None:
         """Unmap every lender's caches (the backend closes)."""
         while self._open:
             self._open.popitem()[1][1]()
+        self._scratch.clear()
 
 
 def _nothing() -> None:

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["pid_alive", "remove_orphans", "shm_directory"]
+__all__ = ["pid_alive", "pid_running", "remove_orphans", "shm_directory"]
 
 
 def shm_directory() -> Path:
@@ -36,6 +36,20 @@ def pid_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists, asked with one system call (a zombie counts as
+    running): for paths where a zombie's files fail later anyway, and each system call counts."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_orphans(directory: str | os.PathLike[str], prefix: str) -> int:

@@ -8,7 +8,13 @@ one file a (lend, rank), and its name says its state, so every step is one atomi
 - P **posts** ``NAME.lend``: written under a temporary name first, then renamed, so a reader
   never sees half an entry. It holds P's pid, the geometry, the request's keys, P's block
   ids, one checksum per block (taken on P's side before posting), and what D needs to reach
-  P's caches (``peer``: CUDA IPC handles, or a key into this process's backends).
+  P's caches (``peer``: CUDA IPC handles, or a key into this process's backends). It is a
+  line of JSON (the scalars, and the lengths of what follows), the keys as UTF-8 joined by
+  ``KEY_SEP`` (which a key may not hold; ``keys_bytes`` long), the peer as JSON
+  (``peer_bytes`` long), the block ids as little-endian int64 and the checksums as uint64.
+  D's parse is on the path of every first token: it compares the keys as bytes with its own
+  joined, reads a pull's thousand numbers as two arrays, not as a thousand JSON numbers, and
+  parses a peer's bytes once (the same P rank posts the same description every time).
 - D **takes** it (``NAME.lend`` → ``NAME.taken``): at most one D rank wins; a loser, or a D
   that finds nothing within its ``wait``, reads the store instead.
 - D **releases** it (``NAME.taken`` → ``NAME.done`` if every block arrived and matched its
@@ -49,15 +55,20 @@ import numpy as np
 
 from .._errors import ConfigError, KVStateError, ProtocolError
 from .._validate import check_int, is_int
-from ._hostfiles import pid_alive, remove_orphans
+from ._hostfiles import pid_running, remove_orphans
 
-__all__ = ["LendBoard", "Lend", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "fold_rows", "local_peer",
-           "FORMAT", "VERSION"]
+__all__ = ["LendBoard", "Lend", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "fold_rows", "leading_matches",
+           "local_peer",
+           "FORMAT", "VERSION", "KEY_SEP"]
 
-FORMAT, VERSION = "kvstate-lend", 1
+FORMAT, VERSION = "kvstate-lend", 2
+KEY_SEP = "\x1f"  #: joins an entry's keys (ASCII's unit separator)
+_SEP_BYTES = KEY_SEP.encode()
 _STATES = ("lend", "taken", "done", "fail")
 _PREFIX = "lend-"  # an entry is lend-PID-TAG-SEQ.rRANK.STATE: the pid where remove_orphans looks
 _MAX_ENTRY = 64 << 20  # bytes of one entry file at most
+_FIRST_READ = 256 << 10  # bytes read at once first: a whole 8k-token request's entry
+_PEERS = 64  # peer descriptions a board keeps parsed
 _POLL = (0.0002, 0.002)  # first and longest sleep between looks at the board, seconds
 UNFENCED_HOLD = 30.0  #: seconds an unfenced lend waits past its deadline for a D that took it
 
@@ -75,6 +86,13 @@ def fold_sums(sums: Sequence[int]) -> int:
     for x in sums:
         h = ((h ^ int(x)) * _FOLD_PRIME) & 0xFFFFFFFFFFFFFFFF
     return h
+
+
+def leading_matches(got: Sequence[int] | np.ndarray, want: Sequence[int] | np.ndarray) -> int:
+    """How many leading checksums of ``got`` equal ``want``'s (at most the shorter's length)."""
+    m = min(len(got), len(want))
+    differ = np.flatnonzero(np.asarray(got[:m], np.uint64) != np.asarray(want[:m], np.uint64))
+    return int(differ[0]) if differ.size else m
 
 
 def fold_rows(rows: Any) -> list[int]:
@@ -112,10 +130,10 @@ class PeerOps(Protocol):
     def lend_sums(self, rank: int, block_ids: Sequence[int]) -> list[int]:
         """One checksum per block of ``rank``'s caches, as :meth:`pull_copy` computes them."""
 
-    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
-                  guard: Callable[[], bool] | None) -> list[int]:
-        """Copy the peer's blocks ``src_ids`` into ``rank``'s ``dst_ids``; the checksums of
-        the copies, once they landed."""
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int],
+                  sums: Sequence[int] | np.ndarray, guard: Callable[[], bool] | None) -> int:
+        """Copy the peer's blocks ``src_ids`` into ``rank``'s ``dst_ids``; how many leading
+        blocks, once landed, have the checksums ``sums`` (P's, one a block)."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +145,8 @@ class Lend:
     rank: int
     geometry: str
     keys: tuple[str, ...]
-    blocks: tuple[int, ...]
-    sums: tuple[int, ...]
+    blocks: np.ndarray  #: P's block ids (int64), one a key
+    sums: np.ndarray  #: their checksums (uint64)
     peer: dict[str, Any]
     stores: bool  #: P writes the blocks to the store too
 
@@ -157,6 +175,7 @@ class LendBoard:
         if not self.root.is_dir() or not os.access(self.root, os.W_OK | os.X_OK):
             raise ConfigError(f"LendBoard: {self.root} is not a directory this process can write")
         self._seq = itertools.count(1)
+        self._peers: dict[bytes, Any] = {}  # a peer description's bytes -> its parse (at most _PEERS)
         self.sweep()
 
     @staticmethod
@@ -169,12 +188,17 @@ class LendBoard:
         if not keys or len(keys) != len(blocks) or len(sums) != len(blocks):
             raise ProtocolError(f"a lend needs as many keys, blocks and checksums, got {len(keys)}, {len(blocks)}, "
                                 f"{len(sums)}")
+        joined = KEY_SEP.join(keys)
+        if joined.count(KEY_SEP) != len(keys) - 1:
+            raise ProtocolError(f"a lend's keys may not hold {KEY_SEP!r} (it joins them in the entry)")
         name = self.root / f"{_PREFIX}{os.getpid()}-{self._tag(keys[-1])}-{next(self._seq)}.r{rank}"
-        body = json.dumps({"format": FORMAT, "version": VERSION, "pid": os.getpid(), "rank": rank,
-                           "geometry": geometry, "keys": list(keys), "blocks": list(blocks), "sums": list(sums),
-                           "peer": peer, "stores": bool(stores)}).encode()
+        described, named = json.dumps(peer).encode(), joined.encode()
+        head = json.dumps({"format": FORMAT, "version": VERSION, "pid": os.getpid(), "rank": rank,
+                           "geometry": geometry, "n": len(keys), "keys_bytes": len(named),
+                           "peer_bytes": len(described), "stores": bool(stores)}).encode()
         tmp = _at(name, "tmp")
-        tmp.write_bytes(body)
+        tmp.write_bytes(b"".join((head, b"\n", named, described, np.asarray(blocks, "<i8").tobytes(),
+                                  np.asarray(sums, "<u8").tobytes())))
         os.rename(tmp, _at(name, "lend"))
         return name
 
@@ -202,11 +226,11 @@ class LendBoard:
         marked failed and raises :class:`~kvstate._errors.ProtocolError`."""
         end = time.monotonic() + self.wait
         pause = _POLL[0]
+        tag, tail, mine = f"-{self._tag(keys[-1])}-", f".r{rank}.lend", KEY_SEP.join(keys).encode()
         while True:
-            tag, tail = f"-{self._tag(keys[-1])}-", f".r{rank}.lend"
             for entry in os.scandir(self.root):
                 if entry.name.startswith(_PREFIX) and tag in entry.name and entry.name.endswith(tail):
-                    lend = self._try_take(self.root / entry.name[:-5], rank, keys)
+                    lend = self._try_take(entry.path[:-5], rank, keys, mine)
                     if lend is not None:
                         return lend
             if time.monotonic() >= end or not until():
@@ -214,29 +238,30 @@ class LendBoard:
             time.sleep(pause)
             pause = min(2 * pause, _POLL[1])
 
-    def _try_take(self, name: Path, rank: int, keys: Sequence[str]) -> Lend | None:
-        """The entry ``name`` if it is live, lends ``keys`` and this call took it first. A
-        posted entry never changes, so it is read before it is taken."""
-        if not pid_alive(_pid_of(name)):
+    def _try_take(self, name: str, rank: int, keys: Sequence[str], mine: bytes) -> Lend | None:
+        """The entry ``name`` (a path without its state) if it is live, lends ``keys``
+        (``mine``: joined) and this call took it first. A posted entry never changes, so it is
+        read before it is taken. This is a first token's path, where each system call counts:
+        P's liveness is one (a zombie P's caches fail when mapped, and D reads the store), the
+        entry's read three, paths plain strings."""
+        if not pid_running(_pid_of(name)):
             return None
-        try:
-            raw = _at(name, "lend").read_bytes()
-        except FileNotFoundError:
+        raw = _read_entry(f"{name}.lend")
+        if raw is None:
             return None  # taken or withdrawn meanwhile
         try:
-            lend = _checked(raw, _at(name, "taken"), rank)
+            lend, theirs = _checked(raw, Path(f"{name}.taken"), rank, self._peers)
         except ProtocolError:
             with contextlib.suppress(FileNotFoundError):
-                os.rename(_at(name, "lend"), _at(name, "fail"))
+                os.rename(f"{name}.lend", f"{name}.fail")
             raise
-        n = len(keys)
-        if len(lend.keys) < n or lend.keys[len(lend.keys) - n:] != tuple(keys):
+        if theirs != mine and not theirs.endswith(_SEP_BYTES + mine):
             return None  # another prompt whose last block hashes alike
         try:
-            os.rename(_at(name, "lend"), _at(name, "taken"))
+            os.rename(f"{name}.lend", f"{name}.taken")
         except FileNotFoundError:
             return None
-        off = len(lend.keys) - n
+        off = lend.blocks.size - len(keys)
         return dataclasses.replace(lend, keys=tuple(keys), blocks=lend.blocks[off:], sums=lend.sums[off:])
 
     def release(self, name: Path, whole: bool) -> None:
@@ -253,34 +278,81 @@ def _at(name: Path, state: str) -> Path:
     return name.with_name(f"{name.name}.{state}")
 
 
-def _pid_of(name: Path) -> int:
+def _pid_of(name: str | Path) -> int:
     """The pid in an entry's name (``lend-PID-...``, as :func:`remove_orphans` reads it)."""
-    pid = name.name[len(_PREFIX):].split("-", 1)[0] if name.name.startswith(_PREFIX) else ""
+    base = os.path.basename(name)
+    pid = base[len(_PREFIX):].split("-", 1)[0] if base.startswith(_PREFIX) else ""
     return int(pid) if pid.isdigit() else 0
 
 
-def _checked(raw: bytes, path: Path, rank: int) -> Lend:
-    """An entry read from the board, every field checked against the rules above."""
+def _read_entry(path: str) -> bytes | None:
+    """An entry file's bytes (None if it is gone): one read for the usual entry (a short read
+    of a regular file is its end), more up to ``_MAX_ENTRY``; a longer file reads as empty,
+    which the checks refuse."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    chunks, total, want = [], 0, _FIRST_READ
+    try:
+        while True:
+            chunks.append(os.read(fd, want))
+            total += len(chunks[-1])
+            if len(chunks[-1]) < want or total > _MAX_ENTRY:
+                break
+            want = min(1 << 20, _MAX_ENTRY + 1 - total)
+    finally:
+        os.close(fd)
+    return b"".join(chunks) if total <= _MAX_ENTRY else b""
+
+
+def _checked(raw: bytes, path: Path, rank: int, peers: dict[bytes, Any]) -> tuple[Lend, bytes]:
+    """An entry read from the board, every field checked against the rules above; with its
+    keys still joined, as bytes (D compares them so). ``peers``: descriptions parsed before."""
     def bad(rule: str) -> ProtocolError:
         return ProtocolError(f"lend entry {path.name}: {rule}")
+    cut = raw.find(b"\n") if len(raw) <= _MAX_ENTRY else -1
     try:
-        d = json.loads(raw) if len(raw) <= _MAX_ENTRY else None
+        d = json.loads(raw[:cut]) if cut > 0 else None
     except ValueError:
         d = None
     if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION:
         raise bad(f"not a {FORMAT} version {VERSION} entry")
-    lk, blocks, sums, peer = d.get("keys"), d.get("blocks"), d.get("sums"), d.get("peer")
-    if not isinstance(lk, list) or not all(k.__class__ is str for k in lk) or \
-            not isinstance(blocks, list) or not all(b.__class__ is int for b in blocks) or \
-            not isinstance(sums, list) or not all(x.__class__ is int for x in sums) or \
-            (blocks and min(blocks) < 0) or (sums and not 0 <= min(sums) <= max(sums) < 1 << 64):
-        raise bad("keys must be strings, blocks ints >= 0 and checksums 64-bit ints")
-    if not len(lk) == len(blocks) == len(sums) or not lk:
-        raise bad(f"{len(lk)} keys, {len(blocks)} blocks and {len(sums)} checksums")
+    n, named, described = d.get("n"), d.get("keys_bytes"), d.get("peer_bytes")
+    if not is_int(named) or not is_int(described) or named <= 0 or described < 0 or \
+            named + described >= len(raw) - cut:
+        raise bad(f"keys_bytes and peer_bytes must count the keys' and the peer description's bytes, got "
+                  f"{named!r} and {described!r}")
+    at = cut + 1 + named + described  # where the arrays start
+    if not is_int(n) or not 0 < n <= _MAX_ENTRY // 16 or len(raw) - at != 16 * n:
+        raise bad(f"{n!r} blocks must be followed by as many int64 block ids and uint64 checksums, got "
+                  f"{len(raw) - at} bytes")
+    keys = raw[cut + 1:cut + 1 + named]
+    if keys.count(_SEP_BYTES) != n - 1 or keys.startswith(_SEP_BYTES) or keys.endswith(_SEP_BYTES) or \
+            _SEP_BYTES * 2 in keys:
+        raise bad(f"keys must be {n} non-empty strings joined by {KEY_SEP!r}")
+    blocks = np.frombuffer(raw, "<i8", n, at)
+    if blocks.min() < 0:
+        raise bad("block ids must be ints >= 0")
+    peer = _peer(raw[cut + 1 + named:at], peers)
     if d.get("rank") != rank or not is_int(d.get("pid")) or not isinstance(d.get("geometry"), str) or \
             not isinstance(peer, dict) or not isinstance(d.get("stores"), bool):
         raise bad(f"rank must be {rank}, with a pid, a geometry, a peer description and whether P stores")
-    return Lend(path, d["pid"], rank, d["geometry"], tuple(lk), tuple(blocks), tuple(sums), peer, d["stores"])
+    sums = np.frombuffer(raw, "<u8", n, at + 8 * n)
+    return Lend(path, d["pid"], rank, d["geometry"], (), blocks, sums, peer, d["stores"]), keys
+
+
+def _peer(raw: bytes, peers: dict[bytes, Any]) -> Any:
+    """A peer description's parse (None if it is not JSON), from ``peers`` if seen before."""
+    if raw not in peers:
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return None
+        if len(peers) >= _PEERS:
+            peers.clear()
+        peers[raw] = parsed
+    return peers[raw]
 
 
 def lend_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], block_ids: Sequence[int],
@@ -326,8 +398,7 @@ def pull_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], 
         if lend.geometry != ops.lend_geometry():
             raise ProtocolError(f"lend entry {lend.path.name}: geometry {lend.geometry!r}, this side's is "
                                 f"{ops.lend_geometry()!r}")
-        got = ops.pull_copy(rank, lend.peer, lend.blocks, block_ids, guard)
-        n = next((i for i, (a, b) in enumerate(zip(got, lend.sums)) if a != b), len(keys))
+        n = ops.pull_copy(rank, lend.peer, lend.blocks, block_ids, lend.sums, guard)
         whole = n == len(keys)
         return n if whole or not lend.stores else -1
     except (KVStateError, OSError):

@@ -52,7 +52,7 @@ from ._arena import ArenaStore
 from ._base import MISSING, Guard, Store, check_caches, check_fence, leading
 from ._hostcopy import copy_sum64, stream_copy
 from ._integrity import SUM64, XXH3, sum64
-from ._lends import LendBoard, fold_sums, local_peer
+from ._lends import LendBoard, fold_sums, leading_matches, local_peer
 from ._objects import StoreBackend
 from ._shm import SharedCaches, shm_directory
 from ._stateobjects import paged_of
@@ -155,10 +155,11 @@ class ReferenceBackend(StoreBackend):
         """SUM64 of each block's bytes, every kind and layer."""
         return [fold_sums([sum64(self.block_bytes(rank, k, b)) for k in self.spec.kinds]) for b in block_ids]
 
-    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
-                  guard: Guard | None) -> list[int]:
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int],
+                  sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
         """Copy a lender's blocks into this backend's: another backend of this process, or
-        (``shm``) caches in a shared-memory file of this host, mapped here; their checksums."""
+        (``shm``) caches in a shared-memory file of this host, mapped here; how many leading
+        blocks landed with the lender's ``sums``."""
         theirs = self._lender_caches(peer, rank)
         blocks = len(theirs[self.spec.kinds[0]][0])
         if len(src_ids) != len(dst_ids) or not all(is_int(b) and 0 <= b < blocks for b in src_ids):
@@ -168,7 +169,7 @@ class ReferenceBackend(StoreBackend):
         for kind in self.spec.kinds:
             for mine, layer in zip(self.caches[rank][kind], theirs[kind], strict=True):
                 mine[into] = layer[ids]
-        return self.lend_sums(rank, dst_ids)
+        return leading_matches(self.lend_sums(rank, dst_ids), sums)
 
     def _lender_caches(self, peer: dict[str, Any], rank: int) -> dict[str, list[np.ndarray]]:
         """The lender's caches of ``rank``: its arrays when it is of this process, else its

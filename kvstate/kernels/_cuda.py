@@ -376,40 +376,79 @@ class CudaSwapper:
             self.wait(end)
         return ev
 
-    def copy_blocks(self, src: Sequence[Any] | DeviceLayers, dst: Sequence[Any] | DeviceLayers, src_ids: Any,
-                    dst_ids: Any) -> Any:
-        """Copy block ``src_ids[i]`` of every layer of ``src`` into block ``dst_ids[i]`` of
-        ``dst`` (caches of one shape and dtype) on this swapper's stream; returns the event
-        after it. ``src`` may be another process's caches mapped here through CUDA IPC, on
-        another GPU: the kernel then reads them over the link between the GPUs (a pull)."""
+    def copy_blocks(self, pairs: Sequence[tuple[Sequence[Any] | DeviceLayers, Sequence[Any] | DeviceLayers]],
+                    src_ids: Any, dst_ids: Any, sums: Any = None) -> Any:
+        """For each ``(src, dst)`` of ``pairs`` (caches of one shape and dtype: a kind's), copy
+        block ``src_ids[i]`` of every layer of ``src`` into block ``dst_ids[i]`` of ``dst`` on
+        this swapper's stream, the ids checked and uploaded once for all pairs; returns the
+        event after the last. ``src`` may be another process's caches mapped here through CUDA
+        IPC, on another GPU: the kernel then reads them over the link between the GPUs (a
+        pull). ``sums``: a zeroed CuPy uint64 array ``[pairs, ids]``, into which the same
+        kernels add each copied block's SUM64 (its rows of every layer of a pair one object,
+        as :func:`~kvstate.kernels._cuda_checksum.block_sums` weighs them) from the words they
+        moved; rows must then be whole aligned 16-byte vectors (:meth:`copies_with_sums`)."""
         self._check_open()
-        s, d = self.bind(src, "src"), self.bind(dst, "dst")
-        if len(s) != len(d) or s.shape != d.shape or s.itemsize != d.itemsize or s.dtype != d.dtype:
-            raise ValidationError(f"copy_blocks: src ({len(s)} layers of {s.shape} {s.dtype}) and dst "
-                                  f"({len(d)} layers of {d.shape} {d.dtype}) differ")
-        gids, fids = (np.asarray(x, np.int64) if isinstance(x, (Sequence, np.ndarray)) else None
-                      for x in (src_ids, dst_ids))
-        blocks = s.shape[0]
-        if gids is None or fids is None or gids.ndim != 1 or gids.shape != fids.shape or \
-                ((gids < 0) | (gids >= blocks) | (fids < 0) | (fids >= d.shape[0])).any() or \
-                len(set(fids.tolist())) != fids.size:
-            raise ValidationError(f"copy_blocks: block ids must be two equally long lists of ids in range, the "
-                                  f"destination's distinct; got {src_ids!r:.80} and {dst_ids!r:.80}")
-        chunk = s.itemsize * int(np.prod(s.shape[1:], dtype=np.int64))
+        bound = [(self.bind(src, "src"), self.bind(dst, "dst")) for src, dst in pairs]
+        if not bound:
+            raise ValidationError("copy_blocks: no (src, dst) pair of caches to copy between")
+        for s, d in bound:
+            if len(s) != len(d) or s.shape != d.shape or s.itemsize != d.itemsize or s.dtype != d.dtype:
+                raise ValidationError(f"copy_blocks: src ({len(s)} layers of {s.shape} {s.dtype}) and dst "
+                                      f"({len(d)} layers of {d.shape} {d.dtype}) differ")
+        gids, fids = self._copy_ids(bound, src_ids, dst_ids)
+        self._check_sums(sums, bound, gids.size)
         with self.cp.cuda.Device(self.device):
             ev = self.cp.cuda.Event(block=False, disable_timing=True)
-            vectors = chunk % 16 == 0 and s.aligned and d.aligned
-            if gids.size and gids.size <= self.inline_ids and max(blocks, d.shape[0]) < 2**31:
-                # the ids in the kernel's parameters: no upload, nothing for the host to wait on
-                self._kernels.launch(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, 0, 0, gids, fids,
-                                     int(gids.size), (len(s), chunk, 1), chunk, gather=True, vectors=vectors)
-            elif gids.size:
-                g, f = self._params.upload([gids, fids], self.stream)
-                self._kernels.launch(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, 0, 0, g, f,
-                                     int(gids.size), (len(s), chunk, 1), chunk, gather=True, vectors=vectors)
+            inline = gids.size <= self.inline_ids and max(max(s.shape[0], d.shape[0]) for s, d in bound) < 2**31
+            g, f = (gids, fids) if inline else self._params.upload([gids, fids], self.stream)
+            for j, (s, d) in enumerate(bound):
+                chunk = s.itemsize * int(np.prod(s.shape[1:], dtype=np.int64))
+                if sums is not None:
+                    self._kernels.launch_copy_sum(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, g, f,
+                                                  int(gids.size), len(s), chunk, int(sums[j].data.ptr))
+                else:  # ids inline: no upload, nothing for the host to wait on
+                    self._kernels.launch(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, 0, 0, g, f,
+                                         int(gids.size), (len(s), chunk, 1), chunk, gather=True,
+                                         vectors=chunk % 16 == 0 and s.aligned and d.aligned)
+            if not inline and gids.size:
                 self._params.held_until(self.stream)
             ev.record(self.stream)
         return ev
+
+    @staticmethod
+    def _copy_ids(bound: list[tuple[DeviceLayers, DeviceLayers]], src_ids: Any,
+                  dst_ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The ids as int64 arrays, checked: as many on both sides, in range of every pair,
+        the destination's distinct."""
+        gids, fids = (np.asarray(x, np.int64) if isinstance(x, (Sequence, np.ndarray)) else None
+                      for x in (src_ids, dst_ids))
+        top_s, top_d = min(s.shape[0] for s, _ in bound), min(d.shape[0] for _, d in bound)
+        if gids is None or fids is None or gids.ndim != 1 or gids.shape != fids.shape or gids.size and (
+                gids.min() < 0 or gids.max() >= top_s or fids.min() < 0 or fids.max() >= top_d or
+                np.bincount(fids).max() > 1):
+            raise ValidationError(f"copy_blocks: block ids must be two equally long lists of ids in range, the "
+                                  f"destination's distinct; got {src_ids!r:.80} and {dst_ids!r:.80}")
+        return gids, fids
+
+    def copies_with_sums(self, src: DeviceLayers, dst: DeviceLayers) -> bool:
+        """Whether :meth:`copy_blocks` can take sums between these caches: rows of whole
+        aligned 16-byte vectors on both sides."""
+        chunk = src.itemsize * int(np.prod(src.shape[1:], dtype=np.int64))
+        return chunk % 16 == 0 and src.aligned and dst.aligned
+
+    def _check_sums(self, sums: Any, bound: list[tuple[DeviceLayers, DeviceLayers]], n: int) -> None:
+        if sums is None:
+            return
+        for s, d in bound:
+            if not self.copies_with_sums(s, d):
+                raise ValidationError(f"copy_blocks: sums need rows of whole aligned 16-byte vectors, got rows of "
+                                      f"{s.itemsize * int(np.prod(s.shape[1:]))} bytes (aligned: src {s.aligned}, "
+                                      f"dst {d.aligned})")
+        want = (len(bound), n)
+        if not isinstance(sums, self.cp.ndarray) or sums.dtype != np.uint64 or sums.shape != want or \
+                not sums.flags.c_contiguous or sums.device.id != self.device:
+            raise ValidationError(f"copy_blocks: sums must be a contiguous uint64 CuPy array of {want} on device "
+                                  f"{self.device}, got {type(sums).__name__} {getattr(sums, 'shape', '')}")
 
     # -- waiting -------------------------------------------------------------------------------
     def wait(self, ev: Any) -> None:

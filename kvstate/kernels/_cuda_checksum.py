@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["block_sums", "summable", "to_host"]
+__all__ = ["block_sums", "summable", "to_host", "fold_match"]
 
 
 def summable(views: Sequence[Any]) -> bool:
@@ -59,6 +59,50 @@ extern "C" __global__ void u64_to_host(const unsigned long long* src, unsigned l
 """
 
 
+_FOLD_MATCH = r"""
+extern "C" __global__ void fold_match(const unsigned long long* sums, long long kinds, long long n,
+                                      const unsigned long long* expect, long long* host_out) {
+    __shared__ long long best[32];
+    long long mine = n;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        unsigned long long h = 0xCBF29CE484222325ull;
+        for (long long j = 0; j < kinds; ++j)
+            h = (h ^ sums[j * n + i]) * 0x100000001B3ull;
+        if (h != expect[i]) {  /* a thread's indices rise: its first miss is its least */
+            mine = i;
+            break;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const long long other = __shfl_down_sync(0xffffffffu, mine, o);
+        mine = other < mine ? other : mine;
+    }
+    if ((threadIdx.x & 31) == 0)
+        best[threadIdx.x >> 5] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long least = n;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w)
+            least = best[w] < least ? best[w] : least;
+        *host_out = least;
+    }
+}
+"""
+
+
+def fold_match(cp: Any, sums: Any, expect: Any, host_ptr: int, cache: dict[Any, Any]) -> None:
+    """On CuPy's current stream: fold each block's objects' sums (``sums``: ``[objects,
+    blocks]`` uint64 on the device, :func:`~kvstate.backends._lends.fold_sums`' FNV fold),
+    compare with ``expect`` (uint64 on the device, one a block) and store how many leading
+    blocks match (an int64) at ``host_ptr`` (the device's address of pinned host memory).
+    One CTA: a pull's blocks are hundreds to thousands, and the host reads one number."""
+    kernel = cache.get("fold_match")
+    if kernel is None:
+        kernel = cache["fold_match"] = cp.RawKernel(_FOLD_MATCH, "fold_match")
+    kinds, n = sums.shape
+    kernel((1,), (1024,), (sums, np.int64(kinds), np.int64(n), expect, np.uint64(host_ptr)))
+
+
 def block_sums(cp: Any, views: Sequence[Any], ids: Any, cache: dict[Any, Any], fetch: bool = True,
                out: Any = None) -> Any:
     """SUM64 of each block's object made of ``views``' layers (per-layer GPU arrays ``[blocks,
@@ -89,20 +133,24 @@ def _table(cp: Any, views: Sequence[Any], cache: dict[Any, Any]) -> tuple[Any, i
     return entry[1], entry[2]
 
 
-def to_host(cp: Any, sums: Any, cache: dict[Any, Any]) -> Any:
+def to_host(cp: Any, sums: Any, cache: dict[Any, Any], host: Any = None, host_ptr: int | None = None) -> Any:
     """A pinned host array of ``sums``' shape, filled by a kernel on CuPy's current stream
     (its stores cross PCIe as mapped writes, never through a copy engine); read it once an
     event recorded after this call has passed. The memory comes from CuPy's pinned pool and
-    returns there when the array is dropped: the caller keeps it until that event passed."""
+    returns there when the array is dropped: the caller keeps it until that event passed.
+    ``host``: a pinned uint64 array of that shape to fill instead (a caller's, reused), and
+    ``host_ptr`` the device's address for it if the caller knows it."""
     import cupyx
 
     kernel = cache.get("to_host")
     if kernel is None:
         kernel = cache["to_host"] = cp.RawKernel(_TO_HOST, "u64_to_host")
-    host = cupyx.empty_pinned(sums.shape, np.uint64)
+    if host is None:
+        host = cupyx.empty_pinned(sums.shape, np.uint64)
     n = int(sums.size)
     if n:
         # pinned memory is mapped under unified addressing; the device's address for it, asked
-        dst = int(cp.cuda.runtime.pointerGetAttributes(int(host.ctypes.data)).devicePointer)
+        dst = host_ptr if host_ptr is not None else \
+            int(cp.cuda.runtime.pointerGetAttributes(int(host.ctypes.data)).devicePointer)
         kernel((-(-n // _THREADS),), (_THREADS,), (cp.ascontiguousarray(sums), np.uint64(dst), np.int64(n)))
     return host

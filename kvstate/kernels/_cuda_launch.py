@@ -258,6 +258,23 @@ class Kernels:
         self.chunks_i = _Kernel(get("kv_chunks_i"), 8, True, launch)
         self.span = _Kernel(get("kv_span"), 11, False, launch)
         self.span_i = _Kernel(get("kv_span_i"), 9, True, launch)
+        self.copy_sum = _Kernel(get("kv_copy_sum"), 6, False, launch)
+        self.copy_sum_i = _Kernel(get("kv_copy_sum_i"), 4, True, launch)
+
+    def launch_copy_sum(self, stream: Any, src_ptrs: int, dst_ptrs: int, gids: int | np.ndarray, fids: int | np.ndarray,
+                        n: int, layers: int, chunk: int, sums: int) -> None:
+        """Launch the copy of ``n`` blocks of every layer between two layered caches (their
+        rows whole aligned 16-byte vectors), adding each block's SUM64 into ``sums[i]``
+        (device pointer to ``n`` zeroed uint64). ``gids``/``fids``: device pointers, or numpy
+        arrays of at most ``INLINE_IDS`` ids passed inline."""
+        if n == 0:
+            return
+        threads = min(_THREADS, max(32, -(-(chunk // 16) // 32) * 32))
+        if isinstance(gids, np.ndarray):
+            self.copy_sum_i((n, layers, 1), threads, 0, stream.ptr, [src_ptrs, dst_ptrs, chunk, sums], gids,
+                            fids, n)  # type: ignore[arg-type]
+        else:
+            self.copy_sum((n, layers, 1), threads, 0, stream.ptr, [src_ptrs, dst_ptrs, gids, fids, chunk, sums])
 
     def launch(self, stream: Any, layer_ptrs: int, flat_ptrs: int, flat_base: int, group_stride: int,
                gids: int | np.ndarray | bytes, fids: int | np.ndarray | None, n: int, geometry: tuple[int, int, int],

@@ -19,6 +19,13 @@ memory still leave as full packets, tails are copied exactly, and no thread walk
 dependent byte copies; each thread issues its loads in batches before storing any, so a
 CTA has many loads in flight.
 
+``kv_copy_sum`` copies blocks between two layered caches of one shape (a direct pull: the
+source is another GPU's, read over the link) as ``kv_chunks`` does, and takes each copied
+block's SUM64 (:mod:`kvstate.kernels._cuda_checksum`'s weights, the block's rows of every layer
+one object) from the words it moved: each thread weighs what it loaded, a warp adds its
+threads' sums and one atomic a warp adds them into the block's. The sums then cost no second
+read of the copies: they ride in the registers of a copy bound by the link.
+
 Each kernel comes in two forms. The plain one reads the block ids from device arrays (``gids``,
 ``fids``); the ``_i`` form takes up to ``INLINE_IDS`` of them inside its parameters (an
 ``IdList`` passed by value as a ``__grid_constant__``), so a call of that size needs no
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 __all__ = ["KERNEL_SOURCE", "KERNEL_NAMES", "SPAN_PIECE", "INLINE_IDS"]
 
-KERNEL_NAMES = ("kv_chunks", "kv_chunks_i", "kv_span", "kv_span_i")
+KERNEL_NAMES = ("kv_chunks", "kv_chunks_i", "kv_span", "kv_span_i", "kv_copy_sum", "kv_copy_sum_i")
 
 #: bytes of a span one ``kv_span`` CTA moves through shared memory (plus 16 for alignment)
 SPAN_PIECE = 1024
@@ -79,6 +86,46 @@ __device__ __forceinline__ void chunks_body(
     } else {
         for (u64 j = threadIdx.x; j < units; j += blockDim.x) p[j] = f[j];
     }
+}
+
+#define SUM_BATCH 4
+
+__device__ __forceinline__ u64 weighed(uint4 v, u64 w) {   /* two words, weights w and w + 2 */
+    const u64 lo = (u64)v.x | ((u64)v.y << 32), hi = (u64)v.z | ((u64)v.w << 32);
+    return lo * w + hi * (w + 2ull);
+}
+
+template <class Ids>
+__device__ __forceinline__ void copy_sum_body(
+    const u64* __restrict__ src_ptrs, const u64* __restrict__ dst_ptrs, const Ids ids, u64 chunk,
+    u64* __restrict__ sums)
+{
+    const unsigned int i = blockIdx.x, l = blockIdx.y;
+    const uint4* p = (const uint4*)(src_ptrs[l] + ids.gid(i) * chunk);
+    uint4* f = (uint4*)(dst_ptrs[l] + ids.fid(i) * chunk);
+    const u64 units = chunk >> 4, w0 = 2ull * ((u64)l * (chunk >> 3)) + 1ull;  /* word 2u weighs w0 + 4u */
+    const unsigned int step = blockDim.x;
+    u64 acc = 0, j = threadIdx.x;
+    for (; j + (SUM_BATCH - 1) * step < units; j += SUM_BATCH * step) {
+        uint4 v[SUM_BATCH];
+        #pragma unroll
+        for (int k = 0; k < SUM_BATCH; ++k) v[k] = p[j + k * step];   /* every load in flight first */
+        #pragma unroll
+        for (int k = 0; k < SUM_BATCH; ++k) {
+            const u64 u = j + k * step;
+            f[u] = v[k];
+            acc += weighed(v[k], w0 + 4ull * u);
+        }
+    }
+    for (; j < units; j += step) {
+        const uint4 v = p[j];
+        f[j] = v;
+        acc += weighed(v, w0 + 4ull * j);
+    }
+    for (int o = 16; o > 0; o >>= 1)
+        acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0)
+        atomicAdd(sums + i, acc);
 }
 
 #define SPAN_BATCH 8
@@ -157,6 +204,22 @@ extern "C" __global__ void kv_chunks_i(
 {
     InlineIds ids = {&idl};
     chunks_body(layer_ptrs, flat_ptrs, flat_base, group_stride, ids, span, chunk, lps64, gather);
+}
+
+extern "C" __global__ void kv_copy_sum(
+    const u64* __restrict__ src_ptrs, const u64* __restrict__ dst_ptrs, const i64* __restrict__ gids,
+    const i64* __restrict__ fids, u64 chunk, u64* __restrict__ sums)
+{
+    DevIds ids = {gids, fids};
+    copy_sum_body(src_ptrs, dst_ptrs, ids, chunk, sums);
+}
+
+extern "C" __global__ void kv_copy_sum_i(
+    const u64* __restrict__ src_ptrs, const u64* __restrict__ dst_ptrs, u64 chunk, u64* __restrict__ sums,
+    const __grid_constant__ IdList idl)
+{
+    InlineIds ids = {&idl};
+    copy_sum_body(src_ptrs, dst_ptrs, ids, chunk, sums);
 }
 
 extern "C" __global__ void kv_span(

@@ -1,0 +1,173 @@
+"""The lend board's entries: their format (a JSON line, the keys, the peer, two arrays), each
+rule D checks an entry against, and how D reads one.
+
+Every malformed entry is refused by its rule and released failed, so D reads the store; the
+rest are the format's parts one by one (each of these failed on a mutant that survived the
+rest of the suite).
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from kvstate import ProtocolError
+from kvstate.backends._lends import LendBoard, fold_sums, leading_matches
+
+
+def _always():
+    return True
+
+
+def _entry(path):
+    """An entry's header (a dict), its keys' and peer's bytes, and its two arrays (lists)."""
+    raw = path.read_bytes()
+    cut = raw.index(b"\n")
+    head = json.loads(raw[:cut])
+    named, described = head.pop("keys_bytes"), head.pop("peer_bytes")  # counted again when written back
+    at = cut + 1 + named + described
+    n = (len(raw) - at) // 16
+    body = np.frombuffer(raw[at:], np.uint64)
+    parts = {"keys": raw[cut + 1:cut + 1 + named], "peer": raw[cut + 1 + named:at]}
+    return head, parts, body[:n].astype(np.int64).tolist(), body[n:].tolist()
+
+
+def _rewrite(path, head, parts, blocks, sums):
+    """Write an entry back; the lengths count ``parts`` unless a test set them."""
+    head.setdefault("keys_bytes", len(parts["keys"]))
+    head.setdefault("peer_bytes", len(parts["peer"]))
+    path.write_bytes(json.dumps(head).encode() + b"\n" + parts["keys"] + parts["peer"] +
+                     np.asarray(blocks, "<i8").tobytes() + np.asarray(sums, "<u8").tobytes())
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda d, p, b, s: d.update(version=1), "version"),
+    (lambda d, p, b, s: b.__setitem__(0, -1), "block ids must be ints >= 0"),
+    (lambda d, p, b, s: p.update(keys=b"a\x1fb"), "keys must be 1 non-empty"),
+    (lambda d, p, b, s: d.update(n=2), "2 blocks must be followed"),
+    (lambda d, p, b, s: b.append(3), "1 blocks must be followed by .* got 24 bytes"),
+    (lambda d, p, b, s: d.update(rank=3), "rank must be 0"),
+    (lambda d, p, b, s: d.pop("stores"), "whether P stores"),
+    (lambda d, p, b, s: d.clear(), "version"), (lambda d, p, b, s: d.update(format="other"), "version"),
+    (lambda d, p, b, s: p.update(keys=b""), "keys_bytes and peer_bytes must count"),
+    (lambda d, p, b, s: d.update(keys_bytes="1"), "keys_bytes and peer_bytes must count"),
+    (lambda d, p, b, s: d.update(keys_bytes=10**6), "keys_bytes and peer_bytes must count"),
+    (lambda d, p, b, s: d.update(n=0), "0 blocks"), (lambda d, p, b, s: d.update(n="1"), "'1' blocks"),
+    (lambda d, p, b, s: d.update(n=True), "True blocks"),
+    (lambda d, p, b, s: d.update(pid="9"), "with a pid"), (lambda d, p, b, s: d.update(geometry=5), "a geometry"),
+    (lambda d, p, b, s: p.update(peer=b"[]"), "peer description"),
+    (lambda d, p, b, s: p.update(peer=b"{not json"), "peer description"),
+    (lambda d, p, b, s: d.update(peer_bytes=-1), "peer_bytes must count"),
+    (lambda d, p, b, s: d.update(peer_bytes=10**6), "peer_bytes must count"),
+    (lambda d, p, b, s: d.update(peer_bytes=2.0), "peer_bytes must count"),
+    (lambda d, p, b, s: d.update(peer_bytes=1), "blocks must be followed by .* got 17 bytes"),
+])
+def test_a_malformed_entry_is_refused_by_rule_and_released_failed(tmp_path, change, rule):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    path = name.with_name(name.name + ".lend")
+    head, parts, blocks, sums = _entry(path)
+    change(head, parts, blocks, sums)
+    _rewrite(path, head, parts, blocks, sums)
+    with pytest.raises(ProtocolError, match=rule):
+        board.take(0, ["a"], _always)
+    assert board.state(name) == "fail"
+
+
+def test_a_peer_description_is_parsed_once_and_its_parse_is_the_entrys(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    peer = {"kind": "cuda-ipc", "tensors": {"0": {"k": [["ab" * 64, 0, 4096]]}}}
+    for _ in range(3):
+        board.post(0, "g", ["a"], [7], [1], peer)
+        lend = board.take(0, ["a"], _always)
+        assert lend.peer == peer
+    assert len(board._peers) == 1
+    board.post(0, "g", ["a"], [7], [1], {"other": 1})
+    assert board.take(0, ["a"], _always).peer == {"other": 1} and len(board._peers) == 2
+
+
+@pytest.mark.parametrize("raw", [b"", b"{}", b"not json\n", b"[1]\n" + bytes(16), b"\n" + bytes(16)])
+def test_an_entry_that_is_not_one_is_refused(tmp_path, raw):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    name.with_name(name.name + ".lend").write_bytes(raw)
+    with pytest.raises(ProtocolError, match="not a kvstate-lend version 2 entry"):
+        board.take(0, ["a"], _always)
+    assert board.state(name) == "fail"
+
+
+def test_keys_holding_the_separator_are_refused_at_post(tmp_path):
+    with pytest.raises(ProtocolError, match="may not hold"):
+        LendBoard(tmp_path, wait=0).post(0, "g", ["a\x1fb"], [7], [1], {})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("keys", [["a", "", "c"], ["", "b", "c"], ["a", "c", ""]])
+def test_an_entry_with_an_empty_key_is_refused(tmp_path, keys):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["x", "y", "c"], [7, 8, 9], [1, 2, 3], {})  # found by its last key, "c"
+    path = name.with_name(name.name + ".lend")
+    head, parts, blocks, sums = _entry(path)
+    parts["keys"] = "\x1f".join(keys).encode()
+    _rewrite(path, head, parts, blocks, sums)
+    with pytest.raises(ProtocolError, match="keys must be 3 non-empty strings"):
+        board.take(0, ["c"], _always)
+    assert board.state(name) == "fail"
+
+
+def test_keys_are_matched_as_utf8_bytes(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    board.post(0, "g", ["préfixe", "clé-ü"], [7, 8], [1, 2], {})
+    assert board.take(0, ["cle-u"], _always) is None
+    assert board.take(0, ["clé-ü"], _always).blocks.tolist() == [8]
+
+
+def test_fold_rows_is_fold_sums_of_each_row_and_order_matters():
+    from kvstate.backends._lends import fold_rows
+
+    rows = np.random.default_rng(3).integers(0, 2**63, (7, 4), dtype=np.uint64) * 2 + 1
+    assert fold_rows(rows) == [fold_sums([int(x) for x in r]) for r in rows]
+    assert fold_rows(np.zeros((0, 2), np.uint64)) == []
+    assert len({fold_sums([1, 2]), fold_sums([2, 1]), fold_sums([3]), fold_sums([1, 3])}) == 4
+
+
+@pytest.mark.parametrize("keys, blocks, sums", [(["a", "b"], [1], [1]), (["a"], [1], [1, 2]), ([], [], [])])
+def test_a_post_needs_as_many_keys_blocks_and_checksums(tmp_path, keys, blocks, sums):
+    with pytest.raises(ProtocolError, match="as many keys, blocks and checksums"):
+        LendBoard(tmp_path, wait=0).post(0, "g", keys, blocks, sums, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_taken_lend_carries_every_field(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    board.post(2, "geo", ["a", "b"], [7, 8], [0, (1 << 64) - 1], {"x": 1}, stores=True)  # sums at both ends
+    lend = board.take(2, ["b"], _always)
+    assert (lend.pid, lend.rank, lend.geometry, lend.keys, lend.blocks.tolist(), lend.sums.tolist(), lend.peer,
+            lend.stores) == (os.getpid(), 2, "geo", ("b",), [8], [(1 << 64) - 1], {"x": 1}, True)
+    assert lend.blocks.dtype == np.int64 and lend.sums.dtype == np.uint64
+
+
+@pytest.mark.parametrize("first", [16, 64, 1 << 18])
+def test_an_entry_is_read_whole_in_any_number_of_reads_and_one_past_the_bound_refused(tmp_path, monkeypatch, first):
+    import kvstate.backends._lends as lends
+
+    monkeypatch.setattr(lends, "_FIRST_READ", first)
+    board = LendBoard(tmp_path, wait=0)
+    keys = [f"k{i}" for i in range(40)]
+    name = board.post(0, "g", keys, list(range(40)), list(range(1, 41)), {"x": "y" * 100})
+    size = name.with_name(name.name + ".lend").stat().st_size
+    lend = board.take(0, keys, _always)
+    assert lend.blocks.tolist() == list(range(40)) and lend.sums.tolist() == list(range(1, 41))
+    board.remove(name)
+    monkeypatch.setattr(lends, "_MAX_ENTRY", size - 1)
+    name = board.post(0, "g", keys, list(range(40)), list(range(1, 41)), {"x": "y" * 100})
+    with pytest.raises(ProtocolError, match="not a kvstate-lend version 2 entry"):
+        board.take(0, keys, _always)
+    assert board.state(name) == "fail"
+
+
+@pytest.mark.parametrize("got, want, n", [([1, 2, 3], [1, 2, 3], 3), ([1, 9, 3], [1, 2, 3], 1), ([9], [1], 0),
+                                          ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1, 2], 2), ([], [1], 0),
+                                          ([(1 << 64) - 1], np.array([(1 << 64) - 1], np.uint64), 1)])
+def test_leading_matches_counts_up_to_the_first_difference(got, want, n):
+    assert leading_matches(got, want) == n
