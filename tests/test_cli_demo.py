@@ -6,6 +6,7 @@ import sys
 import pytest
 from needs import gpu, gpu_missing
 
+from kvstate import ConfigError
 from kvstate.app._cli import main
 from kvstate.app._demo import DemoConfig, run_demo
 
@@ -114,10 +115,33 @@ def test_demo_processes_bad_options(args, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def test_devices_must_be_two_gpu_indices(capsys):
+@pytest.mark.parametrize("text", ["0", "0,1,2", "0,x", "0+,1", "0+-1,1", "0,1024"])
+def test_devices_must_be_two_gpu_indices(capsys, text):
     with pytest.raises(SystemExit) as e:
-        main(["demo", "--processes", "--backend", "cuda", "--devices", "0"])
+        main(["demo", "--processes", "--backend", "cuda", "--devices", text])
     assert e.value.code == 2 and "expected two GPU indices P,D" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, want", [("0,1", (0, 1)), ("0+1,1+0", ((0, 1), (1, 0))), ("1,0+1", (1, (0, 1))),
+                                        ("3+3,2", ((3, 3), 2))])
+def test_devices_name_a_gpu_a_role_or_one_a_rank(text, want):
+    from kvstate.app._cli import _device_pair
+
+    assert _device_pair(text) == want
+
+
+@pytest.mark.parametrize("devices, ok", [((0, 1), True), (((0, 1), (1, 0)), True), (((0, 1), 1), True),
+                                         (((0, 1, 0), 1), False), (((0,), 1), False), ((0, -1), False),
+                                         ((True, 1), False), (((0, 1.0), 1), False), ([0, 1], False)])
+def test_a_demo_config_takes_one_gpu_a_role_or_one_a_rank(devices, ok):
+    from kvstate.app._demo import DemoConfig
+
+    cfg = DemoConfig(tp=2, backend="cuda", devices=devices)
+    if ok:
+        cfg.validate()
+    else:
+        with pytest.raises(ConfigError, match="each a GPU index, or one a TP rank .2."):
+            cfg.validate()
 
 
 @pytest.mark.skipif(gpu_missing() is None, reason="checks the refusal where CuPy or a GPU is missing")
@@ -138,6 +162,23 @@ def test_demo_as_processes_on_gpus(capsys, handoff):
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["unfinished"] == 0
     assert s["processes"] == 7 and s["finished"] > 0
     assert (s["lends_pulled"] >= s["finished"]) == (handoff == "direct")
+
+
+@pytest.mark.gpu
+@gpu()
+def test_demo_as_processes_with_a_rank_a_gpu(capsys):
+    """TP 2 with each rank on its own GPU, P's and D's crossed (P's rank 0 and D's rank 1 on
+    GPU 0): every rank worker attaches to its rank's caches on its GPU, and D's pull each rank
+    from the other GPU."""
+    import cupy as cp
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    assert main(["demo", "--processes", "--backend", "cuda", "--tp", "2", "--devices", "0+1,1+0", "--handoff",
+                 "direct", "--requests", "24", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["unfinished"] == 0
+    assert s["processes"] == 7 and s["lends_pulled"] >= s["finished"] > 0
 
 
 @pytest.mark.slow

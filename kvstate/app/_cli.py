@@ -112,19 +112,24 @@ def _add_demo(sub: Any) -> None:
                    help="run P and D as separate processes, each a scheduler plus --tp rank-worker processes, over a "
                         "store that works across processes (a shared-memory arena, a FileStore, or Mooncake)")
     d.add_argument("--devices", type=_device_pair, metavar="P,D",
-                   help="with --processes --backend cuda: P's and D's GPU (default 0,1 with two GPUs, else 0,0)")
+                   help="with --processes --backend cuda: P's and D's GPU (default 0,1 with two GPUs, else 0,0), "
+                        "or one GPU a TP rank joined by '+' (--tp 2 --devices 0+1,0+1)")
     d.add_argument("--handoff", choices=("store", "direct", "both"), default="store",
                    help="how a cache reaches D: through the store (default), or pulled straight from P's caches "
                         "(direct; both: the store written too, for D to fall back on), with --processes")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
 
 
-def _device_pair(text: str) -> tuple[int, int]:
-    """``P,D``: two GPU indices."""
+def _device_pair(text: str) -> tuple[int | tuple[int, ...], int | tuple[int, ...]]:
+    """``P,D``: each a GPU index (all of that role's ranks there), or one GPU a TP rank joined
+    by ``+`` (``0+1,1+0``: P's rank 0 on GPU 0 and rank 1 on GPU 1, D's the other way)."""
     parts = text.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) < 1024 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected two GPU indices P,D, got {text!r}")
-    return int(parts[0]), int(parts[1])
+    gpus = [[g.strip() for g in p.split("+")] for p in parts]
+    if len(parts) != 2 or not all(g.isdigit() and int(g) < 1024 for role in gpus for g in role):
+        raise argparse.ArgumentTypeError(f"expected two GPU indices P,D (each may be one GPU a TP rank, joined by "
+                                         f"'+'), got {text!r}")
+    p_gpus, d_gpus = (tuple(int(g) for g in role) for role in gpus)
+    return (p_gpus if len(p_gpus) > 1 else p_gpus[0]), (d_gpus if len(d_gpus) > 1 else d_gpus[0])
 
 
 def _check_demo(args: argparse.Namespace) -> None:

@@ -42,9 +42,9 @@ class DemoConfig:
     #: how caches reach D (``PrefillLifecycle(handoff=)``): through the store, or pulled straight from
     #: P's caches ("direct", "both": with ``--processes``, whose instances run side by side)
     handoff: str = "store"
-    #: with ``--processes --backend cuda``: P's and D's GPU (P's ranks on one, D's on the other);
-    #: None: P on GPU 0, D on GPU 1 where there is one
-    devices: tuple[int, int] | None = None
+    #: with ``--processes --backend cuda``: P's and D's GPU, each one index (all the role's ranks
+    #: there) or a tuple of one index a TP rank; None: P on GPU 0, D on GPU 1 where there is one
+    devices: tuple[int | tuple[int, ...], int | tuple[int, ...]] | None = None
     store_factory: Callable[[CacheSpec], Store] | None = field(default=None, repr=False)
 
     def validate(self) -> None:
@@ -61,10 +61,18 @@ class DemoConfig:
         if not isinstance(self.concurrency, int) or self.concurrency <= 0:
             raise ConfigError(f"--concurrency must be an int > 0, got {self.concurrency!r}")
         if self.devices is not None and (not isinstance(self.devices, tuple) or len(self.devices) != 2 or
-                                         not all(isinstance(d, int) and 0 <= d < 1024 for d in self.devices)):
-            raise ConfigError(f"--devices must be two GPU indices P,D, got {self.devices!r}")
+                                         not all(map(self._gpus_of_a_role, self.devices))):
+            raise ConfigError(f"--devices must be P,D: each a GPU index, or one a TP rank ({self.tp}), got "
+                              f"{self.devices!r}")
         if self.handoff not in HANDOFFS:
             raise ConfigError(f"--handoff must be one of {list(HANDOFFS)}, got {self.handoff!r}")
+
+
+    def _gpus_of_a_role(self, gpus: Any) -> bool:
+        """One GPU index, or a tuple of one a TP rank."""
+        def index(g: Any) -> bool:
+            return g.__class__ is int and 0 <= g < 1024
+        return index(gpus) or isinstance(gpus, tuple) and len(gpus) == self.tp and all(map(index, gpus))
 
 
 def arena_store(spec: CacheSpec, blocks: int) -> Store:

@@ -79,7 +79,8 @@ def _start(role: str, cfg: DemoConfig, store: dict[str, Any], addresses: dict[st
            extra: dict[str, Any]) -> Any:
     from ..distributed._supervise import ChildProcess
 
-    device = -1 if cfg.devices is None else cfg.devices[_ROLES.index(role)]  # -1: the scheduler picks
+    gpus = -1 if cfg.devices is None else cfg.devices[_ROLES.index(role)]  # -1: the scheduler picks
+    device = list(gpus) if isinstance(gpus, tuple) else gpus  # a list: one GPU a TP rank
     sc = SchedulerConfig(role, _spec(cfg), cfg.blocks_per_instance, store, addresses, cfg.seed + 1 + _ROLES.index(role),
                          cfg.concurrency, os.getpid(), extra={**extra, "device": device})
     return ChildProcess("kvstate.app._procsched", [sc.to_json()], f"demo {role} scheduler")

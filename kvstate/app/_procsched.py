@@ -30,7 +30,7 @@ from ..distributed._supervise import die_with_parent, parent_alive
 from ._demoroles import DecodeRole, Plan, PrefillRole
 from ._procdemo import DEMO_SCHEMAS, SchedulerConfig
 
-__all__ = ["Scheduler", "main"]
+__all__ = ["Scheduler", "RankViews", "main"]
 
 
 class Scheduler:
@@ -61,29 +61,30 @@ class Scheduler:
                                    lambda rid, state, code: self._send("router", "result", rid, state, code))
         self.queued: deque[Plan] = deque()  # D: requests waiting for room
 
-    def _caches(self, cfg: SchedulerConfig) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-        """This engine's caches, as a model runner makes them, and what its rank workers attach
-        with: numpy caches in shared-memory files, or (``backend`` ``cuda``) GPU caches on its
-        ``device`` shared through CUDA IPC; the view is a backend over them."""
-        view: Any
+    def _caches(self, cfg: SchedulerConfig) -> tuple[Any, dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+        """This engine's caches, as a model runner makes them, and what each rank's worker
+        attaches with (rank by rank): numpy caches in shared-memory files, or (``backend``
+        ``cuda``) GPU caches on its ``device`` (one GPU, or a list of one a rank) shared
+        through CUDA IPC; the view is a backend over them."""
+        ranks = range(self.spec.tp_size)
         if cfg.extra.get("backend", "reference") != "cuda":
             shared = SharedCaches.create(self.spec, cfg.blocks)
             self._release: Any = shared.close
-            view = ReferenceBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), caches=shared.caches)
-            return view, {"kind": "shm", "paths": shared.paths}, {}
-        from ..backends._cuda import CudaBackend
+            host = ReferenceBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), caches=shared.caches)
+            return host, {r: {"kind": "shm", "paths": shared.paths} for r in ranks}, {r: {} for r in ranks}
         from ..backends._cudaipc import share_caches
 
-        device = int(cfg.extra.get("device", -1))
-        if device < 0:  # P on GPU 0, D on GPU 1 where there is one
+        device = cfg.extra.get("device", -1)
+        if device == -1:  # P on GPU 0, D on GPU 1 where there is one
             from ..kernels._cuda_launch import load_cupy
 
             device = int(cfg.role == "decode" and load_cupy().cuda.runtime.getDeviceCount() > 1)
-        view = CudaBackend(self.spec, cfg.blocks, MemoryStore(1 << 20), device=device, staging_bytes=1 << 20)
-        self._release = view.close
-        desc = share_caches({r: {k: list(view.caches(r, k).views) for k in self.spec.kinds}
-                             for r in range(self.spec.tp_size)}, device)
-        return view, desc, {"backend": "cuda", "device": device}
+        gpus = [int(g) for g in device] if isinstance(device, list) else [int(device)] * self.spec.tp_size
+        views = RankViews(self.spec, cfg.blocks, gpus)
+        self._release = views.close
+        descs = {r: share_caches({r: {k: list(views.caches(r, k).views) for k in self.spec.kinds}}, gpus[r])
+                 for r in ranks}
+        return views, descs, {r: {"backend": "cuda", "device": gpus[r]} for r in ranks}
 
     def _send(self, peer: str, kind: str, *items: Any) -> None:
         self.link.send(peer, kind, *items)
@@ -98,7 +99,7 @@ class Scheduler:
         board = self.board if self.handoff != "store" else ""
         boards = {"lends": board} if self.cfg.role == "prefill" else {"pulls": board}
         for r in range(self.spec.tp_size):
-            self.driver.spawn(r, self.cfg.store, caches=self.worker_caches, **self.worker_kw, **boards)
+            self.driver.spawn(r, self.cfg.store, caches=self.worker_caches[r], **self.worker_kw[r], **boards)
         self.driver.wait_ready(60)
         pids = [self.driver.child(r).pid for r in range(self.spec.tp_size)]  # type: ignore[union-attr]
         self._send("router", "ready", self.cfg.role, os.getpid(), pids)
@@ -168,6 +169,43 @@ class Scheduler:
                 close()
             except Exception as e:  # noqa: BLE001 - every resource gets its turn
                 print(f"kvstate demo {self.cfg.role}: while closing: {e}", file=sys.stderr)
+
+
+class RankViews:
+    """An engine's GPU caches as one view, each TP rank on its GPU (``gpus[rank]``): a
+    :class:`~kvstate.backends.CudaBackend` a GPU holding the ranks placed there, each call
+    answered by the rank's. This is what the roles fill and check; the rank workers move
+    the bytes."""
+
+    def __init__(self, spec: CacheSpec, blocks: int, gpus: list[int]) -> None:
+        from ..backends._cuda import CudaBackend
+
+        self.spec = spec
+        self._of: dict[int, Any] = {}
+        self._parts: list[Any] = []
+        try:
+            for gpu in dict.fromkeys(gpus):
+                ranks = [r for r, g in enumerate(gpus) if g == gpu]
+                part = CudaBackend(spec, blocks, MemoryStore(1 << 20), device=gpu, ranks=ranks, staging_bytes=1 << 20)
+                self._parts.append(part)
+                self._of.update(dict.fromkeys(ranks, part))
+        except BaseException:
+            self.close()
+            raise
+
+    def caches(self, rank: int, kind: str) -> Any:
+        return self._of[rank].caches(rank, kind)
+
+    def fill_block(self, rank: int, *args: Any, **kw: Any) -> Any:
+        return self._of[rank].fill_block(rank, *args, **kw)
+
+    def block_bytes(self, rank: int, *args: Any, **kw: Any) -> Any:
+        return self._of[rank].block_bytes(rank, *args, **kw)
+
+    def close(self) -> None:
+        """Close every rank's backend (each from any thread, on any device)."""
+        for part in self._parts:
+            part.close()
 
 
 def main(argv: list[str] | None = None) -> int:
