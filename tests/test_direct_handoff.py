@@ -317,6 +317,9 @@ def test_a_reference_backend_maps_a_lenders_shared_caches_and_no_other_file(tmp_
         assert d.pull_copy(0, peer, [5, 6, 7], [0, 1, 2], want, None) == 3
         assert mismatched_blocks(d, keys, [0, 1, 2]) == []
         assert d.pull_copy(0, peer, [5, 6, 7], [0, 1, 2], [want[0], want[1] ^ 1, want[2]], None) == 1
+        for src, dst, sums in (([5, 6], [0, 1, 2], want), ([5, 6, 7], [0, 1, 2], want[:2])):
+            with pytest.raises(ProtocolError, match="as many lender's blocks, own blocks and checksums"):
+                d.pull_copy(0, peer, src, dst, sums, None)
         for bad in ({**peer, "path": "/etc/passwd"}, {**peer, "path": str(tmp_path / "kvstate-x")},
                     {**peer, "kind": "cuda-ipc"}):
             with pytest.raises(ProtocolError, match="shared-memory"):

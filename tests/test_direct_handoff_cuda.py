@@ -172,6 +172,18 @@ def test_d_pulls_from_another_process_and_survives_its_death(tmp_path, kill):
             proc.join(5)
 
 
+def test_a_pull_with_too_few_checksums_is_refused_before_anything_moves():
+    from kvstate import ProtocolError
+    from kvstate.backends import CudaBackend
+
+    be = CudaBackend(SPEC, 8, MemoryStore(1 << 20))
+    try:
+        with pytest.raises(ProtocolError, match="as many lender's blocks, own blocks and checksums"):
+            be.pull_copy(0, {"kind": "cuda-ipc"}, [1, 2], [3, 4], [5], None)
+    finally:
+        be.close()
+
+
 def test_a_gpu_that_cannot_reach_p_is_refused_by_rule():
     from kvstate import ProtocolError
     from kvstate.backends import CudaBackend

@@ -609,6 +609,9 @@ class CudaBackend(DeviceSums, StoreBackend):
         device, so the host reads one number; otherwise the sums follow the copy, in up to
         four pieces, each piece's sums (local memory) running beside the next piece's copy."""
         self._check_open()
+        if not len(src_ids) == len(dst_ids) == len(sums):
+            raise ProtocolError(f"rank {rank}: a pull needs as many lender's blocks, own blocks and checksums, got "
+                                f"{len(src_ids)}, {len(dst_ids)} and {len(sums)}")
         sw = self._swappers[rank]
         fetch: Callable[[], int]
         with self._on(rank):

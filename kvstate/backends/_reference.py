@@ -162,7 +162,10 @@ class ReferenceBackend(StoreBackend):
         blocks landed with the lender's ``sums``."""
         theirs = self._lender_caches(peer, rank)
         blocks = len(theirs[self.spec.kinds[0]][0])
-        if len(src_ids) != len(dst_ids) or not all(is_int(b) and 0 <= b < blocks for b in src_ids):
+        if not len(src_ids) == len(dst_ids) == len(sums):
+            raise ProtocolError(f"rank {rank}: a pull needs as many lender's blocks, own blocks and checksums, got "
+                                f"{len(src_ids)}, {len(dst_ids)} and {len(sums)}")
+        if not all(is_int(b) and 0 <= b < blocks for b in src_ids):
             raise ProtocolError(f"rank {rank}: the lend names blocks {list(src_ids)[:8]} its caches do not hold")
         check_fence(guard, rank, "scatter into", dst_ids)
         ids, into = list(src_ids), list(dst_ids)
