@@ -171,3 +171,13 @@ def test_an_entry_is_read_whole_in_any_number_of_reads_and_one_past_the_bound_re
                                           ([(1 << 64) - 1], np.array([(1 << 64) - 1], np.uint64), 1)])
 def test_leading_matches_counts_up_to_the_first_difference(got, want, n):
     assert leading_matches(got, want) == n
+
+
+def test_a_d_key_holding_the_separator_takes_nothing(tmp_path):
+    """P's keys "x", "a", "b" join as D's "x\x1fa", "b" would: D must not take the entry and get
+    "a"'s block for its first key."""
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["x", "a", "b"], [6, 7, 8], [1, 2, 3], {})
+    assert board.take(0, ["x\x1fa", "b"], _always) is None
+    assert board.state(name) == "lend"
+    assert board.take(0, ["a", "b"], _always).blocks.tolist() == [7, 8]

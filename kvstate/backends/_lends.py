@@ -227,6 +227,8 @@ class LendBoard:
         end = time.monotonic() + self.wait
         pause = _POLL[0]
         tag, tail, mine = f"-{self._tag(keys[-1])}-", f".r{rank}.lend", KEY_SEP.join(keys).encode()
+        if mine.count(_SEP_BYTES) != len(keys) - 1:
+            return None  # a key holding the separator could match two of an entry's: no P lends it
         while True:
             for entry in os.scandir(self.root):
                 if entry.name.startswith(_PREFIX) and tag in entry.name and entry.name.endswith(tail):
