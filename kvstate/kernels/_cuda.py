@@ -399,6 +399,7 @@ class CudaSwapper:
         self._check_sums(sums, bound, gids.size)
         with self.cp.cuda.Device(self.device):
             ev = self.cp.cuda.Event(block=False, disable_timing=True)
+            # up to inline_ids ids ride in the kernels' parameters: no upload, nothing for the host to wait on
             inline = gids.size <= self.inline_ids and max(max(s.shape[0], d.shape[0]) for s, d in bound) < 2**31
             g, f = (gids, fids) if inline else self._params.upload([gids, fids], self.stream)
             for j, (s, d) in enumerate(bound):
@@ -406,7 +407,7 @@ class CudaSwapper:
                 if sums is not None:
                     self._kernels.launch_copy_sum(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, g, f,
                                                   int(gids.size), len(s), chunk, int(sums[j].data.ptr))
-                else:  # ids inline: no upload, nothing for the host to wait on
+                else:
                     self._kernels.launch(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, 0, 0, g, f,
                                          int(gids.size), (len(s), chunk, 1), chunk, gather=True,
                                          vectors=chunk % 16 == 0 and s.aligned and d.aligned)
