@@ -338,3 +338,32 @@ def test_without_a_secret_a_hello_with_none_is_welcomed():
                       on_up=lambda r: None, on_arrived=lambda *a: None, name="open")
     ctl.receive(wire.pack(wire.HELLO, 0, 3, 900, 2, wire.geometry(SPEC2, 4), 1, ""))
     assert sent == [[wire.WELCOME, 3]] and ranks.incarnation(0) == 3
+
+
+# -- the driver's own answers: ranks down, lists refused whole ---------------------------------------
+def _write(cid, ranks=(0, 1)):
+    from kvstate import commands as C
+
+    return C.WriteBlocks("r1", cid, ranks, time.monotonic() + 30, ("k0", "k1"), (1, 2))
+
+
+def test_a_command_for_ranks_down_fails_at_once_rank_by_rank():
+    with ProcessDriver(SPEC2, 4, restart=False) as drv:  # no worker ever said hello
+        assert drv.submit(_write(7))
+        got = sorted(drv.poll(2.0) + drv.poll(0.2), key=lambda c: c.rank)
+        assert [(c.command_id, c.rank, c.count, c.error, c.lost) for c in got] == [
+            (7, 0, 0, "rank 0 is down", False), (7, 1, 0, "rank 1 is down", False)]
+        assert drv.inflight == 0
+
+
+def test_submit_all_returns_the_notices_and_refuses_a_list_with_no_command_whole():
+    from kvstate import ValidationError
+    from kvstate import commands as C
+
+    with ProcessDriver(SPEC2, 4, restart=False) as drv:
+        notice = C.FreeBlocks("r1", (3,))
+        assert drv.submit_all([notice, _write(8, (1,))]) == [notice]
+        assert [(c.command_id, c.rank, c.error) for c in drv.poll(2.0)] == [(8, 1, "rank 1 is down")]
+        with pytest.raises(ValidationError, match="ProcessDriver.submit_all"):
+            drv.submit_all([_write(9, (1,)), "not a command"])
+        assert drv.inflight == 0 and drv.poll(0.05) == []  # nothing of the refused list was taken
