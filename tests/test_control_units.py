@@ -1,5 +1,7 @@
 """The process driver's control side without processes: the restart back-off and the rank
-report, every figure exact."""
+report, every figure exact; and the driver's answers with a fake worker (a lane, a reply and
+a control socket in the test's process): goodbyes owing commands, cancels and layer reports
+to their lane, stale and bad answers dropped."""
 from __future__ import annotations
 
 import threading
@@ -367,3 +369,113 @@ def test_submit_all_returns_the_notices_and_refuses_a_list_with_no_command_whole
         with pytest.raises(ValidationError, match="ProcessDriver.submit_all"):
             drv.submit_all([_write(9, (1,)), "not a command"])
         assert drv.inflight == 0 and drv.poll(0.05) == []  # nothing of the refused list was taken
+
+
+class FakeWorker:
+    """A rank worker's sockets and nothing else: it says hello on the control channel, takes
+    what the driver sends on one lane, and answers or says goodbye when the test says."""
+
+    def __init__(self, drv: ProcessDriver, rank: int = 0, inc: int = 5) -> None:
+        import zmq
+
+        self.drv, self.rank, self.inc = drv, rank, inc
+        self.ctx = zmq.Context()
+        self.lane = self.ctx.socket(zmq.DEALER)
+        self.lane.setsockopt(zmq.IDENTITY, f"r{rank}:0".encode())
+        self.lane.setsockopt(zmq.LINGER, 0)
+        self.lane.connect(drv.addresses[0])
+        self.reply, self.control = (self.ctx.socket(zmq.PUSH) for _ in range(2))
+        for sock, at in ((self.reply, drv.addresses[1]), (self.control, drv.addresses[2])):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(at)
+        geometry = wire.geometry(drv.spec, drv.num_blocks)
+        deadline = time.monotonic() + 10
+        while not self.lane.poll(100):  # a hello may go before the lane's route is known: say it again
+            assert time.monotonic() < deadline, "no welcome"
+            self.control.send(wire.pack(wire.HELLO, rank, inc, 4242, drv.spec.tp_size, geometry, 1, drv.secret))
+        assert wire.unpack(self.lane.recv()) == [wire.WELCOME, inc]
+
+    def take(self) -> list:
+        assert self.lane.poll(5000), "nothing sent to the lane"
+        return wire.unpack(self.lane.recv())
+
+    def answer(self, cid: int, count: int, error: str | None = None, inc: int | None = None) -> None:
+        self.reply.send(wire.pack(wire.DONE, self.rank, self.inc if inc is None else inc, cid, count, error))
+
+    def bye(self, reason: str) -> None:
+        self.control.send(wire.pack(wire.BYE, self.rank, self.inc, reason))
+
+    def close(self) -> None:
+        for sock in (self.lane, self.reply, self.control):
+            sock.close(0)
+        self.ctx.term()
+
+
+SPEC1 = CacheSpec(2, 1, 4, 8)
+
+
+def _answers(drv, n, timeout=5.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += drv.poll(0.2)
+    return got
+
+
+def test_a_worker_that_says_goodbye_owing_commands_loses_each_with_its_reason():
+    with ProcessDriver(SPEC1, 4, restart=False) as drv:
+        w = FakeWorker(drv)
+        try:
+            drv.submit(_write(11, (0,)))
+            drv.submit(_write(12, (0,)))
+            assert [w.take()[0], w.take()[0]] == [wire.CMD, wire.CMD]
+            w.answer(11, 2)
+            w.bye("exit 0")
+            got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
+            assert [(c.command_id, c.rank, c.count, c.error, c.lost) for c in got] == [
+                (11, 0, 2, None, False), (12, 0, 0, "rank 0 lost: its worker said goodbye (exit 0)", True)]
+            assert drv.inflight == 0 and drv.counters["lost"] == 1 and drv.poll(0.05) == []
+        finally:
+            w.close()
+
+
+def test_a_cancel_and_a_layer_report_follow_their_command_to_its_lane():
+    from kvstate import commands as C
+
+    with ProcessDriver(SPEC1, 4, restart=False) as drv:
+        w = FakeWorker(drv, inc=9)
+        try:
+            drv.submit(_write(21, (0,)))
+            assert w.take()[0] == wire.CMD
+            assert drv.submit(C.CancelCommand("r1", 21))
+            assert w.take() == [wire.CANCEL, 9, 21]
+            assert drv.submit(C.LayersReady("r1", 21, 1))
+            assert w.take() == [wire.LAYERS, 9, 21, 1]
+            drv.submit(C.CancelCommand("r1", 99))  # owed by nobody: nothing is sent
+            assert not w.lane.poll(200)
+            w.answer(21, 0, "cancelled")
+            assert [(c.command_id, c.error) for c in _answers(drv, 1)] == [(21, "cancelled")]
+        finally:
+            w.close()
+
+
+def test_poll_gives_answers_as_they_come_and_drops_stale_or_bad_ones():
+    with ProcessDriver(SPEC1, 4, restart=False) as drv:
+        w = FakeWorker(drv, inc=3)
+        try:
+            for cid in (31, 32):
+                drv.submit(_write(cid, (0,)))
+                w.take()
+            assert drv.poll(0.0) == [] and drv.inflight == 2
+            w.answer(31, 1, inc=4)  # another incarnation's: stale
+            w.reply.send(b"not a message")
+            w.answer(31, 3)  # more than its two keys: refused
+            t = time.monotonic()
+            assert drv.poll(0.3) == [] and time.monotonic() - t >= 0.25  # it waited out its timeout
+            assert drv.counters["stale"] == 1 and drv.counters["bad_messages"] == 2
+            w.answer(32, 2)
+            w.answer(31, 1)
+            got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
+            assert [(c.command_id, c.count, c.error) for c in got] == [(31, 1, None), (32, 2, None)]
+            assert drv.inflight == 0
+        finally:
+            w.close()
