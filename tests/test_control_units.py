@@ -479,3 +479,26 @@ def test_poll_gives_answers_as_they_come_and_drops_stale_or_bad_ones():
             assert drv.inflight == 0
         finally:
             w.close()
+
+
+def test_the_driver_s_sockets_bound_their_messages_queues_and_waits():
+    """What keeps a flood or a dead peer from growing the driver or hanging it, read back from
+    its sockets: the command socket takes a worker's name and nothing more, queues one frame,
+    and a send to a worker gives up after ``submit_timeout``; the reply and control sockets
+    take messages up to the wire's bound; nothing lingers at close; the ipc directory is the
+    user's alone."""
+    import os
+    import stat
+
+    import zmq
+
+    with ProcessDriver(SPEC1, 4, restart=False, submit_timeout=7.5) as drv:
+        cmd = drv._cmd
+        assert (cmd.getsockopt(zmq.MAXMSGSIZE), cmd.getsockopt(zmq.RCVHWM), cmd.getsockopt(zmq.SNDHWM),
+                cmd.getsockopt(zmq.SNDTIMEO), cmd.getsockopt(zmq.LINGER)) == (256, 1, 4096, 7500, 0)
+        for sock in (drv._reply, drv._control):
+            assert (sock.getsockopt(zmq.MAXMSGSIZE), sock.getsockopt(zmq.LINGER)) == (wire.MAX_MESSAGE_BYTES, 0)
+        assert [a.split("/")[-1] for a in drv.addresses] == ["cmd", "reply", "control"]
+        assert all(a.startswith(f"ipc://{drv._tmp}/") for a in drv.addresses) and drv.curve_key == ""
+        assert stat.S_IMODE(os.stat(drv._tmp).st_mode) == 0o700
+    assert not os.path.exists(drv._tmp)  # removed at close
