@@ -206,3 +206,20 @@ def test_children_an_owner_forgot_are_killed_at_exit(children):
 
 def test_die_with_parent_is_a_no_op_without_a_parent_pid():
     assert die_with_parent(0) is None
+
+
+def test_pid_running_asks_the_kernel_once_and_pid_alive_falls_back_to_it_without_proc(monkeypatch):
+    import builtins
+
+    from kvstate.backends import _hostfiles
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # reaped: its pid is free
+    assert _hostfiles.pid_running(os.getpid()) and not _hostfiles.pid_running(done.pid)
+    assert not _hostfiles.pid_running(0) and not _hostfiles.pid_running(-1)  # never a process group
+    assert _hostfiles.pid_running(1)  # init: there, whoever may signal it
+
+    def no_proc(path, *a, **k):
+        raise PermissionError(path)
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert _hostfiles.pid_alive(os.getpid()) and not _hostfiles.pid_alive(done.pid)

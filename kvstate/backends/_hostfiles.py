@@ -28,14 +28,8 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+    except OSError:  # no /proc: ask the kernel (a zombie then counts as running)
+        return pid_running(pid)
 
 
 def pid_running(pid: int) -> bool:
