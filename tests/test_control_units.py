@@ -410,6 +410,12 @@ class FakeWorker:
             sock.close(0)
         self.ctx.term()
 
+    def __enter__(self) -> FakeWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 SPEC1 = CacheSpec(2, 1, 4, 8)
 
@@ -422,63 +428,51 @@ def _answers(drv, n, timeout=5.0):
 
 
 def test_a_worker_that_says_goodbye_owing_commands_loses_each_with_its_reason():
-    with ProcessDriver(SPEC1, 4, restart=False) as drv:
-        w = FakeWorker(drv)
-        try:
-            drv.submit(_write(11, (0,)))
-            drv.submit(_write(12, (0,)))
-            assert [w.take()[0], w.take()[0]] == [wire.CMD, wire.CMD]
-            w.answer(11, 2)
-            w.bye("exit 0")
-            got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
-            assert [(c.command_id, c.rank, c.count, c.error, c.lost) for c in got] == [
-                (11, 0, 2, None, False), (12, 0, 0, "rank 0 lost: its worker said goodbye (exit 0)", True)]
-            assert drv.inflight == 0 and drv.counters["lost"] == 1 and drv.poll(0.05) == []
-        finally:
-            w.close()
+    with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv) as w:
+        drv.submit(_write(11, (0,)))
+        drv.submit(_write(12, (0,)))
+        assert [w.take()[0], w.take()[0]] == [wire.CMD, wire.CMD]
+        w.answer(11, 2)
+        w.bye("exit 0")
+        got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
+        assert [(c.command_id, c.rank, c.count, c.error, c.lost) for c in got] == [
+            (11, 0, 2, None, False), (12, 0, 0, "rank 0 lost: its worker said goodbye (exit 0)", True)]
+        assert drv.inflight == 0 and drv.counters["lost"] == 1 and drv.poll(0.05) == []
 
 
 def test_a_cancel_and_a_layer_report_follow_their_command_to_its_lane():
     from kvstate import commands as C
 
-    with ProcessDriver(SPEC1, 4, restart=False) as drv:
-        w = FakeWorker(drv, inc=9)
-        try:
-            drv.submit(_write(21, (0,)))
-            assert w.take()[0] == wire.CMD
-            assert drv.submit(C.CancelCommand("r1", 21))
-            assert w.take() == [wire.CANCEL, 9, 21]
-            assert drv.submit(C.LayersReady("r1", 21, 1))
-            assert w.take() == [wire.LAYERS, 9, 21, 1]
-            drv.submit(C.CancelCommand("r1", 99))  # owed by nobody: nothing is sent
-            assert not w.lane.poll(200)
-            w.answer(21, 0, "cancelled")
-            assert [(c.command_id, c.error) for c in _answers(drv, 1)] == [(21, "cancelled")]
-        finally:
-            w.close()
+    with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv, inc=9) as w:
+        drv.submit(_write(21, (0,)))
+        assert w.take()[0] == wire.CMD
+        assert drv.submit(C.CancelCommand("r1", 21))
+        assert w.take() == [wire.CANCEL, 9, 21]
+        assert drv.submit(C.LayersReady("r1", 21, 1))
+        assert w.take() == [wire.LAYERS, 9, 21, 1]
+        drv.submit(C.CancelCommand("r1", 99))  # owed by nobody: nothing is sent
+        assert not w.lane.poll(200)
+        w.answer(21, 0, "cancelled")
+        assert [(c.command_id, c.error) for c in _answers(drv, 1)] == [(21, "cancelled")]
 
 
 def test_poll_gives_answers_as_they_come_and_drops_stale_or_bad_ones():
-    with ProcessDriver(SPEC1, 4, restart=False) as drv:
-        w = FakeWorker(drv, inc=3)
-        try:
-            for cid in (31, 32):
-                drv.submit(_write(cid, (0,)))
-                w.take()
-            assert drv.poll(0.0) == [] and drv.inflight == 2
-            w.answer(31, 1, inc=4)  # another incarnation's: stale
-            w.reply.send(b"not a message")
-            w.answer(31, 3)  # more than its two keys: refused
-            t = time.monotonic()
-            assert drv.poll(0.3) == [] and time.monotonic() - t >= 0.25  # it waited out its timeout
-            assert drv.counters["stale"] == 1 and drv.counters["bad_messages"] == 2
-            w.answer(32, 2)
-            w.answer(31, 1)
-            got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
-            assert [(c.command_id, c.count, c.error) for c in got] == [(31, 1, None), (32, 2, None)]
-            assert drv.inflight == 0
-        finally:
-            w.close()
+    with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv, inc=3) as w:
+        for cid in (31, 32):
+            drv.submit(_write(cid, (0,)))
+            w.take()
+        assert drv.poll(0.0) == [] and drv.inflight == 2
+        w.answer(31, 1, inc=4)  # another incarnation's: stale
+        w.reply.send(b"not a message")
+        w.answer(31, 3)  # more than its two keys: refused
+        t = time.monotonic()
+        assert drv.poll(0.3) == [] and time.monotonic() - t >= 0.25  # it waited out its timeout
+        assert drv.counters["stale"] == 1 and drv.counters["bad_messages"] == 2
+        w.answer(32, 2)
+        w.answer(31, 1)
+        got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
+        assert [(c.command_id, c.count, c.error) for c in got] == [(31, 1, None), (32, 2, None)]
+        assert drv.inflight == 0
 
 
 def test_the_driver_s_sockets_bound_their_messages_queues_and_waits():
