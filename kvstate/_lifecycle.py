@@ -26,7 +26,6 @@ Rules every role keeps:
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
@@ -329,7 +328,7 @@ class Lifecycle(Generic[R]):
         it does: a clock that cannot tell the time (NaN) refuses the call whole, and every
         deadline the call sets counts from this one reading (``_wait``, ``_transfer``)."""
         t = self.clock()
-        if t.__class__ is not float or not -math.inf < t < math.inf:  # a float is the common reading
+        if t.__class__ is not float or t - t != 0.0:  # a finite float (the common reading): t - t is 0
             t = clock_reading(t)
         self._now = t
         return t

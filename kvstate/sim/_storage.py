@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from itertools import takewhile
+from itertools import repeat, takewhile
 
 from ._scenario import StorageSpec
 
@@ -102,15 +102,12 @@ class SimStore:
         before = len(stored)
         stored.update(keys)
         self.used += (len(stored) - before) * self.shard_bytes
-        if blocks.keys().isdisjoint(keys):  # every key new to the pool: appended in write order
-            blocks.update(dict.fromkeys(keys))
-        elif self._last_write != (keys, self._lru_moves):
-            touch = blocks.move_to_end  # else: another rank's write of the same keys just put them
-            for k in keys:              # at the end, in order
-                if k in blocks:
-                    touch(k)
-                else:
-                    blocks[k] = None
+        known = len(blocks)
+        blocks.update(zip(keys, repeat(None)))  # new keys are appended in write order
+        if len(blocks) - known != len(keys) and self._last_write != (keys, self._lru_moves):
+            # some were in the pool already (unless another rank's write of the same keys just
+            # put them at the end, in order): each to the LRU end, in write order
+            deque(map(blocks.move_to_end, keys), 0)
         self._lru_moves += 1
         self._last_write = (keys, self._lru_moves)
         if self.used > self.capacity:
