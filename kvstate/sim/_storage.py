@@ -129,36 +129,27 @@ class SimStore:
         return next((e for e in reversed(moved) if self._states.get(keys[e - 1], 0) >> rank & 1), 0)
 
     def _evict(self) -> None:
+        """Drop least recently used keys until the pool fits. A key frees one shard per rank
+        holding it, at most one per rank: so while ``excess`` bytes remain, at least the next
+        ``ceil(excess / (shard * ranks))`` keys go, and they go as one batch, each rank's set
+        shrinking in C. The keys dropped are the ones a key-by-key loop would drop."""
         blocks, shard, ranks = self._blocks, self.shard_bytes, self._ranks
-        gone: dict[int, list[str]] = {}  # rank mask -> keys evicted: one set update per rank
+        most = shard * len(ranks)  # the bytes one key frees at most
         excess, n = self.used - self.capacity, 0
+        pop = blocks.popitem
         while excess > 0 and blocks:
-            k = blocks.popitem(last=False)[0]
-            m = self._mask(k)
-            keys = gone.get(m)
-            if keys is None:
-                gone[m] = keys = []
-            keys.append(k)
-            excess -= shard * m.bit_count()
-            n += 1
-        for m, keys in gone.items():
-            for r, stored in enumerate(ranks):
-                if m >> r & 1:
-                    stored.difference_update(keys)
+            batch = [pop(False)[0] for _ in range(min(len(blocks), -(-excess // most)))]
+            for stored in ranks:
+                before = len(stored)
+                stored.difference_update(batch)
+                excess -= (before - len(stored)) * shard
             if self._states:
-                for k in keys:
+                for k in batch:
                     self._states.pop(k, None)
+            n += len(batch)
         self._lru_moves += 1  # keys went from the pool: no earlier read or write is its tail now
         self.used = self.capacity + excess
         self.stats["evicted_blocks"] += n
-
-    def _mask(self, key: str) -> int:
-        """The ranks whose shard of ``key`` is stored, as a bitmask."""
-        m = 0
-        for r, stored in enumerate(self._ranks):
-            if key in stored:
-                m |= 1 << r
-        return m
 
     def contents(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every stored key with the ranks whose shard it holds, least recently used first
