@@ -90,3 +90,10 @@ def test_a_state_resumes_from_whole_checkpoints_in_blocks():
     got = checkpoint_floor([LayerGroup("full", (0,)), state], 7, 4)  # checkpoints every 2 blocks of 4 tokens
     assert got == 6 and type(got) is int
     assert checkpoint_floor([LayerGroup("full", (0,))], 7, 4) == 7
+
+
+def test_a_request_holds_every_block_but_the_freed_with_one_table_too():
+    from kvstate._tables import held
+    assert held(SimpleNamespace(blocks=[4, 5], tables=[])) == [4, 5]
+    assert held(SimpleNamespace(blocks=[FREED, 5], tables=[])) == [5]
+    assert held(SimpleNamespace(blocks=[FREED, 5], tables=[[6, FREED]])) == [5, 6]
