@@ -527,20 +527,22 @@ class CudaBackend(DeviceSums, StoreBackend):
 
     def _arena_get(self, rank: int, part: tuple[int, int], keys: Sequence[str], block_ids: Sequence[int],
                    guard: Guard | None, group: int | None = None) -> int:
-        """Scatter the blocks straight out of the arena's slots in pieces (:func:`_pieces`), each
-        piece's slots found while the one before it moves and its manifests read while it moves
-        itself (a block they do not vouch for moved in vain and never counts), so only finding
-        the first, small piece's slots comes before the copy. Each piece's SUM64 is taken on the
-        GPU where it landed as soon as it has (the host does not wait for it); then the leading
-        blocks whose slots held them throughout and whose sums are their manifests' count, the
-        first broken one evicted. Manifests of host checksums (a writer without a GPU) are read
-        by the staged path. ``group``: one layer group's objects."""
+        """Scatter the blocks straight out of the arena's slots in pieces (:func:`_pieces`), as a
+        pipeline: a piece's slots are found and its scatter queued before the manifests of the
+        piece before it are read (a block they do not vouch for moved in vain and never counts),
+        so the host's work on a piece runs while the next one moves, and only finding the first,
+        small piece's slots comes before the copy. Each piece's SUM64 is taken on the GPU where
+        it landed as soon as it has (the host does not wait for it); then the leading blocks
+        whose slots held them throughout and whose sums are their manifests' count, the first
+        broken one evicted. Manifests of host checksums (a writer without a GPU) are read by the
+        staged path. ``group``: one layer group's objects."""
         store, nk, sw = cast(ArenaStore, self.store), len(self.spec.kinds), self._swappers[rank]
         groups = None if group is None else [group]
         n, names = len(keys), self.objects.names(part[1], keys, groups)
-        moved: list[tuple[int, int, Any, Any]] = []  # (first block, blocks moved, their places, what was read)
-        events: list[Any] = []
-        count, staged_from = 0, None
+        moved: list[tuple[int, int, Any, Any]] = []  # per piece vouched: first block, blocks moved, places, reads
+        events: list[Any] = []  # per piece moved, in order: moved[i] is events[i]'s
+        staged: list[int] = []  # the first block of a piece whose manifests are not SUM64
+        count, last = 0, None  # last: the piece moving whose manifests are still unread
         with self._on(rank):
             try:
                 for a, b in _pieces(n):
@@ -550,16 +552,14 @@ class CudaBackend(DeviceSums, StoreBackend):
                                           "h2d", guard, group) if here else None
                     events.append(ev)
                     sums = self._launch_sums(rank, part[0], block_ids[a:a + here], groups, after=ev) if here else None
-                    # the manifests are read while the blocks move: those they do not vouch for never count
-                    read, vouched = self.objects.read_manifests(part[1], keys[a:b], groups)
-                    got = [p.length if p.slot >= 0 else MISSING for p in places]
-                    whole = min(here, self.objects.arrived(keys[a:b], [group], got, vouched))
-                    if any(alg != SUM64 for alg, _ in vouched[:whole]):
-                        staged_from = a
+                    if last is not None and not self._vouch(part, keys, groups, last, moved, staged):
+                        last = None  # the piece before ends the read: this one moved in vain
                         break
-                    moved.append((a, whole, places, (read, vouched, got, b - a, sums)))
-                    if whole < b - a:
+                    last = (a, b, here, places, sums)
+                    if here < b - a:
                         break
+                if last is not None:
+                    self._vouch(part, keys, groups, last, moved, staged)
                 for (a, whole, places, (read, vouched, got, size, sums)), ev in zip(moved, events):
                     if ev is not None:
                         sw.wait(ev)
@@ -571,9 +571,25 @@ class CudaBackend(DeviceSums, StoreBackend):
                         return count
             finally:
                 self._wait_all(sw, events)  # nothing scatters into the blocks once we return
-        if staged_from is None or count < staged_from:
+        if not staged or count < staged[0]:
             return count
         return count + self._get(rank, part, keys[count:], block_ids[count:], guard, group)
+
+    def _vouch(self, part: tuple[int, int], keys: Sequence[str], groups: list[int] | None,
+               piece: tuple[int, int, int, Any, Any], moved: list[Any], staged: list[int]) -> bool:
+        """Read the manifests of a piece queued to move (``piece``: its first and end block,
+        blocks moving, their places and sums) and note what they vouch for in ``moved``; False
+        when the read ends with it (a block short or missing, or manifests of host checksums,
+        whose first block goes to ``staged``)."""
+        a, b, here, places, sums = piece
+        read, vouched = self.objects.read_manifests(part[1], keys[a:b], groups)
+        got = [p.length if p.slot >= 0 else MISSING for p in places]
+        whole = min(here, self.objects.arrived(keys[a:b], [None if groups is None else groups[0]], got, vouched))
+        if any(alg != SUM64 for alg, _ in vouched[:whole]):
+            staged.append(a)
+            return False
+        moved.append((a, whole, places, (read, vouched, got, b - a, sums)))
+        return whole == b - a
 
     def _arena_verified(self, part: tuple[int, int], keys: Sequence[str], whole: int, places: Sequence[Any],
                         vouched: Any, sums: Callable[[], list[list[int]]] | None, group: int | None) -> int:
