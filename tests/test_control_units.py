@@ -496,3 +496,58 @@ def test_the_driver_s_sockets_bound_their_messages_queues_and_waits():
         assert all(a.startswith(f"ipc://{drv._tmp}/") for a in drv.addresses) and drv.curve_key == ""
         assert stat.S_IMODE(os.stat(drv._tmp).st_mode) == 0o700
     assert not os.path.exists(drv._tmp)  # removed at close
+
+
+def _refusal(**kw) -> str:
+    args = dict(spec=SPEC1, num_blocks=4, restart=False)
+    args.update(kw)
+    with pytest.raises(ConfigError) as e:
+        ProcessDriver(**args)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(spec="spec"), "ProcessDriver: spec must be a CacheSpec"),
+    (dict(restart=1), "ProcessDriver: restart must be a bool, got 1"),
+    (dict(heartbeat_s=0), "ProcessDriver: heartbeat_s must be seconds in (0, 3600), got 0"),
+    (dict(heartbeat_s=3600), "ProcessDriver: heartbeat_s must be seconds in (0, 3600), got 3600"),
+    (dict(heartbeat_s=True), "ProcessDriver: heartbeat_s must be seconds in (0, 3600), got True"),
+    (dict(dead_after_s="2"), "ProcessDriver: dead_after_s must be seconds in (0, 3600), got '2'"),
+    (dict(submit_timeout=-1.0), "ProcessDriver: submit_timeout must be seconds in (0, 3600), got -1.0"),
+    (dict(heartbeat_s=0.5, dead_after_s=1.0),
+     "ProcessDriver: dead_after_s (1.0) must exceed two heartbeats (1.0), or a live rank could be declared dead"),
+    (dict(spin_us=-1), "ProcessDriver: spin_us must be microseconds in [0, 100000], got -1"),
+    (dict(spin_us=100001), "ProcessDriver: spin_us must be microseconds in [0, 100000], got 100001"),
+    (dict(spin_us=False), "ProcessDriver: spin_us must be microseconds in [0, 100000], got False"),
+    (dict(address="tcp://127.0.0.1:5555"),
+     "ProcessDriver: address must be 'ipc' or 'tcp://HOST' (ports are chosen), got 'tcp://127.0.0.1:5555'"),
+    (dict(address=7), "ProcessDriver: address must be 'ipc' or 'tcp://HOST' (ports are chosen), got 7"),
+])
+def test_a_driver_s_settings_are_refused_before_anything_starts_naming_the_rule(kw, message):
+    before = {t.name for t in threading.enumerate()}
+    assert _refusal(**kw) == message
+    assert {t.name for t in threading.enumerate()} == before  # no I/O thread left behind
+
+
+def test_a_driver_takes_its_settings_at_their_bounds_and_starts_counting_from_zero():
+    with ProcessDriver(SPEC1, 4, restart=False, heartbeat_s=0.5, dead_after_s=1.01, spin_us=0, name="edge") as drv:
+        assert drv.spin_us == 0.0 and drv.heartbeat_s == 0.5 and drv.num_states == 0
+        assert drv.counters == dict.fromkeys(("stale", "bad_messages", "refused", "foreign_hellos",
+                                              "unauthenticated_hellos", "lost", "restarts"), 0)
+        assert len(drv.secret) == 32 and int(drv.secret, 16) >= 0
+        assert drv._io.name == "edge-driver-io" and drv._io.daemon and drv._io.is_alive()
+        assert drv.control.restart is False and drv.control.dead_after_s == 1.01
+    assert not drv._io.is_alive()
+    with ProcessDriver(SPEC1, 4, spin_us=100000, submit_timeout=3599.0, dead_after_s=3599.0) as drv:
+        assert drv.spin_us == 100000.0 and drv.control.restart is True
+    assert drv._ctx.closed
+
+
+def test_closing_twice_is_once_and_its_timeout_is_checked():
+    drv = ProcessDriver(SPEC1, 4, restart=False)
+    with pytest.raises(Exception, match="timeout"):
+        drv.close(-1)
+    assert drv._io.is_alive()  # a refused close changed nothing
+    drv.close(5.0)
+    assert not drv._io.is_alive() and drv._ctx.closed and drv._cmd.closed and drv._reply.closed
+    drv.close(5.0)  # again: nothing to do
