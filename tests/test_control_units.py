@@ -433,8 +433,9 @@ def test_a_worker_that_says_goodbye_owing_commands_loses_each_with_its_reason():
         drv.submit(_write(12, (0,)))
         assert [w.take()[0], w.take()[0]] == [wire.CMD, wire.CMD]
         w.answer(11, 2)
+        got = _answers(drv, 1)  # the answer and the goodbye take two sockets: no order between them
         w.bye("exit 0")
-        got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
+        got = sorted(got + _answers(drv, 1), key=lambda c: c.command_id)
         assert [(c.command_id, c.rank, c.count, c.error, c.lost) for c in got] == [
             (11, 0, 2, None, False), (12, 0, 0, "rank 0 lost: its worker said goodbye (exit 0)", True)]
         assert drv.inflight == 0 and drv.counters["lost"] == 1 and drv.poll(0.05) == []
@@ -522,6 +523,13 @@ def _refusal(**kw) -> str:
     (dict(address="tcp://127.0.0.1:5555"),
      "ProcessDriver: address must be 'ipc' or 'tcp://HOST' (ports are chosen), got 'tcp://127.0.0.1:5555'"),
     (dict(address=7), "ProcessDriver: address must be 'ipc' or 'tcp://HOST' (ports are chosen), got 7"),
+    (dict(num_blocks=0), f"ProcessDriver: num_blocks must be an int > 0 and <= {2**31}, got 0"),
+    (dict(num_blocks=2**31 + 1), f"ProcessDriver: num_blocks must be an int > 0 and <= {2**31}, got {2**31 + 1}"),
+    (dict(num_states=-1), f"ProcessDriver: num_states must be an int >= 0 and <= {2**31}, got -1"),
+    (dict(num_states=2**31 + 1), f"ProcessDriver: num_states must be an int >= 0 and <= {2**31}, got {2**31 + 1}"),
+    (dict(num_states=1), "ProcessDriver: num_states 1 with 0 state bytes a rank: a spec with state groups needs "
+                         "state pages, one without has none"),
+    (dict(name=""), "ProcessDriver: name must be a non-empty str (a label), got ''"),
 ])
 def test_a_driver_s_settings_are_refused_before_anything_starts_naming_the_rule(kw, message):
     before = {t.name for t in threading.enumerate()}
@@ -544,10 +552,56 @@ def test_a_driver_takes_its_settings_at_their_bounds_and_starts_counting_from_ze
 
 
 def test_closing_twice_is_once_and_its_timeout_is_checked():
-    drv = ProcessDriver(SPEC1, 4, restart=False)
-    with pytest.raises(Exception, match="timeout"):
+    from kvstate._errors import ValidationError
+
+    drv = ProcessDriver(SPEC1, 1, restart=False)  # one block: the least a driver takes
+    with pytest.raises(ValidationError) as e:
         drv.close(-1)
-    assert drv._io.is_alive()  # a refused close changed nothing
+    assert str(e.value) == "ProcessDriver.close: timeout must be a finite number of seconds >= 0, got -1"
+    assert drv._io.is_alive() and not drv.control.stopping  # a refused close changed nothing
     drv.close(5.0)
     assert not drv._io.is_alive() and drv._ctx.closed and drv._cmd.closed and drv._reply.closed
+    assert drv.control.stopping is True and drv.control.running is False
     drv.close(5.0)  # again: nothing to do
+
+
+def test_a_driver_s_defaults_and_its_ipc_directory_which_close_removes_even_if_gone():
+    import os
+    import shutil
+    import tempfile
+
+    import zmq
+
+    stale = tempfile.mkdtemp(prefix="kvstate-ipc-999999999-")  # a driver of a process long gone
+    with ProcessDriver(SPEC1, 4, restart=False) as drv:
+        assert not os.path.exists(stale)  # swept when a driver binds
+        assert os.path.basename(drv._tmp).startswith(f"kvstate-ipc-{os.getpid()}-")
+        assert os.path.dirname(drv._tmp) == tempfile.gettempdir()
+        assert drv.control.dead_after_s == 2.0 and drv.heartbeat_s == 0.2 and drv.spin_us == 200.0
+        assert drv._cmd.getsockopt(zmq.SNDTIMEO) == 30000 and drv.name == "kvstate"
+        shutil.rmtree(drv._tmp)
+    assert drv._ctx.closed  # a directory already gone does not stop close
+
+
+def test_closing_tells_every_connected_worker_to_stop():
+    with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv) as w:
+        drv.close(5.0)
+        assert w.take() == [wire.STOP]
+
+
+def test_a_tcp_driver_listens_on_chosen_ports_under_curve():
+    import zmq
+
+    if not zmq.has("curve"):
+        pytest.skip("this pyzmq has no CURVE")
+    with ProcessDriver(SPEC1, 4, restart=False, address="tcp://127.0.0.1") as drv:
+        assert drv._tmp is None and len(drv.curve_key) == 40
+        assert all(a.startswith("tcp://127.0.0.1:") for a in drv.addresses) and len(set(drv.addresses)) == 3
+        assert drv._cmd.getsockopt(zmq.MAXMSGSIZE) == 1024  # a CURVE handshake's INITIATE is larger
+        assert all(sock.curve_server for sock in (drv._cmd, drv._reply, drv._control))
+
+
+def test_an_address_it_cannot_listen_on_is_refused_naming_it():
+    with pytest.raises(ConfigError) as e:
+        ProcessDriver(SPEC1, 4, restart=False, address="tcp://256.256.256.256")
+    assert str(e.value).startswith("ProcessDriver: cannot listen on 'tcp://256.256.256.256' (")
