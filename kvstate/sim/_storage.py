@@ -102,9 +102,9 @@ class SimStore:
         before = len(stored)
         stored.update(keys)
         self.used += (len(stored) - before) * self.shard_bytes
-        known = len(blocks)
+        had = len(blocks)
         blocks.update(zip(keys, repeat(None)))  # new keys are appended in write order
-        if len(blocks) - known != len(keys) and self._last_write != (keys, self._lru_moves):
+        if len(blocks) - had != len(keys) and self._last_write != (keys, self._lru_moves):
             # some were in the pool already (unless another rank's write of the same keys just
             # put them at the end, in order): each to the LRU end, in write order
             deque(map(blocks.move_to_end, keys), 0)
