@@ -605,3 +605,23 @@ def test_an_address_it_cannot_listen_on_is_refused_naming_it():
     with pytest.raises(ConfigError) as e:
         ProcessDriver(SPEC1, 4, restart=False, address="tcp://256.256.256.256")
     assert str(e.value).startswith("ProcessDriver: cannot listen on 'tcp://256.256.256.256' (")
+
+
+@pytest.mark.parametrize("ranks", [(2,), (), (-1,), (True,), (0, 1.0), [0]])
+def test_a_command_naming_ranks_this_driver_lacks_is_refused_whole(ranks):
+    from kvstate._errors import ValidationError
+
+    with ProcessDriver(SPEC2, 4, restart=False) as drv:
+        with pytest.raises(ValidationError) as e:
+            drv.submit(_write(9, ranks))
+        assert str(e.value) == (f"ProcessDriver.submit: command 9 of request 'r1' names ranks {ranks!r}; this "
+                                "driver's are 0..1")
+        assert drv.inflight == 0 and drv.poll(0.05) == []  # nothing taken, nothing failed
+
+
+def test_a_submit_after_close_is_refused():
+    drv = ProcessDriver(SPEC1, 4, restart=False)
+    drv.close(5.0)
+    with pytest.raises(DriverError) as e:
+        drv.submit(_write(1, (0,)))
+    assert str(e.value) == "ProcessDriver: submit after close"
