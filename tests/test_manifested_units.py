@@ -110,7 +110,8 @@ def test_a_block_read_broken_is_evicted_and_one_that_failed_to_read_is_not():
         BlockObjects(s, store).evict_if_broken(0, keys, None, got, read, i)
         return store.evicted
     whole = [5] * 6
-    names_b = BlockObjects(s, Evictions()).names(0, ["b"]) + BlockObjects(s, Evictions()).manifest_names(0, ["b"], None)
+    bo = BlockObjects(s, Evictions())
+    names_b = bo.names(0, ["b"]) + bo.manifest_names(0, ["b"], None)
     assert evicted(whole, [5, 5, 5], 1) == [names_b]  # came whole but failed its check: broken
     assert evicted(whole[:2] + [0] + whole[3:], [5, 5, 5], 1) == [names_b]  # came empty: broken
     assert evicted(whole[:2] + [TOO_LARGE] + whole[3:], [5, 5, 5], 1) == [names_b]  # stored too large
