@@ -68,3 +68,71 @@ def test_a_mooncake_store_is_configured_from_every_field_but_the_kind(monkeypatc
         with pytest.raises(ConfigError, match=r"^a mooncake store takes master and metadata \(and \[.*'protocol'"):
             build_store({"kind": "mooncake", **bad})
     assert len(seen) == 1
+
+
+def _worker(tmp_path, **kw):
+    """A worker whose backend a test builds (no sockets: ``_backend`` alone)."""
+    from kvstate._spec import CacheSpec
+    from kvstate.distributed._rankworker import RankWorker, WorkerConfig
+
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2)
+    fields = dict(rank=1, spec={f: getattr(spec, f) for f in spec.__dataclass_fields__}, num_blocks=8,
+                  command_address="ipc:///nowhere/c", reply_address="ipc:///nowhere/r",
+                  control_address="ipc:///nowhere/x", store={"kind": "file", "root": str(tmp_path / "pool")})
+    fields.update(kw)
+    return spec, RankWorker(WorkerConfig(**fields))
+
+
+def _close(w):
+    for close in reversed(w._resources):
+        close()
+
+
+def test_a_worker_s_own_caches_host_tier_and_lend_boards_are_built_for_its_rank_alone(tmp_path):
+    from kvstate.backends import ReferenceBackend
+
+    _, w = _worker(tmp_path, host_blocks=3, lends=str(tmp_path / "lends"), pulls=str(tmp_path / "pulls"),
+                   pull_wait=0.25)
+    backend = w._backend()
+    try:
+        assert type(backend) is ReferenceBackend and backend.ranks == (1,) and backend.host_blocks == 3
+        assert list(backend.caches) == [1] and backend.caches[1]["key"][0].shape[0] == 8
+        assert backend.store is w._store and type(w._store) is FileStore
+        assert (backend.lends.root, backend.lends.wait) == (tmp_path / "lends", 0.25)
+        assert (backend.pulls.root, backend.pulls.wait) == (tmp_path / "pulls", 0.25)
+        assert len(w._resources) == 2  # the store and the backend, closed in reverse
+    finally:
+        _close(w)
+    _, bare = _worker(tmp_path)
+    backend = bare._backend()
+    try:
+        assert backend.lends is None and backend.pulls is None and backend.host_blocks == 0
+    finally:
+        _close(bare)
+
+
+def test_shared_caches_are_attached_for_the_worker_s_rank_and_refused_without_its_file(tmp_path):
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux (/dev/shm)")
+    from kvstate.distributed import SharedCaches
+
+    spec, w = _worker(tmp_path)
+    shared = SharedCaches.create(spec, 8)
+    try:
+        _, w = _worker(tmp_path, caches={"kind": "shm", "paths": {"0": shared.paths[0]}})
+        with pytest.raises(ConfigError) as e:
+            w._backend()
+        assert str(e.value) == "rank 1: the shared caches name no file for this rank"
+        _close(w)
+        _, w = _worker(tmp_path, caches={"kind": "shm", "paths": {str(r): p for r, p in shared.paths.items()}})
+        backend = w._backend()
+        try:
+            shared.caches[1]["value"][1][5] = 7  # the worker's caches are the shared file's
+            assert backend.caches[1]["value"][1][5].min() == 7 and list(backend.caches) == [1]
+            assert len(w._resources) == 3  # the store, the attached file, the backend
+        finally:
+            _close(w)
+    finally:
+        shared.close()

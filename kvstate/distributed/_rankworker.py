@@ -335,6 +335,9 @@ class RankWorker:
             self._beat()
             for t in threads:
                 t.join(60.0)
+        except KVStateError:
+            self.status = 2  # its set-up failed: the goodbye says so
+            raise
         finally:
             self._close()
         return self.status
