@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from fakeworker import FakeWorker, answers, write_command
 
 from kvstate._errors import ConfigError, DriverError
 from kvstate._spec import CacheSpec
@@ -19,8 +20,6 @@ from kvstate.distributed._liveness import RankDown, RankTable, RankUp
 
 @pytest.mark.parametrize("starts, delay", [(0, 0.25), (1, 0.25), (2, 0.5), (3, 1.0), (4, 2.0), (5, 4.0), (6, 5.0),
                                            (40, 5.0)])
-
-
 def test_a_worker_that_never_says_hello_is_started_again_later_each_time_up_to_5_s(starts, delay):
     b = RestartBackoff()
     for i in range(starts):
@@ -347,15 +346,9 @@ def test_without_a_secret_a_hello_with_none_is_welcomed():
 # -- the driver's own answers: ranks down, lists refused whole ---------------------------------------
 
 
-def _write(cid, ranks=(0, 1)):
-    from kvstate import commands as C
-
-    return C.WriteBlocks("r1", cid, ranks, time.monotonic() + 30, ("k0", "k1"), (1, 2))
-
-
 def test_a_command_for_ranks_down_fails_at_once_rank_by_rank():
     with ProcessDriver(SPEC2, 4, restart=False) as drv:  # no worker ever said hello
-        assert drv.submit(_write(7))
+        assert drv.submit(write_command(7))
         got = sorted(drv.poll(2.0) + drv.poll(0.2), key=lambda c: c.rank)
         assert [(c.command_id, c.rank, c.count, c.error, c.lost) for c in got] == [
             (7, 0, 0, "rank 0 is down", False), (7, 1, 0, "rank 1 is down", False)]
@@ -368,78 +361,25 @@ def test_submit_all_returns_the_notices_and_refuses_a_list_with_no_command_whole
 
     with ProcessDriver(SPEC2, 4, restart=False) as drv:
         notice = C.FreeBlocks("r1", (3,))
-        assert drv.submit_all([notice, _write(8, (1,))]) == [notice]
+        assert drv.submit_all([notice, write_command(8, (1,))]) == [notice]
         assert [(c.command_id, c.rank, c.error) for c in drv.poll(2.0)] == [(8, 1, "rank 1 is down")]
         with pytest.raises(ValidationError, match="ProcessDriver.submit_all"):
-            drv.submit_all([_write(9, (1,)), "not a command"])
+            drv.submit_all([write_command(9, (1,)), "not a command"])
         assert drv.inflight == 0 and drv.poll(0.05) == []  # nothing of the refused list was taken
-
-
-class FakeWorker:
-    """A rank worker's sockets and nothing else: it says hello on the control channel, takes
-    what the driver sends on one lane, and answers or says goodbye when the test says."""
-
-    def __init__(self, drv: ProcessDriver, rank: int = 0, inc: int = 5) -> None:
-        import zmq
-
-        self.drv, self.rank, self.inc = drv, rank, inc
-        self.ctx = zmq.Context()
-        self.lane = self.ctx.socket(zmq.DEALER)
-        self.lane.setsockopt(zmq.IDENTITY, f"r{rank}:0".encode())
-        self.lane.setsockopt(zmq.LINGER, 0)
-        self.lane.connect(drv.addresses[0])
-        self.reply, self.control = (self.ctx.socket(zmq.PUSH) for _ in range(2))
-        for sock, at in ((self.reply, drv.addresses[1]), (self.control, drv.addresses[2])):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(at)
-        geometry = wire.geometry(drv.spec, drv.num_blocks)
-        deadline = time.monotonic() + 10
-        while not self.lane.poll(100):  # a hello may go before the lane's route is known: say it again
-            assert time.monotonic() < deadline, "no welcome"
-            self.control.send(wire.pack(wire.HELLO, rank, inc, 4242, drv.spec.tp_size, geometry, 1, drv.secret))
-        assert wire.unpack(self.lane.recv()) == [wire.WELCOME, inc]
-
-    def take(self) -> list:
-        assert self.lane.poll(5000), "nothing sent to the lane"
-        return wire.unpack(self.lane.recv())
-
-    def answer(self, cid: int, count: int, error: str | None = None, inc: int | None = None) -> None:
-        self.reply.send(wire.pack(wire.DONE, self.rank, self.inc if inc is None else inc, cid, count, error))
-
-    def bye(self, reason: str) -> None:
-        self.control.send(wire.pack(wire.BYE, self.rank, self.inc, reason))
-
-    def close(self) -> None:
-        for sock in (self.lane, self.reply, self.control):
-            sock.close(0)
-        self.ctx.term()
-
-    def __enter__(self) -> FakeWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 SPEC1 = CacheSpec(2, 1, 4, 8)
 
 
-def _answers(drv, n, timeout=5.0):
-    got, deadline = [], time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        got += drv.poll(0.2)
-    return got
-
-
 def test_a_worker_that_says_goodbye_owing_commands_loses_each_with_its_reason():
     with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv) as w:
-        drv.submit(_write(11, (0,)))
-        drv.submit(_write(12, (0,)))
+        drv.submit(write_command(11, (0,)))
+        drv.submit(write_command(12, (0,)))
         assert [w.take()[0], w.take()[0]] == [wire.CMD, wire.CMD]
         w.answer(11, 2)
-        got = _answers(drv, 1)  # the answer and the goodbye take two sockets: no order between them
+        got = answers(drv, 1)  # the answer and the goodbye take two sockets: no order between them
         w.bye("exit 0")
-        got = sorted(got + _answers(drv, 1), key=lambda c: c.command_id)
+        got = sorted(got + answers(drv, 1), key=lambda c: c.command_id)
         assert [(c.command_id, c.rank, c.count, c.error, c.lost) for c in got] == [
             (11, 0, 2, None, False), (12, 0, 0, "rank 0 lost: its worker said goodbye (exit 0)", True)]
         assert drv.inflight == 0 and drv.counters["lost"] == 1 and drv.poll(0.05) == []
@@ -449,7 +389,7 @@ def test_a_cancel_and_a_layer_report_follow_their_command_to_its_lane():
     from kvstate import commands as C
 
     with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv, inc=9) as w:
-        drv.submit(_write(21, (0,)))
+        drv.submit(write_command(21, (0,)))
         assert w.take()[0] == wire.CMD
         assert drv.submit(C.CancelCommand("r1", 21))
         assert w.take() == [wire.CANCEL, 9, 21]
@@ -458,13 +398,13 @@ def test_a_cancel_and_a_layer_report_follow_their_command_to_its_lane():
         drv.submit(C.CancelCommand("r1", 99))  # owed by nobody: nothing is sent
         assert not w.lane.poll(200)
         w.answer(21, 0, "cancelled")
-        assert [(c.command_id, c.error) for c in _answers(drv, 1)] == [(21, "cancelled")]
+        assert [(c.command_id, c.error) for c in answers(drv, 1)] == [(21, "cancelled")]
 
 
 def test_poll_gives_answers_as_they_come_and_drops_stale_or_bad_ones():
     with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv, inc=3) as w:
         for cid in (31, 32):
-            drv.submit(_write(cid, (0,)))
+            drv.submit(write_command(cid, (0,)))
             w.take()
         assert drv.poll(0.0) == [] and drv.inflight == 2
         w.answer(31, 1, inc=4)  # another incarnation's: stale
@@ -475,7 +415,7 @@ def test_poll_gives_answers_as_they_come_and_drops_stale_or_bad_ones():
         assert drv.counters["stale"] == 1 and drv.counters["bad_messages"] == 2
         w.answer(32, 2)
         w.answer(31, 1)
-        got = sorted(_answers(drv, 2), key=lambda c: c.command_id)
+        got = sorted(answers(drv, 2), key=lambda c: c.command_id)
         assert [(c.command_id, c.count, c.error) for c in got] == [(31, 1, None), (32, 2, None)]
         assert drv.inflight == 0
 
