@@ -34,15 +34,28 @@ RANK = 1
 class Driver:
     """The driver's side of the wire, in the test: what the worker sends, read in order."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, curve: bool = False) -> None:
+        """``curve``: over loopback tcp as a CURVE server (its public key is ``curve_key``),
+        else over ipc in ``root``."""
         self.ctx = zmq.Context()
-        self.addresses = [f"ipc://{root}/{n}" for n in ("cmd", "reply", "control")]
         self.cmd = self.ctx.socket(zmq.ROUTER)
         self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a lane not yet connected raises
         self.reply, self.control = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PULL)
-        for sock, address in zip((self.cmd, self.reply, self.control), self.addresses):
+        self.curve_key = ""
+        keys = zmq.curve_keypair() if curve else None
+        self.addresses = []
+        for sock, name in zip((self.cmd, self.reply, self.control), ("cmd", "reply", "control")):
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(address)
+            if keys is not None:
+                sock.curve_publickey, sock.curve_secretkey = keys
+                sock.curve_server = True
+                sock.bind("tcp://127.0.0.1:*")
+                self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            else:
+                sock.bind(f"ipc://{root}/{name}")
+                self.addresses.append(f"ipc://{root}/{name}")
+        if keys is not None:
+            self.curve_key = keys[0].decode()
         self.worker: RankWorker | None = None
         self.thread: threading.Thread | None = None
         self.status: int | None = None
@@ -51,7 +64,8 @@ class Driver:
         fields: dict[str, Any] = dict(rank=RANK, spec={f: getattr(SPEC, f) for f in SPEC.__dataclass_fields__},
                                       num_blocks=BLOCKS, command_address=self.addresses[0],
                                       reply_address=self.addresses[1], control_address=self.addresses[2],
-                                      store={"kind": "file", "root": root}, heartbeat_s=0.02, lanes=2)
+                                      store={"kind": "file", "root": root}, heartbeat_s=0.02, lanes=2,
+                                      curve_key=self.curve_key)
         fields.update(kw)
         return WorkerConfig(**fields)
 
@@ -179,25 +193,38 @@ def test_a_failed_command_is_a_failure_not_a_short_read(driver, tmp_path):
     assert w.store_faults() == [0, 0, 1]  # a write is never short
 
 
-def test_stale_and_bad_messages_are_counted_and_dropped(driver, tmp_path):
+def _settled(driver: Driver, w: RankWorker, cid: int) -> None:
+    """Wait until lane 0 has run everything sent to it before: a write sent after, answered."""
+    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, cid, ("sync",), (1,)), w.incarnation))
+    assert driver.next(driver.reply, (wire.DONE,))[3] == cid
+
+
+def test_each_stale_bad_or_notice_message_moves_its_own_counter_alone(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path)))
-    driver.welcome()
-    stale = _command(C.WriteBlocks, 9, ("a",), (1,))
-    driver.send(0, raw=wire.command_message(stale, w.incarnation + 1))
-    driver.send(0, wire.CMD)  # no incarnation at all
-    driver.send(0, raw=b"\xc1 not msgpack")
-    driver.send(0, 99, w.incarnation)  # no such type
-    driver.send(0, wire.CANCEL, w.incarnation, "nine")
-    driver.send(0, wire.LAYERS, w.incarnation, 9)
-    driver.send(0, wire.LAYERS, w.incarnation, 9, 1.5)
-    driver.send(0, wire.CANCEL, w.incarnation, 9, 1)
-    driver.send(0, wire.CMD, w.incarnation, 1, 10)  # a command missing its items
-    driver.send(0, wire.CANCEL, w.incarnation, 9)  # nothing owed under 9: a cancel of nothing
-    driver.send(0, wire.LAYERS, w.incarnation, 9, 2)
-    answer = _command(C.WriteBlocks, 11, ("b",), (1,))
-    driver.send(0, raw=wire.command_message(answer, w.incarnation))
-    assert driver.next(driver.reply, (wire.DONE,))[3] == 11  # the first answer: none for the dropped
-    assert w.counters == {"commands": 1, "stale": 2, "bad_messages": 7, "cancels": 1}
+    inc = driver.welcome()[2]
+    cases: list[tuple[Any, dict[str, int]]] = [
+        (wire.command_message(_command(C.WriteBlocks, 9, ("a",), (1,)), inc + 1), {"stale": 1}),
+        ((wire.CMD,), {"stale": 1}),  # no incarnation at all
+        (b"\xc1 not msgpack", {"bad_messages": 1}),
+        ((99, inc), {"bad_messages": 1}),  # no such type
+        ((wire.CANCEL, inc, "nine"), {"bad_messages": 1}),
+        ((wire.CANCEL, inc, 9, 1), {"bad_messages": 1}),
+        ((wire.LAYERS, inc, 9), {"bad_messages": 1}),
+        ((wire.LAYERS, inc, 9, 1.5), {"bad_messages": 1}),
+        ((wire.LAYERS, inc, "nine", 1), {"bad_messages": 1}),
+        ((wire.CMD, inc, 1, 10), {"bad_messages": 1}),  # a command missing its items
+        ((wire.CANCEL, inc, 9), {"cancels": 1}),  # nothing owed under 9: a cancel of nothing
+        ((wire.LAYERS, inc, 9, 2), {}),
+    ]
+    for i, (message, moved) in enumerate(cases):
+        before = dict(w.counters)
+        if isinstance(message, bytes):
+            driver.send(0, raw=message)
+        else:
+            driver.send(0, *message)
+        _settled(driver, w, 100 + i)
+        after = {k: v - before[k] for k, v in w.counters.items() if v != before[k]}
+        assert after == {**moved, "commands": 1}, (message, after)
 
 
 def test_a_rejoin_draws_a_new_incarnation_and_says_hello_again(driver, tmp_path):
@@ -208,7 +235,7 @@ def test_a_rejoin_draws_a_new_incarnation_and_says_hello_again(driver, tmp_path)
     assert w.incarnation == old and w.welcomed
     driver.send(0, wire.REJOIN, old)
     hello = driver.next(driver.control, (wire.HELLO,))
-    assert hello[2] == w.incarnation != old and not w.welcomed
+    assert hello[2] == w.incarnation != old and isinstance(hello[2], int) and hello[2] > 0 and not w.welcomed
     assert driver.next(driver.control, (wire.HELLO,))[:3] == [wire.HELLO, RANK, w.incarnation]  # again, unwelcomed
     stale = _command(C.WriteBlocks, 12, ("a",), (1,))
     driver.send(0, raw=wire.command_message(stale, old))
@@ -263,7 +290,7 @@ def test_main_refuses_a_bad_command_line_and_configuration_with_status_2(capfd):
                                          "of its fields (" in err
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str] | None) -> int:
     """``main`` in this (the main) thread, its signal handlers put back after."""
     import signal
 
@@ -300,3 +327,155 @@ def test_main_reports_a_store_it_cannot_open_with_status_2(driver, tmp_path, cap
     assert capfd.readouterr().err == (f"kvstate rank worker {RANK}: error: a file store takes a root and a "
                                       "capacity_bytes only, got ['bogus', 'kind', 'root']\n")
     assert driver.next(driver.control, (wire.BYE,))[3] == "exit 2"  # the goodbye still goes, and says why
+
+
+def test_a_layer_wise_save_waits_for_its_layers_off_the_lane_and_a_cancel_ends_one(driver, tmp_path):
+    w = driver.start(driver.config(str(tmp_path)))
+    inc = driver.welcome()[2]
+    driver.send(0, raw=wire.command_message(_command(C.SaveLayers, 21, ("s0", "s1"), (1, 2)), inc))
+    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 22, ("w0",), (3,)), inc))
+    assert driver.next(driver.reply, (wire.DONE,))[3:] == [22, 1, None]  # the lane went on reading
+    driver.send(0, wire.LAYERS, inc, 21, SPEC.num_layers)
+    assert driver.next(driver.reply, (wire.DONE,))[3:] == [21, 2, None]
+    driver.send(1, raw=wire.command_message(_command(C.SaveLayers, 23, ("s2",), (4,)), inc))
+    driver.send(1, wire.CANCEL, inc, 23)
+    done = driver.next(driver.reply, (wire.DONE,))  # stopped at once, nothing stored: before it ran, or
+    assert done[3:5] == [23, 0] and done[5] in (None, "cancelled")  # while it waited for its layers
+    assert w.counters["cancels"] == 1 and w.store_faults() == [0, 0, 1 if done[5] else 0]
+
+
+def test_a_lend_waits_for_d_off_the_lane(driver, tmp_path):
+    w = driver.start(driver.config(str(tmp_path), lends=str(tmp_path / "board")))
+    inc = driver.welcome()[2]
+    now = time.monotonic()
+    lend = C.LendBlocks("req", 31, (0, 1), now + 0.5, ("l0",), (1,), fence=now + 1.0)
+    driver.send(0, raw=wire.command_message(lend, inc))
+    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 32, ("w0",), (2,)), inc))
+    assert driver.next(driver.reply, (wire.DONE,))[3] == 32  # answered while the lend waits for a D
+    assert driver.next(driver.reply, (wire.DONE,))[3:] == [31, 0, None]  # nobody pulled it by its deadline
+    assert w.counters["commands"] == 2
+
+
+def test_a_layer_wise_load_reports_its_arrivals_before_its_answer(driver, tmp_path):
+    w = driver.start(driver.config(str(tmp_path)))
+    inc = driver.welcome()[2]
+    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 41, ("a", "b"), (1, 2)), inc))
+    driver.next(driver.reply, (wire.DONE,))
+    driver.send(0, raw=wire.command_message(_command(C.LoadLayers, 42, ("a", "b"), (3, 4)), inc))
+    assert driver.next(driver.control, (wire.ARRIVED,)) == [wire.ARRIVED, RANK, inc, 42, SPEC.num_layers]
+    assert driver.next(driver.reply, (wire.DONE,))[3:] == [42, 2, None]
+    assert w._runner.arrivals(42, RANK) is None  # forgotten once answered
+
+
+def test_whole_reads_are_not_short_and_every_short_or_broken_one_counts(driver, tmp_path):
+    w = driver.start(driver.config(str(tmp_path)))
+    inc = driver.welcome()[2]
+    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 51, ("a", "b"), (1, 2)), inc))
+    driver.next(driver.reply, (wire.DONE,))
+    driver.send(0, raw=wire.command_message(_command(C.ReadBlocks, 52, ("a", "b"), (3, 4)), inc))
+    assert driver.next(driver.reply, (wire.DONE,))[3:] == [52, 2, None]
+    assert w.store_faults() == [0, 0, 0]  # whole
+    for cid in (53, 54):
+        driver.send(0, raw=wire.command_message(_command(C.ReadBlocks, cid, ("a", "gone"), (3, 4)), inc))
+        assert driver.next(driver.reply, (wire.DONE,))[3:] == [cid, 1, None]
+    assert w.store_faults() == [0, 2, 0]
+    for path in (tmp_path).rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"\0" * path.stat().st_size)  # another process broke every stored byte
+    driver.send(0, raw=wire.command_message(_command(C.ReadBlocks, 55, ("a",), (3,)), inc))
+    assert driver.next(driver.reply, (wire.DONE,))[3:] == [55, 0, None]
+    w._runner.backend.broken_slots = 2  # as if the host tier had found two broken slots
+    broken = w._runner.backend.broken_blocks
+    assert broken >= 1 and w.store_faults() == [broken + 2, 3, 0]
+    beat = driver.next(driver.control, (wire.HB,))
+    while beat[4][0] != broken + 2:
+        beat = driver.next(driver.control, (wire.HB,))
+    assert beat[4] == [broken + 2, 3, 0]
+
+
+def test_a_hello_carries_no_secret_where_none_is_given_and_the_state_pages_in_its_geometry(driver, tmp_path,
+                                                                                          monkeypatch):
+    from kvstate._layers import LayerGroup
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    groups = (LayerGroup("full", (0,)), LayerGroup("state", (1,), state_bytes=64, checkpoint=4))
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2, groups=groups)
+    driver.start(driver.config(str(tmp_path), spec={f: getattr(spec, f) for f in spec.__dataclass_fields__},
+                               num_states=3, lanes=1))
+    hello = driver.next(driver.control, (wire.HELLO,))
+    assert hello[5] == wire.geometry(spec, BLOCKS, 3) and hello[5].endswith("states=3") and hello[7] == ""
+
+
+def test_a_clean_stop_says_nothing_on_stderr_and_names_its_threads(driver, tmp_path, capfd, monkeypatch):
+    checks: list[float] = []
+    opened = rankworker.build_store
+
+    def watched(cfg: dict[str, Any]) -> Any:
+        store = opened(cfg)
+        check = store.check
+        store.check = lambda: (checks.append(time.monotonic()), check())[1]
+        return store
+
+    monkeypatch.setattr(rankworker, "build_store", watched)
+    w = driver.start(driver.config(str(tmp_path)))
+    driver.welcome()
+    mine = {t.name: t.daemon for t in threading.enumerate() if t.name.startswith(f"kvstate-rank{RANK}-")}
+    assert mine == {f"kvstate-rank{RANK}-lane0": True, f"kvstate-rank{RANK}-lane1": True,
+                    f"kvstate-rank{RANK}-store": True}
+    deadline = time.monotonic() + 5
+    while len(checks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(checks) >= 3  # the store is probed every heartbeat
+    w.stop()
+    assert driver.join() == 0 and capfd.readouterr().err == ""
+    assert not [t for t in threading.enumerate() if t.name.startswith(f"kvstate-rank{RANK}-")]
+
+
+def test_a_resource_that_fails_to_close_is_reported_and_the_rest_still_close(driver, tmp_path, capfd, monkeypatch):
+    opened = rankworker.build_store
+
+    def failing(cfg: dict[str, Any]) -> Any:
+        store = opened(cfg)
+
+        def close() -> None:
+            raise RuntimeError("the pool is gone")
+
+        store.close = close
+        return store
+
+    monkeypatch.setattr(rankworker, "build_store", failing)
+    w = driver.start(driver.config(str(tmp_path)))
+    driver.welcome()
+    w.stop()
+    assert driver.join() == 0
+    assert capfd.readouterr().err == f"kvstate rank worker {RANK}: while closing: RuntimeError: the pool is gone\n"
+    assert driver.next(driver.control, (wire.BYE,))[3] == "exit 0" and w._ctx.closed
+
+
+def test_main_reads_its_command_line_and_stops_on_sigterm(driver, tmp_path, monkeypatch):
+    import signal
+
+    monkeypatch.setattr(sys, "argv", ["kvstate-rankworker", driver.config(str(tmp_path)).to_json()])
+
+    def play() -> None:
+        driver.next(driver.control, (wire.HELLO,))
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # as the kernel would deliver it
+
+    player = threading.Thread(target=play, daemon=True)
+    player.start()
+    assert _main(None) == 0
+    player.join(10)
+    assert driver.next(driver.control, (wire.BYE,))[3] == "exit 0"
+
+
+def test_over_tcp_a_worker_talks_curve_with_one_keypair_to_the_driver_it_knows_by_key(tmp_path):
+    driver = Driver(str(tmp_path), curve=True)
+    try:
+        w = driver.start(driver.config(str(tmp_path / "pool")))
+        inc = driver.welcome()[2]
+        driver.send(1, raw=wire.command_message(_command(C.WriteBlocks, 61, ("a",), (1,)), inc))
+        assert driver.next(driver.reply, (wire.DONE,))[3:] == [61, 1, None]
+        public, secret = w._curve
+        assert len(public) == len(secret) == 40 and public != secret  # made once, for every socket
+    finally:
+        driver.close()

@@ -1,6 +1,7 @@
 """A rank worker's store configuration (kvstate.distributed._rankworker.build_store), rule by
 rule: each kind a worker may open, what each takes, and every refusal word for word."""
 import pytest
+from needs import gpu
 
 from kvstate import ConfigError
 from kvstate.backends import FileStore
@@ -136,3 +137,20 @@ def test_shared_caches_are_attached_for_the_worker_s_rank_and_refused_without_it
             _close(w)
     finally:
         shared.close()
+
+
+@gpu()
+def test_a_cuda_worker_builds_its_backend_on_its_device_with_its_tier_and_boards(tmp_path):
+    from kvstate.backends._cuda import CudaBackend
+
+    _, w = _worker(tmp_path, backend="cuda", device=0, host_blocks=2, lends=str(tmp_path / "lends"),
+                   pulls=str(tmp_path / "pulls"), pull_wait=0.125)
+    backend = w._backend()
+    try:
+        assert type(backend) is CudaBackend and backend.device == 0 and backend.ranks == (1,)
+        assert backend.host_blocks == 2 and backend.num_blocks == 8 and backend.store is w._store
+        assert (backend.lends.root, backend.pulls.root, backend.pulls.wait) == (tmp_path / "lends",
+                                                                                tmp_path / "pulls", 0.125)
+        assert len(w._resources) == 2
+    finally:
+        _close(w)

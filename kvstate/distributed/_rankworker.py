@@ -285,7 +285,7 @@ class RankWorker:
         sockets are not shared between threads)."""
         s = getattr(self._local, name, None)
         if s is None:
-            address = self.config.reply_address if name == "reply" else self.config.control_address
+            address = {"reply": self.config.reply_address, "control": self.config.control_address}[name]
             s = self._socket(zmq.PUSH, address)
             setattr(self._local, name, s)
         return s
@@ -296,7 +296,8 @@ class RankWorker:
         self._push("control").send(wire.pack(wire.ARRIVED, self.rank, self.incarnation, command_id, layers))
 
     def _moved(self) -> int:
-        return int(getattr(self._runner.backend, "bytes_moved", 0)) if hasattr(self, "_runner") else 0
+        """Payload bytes its backend moved (for the heartbeat, which runs once ``serve`` built it)."""
+        return int(getattr(self._runner.backend, "bytes_moved", 0))
 
     def store_faults(self) -> list[int]:
         """Its :data:`~kvstate.distributed._wire.STORE_FAULTS` so far: broken blocks and host slots
