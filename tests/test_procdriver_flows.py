@@ -171,3 +171,85 @@ def test_close_stops_a_started_worker_within_its_deadline(timeout):
     t = time.monotonic()
     drv.close(timeout)
     assert len(child.stops) == 1 and 0 < child.stops[0] <= timeout and time.monotonic() - t < timeout + 1
+
+
+def test_a_poll_asleep_wakes_for_an_answer_the_driver_makes_itself():
+    with ProcessDriver(SPEC1, 4, restart=False, spin_us=0) as drv, FakeWorker(drv) as w:
+        drv.submit(write_command(101, (0,)))
+        w.take()
+        later = threading.Timer(0.3, w.bye, args=("exit 0",))  # the driver answers the command as lost
+        later.start()
+        t = time.monotonic()
+        got = drv.poll(10.0)
+        later.join()
+        assert [_row(c) for c in got] == [(101, 0, 0, "rank 0 lost: its worker said goodbye (exit 0)", True)]
+        assert time.monotonic() - t < 5.0  # woken, not at its timeout
+
+
+def test_two_drivers_in_one_process_each_wake_their_own_poll():
+    with ProcessDriver(SPEC1, 4, restart=False) as a, ProcessDriver(SPEC1, 4, restart=False) as b:
+        for drv in (a, b):
+            drv.submit(write_command(111, (0,)))  # no worker: answered at once as down
+            assert [_row(c) for c in drv.poll(5.0)] == [(111, 0, 0, "rank 0 is down", False)]
+
+
+def test_a_started_worker_that_exits_fails_what_it_owed_as_not_lost():
+    with ProcessDriver(SPEC1, 4, restart=False, heartbeat_s=0.05) as drv, FakeWorker(drv) as w:
+        drv.submit(write_command(121, (0,)))
+        w.take()
+        exited = _Child()
+        exited.returncode = 3
+        exited.stops.append(0.0)  # not alive
+        drv.control.children[0] = exited
+        assert drv.child(0) is exited and drv.child(1) is None
+        got = answers(drv, 1)
+        assert [_row(c) for c in got] == [(121, 0, 0, "rank 0 lost: its worker process exited (status 3)", False)]
+
+
+def test_the_workers_store_faults_come_with_their_heartbeats():
+    with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv) as w:
+        assert drv.store_faults() == {"broken": 0, "short": 0, "failed": 0}
+        w.control.send(wire.pack(wire.HB, 0, w.inc, 4096, [2, 5, 7]))
+        deadline = time.monotonic() + 5
+        while drv.store_faults()["short"] != 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert drv.store_faults() == {"broken": 2, "short": 5, "failed": 7} and drv.bytes_moved() == 4096
+
+
+def test_a_worker_that_takes_nothing_pushes_back_with_a_timeout_on_submit():
+    import zmq
+
+    from kvstate._errors import DriverError
+
+    with ProcessDriver(SPEC1, 4, restart=False, submit_timeout=0.2) as drv, FakeWorker(drv) as w:
+        w.lane.setsockopt(zmq.RCVHWM, 1)  # it reads nothing: its queue and the driver's fill
+        with pytest.raises(DriverError) as e:
+            for cid in range(1, 200_000):
+                drv.submit(write_command(cid, (0,)))
+        assert str(e.value) == ("ProcessDriver: rank 0 took no command for the submit timeout: its queue is full "
+                                "(back-pressure) or it is stuck")
+
+
+def test_the_driver_s_calls_refuse_bad_arguments_word_for_word():
+    from kvstate import ValidationError
+
+    with ProcessDriver(SPEC1, 4, restart=False) as drv:
+        with pytest.raises(ValidationError) as e:
+            drv.poll(-1)
+        assert str(e.value) == "ProcessDriver.poll: timeout must be a finite number of seconds >= 0, got -1"
+        with pytest.raises(ValidationError) as e:
+            drv.submit_all([1])
+        assert str(e.value) == "ProcessDriver.submit_all: item 0 is a int, not a kvstate command"
+
+
+def test_a_worker_s_config_carries_the_driver_s_addresses_pages_secret_and_key(tmp_path):
+    groups = (LayerGroup("full", (0,)), LayerGroup("state", (1,), state_bytes=64, checkpoint=4))
+    with ProcessDriver(CacheSpec(2, 1, 4, 8, groups=groups), 4, restart=False, num_states=3,
+                       heartbeat_s=0.25) as drv:
+        cfg = drv.worker_config(0, {"kind": "file", "root": str(tmp_path)}, lanes=3)
+        assert [cfg.command_address, cfg.reply_address, cfg.control_address] == list(drv.addresses)
+        assert (cfg.num_states, cfg.secret, cfg.curve_key, cfg.heartbeat_s, cfg.lanes, cfg.num_blocks) == (
+            3, drv.secret, "", 0.25, 3, 4)
+    with ProcessDriver(SPEC1, 4, restart=False, address="tcp://127.0.0.1") as drv:
+        cfg = drv.worker_config(0, {"kind": "file", "root": str(tmp_path)})
+        assert cfg.curve_key == drv.curve_key and len(cfg.curve_key) == 40
