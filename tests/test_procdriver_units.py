@@ -170,3 +170,23 @@ def test_a_submit_after_close_is_refused():
     with pytest.raises(DriverError) as e:
         drv.submit(_write(1, (0,)))
     assert str(e.value) == "ProcessDriver: submit after close"
+
+
+def test_spawn_starts_the_rank_s_worker_with_its_config_and_log_and_never_after_close(tmp_path):
+    import os
+
+    drv = ProcessDriver(SPEC2, 4, restart=False)
+    started = []
+    drv.control.spawn = lambda cfg, log: started.append((cfg, log)) or "child"
+    try:
+        assert drv.spawn(1, {"kind": "file", "root": str(tmp_path)}, log_path=tmp_path / "w1.log", lanes=2) == "child"
+        assert drv.spawn(0, {"kind": "file", "root": str(tmp_path)}) == "child"
+        (cfg, log), (cfg0, log0) = started
+        assert (cfg.rank, cfg.lanes, cfg.parent_pid, cfg.secret, log) == (1, 2, os.getpid(), drv.secret,
+                                                                          str(tmp_path / "w1.log"))
+        assert (cfg0.rank, log0) == (0, None)
+    finally:
+        drv.close()
+    with pytest.raises(DriverError) as e:
+        drv.spawn(0, {"kind": "file", "root": str(tmp_path)})
+    assert str(e.value) == "ProcessDriver: spawn after close" and len(started) == 2

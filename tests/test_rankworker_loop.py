@@ -155,6 +155,14 @@ def test_a_worker_says_hello_until_lane_0_welcomes_it_then_beats(driver, tmp_pat
     assert driver.next(driver.control, (wire.BYE,)) == [wire.BYE, RANK, w.incarnation, "exit 0"]
 
 
+def test_a_worker_not_yet_serving_has_no_store_faults(tmp_path):
+    driver = Driver(str(tmp_path))
+    try:
+        assert RankWorker(driver.config(str(tmp_path))).store_faults() == [0, 0, 0]
+    finally:
+        driver.close()
+
+
 def test_a_config_s_secret_goes_before_the_environment_s(driver, tmp_path, monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "from-the-environment")
     driver.start(driver.config(str(tmp_path), secret="from-the-config", lanes=1))
@@ -214,6 +222,7 @@ def test_each_stale_bad_or_notice_message_moves_its_own_counter_alone(driver, tm
         ((wire.LAYERS, inc, "nine", 1), {"bad_messages": 1}),
         ((wire.CMD, inc, 1, 10), {"bad_messages": 1}),  # a command missing its items
         ((wire.CANCEL, inc, 9), {"cancels": 1}),  # nothing owed under 9: a cancel of nothing
+        ((wire.CANCEL, inc, 10), {"cancels": 1}),  # and another: each counts
         ((wire.LAYERS, inc, 9, 2), {}),
     ]
     for i, (message, moved) in enumerate(cases):
@@ -310,6 +319,7 @@ def test_main_serves_until_stopped_and_ignores_ctrl_c_meanwhile(driver, tmp_path
     def play() -> None:
         hello = driver.next(driver.control, (wire.HELLO,))
         seen["sigint"] = signal.getsignal(signal.SIGINT)
+        seen["daemons"] = {t.name: t.daemon for t in threading.enumerate() if t.name.startswith("kvstate-rank")}
         seen["hello"] = hello
         driver.send(0, wire.STOP)
 
@@ -318,6 +328,8 @@ def test_main_serves_until_stopped_and_ignores_ctrl_c_meanwhile(driver, tmp_path
     assert _main([driver.config(str(tmp_path)).to_json()]) == 0
     player.join(10)
     assert seen["sigint"] == signal.SIG_IGN and seen["hello"][:2] == [wire.HELLO, RANK]
+    assert seen["daemons"] == dict.fromkeys((f"kvstate-rank{RANK}-lane0", f"kvstate-rank{RANK}-lane1",
+                                             f"kvstate-rank{RANK}-store"), True)  # served from a main thread
     assert driver.next(driver.control, (wire.BYE,))[3] == "exit 0"
 
 
@@ -426,6 +438,10 @@ def test_a_clean_stop_says_nothing_on_stderr_and_names_its_threads(driver, tmp_p
     while len(checks) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(checks) >= 3  # the store is probed every heartbeat
+    sockets = len(w._sockets)
+    for _ in range(5):
+        driver.next(driver.control, (wire.HB,))
+    assert len(w._sockets) == sockets <= 2 + 1  # its lanes and one control socket: a thread's made once
     w.stop()
     assert driver.join() == 0 and capfd.readouterr().err == ""
     assert not [t for t in threading.enumerate() if t.name.startswith(f"kvstate-rank{RANK}-")]
