@@ -317,9 +317,11 @@ def test_main_serves_until_stopped_and_ignores_ctrl_c_meanwhile(driver, tmp_path
     seen: dict[str, Any] = {}
 
     def play() -> None:
-        hello = driver.next(driver.control, (wire.HELLO,))
+        driver.next(driver.control, (wire.HELLO,))
+        hello = driver.next(driver.control, (wire.HELLO,))  # the beats' own: every thread has started
         seen["sigint"] = signal.getsignal(signal.SIGINT)
-        seen["daemons"] = {t.name: t.daemon for t in threading.enumerate() if t.name.startswith("kvstate-rank")}
+        names = (f"kvstate-rank{RANK}-lane0", f"kvstate-rank{RANK}-lane1", f"kvstate-rank{RANK}-store")
+        seen["daemons"] = {t.name: t.daemon for t in threading.enumerate() if t.name in names}
         seen["hello"] = hello
         driver.send(0, wire.STOP)
 
