@@ -18,6 +18,7 @@ def test_lifecycle_benchmark_json_keys():
         assert out[key] > 0
 
 
+@pytest.mark.slow
 def test_every_benchmark_script_starts():
     """Each script's imports resolve and it answers --help (the GPU and Mooncake ones too,
     which need their hardware or server only once they run)."""

@@ -105,8 +105,8 @@ def test_a_report_of_launched_layers_goes_out_once_their_event_is_done():
         drv.submit(C.LayersReady("r1", 81, 2, event=event))
         assert not w.lane.poll(200)  # the event is not done: nothing yet
         watcher = [t for t in threading.enumerate() if t.name == "kvstate-layer-events"]
-        assert len(watcher) == 1 and watcher[0].daemon  # one thread waits on the events; it never holds exit
         event.set = True
+        assert len(watcher) == 1 and watcher[0].daemon  # one thread waits on the events; it never holds exit
         assert w.take() == [wire.LAYERS, 4, 81, 2]
         assert not w.lane.poll(100)
 

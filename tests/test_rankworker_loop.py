@@ -144,12 +144,12 @@ def test_a_worker_says_hello_until_lane_0_welcomes_it_then_beats(driver, tmp_pat
     assert hello == [wire.HELLO, RANK, w.incarnation, os.getpid(), 2, wire.geometry(SPEC, BLOCKS), 2,
                      "from-the-environment"]  # the config's secret is empty: the environment's goes
     driver.send(1, wire.WELCOME, w.incarnation)  # lane 1 alone: lane 0 may not be reachable yet
-    time.sleep(0.1)
+    _settled(driver, w, 201, lane=1)  # one block written: the bytes the beats report
     assert not w.welcomed
     assert driver.next(driver.control, (wire.HELLO, wire.HB))[0] == wire.HELLO
     driver.send(0, wire.WELCOME, w.incarnation)
     beat = driver.next(driver.control, (wire.HB,))
-    assert beat == [wire.HB, RANK, w.incarnation, 0, [0, 0, 0]] and w.welcomed
+    assert beat == [wire.HB, RANK, w.incarnation, SPEC.bytes_per_block_per_rank, [0, 0, 0]] and w.welcomed
     driver.send(0, wire.STOP)
     assert driver.join() == 0
     assert driver.next(driver.control, (wire.BYE,)) == [wire.BYE, RANK, w.incarnation, "exit 0"]
@@ -201,9 +201,9 @@ def test_a_failed_command_is_a_failure_not_a_short_read(driver, tmp_path):
     assert w.store_faults() == [0, 0, 1]  # a write is never short
 
 
-def _settled(driver: Driver, w: RankWorker, cid: int) -> None:
-    """Wait until lane 0 has run everything sent to it before: a write sent after, answered."""
-    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, cid, ("sync",), (1,)), w.incarnation))
+def _settled(driver: Driver, w: RankWorker, cid: int, lane: int = 0) -> None:
+    """Wait until ``lane`` has run everything sent to it before: a write sent after, answered."""
+    driver.send(lane, raw=wire.command_message(_command(C.WriteBlocks, cid, ("sync",), (1,)), w.incarnation))
     assert driver.next(driver.reply, (wire.DONE,))[3] == cid
 
 
@@ -240,7 +240,7 @@ def test_a_rejoin_draws_a_new_incarnation_and_says_hello_again(driver, tmp_path)
     w = driver.start(driver.config(str(tmp_path)))
     old = driver.welcome()[2]
     driver.send(0, wire.REJOIN, old + 1)  # another incarnation's: stale
-    time.sleep(0.1)
+    _settled(driver, w, 202)
     assert w.incarnation == old and w.welcomed
     driver.send(0, wire.REJOIN, old)
     hello = driver.next(driver.control, (wire.HELLO,))
@@ -248,15 +248,15 @@ def test_a_rejoin_draws_a_new_incarnation_and_says_hello_again(driver, tmp_path)
     assert driver.next(driver.control, (wire.HELLO,))[:3] == [wire.HELLO, RANK, w.incarnation]  # again, unwelcomed
     stale = _command(C.WriteBlocks, 12, ("a",), (1,))
     driver.send(0, raw=wire.command_message(stale, old))
-    time.sleep(0.1)
-    assert w.counters["stale"] == 2 and w.counters["commands"] == 0
+    _settled(driver, w, 203)
+    assert w.counters["stale"] == 2 and w.counters["commands"] == 2  # the two that settled the lane
 
 
 def test_a_refusal_of_its_own_hello_ends_it_with_status_2(driver, tmp_path, capfd):
     w = driver.start(driver.config(str(tmp_path)))
     hello = driver.next(driver.control, (wire.HELLO,))
     driver.send(0, wire.REFUSE, hello[2] + 1, "not you")  # a stale refusal changes nothing
-    time.sleep(0.1)
+    _settled(driver, w, 204)
     assert driver.thread is not None and driver.thread.is_alive() and w.counters["stale"] == 1
     driver.send(0, wire.REFUSE, hello[2], "geometry differs")
     assert driver.join() == 2
@@ -362,7 +362,7 @@ def test_a_lend_waits_for_d_off_the_lane(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path), lends=str(tmp_path / "board")))
     inc = driver.welcome()[2]
     now = time.monotonic()
-    lend = C.LendBlocks("req", 31, (0, 1), now + 0.5, ("l0",), (1,), fence=now + 1.0)
+    lend = C.LendBlocks("req", 31, (0, 1), now + 2.0, ("l0",), (1,), fence=now + 3.0)
     driver.send(0, raw=wire.command_message(lend, inc))
     driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 32, ("w0",), (2,)), inc))
     assert driver.next(driver.reply, (wire.DONE,))[3] == 32  # answered while the lend waits for a D

@@ -43,6 +43,7 @@ def test_a_precision_outside_zero_to_one_is_refused(precision):
         highest_rate(with_overrides(Scenario(), SMALL), precision=precision)
 
 
+@pytest.mark.slow
 def test_plan_search_rate_gives_every_row_its_highest_rate_and_breaks_ties_by_it(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["plan", "--quiet", "--search-rate", "--workers", "2", "--out", str(out), "--sweep", "cluster.n_decode=1,2",
