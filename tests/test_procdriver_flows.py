@@ -236,6 +236,8 @@ def test_the_driver_s_calls_refuse_bad_arguments_word_for_word():
     from kvstate import ValidationError
 
     with ProcessDriver(SPEC1, 4, restart=False) as drv:
+        t = time.monotonic()
+        assert drv.poll() == [] and time.monotonic() - t < 0.5  # by default it does not wait
         with pytest.raises(ValidationError) as e:
             drv.poll(-1)
         assert str(e.value) == "ProcessDriver.poll: timeout must be a finite number of seconds >= 0, got -1"

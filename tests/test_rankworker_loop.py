@@ -209,6 +209,7 @@ def _settled(driver: Driver, w: RankWorker, cid: int, lane: int = 0) -> None:
 
 def test_each_stale_bad_or_notice_message_moves_its_own_counter_alone(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path)))
+    assert w.counters == {"commands": 0, "stale": 0, "bad_messages": 0, "cancels": 0}
     inc = driver.welcome()[2]
     cases: list[tuple[Any, dict[str, int]]] = [
         (wire.command_message(_command(C.WriteBlocks, 9, ("a",), (1,)), inc + 1), {"stale": 1}),

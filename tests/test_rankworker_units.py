@@ -65,6 +65,9 @@ def test_a_mooncake_store_is_configured_from_every_field_but_the_kind(monkeypatc
     (config,) = seen
     assert type(config) is _mooncake.MooncakeConfig and config.master == "127.0.0.1:50051"
     assert config.metadata == "P2PHANDSHAKE" and config.local_hostname == "h"
+    assert build_store({"kind": "mooncake", "master": "m:1", "metadata": "P2PHANDSHAKE"}) == "store"  # these alone
+    assert (seen[1].master, seen[1].metadata) == ("m:1", "P2PHANDSHAKE")
+    del seen[1]
     for bad in ({"master": "m", "metadata": "d", "no_such_field": 1}, {"master": "m"}):
         with pytest.raises(ConfigError, match=r"^a mooncake store takes master and metadata \(and \[.*'protocol'"):
             build_store({"kind": "mooncake", **bad})
@@ -154,3 +157,29 @@ def test_a_cuda_worker_builds_its_backend_on_its_device_with_its_tier_and_boards
         assert len(w._resources) == 2
     finally:
         _close(w)
+
+
+def test_shared_caches_with_state_pages_give_the_worker_its_rank_s_shared_pages(tmp_path):
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux (/dev/shm)")
+    from kvstate._layers import LayerGroup
+    from kvstate._spec import CacheSpec
+    from kvstate.distributed import SharedCaches
+
+    groups = (LayerGroup("full", (0,)), LayerGroup("state", (1,), state_bytes=64, checkpoint=4))
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2, groups=groups)
+    shared = SharedCaches.create(spec, 8, num_states=3)
+    try:
+        _, w = _worker(tmp_path, spec={f: getattr(spec, f) for f in spec.__dataclass_fields__}, num_states=3,
+                       caches={"kind": "shm", "paths": {str(r): p for r, p in shared.paths.items()}})
+        backend = w._backend()
+        try:
+            shared.states[1][2] = 9  # page 2 of rank 1, written by the process that made the file
+            assert backend.state_pages[1].shape == (3, 64) and backend.state_pages[1][2].min() == 9
+            assert list(backend.state_pages) == [1]
+        finally:
+            _close(w)
+    finally:
+        shared.close()

@@ -369,7 +369,7 @@ class ProcessDriver(Driver):
         for cid in owed:
             self._lose(rank, cid, reason, lost)
 
-    def _lose(self, rank: int, command_id: int, reason: str, lost: bool = True) -> None:
+    def _lose(self, rank: int, command_id: int, reason: str, lost: bool) -> None:
         c = self.ledger.lost(rank, command_id, reason, lost)
         if c is not None:
             self._done.put(c)
