@@ -199,3 +199,35 @@ def test_each_command_goes_to_the_lane_owing_fewest_as_answers_come_and_go():
     assert lanes == [0, 1, 0, 0, 1, 0, 1]
     table.paid(0, 99)  # never owed: nothing changes
     assert table.owed(0) == [3, 5, 6, 7] and [table.lane_of(0, c) for c in (3, 5, 6, 7)] == [0, 1, 0, 1]
+
+
+def test_a_held_command_answered_meanwhile_is_skipped_and_the_next_goes_to_a_lane_it_owes_on():
+    lg = ledger(up=(), restarting=(0,))
+    for cid in (1, 2):
+        assert lg.register(cmd(cid, ranks=(0,))) == ([], [])  # held: rank 0 is on its way
+    assert lg.lost(0, 1, "cancelled while its rank restarted", False) is not None  # answered, still in the hold
+    lg.ranks.up(0, INC[0], 1000, 0.0, 2)
+    sends, expired = lg.release_held(0)
+    assert [(r, cid) for r, _, cid, _ in sends] == [(0, 2)] and expired == []
+    ((_, lane, _, _),) = sends
+    assert lg.owing(2) == [(0, INC[0], lane)] and lane is not None
+
+
+def test_an_answer_counts_as_hearing_from_its_rank():
+    lg = ledger()
+    lg.register(cmd(3))
+    t = time.monotonic()
+    lg.answered(done(0, 3))
+    assert [(r, last >= t) for r, _, last in lg.ranks.live()] == [(0, True), (1, False)]
+
+
+def test_a_rank_down_keeps_what_it_moved_and_saw_and_starts_again_from_zero():
+    table = RankTable(2)
+    table.up(0, 7, 1000, 0.0, 1)
+    table.seen(0, 1.0, moved=100, faults=(1, 2, 3))
+    table.down_now(0)
+    assert table.bytes_moved() == 100 and table.store_faults() == (1, 2, 3)
+    table.up(0, 8, 1001, 2.0, 1)
+    assert table.bytes_moved() == 100 and table.store_faults() == (1, 2, 3)  # the new incarnation: nothing yet
+    table.seen(0, 3.0, moved=5, faults=(0, 1, 0))
+    assert table.bytes_moved() == 105 and table.store_faults() == (1, 3, 3)
