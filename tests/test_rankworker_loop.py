@@ -102,6 +102,10 @@ class Driver:
                     raise
                 time.sleep(0.01)
 
+    def submit(self, lane: int, cmd: C.TransferCommand, incarnation: int) -> None:
+        """``cmd`` to the worker's lane, as the driver's CMD message naming ``incarnation``."""
+        self.send(lane, raw=wire.command_message(cmd, incarnation))
+
     def welcome(self) -> list[Any]:
         """Take the worker's hello and welcome it on every lane; returns the hello."""
         hello = self.next(self.control, (wire.HELLO,))
@@ -130,6 +134,19 @@ def driver(tmp_path):
     d = Driver(str(tmp_path))
     yield d
     d.close()
+
+
+def _patch_store(monkeypatch: pytest.MonkeyPatch, method: str, wrap: Any) -> None:
+    """Workers started after this build their store as usual, with ``store.method`` replaced by
+    ``wrap(store.method)``."""
+    opened = rankworker.build_store
+
+    def build(cfg: dict[str, Any]) -> Any:
+        store = opened(cfg)
+        setattr(store, method, wrap(getattr(store, method)))
+        return store
+
+    monkeypatch.setattr(rankworker, "build_store", build)
 
 
 def _command(cls: type, cid: int, keys: tuple[str, ...], blocks: tuple[int, ...]) -> C.TransferCommand:
@@ -173,10 +190,10 @@ def test_commands_are_answered_on_the_reply_channel_and_short_reads_counted(driv
     w = driver.start(driver.config(str(tmp_path)))
     driver.welcome()
     write = _command(C.WriteBlocks, 5, ("a", "b"), (1, 2))
-    driver.send(1, raw=wire.command_message(write, w.incarnation))
+    driver.submit(1, write, w.incarnation)
     assert driver.next(driver.reply, (wire.DONE,)) == [wire.DONE, RANK, w.incarnation, 5, 2, None]
     read = _command(C.ReadBlocks, 6, ("a", "b", "never"), (3, 4, 5))
-    driver.send(0, raw=wire.command_message(read, w.incarnation))
+    driver.submit(0, read, w.incarnation)
     assert driver.next(driver.reply, (wire.DONE,)) == [wire.DONE, RANK, w.incarnation, 6, 2, None]
     per_block = SPEC.bytes_per_block_per_rank
     deadline = time.monotonic() + 10
@@ -191,19 +208,19 @@ def test_a_failed_command_is_a_failure_not_a_short_read(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path)))
     driver.welcome()
     write = _command(C.WriteBlocks, 7, ("a",), (BLOCKS + 3,))  # a block the worker's caches lack
-    driver.send(0, raw=wire.command_message(write, w.incarnation))
+    driver.submit(0, write, w.incarnation)
     done = driver.next(driver.reply, (wire.DONE,))
     assert done[:5] == [wire.DONE, RANK, w.incarnation, 7, 0] and done[5]
     assert w.store_faults() == [0, 0, 1]
     short_write = _command(C.WriteBlocks, 8, ("b", "c"), (1, 2))
-    driver.send(0, raw=wire.command_message(short_write, w.incarnation))
+    driver.submit(0, short_write, w.incarnation)
     assert driver.next(driver.reply, (wire.DONE,))[3:] == [8, 2, None]
     assert w.store_faults() == [0, 0, 1]  # a write is never short
 
 
 def _settled(driver: Driver, w: RankWorker, cid: int, lane: int = 0) -> None:
     """Wait until ``lane`` has run everything sent to it before: a write sent after, answered."""
-    driver.send(lane, raw=wire.command_message(_command(C.WriteBlocks, cid, ("sync",), (1,)), w.incarnation))
+    driver.submit(lane, _command(C.WriteBlocks, cid, ("sync",), (1,)), w.incarnation)
     assert driver.next(driver.reply, (wire.DONE,))[3] == cid
 
 
@@ -248,7 +265,7 @@ def test_a_rejoin_draws_a_new_incarnation_and_says_hello_again(driver, tmp_path)
     assert hello[2] == w.incarnation != old and isinstance(hello[2], int) and hello[2] > 0 and not w.welcomed
     assert driver.next(driver.control, (wire.HELLO,))[:3] == [wire.HELLO, RANK, w.incarnation]  # again, unwelcomed
     stale = _command(C.WriteBlocks, 12, ("a",), (1,))
-    driver.send(0, raw=wire.command_message(stale, old))
+    driver.submit(0, stale, old)
     _settled(driver, w, 203)
     assert w.counters["stale"] == 2 and w.counters["commands"] == 2  # the two that settled the lane
 
@@ -273,15 +290,7 @@ def test_a_worker_whose_parent_is_gone_exits_with_status_3(driver, tmp_path):
 
 def test_a_stop_from_the_host_closes_the_store_and_every_socket(driver, tmp_path, monkeypatch):
     closed: list[str] = []
-    opened = rankworker.build_store
-
-    def recording(cfg: dict[str, Any]) -> Any:
-        store = opened(cfg)
-        close = store.close
-        store.close = lambda: (closed.append("store"), close())[1]
-        return store
-
-    monkeypatch.setattr(rankworker, "build_store", recording)
+    _patch_store(monkeypatch, "close", lambda close: lambda: (closed.append("store"), close())[1])
     w = driver.start(driver.config(str(tmp_path)))
     driver.welcome()
     assert closed == []
@@ -347,12 +356,12 @@ def test_main_reports_a_store_it_cannot_open_with_status_2(driver, tmp_path, cap
 def test_a_layer_wise_save_waits_for_its_layers_off_the_lane_and_a_cancel_ends_one(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path)))
     inc = driver.welcome()[2]
-    driver.send(0, raw=wire.command_message(_command(C.SaveLayers, 21, ("s0", "s1"), (1, 2)), inc))
-    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 22, ("w0",), (3,)), inc))
+    driver.submit(0, _command(C.SaveLayers, 21, ("s0", "s1"), (1, 2)), inc)
+    driver.submit(0, _command(C.WriteBlocks, 22, ("w0",), (3,)), inc)
     assert driver.next(driver.reply, (wire.DONE,))[3:] == [22, 1, None]  # the lane went on reading
     driver.send(0, wire.LAYERS, inc, 21, SPEC.num_layers)
     assert driver.next(driver.reply, (wire.DONE,))[3:] == [21, 2, None]
-    driver.send(1, raw=wire.command_message(_command(C.SaveLayers, 23, ("s2",), (4,)), inc))
+    driver.submit(1, _command(C.SaveLayers, 23, ("s2",), (4,)), inc)
     driver.send(1, wire.CANCEL, inc, 23)
     done = driver.next(driver.reply, (wire.DONE,))  # stopped at once, nothing stored: before it ran, or
     assert done[3:5] == [23, 0] and done[5] in (None, "cancelled")  # while it waited for its layers
@@ -364,8 +373,8 @@ def test_a_lend_waits_for_d_off_the_lane(driver, tmp_path):
     inc = driver.welcome()[2]
     now = time.monotonic()
     lend = C.LendBlocks("req", 31, (0, 1), now + 2.0, ("l0",), (1,), fence=now + 3.0)
-    driver.send(0, raw=wire.command_message(lend, inc))
-    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 32, ("w0",), (2,)), inc))
+    driver.submit(0, lend, inc)
+    driver.submit(0, _command(C.WriteBlocks, 32, ("w0",), (2,)), inc)
     assert driver.next(driver.reply, (wire.DONE,))[3] == 32  # answered while the lend waits for a D
     assert driver.next(driver.reply, (wire.DONE,))[3:] == [31, 0, None]  # nobody pulled it by its deadline
     assert w.counters["commands"] == 2
@@ -374,9 +383,9 @@ def test_a_lend_waits_for_d_off_the_lane(driver, tmp_path):
 def test_a_layer_wise_load_reports_its_arrivals_before_its_answer(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path)))
     inc = driver.welcome()[2]
-    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 41, ("a", "b"), (1, 2)), inc))
+    driver.submit(0, _command(C.WriteBlocks, 41, ("a", "b"), (1, 2)), inc)
     driver.next(driver.reply, (wire.DONE,))
-    driver.send(0, raw=wire.command_message(_command(C.LoadLayers, 42, ("a", "b"), (3, 4)), inc))
+    driver.submit(0, _command(C.LoadLayers, 42, ("a", "b"), (3, 4)), inc)
     assert driver.next(driver.control, (wire.ARRIVED,)) == [wire.ARRIVED, RANK, inc, 42, SPEC.num_layers]
     assert driver.next(driver.reply, (wire.DONE,))[3:] == [42, 2, None]
     assert w._runner.arrivals(42, RANK) is None  # forgotten once answered
@@ -385,19 +394,19 @@ def test_a_layer_wise_load_reports_its_arrivals_before_its_answer(driver, tmp_pa
 def test_whole_reads_are_not_short_and_every_short_or_broken_one_counts(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path)))
     inc = driver.welcome()[2]
-    driver.send(0, raw=wire.command_message(_command(C.WriteBlocks, 51, ("a", "b"), (1, 2)), inc))
+    driver.submit(0, _command(C.WriteBlocks, 51, ("a", "b"), (1, 2)), inc)
     driver.next(driver.reply, (wire.DONE,))
-    driver.send(0, raw=wire.command_message(_command(C.ReadBlocks, 52, ("a", "b"), (3, 4)), inc))
+    driver.submit(0, _command(C.ReadBlocks, 52, ("a", "b"), (3, 4)), inc)
     assert driver.next(driver.reply, (wire.DONE,))[3:] == [52, 2, None]
     assert w.store_faults() == [0, 0, 0]  # whole
     for cid in (53, 54):
-        driver.send(0, raw=wire.command_message(_command(C.ReadBlocks, cid, ("a", "gone"), (3, 4)), inc))
+        driver.submit(0, _command(C.ReadBlocks, cid, ("a", "gone"), (3, 4)), inc)
         assert driver.next(driver.reply, (wire.DONE,))[3:] == [cid, 1, None]
     assert w.store_faults() == [0, 2, 0]
     for path in (tmp_path).rglob("*"):
         if path.is_file():
             path.write_bytes(b"\0" * path.stat().st_size)  # another process broke every stored byte
-    driver.send(0, raw=wire.command_message(_command(C.ReadBlocks, 55, ("a",), (3,)), inc))
+    driver.submit(0, _command(C.ReadBlocks, 55, ("a",), (3,)), inc)
     assert driver.next(driver.reply, (wire.DONE,))[3:] == [55, 0, None]
     w._runner.backend.broken_slots = 2  # as if the host tier had found two broken slots
     broken = w._runner.backend.broken_blocks
@@ -423,15 +432,7 @@ def test_a_hello_carries_no_secret_where_none_is_given_and_the_state_pages_in_it
 
 def test_a_clean_stop_says_nothing_on_stderr_and_names_its_threads(driver, tmp_path, capfd, monkeypatch):
     checks: list[float] = []
-    opened = rankworker.build_store
-
-    def watched(cfg: dict[str, Any]) -> Any:
-        store = opened(cfg)
-        check = store.check
-        store.check = lambda: (checks.append(time.monotonic()), check())[1]
-        return store
-
-    monkeypatch.setattr(rankworker, "build_store", watched)
+    _patch_store(monkeypatch, "check", lambda check: lambda: (checks.append(time.monotonic()), check())[1])
     w = driver.start(driver.config(str(tmp_path)))
     driver.welcome()
     mine = {t.name: t.daemon for t in threading.enumerate() if t.name.startswith(f"kvstate-rank{RANK}-")}
@@ -451,18 +452,13 @@ def test_a_clean_stop_says_nothing_on_stderr_and_names_its_threads(driver, tmp_p
 
 
 def test_a_resource_that_fails_to_close_is_reported_and_the_rest_still_close(driver, tmp_path, capfd, monkeypatch):
-    opened = rankworker.build_store
-
-    def failing(cfg: dict[str, Any]) -> Any:
-        store = opened(cfg)
-
-        def close() -> None:
+    def failing(close: Any) -> Any:
+        def fail() -> None:
             raise RuntimeError("the pool is gone")
 
-        store.close = close
-        return store
+        return fail
 
-    monkeypatch.setattr(rankworker, "build_store", failing)
+    _patch_store(monkeypatch, "close", failing)
     w = driver.start(driver.config(str(tmp_path)))
     driver.welcome()
     w.stop()
@@ -492,7 +488,7 @@ def test_over_tcp_a_worker_talks_curve_with_one_keypair_to_the_driver_it_knows_b
     try:
         w = driver.start(driver.config(str(tmp_path / "pool")))
         inc = driver.welcome()[2]
-        driver.send(1, raw=wire.command_message(_command(C.WriteBlocks, 61, ("a",), (1,)), inc))
+        driver.submit(1, _command(C.WriteBlocks, 61, ("a",), (1,)), inc)
         assert driver.next(driver.reply, (wire.DONE,))[3:] == [61, 1, None]
         public, secret = w._curve
         assert len(public) == len(secret) == 40 and public != secret  # made once, for every socket
