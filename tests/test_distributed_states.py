@@ -167,7 +167,7 @@ def test_state_pages_across_processes_are_refused_where_they_cannot_go(tmp_path)
     with pytest.raises(ConfigError, match="needs state pages"):
         WorkerConfig(**base).validate()
     with pytest.raises(ConfigError, match="must share the state pages too"):
-        WorkerConfig(**base, num_states=4, caches={"kind": "cuda-ipc"}).validate()
+        WorkerConfig(**base, num_states=4, caches={"kind": "cuda-ipc"}, backend="cuda").validate()
     with SharedCaches.create(spec, 8, num_states=4) as mine, pytest.raises(ConfigError, match="geometries differ"):
         SharedCaches.attach(spec, 8, mine.paths, num_states=2)
     assert not list(shm_directory().glob(f"kvstate-{os.getpid()}-*"))

@@ -55,6 +55,10 @@ def _fields(of: CacheSpec = SPEC, **kw: Any) -> dict[str, Any]:
     (dict(caches={"kind": "gpu"}), "WorkerConfig.caches must be a dict whose kind is one of ['own', 'shm', "
                                    "'cuda-ipc']"),
     (dict(caches=[]), "WorkerConfig.caches must be a dict whose kind is one of ['own', 'shm', 'cuda-ipc']"),
+    (dict(caches={"kind": "cuda-ipc"}), "WorkerConfig: the 'reference' backend holds 'own' or 'shm' caches, "
+                                        "not 'cuda-ipc'"),
+    (dict(caches={"kind": "shm", "paths": {}}, backend="cuda"), "WorkerConfig: the 'cuda' backend holds 'own' or "
+                                                                "'cuda-ipc' caches, not 'shm'"),
     (dict(curve_key="a" * 41), "WorkerConfig.curve_key must be the driver's Z85 CURVE key (40 characters) or '', "
                                f"got '{'a' * 41}'"),
     (dict(curve_key=5), "WorkerConfig.curve_key must be the driver's Z85 CURVE key (40 characters) or '', got 5"),
@@ -83,7 +87,8 @@ def test_a_spec_that_is_no_spec_is_refused_with_the_spec_s_own_reason():
     dict(pull_wait=0), dict(pull_wait=600), dict(backend="cuda"), dict(curve_key="a" * 40), dict(secret=""),
     dict(command_address="tcp://127.0.0.1:1", reply_address="inproc://r", control_address="ipc:///x"),
     dict(store={"kind": "arena", "path": "/dev/shm/a"}), dict(store={"kind": "mooncake"}),
-    dict(caches={"kind": "shm", "paths": {}}), dict(caches={"kind": "cuda-ipc"}), dict(lends="/a", pulls="/b"),
+    dict(caches={"kind": "shm", "paths": {}}), dict(caches={"kind": "cuda-ipc"}, backend="cuda"),
+    dict(caches={"kind": "own"}, backend="cuda"), dict(lends="/a", pulls="/b"),
 ])
 def test_each_bound_is_taken_at_its_edge(kw):
     cfg = WorkerConfig(**_fields(**kw))
@@ -98,11 +103,12 @@ def test_state_pages_go_with_a_state_spec_and_cuda_ipc_must_share_them():
     assert str(e.value) == ("WorkerConfig: num_states 0 with 64 state bytes a rank: a spec with state groups needs "
                             "state pages, one without has none")
     with pytest.raises(ConfigError) as e:
-        WorkerConfig(**_fields(STATES, num_states=2, caches={"kind": "cuda-ipc"}))
+        WorkerConfig(**_fields(STATES, num_states=2, caches={"kind": "cuda-ipc"}, backend="cuda"))
     assert str(e.value) == ("WorkerConfig: CUDA IPC caches of a spec with state groups must share the state pages "
                             "too (share_caches(..., states=))")
-    assert WorkerConfig(**_fields(STATES, num_states=2, caches={"kind": "cuda-ipc", "states": {}})).num_states == 2
-    assert WorkerConfig(**_fields(num_states=0, caches={"kind": "cuda-ipc"})).num_states == 0
+    assert WorkerConfig(**_fields(STATES, num_states=2, caches={"kind": "cuda-ipc", "states": {}},
+                                       backend="cuda")).num_states == 2
+    assert WorkerConfig(**_fields(num_states=0, caches={"kind": "cuda-ipc"}, backend="cuda")).num_states == 0
 
 
 def test_json_that_is_not_a_config_is_refused_as_such():

@@ -59,6 +59,8 @@ __all__ = ["WorkerConfig", "RankWorker", "main", "build_store", "SECRET_ENV"]
 _STORES = ("arena", "file", "mooncake")
 MAX_LENDS = 64  #: lends a rank worker holds at once, each on a thread (mostly asleep) while D pulls
 _CACHES = ("own", "shm", "cuda-ipc")
+#: the caches each backend can hold: the reference backend's are host memory, CUDA's GPU memory
+_HOLDS = {"reference": ("own", "shm"), "cuda": ("own", "cuda-ipc")}
 
 
 @dataclass
@@ -70,8 +72,9 @@ class WorkerConfig:
     :class:`~kvstate.backends._mooncake.MooncakeConfig`). ``caches``: ``{"kind": "shm", "paths":
     {rank: file}}`` (:class:`~kvstate.backends._shm.SharedCaches`), ``{"kind": "cuda-ipc",
     ...}`` (:mod:`~kvstate.backends._cudaipc`) or ``{"kind": "own"}`` (zeroed caches of its
-    own: benchmarks of the transport alone). ``num_states``: state pages, for a spec with state
-    groups (in the shared file with ``shm``; beside the caches with ``cuda-ipc``)."""
+    own: benchmarks of the transport alone); ``shm`` goes with the ``reference`` backend and
+    ``cuda-ipc`` with ``cuda`` (host memory and GPU memory). ``num_states``: state pages, for a
+    spec with state groups (in the shared file with ``shm``; beside the caches with ``cuda-ipc``)."""
 
     rank: int
     spec: dict[str, Any]
@@ -132,6 +135,10 @@ class WorkerConfig:
                               f"other processes reach too), got {self.store!r}")
         if not isinstance(self.caches, dict) or self.caches.get("kind") not in _CACHES:
             raise ConfigError(f"WorkerConfig.caches must be a dict whose kind is one of {list(_CACHES)}")
+        holds = _HOLDS[self.backend]
+        if self.caches["kind"] not in holds:
+            raise ConfigError(f"WorkerConfig: the {self.backend!r} backend holds {holds[0]!r} or {holds[1]!r} caches, "
+                              f"not {self.caches['kind']!r}")
         self._check_states(spec)
         self._check_boards()
         return spec
@@ -253,7 +260,7 @@ class RankWorker:
             backend: TransferBackend = CudaBackend(spec, cfg.num_blocks, store, caches=caches, device=cfg.device,
                                                    host_blocks=cfg.host_blocks, ranks=(self.rank,),
                                                    num_states=cfg.num_states,
-                                                   states=states if kind == "cuda-ipc" else None, lends=lends,
+                                                   states=states, lends=lends,
                                                    pulls=pulls, shared=cfg.caches if kind == "cuda-ipc" else None)
         else:
             from ..backends._reference import ReferenceBackend
