@@ -155,6 +155,8 @@ def test_a_cuda_worker_builds_its_backend_on_its_device_with_its_tier_and_boards
         assert (backend.lends.root, backend.pulls.root, backend.pulls.wait) == (tmp_path / "lends",
                                                                                 tmp_path / "pulls", 0.125)
         assert len(w._resources) == 2
+        peer = backend.lend_peer(1)  # its own caches, shared for a puller by the backend itself
+        assert peer["kind"] == "cuda-ipc" and list(peer["tensors"]) == ["1"] and peer["device"] == 0
     finally:
         _close(w)
 
@@ -183,3 +185,40 @@ def test_shared_caches_with_state_pages_give_the_worker_its_rank_s_shared_pages(
             _close(w)
     finally:
         shared.close()
+
+
+def test_a_cuda_worker_on_shared_caches_maps_its_rank_s_on_its_device_and_lets_them_go(tmp_path, monkeypatch):
+    """The wiring alone (CUDA IPC and the CUDA backend recorded, so it runs on a CPU): the
+    engine's caches and state pages are mapped for this rank on its device and handed to the
+    backend with the description; their release is the worker's. tests/test_cuda_ipc.py moves
+    bytes through the same path on a GPU."""
+    from kvstate.backends import _cuda, _cudaipc
+
+    shared = {"kind": "cuda-ipc", "device": 2, "tensors": {"1": {}}, "states": {"1": ["aa", 0, 1]}}
+    opened, released, built = [], [], []
+    monkeypatch.setattr(_cudaipc, "open_caches",
+                        lambda *a: opened.append(a) or ("caches", "pages", lambda: released.append(1)))
+
+    class Backend:
+        def __init__(self, *a, **kw):
+            built.append((a, kw))
+
+        def close(self):
+            released.append(2)
+    monkeypatch.setattr(_cuda, "CudaBackend", Backend)
+    from kvstate._layers import LayerGroup
+    from kvstate._spec import CacheSpec
+
+    groups = (LayerGroup("full", (0,)), LayerGroup("state", (1,), state_bytes=64, checkpoint=4))
+    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2, groups=groups)
+    _, w = _worker(tmp_path, spec={f: getattr(spec, f) for f in spec.__dataclass_fields__}, backend="cuda", device=2,
+                   caches=shared, num_states=3, host_blocks=1)
+    backend = w._backend()
+    assert type(backend) is Backend
+    assert opened == [(spec, 8, 1, shared, 2, 3)]
+    ((args, kw),) = built
+    assert args[:2] == (spec, 8) and args[2] is w._store
+    assert kw == {"caches": "caches", "device": 2, "host_blocks": 1, "ranks": (1,), "num_states": 3,
+                  "states": "pages", "lends": None, "pulls": None, "shared": shared}
+    _close(w)
+    assert released == [2, 1]
