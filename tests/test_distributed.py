@@ -165,6 +165,8 @@ def test_window_first_reads_run_in_the_workers_and_bring_every_needed_byte(tmp_p
         assert (r["ended"], r["leaked"], r["pending"], r["live"], r["mismatched"]) == (24, 0, 0, 0, 0)
         assert max(w for w, _ in windows) > 0 and r["checked"] > 100
         assert {t for _, t in windows} == {int(group_tables)}
+        # a write-back's freed window entries cross the wire: every transfer answered, none waited out
+        assert (rig.P.counters["expired"], rig.D.counters["expired"]) == (0, 0)
     finally:
         rig.close()
 

@@ -14,6 +14,7 @@ import pytest
 
 from kvstate import commands as C
 from kvstate._errors import ProtocolError
+from kvstate._pool import FREED
 from kvstate._spec import CacheSpec
 from kvstate.distributed import _wire as wire
 
@@ -82,6 +83,26 @@ def test_a_swap_has_no_window_and_a_read_or_write_keeps_its_own():
         msg[10] = 1
         back = wire.command_of(msg, 0)
         assert type(back) is cls and back.window_from == 1
+
+
+def test_freed_entries_cross_only_before_the_window():
+    """A write-back of a window group's table (kvstate._tables): its entries before the
+    window's first key are FREED, in the block ids and in the other tables alike."""
+    c = C.WriteBlocks("r", 6, (0,), NOW + 1, ("a", "b", "c"), (FREED, FREED, 7), fence=NOW + 2,
+                      tables=((1, 2, 3), (FREED, 4, 5)), window_from=2)
+    back = wire.command_of(wire.unpack(wire.command_message(c, 1)), 0)
+    assert (back.block_ids, back.tables, back.window_from) == ((FREED, FREED, 7), ((1, 2, 3), (FREED, 4, 5)), 2)
+    msg = wire.unpack(wire.command_message(c, 1))
+    msg[10] = 1
+    assert refused(msg) == "command 6: block ids must be a list of ints >= 0 (-1, freed, only before the window's " \
+                           "first key 1)"
+    msg[6] = [FREED, 8, 7]
+    assert wire.command_of(msg, 0).block_ids == (FREED, 8, 7)
+    msg[12] = [[1, 2, 3], [4, FREED, 5]]
+    assert refused(msg) == "command 6: a group table must be a list of ints >= 0 (-1, freed, only before the " \
+                           "window's first key 1)"
+    msg[6], msg[12] = [8, 9, 7], [[1, 2, 3], [FREED - 1, 4, 5]]
+    assert refused(msg).startswith("command 6: a group table must be a list of ints >= 0 (-1, freed")
 
 
 def test_bounds_hold_exactly_at_their_limit(monkeypatch):

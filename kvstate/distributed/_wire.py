@@ -1,7 +1,9 @@
 """The wire format between a scheduler's driver and its rank workers: msgpack lists, checked.
 
 Every message is one msgpack array whose first item is its type. A driver sends each rank
-its part of a transfer command; a rank worker answers each with one ``DONE``:
+its part of a transfer command; a rank worker answers each with one ``DONE``. A command's block
+ids and group tables hold ``FREED`` (-1) where a window group's block was freed, and only
+before its window's first key (:mod:`kvstate._tables`):
 
 ========== =========================================================== ==================
 type        items after the type                                        direction
@@ -45,6 +47,7 @@ import msgpack
 
 from .. import commands as C
 from .._errors import ProtocolError
+from .._pool import FREED
 from .._spec import CacheSpec
 
 __all__ = [
@@ -112,10 +115,15 @@ def _time(x: Any, what: str) -> float:
     return float(x)
 
 
-def _ints(x: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(x, list) or len(x) > _MAX_ITEMS or not all(_is_int(i) and 0 <= i < _INT64 for i in x):
-        raise ProtocolError(f"{what} must be a list of ints >= 0")
-    return tuple(x)
+def _ints(x: Any, what: str, freed_before: int = 0) -> tuple[int, ...]:
+    """Ints >= 0; block ids and group tables may hold ``FREED`` (a block freed behind the
+    window, :mod:`kvstate._tables`) at their first ``freed_before`` places, which no rank moves."""
+    if isinstance(x, list) and len(x) <= _MAX_ITEMS and (
+            all(_is_int(i) and 0 <= i < _INT64 for i in x) or (freed_before and all(
+                _is_int(i) and (0 <= i < _INT64 or (i == FREED and n < freed_before)) for n, i in enumerate(x)))):
+        return tuple(x)
+    freed = f" ({FREED}, freed, only before the window's first key {freed_before})" if freed_before else ""
+    raise ProtocolError(f"{what} must be a list of ints >= 0{freed}")
 
 
 def _arity(items: list[Any], n: int, name: str) -> None:
@@ -146,14 +154,15 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
         raise ProtocolError(f"command {cid}: keys must be a list")
     for k in keys:
         _text(k, f"command {cid}: a key")
-    blocks, slots = _ints(items[6], f"command {cid}: block ids"), _ints(items[7], f"command {cid}: host slots")
+    window = _int(items[10], f"command {cid}: the window's first key", 0, len(keys) + 1)
+    blocks = _ints(items[6], f"command {cid}: block ids", window)
+    slots = _ints(items[7], f"command {cid}: host slots")
     deadline, fence = _time(items[8], f"command {cid}: the deadline"), _time(items[9], f"command {cid}: the fence")
     want_blocks = 0 if cls is C.FlushHost else len(keys)
     if len(blocks) != want_blocks or (cls in _SLOTTED and len(slots) != len(keys)) or \
             (cls not in _SLOTTED and slots):
         raise ProtocolError(f"command {cid}: {len(keys)} keys, {len(blocks)} block ids and {len(slots)} host slots "
                             f"do not fit a {cls.__name__}")
-    window = _int(items[10], f"command {cid}: the window's first key", 0, len(keys) + 1)
     if cls in _SLOTTED:
         if window:
             raise ProtocolError(f"command {cid}: a {cls.__name__} has no window to start from")
@@ -166,15 +175,15 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
         extra = {"window_from": window}
     states = _states(items[11], cid, len(keys))
     return cls(rid, cid, (rank,), deadline, tuple(keys), blocks, fence=fence, states=states,
-               tables=_tables(items[12], cid, len(blocks)), **extra)
+               tables=_tables(items[12], cid, len(blocks), window), **extra)
 
 
-def _tables(x: Any, cid: int, blocks: int) -> tuple[tuple[int, ...], ...]:
+def _tables(x: Any, cid: int, blocks: int, window: int) -> tuple[tuple[int, ...], ...]:
     """A command's other group tables (:mod:`kvstate._tables`): lists of block ids, each as long
     as its block ids."""
     if not isinstance(x, list) or len(x) > _MAX_ITEMS:
         raise ProtocolError(f"command {cid}: group tables must be a list of lists")
-    tables = tuple(_ints(t, f"command {cid}: a group table") for t in x)
+    tables = tuple(_ints(t, f"command {cid}: a group table", window) for t in x)
     if any(len(t) != blocks for t in tables):
         raise ProtocolError(f"command {cid}: each group table must hold {blocks} block ids")
     return tables
