@@ -238,7 +238,7 @@ def test_each_stale_bad_or_notice_message_moves_its_own_counter_alone(driver, tm
         ((wire.LAYERS, inc, 9), {"bad_messages": 1}),
         ((wire.LAYERS, inc, 9, 1.5), {"bad_messages": 1}),
         ((wire.LAYERS, inc, "nine", 1), {"bad_messages": 1}),
-        ((wire.CMD, inc, 1, 10), {"bad_messages": 1}),  # a command missing its items
+        ((wire.CMD, inc, 1, "ten"), {"bad_messages": 1}),  # a command missing its items, and its id
         ((wire.CANCEL, inc, 9), {"cancels": 1}),  # nothing owed under 9: a cancel of nothing
         ((wire.CANCEL, inc, 10), {"cancels": 1}),  # and another: each counts
         ((wire.LAYERS, inc, 9, 2), {}),
@@ -252,6 +252,23 @@ def test_each_stale_bad_or_notice_message_moves_its_own_counter_alone(driver, tm
         _settled(driver, w, 100 + i)
         after = {k: v - before[k] for k, v in w.counters.items() if v != before[k]}
         assert after == {**moved, "commands": 1}, (message, after)
+
+
+def test_a_command_it_cannot_take_is_answered_failed_at_once_and_counted(driver, tmp_path):
+    """The driver need not wait out the command's deadline: the refusal is the answer."""
+    w = driver.start(driver.config(str(tmp_path)))
+    inc = driver.welcome()[2]
+    msg = wire.unpack(wire.command_message(_command(C.WriteBlocks, 11, ("a",), (1,)), inc))
+    msg[6] = [-5]
+    driver.send(0, *msg)
+    assert driver.next(driver.reply, (wire.DONE,))[1:] == [
+        RANK, inc, 11, 0, f"rank {RANK} refused the command: command 11: block ids must be a list of ints >= 0"]
+    driver.send(1, wire.CMD, inc, 1, 12)  # too short to be a command; its id is still read
+    assert driver.next(driver.reply, (wire.DONE,))[3:5] == [12, 0]
+    driver.send(0, wire.CMD, inc, 1, 1 << 63)  # no id the driver can owe: nothing to answer
+    _settled(driver, w, 13)
+    _settled(driver, w, 14, lane=1)
+    assert (w.counters["bad_messages"], w.counters["commands"]) == (3, 2)
 
 
 def test_a_rejoin_draws_a_new_incarnation_and_says_hello_again(driver, tmp_path):

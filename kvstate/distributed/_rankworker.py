@@ -399,7 +399,7 @@ class RankWorker:
             elif len(items) < 2 or items[1] != self.incarnation:
                 self.counters["stale"] += 1  # for an incarnation before a restart or a rejoin
             elif kind == wire.CMD:
-                self._run(wire.command_of(items, self.rank))
+                self._run(self._command(items))
             elif kind in (wire.CANCEL, wire.LAYERS):
                 self._runner.notice(self._notice(kind, items))
             elif kind == wire.REJOIN:
@@ -416,6 +416,19 @@ class RankWorker:
                 raise ProtocolError(f"unknown message type {kind!r} for a worker")
         except KVStateError:
             self.counters["bad_messages"] += 1
+
+    def _command(self, items: list[Any]) -> C.TransferCommand:
+        """The command a CMD message of this incarnation carries. One it cannot take is
+        answered failed at once, under its id where it has one, so the driver need not wait
+        out its deadline for it (an id the driver does not owe is dropped there), then counted."""
+        try:
+            return wire.command_of(items, self.rank)
+        except ProtocolError as e:
+            cid = items[3] if len(items) > 3 else None
+            if cid.__class__ is int and 0 < cid < 1 << 63:
+                error = f"rank {self.rank} refused the command: {e}"
+                self._push("reply").send(wire.pack(wire.DONE, self.rank, self.incarnation, cid, 0, error))
+            raise
 
     def _run(self, cmd: C.TransferCommand) -> None:
         self.counters["commands"] += 1
