@@ -96,8 +96,11 @@ def test_freed_entries_cross_only_before_the_window():
     msg[10] = 1
     assert refused(msg) == "command 6: block ids must be a list of ints >= 0 (-1, freed, only before the window's " \
                            "first key 1)"
+    msg[6] = [FREED, 0, 7]
+    assert wire.command_of(msg, 0).block_ids == (FREED, 0, 7)
+    msg[6] = [FREED, 1 << 63, 7]
+    assert refused(msg).startswith("command 6: block ids must be a list of ints >= 0 (-1, freed")
     msg[6] = [FREED, 8, 7]
-    assert wire.command_of(msg, 0).block_ids == (FREED, 8, 7)
     msg[12] = [[1, 2, 3], [4, FREED, 5]]
     assert refused(msg) == "command 6: a group table must be a list of ints >= 0 (-1, freed, only before the " \
                            "window's first key 1)"
