@@ -19,13 +19,18 @@ PLAN = ["plan", "--quiet", "--num-prompts", "80", "--sweep", "cluster.n_decode=1
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A local Ray instance owned by this test process: its GCS address."""
+    import signal
+
     tmp = tmp_path_factory.mktemp("ray")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp),
              configure_logging=False)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+        for sig, handler in handlers.items():  # Ray's driver handlers would outlive it in this process
+            signal.signal(sig, handler)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

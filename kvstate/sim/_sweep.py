@@ -7,14 +7,17 @@ deterministic (a scenario and its seed), so where it runs changes nothing in its
 
 - one worker: in this process, in order;
 - ``workers`` > 1: a pool of local processes (``fork``; ``spawn`` on macOS), Ctrl-C left to
-  this process, which ends the pool;
+  this process, which ends the pool; a worker takes SIGTERM's default back from this process
+  (which may have a handler of its own), so ending the pool ends every worker, even one
+  waiting on the pool's queue;
 - ``ray``: a Ray cluster's address (``auto`` finds the one this machine runs, or starts a local
   one for the sweep when none does and says so, ``HOST:PORT``
   its GCS, ``ray://HOST:PORT`` a Ray client). Each job is a task of one CPU, and kvstate's own
   package travels with the tasks (a ``py_modules`` runtime environment), so the cluster runs
   this very code; its other dependencies must be installed there. Nothing is left behind:
   unfinished tasks are cancelled and the connection closed, however the sweep ends (a cluster
-  this process did not start keeps running).
+  this process did not start keeps running), and the signal handlers Ray's connection set are
+  put back as they were.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import multiprocessing
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -62,8 +66,12 @@ def _on_pool(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int) -> Ite
 
 
 def _ignore_interrupts() -> None:
-    """A pool worker leaves Ctrl-C to the parent, which ends the pool: no traceback per worker."""
+    """A pool worker leaves Ctrl-C to the parent, which ends the pool: no traceback per worker.
+    It dies of SIGTERM, whatever handler it inherited: ``Pool.terminate`` ends it with one and
+    then joins it without a timeout, and a handler that returns would leave it (and the join)
+    waiting forever on the pool's queue."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextmanager
@@ -78,6 +86,7 @@ def _connected(address: str) -> Iterator[Any]:
     _probe(address)
     env: dict[str, Any] = {"runtime_env": {"py_modules": [kvstate]}, "log_to_driver": False,
                            "logging_level": logging.ERROR}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # Ray's init sets its own
     try:
         ray.init(address=address, **env)
     except (ConnectionError, ValueError, RuntimeError) as e:
@@ -95,6 +104,10 @@ def _connected(address: str) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set them
+            for sig, handler in handlers.items():  # the calling program's handlers, as they were
+                if handler is not None:
+                    signal.signal(sig, handler)
 
 
 def _probe(address: str, timeout: float = CONNECT_S) -> None:
