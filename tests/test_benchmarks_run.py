@@ -64,6 +64,7 @@ def test_sim_benchmark_against_another_tree_reports_speedups():
     assert bad.returncode != 0 and "no benchmarks/sim.py there" in bad.stderr
 
 
+@pytest.mark.slow
 def test_layer_groups_benchmark_stores_a_latent_cache_once(tmp_path):
     """MLA at TP 8 stores 1/8 of a per-rank layout's bytes and every D rank reads P's bytes;
     the window case's accounting matches a count by hand."""

@@ -170,6 +170,7 @@ def test_a_trusted_store_skips_manifests():
         MemoryStore(verify="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_fault_injection_soak_serves_no_wrong_bytes():
     """Corrupt, short and missing objects on random ranks (benchmarks/integrity_soak.py, 10,000
     requests in docs/benchmarks.md): every request that decodes holds exactly P's bytes, and

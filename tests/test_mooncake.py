@@ -82,6 +82,7 @@ def evicting_master(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.slow
 def test_full_pool_evicts_and_partial_read_runs_policy(evicting_master, policy):
     # A small pool (16 MiB, the smallest segment Mooncake accepts here): ~256 objects of 64 KiB.
     spec = small_spec(tp=1, num_layers=4, kv_heads=4, block_size=16, head_dim=128)
@@ -156,6 +157,7 @@ def _drive_to_end(rig, deadline_s=60.0):
         rig.D.tick()
 
 
+@pytest.mark.slow
 def test_master_killed_mid_run_then_restarted(tmp_path):
     from kvstate.backends._mooncake_master import MooncakeMaster
 
@@ -191,6 +193,7 @@ def test_master_killed_mid_run_then_restarted(tmp_path):
         m.stop()
 
 
+@pytest.mark.slow
 def test_master_dies_with_a_crashed_owner():
     import subprocess
     import sys
@@ -271,6 +274,7 @@ def test_a_batch_bigger_than_staging_moves_in_groups_byte_for_byte(master):
         store.close()
 
 
+@pytest.mark.slow
 def test_cli_start_master_demo(capsys):
     from kvstate.app._cli import main
 
@@ -283,6 +287,7 @@ def test_cli_start_master_demo(capsys):
     assert main(["demo", "--master", "127.0.0.1:1"]) == 2
 
 
+@pytest.mark.slow
 def test_a_healthy_mooncake_demo_keeps_the_librarys_logging_off_stderr(tmp_path):
     """A healthy run used to write ~100 lines of Mooncake's logging to stderr, an error line
     among them; now it goes to a log directory and the demo says where, in one line."""
@@ -332,6 +337,7 @@ def test_registered_memory_moves_without_the_staging_copy(master):
         store.register_memory(np.zeros(10, np.uint8))
 
 
+@pytest.mark.slow
 def test_a_restarted_master_gets_the_registered_memory_again(tmp_path):
     """The client re-joins a restarted master with its registered memory: batches from it are
     still direct, and byte-exact."""

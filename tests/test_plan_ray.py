@@ -52,6 +52,7 @@ def test_ray_auto_without_a_cluster_starts_a_local_one_and_says_so(tmp_path):
     assert len(json.loads((tmp_path / "p.json").read_text())["rows"]) == 2
 
 
+@pytest.mark.slow
 def test_a_sweep_on_ray_gives_the_rows_local_processes_give(cluster, tmp_path):
     on_ray, local = tmp_path / "ray.json", tmp_path / "local.json"
     r = cli(*PLAN, "--ray", cluster, "--out", str(on_ray))

@@ -217,7 +217,8 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("handoff", ["direct", pytest.param("both", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("handoff", ["direct", "both"])
 def test_kill_9_of_a_lending_rank_worker(handoff):
     """P's rank worker is killed while it lends: its lends fail (the driver answers for the
     dead rank), D skips the dead worker's entries and reads the store (``both``) or fails or

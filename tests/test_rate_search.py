@@ -15,6 +15,7 @@ SMALL = {"workload.num_requests": 300, "workload.input_mean": 600.0, "workload.o
          "workload.prefix_tokens": 64, "cluster.n_prefill": 1, "cluster.n_decode": 1}
 
 
+@pytest.mark.slow
 def test_the_rate_found_holds_and_the_next_one_up_does_not():
     s = with_overrides(Scenario(), SMALL)
     found = highest_rate(s)
