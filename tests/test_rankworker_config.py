@@ -2,27 +2,17 @@
 taken at its edge, and the JSON it crosses a process boundary as."""
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from workerfields import worker_fields
 
 from kvstate import ConfigError
 from kvstate._layers import LayerGroup
 from kvstate._spec import CacheSpec
 from kvstate.distributed._rankworker import WorkerConfig
 
-SPEC = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2)
 STATES = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2,
                    groups=(LayerGroup("full", (0,)), LayerGroup("state", (1,), state_bytes=64, checkpoint=4)))
 STORES = "['arena', 'file', 'mooncake'] (a store other processes reach too)"
-
-
-def _fields(of: CacheSpec = SPEC, **kw: Any) -> dict[str, Any]:
-    fields = dict(rank=1, spec={f: getattr(of, f) for f in of.__dataclass_fields__}, num_blocks=8,
-                  command_address="ipc:///run/c", reply_address="ipc:///run/r", control_address="ipc:///run/x",
-                  store={"kind": "file", "root": "/tmp/pool"})
-    fields.update(kw)
-    return fields
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -71,13 +61,13 @@ def _fields(of: CacheSpec = SPEC, **kw: Any) -> dict[str, Any]:
 ])
 def test_every_field_is_refused_word_for_word(kw, message):
     with pytest.raises(ConfigError) as e:
-        WorkerConfig(**_fields(**kw))
+        WorkerConfig(**worker_fields(**kw))
     assert str(e.value) == message
 
 
 def test_a_spec_that_is_no_spec_is_refused_with_the_spec_s_own_reason():
     with pytest.raises(ConfigError) as e:
-        WorkerConfig(**_fields(spec={"num_layers": 0}))
+        WorkerConfig(**worker_fields(spec={"num_layers": 0}))
     assert str(e.value).startswith("WorkerConfig.spec: CacheSpec.from_dict: ") and e.value.__cause__ is None
 
 
@@ -91,24 +81,24 @@ def test_a_spec_that_is_no_spec_is_refused_with_the_spec_s_own_reason():
     dict(caches={"kind": "own"}, backend="cuda"), dict(lends="/a", pulls="/b"),
 ])
 def test_each_bound_is_taken_at_its_edge(kw):
-    cfg = WorkerConfig(**_fields(**kw))
+    cfg = WorkerConfig(**worker_fields(**kw))
     assert all(getattr(cfg, k) == v for k, v in kw.items())
     assert WorkerConfig.from_json(cfg.to_json()).to_json() == cfg.to_json()  # across processes unchanged
 
 
 def test_state_pages_go_with_a_state_spec_and_cuda_ipc_must_share_them():
-    assert WorkerConfig(**_fields(STATES, num_states=2)).num_states == 2
+    assert WorkerConfig(**worker_fields(STATES, num_states=2)).num_states == 2
     with pytest.raises(ConfigError) as e:
-        WorkerConfig(**_fields(STATES, num_states=0))
+        WorkerConfig(**worker_fields(STATES, num_states=0))
     assert str(e.value) == ("WorkerConfig: num_states 0 with 64 state bytes a rank: a spec with state groups needs "
                             "state pages, one without has none")
     with pytest.raises(ConfigError) as e:
-        WorkerConfig(**_fields(STATES, num_states=2, caches={"kind": "cuda-ipc"}, backend="cuda"))
+        WorkerConfig(**worker_fields(STATES, num_states=2, caches={"kind": "cuda-ipc"}, backend="cuda"))
     assert str(e.value) == ("WorkerConfig: CUDA IPC caches of a spec with state groups must share the state pages "
                             "too (share_caches(..., states=))")
-    assert WorkerConfig(**_fields(STATES, num_states=2, caches={"kind": "cuda-ipc", "states": {}},
+    assert WorkerConfig(**worker_fields(STATES, num_states=2, caches={"kind": "cuda-ipc", "states": {}},
                                        backend="cuda")).num_states == 2
-    assert WorkerConfig(**_fields(num_states=0, caches={"kind": "cuda-ipc"}, backend="cuda")).num_states == 0
+    assert WorkerConfig(**worker_fields(num_states=0, caches={"kind": "cuda-ipc"}, backend="cuda")).num_states == 0
 
 
 def test_json_that_is_not_a_config_is_refused_as_such():

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import zmq
+from workerfields import SPEC, worker_fields
 
 from kvstate import commands as C
 from kvstate._spec import CacheSpec
@@ -26,7 +27,6 @@ from kvstate.distributed._rankworker import SECRET_ENV, RankWorker, WorkerConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (ipc sockets)")
 
-SPEC = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2)
 BLOCKS = 8
 RANK = 1
 
@@ -61,13 +61,11 @@ class Driver:
         self.status: int | None = None
 
     def config(self, root: str, **kw: Any) -> WorkerConfig:
-        fields: dict[str, Any] = dict(rank=RANK, spec={f: getattr(SPEC, f) for f in SPEC.__dataclass_fields__},
-                                      num_blocks=BLOCKS, command_address=self.addresses[0],
-                                      reply_address=self.addresses[1], control_address=self.addresses[2],
-                                      store={"kind": "file", "root": root}, heartbeat_s=0.02, lanes=2,
-                                      curve_key=self.curve_key)
-        fields.update(kw)
-        return WorkerConfig(**fields)
+        return WorkerConfig(**worker_fields(**{
+            "rank": RANK, "num_blocks": BLOCKS, "command_address": self.addresses[0],
+            "reply_address": self.addresses[1], "control_address": self.addresses[2],
+            "store": {"kind": "file", "root": root}, "heartbeat_s": 0.02, "lanes": 2, "curve_key": self.curve_key,
+            **kw}))
 
     def start(self, cfg: WorkerConfig) -> RankWorker:
         self.worker = RankWorker(cfg)

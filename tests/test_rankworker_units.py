@@ -2,6 +2,7 @@
 rule: each kind a worker may open, what each takes, and every refusal word for word."""
 import pytest
 from needs import gpu
+from workerfields import SPEC, worker_fields
 
 from kvstate import ConfigError
 from kvstate.backends import FileStore
@@ -76,15 +77,10 @@ def test_a_mooncake_store_is_configured_from_every_field_but_the_kind(monkeypatc
 
 def _worker(tmp_path, **kw):
     """A worker whose backend a test builds (no sockets: ``_backend`` alone)."""
-    from kvstate._spec import CacheSpec
     from kvstate.distributed._rankworker import RankWorker, WorkerConfig
 
-    spec = CacheSpec(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float16", tp_size=2)
-    fields = dict(rank=1, spec={f: getattr(spec, f) for f in spec.__dataclass_fields__}, num_blocks=8,
-                  command_address="ipc:///nowhere/c", reply_address="ipc:///nowhere/r",
-                  control_address="ipc:///nowhere/x", store={"kind": "file", "root": str(tmp_path / "pool")})
-    fields.update(kw)
-    return spec, RankWorker(WorkerConfig(**fields))
+    return SPEC, RankWorker(WorkerConfig(**worker_fields(store={"kind": "file", "root": str(tmp_path / "pool")},
+                                                      **kw)))
 
 
 def _close(w):
