@@ -426,8 +426,7 @@ class RankWorker:
         except ProtocolError as e:
             cid = items[3] if len(items) > 3 else None
             if cid.__class__ is int and 0 < cid < 1 << 63:
-                error = f"rank {self.rank} refused the command: {e}"
-                self._push("reply").send(wire.pack(wire.DONE, self.rank, self.incarnation, cid, 0, error))
+                self._done(cid, 0, f"rank {self.rank} refused the command: {e}")
             raise
 
     def _run(self, cmd: C.TransferCommand) -> None:
@@ -446,7 +445,11 @@ class RankWorker:
         if c.error or (c.count < len(cmd.keys) and C.kind_of(cmd) == "read"):
             with self._faults_lock:  # lanes answer on their own threads
                 self._faults["failed" if c.error else "short"] += 1
-        self._push("reply").send(wire.pack(wire.DONE, self.rank, self.incarnation, c.command_id, c.count, c.error))
+        self._done(c.command_id, c.count, c.error)
+
+    def _done(self, command_id: int, count: int, error: str | None) -> None:
+        """A command's one answer, on this thread's reply socket."""
+        self._push("reply").send(wire.pack(wire.DONE, self.rank, self.incarnation, command_id, count, error))
 
     def _notice(self, kind: int, items: list[Any]) -> C.CancelCommand | C.LayersReady:
         if kind == wire.CANCEL and len(items) == 3 and items[2].__class__ is int:
