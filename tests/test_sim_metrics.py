@@ -7,7 +7,8 @@ import pytest
 
 from kvstate.app._cli import main
 from kvstate.sim import Cluster, Scenario, with_overrides
-from kvstate.sim._metrics import cohort, rate_uncertainty, service_stretch, steady_window, summarize
+from kvstate.sim._metrics import (cohort, merged_hist, rate_uncertainty, service_stretch, steady_window, summarize,
+                                  weighted_stats)
 
 
 def ramp_trace(path, slow: int, fast: int, output: int) -> str:
@@ -199,3 +200,27 @@ def test_a_scenario_with_no_slo_at_all_is_refused():
 
     with pytest.raises(ConfigError, match="set at least one SLO"):
         with_overrides(Scenario(), {"slo.ttft_ms": 0.0, "slo.tpot_ms": 0.0})
+
+
+def test_merged_hist_adds_counts_in_first_appearance_order():
+    """Each D's inter-token gaps merge into one histogram: counts add, keys keep the order they
+    first appear in (the order the mean is summed in), and no input is changed."""
+    a, b, c = {0.5: 2, 0.25: 1}, {0.125: 4, 0.5: 3}, {}
+    merged = merged_hist([a, b, c])
+    assert merged == {0.5: 5, 0.25: 1, 0.125: 4}
+    assert list(merged) == [0.5, 0.25, 0.125]
+    assert a == {0.5: 2, 0.25: 1} and b == {0.125: 4, 0.5: 3}
+    assert merged_hist([]) == {}
+
+
+def test_weighted_stats_sums_the_mean_in_the_histograms_order():
+    """The mean is the float sum of gap x count in the histogram's order, as a key-by-key loop
+    makes it (a report must not change in its last digit); percentiles by nearest rank."""
+    hist = {0.1: 3, 0.2: 1, 0.0003: 7, 1.7: 1}
+    expect = 0.0
+    for v, n in hist.items():
+        expect += v * n
+    s = weighted_stats(hist)
+    assert s["mean"] == round(1000.0 * expect / 12, 3)
+    assert (s["p50"], s["p90"], s["p99"]) == (0.3, 200.0, 1700.0)
+    assert weighted_stats({}) == {"mean": None, "p50": None, "p90": None, "p99": None}

@@ -21,7 +21,7 @@ from .._validate import check_callable
 from ..kernels._cost import TransferCostModel
 from ._decode import DecodeInstance
 from ._instance import Instance
-from ._metrics import pd_sections, sample_series
+from ._metrics import merged_hist, pd_sections, sample_series
 from ._prefill import PrefillInstance
 from ._request import SimRequest
 from ._router import Router
@@ -144,11 +144,7 @@ class Cluster:
     # -- what the report reads ------------------------------------------------------------------
     def itl(self) -> dict[float, int]:
         """Every inter-token gap (s) and its tokens, over the D instances."""
-        out: dict[float, int] = {}
-        for d in self.decode:
-            for gap, n in d.itl.items():
-                out[gap] = out.get(gap, 0) + n
-        return out
+        return merged_hist(x.itl for x in self.decode)
 
     def sections(self, end: float, prompt_tokens: int) -> dict[str, Any]:
         """The report's parts that only a PD run has."""

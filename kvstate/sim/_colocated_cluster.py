@@ -18,7 +18,7 @@ import simpy
 from .._keys import KeyCache
 from ._colocated import ColocatedInstance
 from ._compute import ComputeModel
-from ._metrics import latency_stats, sample_series
+from ._metrics import latency_stats, merged_hist, sample_series
 from ._request import SimRequest
 from ._scenario import Scenario
 from ._workload import arrivals
@@ -59,11 +59,7 @@ class ColocatedCluster:
 
     def itl(self) -> dict[float, int]:
         """Every inter-token gap (s) and its tokens, over the instances."""
-        out: dict[float, int] = {}
-        for inst in self.instances:
-            for gap, n in inst.itl.items():
-                out[gap] = out.get(gap, 0) + n
-        return out
+        return merged_hist(x.itl for x in self.instances)
 
     # -- request flow ---------------------------------------------------------------------------
     def _arrive(self):

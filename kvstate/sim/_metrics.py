@@ -32,7 +32,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+import operator
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -41,8 +42,8 @@ from ._request import SimRequest
 from ._scenario_io import scenario_to_dict
 
 __all__ = ["summarize", "percentiles", "PERCENTILE_METRICS", "SLOS", "steady_window", "cohort", "service_stretch",
-           "rate_uncertainty", "verdict_of", "at_target", "latency_stats", "weighted_stats", "Run", "sample_series",
-           "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS", "pd_sections"]
+           "rate_uncertainty", "verdict_of", "at_target", "latency_stats", "weighted_stats", "merged_hist", "Run",
+           "sample_series", "WARMUP_FRACTION", "WINDOW_LABELS", "NEIGHBOURS", "pd_sections"]
 
 class Run(Protocol):
     """What :func:`summarize` reads of a finished run (a PD or a co-located cluster)."""
@@ -100,7 +101,7 @@ def percentiles(result: dict[str, Any], metrics: Sequence[str],
         if m == "itl":
             hist = result["_itl_hist"]
             total, values = sum(hist.values()), sorted(hist)
-            cum = np.cumsum([hist[v] for v in values]) if total else np.zeros(0)
+            cum = np.cumsum(list(map(hist.__getitem__, values))) if total else np.zeros(0)
             out[key] = {_qname(q): (round(1000.0 * values[min(int(np.searchsorted(cum, math.ceil(q / 100 * total))),
                                                               len(values) - 1)], 3) if total else None) for q in qs}
             continue
@@ -114,14 +115,30 @@ def _qname(q: float) -> str:
     return f"p{q:g}"
 
 
+def merged_hist(hists: Iterable[dict[float, int]]) -> dict[float, int]:
+    """One histogram ``{seconds: count}`` of several (each instance's inter-token gaps), keys in
+    the order of first appearance: the order :func:`weighted_stats` sums the mean in. A run's
+    gaps are hundreds of thousands of distinct floats, so the first is copied whole, in C."""
+    out: dict[float, int] = {}
+    for hist in hists:
+        if not out:
+            out.update(hist)
+            continue
+        get = out.get
+        for gap, n in hist.items():
+            out[gap] = get(gap, 0) + n
+    return out
+
+
 def weighted_stats(hist: dict[float, int]) -> dict[str, float | None]:
-    """Mean, p50, p90, p99 in ms of a histogram ``{seconds: count}`` (nearest rank)."""
+    """Mean, p50, p90, p99 in ms of a histogram ``{seconds: count}`` (nearest rank; the mean
+    summed in the histogram's order)."""
     total = sum(hist.values())
     if not total:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     values = sorted(hist)
-    cum = np.cumsum([hist[v] for v in values])
-    out: dict[str, float | None] = {"mean": round(1000.0 * sum(v * n for v, n in hist.items()) / total, 3)}
+    cum = np.cumsum(list(map(hist.__getitem__, values)))
+    out: dict[str, float | None] = {"mean": round(1000.0 * sum(map(operator.mul, hist, hist.values())) / total, 3)}
     for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
         i = int(np.searchsorted(cum, math.ceil(q * total)))
         out[name] = round(1000.0 * values[min(i, len(values) - 1)], 3)
