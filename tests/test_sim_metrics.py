@@ -7,8 +7,15 @@ import pytest
 
 from kvstate.app._cli import main
 from kvstate.sim import Cluster, Scenario, with_overrides
-from kvstate.sim._metrics import (cohort, merged_hist, rate_uncertainty, service_stretch, steady_window, summarize,
-                                  weighted_stats)
+from kvstate.sim._metrics import (
+    cohort,
+    merged_hist,
+    rate_uncertainty,
+    service_stretch,
+    steady_window,
+    summarize,
+    weighted_stats,
+)
 
 
 def ramp_trace(path, slow: int, fast: int, output: int) -> str:
