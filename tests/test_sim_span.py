@@ -102,3 +102,31 @@ def test_random_scenarios_match_with_and_without_spans(rate, blocks, out, batch,
                                     "cluster.gpu_blocks": blocks, "workload.output_mean": out,
                                     "cluster.decode_max_batch": batch, "seed": seed, "policy.preempt": preempt})
     assert report(s, True, monkeypatch)[0] == report(s, False, monkeypatch)[0]
+
+
+def test_blocks_freed_cut_only_the_spans_of_ds_something_waits_at(monkeypatch):
+    """Blocks coming free cut every D's span while arrivals wait in the backlog, and a D's own
+    while its preempted requests wait; with nothing waiting, spans go on (a step's end would
+    retry nothing). The report is still the step-by-step loop's."""
+    s = with_overrides(Scenario(), {**SMALL, **CASES["preempt_write"], "workload.rate": 300.0})
+    seen = {"kept": 0, "cut": 0}
+    freed = Cluster._blocks_freed
+
+    def watched(self: Cluster) -> None:
+        before = [(d.cuts, d._span is not None and d._span.last > d._span.over_at(d.env.now)) for d in self.decode]
+        waiting = bool(self.router.backlog)
+        freed(self)
+        for d, (cuts, cuttable) in zip(self.decode, before):
+            if not cuttable:
+                continue
+            if waiting or d.preempted:
+                assert d.cuts == cuts + 1
+                seen["cut"] += 1
+            else:
+                assert d.cuts == cuts, "a span was cut with nothing waiting for blocks"
+                seen["kept"] += 1
+
+    monkeypatch.setattr(Cluster, "_blocks_freed", watched)
+    fast, _ = report(s, True, monkeypatch)
+    assert seen["kept"] > 0 and seen["cut"] > 0
+    assert fast == report(s, False, monkeypatch)[0]

@@ -74,9 +74,14 @@ class Cluster:
                               f"more than an instance's {self.gpu_blocks}")
 
     def _blocks_freed(self) -> None:
-        """Blocks came free at a D: each D's step ends now, where the backlog is retried."""
+        """Blocks came free at a D: each D's step ends now, where the backlog is retried (and
+        its own preempted requests may resume). A D with nothing waiting for blocks, with an
+        empty backlog, sleeps on: its step's end would retry nothing, and only blocks coming
+        free can make a later arrival routable (a free then finds it in the backlog)."""
+        waiting = bool(self.router.backlog)
         for d in self.decode:
-            d.cut_span()
+            if waiting or d.preempted:
+                d.cut_span()
 
     # -- request flow -------------------------------------------------------------------------
     def _arrive(self):
