@@ -9,9 +9,9 @@ steps when it wakes.
 Exactness is the point. Each step's end is summed exactly as the simulation clock would
 sum it step by step, and the wait lands on that very float, so a run's report does not
 change by one bit. Anything that must see the batch between steps (a request joining,
-blocks coming free, a preempted request becoming resumable) first *cuts* the span: the
-steps already over are accounted for, and the span now ends with the step in progress,
-where the loop wakes as it would have.
+blocks coming free while a request waits for them, a preempted request becoming
+resumable) first *cuts* the span: the steps already over are accounted for, and the span
+now ends with the step in progress, where the loop wakes as it would have.
 """
 from __future__ import annotations
 
