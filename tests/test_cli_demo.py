@@ -20,6 +20,8 @@ def test_demo_json_integrity_with_tp2_preemptions_and_aborts(capsys):
     assert s["requests"] == 64 and s["tp"] == 2
     assert s["finished"] + s["failed"] + s["aborted"] == 64
     assert s["preemptions"] > 0 and s["aborted"] > 0 and s["prefix_blocks_read"] > 0
+    # every request that did not finish, by its RequestEnded reason: here the planned aborts
+    assert s["ended_by"] == {"aborted": s["aborted"]} and s["failed"] == 0
     assert s["bytes_moved"] > 0 and s["blocks_checked"] > 100
 
 
@@ -54,6 +56,7 @@ def test_demo_human_summary(capsys):
     assert main(["demo", "--requests", "8"]) == 0
     out = capsys.readouterr().out
     assert "integrity: OK" in out and "leaked blocks 0" in out
+    assert "aborted 2 (aborted 2)" in out  # a request that did not finish is named by its reason
 
 
 @pytest.mark.parametrize("args", [["demo", "--requests", "0"], ["demo", "--tp", "x"], ["demo", "--store", "s3"],
@@ -90,6 +93,7 @@ def test_demo_as_processes(capsys):
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0
     assert s["processes"] == 7 and s["unfinished"] == 0 and s["finished"] + s["aborted"] + s["failed"] == 24
     assert s["schedulers_reported"] == ["decode", "prefill"] and s["store"] == "arena"
+    assert sum(s["ended_by"].values()) == s["aborted"] + s["failed"]  # reasons cross from D's process
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, PR_SET_PDEATHSIG)")

@@ -21,7 +21,10 @@ from .._spec import CacheSpec
 from ..backends import FileStore, MemoryStore, ReferenceBackend, StepDriver, Store
 from ._demoroles import DecodeRole, PrefillRole, make_plans
 
-__all__ = ["DemoConfig", "run_demo", "format_summary", "summary"]
+__all__ = ["DemoConfig", "Outcome", "run_demo", "format_summary", "summary"]
+
+#: how a request ended: its end state, HTTP code and reason (``RequestEnded``'s)
+Outcome = tuple[str, int, str]
 
 
 @dataclass
@@ -118,11 +121,11 @@ class _Demo:
         except BaseException:
             self.close()
             raise
-        self.outcome: dict[str, tuple[str, int]] = {}
+        self.outcome: dict[str, Outcome] = {}
         self.p = PrefillRole(self.P, self.pb, cfg.seed + 1, self._first_token, self._abort_at_d)
         self.d = DecodeRole(self.D, self.db, cfg.seed + 2, lambda plan: self.p.admit(plan.rid, plan.prompt,
                                                                                       plan.abort_at),
-                            self.p.abort, lambda rid, state, code: self.outcome.__setitem__(rid, (state, code)))
+                            self.p.abort, lambda rid, *end: self.outcome.__setitem__(rid, end))
         self.pd = StepDriver(self.P, self.pb, on_notice=self.p.on_notice)
         self.dd = StepDriver(self.D, self.db, on_notice=self.d.on_notice)
 
@@ -185,13 +188,20 @@ def _transport(store: Any) -> str:
     return str(getattr(config, "protocol", "")) if config is not None else ""
 
 
-def summary(cfg: DemoConfig, outcome: dict[str, tuple[str, int]], figures: dict[str, Any], t0: float) -> dict[str, Any]:
-    """The demo's summary (``--json``): requests by end, the figures both wirings measure."""
-    states = [s for s, _ in outcome.values()]
+def summary(cfg: DemoConfig, outcome: dict[str, Outcome], figures: dict[str, Any], t0: float) -> dict[str, Any]:
+    """The demo's summary (``--json``): requests by end, those that did not finish by reason
+    (a failure in a healthy run is the first thing to look into), the figures both wirings
+    measure."""
+    states = [s for s, _, _ in outcome.values()]
+    reasons: dict[str, int] = {}
+    for state, _, reason in outcome.values():
+        if state != "done":
+            reasons[reason] = reasons.get(reason, 0) + 1
     return {
         "requests": cfg.requests, "finished": states.count("done"),
         "failed": sum(1 for s in states if s.endswith("failed")),
         "aborted": sum(1 for s in states if s.endswith("aborted")),
+        "ended_by": dict(sorted(reasons.items())),
         "unfinished": cfg.requests - len(outcome), "tp": cfg.tp, **figures,
         "integrity_ok": figures["blocks_mismatched"] == 0 and figures["blocks_checked"] > 0
         and len(outcome) == cfg.requests,
@@ -214,8 +224,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"kvstate demo: {s['requests']} requests, P -> {s['store']}"
         + (f" over {s['transport']}" if s.get("transport") else "") + f" -> D, TP {s['tp']}"
         + (f", {s['processes']} processes" if s["processes"] > 1 else ""),
-        f"  finished {s['finished']}, failed {s['failed']}, aborted {s['aborted']}, "
-        f"preemptions {s['preemptions']}, prefix blocks reused {s['prefix_blocks_read']}",
+        f"  finished {s['finished']}, failed {s['failed']}, aborted {s['aborted']}"
+        + (" (" + ", ".join(f"{why} {n}" for why, n in s["ended_by"].items()) + ")" if s["ended_by"] else "")
+        + f", preemptions {s['preemptions']}, prefix blocks reused {s['prefix_blocks_read']}",
         f"  moved {s['bytes_moved'] / 2**20:.1f} MiB; checked {s['blocks_checked']} blocks, "
         f"{s['blocks_mismatched']} mismatched",
         f"  leaked blocks {s['leaked_blocks']}, pending commands {s['pending_commands']}"

@@ -133,11 +133,11 @@ class PrefillRole(_Role):
 class DecodeRole(_Role):
     """D: reserves, takes P's first token, checks what it read, decodes, preempts, resumes.
 
-    ``admit_peer(plan)`` and ``abort_peer(rid)`` reach P; ``report(rid, state, code)`` is told
+    ``admit_peer(plan)`` and ``abort_peer(rid)`` reach P; ``report(rid, state, code, reason)`` is told
     of each request's end."""
 
     def __init__(self, lifecycle: Any, view: Any, seed: int, admit_peer: Callable[[Plan], None],
-                 abort_peer: Callable[[str], None], report: Callable[[str, str, int], None]) -> None:
+                 abort_peer: Callable[[str], None], report: Callable[[str, str, int, str], None]) -> None:
         super().__init__(lifecycle, view, seed)
         self.admit_peer, self.abort_peer, self.report = admit_peer, abort_peer, report
         self.plans: dict[str, Plan] = {}
@@ -187,7 +187,7 @@ class DecodeRole(_Role):
             del self.plans[plan.rid]
             if cmd.state != "done":
                 self.abort_peer(plan.rid)  # as an engine's router does: P may still have it
-            self.report(plan.rid, cmd.state, cmd.error_code)
+            self.report(plan.rid, cmd.state, cmd.error_code, cmd.reason)
 
     def step(self) -> None:
         """One decode step of every running request; resume the preempted ones that fit."""

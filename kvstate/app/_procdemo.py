@@ -30,7 +30,7 @@ from typing import Any
 from .._errors import ConfigError, DriverError
 from ..backends._shm import shm_directory
 from ..distributed._supervise import remove_orphans
-from ._demo import DemoConfig, arena_store, summary
+from ._demo import DemoConfig, Outcome, arena_store, summary
 from ._demoroles import make_plans
 
 __all__ = ["SchedulerConfig", "run_processes", "DEMO_SCHEMAS"]
@@ -42,7 +42,7 @@ DEMO_SCHEMAS = {
     "submit": (("request_id", _STR), ("prompt", _LIST), ("output_len", _INT), ("preempt_at", _OPT_INT),
                ("abort_at", _OPT_STR)),
     "admit": (("request_id", _STR), ("prompt", _LIST), ("abort_at", _OPT_STR)),
-    "result": (("request_id", _STR), ("state", _STR), ("error_code", _INT)),
+    "result": (("request_id", _STR), ("state", _STR), ("error_code", _INT), ("reason", _STR)),
     "ready": (("role", _STR), ("pid", _INT), ("workers", _LIST)),
     "stop": (),
     "report": (("role", _STR), ("figures", (dict,))),
@@ -155,15 +155,15 @@ def _wait_ready(link: Any, children: dict[str, Any], deadline: float) -> dict[st
     return ready
 
 
-def _collect(link: Any, children: dict[str, Any], rids: set[str], deadline: float) -> dict[str, tuple[str, int]]:
+def _collect(link: Any, children: dict[str, Any], rids: set[str], deadline: float) -> dict[str, Outcome]:
     """Results until every request has one, a scheduler died, or ``deadline``."""
-    outcome: dict[str, tuple[str, int]] = {}
+    outcome: dict[str, Outcome] = {}
     while len(outcome) < len(rids) and time.monotonic() < deadline:
         if any(not c.alive() for c in children.values()):
             break
         for kind, items in link.receive(0.05):
             if kind == "result" and items[0] in rids:
-                outcome[items[0]] = (items[1], items[2])
+                outcome[items[0]] = (items[1], items[2], items[3])
     return outcome
 
 

@@ -58,7 +58,7 @@ class Scheduler:
             self.lc = DecodeLifecycle(self.spec, cfg.blocks, Policy())
             self.role = DecodeRole(self.lc, view, cfg.seed, self._admit,
                                    lambda rid: self._send("prefill", "abort", rid),
-                                   lambda rid, state, code: self._send("router", "result", rid, state, code))
+                                   lambda rid, state, code, why: self._send("router", "result", rid, state, code, why))
         self.queued: deque[Plan] = deque()  # D: requests waiting for room
 
     def _caches(self, cfg: SchedulerConfig) -> tuple[Any, dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
