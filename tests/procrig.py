@@ -40,7 +40,7 @@ class ProcRig:
         self.spec, self.blocks, self.log_dir = spec, blocks, log_dir
         self.store = store if isinstance(store, dict) else {"kind": "file", "root": store}
         self.sides: dict[str, _Side] = {}
-        self.outcome: dict[str, tuple[str, int]] = {}
+        self.outcome: dict[str, tuple[str, int, str]] = {}  # state, code, reason
         self.ended_at: dict[str, float] = {}
         self.started_at: dict[str, float] = {}
         d_policy = d_policy or policy
@@ -67,8 +67,8 @@ class ProcRig:
         self.d = DecodeRole(self.D, view["D"], 2, lambda plan: self.p.admit(plan.rid, plan.prompt, plan.abort_at),
                             self.p.abort, self._ended)
 
-    def _ended(self, rid: str, state: str, code: int) -> None:
-        self.outcome[rid] = (state, code)
+    def _ended(self, rid: str, state: str, code: int, reason: str) -> None:
+        self.outcome[rid] = (state, code, reason)
         self.ended_at[rid] = time.monotonic()
 
     def log_tails(self, lines: int = 6) -> str:

@@ -80,7 +80,7 @@ def test_kill_9_of_a_rank_worker_mid_transfer(side, kind, d_host, tmp_path):
         assert any(isinstance(n, RankDown) and n.rank == 1 for n in notes), notes
         assert any(isinstance(n, RankUp) and n.rank == 1 for n in notes[1:]), notes  # restarted, rejoined
         assert drv.counters["restarts"] >= 1 and not alive(state["pid"])
-        assert Counter(s for s, _ in r["outcome"].values())["done"] > 0
+        assert Counter(s for s, *_ in r["outcome"].values())["done"] > 0
     finally:
         pids = rig.worker_pids()
         rig.close()
@@ -300,7 +300,7 @@ def test_the_mooncake_master_stopped_mid_run_then_restarted(tmp_path):
     try:
         r = rig.run(24, on_submit=kill_master, timeout=90)
         healthy(r)
-        states = Counter(st for st, _ in r["outcome"].values())
+        states = Counter(st for st, *_ in r["outcome"].values())
         assert states["failed"] > 0, states  # the writes after the kill failed: their first tokens carried 503
         m2 = MooncakeMaster(rpc_port=m.rpc_port, http_port=m.http_port, log_path=tmp_path / "m2.log").start()
         back = time.monotonic()
@@ -308,14 +308,14 @@ def test_the_mooncake_master_stopped_mid_run_then_restarted(tmp_path):
             rig.outcome.clear()
             r2 = rig.run(4, seed=seed, timeout=90)
             healthy(r2)
-            if all(st == "done" for st, _ in r2["outcome"].values()):
+            if all(st == "done" for st, *_ in r2["outcome"].values()):
                 break
             assert time.monotonic() - back < 60, f"not recovered 60 s after the master came back: {r2['outcome']}"
         rig.outcome.clear()
         restarts = [rig.driver(s).counters["restarts"] for s in "PD"]
         r3 = rig.run(12, seed=7, timeout=90)
         healthy(r3)
-        states = Counter(st for st, _ in r3["outcome"].values())
+        states = Counter(st for st, *_ in r3["outcome"].values())
         assert states["done"] + states["aborted"] == 12, {k: v for k, v in r3["outcome"].items() if v[0] != "done"}
         assert [rig.driver(s).counters["restarts"] for s in "PD"] == restarts
     except AssertionError as e:  # the workers' logs (Mooncake's retries) go to files: show their ends
