@@ -94,6 +94,8 @@ def test_demo_as_processes(capsys):
     assert s["processes"] == 7 and s["unfinished"] == 0 and s["finished"] + s["aborted"] + s["failed"] == 24
     assert s["schedulers_reported"] == ["decode", "prefill"] and s["store"] == "arena"
     assert sum(s["ended_by"].values()) == s["aborted"] + s["failed"]  # reasons cross from D's process
+    # a healthy run: no store operation failed or found a block broken, no transfer expired
+    assert s["store_broken"] == s["store_failed"] == s["expired_transfers"] == 0 and s["store_short"] >= 0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, PR_SET_PDEATHSIG)")

@@ -183,7 +183,8 @@ def _reports(link: Any, children: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"leaked_blocks": 0, "pending_commands": 0, "bytes_moved": 0, "blocks_checked": 0,
                            "blocks_mismatched": 0, "preemptions": 0, "prefix_blocks_read": 0,
                            "schedulers_reported": sorted(got), "rank_restarts": 0, "lost_answers": 0,
-                           "live_requests": 0, "lends_pulled": 0, "lends_unpulled": 0}
+                           "live_requests": 0, "lends_pulled": 0, "lends_unpulled": 0, "store_broken": 0,
+                           "store_short": 0, "store_failed": 0, "expired_transfers": 0}
     for figures in got.values():
         for k in out:
             if k in figures and k != "schedulers_reported":

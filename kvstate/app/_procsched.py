@@ -153,7 +153,10 @@ class Scheduler:
 
     def figures(self) -> dict[str, Any]:
         notices = self.driver.notices()
-        return {"leaked_blocks": self.lc.pool.num_used, "pending_commands": len(self.lc.pending_commands()),
+        faults = self.driver.store_faults()  # what the rank workers' reads and writes met
+        return {"store_broken": faults["broken"], "store_short": faults["short"], "store_failed": faults["failed"],
+                "expired_transfers": self.lc.counters["expired"], "leaked_blocks": self.lc.pool.num_used,
+                "pending_commands": len(self.lc.pending_commands()),
                 "live_requests": len(self.lc.live_requests()), "bytes_moved": self.driver.bytes_moved(),
                 "blocks_checked": self.role.checked, "blocks_mismatched": self.role.mismatched,
                 "preemptions": getattr(self.role, "preemptions", 0),
