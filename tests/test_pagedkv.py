@@ -171,6 +171,45 @@ def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caugh
 
 
 @pytest.mark.gpu
+def test_a_block_another_put_replaced_mid_read_is_read_again_on_the_gpu():
+    """P puts the same blocks again while D scatters them out of the arena (two prompts sharing
+    a prefix, written at once): the slots D read are taken back, its first pass counts none, and
+    it reads them again from the new slots, whole, instead of failing the request."""
+    import torch
+
+    from kvstate.integrations._pagedkv import RankTransfers
+
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    s = spec()
+    src = layers((2, NB, H, B, D), device="cuda")
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    store = make_store("arena", s)
+    keys = tuple(block_keys(list(range(1, 4 * B + 1)), B, namespace="again"))
+    p, d = RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
+    calls: list[int] = []
+    real = store.unchanged
+
+    def unchanged(places):
+        calls.append(len(places))
+        if len(calls) == 1:
+            assert p.backend.write(0, list(keys), [1, 3, 5, 7]) == 4
+        return real(places)
+    try:
+        p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, keys, (1, 3, 5, 7))])
+        assert [c.count for c in p.poll("save", 10)] == [4]
+        store.unchanged = unchanged
+        d.submit("load", [ReadBlocks("r", 1, (0,), time.monotonic() + 30, keys, (0, 2, 4, 6))])
+        assert [c.count for c in d.poll("load", 10)] == [4]
+        assert len(calls) >= 2  # the first pass lost the race; a later one counted
+        for name in src:
+            assert torch.equal(src[name][:, [1, 3, 5, 7]], dst[name][:, [0, 2, 4, 6]])
+    finally:
+        for t in (p, d):
+            t.close(5)
+
+
+@pytest.mark.gpu
 def test_arena_transfers_count_up_to_a_broken_block_and_read_a_cpu_writers_blocks():
     """Of 34 blocks, a flipped byte in block 20 stops the count there, every block before it
     landed byte-exact, and a cache a CPU writer stored in place is read back on the GPU."""

@@ -272,3 +272,58 @@ def test_scales_of_another_size_keep_the_staged_path():
         assert not ReferenceBackend(spec, 4, store)._zero_copy()
     finally:
         store.close()
+
+
+def _during_reads(store: ArenaStore, act) -> list[int]:
+    """Run ``act()`` inside each check a zero-copy read makes after copying (between its copy
+    and its count): the moment another put or an eviction lands mid-read. Returns the calls."""
+    calls: list[int] = []
+    real = store.unchanged
+
+    def unchanged(places):
+        calls.append(len(places))
+        act(len(calls))
+        return real(places)
+    store.unchanged = unchanged
+    return calls
+
+
+def test_a_block_another_put_replaced_mid_read_is_read_again(spec, copies):
+    """P puts the same blocks again while D reads them (two prompts sharing a prefix, written
+    at once): the slots D copied from are taken back, so its first pass counts nothing, and it
+    reads them again from the new slots, whole and byte exact, instead of failing the request."""
+    from kvstate.backends._objects import ARENA_REREADS
+
+    store = arena_for(spec)
+    try:
+        p, d = filled(spec, store, seed=3), ReferenceBackend(spec, 16, store)
+        keys, ids = block_keys(list(range(20)), 4), [3, 1, 7, 0, 9]
+        assert p.write(0, keys, ids) == 5
+        calls = _during_reads(store, lambda i: i == 1 and p.write(0, keys, ids))
+        assert d.read(0, keys, [2, 4, 6, 8, 10]) == 5
+        assert len(calls) == 2 and ARENA_REREADS >= 1  # the first pass lost the race, the second counted
+        assert all(d.block_bytes(0, k, b) == p.block_bytes(0, k, a)
+                   for k in spec.kinds for a, b in zip(ids, [2, 4, 6, 8, 10]))
+    finally:
+        store.close()
+
+
+def test_an_evicted_block_stays_a_miss_and_rereads_are_bounded(spec, copies):
+    """A block gone from the arena mid-read is a miss (no read again); one replaced on every
+    pass is given up after ARENA_REREADS more passes, short, never waited on forever."""
+    from kvstate.backends._objects import ARENA_REREADS
+
+    store = arena_for(spec)
+    try:
+        p, d = filled(spec, store, seed=4), ReferenceBackend(spec, 16, store)
+        keys, ids = block_keys(list(range(20)), 4), [3, 1, 7, 0, 9]
+        assert p.write(0, keys, ids) == 5
+        names = p.objects.names(0, keys[2:3], None)
+        calls = _during_reads(store, lambda i: i == 1 and store.evict(names))
+        assert d.read(0, keys, [2, 4, 6, 8, 10]) == 2 and len(calls) == 1
+        assert p.write(0, keys, ids) == 5
+        calls = _during_reads(store, lambda i: p.write(0, keys, ids))
+        assert d.read(0, keys, [2, 4, 6, 8, 10]) == 0
+        assert len(calls) == 1 + ARENA_REREADS
+    finally:
+        store.close()

@@ -336,12 +336,14 @@ class CudaBackend(DeviceSums, StoreBackend):
         """Read one head group of the blocks: at once, or layer group by layer group, reporting each."""
         if self._zero_copy():  # straight out of the arena's slots, each object in place when reported
             if self.spec.object_groups == 1:
-                count = self._arena_get(rank, part, keys, block_ids, guard)
+                count = cast(int, self._arena_settled(part, keys, None, lambda s: self._arena_get(
+                    rank, part, keys[s:], block_ids[s:], guard)))
                 if arrived is not None and count == len(keys):
                     arrived(self.spec.layers, None)
                 return count
             return self._load_by_group(len(keys), arrived or _ignore, lambda g, m: (
-                self._arena_get(rank, part, keys[:m], block_ids[:m], guard, g), None))
+                cast(int, self._arena_settled(part, keys[:m], g, lambda s: self._arena_get(
+                    rank, part, keys[s:m], block_ids[s:m], guard, g))), None))
         if arrived is None:
             return self._get(rank, part, keys, block_ids, guard, None)
         if len(keys) <= self._pieces(0)[0]:  # a layer group fits a slot: pipelined

@@ -15,6 +15,13 @@ A rank holding several head groups (a D at a lower TP degree than its P) moves e
 which block ``b``'s group ``g`` is row ``b * head_groups + g`` (:meth:`StoreBackend._part_ids`),
 so one gather or scatter op per part moves contiguous chunks. A rank replicating another's heads
 writes nothing: the first replica stores them.
+
+A read straight out of an arena's slots that stops at a block whose objects are stored once it
+stopped lost a race, not the block: another put of the same key (keys name their content, so
+its bytes are equal) replaced the slot it copied from while it copied, and the read could not
+count it. It is read again from there, at most :data:`ARENA_REREADS` times
+(:meth:`StoreBackend._arena_settled`); a block evicted or found broken is gone by then, and
+stays a miss.
 """
 from __future__ import annotations
 
@@ -40,7 +47,10 @@ from ._manifested import MANIFEST_KIND, BlockObjects
 from ._stateobjects import PageCopy, StateObjects
 from ._stores import default_threads
 
-__all__ = ["StoreBackend", "MANIFEST_KIND"]
+__all__ = ["StoreBackend", "MANIFEST_KIND", "ARENA_REREADS"]
+
+#: times an arena read goes on past a block another put of its key replaced while it was read
+ARENA_REREADS = 2
 
 
 class StoreBackend(TransferBackend):
@@ -125,6 +135,27 @@ class StoreBackend(TransferBackend):
             not spec.splits_groups and all(spec.group_layers * int(np.prod(spec.block_shape(k))) *
                                            np.dtype(spec.kind_dtype(k)).itemsize == store.big.size
                                            for k in spec.kinds)
+
+    def _arena_settled(self, part: tuple[int, int], keys: Sequence[str], group: int | None,
+                       get: Callable[[int], int | None]) -> int | None:
+        """``get(start)``: an arena read of ``keys[start:]``, answering its leading blocks read
+        whole (None: not readable in place); read again from a block that stopped it while its
+        objects are stored (see the module's docstring)."""
+        count = get(0)
+        for _ in range(ARENA_REREADS):
+            if count is None or count >= len(keys) or not self._arena_holds(part, keys[count], group):
+                break
+            more = get(count)
+            if more is None:
+                break
+            count += more
+        return count
+
+    def _arena_holds(self, part: tuple[int, int], key: str, group: int | None) -> bool:
+        """Whether every object of ``key``'s block (one head group, one or every layer group)
+        is in the arena now."""
+        names = self.objects.names(part[1], [key], None if group is None else [group])
+        return all(p.slot >= 0 for p in cast(ArenaStore, self.store).locate(names))
 
     def lend_geometry(self) -> str:
         """The backend's kind (its kvstate class, whatever subclasses it) and every field of its

@@ -312,7 +312,8 @@ class ReferenceBackend(StoreBackend):
         """Read the first ``m`` blocks of head group ``part`` (every layer, or layer group
         ``group``) and scatter the leading ones that arrived whole (a short read is a miss)."""
         if self._zero_copy():
-            count = self._arena_get(rank, part, keys[:m], block_ids[:m], guard, group)
+            count = self._arena_settled(part, keys[:m], group, lambda s: self._arena_get(
+                rank, part, keys[s:m], block_ids[s:m], guard, group))
             if count is not None:
                 return count
         host, span = self._buffers(m, group)
