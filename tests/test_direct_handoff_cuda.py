@@ -198,3 +198,22 @@ def test_a_gpu_that_cannot_reach_p_is_refused_by_rule():
             peers.open({"kind": "local"}, 0, be._swappers[0].bind)
     finally:
         be.close()
+
+
+def test_a_lender_builds_its_sums_kernel_and_describes_its_caches_before_its_first_lend(tmp_path):
+    """A backend that lends does its first lend's one-time work when it is built: its SUM64
+    kernel and each rank's CUDA IPC description (a pull waits only ``pull_wait`` for a post)."""
+    from kvstate.backends import CudaBackend
+
+    board = LendBoard(str(tmp_path / "lends"), wait=0)
+    lender = CudaBackend(SPEC, 8, MemoryStore(1 << 20), lends=board)
+    plain = CudaBackend(SPEC, 8, MemoryStore(1 << 20))
+    try:
+        assert sorted(lender._peers._described) == [0, 1]
+        assert lender._sum_cache and not plain._sum_cache and not plain._peers._described
+        t = time.perf_counter()
+        assert len(lender.lend_sums(0, [1, 2, 3])) == 3
+        assert time.perf_counter() - t < 0.1  # nothing left to build
+    finally:
+        lender.close()
+        plain.close()

@@ -108,6 +108,8 @@ class CudaBackend(DeviceSums, StoreBackend):
                              if store.register_memory(a)]
             self._setup_states(full, num_states, self._pages.gather, self._pages.scatter)
             self._pages.bind("CudaBackend", (num_states, self.state_size), states, device)
+            if lends is not None:
+                self._warm_lends()
         except BaseException:
             self.close()
             raise
@@ -606,6 +608,17 @@ class CudaBackend(DeviceSums, StoreBackend):
         return self.objects.verify_deferred(part[1], want, got)
 
     # -- the direct handoff (kvstate.backends._lends): CUDA IPC, a kernel reading the lender's GPU --
+    def _warm_lends(self) -> None:
+        """Build the SUM64 kernel and describe each rank's caches (CUDA IPC handles) before the
+        first lend: done at that lend, they came before its post while D's pull waited for it
+        (``pull_wait``, half a second by default), and took 290–480 ms on an H200 whose kernel
+        cache was cold, so D's first pulls could find nothing and fail their requests."""
+        if not self.num_blocks:
+            return
+        for rank in self.ranks:
+            self.lend_peer(rank)
+            self.lend_sums(rank, [0])
+
     def lend_peer(self, rank: int) -> dict[str, Any]:
         self._check_open()
         return self._peers.describe(rank, self._layers[rank], self.num_blocks)
