@@ -597,3 +597,36 @@ def test_a_file_that_cannot_be_made_is_refused_by_its_directory_and_left_nowhere
     with pytest.raises(ConfigError, match=rf"cannot make [\d,]+ bytes in {re.escape(repr(str(tmp_path)))} "):
         ArenaStore.create(64, 1, small_bytes=8, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_get_whose_slot_another_put_of_its_key_replaced_copies_again_from_the_new_slot(arena):
+    """A put of a key already stored (two prompts sharing a prefix, written at once) takes the old
+    slot back while a get copies out of it: the get copies again from the key's new slot, and
+    answers its bytes. A key evicted meanwhile stays a miss, and a key replaced on every copy is
+    given up after ARENA_REREADS more copies."""
+    from kvstate.backends._arena import ARENA_REREADS
+
+    a, b = blob(1), blob(1)  # equal bytes: a key names its content
+    assert arena.batch_put_from(["k", "j"], [a, blob(2)]) == [0, 0]
+    real, copies = arena._copy, []
+
+    def during_gets(act):
+        """``act()`` inside each copy a get makes (the put it may do copies unwatched)."""
+        def copy(pairs):
+            copies.append(len(pairs))
+            arena._copy = real
+            act()
+            arena._copy = copy
+            real(pairs)
+        arena._copy = copy
+    during_gets(lambda: len(copies) == 1 and arena.batch_put_from(["k"], [b]))
+    out = [np.zeros(SLOT, np.uint8) for _ in range(2)]
+    assert arena.batch_get_into(["k", "j"], out) == [SLOT, SLOT]
+    assert copies == [2, 1] and (out[0] == a).all() and (out[1] == blob(2)).all()
+    copies.clear()
+    during_gets(lambda: len(copies) == 1 and arena.evict(["k"]))
+    assert arena.batch_get_into(["k", "j"], out) == [MISSING, SLOT] and copies == [2]
+    assert arena.batch_put_from(["k"], [a]) == [0]
+    copies.clear()
+    during_gets(lambda: arena.batch_put_from(["k"], [b]))
+    assert arena.batch_get_into(["k"], out[:1]) == [MISSING] and len(copies) == 1 + ARENA_REREADS

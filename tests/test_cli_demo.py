@@ -168,6 +168,9 @@ def test_demo_as_processes_on_gpus(capsys, handoff):
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["unfinished"] == 0
     assert s["processes"] == 7 and s["finished"] > 0
     assert (s["lends_pulled"] >= s["finished"]) == (handoff == "direct")
+    # a healthy run fails nothing: the only requests that do not finish are the planned aborts
+    assert s["failed"] == 0 and s["ended_by"] == {"aborted": s["aborted"]}
+    assert s["store_broken"] == s["store_failed"] == s["expired_transfers"] == 0
 
 
 @pytest.mark.gpu
@@ -185,6 +188,7 @@ def test_demo_as_processes_with_a_rank_a_gpu(capsys):
     s = json.loads(capsys.readouterr().out)
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["unfinished"] == 0
     assert s["processes"] == 7 and s["lends_pulled"] >= s["finished"] > 0
+    assert s["failed"] == 0 and s["ended_by"] == {"aborted": s["aborted"]}  # a cold start fails nothing
 
 
 @pytest.mark.slow

@@ -119,17 +119,24 @@ def test_a_flipped_byte_stops_the_read_at_its_block_and_evicts_that_block_only(s
         store.close()
 
 
-def test_a_slot_taken_back_while_the_read_copies_ends_the_count_there_without_evicting(spec, monkeypatch):
-    """A block whose slot changed hands during the copy was scattered but is not counted, and
-    nothing is evicted: the bytes were not proven wrong, they were overtaken."""
+def test_a_slot_taken_back_while_the_read_copies_ends_the_pass_there_without_evicting(spec, monkeypatch):
+    """A block whose slot changed hands during the copy was scattered but is not counted by
+    that pass, and nothing is evicted: the bytes were not proven wrong, they were overtaken.
+    Its key still stored, the read goes on from it (as ``copies`` were: the pass after counts)."""
     store = arena_for(spec)
     try:
         p, d = filled(spec, store, seed=3), ReferenceBackend(spec, 16, store)
         keys = block_keys(list(range(16)), 4)
         assert p.write(0, keys, [0, 1, 2, 3]) == 4
-        real = store.unchanged
-        monkeypatch.setattr(store, "unchanged", lambda places: [i != 3 for i in range(len(real(places)))])
-        assert d.read(0, keys, [4, 5, 6, 7]) == 1  # block 1's key object is the fourth place
+        real, passes = store.unchanged, []
+
+        def first_pass_overtaken(places):
+            passes.append(len(places))
+            ok = real(places)
+            return [i != 3 for i in range(len(ok))] if len(passes) == 1 else ok
+        monkeypatch.setattr(store, "unchanged", first_pass_overtaken)
+        assert d.read(0, keys, [4, 5, 6, 7]) == 4  # place 3 is one of block 1's objects
+        assert passes == [8, 6]  # two objects a block: the first pass counted block 0, the second 1-3
         assert d.broken_blocks == 0 and d.query(0, keys) == 4
     finally:
         store.close()
@@ -292,7 +299,7 @@ def test_a_block_another_put_replaced_mid_read_is_read_again(spec, copies):
     """P puts the same blocks again while D reads them (two prompts sharing a prefix, written
     at once): the slots D copied from are taken back, so its first pass counts nothing, and it
     reads them again from the new slots, whole and byte exact, instead of failing the request."""
-    from kvstate.backends._objects import ARENA_REREADS
+    from kvstate.backends._arena import ARENA_REREADS
 
     store = arena_for(spec)
     try:
@@ -311,7 +318,7 @@ def test_a_block_another_put_replaced_mid_read_is_read_again(spec, copies):
 def test_an_evicted_block_stays_a_miss_and_rereads_are_bounded(spec, copies):
     """A block gone from the arena mid-read is a miss (no read again); one replaced on every
     pass is given up after ARENA_REREADS more passes, short, never waited on forever."""
-    from kvstate.backends._objects import ARENA_REREADS
+    from kvstate.backends._arena import ARENA_REREADS
 
     store = arena_for(spec)
     try:
@@ -325,5 +332,32 @@ def test_an_evicted_block_stays_a_miss_and_rereads_are_bounded(spec, copies):
         calls = _during_reads(store, lambda i: p.write(0, keys, ids))
         assert d.read(0, keys, [2, 4, 6, 8, 10]) == 0
         assert len(calls) == 1 + ARENA_REREADS
+    finally:
+        store.close()
+
+
+def test_a_staged_read_of_a_block_another_put_replaced_mid_read_copies_it_again(spec, copies):
+    """The same race on the staged path (host rows, as a reader without the in-place path
+    takes): the arena's get copies the replaced objects again from their new slots."""
+    store = arena_for(spec)
+    try:
+        p, d = filled(spec, store, seed=5), ReferenceBackend(spec, 16, store)
+        d._in_place = False
+        keys, ids = block_keys(list(range(20)), 4), [3, 1, 7, 0, 9]
+        assert p.write(0, keys, ids) == 5
+        real, seen = store._copy, []
+
+        def copy(pairs):
+            seen.append(len(pairs))
+            store._copy = real
+            if len(seen) == 1:
+                assert p.write(0, keys, ids) == 5
+            store._copy = copy
+            real(pairs)
+        store._copy = copy
+        assert d.read(0, keys, [2, 4, 6, 8, 10]) == 5
+        assert len(seen) >= 2  # copied again
+        assert all(d.block_bytes(0, k, b) == p.block_bytes(0, k, a)
+                   for k in spec.kinds for a, b in zip(ids, [2, 4, 6, 8, 10]))
     finally:
         store.close()

@@ -25,7 +25,9 @@ Rules:
   A put of a buffer that already is its claimed slot (a device gathered into it) copies nothing.
 - A get locates the key (and marks it used), copies out outside the lock, then counts only if
   the slot's generation is unchanged: a get never returns bytes a later put overwrote, and
-  pins nothing a dead reader could leak. :meth:`locate` and :meth:`unchanged` give a device
+  pins nothing a dead reader could leak. A get whose slot another put of its key took back
+  meanwhile (keys name their content: two prompts sharing a prefix write it at once) copies
+  again from the key's new slot, at most :data:`ARENA_REREADS` times. :meth:`locate` and :meth:`unchanged` give a device
   reading slots itself the same check.
 - The creator owns the file: :meth:`close` unmaps it and, the creator's, unlinks it (others'
   mappings stay valid). A file whose creator died is removed by the next :meth:`create` in its
@@ -56,7 +58,10 @@ from ._hostcopy import copy_all
 from ._hostfiles import pid_alive, remove_orphans, shm_directory
 from ._stores import PARALLEL_BYTES, default_threads
 
-__all__ = ["ArenaStore", "Place", "ARENA_VERSION"]
+__all__ = ["ArenaStore", "Place", "ARENA_VERSION", "ARENA_REREADS"]
+
+#: times a get copies again, from its key's new slot, an object another put replaced meanwhile
+ARENA_REREADS = 2
 
 ARENA_VERSION = 1  #: the file format; a file of another version is refused
 _MAGIC = b"KVSARENA"
@@ -478,15 +483,26 @@ class ArenaStore(Store):
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         views = check_batch(keys, "ArenaStore.batch_get_into", buffers)
-        batch = _Keys(keys)
-        out, plan = [MISSING] * len(keys), []
+        out = [MISSING] * len(keys)
+        todo = list(range(len(keys)))
+        for _ in range(1 + ARENA_REREADS):
+            todo = self._get_round(keys, views, todo, out)
+            if not todo:
+                break
+        return out
+
+    def _get_round(self, keys: Sequence[str], views: Sequence[memoryview], todo: list[int],
+                   out: list[int]) -> list[int]:
+        """Copy out the objects of ``keys[i]`` for each ``i`` in ``todo`` into ``out``; answers
+        those whose slot was taken back while they copied and whose key is stored again."""
+        batch, plan = _Keys([keys[i] for i in todo]), []
         with self._locked():
             stamp = self._stamp()
             for c in (self.small, self.big):
-                for i, s in enumerate(c.find(batch).tolist()):
+                for j, s in enumerate(c.find(batch).tolist()):
                     if s < 0:
                         continue
-                    n = int(c.length[s])
+                    i, n = todo[j], int(c.length[s])
                     if n > views[i].nbytes:
                         out[i] = TOO_LARGE
                         continue
@@ -494,10 +510,18 @@ class ArenaStore(Store):
                     plan.append((i, c, s, int(c.gen[s]), n))
         self._copy([(np.frombuffer(views[i], np.uint8, count=n), c.data[s][:n]) for i, c, s, _, n in plan])
         with self._locked():
+            lost = []
             for i, c, s, gen, n in plan:
-                out[i] = n if int(c.gen[s]) == gen and int(c.state[s]) == STORED else MISSING
+                good = int(c.gen[s]) == gen and int(c.state[s]) == STORED
+                out[i] = n if good else MISSING
+                if not good:
+                    lost.append(i)
             self.gets += len(plan)
-        return out
+            if not lost:
+                return []
+            again = _Keys([keys[i] for i in lost])
+            found = np.maximum(self.small.find(again), self.big.find(again)).tolist()
+        return [i for i, f in zip(lost, found) if f >= 0]
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         check_keys(keys, "ArenaStore.batch_is_exist")

@@ -19,7 +19,8 @@ writes nothing: the first replica stores them.
 A read straight out of an arena's slots that stops at a block whose objects are stored once it
 stopped lost a race, not the block: another put of the same key (keys name their content, so
 its bytes are equal) replaced the slot it copied from while it copied, and the read could not
-count it. It is read again from there, at most :data:`ARENA_REREADS` times
+count it. It is read again from there, at most
+:data:`~kvstate.backends._arena.ARENA_REREADS` times
 (:meth:`StoreBackend._arena_settled`); a block evicted or found broken is gone by then, and
 stays a miss.
 """
@@ -39,7 +40,7 @@ from .._pool import FREED
 from .._spec import CacheSpec
 from .._tables import check_layout, per_block, table_of_layer
 from .._validate import MAX_BLOCKS, all_ints, check_int, is_int
-from ._arena import ArenaStore
+from ._arena import ARENA_REREADS, ArenaStore
 from ._base import Guard, Store, TransferBackend, as_bytes_view, leading
 from ._integrity import Hasher
 from ._lends import LendBoard, PeerOps, lend_blocks, pull_blocks
@@ -47,10 +48,7 @@ from ._manifested import MANIFEST_KIND, BlockObjects
 from ._stateobjects import PageCopy, StateObjects
 from ._stores import default_threads
 
-__all__ = ["StoreBackend", "MANIFEST_KIND", "ARENA_REREADS"]
-
-#: times an arena read goes on past a block another put of its key replaced while it was read
-ARENA_REREADS = 2
+__all__ = ["StoreBackend", "MANIFEST_KIND"]
 
 
 class StoreBackend(TransferBackend):
