@@ -135,11 +135,9 @@ def test_a_layout_kvstate_cannot_serve_is_refused_by_name_before_any_transfer(ma
         RankTransfers(s, 0, ls, MemoryStore(1 << 20))
 
 
-@pytest.mark.gpu
-def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caught_on_the_gpu():
-    """On CUDA an arena's slots are the host buffer: blocks are gathered straight into them
-    and scattered straight out; the SUM64 taken where they land still catch a flipped byte,
-    which is evicted, and the blocks before it count."""
+def cuda_arena_pair(namespace: str) -> tuple[dict, dict, ArenaStore, tuple[str, ...], Any, Any]:
+    """P's and D's rank transfers over CUDA tensors and one arena: the tensors (P's random, D's
+    zeroed), the arena, four blocks' keys, and the two RankTransfers (skips without CUDA)."""
     import torch
 
     from kvstate.integrations._pagedkv import RankTransfers
@@ -150,8 +148,18 @@ def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caugh
     src = layers((2, NB, H, B, D), device="cuda")
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     store = make_store("arena", s)
-    keys = tuple(block_keys(list(range(1, 4 * B + 1)), B, namespace="z"))
-    p, d = RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
+    keys = tuple(block_keys(list(range(1, 4 * B + 1)), B, namespace=namespace))
+    return src, dst, store, keys, RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
+
+
+@pytest.mark.gpu
+def test_an_arena_store_is_read_and_written_in_place_and_a_flipped_byte_is_caught_on_the_gpu():
+    """On CUDA an arena's slots are the host buffer: blocks are gathered straight into them
+    and scattered straight out; the SUM64 taken where they land still catch a flipped byte,
+    which is evicted, and the blocks before it count."""
+    import torch
+
+    src, dst, store, keys, p, d = cuda_arena_pair("z")
     try:
         p.submit("save", [WriteBlocks("r", 1, (0,), time.monotonic() + 30, keys, (1, 3, 5, 7))])
         assert [c.count for c in p.poll("save", 10)] == [4]
@@ -177,16 +185,7 @@ def test_a_block_another_put_replaced_mid_read_is_read_again_on_the_gpu():
     it reads them again from the new slots, whole, instead of failing the request."""
     import torch
 
-    from kvstate.integrations._pagedkv import RankTransfers
-
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    s = spec()
-    src = layers((2, NB, H, B, D), device="cuda")
-    dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    store = make_store("arena", s)
-    keys = tuple(block_keys(list(range(1, 4 * B + 1)), B, namespace="again"))
-    p, d = RankTransfers(s, 0, src, store), RankTransfers(s, 0, dst, store)
+    src, dst, store, keys, p, d = cuda_arena_pair("again")
     calls: list[int] = []
     real = store.unchanged
 
