@@ -27,8 +27,8 @@ Rules:
   the slot's generation is unchanged: a get never returns bytes a later put overwrote, and
   pins nothing a dead reader could leak. A get whose slot another put of its key took back
   meanwhile (keys name their content: two prompts sharing a prefix write it at once) copies
-  again from the key's new slot, at most :data:`ARENA_REREADS` times. :meth:`locate` and :meth:`unchanged` give a device
-  reading slots itself the same check.
+  again from the key's new slot, at most :data:`ARENA_REREADS` times. :meth:`locate` and
+  :meth:`unchanged` give a device reading slots itself the same check.
 - The creator owns the file: :meth:`close` unmaps it and, the creator's, unlinks it (others'
   mappings stay valid). A file whose creator died is removed by the next :meth:`create` in its
   directory (names carry the creator's pid). ``kvstate arena`` is a creator that holds one for
