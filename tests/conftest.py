@@ -1,12 +1,12 @@
-"""The suite's fixtures (a clock, a P+D rig) and its session checks; the helpers themselves
-live in ``rigs.py`` and ``needs.py``, which tests import."""
+"""The suite's fixtures (a clock, a P+D rig, a small arena store) and its session checks; the
+helpers themselves live in ``rigs.py`` and ``needs.py``, which tests import."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
 import pytest
-from rigs import Clock, Rig
+from rigs import ARENA_SLOT, Clock, Rig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +45,14 @@ def clock() -> Clock:
 @pytest.fixture
 def rig() -> Rig:
     return Rig()
+
+
+@pytest.fixture
+def arena(tmp_path):
+    """An arena store of four ``ARENA_SLOT``-byte slots and four 64-byte ones, tag "geo", in
+    the test's own directory, closed (and its file removed) after the test."""
+    from kvstate.backends._arena import ArenaStore
+
+    a = ArenaStore.create(ARENA_SLOT, 4, small_bytes=64, small_slots=4, tag="geo", directory=tmp_path)
+    yield a
+    a.close()

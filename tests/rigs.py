@@ -1,13 +1,15 @@
-"""Rigs for the tests: a settable clock, small specs, and P and D lifecycles with reference
+"""Rigs for the tests: a settable clock, small specs, random objects for stores, and P and D lifecycles with reference
 backends over one store and step drivers, which run a request end to end."""
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from kvstate import CacheSpec, DecodeLifecycle, Policy, PrefillLifecycle
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver
 
-__all__ = ["Clock", "small_spec", "Rig"]
+__all__ = ["Clock", "small_spec", "Rig", "ARENA_SLOT", "blob"]
 
 
 class Clock:
@@ -59,3 +61,12 @@ class Rig:
         out = [n for n in drv.notices if cls is None or isinstance(n, cls)]
         drv.notices = [n for n in drv.notices if n not in out]
         return out
+
+
+#: the big slot of the arena the ``arena`` fixture makes (conftest.py)
+ARENA_SLOT = 4096
+
+
+def blob(seed: int, n: int = ARENA_SLOT) -> np.ndarray:
+    """``n`` random bytes, the same for the same seed: an object to put."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)

@@ -44,6 +44,8 @@ ONE_CONCEPT: dict[str, str] = {
     "kvstate/sim/_scenario.py": "the scenario schema: every section, its fields and its rules, read in one place",
     "kvstate/backends/_cuda.py": "the CUDA backend's transfers: the staged and the zero-copy paths share its bound "
                                  "caches, streams, locks and checksums",
+    "kvstate/backends/_arena.py": "the arena store: its file, slot index, claims, puts and gets, under one lock "
+                                  "whose crash rules its docstring states",
 }
 
 
