@@ -1,5 +1,6 @@
-"""Rigs for the tests: a settable clock, small specs, random objects for stores, and P and D lifecycles with reference
-backends over one store and step drivers, which run a request end to end."""
+"""Rigs for the tests: a settable clock, small specs, random objects for stores, and P and D
+lifecycles with reference backends over one store and step drivers, which run a request end
+to end."""
 from __future__ import annotations
 
 import dataclasses
