@@ -519,16 +519,18 @@ class ArenaStore(Store):
             self.gets += len(plan)
             if not lost:
                 return []
-            again = _Keys([keys[i] for i in lost])
-            found = np.maximum(self.small.find(again), self.big.find(again)).tolist()
-        return [i for i, f in zip(lost, found) if f >= 0]
+            found = self._found(_Keys([keys[i] for i in lost])).tolist()
+        return [i for i, f in zip(lost, found) if f]
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         check_keys(keys, "ArenaStore.batch_is_exist")
         batch = _Keys(keys)
         with self._locked():
-            found = np.maximum(self.small.find(batch), self.big.find(batch))
-        return (found >= 0).astype(int).tolist()
+            return self._found(batch).astype(int).tolist()
+
+    def _found(self, batch: _Keys) -> np.ndarray:
+        """Whether each key of ``batch`` is stored, in either slot class (lock held)."""
+        return np.maximum(self.small.find(batch), self.big.find(batch)) >= 0
 
     def evict(self, keys: Sequence[str]) -> int:
         check_keys(keys, "ArenaStore.evict")

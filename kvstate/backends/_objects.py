@@ -152,8 +152,7 @@ class StoreBackend(TransferBackend):
     def _arena_holds(self, part: tuple[int, int], key: str, group: int | None) -> bool:
         """Whether every object of ``key``'s block (one head group, one or every layer group)
         is in the arena now."""
-        names = self.objects.names(part[1], [key], None if group is None else [group])
-        return all(p.slot >= 0 for p in cast(ArenaStore, self.store).locate(names))
+        return all(self.store.batch_is_exist(self.objects.names(part[1], [key], None if group is None else [group])))
 
     def lend_geometry(self) -> str:
         """The backend's kind (its kvstate class, whatever subclasses it) and every field of its
