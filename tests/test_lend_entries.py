@@ -86,7 +86,12 @@ def test_a_peer_description_is_parsed_once_and_its_parse_is_the_entrys(tmp_path)
     assert board.take(0, ["a"], _always).peer == {"other": 1} and len(board._peers) == 2
 
 
-@pytest.mark.parametrize("raw", [b"", b"{}", b"not json\n", b"[1]\n" + bytes(16), b"\n" + bytes(16)])
+_HEAD = b'{"format": "kvstate-lend", "version": 2}'
+
+
+@pytest.mark.parametrize("raw", [b"", b"{}", b"not json\n", b"[1]\n" + bytes(16), b"\n" + bytes(16),
+                                 _HEAD + b"x\n" + bytes(16), b" " + _HEAD + b"\n" + bytes(16),
+                                 _HEAD.replace(b"format", b"f\xffrmat") + b"\n" + bytes(16)])
 def test_an_entry_that_is_not_one_is_refused(tmp_path, raw):
     board = LendBoard(tmp_path, wait=0)
     name = board.post(0, "g", ["a"], [7], [1], {})
@@ -181,3 +186,39 @@ def test_a_d_key_holding_the_separator_takes_nothing(tmp_path):
     assert board.take(0, ["x\x1fa", "b"], _always) is None
     assert board.state(name) == "lend"
     assert board.take(0, ["a", "b"], _always).blocks.tolist() == [7, 8]
+
+
+# -- names: plain where it can be, opened by name by a D that knows the P ---------------------------
+def test_a_lend_is_posted_under_its_plain_name_unless_this_process_lends_under_it(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    first = board.post(0, "g", ["a", "b"], [7, 8], [1, 2], {})
+    again = board.post(0, "g", ["x", "b"], [5, 6], [3, 4], {})  # the same last key and rank, at once
+    other_rank = board.post(1, "g", ["a", "b"], [7, 8], [1, 2], {})
+    assert first.name == f"lend-{os.getpid()}-{board._tag('b')}.r0"
+    assert again.name.startswith(f"lend-{os.getpid()}-{board._tag('b')}-") and again.name.endswith(".r0")
+    assert other_rank.name == f"lend-{os.getpid()}-{board._tag('b')}.r1"
+    taken = [board.take(0, ["b"], _always), board.take(0, ["b"], _always)]  # D finds both, by either name
+    assert sorted(t.blocks.tolist() for t in taken) == [[6], [8]]
+    for name in (first, again, other_rank):
+        board.remove(name)
+    assert board.post(0, "g", ["b"], [1], [1], {}) == first  # free again once removed
+
+
+def test_a_d_opens_a_known_ps_entry_by_name_and_lists_only_for_another(tmp_path, monkeypatch):
+    board = LendBoard(tmp_path, wait=0)
+    import kvstate.backends._lends as lends
+
+    listings = []
+    scandir = os.scandir
+    monkeypatch.setattr(lends.os, "scandir", lambda p: listings.append(p) or scandir(p))
+    board.take(0, ["a"], _always)
+    assert len(listings) == 1  # nothing to open by name yet
+    board.post(0, "g", ["a"], [7], [1], {})
+    assert board.take(0, ["a"], _always).blocks.tolist() == [7] and len(listings) == 2  # listed, P learned
+    board.post(0, "g", ["b"], [8], [2], {})
+    assert board.take(0, ["b"], _always).blocks.tolist() == [8] and len(listings) == 2  # opened by name
+    other = board.post(0, "g", ["c"], [9], [3], {})
+    parent = other.with_name(other.name.replace(f"-{os.getpid()}-", f"-{os.getppid()}-"))  # a P alive, not known
+    os.rename(f"{other}.lend", f"{parent}.lend")
+    assert board.take(0, ["c"], _always).blocks.tolist() == [9] and len(listings) == 3  # not known: listed
+    assert list(board._lenders) == [os.getpid(), os.getppid()]  # the latest last

@@ -59,7 +59,7 @@ def check_backend(backend: Any, who: str) -> None:
         raise ValidationError(f"{who}: backend must be a transfer backend (query, write, read), got {backend!r}")
 
 
-def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[int]) -> None:
+def check_fence(guard: Guard | None, rank: int, what: str, block_ids: Sequence[int] | np.ndarray) -> None:
     """Raise :class:`FenceError` when ``guard`` says the blocks may no longer be touched."""
     if guard is not None and not callable(guard):
         raise ValidationError(f"check_fence: guard must be callable or None, got {guard!r}")

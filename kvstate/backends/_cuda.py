@@ -631,8 +631,8 @@ class CudaBackend(DeviceSums, StoreBackend):
                        for g in range(self.spec.head_groups)]
         return self._folded(fetches)
 
-    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int],
-                  sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
+                  dst_ids: Sequence[int] | np.ndarray, sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
         """Copy a lender's blocks into this rank's (one kernel a kind, on this GPU, reading the
         lender's over the link), sum what landed and compare with the lender's ``sums``: how
         many leading blocks match. Where a block is one object a kind of rows of whole 16-byte
@@ -660,13 +660,13 @@ class CudaBackend(DeviceSums, StoreBackend):
         return fetch()  # the rank's lock let go: the host only waits for the GPU now
 
     def _pull_pieces(self, rank: int, theirs: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
-                     dst_ids: Sequence[int]) -> list[list[Any]]:
+                     dst_ids: Sequence[int] | np.ndarray) -> list[list[Any]]:
         """Copies queued in up to four pieces, then each piece's sums launched behind its copy."""
         sw, n = self._swappers[rank], len(dst_ids)
         step = max(16, -(-n // 4))
         copied = []
         for a in range(0, n, step):
-            src, dst = list(src_ids[a:a + step]), list(dst_ids[a:a + step])
+            src, dst = np.asarray(src_ids[a:a + step]).tolist(), np.asarray(dst_ids[a:a + step]).tolist()
             ev = sw.copy_blocks([(theirs[k], self._layers[rank][k]) for k in self.spec.kinds], src, dst)
             copied.append((dst, ev))
         return [[self._launch_sums(rank, g, dst, None, always=True, after=ev)

@@ -11,7 +11,7 @@ handles again) and keeps the mapping (at most ``keep`` lenders, the least recent
 closed first): a kernel on D's GPU then reads P's blocks over the link between the GPUs.
 
 A pull whose blocks are one object a kind of rows of whole 16-byte vectors runs as two
-kernels and one small upload on the rank's stream: the copy adds each block's SUM64 from the
+kernels and two small uploads on the rank's stream: the copy adds each block's SUM64 from the
 words it moves (:meth:`~kvstate.kernels._cuda.CudaSwapper.copy_blocks`), then one CTA folds
 them and compares with the lender's checksums
 (:func:`~kvstate.kernels._cuda_checksum.fold_match`), storing in pinned memory how many
@@ -143,7 +143,7 @@ class CudaPeers:
             raise
 
     def pull(self, rank: int, sw: Any, pairs: list[tuple[Any, Any]], src_ids: Sequence[int] | np.ndarray,
-             dst_ids: Sequence[int], sums: Sequence[int] | np.ndarray,
+             dst_ids: Sequence[int] | np.ndarray, sums: Sequence[int] | np.ndarray,
              keep: Callable[[int, Any, Any], None]) -> Callable[[], int]:
         """Queue the copy of ``pairs`` (a kind's lender's and own caches, bound on ``sw``, the
         rank's swapper, with its device current), its sums and their comparison with the
@@ -152,9 +152,9 @@ class CudaPeers:
         cp, rt, n = self.cp, self.cp.cuda.runtime, len(dst_ids)
         buf = self._buffers(rank, len(pairs), n)
         rt.memsetAsync(buf["out"].data.ptr, 0, buf["out"].nbytes, sw.stream.ptr)
+        sw.copy_blocks(pairs, src_ids, dst_ids, sums=buf["out"])  # first: the link's part starts soonest
         buf["expect_host"][:n] = sums
-        rt.memcpyAsync(buf["expect"].data.ptr, buf["expect_host"].ctypes.data, 8 * n, 1, sw.stream.ptr)  # H2D
-        sw.copy_blocks(pairs, src_ids, dst_ids, sums=buf["out"])
+        rt.memcpyAsync(buf["expect"].data.ptr, buf["host_ptr"], 8 * n, 1, sw.stream.ptr)  # H2D, before the fold
         with sw.stream:
             fold_match(cp, buf["out"], buf["expect"][:n], buf["answer_ptr"], self._kernels)
             done = cp.cuda.Event(block=False, disable_timing=True)
@@ -169,8 +169,8 @@ class CudaPeers:
 
     def _buffers(self, rank: int, kinds: int, n: int) -> dict[str, Any]:
         """The rank's pull scratch for ``kinds`` x ``n`` sums: the sums on the device (``out``),
-        the lender's in pinned memory and on the device (``expect_host``, ``expect``), the
-        answer in pinned memory (``answer``, ``answer_ptr`` the device's address of it); views
+        the lender's in pinned memory and on the device (``expect_host`` at ``host_ptr``,
+        ``expect``), the answer in pinned memory (``answer``, ``answer_ptr`` the device's address of it); views
         made once a shape."""
         cp, need = self.cp, kinds * n
         held = self._scratch.get(rank)
@@ -186,6 +186,7 @@ class CudaPeers:
         if views is None:
             views = held["views"][(kinds, n)] = {
                 "out": held["out"][:need].reshape(kinds, n), "expect": held["expect"], "held": held,
+                "host_ptr": int(held["host"].ctypes.data),
                 "expect_host": held["host"][:held["size"]], "answer": held["host"][held["size"]:].view(np.int64),
                 "answer_ptr": held["answer_ptr"]}
         return views

@@ -23,14 +23,17 @@ one file a (lend, rank), and its name says its state, so every step is one atomi
   an entry taken already stays lent until D releases it or P's fence passes, since D's
   copy may be reading the blocks. P then removes every file of the lend.
 
-Entries are named by P's pid, a hash of the request's last key, a sequence number and the
-rank; D takes only an entry whose keys end with its own (a D with a prefix of its own reads
-the rest). Entries of a P that died are skipped by D and swept by the next board opened on
-the directory. Everything read from the board is checked before it is used: a malformed
-entry is a :class:`~kvstate._errors.ProtocolError` naming the rule, the entry is marked
-failed, and D reads the store. A lend without a fence (a command run without the
-lifecycle's clock) waits for a D that took it at most ``UNFENCED_HOLD`` seconds past its
-deadline: a D that died holding it never releases it.
+Entries are named by P's pid, a hash of the request's last key and the rank, with a sequence
+number only when that P lends the same last key on that rank twice at once. D takes only an
+entry whose keys end with its own (a D with a prefix of its own reads the rest). D remembers
+the pids of the Ps it took from (``_LENDERS`` of them), so it opens such a P's entry by its
+name, and lists the directory only when none of them lends the keys: on the path of a first
+token a listing costs four system calls, an open one. Entries of a P that died are skipped
+by D and swept by the next board opened on the directory. Everything read from the board is
+checked before it is used: a malformed entry is a :class:`~kvstate._errors.ProtocolError`
+naming the rule, the entry is marked failed, and D reads the store. A lend without a fence
+(a command run without the lifecycle's clock) waits for a D that took it at most
+``UNFENCED_HOLD`` seconds past its deadline: a D that died holding it never releases it.
 
 How bytes move and are checked is the backend's (:class:`PeerOps`); this module is the
 protocol: :func:`lend_blocks` for P's rank, :func:`pull_blocks` for D's.
@@ -38,18 +41,18 @@ protocol: :func:`lend_blocks` for P's rank, :func:`pull_blocks` for D's.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import itertools
 import json
 import os
 import tempfile
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -67,14 +70,18 @@ _SEP_BYTES = KEY_SEP.encode()
 _STATES = ("lend", "taken", "done", "fail")
 _PREFIX = "lend-"  # an entry is lend-PID-TAG-SEQ.rRANK.STATE: the pid where remove_orphans looks
 _MAX_ENTRY = 64 << 20  # bytes of one entry file at most
-_FIRST_READ = 256 << 10  # bytes read at once first: a whole 8k-token request's entry
+_FIRST_READ = 96 << 10  # bytes read at once first: an 8k-token request's entry, in heap memory (no mmap)
 _PEERS = 64  # peer descriptions a board keeps parsed
 _POLL = (0.0002, 0.002)  # first and longest sleep between looks at the board, seconds
+_LENDERS = 8  # pids of Ps a D board remembers, to open their entries by name
+_HEAD = json.JSONDecoder()  # an entry's first line
 UNFENCED_HOLD = 30.0  #: seconds an unfenced lend waits past its deadline for a D that took it
 
 
 _LOCAL: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # backends lending in-process
 _LOCAL_IDS = itertools.count(1)
+_NAMED: set[str] = set()  # this process's lends posted under their plain name (without a sequence number)
+_NAMED_LOCK = threading.Lock()
 
 
 _FOLD_BASIS, _FOLD_PRIME = 0xCBF29CE484222325, 0x100000001B3
@@ -130,17 +137,18 @@ class PeerOps(Protocol):
     def lend_sums(self, rank: int, block_ids: Sequence[int]) -> list[int]:
         """One checksum per block of ``rank``'s caches, as :meth:`pull_copy` computes them."""
 
-    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int],
-                  sums: Sequence[int] | np.ndarray, guard: Callable[[], bool] | None) -> int:
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
+                  dst_ids: Sequence[int] | np.ndarray, sums: Sequence[int] | np.ndarray,
+                  guard: Callable[[], bool] | None) -> int:
         """Copy the peer's blocks ``src_ids`` into ``rank``'s ``dst_ids``; how many leading
         blocks, once landed, have the checksums ``sums`` (P's, one a block)."""
 
 
-@dataclass(frozen=True)
-class Lend:
-    """One rank's entry, as D took it (checked)."""
+class Lend(NamedTuple):
+    """One rank's entry, as D took it (checked): a tuple, since it is made on the path of a
+    first token."""
 
-    path: Path
+    name: str  #: the lend's path without its state suffix (what :meth:`LendBoard.release` takes)
     pid: int
     rank: int
     geometry: str
@@ -176,6 +184,7 @@ class LendBoard:
             raise ConfigError(f"LendBoard: {self.root} is not a directory this process can write")
         self._seq = itertools.count(1)
         self._peers: dict[bytes, Any] = {}  # a peer description's bytes -> its parse (at most _PEERS)
+        self._lenders: OrderedDict[int, None] = OrderedDict()  # pids D took from, the latest last
         self.sweep()
 
     @staticmethod
@@ -191,16 +200,30 @@ class LendBoard:
         joined = KEY_SEP.join(keys)
         if joined.count(KEY_SEP) != len(keys) - 1:
             raise ProtocolError(f"a lend's keys may not hold {KEY_SEP!r} (it joins them in the entry)")
-        name = self.root / f"{_PREFIX}{os.getpid()}-{self._tag(keys[-1])}-{next(self._seq)}.r{rank}"
         described, named = json.dumps(peer).encode(), joined.encode()
         head = json.dumps({"format": FORMAT, "version": VERSION, "pid": os.getpid(), "rank": rank,
                            "geometry": geometry, "n": len(keys), "keys_bytes": len(named),
                            "peer_bytes": len(described), "stores": bool(stores)}).encode()
-        tmp = _at(name, "tmp")
-        tmp.write_bytes(b"".join((head, b"\n", named, described, np.asarray(blocks, "<i8").tobytes(),
-                                  np.asarray(sums, "<u8").tobytes())))
-        os.rename(tmp, _at(name, "lend"))
+        name = self._name(keys[-1], rank)
+        try:
+            tmp = _at(name, "tmp")
+            Path(tmp).write_bytes(b"".join((head, b"\n", named, described, np.asarray(blocks, "<i8").tobytes(),
+                                            np.asarray(sums, "<u8").tobytes())))
+            os.rename(tmp, _at(name, "lend"))
+        except BaseException:
+            self.remove(name)
+            raise
         return name
+
+    def _name(self, key: str, rank: int) -> Path:
+        """A new lend's name: plain (what D opens directly) unless this process lends under it
+        now, then with a sequence number."""
+        plain = self.root / f"{_PREFIX}{os.getpid()}-{self._tag(key)}.r{rank}"
+        with _NAMED_LOCK:
+            if str(plain) not in _NAMED:
+                _NAMED.add(str(plain))
+                return plain
+        return self.root / f"{_PREFIX}{os.getpid()}-{self._tag(key)}-{next(self._seq)}.r{rank}"
 
     def state(self, name: Path) -> str | None:
         """``lend``, ``taken``, ``done``, ``fail``, or None when no file of it is there."""
@@ -215,10 +238,12 @@ class LendBoard:
             return False
 
     def remove(self, name: Path) -> None:
-        """P: every file of the lend, whatever its state."""
+        """P: every file of the lend, whatever its state; its name free again."""
         for s in (*_STATES, "tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_at(name, s))
+        with _NAMED_LOCK:
+            _NAMED.discard(os.fspath(name))
 
     def take(self, rank: int, keys: Sequence[str], until: Callable[[], bool]) -> Lend | None:
         """D: take a live entry of ``rank`` whose keys end with ``keys``, looking for up to
@@ -226,33 +251,49 @@ class LendBoard:
         marked failed and raises :class:`~kvstate._errors.ProtocolError`."""
         end = time.monotonic() + self.wait
         pause = _POLL[0]
-        tag, tail, mine = f"-{self._tag(keys[-1])}-", f".r{rank}.lend", KEY_SEP.join(keys).encode()
+        tag, tail, mine = self._tag(keys[-1]), f".r{rank}.lend", KEY_SEP.join(keys).encode()
         if mine.count(_SEP_BYTES) != len(keys) - 1:
             return None  # a key holding the separator could match two of an entry's: no P lends it
+        plain, numbered = f"-{tag}.r{rank}.lend", f"-{tag}-"
         while True:
+            for pid in reversed(self._lenders):  # the Ps taken from before, by name
+                lend = self._try_take(f"{self.root}/{_PREFIX}{pid}-{tag}.r{rank}", rank, keys, mine)
+                if lend is not None:
+                    return self._took(lend)
             for entry in os.scandir(self.root):
-                if entry.name.startswith(_PREFIX) and tag in entry.name and entry.name.endswith(tail):
+                n = entry.name
+                if n.startswith(_PREFIX) and n.endswith(tail) and (n.endswith(plain) or numbered in n):
                     lend = self._try_take(entry.path[:-5], rank, keys, mine)
                     if lend is not None:
-                        return lend
+                        return self._took(lend)
             if time.monotonic() >= end or not until():
                 return None
             time.sleep(pause)
             pause = min(2 * pause, _POLL[1])
 
+    def _took(self, lend: Lend) -> Lend:
+        """``lend``, its P remembered by the pid its name holds (see the module's docstring)."""
+        pid = _pid_of(lend.name)
+        self._lenders[pid] = None
+        self._lenders.move_to_end(pid)
+        while len(self._lenders) > _LENDERS:
+            self._lenders.popitem(last=False)
+        return lend
+
     def _try_take(self, name: str, rank: int, keys: Sequence[str], mine: bytes) -> Lend | None:
-        """The entry ``name`` (a path without its state) if it is live, lends ``keys``
-        (``mine``: joined) and this call took it first. A posted entry never changes, so it is
-        read before it is taken. This is a first token's path, where each system call counts:
-        P's liveness is one (a zombie P's caches fail when mapped, and D reads the store), the
-        entry's read three, paths plain strings."""
-        if not pid_running(_pid_of(name)):
-            return None
+        """The entry ``name`` (a path without its state) if it is there and live, lends
+        ``keys`` (``mine``: joined) and this call took it first. A posted entry never changes,
+        so it is read before it is taken. This is a first token's path, where each system
+        call counts: the entry's read is three (one, the open, when it is not there), P's
+        liveness one (a zombie P's caches fail when mapped, and D reads the store), paths
+        plain strings."""
         raw = _read_entry(f"{name}.lend")
         if raw is None:
-            return None  # taken or withdrawn meanwhile
+            return None  # not there, or taken or withdrawn meanwhile
+        if not pid_running(_pid_of(name)):
+            return None
         try:
-            lend, theirs = _checked(raw, Path(f"{name}.taken"), rank, self._peers)
+            lend, theirs = _checked(raw, name, rank, self._peers, tuple(keys))
         except ProtocolError:
             with contextlib.suppress(FileNotFoundError):
                 os.rename(f"{name}.lend", f"{name}.fail")
@@ -263,10 +304,9 @@ class LendBoard:
             os.rename(f"{name}.lend", f"{name}.taken")
         except FileNotFoundError:
             return None
-        off = lend.blocks.size - len(keys)
-        return dataclasses.replace(lend, keys=tuple(keys), blocks=lend.blocks[off:], sums=lend.sums[off:])
+        return lend
 
-    def release(self, name: Path, whole: bool) -> None:
+    def release(self, name: str | os.PathLike[str], whole: bool) -> None:
         """D: its copy ended (``whole``: every block arrived and matched)."""
         with contextlib.suppress(FileNotFoundError):
             os.rename(_at(name, "taken"), _at(name, "done" if whole else "fail"))
@@ -276,8 +316,9 @@ class LendBoard:
         return remove_orphans(self.root, _PREFIX)
 
 
-def _at(name: Path, state: str) -> Path:
-    return name.with_name(f"{name.name}.{state}")
+def _at(name: str | os.PathLike[str], state: str) -> str:
+    """The file of lend ``name`` in ``state``."""
+    return f"{os.fspath(name)}.{state}"
 
 
 def _pid_of(name: str | Path) -> int:
@@ -308,15 +349,20 @@ def _read_entry(path: str) -> bytes | None:
     return b"".join(chunks) if total <= _MAX_ENTRY else b""
 
 
-def _checked(raw: bytes, path: Path, rank: int, peers: dict[bytes, Any]) -> tuple[Lend, bytes]:
-    """An entry read from the board, every field checked against the rules above; with its
-    keys still joined, as bytes (D compares them so). ``peers``: descriptions parsed before."""
+def _checked(raw: bytes, name: str, rank: int, peers: dict[bytes, Any],
+             keys: tuple[str, ...]) -> tuple[Lend, bytes]:
+    """An entry of lend ``name`` read from the board, every field checked against the rules
+    above, as D would take it for ``keys`` (its last block ids and checksums, one a key); with
+    the entry's keys still joined, as bytes (D compares them with its own so). ``peers``:
+    descriptions parsed before."""
     def bad(rule: str) -> ProtocolError:
-        return ProtocolError(f"lend entry {path.name}: {rule}")
+        return ProtocolError(f"lend entry {os.path.basename(name)}.taken: {rule}")
     cut = raw.find(b"\n") if len(raw) <= _MAX_ENTRY else -1
-    try:
-        d = json.loads(raw[:cut]) if cut > 0 else None
-    except ValueError:
+    try:  # the line P wrote (UTF-8, nothing around it), decoded with the fewest steps
+        d, end = _HEAD.raw_decode(raw[:cut].decode()) if cut > 0 else (None, cut)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        d, end = None, cut
+    if end != cut:
         d = None
     if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION:
         raise bad(f"not a {FORMAT} version {VERSION} entry")
@@ -329,9 +375,9 @@ def _checked(raw: bytes, path: Path, rank: int, peers: dict[bytes, Any]) -> tupl
     if not is_int(n) or not 0 < n <= _MAX_ENTRY // 16 or len(raw) - at != 16 * n:
         raise bad(f"{n!r} blocks must be followed by as many int64 block ids and uint64 checksums, got "
                   f"{len(raw) - at} bytes")
-    keys = raw[cut + 1:cut + 1 + named]
-    if keys.count(_SEP_BYTES) != n - 1 or keys.startswith(_SEP_BYTES) or keys.endswith(_SEP_BYTES) or \
-            _SEP_BYTES * 2 in keys:
+    named_keys = raw[cut + 1:cut + 1 + named]
+    if named_keys.count(_SEP_BYTES) != n - 1 or named_keys.startswith(_SEP_BYTES) or \
+            named_keys.endswith(_SEP_BYTES) or _SEP_BYTES * 2 in named_keys:
         raise bad(f"keys must be {n} non-empty strings joined by {KEY_SEP!r}")
     blocks = np.frombuffer(raw, "<i8", n, at)
     if blocks.min() < 0:
@@ -340,8 +386,9 @@ def _checked(raw: bytes, path: Path, rank: int, peers: dict[bytes, Any]) -> tupl
     if d.get("rank") != rank or not is_int(d.get("pid")) or not isinstance(d.get("geometry"), str) or \
             not isinstance(peer, dict) or not isinstance(d.get("stores"), bool):
         raise bad(f"rank must be {rank}, with a pid, a geometry, a peer description and whether P stores")
-    sums = np.frombuffer(raw, "<u8", n, at + 8 * n)
-    return Lend(path, d["pid"], rank, d["geometry"], (), blocks, sums, peer, d["stores"]), keys
+    off = max(n - len(keys), 0)  # D's keys end the entry's (D holds a prefix of its own)
+    sums = np.frombuffer(raw, "<u8", n - off, at + 8 * (n + off))
+    return Lend(name, d["pid"], rank, d["geometry"], keys, blocks[off:], sums, peer, d["stores"]), named_keys
 
 
 def _peer(raw: bytes, peers: dict[bytes, Any]) -> Any:
@@ -384,8 +431,9 @@ def lend_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], 
         board.remove(name)
 
 
-def pull_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-                until: Callable[[], bool], guard: Callable[[], bool] | None) -> int | None:
+def pull_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str],
+                block_ids: Sequence[int] | np.ndarray, until: Callable[[], bool],
+                guard: Callable[[], bool] | None) -> int | None:
     """D's rank: pull ``keys`` into ``block_ids`` from a P that lent them; how many leading
     blocks arrived and matched P's checksums (-1 when not all did and P writes them to the
     store too: read them there), or None when no P lends them (read the store)."""
@@ -398,12 +446,12 @@ def pull_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], 
     whole = False
     try:
         if lend.geometry != ops.lend_geometry():
-            raise ProtocolError(f"lend entry {lend.path.name}: geometry {lend.geometry!r}, this side's is "
-                                f"{ops.lend_geometry()!r}")
+            raise ProtocolError(f"lend entry {os.path.basename(lend.name)}.taken: geometry {lend.geometry!r}, this "
+                                f"side's is {ops.lend_geometry()!r}")
         n = ops.pull_copy(rank, lend.peer, lend.blocks, block_ids, lend.sums, guard)
         whole = n == len(keys)
         return n if whole or not lend.stores else -1
     except (KVStateError, OSError):
         return -1 if lend.stores else 0
     finally:
-        board.release(lend.path.with_suffix(""), whole)
+        board.release(lend.name, whole)

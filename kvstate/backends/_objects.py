@@ -40,6 +40,7 @@ from .._pool import FREED
 from .._spec import CacheSpec
 from .._tables import check_layout, per_block, table_of_layer
 from .._validate import MAX_BLOCKS, all_ints, check_int, is_int
+from ..kernels._ids import checked_ids
 from ._arena import ARENA_REREADS, ArenaStore
 from ._base import Guard, Store, TransferBackend, as_bytes_view, leading
 from ._integrity import Hasher
@@ -114,8 +115,9 @@ class StoreBackend(TransferBackend):
              guard: Guard | None = None) -> int | None:
         if self.pulls is None:
             return None
-        self._check_transfer(rank, keys, block_ids)
-        n = pull_blocks(self.pulls, cast(PeerOps, self), rank, keys, block_ids, until, guard)
+        packed = self._check_transfer(rank, keys, block_ids)  # the ids as an array, for the copy's upload
+        n = pull_blocks(self.pulls, cast(PeerOps, self), rank, keys, block_ids if packed is None else packed, until,
+                        guard)
         key = "no_lend" if n is None else "pulls" if n == len(keys) else "pull_failed"
         with self._counting:
             self.lend_counts[key] += 1
@@ -215,13 +217,20 @@ class StoreBackend(TransferBackend):
             raise ValidationError(f"{name}: keys must be a sequence of non-empty str, got {keys!r}")
 
     def _check_transfer(self, rank: int, keys: Sequence[str], block_ids: Sequence[int],
-                        tables: Sequence[Sequence[int]] = (), window_from: int = 0) -> None:
+                        tables: Sequence[Sequence[int]] = (), window_from: int = 0) -> np.ndarray | None:
         """As :meth:`_check_keys`, and block ids one per key, ints in range and distinct, in
         group 0's table and, with group tables (:mod:`kvstate._tables`), each other group's
-        (a window group's may be ``FREED`` before ``window_from``: not moved)."""
+        (a window group's may be ``FREED`` before ``window_from``: not moved). A single table
+        of plain ints is checked in one compiled pass, and answered packed as int64 (None
+        otherwise): a pull's hundreds of ids are on the path of a first token."""
         self._check_keys(rank, keys)
         name = type(self).__name__
         want = per_block(self.spec) - 1
+        if not want and not tables and block_ids.__class__ is list and len(block_ids) == len(keys) and \
+                set(map(type, block_ids)) <= {int}:
+            packed = checked_ids(block_ids, self.num_blocks)
+            if packed is not None:
+                return packed  # else the checks below find and name the id
         if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence) or len(tables) != want:
             raise ValidationError(f"{name}: {want} other block tables expected (one per layer group past the "
                                   f"first, kvstate._tables), got {tables!r}")
@@ -239,6 +248,7 @@ class StoreBackend(TransferBackend):
             every += ids
         if len(set(every)) != len(every):
             raise ValidationError(f"{name}: block ids {every} name a block twice")
+        return None
 
     def _group_ids(self, block_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sequence[int]]:
         """Each stored group's block ids: its own table's with group tables, else ``block_ids``."""

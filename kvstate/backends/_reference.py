@@ -151,12 +151,12 @@ class ReferenceBackend(StoreBackend):
                     "num_blocks": self.num_blocks}
         return {"kind": "local", "pid": os.getpid(), "token": self._token}
 
-    def lend_sums(self, rank: int, block_ids: Sequence[int]) -> list[int]:
+    def lend_sums(self, rank: int, block_ids: Sequence[int] | np.ndarray) -> list[int]:
         """SUM64 of each block's bytes, every kind and layer."""
         return [fold_sums([sum64(self.block_bytes(rank, k, b)) for k in self.spec.kinds]) for b in block_ids]
 
-    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int],
-                  sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
+    def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
+                  dst_ids: Sequence[int] | np.ndarray, sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
         """Copy a lender's blocks into this backend's: another backend of this process, or
         (``shm``) caches in a shared-memory file of this host, mapped here; how many leading
         blocks landed with the lender's ``sums``."""

@@ -48,13 +48,21 @@ from ._cuda_launch import (
 )
 from ._cuda_src import INLINE_IDS
 from ._cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
-from ._ids import identity_key
+from ._ids import id_checker, identity_key
 from ._plan import LayerSet, LayoutShape, TransferPlan, layout_shape, plan_all_layers, plan_layout_ids, plan_per_layer
 from ._reference import as_numpy
 
 __all__ = ["CudaSwapper", "DeviceLayers", "STRATEGIES", "AUTO", "choose_strategy", "cuda_available", "load_cupy"]
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
+
+
+def _ids_fit(ids: np.ndarray, limit: int, unique: bool) -> bool:
+    """Whether int64 ``ids`` are all in ``0..limit-1`` (and distinct when ``unique``): one
+    compiled pass where it was built (a pull's ids are on the path of a first token)."""
+    if id_checker is not None and id_checker(ids, limit, unique):
+        return True
+    return bool(ids.min() >= 0 and ids.max() < limit and (not unique or np.bincount(ids).max() <= 1))
 
 
 class CudaSwapper:
@@ -403,7 +411,7 @@ class CudaSwapper:
             inline = gids.size <= self.inline_ids and max(max(s.shape[0], d.shape[0]) for s, d in bound) < 2**31
             g, f = (gids, fids) if inline else self._params.upload([gids, fids], self.stream)
             for j, (s, d) in enumerate(bound):
-                chunk = s.itemsize * int(np.prod(s.shape[1:], dtype=np.int64))
+                chunk = s.row_bytes
                 if sums is not None:
                     self._kernels.launch_copy_sum(self.stream, s.ptr_array.data.ptr, d.ptr_array.data.ptr, g, f,
                                                   int(gids.size), len(s), chunk, int(sums[j].data.ptr))
@@ -424,9 +432,8 @@ class CudaSwapper:
         gids, fids = (np.asarray(x, np.int64) if isinstance(x, (Sequence, np.ndarray)) else None
                       for x in (src_ids, dst_ids))
         top_s, top_d = min(s.shape[0] for s, _ in bound), min(d.shape[0] for _, d in bound)
-        if gids is None or fids is None or gids.ndim != 1 or gids.shape != fids.shape or gids.size and (
-                gids.min() < 0 or gids.max() >= top_s or fids.min() < 0 or fids.max() >= top_d or
-                np.bincount(fids).max() > 1):
+        if gids is None or fids is None or gids.ndim != 1 or gids.shape != fids.shape or gids.size and not (
+                _ids_fit(gids, top_s, False) and _ids_fit(fids, top_d, True)):
             raise ValidationError(f"copy_blocks: block ids must be two equally long lists of ids in range, the "
                                   f"destination's distinct; got {src_ids!r:.80} and {dst_ids!r:.80}")
         return gids, fids
@@ -434,8 +441,7 @@ class CudaSwapper:
     def copies_with_sums(self, src: DeviceLayers, dst: DeviceLayers) -> bool:
         """Whether :meth:`copy_blocks` can take sums between these caches: rows of whole
         aligned 16-byte vectors on both sides."""
-        chunk = src.itemsize * int(np.prod(src.shape[1:], dtype=np.int64))
-        return chunk % 16 == 0 and src.aligned and dst.aligned
+        return src.row_bytes % 16 == 0 and src.aligned and dst.aligned
 
     def _check_sums(self, sums: Any, bound: list[tuple[DeviceLayers, DeviceLayers]], n: int) -> None:
         if sums is None:
@@ -443,7 +449,7 @@ class CudaSwapper:
         for s, d in bound:
             if not self.copies_with_sums(s, d):
                 raise ValidationError(f"copy_blocks: sums need rows of whole aligned 16-byte vectors, got rows of "
-                                      f"{s.itemsize * int(np.prod(s.shape[1:]))} bytes (aligned: src {s.aligned}, "
+                                      f"{s.row_bytes} bytes (aligned: src {s.aligned}, "
                                       f"dst {d.aligned})")
         want = (len(bound), n)
         if not isinstance(sums, self.cp.ndarray) or sums.dtype != np.uint64 or sums.shape != want or \

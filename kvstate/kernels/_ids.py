@@ -18,7 +18,7 @@ import numpy as np
 
 from .._errors import BlockError, ValidationError
 
-__all__ = ["as_ids", "check_ids", "check_pair", "identity_key", "id_packer", "id_checker", "narrow_into"]
+__all__ = ["as_ids", "check_ids", "checked_ids", "check_pair", "identity_key", "id_packer", "id_checker", "narrow_into"]
 
 
 def _compiled() -> Any:
@@ -164,6 +164,19 @@ def check_ids(ids: Any, limit: int, name: str, unique: bool) -> np.ndarray:
                 raise BlockError(f"{name}: block {int(s[1:][same][0])} appears twice "
                                  f"(a destination block may be written once)")
     return arr
+
+
+def checked_ids(ids: list[int], limit: int) -> np.ndarray | None:
+    """A list of plain ints packed as int64 when every id is in ``0..limit-1`` and none
+    repeats, in one compiled pass; None when one is not, or where nothing was compiled (the
+    caller's own checks then find and name it)."""
+    if _pack_valid is None:
+        return None
+    try:
+        packed = _pack_valid(ids, limit, True)
+    except (TypeError, OverflowError):
+        return None
+    return None if packed is None else np.frombuffer(packed, np.int64)
 
 
 def check_pair(gpu_ids: list[Any], host_ids: list[Any], num_gpu: int, num_host: int, h2d: bool) -> bytes | None:

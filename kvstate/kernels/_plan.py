@@ -149,6 +149,11 @@ class LayerSet:
     def __len__(self) -> int:
         return len(self.arrays)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one block of one layer (a row of ``[N, ...]``)."""
+        return self.itemsize * math.prod(self.shape[1:])
+
     def __getitem__(self, i: int) -> Any:
         return self.arrays[i]
 
