@@ -7,9 +7,9 @@ P is a process of its own with a CudaBackend on GPU 0 that lends a Llama-3-8B-sh
 rep after rep. D, this process, has a CudaBackend on GPU 1 (GPU 0 when there is one) and
 pulls each: the board's take, one kernel a kind reading P's GPU through CUDA IPC, the sums of
 what landed compared with P's, the release; each pull is timed from when P's entry is on the
-board (in serving, P posts it with the first token). Beside it, in the same run, the plain peer copy
-of the same bytes: ``torch.Tensor.copy_`` from a GPU 0 tensor to a GPU 1 tensor. Prints a
-table (medians) and writes JSON.
+board (in serving, P posts it with the first token), D's keys made before. After each pull,
+in the same run, the plain peer copy of the same bytes: ``torch.Tensor.copy_`` from a GPU 0
+tensor to a GPU 1 tensor, both allocated once. Prints a table (medians) and writes JSON.
 """
 from __future__ import annotations
 
@@ -64,33 +64,39 @@ def lender(root: str, reps: int, ready, done) -> None:
     be.close()
 
 
-def peer_copy_ms(reps: int) -> list[float]:
-    """torch ``copy_`` of the request's bytes from GPU 0 to GPU 1 (the issue's baseline)."""
-    import torch
+class PeerCopy:
+    """torch ``copy_`` of the request's bytes from GPU 0 to GPU 1 (the issue's baseline), into
+    tensors allocated once: freeing them between pulls would change the GPUs' mappings under
+    the pulls."""
 
-    n = REQUEST * SPEC.bytes_per_block_per_rank
-    dst_dev = 1 if torch.cuda.device_count() > 1 else 0
-    a = torch.empty(n, dtype=torch.uint8, device="cuda:0")
-    b = torch.empty(n, dtype=torch.uint8, device=f"cuda:{dst_dev}")
-    out = []
-    for _ in range(reps + 1):
-        with torch.cuda.device(dst_dev):
+    def __init__(self) -> None:
+        import torch
+
+        self.torch, n = torch, REQUEST * SPEC.bytes_per_block_per_rank
+        self.dev = 1 if torch.cuda.device_count() > 1 else 0
+        self.a = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+        self.b = torch.empty(n, dtype=torch.uint8, device=f"cuda:{self.dev}")
+        self.ms()  # the first copy sets the peer mapping up
+
+    def ms(self) -> float:
+        """One copy, timed by CUDA events around it on the destination's stream."""
+        torch = self.torch
+        with torch.cuda.device(self.dev):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            b.copy_(a, non_blocking=True)
+            self.b.copy_(self.a, non_blocking=True)
             e.record()
             e.synchronize()
-        out.append(s.elapsed_time(e))
-    del a, b
-    torch.cuda.empty_cache()
-    return out[1:]
+        return float(s.elapsed_time(e))
+
+    def close(self) -> None:
+        del self.a, self.b
+        self.torch.cuda.empty_cache()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--out", default="direct_pull.json")
-    args = ap.parse_args()
+def measure(reps: int) -> dict:
+    """The pulls (the first, which maps P's caches, apart) and the peer copies, in turn, in
+    one run."""
     import cupy as cp
     import numpy as np
 
@@ -98,46 +104,58 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="kvstate-bench-lends-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Queue()
-    reps = args.reps + 1  # the first pull maps P's caches: reported apart
-    proc = ctx.Process(target=lender, args=(root, reps, ready, done), daemon=True)
+    proc = ctx.Process(target=lender, args=(root, reps + 1, ready, done), daemon=True)
     proc.start()
     db = CudaBackend(SPEC, BLOCKS, MemoryStore(1 << 20), device=d_dev, pulls=LendBoard(root, wait=30))
     dst = np.random.default_rng(2).permutation(BLOCKS)[:REQUEST].tolist()
-    pull_ms, copy_ms = [], []
+    out: dict = {"d_device": d_dev, "pulls": [], "copy": []}
+    peer = PeerCopy()
     try:
         if not ready.wait(120):
             raise SystemExit("the lender did not start")
-        for rep in range(reps):
+        for rep in range(reps + 1):
+            keys = _keys(rep)  # D holds its request's keys before its read
             while not list(Path(root).glob("*.lend")):  # the pull is timed from P's post on, as after a
                 time.sleep(0.0001)                      # first token that follows the post
             t0 = time.perf_counter()
-            n = db.pull(0, _keys(rep), dst, lambda: True)
-            pull_ms.append((time.perf_counter() - t0) * 1e3)
+            n = db.pull(0, keys, dst, lambda: True)
+            ms = (time.perf_counter() - t0) * 1e3
             if n != REQUEST:
                 raise SystemExit(f"rep {rep}: pulled {n} of {REQUEST} blocks")
-            copy_ms += peer_copy_ms(1)
-        pulled = done.get(timeout=60)
+            if rep == 0:
+                out["first"] = ms
+            else:
+                out["pulls"].append(ms)
+                out["copy"].append(peer.ms())
+        out["pulled_by_p"] = done.get(timeout=60)
         proc.join(30)
     finally:
+        peer.close()
         db.close()
         if proc.is_alive():
             proc.kill()
         shutil.rmtree(root, ignore_errors=True)
-    gib = REQUEST * SPEC.bytes_per_block_per_rank / 2**30
-    first, steady = pull_ms[0], pull_ms[1:]
-    row = {"bytes": REQUEST * SPEC.bytes_per_block_per_rank, "gib": gib, "d_device": d_dev, "reps": args.reps,
-           "pull_ms": steady, "first_pull_ms": first, "peer_copy_ms": copy_ms[1:], "pulled_by_p": pulled,
-           "pull_median_ms": statistics.median(steady), "copy_median_ms": statistics.median(copy_ms[1:])}
-    row["ratio"] = row["pull_median_ms"] / row["copy_median_ms"]
-    row["pull_gbps"] = row["bytes"] / row["pull_median_ms"] / 1e6
-    print(f"P on GPU 0 (its own process) -> D on GPU {d_dev}, {gib:.2f} GiB, medians of {args.reps}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--out", default="direct_pull.json")
+    args = ap.parse_args()
+    got = measure(args.reps)
+    size = REQUEST * SPEC.bytes_per_block_per_rank
+    pull, copy = statistics.median(got["pulls"]), statistics.median(got["copy"])
+    row = {"bytes": size, "gib": size / 2**30, "d_device": got["d_device"], "reps": args.reps,
+           "pull_ms": got["pulls"], "first_pull_ms": got["first"], "peer_copy_ms": got["copy"],
+           "pulled_by_p": got["pulled_by_p"], "pull_median_ms": pull, "copy_median_ms": copy, "ratio": pull / copy,
+           "pull_gbps": size / pull / 1e6}
+    print(f"P on GPU 0 (its own process) -> D on GPU {got['d_device']}, {row['gib']:.2f} GiB, medians of {args.reps}")
     print("| path | ms | GB/s | / copy_ |")
     print("| --- | --- | --- | --- |")
-    print(f"| direct pull (take, copy, sums, release) | {row['pull_median_ms']:.2f} | {row['pull_gbps']:.0f} | "
-          f"{row['ratio']:.3f}x |")
-    print(f"| torch copy_ GPU 0 -> GPU {d_dev} | {row['copy_median_ms']:.2f} | "
-          f"{row['bytes'] / row['copy_median_ms'] / 1e6:.0f} | 1.000x |")
-    print(f"| first pull (maps P's caches) | {first:.2f} | | |")
+    print(f"| direct pull (take, copy, sums, release) | {pull:.2f} | {row['pull_gbps']:.0f} | {row['ratio']:.3f}x |")
+    print(f"| torch copy_ GPU 0 -> GPU {got['d_device']} | {copy:.2f} | {size / copy / 1e6:.0f} | 1.000x |")
+    print(f"| first pull (maps P's caches) | {got['first']:.2f} | | |")
     Path(args.out).write_text(json.dumps(row, indent=1))
     return 0
 
