@@ -222,3 +222,93 @@ def test_a_d_opens_a_known_ps_entry_by_name_and_lists_only_for_another(tmp_path,
     os.rename(f"{other}.lend", f"{parent}.lend")
     assert board.take(0, ["c"], _always).blocks.tolist() == [9] and len(listings) == 3  # not known: listed
     assert list(board._lenders) == [os.getpid(), os.getppid()]  # the latest last
+
+
+def test_lends_of_one_last_key_posted_and_taken_at_once(tmp_path):
+    """Threads of one process lend and pull prompts that end alike (one plain name, the rest
+    numbered) on one board, as P's and D's ranks do: each takes its own, nothing is left."""
+    import threading
+
+    board, errors = LendBoard(tmp_path, wait=1), []
+
+    def rank(r):
+        try:
+            for i in range(100):
+                keys = [f"t{r}-{i}", "shared"]
+                board.post(0, "g", keys, [r, i], [r, i], {})
+                got = board.take(0, keys, _always)
+                assert got is not None and got.blocks.tolist() == [r, i]
+                board.release(got.name, True)
+                board.remove(got.name)
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and list(tmp_path.iterdir()) == []
+    assert board.post(0, "g", ["shared"], [1], [1], {}).name == f"lend-{os.getpid()}-{board._tag('shared')}.r0"
+
+
+def test_d_reads_the_entry_it_took_though_p_lent_under_its_name_again(tmp_path, monkeypatch):
+    """A P that withdraws an entry and posts again under its name, between D's look and D's
+    take: D pulls what it took, not what it looked at."""
+    import kvstate.backends._lends as lends
+
+    board = LendBoard(tmp_path / "board", wait=0)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    elsewhere = LendBoard(tmp_path / "other", wait=0)
+    newer = (tmp_path / "other" / f"{elsewhere.post(0, 'g', ['a'], [9], [2], {}).name}.lend").read_bytes()
+    rename = os.rename
+
+    def again_first(src, dst):
+        if str(src).endswith(".lend") and str(dst).endswith(".taken"):
+            os.unlink(src)  # P withdrew it, then posted again under the same name
+            (tmp_path / "board" / os.path.basename(src)).write_bytes(newer)
+        rename(src, dst)
+    monkeypatch.setattr(lends.os, "rename", again_first)
+    lend = board.take(0, ["a"], _always)
+    assert (lend.blocks.tolist(), lend.sums.tolist()) == ([9], [2]) and board.state(name) == "taken"
+
+
+def test_an_entry_not_ds_goes_back_as_it_was(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a", "b"], [7, 8], [1, 2], {})
+    assert board.take(0, ["x", "b"], _always) is None and board.state(name) == "lend"
+    dead = name.with_name(name.name.replace(f"-{os.getpid()}-", "-999999999-"))
+    os.rename(f"{name}.lend", f"{dead}.lend")
+    assert board.take(0, ["a", "b"], _always) is None and board.state(dead) == "lend"
+
+
+def test_a_name_held_past_ps_fence_is_not_lent_under_again(tmp_path):
+    from kvstate.backends._lends import lend_blocks
+
+    class Ops:
+        def lend_geometry(self):
+            return "g"
+
+        def lend_peer(self, rank):
+            return {}
+
+        def lend_sums(self, rank, ids):
+            return list(ids)
+
+    board = LendBoard(tmp_path, wait=0)
+    took = []
+    deadline = iter([True, True, False])  # D takes it while the lend is open; then the deadline passes
+
+    def until():
+        if not took:
+            took.append(board.take(0, ["a"], _always))
+        return next(deadline, False)
+    assert lend_blocks(board, Ops(), 0, ["a"], [7], until, guard=lambda: False) == 0  # the fence passed, D holds it
+    assert list(tmp_path.iterdir()) == []
+    later = board.post(0, "g", ["a"], [9], [2], {})
+    assert later != took[0].name and later.name.endswith(".r0")  # numbered: the held name stays retired
+    board.release(took[0].name, True)  # D's copy ends at last: the later lend is not touched
+    assert board.state(later) == "lend"
+    board.remove(later)
+    assert lend_blocks(board, Ops(), 0, ["b"], [7], lambda: False, guard=lambda: False) == 0  # withdrawn
+    assert board.post(0, "g", ["b"], [9], [2], {}).name == f"lend-{os.getpid()}-{board._tag('b')}.r0"  # lent again

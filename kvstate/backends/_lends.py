@@ -16,12 +16,15 @@ one file a (lend, rank), and its name says its state, so every step is one atomi
   joined, reads a pull's thousand numbers as two arrays, not as a thousand JSON numbers, and
   parses a peer's bytes once (the same P rank posts the same description every time).
 - D **takes** it (``NAME.lend`` → ``NAME.taken``): at most one D rank wins; a loser, or a D
-  that finds nothing within its ``wait``, reads the store instead.
+  that finds nothing within its ``wait``, reads the store instead. D takes first and reads
+  what it took, so a name P lends under again later is never read for another lend; an entry
+  whose keys are not D's, or whose P died, goes back (``NAME.taken`` → ``NAME.lend``).
 - D **releases** it (``NAME.taken`` → ``NAME.done`` if every block arrived and matched its
   checksum, else ``NAME.fail``) once its copy ended.
 - P **withdraws** an entry nobody took by the lend's deadline (``NAME.lend`` → removed);
   an entry taken already stays lent until D releases it or P's fence passes, since D's
-  copy may be reading the blocks. P then removes every file of the lend.
+  copy may be reading the blocks. P then removes every file of the lend; when its fence
+  passed with D holding it, P never lends under that name again (D may still release it).
 
 Entries are named by P's pid, a hash of the request's last key and the rank, with a sequence
 number only when that P lends the same last key on that rank twice at once. D takes only an
@@ -185,6 +188,7 @@ class LendBoard:
         self._seq = itertools.count(1)
         self._peers: dict[bytes, Any] = {}  # a peer description's bytes -> its parse (at most _PEERS)
         self._lenders: OrderedDict[int, None] = OrderedDict()  # pids D took from, the latest last
+        self._lenders_lock = threading.Lock()  # D's rank threads share the board
         self.sweep()
 
     @staticmethod
@@ -239,13 +243,17 @@ class LendBoard:
         except FileNotFoundError:
             return False
 
-    def remove(self, name: Path) -> None:
-        """P: every file of the lend, whatever its state; its name free again."""
-        for s in (*_STATES, "tmp"):
+    def remove(self, name: Path, reuse: bool = True) -> None:
+        """P: every file of the lend, whatever its state (a D's last rename, from ``taken``,
+        lands on a file removed after it); its name free again unless ``reuse`` is False: a D
+        that held the lend past P's fence may still release it, and must not release a later
+        lend posted under the same name."""
+        for s in ("taken", "done", "fail", "tmp", "lend"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_at(name, s))
-        with _NAMED_LOCK:
-            _NAMED.discard(os.fspath(name))
+        if reuse:
+            with _NAMED_LOCK:
+                _NAMED.discard(os.fspath(name))
 
     def take(self, rank: int, keys: Sequence[str], until: Callable[[], bool]) -> Lend | None:
         """D: take a live entry of ``rank`` whose keys end with ``keys``, looking for up to
@@ -258,7 +266,9 @@ class LendBoard:
             return None  # a key holding the separator could match two of an entry's: no P lends it
         plain, numbered = f"-{tag}.r{rank}.lend", f"-{tag}-"
         while True:
-            for pid in reversed(self._lenders):  # the Ps taken from before, by name
+            with self._lenders_lock:
+                known = tuple(reversed(self._lenders))
+            for pid in known:  # the Ps taken from before, by name
                 lend = self._try_take(f"{self.root}/{_PREFIX}{pid}-{tag}.r{rank}", rank, keys, mine)
                 if lend is not None:
                     return self._took(lend)
@@ -276,35 +286,34 @@ class LendBoard:
     def _took(self, lend: Lend) -> Lend:
         """``lend``, its P remembered by the pid its name holds (see the module's docstring)."""
         pid = _pid_of(lend.name)
-        self._lenders[pid] = None
-        self._lenders.move_to_end(pid)
-        while len(self._lenders) > _LENDERS:
-            self._lenders.popitem(last=False)
+        with self._lenders_lock:
+            self._lenders[pid] = None
+            self._lenders.move_to_end(pid)
+            while len(self._lenders) > _LENDERS:
+                self._lenders.popitem(last=False)
         return lend
 
     def _try_take(self, name: str, rank: int, keys: Sequence[str], mine: bytes) -> Lend | None:
-        """The entry ``name`` (a path without its state) if it is there and live, lends
-        ``keys`` (``mine``: joined) and this call took it first. A posted entry never changes,
-        so it is read before it is taken. This is a first token's path, where each system
-        call counts: the entry's read is three (one, the open, when it is not there), P's
-        liveness one (a zombie P's caches fail when mapped, and D reads the store), paths
-        plain strings."""
-        raw = _read_entry(f"{name}.lend")
-        if raw is None:
-            return None  # not there, or taken or withdrawn meanwhile
-        if not pid_running(_pid_of(name)):
-            return None
-        try:
-            lend, theirs = _checked(raw, name, rank, self._peers, tuple(keys))
-        except ProtocolError:
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(f"{name}.lend", f"{name}.fail")
-            raise
-        if theirs != mine and not theirs.endswith(_SEP_BYTES + mine):
-            return None  # another prompt whose last block hashes alike
+        """The entry ``name`` (a path without its state) if it is there, its P lives, it lends
+        ``keys`` (``mine``: joined) and this call took it first. The take (one ``rename``)
+        comes first and the read after, so what D reads is the entry it took, even where P
+        lends under this name again; an entry not D's to take goes back as it was. This is a
+        first token's path, where each system call counts: one when no entry is there, five
+        to take one (the rename, P's liveness, the read's three), paths plain strings."""
         try:
             os.rename(f"{name}.lend", f"{name}.taken")
         except FileNotFoundError:
+            return None  # not there, or taken or withdrawn meanwhile
+        raw = _read_entry(f"{name}.taken") if pid_running(_pid_of(name)) else None
+        try:
+            lend, theirs = (None, b"") if raw is None else _checked(raw, name, rank, self._peers, tuple(keys))
+        except ProtocolError:
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{name}.taken", f"{name}.fail")
+            raise
+        if lend is None or theirs != mine and not theirs.endswith(_SEP_BYTES + mine):
+            with contextlib.suppress(FileNotFoundError):  # P gone, or another prompt's whose last key hashes alike
+                os.rename(f"{name}.taken", f"{name}.lend")
             return None
         return lend
 
@@ -420,17 +429,22 @@ def lend_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], 
         def guard() -> bool:
             hold_end[:] = hold_end or [time.monotonic() + UNFENCED_HOLD]
             return time.monotonic() < hold_end[0]
+    held = False  # by a D past the fence: the name is not lent under again
     try:
         state, pause = board.state(name), _POLL[0]
         while state in ("lend", "taken"):
-            if not until() and (board.withdraw(name) or not guard()):
-                return 0
+            if not until():
+                if board.withdraw(name):
+                    return 0
+                if not guard():
+                    held = True
+                    return 0
             time.sleep(pause)
             pause = min(2 * pause, _POLL[1])
             state = board.state(name)
         return len(keys) if state == "done" else 0
     finally:
-        board.remove(name)
+        board.remove(name, reuse=not held)
 
 
 def pull_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str],
