@@ -312,3 +312,17 @@ def test_a_name_held_past_ps_fence_is_not_lent_under_again(tmp_path):
     board.remove(later)
     assert lend_blocks(board, Ops(), 0, ["b"], [7], lambda: False, guard=lambda: False) == 0  # withdrawn
     assert board.post(0, "g", ["b"], [9], [2], {}).name == f"lend-{os.getpid()}-{board._tag('b')}.r0"  # lent again
+
+
+def test_a_d_remembers_its_latest_ps_only(tmp_path, monkeypatch):
+    import kvstate.backends._lends as lends
+
+    monkeypatch.setattr(lends, "pid_running", lambda pid: True)  # Ps of made-up pids, alive
+    board = LendBoard(tmp_path, wait=0)
+    for pid in range(1000, 1000 + lends._LENDERS + 3):
+        name = board.post(0, "g", [f"k{pid}"], [7], [1], {})
+        theirs = name.with_name(name.name.replace(f"-{os.getpid()}-", f"-{pid}-"))
+        os.rename(f"{name}.lend", f"{theirs}.lend")
+        board.remove(name)
+        assert board.take(0, [f"k{pid}"], _always) is not None
+    assert list(board._lenders) == list(range(1003, 1000 + lends._LENDERS + 3))
