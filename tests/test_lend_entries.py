@@ -201,7 +201,23 @@ def test_a_lend_is_posted_under_its_plain_name_unless_this_process_lends_under_i
     assert sorted(t.blocks.tolist() for t in taken) == [[6], [8]]
     for name in (first, again, other_rank):
         board.remove(name)
+    assert list(tmp_path.iterdir()) == []  # every file of each, whatever its state (other_rank's still posted)
     assert board.post(0, "g", ["b"], [1], [1], {}) == first  # free again once removed
+
+
+def test_a_post_that_fails_leaves_nothing_and_frees_its_name(tmp_path, monkeypatch):
+    import kvstate.backends._lends as lends
+
+    board = LendBoard(tmp_path, wait=0)
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(lends.os, "rename", refuse)
+        with pytest.raises(OSError):
+            board.post(0, "g", ["a"], [7], [1], {})
+    assert list(tmp_path.iterdir()) == []
+    assert board.post(0, "g", ["a"], [7], [1], {}).name == f"lend-{os.getpid()}-{board._tag('a')}.r0"
 
 
 def test_a_d_opens_a_known_ps_entry_by_name_and_lists_only_for_another(tmp_path, monkeypatch):
@@ -306,7 +322,7 @@ def test_a_name_held_past_ps_fence_is_not_lent_under_again(tmp_path):
     assert lend_blocks(board, Ops(), 0, ["a"], [7], until, guard=lambda: False) == 0  # the fence passed, D holds it
     assert list(tmp_path.iterdir()) == []
     later = board.post(0, "g", ["a"], [9], [2], {})
-    assert later != took[0].name and later.name.endswith(".r0")  # numbered: the held name stays retired
+    assert str(later) != took[0].name and later.name.endswith(".r0")  # numbered: the held name stays retired
     board.release(took[0].name, True)  # D's copy ends at last: the later lend is not touched
     assert board.state(later) == "lend"
     board.remove(later)
