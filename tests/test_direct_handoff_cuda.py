@@ -40,13 +40,15 @@ def _cuda(device):
 @pytest.mark.parametrize("handoff", ["direct", "both"])
 @pytest.mark.parametrize("d_device", [0, 1])
 def test_d_pulls_from_p_in_one_process_byte_exact(tmp_path, handoff, d_device, summed, monkeypatch):
-    from kvstate.kernels._cuda import CudaSwapper
+    from kvstate.kernels._cuda import CudaSwapper, SumCopier
 
     if d_device >= _devices():
         pytest.skip("needs two GPUs")
-    calls = []
-    real = CudaSwapper.copy_blocks
-    monkeypatch.setattr(CudaSwapper, "copy_blocks", lambda self, *a, **k: calls.append(k) or real(self, *a, **k))
+    calls = []  # how each pull's copies ran: with their sums, or without
+    real, launch = CudaSwapper.copy_blocks, SumCopier.launch
+    monkeypatch.setattr(CudaSwapper, "copy_blocks",
+                        lambda self, *a, **k: calls.append("sums" in k) or real(self, *a, **k))
+    monkeypatch.setattr(SumCopier, "launch", lambda self, *a: calls.append(True) or launch(self, *a))
     if not summed:  # the other path: copies first, then the sums kernel behind each piece
         monkeypatch.setattr(CudaSwapper, "copies_with_sums", lambda self, s, d: False)
     # D waits long enough for P's first checksums, whose kernel compiles on first use (seconds)
@@ -56,7 +58,7 @@ def test_d_pulls_from_p_in_one_process_byte_exact(tmp_path, handoff, d_device, s
         assert outcome == {rid: "done" for rid in PROMPTS} and bad == []
         assert pair.db.lend_counts["pulls"] == 2 * len(PROMPTS) and pair.db.lend_counts["pull_failed"] == 0
         assert pair.P.pool.num_used == pair.D.pool.num_used == 0
-        assert calls and all(("sums" in k) == summed for k in calls)
+        assert calls and all(c == summed for c in calls)
     finally:
         pair.close()
 
@@ -87,6 +89,37 @@ def test_copy_blocks_sums_what_it_moved_as_the_sums_kernel_does(n):
             want = block_sums(cp, dst[layers], fids.tolist(), {})
             assert (sums[j].get() == want).all() and len(set(want.tolist())) == n  # every block its own sum
             assert (block_sums(cp, src[layers], gids.tolist(), {}) == want).all()  # the source's, weighed alike
+
+
+def test_a_sum_copier_moves_and_sums_as_copy_blocks_does_from_ids_its_caller_uploaded():
+    import cupy as cp
+
+    from kvstate import ValidationError
+    from kvstate.kernels._cuda import CudaSwapper
+
+    src, dst, again = _filled(cp, 0, 1024, 1), _filled(cp, 0, 1024, 2), _filled(cp, 0, 1024, 2)
+    rng = np.random.default_rng(5)
+    gids, fids = rng.permutation(1024)[:600], rng.permutation(1024)[:600]
+    with CudaSwapper(0) as sw:
+        want = cp.zeros((2, 600), dtype=cp.uint64)
+        sw.wait(sw.copy_blocks([(src[:4], dst[:4]), (src[4:], dst[4:])], gids, fids, sums=want))
+        copier = sw.sum_copier([(src[:4], again[:4]), (src[4:], again[4:])])
+        with pytest.raises(ValidationError, match="check the ids first"):
+            copier.launch(0, 0)
+        with pytest.raises(ValidationError, match="distinct"):
+            copier.check([1, 2], [3, 3])
+        with pytest.raises(ValidationError, match="check the ids first"):
+            copier.launch(0, 0)  # a check that failed leaves nothing to launch
+        g, f = copier.check(gids.tolist(), fids.tolist())
+        with sw.stream:  # the caller's upload, on the swapper's stream
+            ids, got = cp.asarray(np.concatenate([g, f])), cp.zeros((2, 600), dtype=cp.uint64)
+        copier.launch(int(ids.data.ptr), int(got.data.ptr))
+        sw.wait(sw.stream)
+        assert (got.get() == want.get()).all()
+        assert all((a == b).all() for a, b in zip(dst, again))
+        with pytest.raises(ValidationError, match="whole aligned 16-byte vectors"):
+            odd = [cp.zeros((16, 3, 1, 2), cp.int16) for _ in range(2)]
+            sw.sum_copier([(odd, [o.copy() for o in odd])])
 
 
 def test_copy_blocks_refuses_bad_sums_and_moves_nothing():

@@ -10,15 +10,16 @@ time it meets them (known by the description's random ``id``, so a pull does not
 handles again) and keeps the mapping (at most ``keep`` lenders, the least recently used
 closed first): a kernel on D's GPU then reads P's blocks over the link between the GPUs.
 
-A pull whose blocks are one object a kind of rows of whole 16-byte vectors runs as two
-kernels and two small uploads on the rank's stream: the copy adds each block's SUM64 from the
-words it moves (:meth:`~kvstate.kernels._cuda.CudaSwapper.copy_blocks`), then one CTA folds
-them and compares with the lender's checksums
+A pull whose blocks are one object a kind of rows of whole 16-byte vectors runs on the rank's
+stream as one small upload (the block ids and the lender's checksums together) and two
+kernels: the copy adds each block's SUM64 from the words it moves (a
+:class:`~kvstate.kernels._cuda.SumCopier`, made once for a lender's caches and the rank's, so
+a pull checks only its ids), then one CTA folds them and compares with the lender's checksums
 (:func:`~kvstate.kernels._cuda_checksum.fold_match`), storing in pinned memory how many
-leading blocks match: the host reads one number. Its scratch (the sums, the lender's checksums
-on both sides, the answer) is kept from pull to pull, each rank its own, since a pull's
-allocations are on the path of a first token; a pull that timed out leaves its scratch to the
-kernels that may still use it, and the next one takes new.
+leading blocks match: the host reads one number. Its scratch (the sums, the ids and the
+lender's checksums on both sides, the answer) is kept from pull to pull, each rank its own,
+since a pull's allocations are on the path of a first token; a pull that timed out leaves its
+scratch to the kernels that may still use it, and the next one takes new.
 
 Rules: the lender's GPU must be reachable from the puller's (peer access: NVLink, or PCIe
 P2P), else the pull is refused naming that rule, and D reads the store. A description from
@@ -62,6 +63,7 @@ class CudaPeers:
         self._open: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], Callable[[], None]]] = OrderedDict()
         self._peer_access: set[int] = set()
         self._scratch: dict[int, dict[str, Any]] = {}  # a rank's pull scratch (see the rules)
+        self._copiers: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}  # a rank's, by the caches' identity
         self._kernels: dict[str, Any] = {}  # fold_match's compiled kernel
 
     def describe(self, rank: int, layers: Mapping[str, Any], num_blocks: int) -> dict[str, Any]:
@@ -97,6 +99,7 @@ class CudaPeers:
             opened, close = self._other_process(peer, rank, blocks, bind)
         self._open[key] = (opened, close)
         while len(self._open) > self.keep:
+            self._copiers.clear()  # they hold the caches of the mapping about to close
             self._open.popitem(last=False)[1][1]()
         return opened
 
@@ -149,14 +152,19 @@ class CudaPeers:
         rank's swapper, with its device current), its sums and their comparison with the
         lender's ``sums``; answers the fetch of how many leading blocks match (it waits once).
         ``keep(rank, event, scratch)`` holds the scratch until the event passed."""
-        cp, rt, n = self.cp, self.cp.cuda.runtime, len(dst_ids)
+        cp, rt = self.cp, self.cp.cuda.runtime
+        copier = self._copier(rank, sw, pairs)
+        gids, fids = copier.check(src_ids, dst_ids)
+        n = gids.size
         buf = self._buffers(rank, len(pairs), n)
-        rt.memsetAsync(buf["out"].data.ptr, 0, buf["out"].nbytes, sw.stream.ptr)
-        sw.copy_blocks(pairs, src_ids, dst_ids, sums=buf["out"])  # first: the link's part starts soonest
-        buf["expect_host"][:n] = sums
-        rt.memcpyAsync(buf["expect"].data.ptr, buf["host_ptr"], 8 * n, 1, sw.stream.ptr)  # H2D, before the fold
+        host = buf["host"]  # the ids, then the lender's sums: one upload
+        host[:n], host[n:2 * n] = gids, fids
+        buf["sums_host"][:n] = sums
+        rt.memsetAsync(buf["out_ptr"], 0, 8 * len(pairs) * n, sw.stream.ptr)
+        rt.memcpyAsync(buf["dev_ptr"], buf["host_ptr"], 24 * n, 1, sw.stream.ptr)  # H2D
+        copier.launch(buf["dev_ptr"], buf["out_ptr"])
         with sw.stream:
-            fold_match(cp, buf["out"], buf["expect"][:n], buf["answer_ptr"], self._kernels)
+            fold_match(cp, buf["out"], buf["expect"], buf["answer_ptr"], self._kernels)
             done = cp.cuda.Event(block=False, disable_timing=True)
             done.record(sw.stream)
         buf["held"]["done"] = done
@@ -167,32 +175,47 @@ class CudaPeers:
             return int(buf["answer"][0])
         return fetch
 
+    def _copier(self, rank: int, sw: Any, pairs: list[tuple[Any, Any]]) -> Any:
+        """The rank's :class:`~kvstate.kernels._cuda.SumCopier` between these caches, made
+        once (it holds them: a mapping's caches are kept while it is open, and its copiers
+        dropped when it closes)."""
+        key = (rank, *(id(x) for pair in pairs for x in pair))
+        hit = self._copiers.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], (x for pair in pairs for x in pair), strict=True)):
+            hit = self._copiers[key] = (tuple(x for pair in pairs for x in pair), sw.sum_copier(pairs))
+        return hit[1]
+
     def _buffers(self, rank: int, kinds: int, n: int) -> dict[str, Any]:
-        """The rank's pull scratch for ``kinds`` x ``n`` sums: the sums on the device (``out``),
-        the lender's in pinned memory and on the device (``expect_host`` at ``host_ptr``,
-        ``expect``), the answer in pinned memory (``answer``, ``answer_ptr`` the device's address of it); views
-        made once a shape."""
+        """The rank's pull scratch for ``kinds`` x ``n`` sums: the sums on the device (``out``
+        at ``out_ptr``); the ids and the lender's sums in pinned memory (``host``, int64, and
+        ``sums_host``, at ``host_ptr``) and their copy on the device (at ``dev_ptr``; the
+        lender's sums ``expect``); the answer in pinned memory (``answer``, ``answer_ptr``
+        the device's address of it). Views made once a shape."""
         cp, need = self.cp, kinds * n
         held = self._scratch.get(rank)
-        if held is None or held["size"] < need or (held["done"] is not None and not held["done"].done):
+        if held is None or held["size"] < max(need, n) or (held["done"] is not None and not held["done"].done):
             import cupyx
-            size = max(need, 1024)
-            host = cupyx.empty_pinned(size + 1, np.uint64)  # the lender's sums, then the answer
+            size = max(need, n, 1024)
+            host = cupyx.empty_pinned(3 * size + 1, np.uint64)  # ids and the lender's sums, then the answer
             held = self._scratch[rank] = {
-                "size": size, "done": None, "out": cp.empty(size, cp.uint64), "expect": cp.empty(size, cp.uint64),
+                "size": size, "done": None, "out": cp.empty(size, cp.uint64), "dev": cp.empty(3 * size, cp.uint64),
                 "host": host, "views": {},
-                "answer_ptr": int(cp.cuda.runtime.pointerGetAttributes(int(host.ctypes.data)).devicePointer) + 8 * size}
+                "answer_ptr": int(cp.cuda.runtime.pointerGetAttributes(int(host.ctypes.data)).devicePointer)
+                + 8 * 3 * size}
         views = held["views"].get((kinds, n))
         if views is None:
+            host = held["host"]
             views = held["views"][(kinds, n)] = {
-                "out": held["out"][:need].reshape(kinds, n), "expect": held["expect"], "held": held,
-                "host_ptr": int(held["host"].ctypes.data),
-                "expect_host": held["host"][:held["size"]], "answer": held["host"][held["size"]:].view(np.int64),
+                "out": held["out"][:need].reshape(kinds, n), "out_ptr": int(held["out"].data.ptr),
+                "expect": held["dev"][2 * n:3 * n], "dev_ptr": int(held["dev"].data.ptr), "held": held,
+                "host": host[:2 * n].view(np.int64), "sums_host": host[2 * n:3 * n],
+                "host_ptr": int(host.ctypes.data), "answer": host[3 * held["size"]:].view(np.int64),
                 "answer_ptr": held["answer_ptr"]}
         return views
 
     def close(self) -> None:
         """Unmap every lender's caches (the backend closes)."""
+        self._copiers.clear()
         while self._open:
             self._open.popitem()[1][1]()
         self._scratch.clear()

@@ -52,7 +52,8 @@ from ._ids import id_checker, identity_key
 from ._plan import LayerSet, LayoutShape, TransferPlan, layout_shape, plan_all_layers, plan_layout_ids, plan_per_layer
 from ._reference import as_numpy
 
-__all__ = ["CudaSwapper", "DeviceLayers", "STRATEGIES", "AUTO", "choose_strategy", "cuda_available", "load_cupy"]
+__all__ = ["CudaSwapper", "SumCopier", "DeviceLayers", "STRATEGIES", "AUTO", "choose_strategy", "cuda_available",
+           "load_cupy"]
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
 
@@ -424,6 +425,17 @@ class CudaSwapper:
             ev.record(self.stream)
         return ev
 
+    def sum_copier(self, pairs: Sequence[tuple[Any, Any]]) -> SumCopier:
+        """:meth:`copy_blocks` with sums between these caches, bound and checked once here (a
+        pull repeats them between the same caches); see :class:`SumCopier`."""
+        self._check_open()
+        bound = [(self.bind(src, "src"), self.bind(dst, "dst")) for src, dst in pairs]
+        if not bound or any(len(s) != len(d) or s.shape != d.shape or s.dtype != d.dtype or
+                            not self.copies_with_sums(s, d) for s, d in bound):
+            raise ValidationError("sum_copier: pairs of caches of one shape and dtype, rows of whole aligned 16-byte "
+                                  "vectors, expected")
+        return SumCopier(self, bound)
+
     @staticmethod
     def _copy_ids(bound: list[tuple[DeviceLayers, DeviceLayers]], src_ids: Any,
                   dst_ids: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -475,3 +487,36 @@ class CudaSwapper:
         ev = self.cp.cuda.Event(block=False, disable_timing=True)
         ev.record(stream)
         self.wait(ev)
+
+
+class SumCopier:
+    """:meth:`CudaSwapper.copy_blocks` with sums between pairs of bound caches
+    (:meth:`CudaSwapper.sum_copier`), for a caller that uploads the ids itself, beside data of
+    its own, in one copy: :meth:`check` the ids, upload the arrays it answers on the
+    swapper's stream, then :meth:`launch`. One caller at a time (a rank's pulls hold its lock)."""
+
+    def __init__(self, swapper: CudaSwapper, bound: list[tuple[DeviceLayers, DeviceLayers]]) -> None:
+        self.swapper, self.bound = swapper, bound
+        self._kernels = [(s.ptr_array.data.ptr, d.ptr_array.data.ptr, len(s), s.row_bytes) for s, d in bound]
+        self._checked: np.ndarray | None = None
+
+    def check(self, src_ids: Any, dst_ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The ids as int64 arrays, checked as :meth:`CudaSwapper.copy_blocks` checks them."""
+        self._checked = None  # a check that fails leaves nothing to launch
+        gids, fids = self.swapper._copy_ids(self.bound, src_ids, dst_ids)
+        self._checked = gids
+        return gids, fids
+
+    def launch(self, ids_at: int, sums_at: int) -> None:
+        """Queue the copies of the ids :meth:`check` answered last, the caller having queued
+        their upload (source ids, then destination ids) to device address ``ids_at`` on the
+        swapper's stream; each block's SUM64 goes into ``[pairs, n]`` zeroed uint64 at
+        ``sums_at``."""
+        sw, gids = self.swapper, self._checked
+        if gids is None:
+            raise ValidationError("SumCopier.launch: check the ids first")
+        sw._check_open()
+        self._checked, n = None, int(gids.size)
+        for j, (sp, dp, layers, chunk) in enumerate(self._kernels):
+            sw._kernels.launch_copy_sum(sw.stream, sp, dp, ids_at, ids_at + 8 * n, n, layers, chunk,
+                                        sums_at + 8 * n * j)
