@@ -236,6 +236,22 @@ def test_list_and_array_ids_are_judged_alike(ids, limit, unique):
         _judged_alike(ids, limit, unique, packer)
 
 
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(-3, 40) | st.integers(-2**64, 2**64) | st.booleans(), max_size=12),
+       limit=st.sampled_from([8, 40, 1 << 30]))
+def test_checked_ids_packs_exactly_the_ids_check_ids_accepts_as_distinct(ids, limit):
+    from kvstate.kernels import _ids as id_mod
+    got = id_mod.checked_ids(ids, limit)
+    try:
+        want = id_mod.check_ids(ids, limit, "ids", unique=True).tolist()
+    except BlockError:
+        want = None
+    if id_mod.id_packer is None:
+        assert got is None  # nothing compiled: the caller's checks decide
+    else:
+        assert (got.tolist() if got is not None else None) == want and (got is None or got.dtype == np.int64)
+
+
 def _judged_alike(ids, limit, unique, packer):
     """A list is accepted exactly when its ints are, as an int64 array, with the same ids."""
     from unittest import mock
