@@ -179,10 +179,10 @@ class CudaPeers:
         """The rank's :class:`~kvstate.kernels._cuda.SumCopier` between these caches, made
         once (it holds them: a mapping's caches are kept while it is open, and its copiers
         dropped when it closes)."""
-        key = (rank, *(id(x) for pair in pairs for x in pair))
+        key = (rank, *(id(x) for pair in pairs for x in pair))  # ids of caches the entry keeps alive
         hit = self._copiers.get(key)
-        if hit is None or any(a is not b for a, b in zip(hit[0], (x for pair in pairs for x in pair), strict=True)):
-            hit = self._copiers[key] = (tuple(x for pair in pairs for x in pair), sw.sum_copier(pairs))
+        if hit is None:
+            hit = self._copiers[key] = (tuple(pairs), sw.sum_copier(pairs))
         return hit[1]
 
     def _buffers(self, rank: int, kinds: int, n: int) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import as_16bit_ints, numpy_dtype
-from .._errors import ValidationError
+from .._errors import BlockError, ValidationError
 from .._validate import check_int
 from ._cuda_launch import (
     Buffer,
@@ -48,7 +48,7 @@ from ._cuda_launch import (
 )
 from ._cuda_src import INLINE_IDS
 from ._cuda_strategy import AUTO, STRATEGIES, Mover, choose_strategy
-from ._ids import id_checker, identity_key
+from ._ids import check_ids, identity_key
 from ._plan import LayerSet, LayoutShape, TransferPlan, layout_shape, plan_all_layers, plan_layout_ids, plan_per_layer
 from ._reference import as_numpy
 
@@ -56,14 +56,6 @@ __all__ = ["CudaSwapper", "SumCopier", "DeviceLayers", "STRATEGIES", "AUTO", "ch
            "load_cupy"]
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
-
-
-def _ids_fit(ids: np.ndarray, limit: int, unique: bool) -> bool:
-    """Whether int64 ``ids`` are all in ``0..limit-1`` (and distinct when ``unique``): one
-    compiled pass where it was built (a pull's ids are on the path of a first token)."""
-    if id_checker is not None and id_checker(ids, limit, unique):
-        return True
-    return bool(ids.min() >= 0 and ids.max() < limit and (not unique or np.bincount(ids).max() <= 1))
 
 
 class CudaSwapper:
@@ -444,8 +436,14 @@ class CudaSwapper:
         gids, fids = (np.asarray(x, np.int64) if isinstance(x, (Sequence, np.ndarray)) else None
                       for x in (src_ids, dst_ids))
         top_s, top_d = min(s.shape[0] for s, _ in bound), min(d.shape[0] for _, d in bound)
-        if gids is None or fids is None or gids.ndim != 1 or gids.shape != fids.shape or gids.size and not (
-                _ids_fit(gids, top_s, False) and _ids_fit(fids, top_d, True)):
+        bad = gids is None or fids is None or gids.ndim != 1 or gids.shape != fids.shape
+        if not bad and gids is not None and fids is not None and gids.size:
+            try:  # one compiled pass each where it was built (a pull's ids are on a first token's path)
+                check_ids(gids, top_s, "src", unique=False)
+                check_ids(fids, top_d, "dst", unique=True)
+            except BlockError:
+                bad = True
+        if bad or gids is None or fids is None:
             raise ValidationError(f"copy_blocks: block ids must be two equally long lists of ids in range, the "
                                   f"destination's distinct; got {src_ids!r:.80} and {dst_ids!r:.80}")
         return gids, fids
