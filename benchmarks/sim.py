@@ -18,7 +18,9 @@ compare versions side by side.
 ``--against TREE`` does that: it runs TREE's own ``benchmarks/sim.py --json`` (another checkout,
 an older commit) and this one's, alternating, ``--repeats`` times each, each in its own
 process, and prints both sides' best figures and the speed-ups (that side's time over this
-side's) of the figures both report.
+side's) of the figures both report; and, per figure, the median, lowest and highest of the
+rounds' own speed-ups (a round: one run of each tree, back to back), the figure to quote
+from a shared machine.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,10 +107,29 @@ def against(tree: str, repeats: int, quick: bool) -> dict:
         keys = set(WALLS + ("sim_requests_per_s",)).intersection(*docs)
         best[side] = {k: (max if k == "sim_requests_per_s" else min)(d[k] for d in docs) for k in sorted(keys)}
     common = sorted(set(best["this"]) & set(best["that"]))
-    speedup = {k: round(best["this"][k] / best["that"][k] if k == "sim_requests_per_s"
-                        else best["that"][k] / best["this"][k], 3) for k in common}
+    speedup = {k: round(_speedup(k, best["this"], best["that"]), 3) for k in common}
     return {"against": os.path.abspath(tree), "runs": len(runs["this"]), "this": best["this"], "that": best["that"],
-            "speedup": speedup, "this_runs": runs["this"], "that_runs": runs["that"]}
+            "speedup": speedup, "paired": paired(runs["this"], runs["that"], common),
+            "this_runs": runs["this"], "that_runs": runs["that"]}
+
+
+def _speedup(key: str, this: dict, that: dict) -> float:
+    """That side's time over this side's (this side's rate over that side's)."""
+    return this[key] / that[key] if key == "sim_requests_per_s" else that[key] / this[key]
+
+
+def paired(this_runs: list[dict], that_runs: list[dict], keys: list[str]) -> dict:
+    """Each round's speed-up (a round: this tree's run and that tree's run next to it), as the
+    median, lowest and highest over the rounds: on a shared machine a burst of load slows one
+    run of one side, which a best-of figure can credit to either tree; the median of the
+    rounds' ratios is the estimate that one burst cannot move."""
+    out = {}
+    for k in keys:
+        ratios = sorted(_speedup(k, a, b) for a, b in zip(this_runs, that_runs) if k in a and k in b)
+        if ratios:
+            out[k] = {"median": round(statistics.median(ratios), 3), "min": round(ratios[0], 3),
+                      "max": round(ratios[-1], 3)}
+    return out
 
 
 def main() -> int:
@@ -123,7 +145,9 @@ def main() -> int:
             print(json.dumps(out, sort_keys=True))
         else:
             for k, v in out["speedup"].items():
-                print(f"{k:<20}  this {out['this'][k]:>9}  that {out['that'][k]:>9}  speed-up {v:.3f}x")
+                p = out["paired"][k]
+                print(f"{k:<20}  this {out['this'][k]:>9}  that {out['that'][k]:>9}  speed-up {v:.3f}x  "
+                      f"rounds: median {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f})")
         return 0
     s = Scenario()
     if args.quick:

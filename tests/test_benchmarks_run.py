@@ -1,4 +1,5 @@
 """The benchmark scripts run and report the keys the docs quote (no timing asserted here)."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -58,10 +59,28 @@ def test_sim_benchmark_against_another_tree_reports_speedups():
     out = json.loads(r.stdout)
     assert out["runs"] == 1 and set(out["speedup"]) == {"default_wall_s", "sim_requests_per_s"}
     assert all(v > 0 for v in out["speedup"].values())
+    # one round: its own ratio is the best-of ratio
+    assert {k: v["median"] for k, v in out["paired"].items()} == out["speedup"]
+    assert all(v["min"] == v["median"] == v["max"] for v in out["paired"].values())
     assert out["this_runs"][0]["default_requests"] == out["that_runs"][0]["default_requests"] == 500
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--against", str(ROOT / "docs")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no benchmarks/sim.py there" in bad.stderr
+
+
+def test_sim_benchmark_rounds_median_ignores_one_slow_run():
+    """The rounds' median speed-up: times over this side's (rates the other way round), and a
+    burst that slows one run of either side moves the extremes only."""
+    spec = importlib.util.spec_from_file_location("sim_bench", ROOT / "benchmarks" / "sim.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    this = [{"default_wall_s": 1.0, "sim_requests_per_s": 2000.0}] * 4 + [{"default_wall_s": 3.0}]
+    that = [{"default_wall_s": 1.1, "sim_requests_per_s": 1000.0}] * 2 + [{"default_wall_s": 9.9}] + \
+        [{"default_wall_s": 1.1, "sim_requests_per_s": 1000.0}] * 2
+    out = bench.paired(this, that, ["default_wall_s", "sim_requests_per_s", "trace_wall_s"])
+    assert out["default_wall_s"] == {"median": 1.1, "min": 0.367, "max": 9.9}
+    assert out["sim_requests_per_s"] == {"median": 2.0, "min": 2.0, "max": 2.0}  # only rounds both report
+    assert "trace_wall_s" not in out
 
 
 @pytest.mark.slow
