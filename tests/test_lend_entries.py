@@ -298,6 +298,34 @@ def test_an_entry_not_ds_goes_back_as_it_was(tmp_path):
     assert board.take(0, ["a", "b"], _always) is None and board.state(dead) == "lend"
 
 
+@pytest.mark.parametrize("theirs, raises", [(["x", "b"], False), (["a", "b"], True)])
+def test_p_removing_an_entry_in_the_middle_of_ds_take_leaves_nothing(tmp_path, monkeypatch, theirs, raises):
+    """P removes its lend (its fence passed) after D's take renamed it and before D gives it
+    back or marks it failed: D's rename finds nothing, D takes nothing (a malformed entry still
+    raises its rule) and no file comes back."""
+    import kvstate.backends._lends as lends
+
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", theirs, [7, 8], [1, 2], {})
+    if raises:  # a malformed entry: its version is not this format's
+        path = name.with_name(name.name + ".lend")
+        head, parts, blocks, sums = _entry(path)
+        _rewrite(path, {**head, "version": 1}, parts, blocks, sums)
+    read = lends._read_entry
+
+    def then_p_removes(path):
+        raw = read(path)
+        board.remove(name)
+        return raw
+    monkeypatch.setattr(lends, "_read_entry", then_p_removes)
+    if raises:
+        with pytest.raises(ProtocolError, match="version"):
+            board.take(0, ["a", "b"], _always)
+    else:
+        assert board.take(0, ["a", "b"], _always) is None
+    assert list(tmp_path.iterdir()) == [] and board.state(name) is None
+
+
 def test_a_name_held_past_ps_fence_is_not_lent_under_again(tmp_path):
     from kvstate.backends._lends import lend_blocks
 
