@@ -12,10 +12,12 @@ from kvstate.sim._sweep import run_all
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 
-def _signals(job: int) -> tuple[int, bool, bool]:
-    """In a worker: the job back, and whether SIGTERM kills it and Ctrl-C is ignored there."""
+def _signals(job: int) -> tuple[int, bool, bool, bool]:
+    """In a worker: the job back, whether SIGTERM kills it and Ctrl-C is ignored there, and
+    whether neither is blocked any more (a worker is born with both blocked)."""
     return job * 10, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, \
-        signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.getsignal(signal.SIGINT) is signal.SIG_IGN, \
+        not {signal.SIGTERM, signal.SIGINT} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 def test_workers_die_of_sigterm_though_the_host_program_handles_it():
@@ -30,7 +32,45 @@ def test_workers_die_of_sigterm_though_the_host_program_handles_it():
         assert signal.getsignal(signal.SIGTERM) is own  # the host's handler, untouched here
     finally:
         signal.signal(signal.SIGTERM, saved)
-    assert got == {i: (i * 10, True, True) for i in range(4)}
+    assert got == {i: (i * 10, True, True, True) for i in range(4)}
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="the slow start is patched into forked workers")
+def test_a_worker_still_starting_when_the_pool_ends_dies_of_sigterm(monkeypatch):
+    """A short sweep can end while a worker is still starting: ``Pool.terminate``'s SIGTERM then
+    reaches it before its initializer set SIGTERM's default, and the host's handler (inherited)
+    used to swallow it; the worker went on to wait on the queue and the pool's join hung. Born
+    with the signal blocked, the worker takes it once its initializer ran, and dies of it."""
+    import multiprocessing
+    import threading
+    import time
+
+    from kvstate.sim import _sweep
+
+    first = multiprocessing.get_context("fork").Value("i", 0)
+    initializer = _sweep._ignore_interrupts
+
+    def slow_start():
+        with first.get_lock():
+            late, first.value = first.value == 0, 1
+        if late:
+            time.sleep(1.5)  # the other worker runs every job meanwhile, and the pool ends
+        initializer()
+    monkeypatch.setattr(_sweep, "_ignore_interrupts", slow_start)
+    saved = signal.signal(signal.SIGTERM, lambda *_: None)
+    done: list = []
+    sweep = threading.Thread(target=lambda: done.append(dict(run_all(_signals, [0, 1, 2, 3], workers=2))),
+                             daemon=True)
+    try:
+        sweep.start()
+        sweep.join(20)
+        hung = sweep.is_alive()
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+        for p in multiprocessing.active_children():  # a hung pool's worker: ended, so the test ends
+            p.kill()
+        sweep.join(10)
+    assert not hung and done == [{i: (i * 10, True, True, True) for i in range(4)}]
 
 
 def test_a_ray_connection_puts_back_the_signal_handlers_ray_set(monkeypatch):

@@ -9,7 +9,8 @@ deterministic (a scenario and its seed), so where it runs changes nothing in its
 - ``workers`` > 1: a pool of local processes (``fork``; ``spawn`` on macOS), Ctrl-C left to
   this process, which ends the pool; a worker takes SIGTERM's default back from this process
   (which may have a handler of its own), so ending the pool ends every worker, even one
-  waiting on the pool's queue;
+  waiting on the pool's queue, and even one still starting: workers are born with SIGTERM
+  and SIGINT blocked, and unblock them only once they have set their own dispositions;
 - ``ray``: a Ray cluster's address (``auto`` finds the one this machine runs, or starts a local
   one for the sweep when none does and says so, ``HOST:PORT``
   its GCS, ``ray://HOST:PORT`` a Ray client). Each job is a task of one CPU, and kvstate's own
@@ -57,7 +58,8 @@ def _indexed(args: tuple[Callable[[Any], Any], int, Any]) -> tuple[int, Any]:
 
 def _on_pool(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int) -> Iterator[tuple[int, Any]]:
     ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-    pool = ctx.Pool(workers, initializer=_ignore_interrupts)
+    with _blocked(_WORKER_SIGNALS):  # workers are born with them blocked (see _ignore_interrupts)
+        pool = ctx.Pool(workers, initializer=_ignore_interrupts)
     try:
         yield from pool.imap_unordered(_indexed, [(fn, i, job) for i, job in enumerate(jobs)])
     finally:
@@ -65,13 +67,35 @@ def _on_pool(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int) -> Ite
         pool.join()
 
 
+#: the signals a pool worker must not see before its initializer has set them
+_WORKER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def _blocked(signals: Sequence[int]) -> Iterator[None]:
+    """``signals`` blocked in this thread for the block, and so in every process it forks then
+    (a fork inherits its thread's mask; so do the threads it starts)."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - no POSIX signals: nothing to inherit
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _ignore_interrupts() -> None:
     """A pool worker leaves Ctrl-C to the parent, which ends the pool: no traceback per worker.
     It dies of SIGTERM, whatever handler it inherited: ``Pool.terminate`` ends it with one and
     then joins it without a timeout, and a handler that returns would leave it (and the join)
-    waiting forever on the pool's queue."""
+    waiting forever on the pool's queue. The worker was born with both signals blocked, so one
+    sent before this ran (a worker still starting when a short sweep ended) waits here and is
+    taken with the worker's own dispositions when they are unblocked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _WORKER_SIGNALS)
 
 
 @contextmanager
