@@ -58,13 +58,17 @@ def _indexed(args: tuple[Callable[[Any], Any], int, Any]) -> tuple[int, Any]:
 
 def _on_pool(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int) -> Iterator[tuple[int, Any]]:
     ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-    with _blocked(_WORKER_SIGNALS):  # workers are born with them blocked (see _ignore_interrupts)
-        pool = ctx.Pool(workers, initializer=_ignore_interrupts)
+    pool = None
     try:
+        # workers are born with them blocked (see _ignore_interrupts); a Ctrl-C meanwhile
+        # arrives here once the pool is held, which the finally then ends
+        with _blocked(_WORKER_SIGNALS):
+            pool = ctx.Pool(workers, initializer=_ignore_interrupts)
         yield from pool.imap_unordered(_indexed, [(fn, i, job) for i, job in enumerate(jobs)])
     finally:
-        pool.terminate()
-        pool.join()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
 
 
 #: the signals a pool worker must not see before its initializer has set them
