@@ -51,6 +51,16 @@ def test_delay_to_lands_on_the_exact_float(now, when):
     assert now + d == when and math.isclose(d, when - now, rel_tol=1e-9, abs_tol=1e-12)
 
 
+@pytest.mark.parametrize("now,when", [(1.9853105647502472e-06, 7.456059812186422e-06),
+                                      (8774.938249588378, 29783.7144968888)])
+def test_an_end_no_single_delay_reaches_is_reached_in_two(now, when):
+    d = delay_to(now, when)
+    assert now + math.nextafter(d, math.inf) > when  # the sums from ``now`` step over ``when``
+    assert now + d < when  # so it lands just before
+    t = now + d
+    assert t + delay_to(t, when) == when  # and from there the rest is exact
+
+
 def report(s: Scenario, sleep: bool, monkeypatch) -> tuple[str, list[DecodeInstance]]:
     monkeypatch.setattr(DecodeInstance, "sleep_quiet_steps", sleep)
     cl = Cluster(s)
@@ -130,3 +140,20 @@ def test_blocks_freed_cut_only_the_spans_of_ds_something_waits_at(monkeypatch):
     fast, _ = report(s, True, monkeypatch)
     assert seen["kept"] > 0 and seen["cut"] > 0
     assert fast == report(s, False, monkeypatch)[0]
+
+
+@pytest.mark.parametrize("seed,rate", [(5, 0.5), (19, 2.0)])
+def test_sleeping_through_quiet_steps_changes_no_float_of_the_clock(seed, rate, monkeypatch):
+    """Runs whose spans end past twice the time they began (a quiet start), where one delay
+    cannot land on a span's end: every request's times and every gap stay the step-by-step
+    loop's to the last bit, not only to the report's rounding."""
+    s = with_overrides(Scenario(), {**SMALL, "workload.num_requests": 30, "workload.rate": rate, "seed": seed,
+                                    "workload.output_mean": 300.0})
+
+    def raw(sleep: bool) -> tuple[list, list]:
+        monkeypatch.setattr(DecodeInstance, "sleep_quiet_steps", sleep)
+        cl = Cluster(s)
+        cl.run()
+        return [(r.rid, r.first_token, r.finish) for r in cl.reqs.values()], [sorted(d.itl.items()) for d in cl.decode]
+
+    assert raw(True) == raw(False)

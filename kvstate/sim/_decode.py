@@ -166,10 +166,9 @@ class DecodeInstance(Instance):
         self.spans += 1
         self._count_busy(span)
         self._stepping = True
-        while True:
+        while env.now != span.ends[span.last]:  # at most twice: delay_to may land just before
             try:
                 yield env.timeout(delay_to(env.now, span.ends[span.last]))
-                break
             except simpy.Interrupt:
                 pass  # cut: the span now ends with the step that was running
         self._span = None

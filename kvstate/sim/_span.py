@@ -56,7 +56,12 @@ class StepSpan:
 
 
 def delay_to(now: float, when: float) -> float:
-    """The delay ``d`` with ``now + d == when`` exactly (SimPy schedules at ``now + d``)."""
+    """The delay ``d`` with ``now + d == when`` exactly (SimPy schedules at ``now + d``), where
+    one exists; else the one whose sum lands just before ``when``. None exists for some
+    ``when`` past twice ``now``: the sums from ``now`` step over floats there (``now`` has
+    bits finer than the spacing of floats near ``when``, so a sum can round past one). From
+    where it lands, ``when`` is exactly one more delay away (within a factor of two the
+    difference is exact), so the D loop's span wait (:mod:`kvstate.sim._decode`) waits again when it wakes early."""
     d = when - now
     while now + d < when:
         d = math.nextafter(d, math.inf)
