@@ -89,3 +89,53 @@ def test_known_leading_keys_skip_the_look_but_not_the_answer():
     assert store.leading(0, ["a", "b", "c", "d"], known=2) == 3
     assert store.read(0, ["a", "x", "c"]) == 1  # a miss ends a read
     assert [k for k, _ in store.contents()] == ["b", "c", "a"]  # the read moved "a" to the LRU end
+
+
+def test_one_byte_over_capacity_evicts_the_oldest_key():
+    store = SimStore(StorageSpec(capacity_gib=1.0), SHARD, tp=1)
+    store.capacity = 3 * SHARD - 1  # a capacity that is no whole number of shards
+    store.write(0, ["a", "b", "c"])
+    assert [k for k, _ in store.contents()] == ["b", "c"]
+    assert store.used == 2 * SHARD and store.evictions == 1
+
+
+# -- states (kvstate._statepages): stored under the key of the last block they follow ------------
+def test_a_write_stores_the_states_whose_blocks_it_stored_for_its_own_rank_only():
+    store = SimStore(StorageSpec(capacity_gib=1.0), SHARD, tp=2)
+    keys = ["a", "b", "c", "d"]
+    # states after blocks 2 and 4; only 3 blocks moved: the state after block 2 is stored
+    assert store.states_moved(1, keys, [(2, 0), (4, 1)], 3, write=True) == 2
+    assert store.states_moved(1, keys, [(2, 0), (4, 1)], 4, write=False) == 2  # rank 1 finds it
+    assert store.states_moved(0, keys, [(2, 0), (4, 1)], 4, write=False) == 0  # rank 0 stored none
+
+
+def test_states_none_of_which_moved_answer_zero():
+    store = SimStore(StorageSpec(capacity_gib=1.0), SHARD, tp=1)
+    keys = ["a", "b", "c"]
+    assert store.states_moved(0, keys, [(2, 0), (3, 1)], 1, write=True) == 0  # no state's blocks all stored
+    assert store.states_moved(0, keys, [(2, 0), (3, 1)], 3, write=False) == 0  # and a read finds none
+
+
+def test_a_read_loads_the_last_state_stored_among_its_candidates():
+    store = SimStore(StorageSpec(capacity_gib=1.0), SHARD, tp=1)
+    keys = ["a", "b", "c", "d"]
+    store.states_moved(0, keys, [(1, 0), (3, 1)], 4, write=True)
+    assert store.states_moved(0, keys, [(1, 0), (3, 1), (4, 2)], 4, write=False) == 3  # 4's was never stored
+    assert store.states_moved(0, keys, [(1, 0), (3, 1)], 2, write=False) == 1  # 3's blocks did not all arrive
+
+
+def test_an_evicted_block_takes_its_state_with_it():
+    store = SimStore(StorageSpec(capacity_gib=1.0), SHARD, tp=1)
+    store.capacity = 3 * SHARD
+    store.write(0, ["n"])  # no state
+    store.write(0, ["a", "b"])
+    store.states_moved(0, ["a", "b"], [(1, 0), (2, 1)], 2, write=True)  # states after "a" and after "b"
+    store.write(0, ["x"])  # "n" goes: a key with no state, while others have one
+    assert store.evictions == 1
+    assert store.states_moved(0, ["a", "b"], [(1, 0), (2, 1)], 2, write=False) == 2
+    store.write(0, ["y"])  # "a" goes, and its state with it
+    store.write(0, ["a"])  # stored again, without a state; "b" goes
+    assert store.evictions == 3 and [k for k, _ in store.contents()] == ["x", "y", "a"]
+    assert store.states_moved(0, ["a"], [(1, 0)], 1, write=False) == 0
+    store.write(0, ["b"])
+    assert store.states_moved(0, ["b"], [(1, 0)], 1, write=False) == 0
