@@ -1,0 +1,187 @@
+"""The simulated D instance's books (kvstate.sim._decode): tokens, gaps, preemptions, spans
+and the audit, held to identities that any run must satisfy.
+
+The lazy batch visits a request only at its events, so its counts come out of arithmetic
+on step numbers rather than from one increment per token. These tests check that
+arithmetic against what the requests themselves record, on runs that preempt by every
+policy, preempt the same request twice, and preempt a member whose event is due in the
+step that preempts it.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstate.sim import Cluster, Scenario, _decode, with_overrides
+from kvstate.sim._decode import DecodeInstance
+from kvstate.sim._metrics import summarize
+from kvstate.sim._span import StepSpan
+
+SMALL = {"workload.num_requests": 150, "workload.input_mean": 600.0, "workload.input_max": 4096,
+         "workload.output_mean": 300.0, "workload.output_max": 600, "workload.prefix_tokens": 256}
+RUNS = {
+    "write": {"cluster.gpu_blocks": 120, "workload.rate": 200.0, "policy.preempt": "write"},
+    "recompute": {"cluster.gpu_blocks": 100, "workload.rate": 200.0, "policy.preempt": "recompute"},
+    "swap": {"cluster.gpu_blocks": 120, "workload.rate": 300.0, "policy.preempt": "swap", "cluster.host_blocks": 40},
+    "small_batch": {"cluster.gpu_blocks": 120, "workload.rate": 200.0, "policy.preempt": "write",
+                    "cluster.decode_max_batch": 8},
+    "short_answers": {"workload.output_mean": 2.0, "workload.output_max": 6},
+    "full_batches": {"cluster.gpu_blocks": 90, "workload.rate": 300.0, "policy.preempt": "write",
+                     "cluster.decode_max_batch": 6},
+}
+
+
+def run(extra: dict) -> tuple[Cluster, dict]:
+    cl = Cluster(with_overrides(Scenario(), {**SMALL, **extra}))
+    return cl, summarize(cl, cl.run())
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_tokens_gaps_and_preemptions_add_up(name):
+    cl, r = run(RUNS[name])
+    reqs = list(cl.reqs.values())
+    assert r["states"] == {"done": len(reqs)}
+    itl: dict[float, int] = {}
+    for d in cl.decode:
+        for gap, n in d.itl.items():
+            itl[gap] = itl.get(gap, 0) + n
+    # one gap per token after the first (P's): a one-token answer has none
+    assert sum(itl.values()) == sum(q.out - 1 for q in reqs)
+    # a request's gaps sum to its time from first token to finish
+    assert math.isclose(sum(g * n for g, n in itl.items()),
+                        sum(q.finish - q.first_token for q in reqs if q.out > 1), rel_tol=1e-9)
+    # each preemption counted once, on the run and on its request, and resumed once
+    assert r["preemptions"] == sum(q.preemptions for q in reqs) == len(cl.round_trips)
+    assert all(0.0 < t <= r["duration_s"] for t in cl.round_trips)
+    if name == "short_answers":
+        assert any(q.out == 1 for q in reqs) and r["preemptions"] == 0
+    else:
+        assert r["preemptions"] > 0
+    if name in ("recompute", "swap"):
+        assert any(q.preemptions > 1 for q in reqs)
+
+
+@pytest.mark.parametrize("name", ["full_batches", "recompute", "swap"])
+def test_preemption_and_resumption_follow_the_modules_rules(name, monkeypatch):
+    """The victim is the running request that arrived last, in the batch or waiting for a
+    slot; the lifecycle learns a token only when its block is needed; the oldest parked
+    request resumes as soon as its cache, its next token and (with requests running) the
+    headroom fit, and not before."""
+    seen = {"victims": 0, "waiting_victims": 0, "resumed": 0, "held": 0}
+    grow, preempt, resume = DecodeInstance._grow, DecodeInstance._preempt, DecodeInstance._resume_preempted
+
+    def checked_preempt(self: DecodeInstance, req) -> None:
+        running = [*self.batch.values(), *self.overflow.values()]
+        assert req.index == max(r.index for r in running)
+        seen["victims"] += 1
+        seen["waiting_victims"] += req.rid in self.overflow
+        preempt(self, req)
+
+    def checked_grow(self: DecodeInstance, req) -> bool:
+        grown = grow(self, req)
+        assert not grown or req.synced == req.ctx + 1
+        return grown
+
+    def checked_resume(self: DecodeInstance) -> None:
+        lc, live = self.lc, self.sv.live
+        held = [r for _, r in self.preempted if r.rid in live]
+        parked = sorted((r for r in held if lc.state_of(r.rid) in ("preempted", "swapped")), key=lambda r: r.index)
+        copying = [r for r in held if lc.state_of(r.rid) in ("preempt_writing", "swapping_out")]
+        head = parked[0] if parked and not any(r.index < parked[0].index for r in copying) else None
+        need = None
+        if head is not None:
+            need = self.side.cache_spec.blocks_for(head.synced + 1)
+            need += lc.policy.decode_headroom_blocks if self.running else 0
+            fits = lc.pool.num_free >= need
+        resume(self)
+        if head is not None:
+            went = lc.state_of(head.rid) not in ("preempted", "swapped")
+            assert went == fits, (head.rid, lc.pool.num_free, need)
+            seen["resumed" if went else "held"] += 1
+
+    monkeypatch.setattr(DecodeInstance, "_preempt", checked_preempt)
+    monkeypatch.setattr(DecodeInstance, "_grow", checked_grow)
+    monkeypatch.setattr(DecodeInstance, "_resume_preempted", checked_resume)
+    _, r = run(RUNS[name])
+    assert r["states"] == {"done": 150} and seen["victims"] == r["preemptions"] > 0
+    assert seen["resumed"] > 0 and seen["held"] > 0
+    if name == "full_batches":
+        assert seen["waiting_victims"] > 0
+
+
+def test_preempting_a_member_whose_event_is_due_still_counts_its_tokens(monkeypatch):
+    """The swap run preempts members whose event falls on the preempting step while another
+    member's event runs: their token of that step is counted once, as the bulk's."""
+    seen = {"due": 0}
+    real = DecodeInstance._preempt
+
+    def preempt(self: DecodeInstance, req) -> None:
+        if req.rid in self.batch and req.event_step == self.steps and req is not self._current:
+            seen["due"] += 1
+        real(self, req)
+
+    monkeypatch.setattr(DecodeInstance, "_preempt", preempt)
+    cl, r = run(RUNS["swap"])
+    assert seen["due"] > 0
+    assert sum(sum(d.itl.values()) for d in cl.decode) == sum(q.out - 1 for q in cl.reqs.values())
+
+
+def test_every_span_slept_and_every_cut_is_counted_once(monkeypatch):
+    made, cut = [0], [0]
+
+    class Counted(StepSpan):
+        __slots__ = ()
+
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            made[0] += 1
+
+        def cut(self, now: float) -> bool:
+            shorter = super().cut(now)
+            cut[0] += shorter
+            return shorter
+
+    monkeypatch.setattr(_decode, "StepSpan", Counted)
+    cl, _ = run({"workload.rate": 50.0, "workload.output_mean": 200.0})
+    assert made[0] > 1 and cut[0] > 1
+    assert sum(d.spans for d in cl.decode) == made[0]
+    assert sum(d.cuts for d in cl.decode) == cut[0]
+
+
+def test_the_audit_names_each_broken_rule(monkeypatch):
+    """Mid-run, with a batch of several requests: sound books pass, and each rule broken on
+    purpose (then mended) is reported by name and numbers."""
+    checked: list[str] = []
+    real = DecodeInstance._run_events
+
+    def check(self: DecodeInstance, b: int, d: float) -> None:
+        real(self, b, d)
+        if checked or len(self.batch) < 2:
+            return
+        assert self.audit() == []
+        name, step = self.name, self.steps
+        self.context += 5
+        assert self.audit() == [f"{name}: context sum {self.context} != members' {self.context - 5} at step {step}"]
+        self.context -= 5
+        r = next(iter(self.batch.values()))
+        event, s0 = r.event_step, r.s0
+        r.event_step = step  # due now: it should have run
+        assert self.audit() == [f"{name}: {r.rid} event at {step}, s0 {s0}, step {step}"]
+        r.event_step, r.s0 = event, step + 1  # counted from a step not yet run
+        assert self.audit()[-1] == f"{name}: {r.rid} event at {event}, s0 {step + 1}, step {step}"
+        r.s0 = s0
+        bound, n = self.max_batch, len(self.batch)
+        self.max_batch = n - 1
+        assert self.audit() == [f"{name}: batch {n} of {n - 1}, 0 waiting"]
+        self.max_batch = n + 1
+        self.overflow["waiting"] = r  # a request waits for a slot while one is free
+        assert self.audit() == [f"{name}: batch {n} of {n + 1}, 1 waiting"]
+        del self.overflow["waiting"]
+        self.max_batch = bound
+        assert self.audit() == []
+        checked.append(name)
+
+    monkeypatch.setattr(DecodeInstance, "_run_events", check)
+    _, r = run({"workload.rate": 50.0})
+    assert checked and r["states"] == {"done": 150}
