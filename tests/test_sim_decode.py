@@ -46,6 +46,7 @@ def test_tokens_gaps_and_preemptions_add_up(name):
     for d in cl.decode:
         for gap, n in d.itl.items():
             itl[gap] = itl.get(gap, 0) + n
+    assert all(q.generated == q.out for q in reqs)  # each made its whole answer, and no token more
     # one gap per token after the first (P's): a one-token answer has none
     assert sum(itl.values()) == sum(q.out - 1 for q in reqs)
     # a request's gaps sum to its time from first token to finish

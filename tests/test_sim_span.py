@@ -64,7 +64,9 @@ def test_an_end_no_single_delay_reaches_is_reached_in_two(now, when):
 def report(s: Scenario, sleep: bool, monkeypatch) -> tuple[str, list[DecodeInstance]]:
     monkeypatch.setattr(DecodeInstance, "sleep_quiet_steps", sleep)
     cl = Cluster(s)
-    return to_json(summarize(cl, cl.run())), cl.decode
+    out = to_json(summarize(cl, cl.run()))
+    assert sleep or sum(d.spans for d in cl.decode) == 0  # off, the loop wakes at every step
+    return out, cl.decode
 
 
 SMALL = {"workload.num_requests": 150, "workload.input_mean": 600.0, "workload.input_max": 4096,

@@ -22,6 +22,11 @@ class ReferenceStore:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.order, self.ranks = capacity, [], {}
         self.used = self.evicted = 0
+        self.stats = dict.fromkeys(("puts", "gets", "queries", "bytes_written", "bytes_read", "hits", "misses"), 0)
+
+    def query(self, rank: int, keys: list[str]) -> int:
+        self.stats["queries"] += 1
+        return self.leading(rank, keys)
 
     def leading(self, rank: int, keys: list[str]) -> int:
         n = 0
@@ -35,7 +40,10 @@ class ReferenceStore:
         self.order.append(key)
 
     def write(self, rank: int, keys: list[str]) -> int:
-        n = self.leading(rank, keys)
+        n = self.query(rank, keys)  # what is stored already is not written again
+        if n < len(keys):
+            self.stats["puts"] += 1
+            self.stats["bytes_written"] += (len(keys) - n) * SHARD
         for k in keys[n:]:
             if rank not in self.ranks.get(k, ()):
                 self.used += SHARD
@@ -49,6 +57,10 @@ class ReferenceStore:
 
     def read(self, rank: int, keys: list[str]) -> int:
         n = self.leading(rank, keys)
+        self.stats["gets"] += 1
+        self.stats["hits"] += n
+        self.stats["misses"] += len(keys) - n
+        self.stats["bytes_read"] += n * SHARD
         for k in keys[:n]:
             self._touch(k)
         return n
@@ -73,11 +85,12 @@ def test_pool_answers_and_orders_as_the_reference(ops, capacity_blocks, same_key
         ranks = (rank, 1 - rank) if same_keys_twice else (rank,)  # every rank after the other, as TP does
         for r in ranks:
             if op == "query":
-                assert store.query(r, keys) == ref.leading(r, keys)
+                assert store.query(r, keys) == ref.query(r, keys)
             else:
                 assert store.answer(r, keys, op == "write") == getattr(ref, op)(r, keys)
         assert store.contents() == [(k, tuple(sorted(ref.ranks[k]))) for k in ref.order]
         assert store.used == ref.used and store.evictions == ref.evicted
+        assert store.stats == {**ref.stats, "evicted_blocks": ref.evicted}
         assert store.used <= store.capacity
         assert len(store) == len(ref.order)
 
@@ -88,6 +101,11 @@ def test_known_leading_keys_skip_the_look_but_not_the_answer():
     assert store.leading(0, ["a", "b", "c", "d"]) == 3
     assert store.leading(0, ["a", "b", "c", "d"], known=2) == 3
     assert store.read(0, ["a", "x", "c"]) == 1  # a miss ends a read
+    assert store.read(0, ["x", "a"]) == 0  # a read told nothing looks from the first key
+    assert store.answer(0, ["a", "b", "c"], False, known=3, skipped=100) == 3
+    assert store.stats["bytes_read"] == 4 * SHARD - 100  # a whole read's skipped bytes stayed in the pool
+    assert store.answer(0, ["a", "x"], False, known=1, skipped=100) == 1
+    assert store.stats["bytes_read"] == 5 * SHARD - 100  # a partial read is charged its blocks whole
     assert [k for k, _ in store.contents()] == ["b", "c", "a"]  # the read moved "a" to the LRU end
 
 
