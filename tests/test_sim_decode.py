@@ -14,6 +14,7 @@ import math
 import pytest
 
 from kvstate.sim import Cluster, Scenario, _decode, with_overrides
+from kvstate.sim._compute import ComputeModel
 from kvstate.sim._decode import DecodeInstance
 from kvstate.sim._metrics import summarize
 from kvstate.sim._span import StepSpan
@@ -186,3 +187,17 @@ def test_the_audit_names_each_broken_rule(monkeypatch):
     monkeypatch.setattr(DecodeInstance, "_run_events", check)
     _, r = run({"workload.rate": 50.0})
     assert checked and r["states"] == {"done": 150}
+
+
+def test_a_fixed_step_time_makes_the_busy_and_slot_integrals_plain_sums(monkeypatch):
+    """With every decode step taking ``STEP`` seconds, D's busy time is ``STEP`` a step and its
+    batch-slot integral ``STEP`` a token made in a step (no preemption: no member stalls)."""
+    step = 0.004
+    monkeypatch.setattr(ComputeModel, "decode_step_time", lambda self, batch, context: step)
+    monkeypatch.setattr(ComputeModel, "decode_step_times", lambda self, batch, context, count: [step] * count)
+    cl, r = run({"workload.rate": 50.0, "workload.output_mean": 120.0})
+    assert r["states"] == {"done": 150} and r["preemptions"] == 0
+    assert all(math.isclose(d.busy_time, step * d.steps, rel_tol=1e-9) for d in cl.decode)
+    made = sum(q.out - 1 for q in cl.reqs.values())
+    assert math.isclose(sum(d.slot_seconds for d in cl.decode), step * made, rel_tol=1e-9)
+    assert set(sum((list(d.itl) for d in cl.decode), [])) >= {step}  # most gaps are one step

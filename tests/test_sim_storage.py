@@ -102,10 +102,11 @@ def test_known_leading_keys_skip_the_look_but_not_the_answer():
     assert store.leading(0, ["a", "b", "c", "d"], known=2) == 3
     assert store.read(0, ["a", "x", "c"]) == 1  # a miss ends a read
     assert store.read(0, ["x", "a"]) == 0  # a read told nothing looks from the first key
+    assert store.read(0, ["a"]) == 1 and store.stats["bytes_read"] == 2 * SHARD  # and skips nothing
     assert store.answer(0, ["a", "b", "c"], False, known=3, skipped=100) == 3
-    assert store.stats["bytes_read"] == 4 * SHARD - 100  # a whole read's skipped bytes stayed in the pool
+    assert store.stats["bytes_read"] == 5 * SHARD - 100  # a whole read's skipped bytes stayed in the pool
     assert store.answer(0, ["a", "x"], False, known=1, skipped=100) == 1
-    assert store.stats["bytes_read"] == 5 * SHARD - 100  # a partial read is charged its blocks whole
+    assert store.stats["bytes_read"] == 6 * SHARD - 100  # a partial read is charged its blocks whole
     assert [k for k, _ in store.contents()] == ["b", "c", "a"]  # the read moved "a" to the LRU end
 
 
