@@ -67,7 +67,8 @@ def test_tokens_gaps_and_preemptions_add_up(name):
 @pytest.mark.parametrize("name", ["full_batches", "recompute", "swap"])
 def test_preemption_and_resumption_follow_the_modules_rules(name, monkeypatch):
     """The victim is the running request that arrived last, in the batch or waiting for a
-    slot; the lifecycle learns a token only when its block is needed; the oldest parked
+    slot; a request grows by a block at the token its blocks cannot hold, and the lifecycle
+    learns of that token then, not before; the oldest parked
     request resumes as soon as its cache, its next token and (with requests running) the
     headroom fit, and not before."""
     seen = {"victims": 0, "waiting_victims": 0, "resumed": 0, "held": 0}
@@ -81,6 +82,7 @@ def test_preemption_and_resumption_follow_the_modules_rules(name, monkeypatch):
         preempt(self, req)
 
     def checked_grow(self: DecodeInstance, req) -> bool:
+        assert req.ctx == req.cap  # a block is taken for the token that does not fit, not before
         grown = grow(self, req)
         assert not grown or req.synced == req.ctx + 1
         return grown
