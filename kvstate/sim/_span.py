@@ -61,7 +61,8 @@ def delay_to(now: float, when: float) -> float:
     ``when`` past twice ``now``: the sums from ``now`` step over floats there (``now`` has
     bits finer than the spacing of floats near ``when``, so a sum can round past one). From
     where it lands, ``when`` is exactly one more delay away (within a factor of two the
-    difference is exact), so the D loop's span wait (:mod:`kvstate.sim._decode`) waits again when it wakes early."""
+    difference is exact), so the D loop's span wait (:mod:`kvstate.sim._decode`) waits again
+    when it wakes early."""
     d = when - now
     while now + d < when:
         d = math.nextafter(d, math.inf)
