@@ -1,5 +1,6 @@
-"""The simulated D instance's books (kvstate.sim._decode): tokens, gaps, preemptions, spans
-and the audit, held to identities that any run must satisfy.
+"""The simulated D instance's books and rules (kvstate.sim._decode): tokens, gaps,
+preemptions, spans and the audit, held to identities that any run must satisfy, and the
+module's rules of preemption, growth and resumption checked as a run goes.
 
 The lazy batch visits a request only at its events, so its counts come out of arithmetic
 on step numbers rather than from one increment per token. These tests check that
@@ -68,9 +69,8 @@ def test_tokens_gaps_and_preemptions_add_up(name):
 def test_preemption_and_resumption_follow_the_modules_rules(name, monkeypatch):
     """The victim is the running request that arrived last, in the batch or waiting for a
     slot; a request grows by a block at the token its blocks cannot hold, and the lifecycle
-    learns of that token then, not before; the oldest parked
-    request resumes as soon as its cache, its next token and (with requests running) the
-    headroom fit, and not before."""
+    learns of that token then, not before; the oldest parked request resumes as soon as its
+    cache, its next token and (with requests running) the headroom fit, and not before."""
     seen = {"victims": 0, "waiting_victims": 0, "resumed": 0, "held": 0}
     grow, preempt, resume = DecodeInstance._grow, DecodeInstance._preempt, DecodeInstance._resume_preempted
 
