@@ -14,6 +14,7 @@ import math
 
 import pytest
 
+from kvstate._timeline import Timeline
 from kvstate.sim import Cluster, Scenario, _decode, with_overrides
 from kvstate.sim._compute import ComputeModel
 from kvstate.sim._decode import DecodeInstance
@@ -203,3 +204,37 @@ def test_a_fixed_step_time_makes_the_busy_and_slot_integrals_plain_sums(monkeypa
     made = sum(q.out - 1 for q in cl.reqs.values())
     assert math.isclose(sum(d.slot_seconds for d in cl.decode), step * made, rel_tol=1e-9)
     assert set(sum((list(d.itl) for d in cl.decode), [])) >= {step}  # most gaps are one step
+
+
+def test_each_d_step_takes_its_decode_and_its_recomputes_time(monkeypatch):
+    """With fixed times (a decode step ``STEP``, a prefill ``PREFILL`` whatever its tokens) and
+    every step woken for, each D step lasts its decode (when a batch ran) plus its recomputes'
+    prefill (when any ran), is recorded with its batch and recomputes, and the steps sum to
+    the instance's busy time, slot integral and step count."""
+    step, prefill = 0.004, 0.05
+    monkeypatch.setattr(ComputeModel, "decode_step_time", lambda self, batch, context: step)
+    monkeypatch.setattr(ComputeModel, "decode_step_times", lambda self, batch, context, count: [step] * count)
+    monkeypatch.setattr(ComputeModel, "prefill_time", lambda self, work: [*work] and prefill)
+    monkeypatch.setattr(DecodeInstance, "sleep_quiet_steps", False)
+    seen: list[tuple[str, float, float, dict]] = []
+    real = Timeline.step
+
+    def recorded(self: Timeline, instance: str, start: float, end: float, name: str = "step", **args) -> None:
+        if name == "decode":
+            seen.append((instance, start, end, args))
+        real(self, instance, start, end, name, **args)
+
+    monkeypatch.setattr(Timeline, "step", recorded)
+    cl = Cluster(with_overrides(Scenario(), {**SMALL, **RUNS["recompute"]}))
+    cl.sv.timeline = Timeline(clock=lambda: cl.env.now)
+    cl.run()
+    assert any(a["recomputes"] and a["batch"] for *_, a in seen)  # recomputes beside a batch
+    for d in cl.decode:
+        mine = [(end - start, a) for inst, start, end, a in seen if inst == d.name]
+        for took, a in mine:
+            assert math.isclose(took, (step if a["batch"] else 0.0) + (prefill if a["recomputes"] else 0.0),
+                                rel_tol=1e-9), a
+            assert 0 <= a["batch"] <= d.max_batch
+        assert len(mine) == d.steps
+        assert math.isclose(sum(t for t, _ in mine), d.busy_time, rel_tol=1e-9)
+        assert math.isclose(sum(t * a["batch"] for t, a in mine), d.slot_seconds, rel_tol=1e-9)
