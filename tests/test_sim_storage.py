@@ -21,7 +21,7 @@ class ReferenceStore:
 
     def __init__(self, capacity: int) -> None:
         self.capacity, self.order, self.ranks = capacity, [], {}
-        self.used = self.evicted = 0
+        self.used = self.evicted = self.peak = 0
         self.stats = dict.fromkeys(("puts", "gets", "queries", "bytes_written", "bytes_read", "hits", "misses"), 0)
 
     def query(self, rank: int, keys: list[str]) -> int:
@@ -53,6 +53,7 @@ class ReferenceStore:
             k = self.order.pop(0)
             self.used -= SHARD * len(self.ranks.pop(k))
             self.evicted += 1
+        self.peak = max(self.peak, self.used)  # what the pool held at most, once it fit again
         return len(keys)
 
     def read(self, rank: int, keys: list[str]) -> int:
@@ -89,7 +90,7 @@ def test_pool_answers_and_orders_as_the_reference(ops, capacity_blocks, same_key
             else:
                 assert store.answer(r, keys, op == "write") == getattr(ref, op)(r, keys)
         assert store.contents() == [(k, tuple(sorted(ref.ranks[k]))) for k in ref.order]
-        assert store.used == ref.used and store.evictions == ref.evicted
+        assert store.used == ref.used and store.evictions == ref.evicted and store.peak == ref.peak
         assert store.stats == {**ref.stats, "evicted_blocks": ref.evicted}
         assert store.used <= store.capacity
         assert len(store) == len(ref.order)
@@ -158,3 +159,12 @@ def test_an_evicted_block_takes_its_state_with_it():
     assert store.states_moved(0, ["a"], [(1, 0)], 1, write=False) == 0
     store.write(0, ["b"])
     assert store.states_moved(0, ["b"], [(1, 0)], 1, write=False) == 0
+
+
+def test_the_pools_figures_in_seconds_and_bytes():
+    spec = StorageSpec(capacity_gib=2.0, bandwidth_gbps=25.0, latency_ms=2.0, query_latency_ms=0.5)
+    store = SimStore(spec, SHARD, tp=1)
+    assert store.capacity == 2 * 2**30 and store.bandwidth == 25e9
+    assert store.latency == 0.002 and store.query_latency == 0.0005
+    assert store.occupy(1.0, 50_000_000) == (1.0, 1.0 + 0.002 + 0.002)  # 2 ms on the link, then the latency
+    assert store.occupy(1.0, 25_000_000) == (1.002, 1.003 + 0.002)  # queued behind the first
