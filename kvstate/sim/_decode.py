@@ -166,7 +166,7 @@ class DecodeInstance(Instance):
         self.spans += 1
         self._count_busy(span)
         self._stepping = True
-        while env.now != span.ends[span.last]:  # at most twice: delay_to may land just before
+        while env.now != span.ends[span.last]:  # delay_to may land just before: then once more
             try:
                 yield env.timeout(delay_to(env.now, span.ends[span.last]))
             except simpy.Interrupt:
