@@ -6,10 +6,13 @@ The lazy batch visits a request only at its events, so its counts come out of ar
 on step numbers rather than from one increment per token. These tests check that
 arithmetic against what the requests themselves record, on runs that preempt by every
 policy, preempt the same request twice, and preempt a member whose event is due in the
-step that preempts it.
+step that preempts it. One case is worked by hand to its numbers: a victim chosen, its
+cache recomputed alone once the older request ends, its tokens, gaps and round trip.
 """
 from __future__ import annotations
 
+import copy
+import json
 import math
 
 import pytest
@@ -238,3 +241,87 @@ def test_each_d_step_takes_its_decode_and_its_recomputes_time(monkeypatch):
         assert len(mine) == d.steps
         assert math.isclose(sum(t for t, _ in mine), d.busy_time, rel_tol=1e-9)
         assert math.isclose(sum(t * a["batch"] for t, a in mine), d.slot_seconds, rel_tol=1e-9)
+
+
+# -- a case worked by hand --------------------------------------------------------------------
+STEP, PREFILL = 0.01, 0.5  # every decode step, and every prefill or recompute, whatever its tokens
+
+
+def test_a_victim_recomputed_alone_once_the_older_request_ends(tmp_path, monkeypatch):
+    """Two requests of 200 prompt tokens and 300 answer tokens, 1 ms apart, one P and one D of
+    12 blocks of 64 tokens (768), preempting by recompute. Worked from the module's rules:
+
+    - P prefills A, then B, half a second each: their first tokens come 0.5 s apart, and D
+      decodes both one token a step from then on; A's cache and B's grow by a block every
+      64 tokens;
+    - A, having made 184 tokens, holds 384 tokens in 6 blocks and needs a seventh for its
+      next; B, 50 steps behind but for its first gap, holds 335 tokens (135 made) in the
+      other 6: none is free, and the victim is B, the later arrival;
+    - B may resume when its 335 tokens and its next fit (6 blocks; with A running, a block
+      of headroom too). A's growing cache holds 7 and then 8 of the 12 until it ends: B
+      resumes when A ends, and its recompute is the only work of that step: B's whole cache
+      from token 0 (nothing of it was stored), one prefill long, with no batch beside it;
+    - B then makes its other 165 tokens a step each: it ends 165 steps after the recompute,
+      and its gap across the preemption runs from its last token before it to its first
+      after the recompute."""
+    monkeypatch.setattr(ComputeModel, "decode_step_time", lambda self, batch, context: STEP)
+    monkeypatch.setattr(ComputeModel, "decode_step_times", lambda self, batch, context, count: [STEP] * count)
+    monkeypatch.setattr(ComputeModel, "prefill_time", lambda self, work: [*work] and PREFILL)
+    trace = tmp_path / "two.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 200, "output_length": 300, "hash_ids": [h]})
+                             + "\n" for t, h in ((0, 1), (1, 2))))
+    cl = Cluster(with_overrides(Scenario(), {
+        "workload.arrival": "trace", "workload.trace": str(trace), "cluster.n_prefill": 1, "cluster.n_decode": 1,
+        "cluster.tp": 1, "cluster.gpu_blocks": 12, "policy.preempt": "recompute"}))
+    d = cl.decode[0]
+    d.side = copy.copy(d.side)  # D's own compute: what it asks of the model is recorded apart from P's
+    recomputed: list[list[tuple[int, int]]] = []
+    model = d.side.compute
+
+    class Recorded:
+        def __getattr__(self, name: str):
+            return getattr(model, name)
+
+        def prefill_time(self, work) -> float:
+            recomputed.append(list(work))
+            return model.prefill_time(recomputed[-1])
+
+    d.side.compute = Recorded()
+    preempted: list[tuple[str, int, int, int, float]] = []
+    real = DecodeInstance._preempt
+
+    def preempt(self: DecodeInstance, req) -> None:
+        real(self, req)  # brings the victim's lazily kept counts up to date
+        preempted.append((req.rid, self.sv.reqs["r0"].ctx, req.ctx, req.generated, self.env.now))
+
+    monkeypatch.setattr(DecodeInstance, "_preempt", preempt)
+    monkeypatch.setattr(DecodeInstance, "sleep_quiet_steps", False)
+    steps: list[tuple[float, float, dict]] = []
+    record = Timeline.step
+
+    def recorded(self: Timeline, instance: str, start: float, end: float, name: str = "step", **args) -> None:
+        if name == "decode":
+            steps.append((start, end, args))
+        record(self, instance, start, end, name, **args)
+
+    monkeypatch.setattr(Timeline, "step", recorded)
+    cl.sv.timeline = Timeline(clock=lambda: cl.env.now)
+    cl.run()
+    a, b = cl.reqs["r0"], cl.reqs["r1"]
+    assert (a.state, b.state, a.generated, b.generated) == ("done", "done", 300, 300)
+    assert b.first_token - a.first_token == pytest.approx(PREFILL)
+    assert len(preempted) == 1
+    rid, a_ctx, b_ctx, b_made, at = preempted[0]
+    assert (rid, a_ctx, b_ctx, b_made) == ("r1", 384, 335, 135)
+    assert (a.preemptions, b.preemptions) == (0, 1)
+    assert recomputed == [[(335, 0)]]  # B's whole cache, from its first token
+    alone = [(start, end) for start, end, s in steps if s["recomputes"]]
+    assert len(alone) == 1 and [s for *_, s in steps if s["recomputes"]] == [{"batch": 0, "recomputes": 1}]
+    start, end = alone[0]
+    assert start == pytest.approx(a.finish) and end - start == pytest.approx(PREFILL)
+    assert cl.round_trips == [pytest.approx(end - at)]
+    assert b.finish == pytest.approx(end + 165 * STEP)
+    gaps = d.itl
+    assert sum(gaps.values()) == 2 * 299
+    assert gaps[STEP] == 2 * 299 - 3  # all but each request's first gap on D, and B's across its preemption
+    assert max(gaps) == pytest.approx(end + STEP - at)
