@@ -247,23 +247,9 @@ def test_each_d_step_takes_its_decode_and_its_recomputes_time(monkeypatch):
 STEP, PREFILL = 0.01, 0.5  # every decode step, and every prefill or recompute, whatever its tokens
 
 
-def test_a_victim_recomputed_alone_once_the_older_request_ends(tmp_path, monkeypatch):
-    """Two requests of 200 prompt tokens and 300 answer tokens, 1 ms apart, one P and one D of
-    12 blocks of 64 tokens (768), preempting by recompute. Worked from the module's rules:
-
-    - P prefills A, then B, half a second each: their first tokens come 0.5 s apart, and D
-      decodes both one token a step from then on; A's cache and B's grow by a block every
-      64 tokens;
-    - A, having made 184 tokens, holds 384 tokens in 6 blocks and needs a seventh for its
-      next; B, 50 steps behind but for its first gap, holds 335 tokens (135 made) in the
-      other 6: none is free, and the victim is B, the later arrival;
-    - B may resume when its 335 tokens and its next fit (6 blocks; with A running, a block
-      of headroom too). A's growing cache holds 7 and then 8 of the 12 until it ends: B
-      resumes when A ends, and its recompute is the only work of that step: B's whole cache
-      from token 0 (nothing of it was stored), one prefill long, with no batch beside it;
-    - B then makes its other 165 tokens a step each: it ends 165 steps after the recompute,
-      and its gap across the preemption runs from its last token before it to its first
-      after the recompute."""
+def _two_requests_on_a_small_d(tmp_path, monkeypatch) -> tuple[Cluster, list, list, list]:
+    """The worked case's run (see the test): what D asked of its compute model, whom it
+    preempted when, and its steps as the timeline records them."""
     monkeypatch.setattr(ComputeModel, "decode_step_time", lambda self, batch, context: STEP)
     monkeypatch.setattr(ComputeModel, "decode_step_times", lambda self, batch, context, count: [STEP] * count)
     monkeypatch.setattr(ComputeModel, "prefill_time", lambda self, work: [*work] and PREFILL)
@@ -307,6 +293,28 @@ def test_a_victim_recomputed_alone_once_the_older_request_ends(tmp_path, monkeyp
     monkeypatch.setattr(Timeline, "step", recorded)
     cl.sv.timeline = Timeline(clock=lambda: cl.env.now)
     cl.run()
+    return cl, recomputed, preempted, steps
+
+
+def test_a_victim_recomputed_alone_once_the_older_request_ends(tmp_path, monkeypatch):
+    """Two requests of 200 prompt tokens and 300 answer tokens, 1 ms apart, one P and one D of
+    12 blocks of 64 tokens (768), preempting by recompute. Worked from the module's rules:
+
+    - P prefills A, then B, half a second each: their first tokens come 0.5 s apart, and D
+      decodes both one token a step from then on; A's cache and B's grow by a block every
+      64 tokens;
+    - A, having made 184 tokens, holds 384 tokens in 6 blocks and needs a seventh for its
+      next; B, 50 steps behind but for its first gap, holds 335 tokens (135 made) in the
+      other 6: none is free, and the victim is B, the later arrival;
+    - B may resume when its 335 tokens and its next fit (6 blocks; with A running, a block
+      of headroom too). A's growing cache holds 7 and then 8 of the 12 until it ends: B
+      resumes when A ends, and its recompute is the only work of that step: B's whole cache
+      from token 0 (nothing of it was stored), one prefill long, with no batch beside it;
+    - B then makes its other 165 tokens a step each: it ends 165 steps after the recompute,
+      and its gap across the preemption runs from its last token before it to its first
+      after the recompute."""
+    cl, recomputed, preempted, steps = _two_requests_on_a_small_d(tmp_path, monkeypatch)
+    d = cl.decode[0]
     a, b = cl.reqs["r0"], cl.reqs["r1"]
     assert (a.state, b.state, a.generated, b.generated) == ("done", "done", 300, 300)
     assert b.first_token - a.first_token == pytest.approx(PREFILL)
