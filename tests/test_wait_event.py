@@ -46,3 +46,20 @@ def test_an_event_that_never_completes_fails_the_wait_after_its_timeout(kind):
         wait_event(kind(after=10**12), 0.2, "rank 1's read of command 7")
     assert 0.2 <= time.monotonic() - t < 5.0
     assert isinstance(e.value, KVStateError)
+
+
+@pytest.mark.parametrize("kind", [CupyLike, TorchLike])
+def test_a_wait_yields_between_looks_rather_than_sleeps_while_its_end_is_near(kind, monkeypatch):
+    """Within the spin phase every pause is ``sleep(0)`` (the GIL and the core yielded, no
+    timer slack added); past it the sleeps grow to 1 ms and no further."""
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    ev = kind(after=50)
+    wait_event(ev, 10.0)
+    assert set(slept) == {0} and len(slept) >= ev.polls - 3  # a pause between looks (hasattr looks at done too)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock) * 1e-3)  # a millisecond a look
+    slept.clear()
+    wait_event(kind(after=40), 10.0)
+    assert slept[:5] == [0, 0, 0, 0, 5e-5] and max(slept) == 1e-3
+    assert slept[4:] == sorted(slept[4:])

@@ -36,7 +36,7 @@ from ._plan import LayerSet
 
 __all__ = ["load_cupy", "cuda_available", "stream_ptr", "event_ptr", "wait_event", "EVENT_TIMEOUT_S",
            "external_stream", "Buffer", "Kernels", "DeviceLayers", "ParamRing", "H2D", "D2H", "register_host",
-           "unregister_host", "transfer_stream"]
+           "unregister_host", "transfer_stream", "stream_wait_value"]
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 _THREADS = 256
@@ -94,19 +94,32 @@ def event_ptr(event: Any) -> int:
 EVENT_TIMEOUT_S = 60.0
 
 
+#: seconds a wait looks at its event without sleeping (yielding between looks): a transfer's end
+#: is usually that close, and a sleep, rounded up by the kernel's timer slack (50 µs), would
+#: add its rounding to every short transfer, a first token's pull among them
+SPIN_S = 0.005
+
+
 def wait_event(event: Any, timeout: float = EVENT_TIMEOUT_S, what: str = "a CUDA event") -> None:
     """Wait on the host for a CuPy event or stream (``done``) or a PyTorch one (``query()``)
-    within ``timeout`` seconds: spin first (a transfer's end is usually microseconds away),
-    then back off to sleeps of up to 1 ms. A GPU that never gets there raises
-    :class:`~kvstate._errors.DriverError` instead of hanging the waiting thread."""
+    within ``timeout`` seconds: for ``SPIN_S`` look again at once, yielding the GIL and the
+    core between looks (``sleep(0)``), then back off to sleeps of up to 1 ms. A GPU that never
+    gets there raises :class:`~kvstate._errors.DriverError` instead of hanging the waiting
+    thread."""
     done: Callable[[], bool] = (lambda: bool(event.done)) if hasattr(event, "done") else event.query
-    deadline, spins = time.monotonic() + timeout, 0
+    if done():
+        return
+    now = time.monotonic()
+    deadline, spin_end, pause = now + timeout, now + SPIN_S, 5e-5
     while not done():
-        spins += 1
-        if spins > 2000:
-            if time.monotonic() > deadline:
-                raise DriverError(f"{what} did not finish within {timeout} s")
-            time.sleep(min(1e-3, 1e-6 * spins / 100))
+        now = time.monotonic()
+        if now < spin_end:
+            time.sleep(0)
+            continue
+        if now > deadline:
+            raise DriverError(f"{what} did not finish within {timeout} s")
+        time.sleep(pause)
+        pause = min(1e-3, 2 * pause)
 
 
 class _ExtStream:
@@ -198,6 +211,21 @@ def _driver_launch(cp: Any) -> Any:
         if rc:
             raise DriverError(f"cuLaunchKernel failed with CUDA error {rc}")
     return launch
+
+
+def stream_wait_value() -> Callable[[int, int, int], bool]:
+    """``wait(stream, addr, value)``: queue on ``stream`` a wait until the 32-bit word at
+    device-visible address ``addr`` is at least ``value`` (``cuStreamWaitValue32``, a stream
+    memory operation of libcuda's, through ctypes); False where the driver refuses it (no
+    stream memory operations on this device), with nothing queued."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def wait(stream: int, addr: int, value: int) -> bool:
+        return fn(stream, addr, value, 0) == 0  # 0: CU_STREAM_WAIT_VALUE_GEQ
+    return wait
 
 
 class _Kernel:
