@@ -63,8 +63,8 @@ from .._errors import ConfigError, KVStateError, ProtocolError
 from .._validate import check_int, is_int
 from ._hostfiles import pid_running, remove_orphans
 
-__all__ = ["LendBoard", "Lend", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "fold_rows", "leading_matches",
-           "local_peer",
+__all__ = ["LendBoard", "Lend", "Prepared", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "fold_rows",
+           "leading_matches", "local_peer",
            "FORMAT", "VERSION", "KEY_SEP"]
 
 FORMAT, VERSION = "kvstate-lend", 2
@@ -162,6 +162,16 @@ class Lend(NamedTuple):
     stores: bool  #: P writes the blocks to the store too
 
 
+class Prepared(NamedTuple):
+    """D's keys as :meth:`LendBoard.take` looks for them (:meth:`LendBoard.prepare`)."""
+
+    rank: int
+    keys: tuple[str, ...]
+    tag: str  #: the last key's hash, in the entry's name
+    mine: bytes  #: the keys joined by ``KEY_SEP``, as an entry holds them
+    ok: bool  #: every key non-empty and free of ``KEY_SEP`` (else no P lends them)
+
+
 class LendBoard:
     """The lend board in directory ``root`` (created, mode 0700, if missing). ``wait`` is
     how long D looks for an entry before it reads the store instead. P posts once its
@@ -255,33 +265,43 @@ class LendBoard:
             with _NAMED_LOCK:
                 _NAMED.discard(os.fspath(name))
 
-    def take(self, rank: int, keys: Sequence[str], until: Callable[[], bool]) -> Lend | None:
+    def take(self, rank: int, keys: Sequence[str], until: Callable[[], bool],
+             prepared: Prepared | None = None) -> Lend | None:
         """D: take a live entry of ``rank`` whose keys end with ``keys``, looking for up to
         ``wait`` seconds (while ``until()``); None when there is none. A malformed entry is
-        marked failed and raises :class:`~kvstate._errors.ProtocolError`."""
+        marked failed and raises :class:`~kvstate._errors.ProtocolError`. ``prepared``:
+        :meth:`prepare`'s answer for these keys, made before (an armed pull's)."""
         end = time.monotonic() + self.wait
         pause = _POLL[0]
-        tag, tail, mine = self._tag(keys[-1]), f".r{rank}.lend", KEY_SEP.join(keys).encode()
-        if mine.count(_SEP_BYTES) != len(keys) - 1:
+        p = prepared if prepared is not None and prepared.rank == rank and \
+            (prepared.keys is keys or prepared.keys == tuple(keys)) else self.prepare(rank, keys)
+        if not p.ok:
             return None  # a key holding the separator could match two of an entry's: no P lends it
-        plain, numbered = f"-{tag}.r{rank}.lend", f"-{tag}-"
+        tag, tail, plain, numbered = p.tag, f".r{rank}.lend", f"-{p.tag}.r{rank}.lend", f"-{p.tag}-"
         while True:
             with self._lenders_lock:
                 known = tuple(reversed(self._lenders))
             for pid in known:  # the Ps taken from before, by name
-                lend = self._try_take(f"{self.root}/{_PREFIX}{pid}-{tag}.r{rank}", rank, keys, mine)
+                lend = self._try_take(f"{self.root}/{_PREFIX}{pid}-{tag}.r{rank}", rank, p.keys, p.mine)
                 if lend is not None:
                     return self._took(lend)
             for entry in os.scandir(self.root):
                 n = entry.name
                 if n.startswith(_PREFIX) and n.endswith(tail) and (n.endswith(plain) or numbered in n):
-                    lend = self._try_take(entry.path[:-5], rank, keys, mine)
+                    lend = self._try_take(entry.path[:-5], rank, p.keys, p.mine)
                     if lend is not None:
                         return self._took(lend)
             if time.monotonic() >= end or not until():
                 return None
             time.sleep(pause)
             pause = min(2 * pause, _POLL[1])
+
+    def prepare(self, rank: int, keys: Sequence[str]) -> Prepared:
+        """What :meth:`take` derives from D's keys (their entry name's tag, their bytes), made
+        once: an armed pull makes it when D reserves its blocks, off the first token's path."""
+        keys = tuple(keys)
+        mine = KEY_SEP.join(keys).encode()
+        return Prepared(rank, keys, self._tag(keys[-1]), mine, mine.count(_SEP_BYTES) == len(keys) - 1 and all(keys))
 
     def _took(self, lend: Lend) -> Lend:
         """``lend``, its P remembered by the pid its name holds (see the module's docstring)."""
@@ -306,7 +326,7 @@ class LendBoard:
             return None  # not there, or taken or withdrawn meanwhile
         raw = _read_entry(f"{name}.taken") if pid_running(_pid_of(name)) else None
         try:
-            lend, theirs = (None, b"") if raw is None else _checked(raw, name, rank, self._peers, tuple(keys))
+            lend, theirs = (None, b"") if raw is None else _checked(raw, name, rank, self._peers, tuple(keys), mine)
         except ProtocolError:
             with contextlib.suppress(FileNotFoundError):
                 os.rename(f"{name}.taken", f"{name}.fail")
@@ -361,7 +381,7 @@ def _read_entry(path: str) -> bytes | None:
 
 
 def _checked(raw: bytes, name: str, rank: int, peers: dict[bytes, Any],
-             keys: tuple[str, ...]) -> tuple[Lend, bytes]:
+             keys: tuple[str, ...], mine: bytes = b"") -> tuple[Lend, bytes]:
     """An entry of lend ``name`` read from the board, every field checked against the rules
     above, as D would take it for ``keys`` (its last block ids and checksums, one a key); with
     the entry's keys still joined, as bytes (D compares them with its own so). ``peers``:
@@ -387,8 +407,11 @@ def _checked(raw: bytes, name: str, rank: int, peers: dict[bytes, Any],
         raise bad(f"{n!r} blocks must be followed by as many int64 block ids and uint64 checksums, got "
                   f"{len(raw) - at} bytes")
     named_keys = raw[cut + 1:cut + 1 + named]
-    if named_keys.count(_SEP_BYTES) != n - 1 or named_keys.startswith(_SEP_BYTES) or \
-            named_keys.endswith(_SEP_BYTES) or _SEP_BYTES * 2 in named_keys:
+    # D's own keys, joined (``mine``: checked by the taker, Prepared.ok, to hold n - 1 separators
+    # and no empty key) are well formed: an entry of exactly those keys needs no look at them
+    if (named_keys != mine or n != len(keys)) and (
+            named_keys.count(_SEP_BYTES) != n - 1 or named_keys.startswith(_SEP_BYTES) or
+            named_keys.endswith(_SEP_BYTES) or _SEP_BYTES * 2 in named_keys):
         raise bad(f"keys must be {n} non-empty strings joined by {KEY_SEP!r}")
     blocks = np.frombuffer(raw, "<i8", n, at)
     if np.minimum.reduce(blocks) < 0:  # n > 0 here; the reduction without its Python wrapper
@@ -449,12 +472,13 @@ def lend_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str], 
 
 def pull_blocks(board: LendBoard, ops: PeerOps, rank: int, keys: Sequence[str],
                 block_ids: Sequence[int] | np.ndarray, until: Callable[[], bool],
-                guard: Callable[[], bool] | None) -> int | None:
+                guard: Callable[[], bool] | None, prepared: Prepared | None = None) -> int | None:
     """D's rank: pull ``keys`` into ``block_ids`` from a P that lent them; how many leading
     blocks arrived and matched P's checksums (-1 when not all did and P writes them to the
-    store too: read them there), or None when no P lends them (read the store)."""
+    store too: read them there), or None when no P lends them (read the store). ``prepared``:
+    the board's :meth:`~LendBoard.prepare` of ``keys``, made before."""
     try:
-        lend = board.take(rank, keys, until)
+        lend = board.take(rank, keys, until, prepared)
     except ProtocolError:
         return 0
     if lend is None:
