@@ -7,9 +7,12 @@ P is a process of its own with a CudaBackend on GPU 0 that lends a Llama-3-8B-sh
 rep after rep. D, this process, has a CudaBackend on GPU 1 (GPU 0 when there is one) and
 pulls each: the board's take, one kernel a kind reading P's GPU through CUDA IPC, the sums of
 what landed compared with P's, the release; each pull is timed from when P's entry is on the
-board (in serving, P posts it with the first token), D's keys made before. After each pull,
-in the same run, the plain peer copy of the same bytes: ``torch.Tensor.copy_`` from a GPU 0
-tensor to a GPU 1 tensor, both allocated once. Prints a table (medians) and writes JSON.
+board (in serving, P posts it with the first token), D's keys made before. Pulls alternate:
+one armed before P posts (``CudaBackend.arm_pull``, as D arms it when it reserves its blocks:
+the copy queued behind a flag, so the pull takes the entry and raises the flag), one not.
+After each pull, in the same run, the plain peer copy of the same bytes: ``torch.Tensor.copy_``
+from a GPU 0 tensor to a GPU 1 tensor, both allocated once. Prints a table (medians) and
+writes JSON.
 """
 from __future__ import annotations
 
@@ -104,17 +107,18 @@ def measure(reps: int) -> dict:
     root = tempfile.mkdtemp(prefix="kvstate-bench-lends-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=lender, args=(root, reps + 1, ready, done), daemon=True)
+    proc = ctx.Process(target=lender, args=(root, 2 * reps + 1, ready, done), daemon=True)
     proc.start()
     db = CudaBackend(SPEC, BLOCKS, MemoryStore(1 << 20), device=d_dev, pulls=LendBoard(root, wait=30))
     dst = np.random.default_rng(2).permutation(BLOCKS)[:REQUEST].tolist()
-    out: dict = {"d_device": d_dev, "pulls": [], "copy": []}
+    out: dict = {"d_device": d_dev, "pulls": [], "armed": [], "copy": []}
     peer = PeerCopy()
     try:
         if not ready.wait(120):
             raise SystemExit("the lender did not start")
-        for rep in range(reps + 1):
+        for rep in range(2 * reps + 1):
             keys = _keys(rep)  # D holds its request's keys before its read
+            armed = rep % 2 == 0 and rep > 0 and db.arm_pull(0, keys, dst)  # as at reservation, before P posts
             while not list(Path(root).glob("*.lend")):  # the pull is timed from P's post on, as after a
                 time.sleep(0.0001)                      # first token that follows the post
             t0 = time.perf_counter()
@@ -125,8 +129,9 @@ def measure(reps: int) -> dict:
             if rep == 0:
                 out["first"] = ms
             else:
-                out["pulls"].append(ms)
+                out["armed" if armed else "pulls"].append(ms)
                 out["copy"].append(peer.ms())
+        out["armed_counts"] = db.armed_counts()
         out["pulled_by_p"] = done.get(timeout=60)
         proc.join(30)
     finally:
@@ -145,15 +150,24 @@ def main() -> int:
     args = ap.parse_args()
     got = measure(args.reps)
     size = REQUEST * SPEC.bytes_per_block_per_rank
-    pull, copy = statistics.median(got["pulls"]), statistics.median(got["copy"])
+    copy = statistics.median(got["copy"])
+    if len(got["armed"]) != args.reps:
+        raise SystemExit(f"{len(got['armed'])} of {args.reps} pulls were armed: {got['armed_counts']}")
+    pull, armed = statistics.median(got["pulls"]), statistics.median(got["armed"])
     row = {"bytes": size, "gib": size / 2**30, "d_device": got["d_device"], "reps": args.reps,
-           "pull_ms": got["pulls"], "first_pull_ms": got["first"], "peer_copy_ms": got["copy"],
-           "pulled_by_p": got["pulled_by_p"], "pull_median_ms": pull, "copy_median_ms": copy, "ratio": pull / copy,
-           "pull_gbps": size / pull / 1e6}
+           "pull_ms": got["pulls"], "armed_ms": got["armed"], "first_pull_ms": got["first"],
+           "peer_copy_ms": got["copy"],
+           "pulled_by_p": got["pulled_by_p"], "armed_counts": got["armed_counts"], "pull_median_ms": pull,
+           "armed_median_ms": armed, "copy_median_ms": copy, "ratio": pull / copy, "armed_ratio": armed / copy,
+           "armed_worst_ratio": max(got["armed"]) / copy, "pull_gbps": size / pull / 1e6,
+           "armed_gbps": size / armed / 1e6}
     print(f"P on GPU 0 (its own process) -> D on GPU {got['d_device']}, {row['gib']:.2f} GiB, medians of {args.reps}")
     print("| path | ms | GB/s | / copy_ |")
     print("| --- | --- | --- | --- |")
-    print(f"| direct pull (take, copy, sums, release) | {pull:.2f} | {row['pull_gbps']:.0f} | {row['ratio']:.3f}x |")
+    print(f"| direct pull armed at reservation (take, flag, sums, release) | {armed:.2f} | {row['armed_gbps']:.0f} | "
+          f"{row['armed_ratio']:.3f}x (slowest {row['armed_worst_ratio']:.3f}x) |")
+    print(f"| direct pull, not armed (take, launch, sums, release) | {pull:.2f} | {row['pull_gbps']:.0f} | "
+          f"{row['ratio']:.3f}x |")
     print(f"| torch copy_ GPU 0 -> GPU {got['d_device']} | {copy:.2f} | {size / copy / 1e6:.0f} | 1.000x |")
     print(f"| first pull (maps P's caches) | {got['first']:.2f} | | |")
     Path(args.out).write_text(json.dumps(row, indent=1))

@@ -261,6 +261,16 @@ class TransferBackend(ABC):
         and that P writes them to the store too (read them there)."""
         return None
 
+    def arm_pull(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], timeout: float = 60.0) -> bool:
+        """Prepare, at reservation, the pull of ``keys`` into ``block_ids`` that will follow
+        P's lend, so that the pull starts without launching anything; whether this backend
+        armed it (backends that cannot answer False: their pull runs as it always does)."""
+        return False
+
+    def disarm_pull(self, rank: int, keys: Sequence[str]) -> bool:
+        """Let go of the pull armed for ``keys``; whether one was."""
+        return False
+
     def swap_out(self, rank: int, block_ids: Sequence[int], host_slots: Sequence[int],
                  guard: Guard | None = None) -> int:
         """Copy GPU block ``block_ids[i]`` into host tier slot ``host_slots[i]``; how many

@@ -16,7 +16,9 @@ knows nothing of request states: it answers how many *leading* blocks it stored,
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -29,12 +31,13 @@ from ..kernels._cuda import CudaSwapper, DeviceLayers, load_cupy
 from ..kernels._cuda_launch import register_host, unregister_host
 from ._arena import ArenaStore
 from ._base import MISSING, Guard, Store, check_fence, leading
+from ._cuda_armed import Armed, ArmedPulls
 from ._cuda_caches import bind_rank, caches_by_rank
 from ._cuda_peers import CudaPeers
 from ._cuda_states import DevicePages
 from ._cuda_sums import DeviceSums
 from ._integrity import SUM64
-from ._lends import LendBoard, fold_rows, leading_matches
+from ._lends import LendBoard, fold_rows, leading_matches, pull_blocks
 from ._manifested import Deferred, manifest_slice
 from ._objects import StoreBackend
 from ._stateobjects import paged_of
@@ -54,6 +57,9 @@ class CudaBackend(DeviceSums, StoreBackend):
     blocks on (P) or pull reads from (D): another process's caches through CUDA IPC, or another
     backend's of this process, on this GPU or one joined to it (:mod:`~kvstate.backends._cuda_peers`);
     ``shared``: the CUDA IPC description ``caches`` were opened from, which a lender passes on."""
+
+    _armed: ArmedPulls | None = None  # D's pulls armed before P lends (made at the first arm)
+    _firing: dict[int, Armed]  # an armed pull being fired, by the pulling thread (made with _armed)
 
     def __init__(self, spec: CacheSpec, num_blocks: int, store: Store, *, caches: Any = None,
                  device: int = 0, staging_bytes: int = 64 << 20, timeout: float = 60.0,
@@ -631,6 +637,75 @@ class CudaBackend(DeviceSums, StoreBackend):
                        for g in range(self.spec.head_groups)]
         return self._folded(fetches)
 
+    # -- pulls armed at reservation (kvstate.backends._cuda_armed) --------------------------------
+    def arm_pull(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], timeout: float = 60.0) -> bool:
+        """Arm the pull of ``keys`` into ``block_ids`` (D's blocks, reserved) before P lends
+        them, for at most ``timeout`` seconds: the pull of those keys into those blocks then
+        raises a flag instead of launching its copy. Whether it was armed: not on a backend
+        without a lend board to pull from, or whose blocks are not one object a kind of whole
+        16-byte vectors, or with every slot of the rank armed (the pull then runs unarmed).
+        Checked as a pull is, before anything is queued."""
+        self._check_open()
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValidationError(f"arm_pull: timeout must be seconds > 0, got {timeout!r}")
+        packed = self._check_transfer(rank, keys, block_ids)
+        spec = self.spec
+        if self.pulls is None or spec.head_groups != 1 or spec.object_groups != 1 or spec.splits_groups:
+            return False
+        sw, ours = self._swappers[rank], [self._layers[rank][k] for k in spec.kinds]
+        if not all(sw.copies_with_sums(o, o) for o in ours):
+            return False
+        dst = packed if packed is not None else np.asarray(block_ids, np.int64)
+        with self._on(rank):
+            if self._armed is None:
+                self._armed, self._firing = ArmedPulls(self.cp), {}
+            return self._armed.arm(rank, sw, ours, tuple(keys), dst, time.monotonic() + timeout, block_ids,
+                                   self.pulls.prepare(rank, keys))
+
+    def armed_counts(self) -> dict[str, int]:
+        """Pulls armed, fired and disarmed unfired since the start, and armed ``now``."""
+        armed = self._armed
+        if armed is None:
+            return {"armed": 0, "fired": 0, "disarmed": 0, "now": 0}
+        return {**armed.counts, "now": len(armed)}
+
+    def disarm_pull(self, rank: int, keys: Sequence[str]) -> bool:
+        """Let go of the pull armed for ``keys`` (its request ended before its read); whether
+        one was armed."""
+        return self._armed is not None and self._armed.disarm_keys(rank, keys)
+
+    def pull(self, rank: int, keys: Sequence[str], block_ids: Sequence[int], until: Callable[[], bool],
+             guard: Guard | None = None) -> int | None:
+        """As every backend's pull; a pull armed for these keys and blocks is fired (its ids
+        were checked when it was armed), else disarmed, and the pull runs unarmed."""
+        slot = self._armed.take(rank, keys, block_ids) if self._armed is not None and self.pulls is not None else None
+        if slot is None:
+            return super().pull(rank, keys, block_ids, until, guard)
+        me = threading.get_ident()
+        self._firing[me] = slot
+        try:
+            n = pull_blocks(self.pulls, self, rank, slot.keys, slot.dst, until, guard, slot.prepared)
+        finally:
+            if self._firing.pop(me, None) is not None and self._armed is not None:
+                self._armed.disarm(slot)  # no lend came, or it was refused: the queued work runs harmlessly
+        self._count_pull(len(keys), n)
+        return n
+
+    def _fire(self, rank: int, slot: Armed, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
+              sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
+        """An armed pull's lend taken: P's caches mapped, the fence checked, the flag raised."""
+        armed, sw = cast(ArmedPulls, self._armed), self._swappers[rank]
+        try:
+            theirs = self._peers.mapped(peer, rank)  # a lender met before: no device call, no lock
+            if theirs is None:
+                with self._on(rank):
+                    theirs = self._peers.open(peer, rank, sw.bind)
+            check_fence(guard, rank, "scatter into", slot.dst)
+        except BaseException:
+            armed.disarm(slot)
+            raise
+        return armed.fire(slot, [theirs[k] for k in self.spec.kinds], src_ids, sums)()
+
     def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
                   dst_ids: Sequence[int] | np.ndarray, sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
         """Copy a lender's blocks into this rank's (one kernel a kind, on this GPU, reading the
@@ -639,6 +714,9 @@ class CudaBackend(DeviceSums, StoreBackend):
         vectors, the copy's own kernel sums the words it moves and another compares on the
         device, so the host reads one number; otherwise the sums follow the copy, in up to
         four pieces, each piece's sums (local memory) running beside the next piece's copy."""
+        slot = self._firing.pop(threading.get_ident(), None) if self._armed is not None and self._firing else None
+        if slot is not None:
+            return self._fire(rank, slot, peer, src_ids, sums, guard)
         self._check_open()
         if not len(src_ids) == len(dst_ids) == len(sums):
             raise ProtocolError(f"rank {rank}: a pull needs as many lender's blocks, own blocks and checksums, got "
@@ -690,6 +768,9 @@ class CudaBackend(DeviceSums, StoreBackend):
             for rank in self._swappers:  # checksums may still land in pinned memory kept for them
                 if ("held", rank) in self._sum_cache:
                     self._side_wait(rank)
+            armed = getattr(self, "_armed", None)
+            if armed is not None:
+                armed.close()  # no stream left waiting on a flag
             if hasattr(self, "_peers"):
                 self._peers.close()
             for sw in self._swappers.values():

@@ -78,15 +78,29 @@ class CudaPeers:
                                      "id": uuid.uuid4().hex}
         return self._described[rank]
 
-    def open(self, peer: Mapping[str, Any], rank: int, bind: Callable[[Any, str], Any]) -> dict[str, Any]:
-        """The lender's caches of ``rank``, bound on this device (``bind``: the rank's swapper's)."""
+    def _key(self, peer: Mapping[str, Any], rank: int) -> tuple[Any, ...]:
+        """A description's mapping key, the description checked first."""
         pid, dev, blocks = peer.get("pid"), peer.get("device"), peer.get("num_blocks")
         if peer.get("kind") != "cuda-ipc" or not (is_int(pid) and is_int(dev) and is_int(blocks)) or \
                 not 0 <= dev < 1024 or not 0 < blocks <= MAX_BLOCKS:
             raise ProtocolError(f"a lend's peer must describe CUDA caches (kind, pid, device, num_blocks), got "
                                 f"{dict(peer)!r:.160}")
         tag = peer.get("id")  # one description's: its handles are not read again on every pull
-        key = (pid, dev, blocks, tag if isinstance(tag, str) else repr(peer.get("tensors", {}).get(str(rank))))
+        return pid, dev, blocks, tag if isinstance(tag, str) else repr(peer.get("tensors", {}).get(str(rank)))
+
+    def mapped(self, peer: Mapping[str, Any], rank: int) -> dict[str, Any] | None:
+        """The lender's caches of ``rank`` if mapped here already (no device call), else None."""
+        key = self._key(peer, rank)
+        hit = self._open.get(key)
+        if hit is None:
+            return None
+        self._open.move_to_end(key)
+        return hit[0]
+
+    def open(self, peer: Mapping[str, Any], rank: int, bind: Callable[[Any, str], Any]) -> dict[str, Any]:
+        """The lender's caches of ``rank``, bound on this device (``bind``: the rank's swapper's)."""
+        key = self._key(peer, rank)
+        pid, dev, blocks = key[0], key[1], key[2]
         hit = self._open.get(key)
         if hit is not None:
             self._open.move_to_end(key)

@@ -118,12 +118,16 @@ class StoreBackend(TransferBackend):
         packed = self._check_transfer(rank, keys, block_ids)  # the ids as an array, for the copy's upload
         n = pull_blocks(self.pulls, cast(PeerOps, self), rank, keys, block_ids if packed is None else packed, until,
                         guard)
-        key = "no_lend" if n is None else "pulls" if n == len(keys) else "pull_failed"
+        self._count_pull(len(keys), n)
+        return n
+
+    def _count_pull(self, wanted: int, n: int | None) -> None:
+        """A pull of ``wanted`` blocks answered ``n`` (:func:`~kvstate.backends._lends.pull_blocks`)."""
+        key = "no_lend" if n is None else "pulls" if n == wanted else "pull_failed"
         with self._counting:
             self.lend_counts[key] += 1
-            if n is not None and n == len(keys):
+            if n is not None and n == wanted:
                 self.bytes_moved += n * self.spec.bytes_per_block_per_rank
-        return n
 
     def _arena_fits(self) -> bool:
         """Whether transfers can go straight between the caches and the store's slots: an

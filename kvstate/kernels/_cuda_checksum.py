@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["block_sums", "summable", "to_host", "fold_match"]
+__all__ = ["block_sums", "summable", "to_host", "fold_match", "load_fold_match"]
 
 
 def summable(views: Sequence[Any]) -> bool:
@@ -90,15 +90,25 @@ extern "C" __global__ void fold_match(const unsigned long long* sums, long long 
 """
 
 
+def load_fold_match(cp: Any, cache: dict[Any, Any]) -> Any:
+    """:func:`fold_match`'s kernel, compiled and loaded now and kept in ``cache``: a module
+    load waits for every stream of the context, so a caller about to queue work that waits
+    on the host (an armed pull) loads it first."""
+    kernel = cache.get("fold_match")
+    if kernel is None:
+        kernel = cp.RawKernel(_FOLD_MATCH, "fold_match")
+        kernel.compile()
+        cache["fold_match"] = kernel
+    return kernel
+
+
 def fold_match(cp: Any, sums: Any, expect: Any, host_ptr: int, cache: dict[Any, Any]) -> None:
     """On CuPy's current stream: fold each block's objects' sums (``sums``: ``[objects,
     blocks]`` uint64 on the device, :func:`~kvstate.backends._lends.fold_sums`' FNV fold),
     compare with ``expect`` (uint64 on the device, one a block) and store how many leading
     blocks match (an int64) at ``host_ptr`` (the device's address of pinned host memory).
     One CTA: a pull's blocks are hundreds to thousands, and the host reads one number."""
-    kernel = cache.get("fold_match")
-    if kernel is None:
-        kernel = cache["fold_match"] = cp.RawKernel(_FOLD_MATCH, "fold_match")
+    kernel = cache.get("fold_match") or load_fold_match(cp, cache)
     kinds, n = sums.shape
     kernel((1,), (1024,), (sums, np.int64(kinds), np.int64(n), expect, np.uint64(host_ptr)))
 
