@@ -120,6 +120,28 @@ def test_an_entry_with_an_empty_key_is_refused(tmp_path, keys):
     assert board.state(name) == "fail"
 
 
+def test_a_take_with_keys_prepared_before_takes_what_a_plain_take_would(tmp_path):
+    """An armed pull prepares D's keys when D reserves its blocks; a preparation of other keys
+    or another rank is not used."""
+    board = LendBoard(tmp_path, wait=0)
+    board.post(0, "g", ["p", "a", "b"], [7, 8, 9], [1, 2, 3], {})
+    ready = board.prepare(0, ["a", "b"])
+    assert ready.keys == ("a", "b") and ready.ok and ready.mine == b"a\x1fb"
+    lend = board.take(0, ["a", "b"], _always, ready)
+    assert lend.blocks.tolist() == [8, 9] and lend.sums.tolist() == [2, 3]
+    board.post(0, "g", ["a", "b"], [4, 5], [6, 7], {})
+    assert board.take(0, ["a", "b"], _always, board.prepare(1, ["a", "b"])).blocks.tolist() == [4, 5]
+    board.post(0, "g", ["c"], [1], [1], {})
+    assert board.take(0, ["c"], _always, ready).blocks.tolist() == [1]
+
+
+def test_d_keys_with_an_empty_one_take_nothing_and_leave_the_entry(tmp_path):
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a", "", "c"], [7, 8, 9], [1, 2, 3], {})
+    assert not board.prepare(0, ["a", "", "c"]).ok
+    assert board.take(0, ["a", "", "c"], _always) is None and board.state(name) == "lend"
+
+
 def test_keys_are_matched_as_utf8_bytes(tmp_path):
     board = LendBoard(tmp_path, wait=0)
     board.post(0, "g", ["préfixe", "clé-ü"], [7, 8], [1, 2], {})
