@@ -34,6 +34,7 @@ Rules:
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import BlockError, ProtocolError
+from .._errors import BlockError, DriverError, ProtocolError
 from ..kernels._cuda_checksum import fold_match, load_fold_match
 from ..kernels._cuda_launch import stream_wait_value
 from ..kernels._ids import check_ids
@@ -283,4 +284,5 @@ class ArmedPulls:
             idle, self._idle = self._idle, []
         for slot in idle:
             if slot.done is not None:
-                slot.sw.wait(slot.done)
+                with contextlib.suppress(DriverError):  # a GPU that hung: the backend's close goes on
+                    slot.sw.wait(slot.done)
