@@ -505,3 +505,22 @@ def test_a_pull_that_raises_or_meets_a_bad_entry_answers_by_whether_p_stores(tmp
     assert pull_blocks(board, _Ops(), 0, ["a"], [1], _always, None) == 0  # unreadable: whether P stores is unknown
 
 
+
+
+def test_a_backend_that_cannot_arm_a_pull_says_so_and_its_pull_runs_as_before(tmp_path):
+    """Arming is the CUDA backend's (tests/test_cuda_armed.py); the others answer False, hold
+    nothing, and pull as they always do."""
+    spec = small_spec(tp=1)
+    p = ReferenceBackend(spec, 8, MemoryStore(1 << 20), lends=LendBoard(tmp_path, wait=0))
+    d = ReferenceBackend(spec, 8, MemoryStore(1 << 20), pulls=LendBoard(tmp_path, wait=0))
+    keys = block_keys(list(range(2 * spec.block_size)), spec.block_size)
+    assert d.arm_pull(0, keys, [1, 2]) is False and d.disarm_pull(0, keys) is False
+    fill_blocks(p, keys, [3, 4])
+    t = threading.Thread(target=p.lend, args=(0, keys, [3, 4], lambda: True), daemon=True)
+    t.start()
+    d.pulls.wait = 5.0
+    assert d.pull(0, keys, [1, 2], lambda: True) == 2
+    t.join(10)
+    assert mismatched_blocks(d, keys, [1, 2]) == []
+    p.close()
+    d.close()
