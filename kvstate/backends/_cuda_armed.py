@@ -235,8 +235,12 @@ class ArmedPulls:
 
     def disarm_keys(self, rank: int, keys: Sequence[str]) -> bool:
         """Disarm the pull armed for ``keys`` on ``rank``; whether one was."""
-        with self._lock:
-            slot = self._armed.pop((rank, tuple(keys)), None)
+        try:
+            key = (rank, tuple(keys))
+            with self._lock:
+                slot = self._armed.pop(key, None)
+        except TypeError:  # keys that are not strings: none was armed for them
+            return False
         if slot is not None:
             self._release(slot)
         return slot is not None

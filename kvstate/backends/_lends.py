@@ -14,7 +14,9 @@ one file a (lend, rank), and its name says its state, so every step is one atomi
   (``peer_bytes`` long), the block ids as little-endian int64 and the checksums as uint64.
   D's parse is on the path of every first token: it compares the keys as bytes with its own
   joined, reads a pull's thousand numbers as two arrays, not as a thousand JSON numbers, and
-  parses a peer's bytes once (the same P rank posts the same description every time).
+  parses a peer's bytes once (the same P rank posts the same description every time). A D
+  that knows its keys ahead (an armed pull) joins and hashes them once (``prepare``), and an
+  entry holding exactly those keys, which D checked, skips the scan of its separators.
 - D **takes** it (``NAME.lend`` → ``NAME.taken``): at most one D rank wins; a loser, or a D
   that finds nothing within its ``wait``, reads the store instead. D takes first and reads
   what it took, so a name P lends under again later is never read for another lend; an entry
