@@ -135,9 +135,16 @@ def test_a_take_with_keys_prepared_before_takes_what_a_plain_take_would(tmp_path
     assert board.take(0, ["c"], _always, ready).blocks.tolist() == [1]
 
 
-def test_d_keys_with_an_empty_one_take_nothing_and_leave_the_entry(tmp_path):
+def test_keys_with_an_empty_one_are_refused_at_post_and_take_nothing(tmp_path):
     board = LendBoard(tmp_path, wait=0)
-    name = board.post(0, "g", ["a", "", "c"], [7, 8, 9], [1, 2, 3], {})
+    with pytest.raises(ProtocolError, match="non-empty"):
+        board.post(0, "g", ["a", "", "c"], [7, 8, 9], [1, 2, 3], {})
+    assert list(tmp_path.iterdir()) == []
+    name = board.post(0, "g", ["x", "y", "c"], [7, 8, 9], [1, 2, 3], {})
+    path = name.with_name(name.name + ".lend")
+    head, parts, blocks, sums = _entry(path)
+    parts["keys"] = b"a\x1f\x1fc"  # an entry of exactly the keys D asks for, one empty
+    _rewrite(path, head, parts, blocks, sums)
     assert not board.prepare(0, ["a", "", "c"]).ok
     assert board.take(0, ["a", "", "c"], _always) is None and board.state(name) == "lend"
 

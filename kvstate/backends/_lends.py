@@ -218,6 +218,8 @@ class LendBoard:
         joined = KEY_SEP.join(keys)
         if joined.count(KEY_SEP) != len(keys) - 1:
             raise ProtocolError(f"a lend's keys may not hold {KEY_SEP!r} (it joins them in the entry)")
+        if not all(keys):
+            raise ProtocolError("a lend's keys must be non-empty strings (D refuses an entry holding an empty one)")
         described, named = json.dumps(peer).encode(), joined.encode()
         head = json.dumps({"format": FORMAT, "version": VERSION, "pid": os.getpid(), "rank": rank,
                            "geometry": geometry, "n": len(keys), "keys_bytes": len(named),
