@@ -193,3 +193,18 @@ def test_an_entry_with_ids_out_of_p_s_range_fails_the_armed_pull_and_writes_noth
     assert d.armed_counts() == {"armed": 1, "fired": 0, "disarmed": 1, "now": 0}
     after = _d_bytes(d)
     assert all((before[k] == after[k]).all() for k in before)
+
+
+def test_a_driver_that_refuses_the_stream_wait_arms_nothing_and_the_pull_runs_unarmed(pd, monkeypatch):
+    """Where the driver offers no stream memory operations, ``arm_pull`` answers False with
+    nothing queued, and the pull lands as an unarmed one."""
+    from kvstate.backends import _cuda_armed
+
+    monkeypatch.setattr(_cuda_armed, "stream_wait_value", lambda: lambda stream, addr, value: False)
+    p, d = pd
+    assert d.arm_pull(0, KEYS, D_BLOCKS) is False
+    assert d.armed_counts() == {"armed": 0, "fired": 0, "disarmed": 0, "now": 0}
+    t = _lend(p)
+    assert d.pull(0, KEYS, D_BLOCKS, lambda: True) == len(KEYS)
+    t.join(10)
+    assert _landed(d)
