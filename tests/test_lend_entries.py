@@ -149,6 +149,20 @@ def test_keys_with_an_empty_one_are_refused_at_post_and_take_nothing(tmp_path):
     assert board.take(0, ["a", "", "c"], _always) is None and board.state(name) == "lend"
 
 
+def test_an_entry_of_exactly_ds_keys_but_another_count_is_still_refused(tmp_path):
+    """The scan of an entry's separators is skipped only where its keys are D's own and its
+    count theirs: keys "a" with two blocks and two checksums are refused by rule."""
+    board = LendBoard(tmp_path, wait=0)
+    name = board.post(0, "g", ["a"], [7], [1], {})
+    path = name.with_name(name.name + ".lend")
+    head, parts, blocks, sums = _entry(path)
+    head["n"] = 2
+    _rewrite(path, head, parts, blocks + [8], sums + [2])
+    with pytest.raises(ProtocolError, match="keys must be 2 non-empty strings"):
+        board.take(0, ["a"], _always)
+    assert board.state(name) == "fail"
+
+
 def test_keys_are_matched_as_utf8_bytes(tmp_path):
     board = LendBoard(tmp_path, wait=0)
     board.post(0, "g", ["préfixe", "clé-ü"], [7, 8], [1, 2], {})
