@@ -164,12 +164,7 @@ class ArmedPulls:
     def take(self, rank: int, keys: Sequence[str], dst: Sequence[int] | np.ndarray) -> Armed | None:
         """The pull armed for ``keys`` into ``dst``, taken out to be fired (or disarmed) by the
         caller; None when none is (one armed for other blocks is disarmed)."""
-        try:
-            key = (rank, tuple(keys))
-            with self._lock:
-                slot = self._armed.pop(key, None)
-        except TypeError:  # keys that are not strings: none was armed for them
-            return None
+        slot = self._pop(rank, keys)
         if slot is None:
             return None
         if dst == slot.given if dst.__class__ is list and slot.given is not None else \
@@ -235,15 +230,20 @@ class ArmedPulls:
 
     def disarm_keys(self, rank: int, keys: Sequence[str]) -> bool:
         """Disarm the pull armed for ``keys`` on ``rank``; whether one was."""
-        try:
-            key = (rank, tuple(keys))
-            with self._lock:
-                slot = self._armed.pop(key, None)
-        except TypeError:  # keys that are not strings: none was armed for them
-            return False
+        slot = self._pop(rank, keys)
         if slot is not None:
             self._release(slot)
         return slot is not None
+
+    def _pop(self, rank: int, keys: Sequence[str]) -> Armed | None:
+        """The pull armed for ``keys`` on ``rank``, out of the table; None when none is (keys
+        that are not strings never were)."""
+        try:
+            key = (rank, tuple(keys))
+            with self._lock:
+                return self._armed.pop(key, None)
+        except TypeError:
+            return None
 
     def _watch(self) -> None:
         """The watchdog: disarm each armed pull at its deadline, until ``close``."""
