@@ -12,6 +12,11 @@ Rules:
   published when it becomes runnable and when it is preempted from ``running``; ``resume``
   claims back those still on the GPU, and the reload, swap-in or recompute starts after them.
   ``can_reserve`` does not count hits. With state groups D claims none (no state to start from).
+- With ``arm_reads``, ``reserve`` announces the read the first token will send (an
+  :class:`~kvstate.commands.ArmRead`: its keys and blocks past the prefix-cache hits, until
+  that token's deadline) for a driver to prepare (:mod:`kvstate.backends._arming` says where
+  that is safe); none layer-wise, with state groups or group tables (those reads carry more
+  than keys and blocks), or with the whole prompt cached. Nothing waits on it.
 - With the token, D reads the cache into the reserved blocks; with a host tier, the leading
   blocks ready there are copied in first (``loading``, a ``SwapIn``) and the store serves only
   the rest (counted in ``counters['host_read_blocks']``). A request is runnable only when
@@ -189,14 +194,18 @@ class DecodeLifecycle(Lifecycle[DecodeRequest]):
                  clock: Callable[[], float] = time.monotonic, namespace: str = "",
                  key_cache: KeyCache | None = None, machine_cls: type = CompiledMachine,
                  host_blocks: int = 0, prefix_cache: bool = False, layerwise: bool = False,
-                 num_states: int = 0, blocks: BlockManager | None = None) -> None:
-        """``layerwise``: read the cache layer group by group (see the rules); the others as
+                 num_states: int = 0, blocks: BlockManager | None = None, arm_reads: bool = False) -> None:
+        """``layerwise``: read the cache layer group by group; ``arm_reads``: announce each
+        read at reservation (see the rules); the others as
         :class:`~kvstate._lifecycle.Lifecycle`'s (written out, so ``help()`` shows them)."""
         check_layerwise(layerwise, spec)
+        if arm_reads.__class__ is not bool:
+            raise ConfigError(f"DecodeLifecycle: arm_reads must be True or False, got {arm_reads!r}")
         super().__init__(spec, num_blocks, policy, clock=clock, namespace=namespace, key_cache=key_cache,
                          machine_cls=machine_cls, host_blocks=host_blocks, prefix_cache=prefix_cache,
                          num_states=num_states, blocks=blocks)
         self.layerwise = layerwise
+        self.arm_reads = arm_reads and not layerwise and not num_states
         if self.policy.preempt == "swap" and self.host is None:
             raise ConfigError("Policy.preempt='swap' needs a host tier: give DecodeLifecycle host_blocks > 0")
         if self.states and self.host is not None and self.policy.swap_write == "back":
@@ -243,6 +252,9 @@ class DecodeLifecycle(Lifecycle[DecodeRequest]):
         self.states.take(req, 1)
         self._reqs[request_id] = req
         self._wait(req, self.policy.first_token_timeout)
+        if self.arm_reads and req.hits < len(req.keys) and not req.tables:
+            self._out.append(C.ArmRead(request_id, self._ranks, self._now + self.policy.first_token_timeout,
+                                       tuple(req.keys[req.hits:]), tuple(req.blocks[req.hits:len(req.keys)])))
         return tuple(held(req))
 
     def deliver_first_token(self, request_id: str, token: int | None, error_code: int = 200) -> bool:

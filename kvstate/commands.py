@@ -12,14 +12,15 @@ recycle the blocks, so no driver or backend may touch them after it (they check 
 before gathering or scattering blocks). Notices (:class:`SendFirstToken`,
 :class:`StartPrefill`, :class:`StartDecode`, :class:`Recompute`, :class:`FreeBlocks`,
 :class:`CancelCommand`, :class:`RequestEnded`, :class:`LateEvent`, :class:`LayersReady`)
-need no answer.
+need no answer. :class:`ArmRead` is a hint a driver may act on and never answers.
 
 :data:`KINDS` is the one vocabulary every driver and the simulator dispatch on: each command
-class's kind (``read``, ``write``, ``swap``, ``lend``, ``layers``, ``cancel``, ``notice``), and
+class's kind (``read``, ``write``, ``swap``, ``lend``, ``arm``, ``layers``, ``cancel``, ``notice``), and
 :func:`kind_of` reads it. A transfer's kind (:data:`TRANSFER_KINDS`) is what its ranks do:
 ``read`` scatters stored bytes into GPU blocks, ``write`` stores blocks (from the GPU, or
 from the host tier: :class:`FlushHost`), ``swap`` copies between GPU blocks and the host
-tier, ``lend`` holds GPU blocks for a D on the same host to pull. :data:`LAYERWISE` names
+tier, ``lend`` holds GPU blocks for a D on the same host to pull. ``arm`` prepares a read
+before it is sent; a driver that cannot prepare it drops it. :data:`LAYERWISE` names
 the transfers that move one layer group at a time.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ._errors import ValidationError
 
 __all__ = [
     "Command", "TransferCommand", "ReadBlocks", "LoadLayers", "WriteBlocks", "SaveLayers", "LayersReady", "LendBlocks",
-    "SwapOut", "SwapIn", "FlushHost", "SendFirstToken",
+    "SwapOut", "SwapIn", "FlushHost", "ArmRead", "SendFirstToken",
     "StartPrefill", "StartDecode", "Recompute", "FreeBlocks", "CancelCommand", "RequestEnded",
     "LateEvent", "KINDS", "TRANSFER_KINDS", "LAYERWISE", "kind_of",
 ]
@@ -161,6 +162,21 @@ class FlushHost(TransferCommand):
 
 
 @dataclass(slots=True)
+class ArmRead(Command):
+    """D reserved ``block_ids`` for ``keys`` and will read them there once P's first token
+    comes: a driver whose backend pulls from a P on this host may prepare that pull now
+    (``TransferBackend.arm_pull``), so that it starts with nothing left to launch, until
+    ``deadline`` (the first token's, on the lifecycle's clock). A hint: nobody answers it, and
+    a read that differs from it, or none at all, is right. The driver lets the prepared pull
+    go when the request ends before its read, or reads other keys or blocks."""
+
+    ranks: tuple[int, ...]
+    deadline: float
+    keys: tuple[str, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
 class SendFirstToken(Command):
     """P tells D the first token (``error_code`` 200) or that the cache is missing (!= 200)."""
 
@@ -254,7 +270,7 @@ class LateEvent(Command):
 #: each command class's kind: the vocabulary drivers and the simulator dispatch on
 KINDS: dict[type[Command], str] = {
     ReadBlocks: "read", LoadLayers: "read", WriteBlocks: "write", SaveLayers: "write", FlushHost: "write",
-    SwapOut: "swap", SwapIn: "swap", LendBlocks: "lend",
+    SwapOut: "swap", SwapIn: "swap", LendBlocks: "lend", ArmRead: "arm",
     LayersReady: "layers", CancelCommand: "cancel",
     SendFirstToken: "notice", StartPrefill: "notice", StartDecode: "notice", Recompute: "notice",
     FreeBlocks: "notice", RequestEnded: "notice", LateEvent: "notice",

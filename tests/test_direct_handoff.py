@@ -138,13 +138,13 @@ class _Pair:
     sharing a lend board and a store; ``serve`` runs prompts P → D and checks D's bytes."""
 
     def __init__(self, tmp_path, handoff, read_failure="fail", lend_timeout=5.0, d_board=True, p_backend=None,
-                 d_backend=None, spec=None, wait=0.5):
+                 d_backend=None, spec=None, wait=0.5, arm=False):
         self.spec = spec = spec or small_spec(tp=2)
         self.store = MemoryStore(1 << 24)
         board = LendBoard(tmp_path, wait=wait)
         pol = Policy(transfer_timeout=5.0, fence_grace=1.0, read_failure=read_failure)
         self.P = PrefillLifecycle(spec, 64, pol, handoff=handoff, lend_timeout=lend_timeout)
-        self.D = DecodeLifecycle(spec, 64, pol)
+        self.D = DecodeLifecycle(spec, 64, pol, arm_reads=arm)
         self.pb = (p_backend or ReferenceBackend)(spec, 64, self.store, lends=board)
         self.db = (d_backend or ReferenceBackend)(spec, 64, self.store, pulls=board if d_board else None)
         self.on_prefill = None
@@ -166,6 +166,7 @@ class _Pair:
                         lc.complete(c)
                     lc.tick()
                 time.sleep(0.0005)
+            self.armed = dd.armed_reads()
         bad = [(rid, *x) for rid, blocks in decoded.items()
                for x in mismatched_blocks(self.db, block_keys(prompts[rid], self.spec.block_size), blocks)]
         return outcome, bad, seen
@@ -195,6 +196,39 @@ class _Pair:
 
 
 PROMPTS = {f"r{i}": [(i * 7 + j) % 13 for j in range(5 + 3 * i)] for i in range(8)}
+
+
+class _Arms(ReferenceBackend):
+    """D's backend saying it armed each announced read, and recording what it was asked."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.asked, self.pulled, self.let_go = [], [], []
+
+    def arm_pull(self, rank, keys, block_ids, timeout=60.0):
+        self.asked.append((rank, tuple(keys), tuple(block_ids)))
+        return True
+
+    def disarm_pull(self, rank, keys):
+        self.let_go.append((rank, tuple(keys)))
+        return True
+
+    def pull(self, rank, keys, block_ids, until, guard=None):
+        self.pulled.append((rank, tuple(keys), tuple(block_ids)))
+        return super().pull(rank, keys, block_ids, until, guard)
+
+
+def test_each_read_is_armed_at_reservation_as_the_pull_after_the_first_token_asks(tmp_path):
+    """The chain a GPU's armed pull hangs on: D's lifecycle announces, the driver arms each
+    rank, and the pull after the first token names the very keys and blocks armed."""
+    pair = _Pair(tmp_path, "direct", d_backend=_Arms, arm=True)
+    try:
+        outcome, bad, _ = pair.serve(PROMPTS)
+        assert outcome == {rid: "done" for rid in PROMPTS} and bad == []
+        assert sorted(pair.db.asked) == sorted(pair.db.pulled) and len(pair.db.asked) == 2 * len(PROMPTS)
+        assert pair.db.let_go == [] and pair.armed == {"armed": len(PROMPTS), "matched": len(PROMPTS), "let_go": 0}
+    finally:
+        pair.close()
 
 
 @pytest.mark.parametrize("handoff", ["direct", "both"])

@@ -84,7 +84,7 @@ def test_every_command_has_one_kind_and_every_driver_declares_the_driver_protoco
     assert set(C.KINDS) == set(concrete)  # one table names every command, no other
     assert {c for c in concrete if C.KINDS[c] in C.TRANSFER_KINDS} == \
         {c for c in concrete if issubclass(c, C.TransferCommand)}
-    assert set(C.KINDS.values()) == {"read", "write", "swap", "lend", "layers", "cancel", "notice"}
+    assert set(C.KINDS.values()) == {"read", "write", "swap", "lend", "arm", "layers", "cancel", "notice"}
 
     class Late(C.LateEvent):  # a subclass keeps its parent's kind
         pass

@@ -2,8 +2,8 @@
 
 Every driver is a :class:`Driver`: it takes the lifecycle's commands (``submit``,
 ``submit_all``), dispatching on their kind (:data:`kvstate.commands.KINDS`: transfers run,
-cancels and layer reports are its own, notices go back to the caller), and ``close`` releases
-what it holds. How answers come back is each driver's own:
+cancels, layer reports and reads armed ahead are its own, notices go back to the caller), and
+``close`` releases what it holds. How answers come back is each driver's own:
 
 - :class:`StepDriver` — for tests and benchmarks: commands wait until the caller picks
   which (command, rank) completes next and how (in full, partially, failed, or never).
@@ -15,6 +15,9 @@ A driver knows nothing of request states; notices (first token, start prefill, .
 handed back to the caller, which owns compute and messaging, except
 :class:`~kvstate.commands.LayersReady`, which the driver consumes: it lets a layer-wise save
 (:class:`~kvstate.commands.SaveLayers`) store the layers it names (:mod:`~kvstate.backends._gate`).
+:class:`ThreadedDriver` arms the pull an :class:`~kvstate.commands.ArmRead` announces on a
+backend that can, and lets it go when it cannot fire (:mod:`~kvstate.backends._arming`); it
+still hands :class:`~kvstate.commands.RequestEnded` back, having looked at it.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from .._errors import DriverError, ValidationError
 from .._timeline import Timeline
 from .._validate import check_callable, check_int, check_name, is_int
 from ..events import Completion
+from ._arming import Armed, ArmedReads, check_arm
 from ._base import TransferBackend, check_backend
 from ._gate import LayerArrivals
 from ._runner import CommandRunner, execute
@@ -137,7 +141,7 @@ class StepDriver(Driver):
             lr = cast(C.LayersReady, cmd)
             if lr.layers > self.layers.get(lr.command_id, 0):
                 self.layers[lr.command_id], self._events[lr.command_id] = lr.layers, lr.event
-        else:
+        elif kind != "arm":  # a read armed ahead is a hint: the step driver runs reads as they come
             return False
         return True
 
@@ -270,22 +274,30 @@ class ThreadedDriver(Driver):
         self._threads = [threading.Thread(target=self._work, name=f"{name}-transfer-{i}", daemon=True)
                          for i in range(workers)]
         self._lends: list[threading.Thread] = []  # lends' own threads, joined on close
+        self._armed = ArmedReads()  # reads armed at reservation, until read or let go
         for t in self._threads:
             t.start()
 
     def submit(self, cmd: C.Command) -> bool:
-        """Queue a transfer command (True), note a cancel or a layer report (True), or ignore
-        a notice (False)."""
+        """Queue a transfer command (True), note a cancel or a layer report (True), arm a read
+        announced ahead (True), or ignore a notice (False)."""
         if self._closed:
             raise DriverError("ThreadedDriver: submit after close")
         kind = C.kind_of(cmd)
         if kind == "cancel" or kind == "layers":
             self._runner.notice(cast("C.CancelCommand | C.LayersReady", cmd))
             return True
+        if kind == "arm":
+            self._arm(cast(C.ArmRead, cmd))
+            return True
         if kind not in C.TRANSFER_KINDS:
+            if self._armed and cmd.__class__ is C.RequestEnded:
+                self._let_go(self._armed.ended(cmd.request_id))
             return False
         cmd = cast(C.TransferCommand, cmd)
         self._runner.admit(cmd)
+        if self._armed:
+            self._let_go(self._armed.read(cmd))
         if self.timeline is not None:
             self.timeline.submitted(self.name, [cmd])
         with self._lock:
@@ -303,6 +315,27 @@ class ThreadedDriver(Driver):
         """Submit every command; returns the notices, which the caller handles. A list holding
         anything but commands is refused whole, before any is taken."""
         return [c for c in check_commands(cmds, "ThreadedDriver.submit_all") if not self.submit(c)]
+
+    def armed_reads(self) -> dict[str, int]:
+        """Reads armed at reservation on at least one rank, those whose read came as announced
+        (``matched``), and those let go unfired, since the start."""
+        return dict(self._armed.counts)
+
+    def _arm(self, cmd: C.ArmRead) -> None:
+        """Prepare the read ``cmd`` announces on each of its ranks whose backend can
+        (:mod:`kvstate.backends._arming`), until its deadline on the lifecycle's clock."""
+        check_arm(cmd, self.backend.spec.tp_size, "ThreadedDriver.submit")
+        timeout = cmd.deadline - self.clock()
+        if timeout <= 0:
+            return  # its first token is already late: nothing to prepare
+        self._let_go(self._armed.ended(cmd.request_id))  # armed again: the older one first
+        self._armed.note(cmd, tuple(r for r in cmd.ranks if self.backend.arm_pull(r, cmd.keys, cmd.block_ids,
+                                                                                    timeout)))
+
+    def _let_go(self, armed: Armed | None) -> None:
+        if armed is not None:
+            for r in armed.ranks:
+                self.backend.disarm_pull(r, armed.keys)
 
     def poll(self, timeout: float = 0.0) -> list[Completion]:
         """Completions ready now (waiting up to ``timeout`` seconds for the first one)."""
@@ -349,6 +382,8 @@ class ThreadedDriver(Driver):
         if self._closed:
             return
         self._closed = True
+        for armed in self._armed.drain():
+            self._let_go(armed)
         self._runner.cancel_all(lends_only=True)  # a lend waiting for D answers now
         for _ in self._threads:
             self._jobs.put(_STOP)
