@@ -8,15 +8,17 @@ and ``DISARM`` are checked item by item. The GPU's side (the pull fired) is in
 """
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 from rigs import small_spec
 
-from kvstate import ConfigError, DecodeLifecycle, Policy, ValidationError
+from kvstate import ConfigError, DecodeLifecycle, Policy, ProtocolError, ValidationError
 from kvstate import commands as C
 from kvstate.backends import MemoryStore, ReferenceBackend, StepDriver, ThreadedDriver
 from kvstate.backends._arming import ArmedReads
+from kvstate.distributed import _wire as wire
 
 SPEC = small_spec(tp=2)
 PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks of 4 with the first token
@@ -187,3 +189,28 @@ def test_a_swap_in_keeps_the_note_and_the_read_after_it_decides():
     assert armed.read(swap) is None and len(armed) == 1
     assert armed.read(_read(arm, keys=("b",), blocks=(4,))).keys == ("a", "b") and len(armed) == 0
     assert armed.ended("r") is None and armed.counts == {"armed": 1, "matched": 0, "let_go": 1}
+
+
+# -- the wire ---------------------------------------------------------------------------------------------
+def test_arm_and_disarm_cross_the_wire_for_the_receiving_rank_alone():
+    arm = _arm(deadline=123.5)
+    got = wire.arm_of(wire.unpack(wire.arm_message(arm, 77)), 1)
+    assert got == C.ArmRead("r", (1,), 123.5, ("a", "b"), (3, 4))
+    assert wire.disarm_of(wire.unpack(wire.disarm_message(("a", "b"), 77))) == ("a", "b")
+
+
+@pytest.mark.parametrize("items, needle", [
+    ([wire.ARM, 1, "r", ["a"], [3]], "5 items after its type"),
+    ([wire.ARM, 1, "", ["a"], [3], 1.0], "request id"),
+    ([wire.ARM, 1, "r", "a", [3], 1.0], "keys must be a list"),
+    ([wire.ARM, 1, "r", ["a", 2], [3, 4], 1.0], "a key"),
+    ([wire.ARM, 1, "r", ["a"], [3, 4], 1.0], "do not fit a read"),
+    ([wire.ARM, 1, "r", [], [], 1.0], "do not fit a read"),
+    ([wire.ARM, 1, "r", ["a"], [-1], 1.0], "block ids"),
+    ([wire.ARM, 1, "r", ["a"], [3], math.nan], "deadline"),
+    ([wire.DISARM, 1, ["a", None]], "a key"),
+    ([wire.DISARM, 1], "2 items after its type"),
+])
+def test_a_bad_arm_or_disarm_message_is_refused(items, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        (wire.arm_of(items, 0) if items[0] == wire.ARM else wire.disarm_of(items))

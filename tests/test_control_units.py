@@ -125,15 +125,15 @@ def test_heartbeats_count_for_the_current_incarnation_and_a_stopped_one_is_asked
     rig.hello(0, 5)
     rig.sent.clear()
     before = time.monotonic()
-    rig.ctl.receive(wire.pack(wire.HB, 0, 5, 4096, [1, 0, 2]))
-    assert rig.ranks.bytes_moved() == 4096 and rig.ranks.store_faults() == (1, 0, 2) and rig.counters["stale"] == 0
+    rig.ctl.receive(wire.pack(wire.HB, 0, 5, 4096, [1, 0, 2, 0, 0]))
+    assert rig.ranks.bytes_moved() == 4096 and rig.ranks.counts() == (1, 0, 2, 0, 0) and rig.counters["stale"] == 0
     assert rig.ranks.live()[0][2] >= before  # heard from now
-    rig.ctl.receive(wire.pack(wire.HB, 0, 6, 1, [0, 0, 0]))  # another incarnation of a live rank
+    rig.ctl.receive(wire.pack(wire.HB, 0, 6, 1, [0, 0, 0, 0, 0]))  # another incarnation of a live rank
     assert rig.counters["stale"] == 1 and rig.sent == [] and rig.ranks.bytes_moved() == 4096
-    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0]))  # a rank declared dead that lives on
+    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0, 0, 0]))  # a rank declared dead that lives on
     assert rig.counters["stale"] == 2 and rig.sent == [(1, 0, [wire.REJOIN, 3])]
     rig.ctl.stopping = True
-    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0]))  # stopping: nobody is asked back
+    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0, 0, 0]))  # stopping: nobody is asked back
     assert rig.counters["stale"] == 3 and len(rig.sent) == 1
 
 
@@ -141,7 +141,7 @@ def test_no_rejoin_is_asked_while_a_refusal_stands():
     rig = Rig()
     rig.hello(0, 8, tp=4)
     rig.sent.clear()
-    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0]))
+    rig.ctl.receive(wire.pack(wire.HB, 1, 3, 1, [0, 0, 0, 0, 0]))
     assert rig.sent == [] and rig.counters["stale"] == 1
 
 
@@ -163,7 +163,7 @@ def test_arrivals_are_forwarded_and_bad_messages_counted():
     rig = Rig()
     rig.ctl.receive(wire.pack(wire.ARRIVED, 1, 5, 12, 3))
     assert rig.arrived == [(1, 5, 12, 3)]
-    for bad in (b"junk", wire.pack(wire.DONE, 0, 5, 1, 1, None), wire.pack(wire.HB, 2, 5, 0, [0, 0, 0]),
+    for bad in (b"junk", wire.pack(wire.DONE, 0, 5, 1, 1, None), wire.pack(wire.HB, 2, 5, 0, [0, 0, 0, 0, 0]),
                 wire.pack(wire.HELLO, 0, 5, 9)):
         rig.ctl.receive(bad)
     assert rig.counters["bad_messages"] == 4 and rig.sent == [] and rig.arrived == [(1, 5, 12, 3)]

@@ -302,7 +302,7 @@ def test_bad_and_stale_messages_are_counted_never_applied(tmp_path):
         rogue["control"].connect(drv.addresses[2])
         inc = drv.control.ranks.incarnation(0)
         drv.submit(cmd(cid=5, keys=(), blocks=()))
-        beat = wire.pack(wire.HB, 0, inc, 0, [0, 0, 0])  # a heartbeat on the reply channel: refused
+        beat = wire.pack(wire.HB, 0, inc, 0, [0, 0, 0, 0, 0])  # a heartbeat on the reply channel: refused
         for ch, data in (("reply", b"garbage"), ("control", b"\x93\x01"), ("reply", beat),
                          ("reply", wire.pack(wire.DONE, 7, inc, 5, 0, None)),
                          ("control", wire.pack(wire.HELLO, 9, 1, 1, 2, "x", 1))):

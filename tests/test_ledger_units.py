@@ -166,20 +166,20 @@ def test_a_cancel_drops_a_held_command_from_every_rank_holding_it():
     assert [cid for _, _, cid, _ in led.release_held(1)[0]] == [18]
 
 
-def test_the_rank_table_counts_faults_and_bytes_over_incarnations():
+def test_the_rank_table_counts_faults_armed_reads_and_bytes_over_incarnations():
     table = RankTable(2)
     table.up(0, 5, 77, 1.0, 3)
-    table.seen(0, 2.0, moved=100, faults=(1, 2, 3))
-    table.seen(1, 2.0, moved=7, faults=(0, 0, 1))
-    assert table.store_faults() == (1, 2, 4) and table.bytes_moved() == 107
+    table.seen(0, 2.0, moved=100, counts=(1, 2, 3, 0, 1))
+    table.seen(1, 2.0, moved=7, counts=(0, 0, 1, 0, 1))
+    assert table.counts() == (1, 2, 4, 0, 2) and table.bytes_moved() == 107
     assert [table.owe(0, c) for c in (1, 2, 3, 4)] == [0, 1, 2, 0]
     table.paid(0, 2)
     assert table.owe(0, 5) == 1 and table.lane_of(0, 5) == 1 and table.lanes(0) == 3
     assert table.down_now(0) == [1, 3, 4, 5]
     assert table.incarnation(0) == 0 and table.owed(0) == [] and table.lanes(0) == 0
     table.up(0, 6, 78, 3.0, 1)
-    table.seen(0, 4.0, moved=10, faults=(1, 0, 0))
-    assert table.store_faults() == (2, 2, 4) and table.bytes_moved() == 117  # the first incarnation's kept
+    table.seen(0, 4.0, moved=10, counts=(1, 0, 0, 0, 1))
+    assert table.counts() == (2, 2, 4, 0, 3) and table.bytes_moved() == 117  # the first incarnation's kept
     assert table.live() == [(0, 6, 4.0)] and table.down() == [1] and table.pid(0) == 78
     table.refuse(1, "geometry differs")
     assert table.refusals() == ["geometry differs"]
@@ -224,10 +224,10 @@ def test_an_answer_counts_as_hearing_from_its_rank():
 def test_a_rank_down_keeps_what_it_moved_and_saw_and_starts_again_from_zero():
     table = RankTable(2)
     table.up(0, 7, 1000, 0.0, 1)
-    table.seen(0, 1.0, moved=100, faults=(1, 2, 3))
+    table.seen(0, 1.0, moved=100, counts=(1, 2, 3, 0, 1))
     table.down_now(0)
-    assert table.bytes_moved() == 100 and table.store_faults() == (1, 2, 3)
+    assert table.bytes_moved() == 100 and table.counts()[:3] == (1, 2, 3)
     table.up(0, 8, 1001, 2.0, 1)
-    assert table.bytes_moved() == 100 and table.store_faults() == (1, 2, 3)  # the new incarnation: nothing yet
-    table.seen(0, 3.0, moved=5, faults=(0, 1, 0))
-    assert table.bytes_moved() == 105 and table.store_faults() == (1, 3, 3)
+    assert table.bytes_moved() == 100 and table.counts()[:3] == (1, 2, 3)  # the new incarnation: nothing yet
+    table.seen(0, 3.0, moved=5, counts=(0, 1, 0, 0, 1))
+    assert table.bytes_moved() == 105 and table.counts() == (1, 3, 3, 0, 2)

@@ -63,7 +63,7 @@ def test_the_reply_channel_counts_anything_but_answers_of_known_ranks_as_bad():
         drv.submit(write_command(61, (0,)))
         w.take()
         w.reply.send(wire.pack(wire.DONE, 1, w.inc, 61, 2, None))  # rank 1: this driver has one rank
-        w.reply.send(wire.pack(wire.HB, 0, w.inc, 0, [0, 0, 0]))  # a heartbeat belongs on the control channel
+        w.reply.send(wire.pack(wire.HB, 0, w.inc, 0, [0, 0, 0, 0, 0]))  # a heartbeat belongs on the control channel
         assert drv.poll(0.3) == []
         assert drv.counters["bad_messages"] == 2 and drv.inflight == 1
         w.answer(61, 2)
@@ -208,14 +208,15 @@ def test_a_started_worker_that_exits_fails_what_it_owed_as_not_lost():
         assert [_row(c) for c in got] == [(121, 0, 0, "rank 0 lost: its worker process exited (status 3)", False)]
 
 
-def test_the_workers_store_faults_come_with_their_heartbeats():
+def test_the_workers_store_faults_and_armed_reads_come_with_their_heartbeats():
     with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv) as w:
         assert drv.store_faults() == {"broken": 0, "short": 0, "failed": 0}
-        w.control.send(wire.pack(wire.HB, 0, w.inc, 4096, [2, 5, 7]))
+        w.control.send(wire.pack(wire.HB, 0, w.inc, 4096, [2, 5, 7, 3, 1]))
         deadline = time.monotonic() + 5
         while drv.store_faults()["short"] != 5 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert drv.store_faults() == {"broken": 2, "short": 5, "failed": 7} and drv.bytes_moved() == 4096
+        assert drv.armed_reads() == {"armed": 0, "matched": 0, "let_go": 0, "ranks_armed": 3, "ranks_fired": 1}
 
 
 def test_a_worker_that_takes_nothing_pushes_back_with_a_timeout_on_submit():

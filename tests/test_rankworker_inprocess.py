@@ -123,3 +123,60 @@ def test_a_cancel_reaches_the_lane_and_stop_says_goodbye(hosted):
     hosted.drv.submit(command(C.WriteBlocks, 5, ("z",), (2,)))
     got = hosted.answers(2)
     assert [(c.rank, c.count) for c in got] == [(0, 1), (1, 0)] and got[1].error
+
+
+def test_a_read_armed_ahead_reaches_each_rank_and_is_let_go_when_its_request_ends(hosted, monkeypatch):
+    """``ARM`` and ``DISARM`` (kvstate.backends._arming) from the driver to each worker's
+    backend, on lane 0; a bad ``ARM`` is counted and arms nothing."""
+    from kvstate.backends import ReferenceBackend
+    from kvstate.distributed import _wire as wire
+
+    calls = []
+    monkeypatch.setattr(ReferenceBackend, "arm_pull", lambda self, rank, keys, blocks, timeout=60.0:
+                        calls.append(("arm", rank, tuple(keys), tuple(blocks), timeout)) or True)
+    monkeypatch.setattr(ReferenceBackend, "disarm_pull", lambda self, rank, keys:
+                        calls.append(("disarm", rank, tuple(keys))) or True)
+    hosted.drv.submit(C.ArmRead("r", (0, 1), time.monotonic() + 20, ("a", "b"), (5, 6)))
+    hosted.drv._send(0, 0, wire.pack(wire.ARM, hosted.workers[0].incarnation, "r", ["a"], [5, 6], 1.0))
+    assert hosted.drv.submit(C.RequestEnded("r", "failed", 504, (5, 6), "first_token_timeout")) is False
+    deadline = time.monotonic() + 10
+    while sum(w.counters["disarmed"] for w in hosted.workers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(c[:4] for c in calls if c[0] == "arm") == [("arm", 0, ("a", "b"), (5, 6)),
+                                                             ("arm", 1, ("a", "b"), (5, 6))]
+    assert all(19 < c[4] <= 20 for c in calls if c[0] == "arm")
+    assert sorted(c for c in calls if c[0] == "disarm") == [("disarm", 0, ("a", "b")), ("disarm", 1, ("a", "b"))]
+    assert [w.counters["armed"] for w in hosted.workers] == [1, 1]
+    assert hosted.workers[0].counters["bad_messages"] == 1
+    while hosted.drv.armed_reads()["ranks_armed"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # the workers' counts come with their heartbeats
+    assert hosted.drv.armed_reads() == {"armed": 1, "matched": 0, "let_go": 1, "ranks_armed": 2, "ranks_fired": 0}
+
+
+def test_an_arm_that_comes_after_its_read_arms_nothing_or_lets_go_at_once(hosted, monkeypatch):
+    """``ARM`` goes on lane 0 and the read on any lane: a read that came first, or while the
+    backend armed, leaves no slot armed until the deadline."""
+    from kvstate.backends import ReferenceBackend
+
+    w = hosted.workers[0]
+    calls = []
+
+    def arm(self, rank, keys, blocks, timeout=60.0):
+        calls.append(("arm", rank, tuple(keys)))
+        if keys[0] == "late-while" and rank == 0:
+            w._read_begun("while", mark=True)  # the read arrives on another lane as this arms
+        return True
+
+    monkeypatch.setattr(ReferenceBackend, "arm_pull", arm)
+    monkeypatch.setattr(ReferenceBackend, "disarm_pull", lambda self, rank, keys: calls.append(("disarm", rank,
+                                                                                                tuple(keys))) or True)
+    now = time.monotonic()
+    hosted.drv.submit(C.ReadBlocks("first", 7, (0, 1), now + 10, ("late-first",), (3,), fence=now + 20))
+    hosted.answers(2)
+    for rid, key in (("first", "late-first"), ("while", "late-while")):
+        hosted.drv.submit(C.ArmRead(rid, (0, 1), now + 20, (key,), (3,)))
+    deadline = time.monotonic() + 10
+    while len([c for c in calls if c[1] == 0]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [c for c in calls if c[1] == 0] == [("arm", 0, ("late-while",)), ("disarm", 0, ("late-while",))]
+    assert w.counters["armed"] == 1

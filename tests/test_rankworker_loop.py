@@ -164,7 +164,7 @@ def test_a_worker_says_hello_until_lane_0_welcomes_it_then_beats(driver, tmp_pat
     assert driver.next(driver.control, (wire.HELLO, wire.HB))[0] == wire.HELLO
     driver.send(0, wire.WELCOME, w.incarnation)
     beat = driver.next(driver.control, (wire.HB,))
-    assert beat == [wire.HB, RANK, w.incarnation, SPEC.bytes_per_block_per_rank, [0, 0, 0]] and w.welcomed
+    assert beat == [wire.HB, RANK, w.incarnation, SPEC.bytes_per_block_per_rank, [0, 0, 0, 0, 0]] and w.welcomed
     driver.send(0, wire.STOP)
     assert driver.join() == 0
     assert driver.next(driver.control, (wire.BYE,)) == [wire.BYE, RANK, w.incarnation, "exit 0"]
@@ -196,9 +196,9 @@ def test_commands_are_answered_on_the_reply_channel_and_short_reads_counted(driv
     per_block = SPEC.bytes_per_block_per_rank
     deadline = time.monotonic() + 10
     beat = driver.next(driver.control, (wire.HB,))
-    while beat[4] != [0, 1, 0] and time.monotonic() < deadline:
+    while beat[4] != [0, 1, 0, 0, 0] and time.monotonic() < deadline:
         beat = driver.next(driver.control, (wire.HB,))
-    assert beat[3:] == [4 * per_block, [0, 1, 0]]  # two blocks written, two read; one read short
+    assert beat[3:] == [4 * per_block, [0, 1, 0, 0, 0]]  # two blocks written, two read; one read short
     assert w.store_faults() == [0, 1, 0] and w.counters["commands"] == 2
 
 
@@ -224,8 +224,9 @@ def _settled(driver: Driver, w: RankWorker, cid: int, lane: int = 0) -> None:
 
 def test_each_stale_bad_or_notice_message_moves_its_own_counter_alone(driver, tmp_path):
     w = driver.start(driver.config(str(tmp_path)))
-    assert w.counters == {"commands": 0, "stale": 0, "bad_messages": 0, "cancels": 0}
+    assert w.counters == {"commands": 0, "stale": 0, "bad_messages": 0, "cancels": 0, "armed": 0, "disarmed": 0}
     inc = driver.welcome()[2]
+    later = time.monotonic() + 30
     cases: list[tuple[Any, dict[str, int]]] = [
         (wire.command_message(_command(C.WriteBlocks, 9, ("a",), (1,)), inc + 1), {"stale": 1}),
         ((wire.CMD,), {"stale": 1}),  # no incarnation at all
@@ -240,6 +241,11 @@ def test_each_stale_bad_or_notice_message_moves_its_own_counter_alone(driver, tm
         ((wire.CANCEL, inc, 9), {"cancels": 1}),  # nothing owed under 9: a cancel of nothing
         ((wire.CANCEL, inc, 10), {"cancels": 1}),  # and another: each counts
         ((wire.LAYERS, inc, 9, 2), {}),
+        ((wire.ARM, inc + 1, "r", ["a"], [1], later), {"stale": 1}),
+        ((wire.ARM, inc, "r", ["a"], [1, 2], later), {"bad_messages": 1}),
+        ((wire.DISARM, inc, "a"), {"bad_messages": 1}),
+        ((wire.ARM, inc, "r", ["a"], [1], later), {}),  # a reference backend arms nothing
+        ((wire.DISARM, inc, ["a"]), {}),
     ]
     for i, (message, moved) in enumerate(cases):
         before = dict(w.counters)
@@ -430,7 +436,7 @@ def test_whole_reads_are_not_short_and_every_short_or_broken_one_counts(driver, 
     beat = driver.next(driver.control, (wire.HB,))
     while beat[4][0] != broken + 2:
         beat = driver.next(driver.control, (wire.HB,))
-    assert beat[4] == [broken + 2, 3, 0]
+    assert beat[4] == [broken + 2, 3, 0, 0, 0]
 
 
 def test_a_hello_carries_no_secret_where_none_is_given_and_the_state_pages_in_its_geometry(driver, tmp_path,

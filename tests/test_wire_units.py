@@ -129,8 +129,8 @@ def test_a_long_bad_value_is_cut_in_the_message():
 
 
 @pytest.mark.parametrize("msg, message", [
-    ((wire.HB, 0, 5, 10, [1, 2]), "a heartbeat's store faults must be 3 counts"),
-    ((wire.HB, 0, 0, 10, [1, 2, 3]), f"the incarnation must be an int in [1, {1 << 63}), got 0"),
+    ((wire.HB, 0, 5, 10, [1, 2, 3]), "a heartbeat's counts must be 5: broken, short, failed, armed, fired"),
+    ((wire.HB, 0, 0, 10, [1, 2, 3, 4, 5]), f"the incarnation must be an int in [1, {1 << 63}), got 0"),
     ((wire.DONE, 0, 5, 0, 1, None), f"the command id must be an int in [1, {1 << 63}), got 0"),
     ((wire.DONE, 0, 5, 1, 1, 7), "the error must be a str of at most 4096 chars"),
     ((wire.ARRIVED, 0, 5, 1, 0), f"the layers must be an int in [1, {1 << 63}), got 0"),
@@ -146,7 +146,7 @@ def test_each_bad_worker_message_is_refused_by_name(msg, message):
 
 
 def test_good_worker_messages_decode_item_by_item():
-    assert wire.from_worker(wire.pack(wire.HB, 1, 5, 10, [1, 2, 3])) == wire.Beat(1, 5, 10, (1, 2, 3))
+    assert wire.from_worker(wire.pack(wire.HB, 1, 5, 10, [1, 2, 3, 4, 5])) == wire.Beat(1, 5, 10, (1, 2, 3, 4, 5))
     assert wire.from_worker(wire.pack(wire.DONE, 1, 5, 9, 2, "")) == wire.Done(1, 5, 9, 2, "")
     assert wire.from_worker(wire.pack(wire.ARRIVED, 1, 5, 9, 3)) == wire.Arrived(1, 5, 9, 3)
     assert wire.from_worker(wire.pack(wire.HELLO, 1, 5, 9, 2, "g", 256, "s")) == wire.Hello(1, 5, 9, 2, "g", 256, "s")
@@ -155,7 +155,7 @@ def test_good_worker_messages_decode_item_by_item():
 
 #: each worker message's good items, and each int item's name and lower bound (text items apart)
 GOOD = {
-    wire.HB: ([1, 5, 10, [1, 2, 3]], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the bytes", 0)}),
+    wire.HB: ([1, 5, 10, [1, 2, 3, 4, 5]], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the bytes", 0)}),
     wire.DONE: ([1, 5, 9, 2, None], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the command id", 1),
                                      4: ("the count", 0)}),
     wire.ARRIVED: ([1, 5, 9, 3], {1: ("the rank", 0), 2: ("the incarnation", 1), 3: ("the command id", 1),
@@ -186,8 +186,8 @@ def test_every_int_item_of_every_worker_message_is_refused_by_its_name_below_its
         f"a {NAMES[kind]} message has {len(items)} items after its type, got {len(items) - 1}"
 
 
-def test_a_fault_count_and_texts_are_refused_by_name_and_text_is_bounded_at_4096():
-    assert worker_refusal(wire.HB, [1, 5, 10, [1, -1, 3]]) == f"a fault count must be an int in [0, {1 << 63}), got -1"
+def test_a_count_and_texts_are_refused_by_name_and_text_is_bounded_at_4096():
+    assert worker_refusal(wire.HB, [1, 5, 10, [1, -1, 3, 0, 0]]) == f"a count must be an int in [0, {1 << 63}), got -1"
     assert worker_refusal(wire.DONE, [1, 5, 9, 2, "e" * 4097]) == "the error must be a str of at most 4096 chars"
     assert wire.from_worker(wire.pack(wire.DONE, 1, 5, 9, 2, "e" * 4096)).error == "e" * 4096
     assert worker_refusal(wire.HELLO, [1, 5, 9, 2, "g", 4, 7]) == "the secret must be a str of at most 4096 chars"

@@ -196,7 +196,7 @@ class RankControl:
         with self.lock:
             current = self.ranks.incarnation(msg.rank)
             if current == msg.incarnation:
-                self.ranks.seen(msg.rank, time.monotonic(), msg.bytes_moved, msg.faults)
+                self.ranks.seen(msg.rank, time.monotonic(), msg.bytes_moved, msg.counts)
                 return
             self.counters["stale"] += 1
             rejoin = not current and not self.ranks.refusals() and not self.stopping

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 __all__ = ["RankTable", "RankDown", "RankUp"]
 
+_COUNTS = 5  # a heartbeat's counts (kvstate.distributed._wire.WORKER_COUNTS)
+
 
 class RankDown(NamedTuple):
     """A rank went down at ``at`` (``time.monotonic()``): the commands it owed were answered."""
@@ -41,8 +43,8 @@ class _Rank:
     refused: str | None = None
     moved: int = 0  #: bytes the current incarnation's backend moved, as its last beat said
     moved_before: int = 0  #: bytes earlier incarnations moved
-    faults: tuple[int, ...] = (0, 0, 0)  #: the current incarnation's store faults, as its last beat said
-    faults_before: tuple[int, ...] = (0, 0, 0)  #: earlier incarnations' store faults
+    counts: tuple[int, ...] = (0,) * _COUNTS  #: the current incarnation's counts, as its last beat said
+    counts_before: tuple[int, ...] = (0,) * _COUNTS  #: earlier incarnations' counts
 
 
 class RankTable:
@@ -63,18 +65,18 @@ class RankTable:
         r.incarnation, r.pid, r.last_seen, r.refused = incarnation, pid, now, None
         r.owed, r.load = {}, [0] * lanes
 
-    def seen(self, rank: int, now: float, moved: int | None = None, faults: tuple[int, ...] | None = None) -> None:
+    def seen(self, rank: int, now: float, moved: int | None = None, counts: tuple[int, ...] | None = None) -> None:
         r = self._ranks[rank]
         r.last_seen = now
         if moved is not None:
             r.moved = moved
-        if faults is not None:
-            r.faults = faults
+        if counts is not None:
+            r.counts = counts
 
-    def store_faults(self) -> tuple[int, ...]:
-        """Store faults every incarnation of every rank saw, as their last beats said (in the
-        order of :data:`~kvstate.distributed._wire.STORE_FAULTS`)."""
-        return tuple(sum(r.faults[i] + r.faults_before[i] for r in self._ranks) for i in range(3))
+    def counts(self) -> tuple[int, ...]:
+        """What every incarnation of every rank counted, as their last beats said (in the
+        order of :data:`~kvstate.distributed._wire.WORKER_COUNTS`)."""
+        return tuple(sum(r.counts[i] + r.counts_before[i] for r in self._ranks) for i in range(_COUNTS))
 
     def bytes_moved(self) -> int:
         """Bytes every incarnation of every rank moved, as their last beats said."""
@@ -109,7 +111,7 @@ class RankTable:
         owed = sorted(r.owed)
         r.incarnation, r.owed, r.load = 0, {}, []
         r.moved_before, r.moved = r.moved_before + r.moved, 0
-        r.faults_before, r.faults = tuple(a + b for a, b in zip(r.faults_before, r.faults)), (0, 0, 0)
+        r.counts_before, r.counts = tuple(a + b for a, b in zip(r.counts_before, r.counts)), (0,) * _COUNTS
         return owed
 
     def refuse(self, rank: int, reason: str) -> None:

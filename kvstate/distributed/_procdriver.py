@@ -28,6 +28,10 @@ part in their own process. Its rules:
   or for a command the rank no longer owes (answered already, or lost), is counted
   (``counters["stale"]``) and dropped; a message that does not parse or breaks a rule is
   counted (``bad_messages``). None of them reach the lifecycle.
+- **Reads armed ahead.** An :class:`~kvstate.commands.ArmRead` goes to each of its ranks that
+  is up (``ARM``); the driver lets it go (``DISARM``) as
+  :mod:`~kvstate.backends._arming` says. A worker whose backend cannot prepare the read
+  ignores both; a worker that goes down loses what it prepared with its process.
 - **Time.** Deadlines and fences cross as absolute ``time.monotonic()`` seconds: the
   lifecycle must run on that clock (its default), which the host's processes share.
 """
@@ -49,6 +53,7 @@ from .. import commands as C
 from .._errors import ConfigError, DriverError, KVStateError, ProtocolError, ValidationError
 from .._spec import CacheSpec
 from .._validate import MAX_BLOCKS, check_int, check_name
+from ..backends._arming import Armed, ArmedReads, check_arm
 from ..backends._drivers import Driver, check_commands, check_timeout
 from ..backends._gate import LayerArrivals
 from ..events import Completion
@@ -107,6 +112,7 @@ class ProcessDriver(Driver):
         self._wake_lock = threading.Lock()
         self._done: queue.Queue[Completion] = queue.Queue()  # answers made here: lost, or refused at once
         self._closed = False
+        self._armed = ArmedReads()  # reads armed at reservation; the workers let them go on close
         self._tmp: str | None = None
         self._ctx = zmq.Context()
         try:
@@ -254,19 +260,24 @@ class ProcessDriver(Driver):
         most): ``broken`` blocks a read found corrupt (evicted), ``short`` reads that stopped
         before their last key (one missing), ``failed`` operations (an error answer)."""
         with self._lock:
-            return dict(zip(wire.STORE_FAULTS, self.control.ranks.store_faults()))
+            return dict(zip(wire.STORE_FAULTS, self.control.ranks.counts()))
 
     # -- the ThreadedDriver interface -------------------------------------------------------------
     def submit(self, cmd: C.Command) -> bool:
         """Send a transfer command to its ranks (True), forward a cancel or a layer report
-        (True), or ignore a notice (False)."""
+        (True), send a read announced ahead to be armed (True), or ignore a notice (False)."""
         if self._closed:
             raise DriverError("ProcessDriver: submit after close")
         kind = C.kind_of(cmd)
         if kind == "cancel" or kind == "layers":
             self._forward(cast("C.CancelCommand | C.LayersReady", cmd))
             return True
+        if kind == "arm":
+            self._arm(cast(C.ArmRead, cmd))
+            return True
         if kind not in C.TRANSFER_KINDS:
+            if self._armed and cmd.__class__ is C.RequestEnded:
+                self._let_go(self._armed.ended(cmd.request_id))
             return False
         cmd = cast(C.TransferCommand, cmd)
         tp = self.spec.tp_size
@@ -274,6 +285,8 @@ class ProcessDriver(Driver):
                 not all(r.__class__ is int and 0 <= r < tp for r in cmd.ranks):
             raise ValidationError(f"ProcessDriver.submit: command {cmd.command_id} of request {cmd.request_id!r} "
                                   f"names ranks {cmd.ranks!r}; this driver's are 0..{tp - 1}")
+        if self._armed:
+            self._let_go(self._armed.read(cmd))
         sends, down = self.ledger.register(cmd)
         for r in down:
             self._done.put(Completion(cmd.command_id, r, 0, error=f"rank {r} is down"))
@@ -281,6 +294,36 @@ class ProcessDriver(Driver):
             self._wake()
         self._send_all(sends, "rank {} lost: its worker is not connected")
         return True
+
+    def armed_reads(self) -> dict[str, int]:
+        """Reads announced at reservation and sent to at least one rank to arm, those whose
+        read came as announced (``matched``), and those let go unread, since the start; and,
+        as the workers' last heartbeats said, the ranks' reads their backends armed
+        (``ranks_armed``: a backend that cannot arm arms none) and fired (``ranks_fired``)."""
+        with self._lock:
+            armed, fired = self.control.ranks.counts()[len(wire.STORE_FAULTS):]
+        return {**self._armed.counts, "ranks_armed": armed, "ranks_fired": fired}
+
+    def _arm(self, cmd: C.ArmRead) -> None:
+        """Send the read ``cmd`` announces to each of its ranks that is up, to prepare if its
+        backend can (:mod:`kvstate.backends._arming`); a rank that is down prepares nothing."""
+        check_arm(cmd, self.spec.tp_size, "ProcessDriver.submit")
+        if cmd.deadline <= time.monotonic():
+            return  # its first token is already late: nothing to prepare
+        self._let_go(self._armed.ended(cmd.request_id))  # armed again: the older one first
+        sent = []
+        for r in cmd.ranks:
+            inc = self.control.ranks.incarnation(r)
+            if inc and self._send(r, 0, wire.arm_message(cmd, inc)):
+                sent.append(r)
+        self._armed.note(cmd, tuple(sent))
+
+    def _let_go(self, armed: Armed | None) -> None:
+        if armed is not None:
+            for r in armed.ranks:
+                inc = self.control.ranks.incarnation(r)
+                if inc:  # a rank that went down lost what it armed with its process
+                    self._send(r, 0, wire.disarm_message(armed.keys, inc))
 
     def _send_all(self, sends: list[Send], unreachable: str) -> None:
         for r, lane, cid, data in sends:

@@ -15,7 +15,11 @@ the scheduler's driver (:mod:`~kvstate.distributed._procdriver`) over ZeroMQ:
   channel; heartbeats (``HB``, every ``heartbeat_s``, from the serving thread), hellos, layer
   arrivals and goodbyes go to its control channel;
 - a busy lane reads nothing: its bounded socket queues fill and the driver's sends block, so
-  a slow rank pushes back instead of growing memory.
+  a slow rank pushes back instead of growing memory;
+- an ``ARM`` prepares the announced read on the backend (``arm_pull``, until its deadline and
+  at most ``MAX_ARM_S``), a ``DISARM`` lets it go; a backend that cannot prepare reads
+  answers False to both, and the read runs as it comes. An ``ARM`` whose request's read
+  already arrived (on another lane) arms nothing.
 
 A worker draws a new incarnation each time it says hello; a command naming another is from
 before a restart and is dropped. It exits on ``STOP``, on a ``REFUSE`` of its own incarnation
@@ -34,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +62,8 @@ SECRET_ENV = "KVSTATE_WORKER_SECRET"  #: where a started worker finds its driver
 __all__ = ["WorkerConfig", "RankWorker", "main", "build_store", "SECRET_ENV"]
 
 _STORES = ("arena", "file", "mooncake")
+MAX_ARM_S = 600.0  #: the longest a read stays armed, whatever deadline its message names
+MAX_READS_KEPT = 4096  #: requests whose read arrived, remembered so that a late ARM arms nothing
 MAX_LENDS = 64  #: lends a rank worker holds at once, each on a thread (mostly asleep) while D pulls
 _CACHES = ("own", "shm", "cuda-ipc")
 #: the caches each backend can hold: the reference backend's are host memory, CUDA's GPU memory
@@ -217,9 +224,12 @@ class RankWorker:
         self.config = config
         self.rank = config.rank
         self.incarnation = wire.new_incarnation()
-        self.counters = {"commands": 0, "stale": 0, "bad_messages": 0, "cancels": 0}
+        self.counters = {"commands": 0, "stale": 0, "bad_messages": 0, "cancels": 0, "armed": 0, "disarmed": 0}
         self._faults = {"short": 0, "failed": 0}  #: store faults it saw (the backend counts broken blocks)
         self._faults_lock = threading.Lock()
+        #: requests whose read arrived, latest last (an ARM coming after it arms nothing)
+        self._reads_begun: OrderedDict[str, None] = OrderedDict()
+        self._reads_lock = threading.Lock()  # lanes mark reads, lane 0 arms
         self.status = 0
         self.welcomed = False  #: the driver accepted the current incarnation's hello
         self._stop = threading.Event()
@@ -314,6 +324,12 @@ class RankWorker:
         with self._faults_lock:
             return [broken, self._faults["short"], self._faults["failed"]]
 
+    def _armed_counts(self) -> list[int]:
+        """Reads its backend armed ahead and fired (a backend that cannot arm: none)."""
+        counts = getattr(self._runner.backend, "armed_counts", None)
+        fired = counts()["fired"] if callable(counts) else 0
+        return [self.counters["armed"], int(fired)]
+
     def _hello(self) -> None:
         cfg = self.config
         self._push("control").send(wire.pack(wire.HELLO, self.rank, self.incarnation, os.getpid(), self.spec.tp_size,
@@ -362,7 +378,7 @@ class RankWorker:
                 return
             if self.welcomed:
                 self._push("control").send(wire.pack(wire.HB, self.rank, self.incarnation, self._moved(),
-                                                     self.store_faults()))
+                                                     self.store_faults() + self._armed_counts()))
             else:
                 self._hello()
 
@@ -402,6 +418,10 @@ class RankWorker:
                 self._run(self._command(items))
             elif kind in (wire.CANCEL, wire.LAYERS):
                 self._runner.notice(self._notice(kind, items))
+            elif kind == wire.ARM:
+                self._arm(wire.arm_of(items, self.rank))
+            elif kind == wire.DISARM:
+                self.counters["disarmed"] += self._runner.backend.disarm_pull(self.rank, wire.disarm_of(items))
             elif kind == wire.REJOIN:
                 self.incarnation = wire.new_incarnation()
                 self.welcomed = False
@@ -417,6 +437,32 @@ class RankWorker:
         except KVStateError:
             self.counters["bad_messages"] += 1
 
+    def _arm(self, cmd: C.ArmRead) -> None:
+        """Prepare the announced read on this rank's backend, if it can, until its deadline
+        (a read whose first token is already late prepares nothing). ``ARM`` comes on lane 0
+        and the read on any lane, so the read may come first: an arm whose read already
+        arrived, before or while it armed, is let go at once, or it would hold its slot
+        until its deadline."""
+        timeout = min(cmd.deadline - time.monotonic(), MAX_ARM_S)
+        if timeout <= 0 or self._read_begun(cmd.request_id):
+            return
+        backend = self._runner.backend
+        if backend.arm_pull(self.rank, cmd.keys, cmd.block_ids, timeout):
+            self.counters["armed"] += 1
+            if self._read_begun(cmd.request_id):
+                backend.disarm_pull(self.rank, cmd.keys)  # taken by the read already, or let go here
+
+    def _read_begun(self, request_id: str, mark: bool = False) -> bool:
+        """Whether ``request_id``'s read arrived (``mark``: it arrives now; the latest
+        ``MAX_READS_KEPT`` are kept)."""
+        with self._reads_lock:
+            if not mark:
+                return request_id in self._reads_begun
+            self._reads_begun[request_id] = None
+            if len(self._reads_begun) > MAX_READS_KEPT:
+                self._reads_begun.popitem(last=False)
+            return True
+
     def _command(self, items: list[Any]) -> C.TransferCommand:
         """The command a CMD message of this incarnation carries. One it cannot take is
         answered failed at once, under its id where it has one, so the driver need not wait
@@ -431,6 +477,8 @@ class RankWorker:
 
     def _run(self, cmd: C.TransferCommand) -> None:
         self.counters["commands"] += 1
+        if C.kind_of(cmd) == "read":
+            self._read_begun(cmd.request_id, mark=True)
         self._runner.admit(cmd)
         if cmd.__class__ is C.SaveLayers:  # it waits for layer reports: never on a receiving thread
             self._saves.submit(self._answer, cmd)

@@ -14,19 +14,24 @@ type        items after the type                                        directio
             group tables' block ids (a list each)
 ``CANCEL``  incarnation, command id                                     driver -> worker
 ``LAYERS``  incarnation, command id, layers computed                    driver -> worker
+``ARM``     incarnation, request id, keys, block ids, deadline          driver -> worker
+``DISARM``  incarnation, keys                                           driver -> worker
 ``WELCOME`` incarnation (the worker's hello was accepted)               driver -> worker
 ``REJOIN``  incarnation declared dead (say hello again, as a new one)   driver -> worker
 ``REFUSE``  incarnation, reason (that hello's configuration differs: exit) driver -> worker
 ``STOP``    (none)                                                      driver -> worker
 ``HELLO``   rank, incarnation, pid, TP size, geometry, lanes, secret    worker -> driver
-``HB``      rank, incarnation, bytes moved, store faults (broken, short, failed) so far  worker -> driver
+``HB``      rank, incarnation, bytes moved, counts so far               worker -> driver
+            (:data:`WORKER_COUNTS`)
 ``DONE``    rank, incarnation, command id, count, error or nil          worker -> driver
 ``ARRIVED`` rank, incarnation, command id, layers scattered             worker -> driver
 ``BYE``     rank, incarnation, reason                                   worker -> driver
 ========== =========================================================== ==================
 
 A worker has lanes (threads, each with its own command socket, named ``r{rank}:{lane}``); a
-command goes to one lane, and its ``CANCEL`` and ``LAYERS`` follow it there.
+command goes to one lane, and its ``CANCEL`` and ``LAYERS`` follow it there. ``ARM`` and
+``DISARM`` (a read prepared at reservation, :class:`~kvstate.commands.ArmRead`, and its letting
+go) go to lane 0: they answer nothing, and a read they miss runs unprepared.
 
 An incarnation is a random 63-bit number a worker draws each time it says hello: a message
 naming another than the rank's current one comes from a process declared dead or replaced.
@@ -51,12 +56,14 @@ from .._pool import FREED
 from .._spec import CacheSpec
 
 __all__ = [
-    "CMD", "CANCEL", "LAYERS", "WELCOME", "REJOIN", "REFUSE", "STOP", "HELLO", "HB", "DONE", "ARRIVED", "BYE",
+    "CMD", "CANCEL", "LAYERS", "ARM", "DISARM", "WELCOME", "REJOIN", "REFUSE", "STOP",
+    "HELLO", "HB", "DONE", "ARRIVED", "BYE",
     "KINDS", "MAX_MESSAGE_BYTES", "new_incarnation", "pack", "unpack", "command_message", "command_of",
-    "Done", "Hello", "Arrived", "Beat", "Bye", "from_worker", "geometry", "STORE_FAULTS",
+    "arm_message", "arm_of", "disarm_message", "disarm_of",
+    "Done", "Hello", "Arrived", "Beat", "Bye", "from_worker", "geometry", "STORE_FAULTS", "WORKER_COUNTS",
 ]
 
-CMD, CANCEL, LAYERS, WELCOME, REJOIN, REFUSE, STOP = 1, 2, 3, 4, 5, 6, 7
+CMD, CANCEL, LAYERS, WELCOME, REJOIN, REFUSE, STOP, ARM, DISARM = 1, 2, 3, 4, 5, 6, 7, 8, 9
 HELLO, HB, DONE, ARRIVED, BYE = 11, 12, 13, 14, 15
 
 #: transfer command classes by their wire code
@@ -178,6 +185,40 @@ def command_of(items: list[Any], rank: int) -> C.TransferCommand:
                tables=_tables(items[12], cid, len(blocks), window), **extra)
 
 
+def arm_message(cmd: C.ArmRead, incarnation: int) -> bytes:
+    """One rank's ``ARM`` for the read ``cmd`` announces."""
+    return pack(ARM, incarnation, cmd.request_id, list(cmd.keys), list(cmd.block_ids), cmd.deadline)
+
+
+def arm_of(items: list[Any], rank: int) -> C.ArmRead:
+    """The announced read an ``ARM`` message carries, for ``rank`` alone: as many block ids
+    (none freed) as keys, at least one."""
+    _arity(items, 6, "ARM")
+    rid = _text(items[2], "the request id")
+    keys = _keys(items[3], f"ARM of request {rid!r}")
+    blocks = _ints(items[4], f"ARM of request {rid!r}: block ids")
+    if not keys or len(blocks) != len(keys):
+        raise ProtocolError(f"ARM of request {rid!r}: {len(keys)} keys and {len(blocks)} block ids do not fit a read")
+    return C.ArmRead(rid, (rank,), _time(items[5], f"ARM of request {rid!r}: the deadline"), keys, blocks)
+
+
+def disarm_message(keys: tuple[str, ...], incarnation: int) -> bytes:
+    """One rank's ``DISARM`` of the read armed for ``keys``."""
+    return pack(DISARM, incarnation, list(keys))
+
+
+def disarm_of(items: list[Any]) -> tuple[str, ...]:
+    """The keys a ``DISARM`` message lets go of."""
+    _arity(items, 3, "DISARM")
+    return _keys(items[2], "DISARM")
+
+
+def _keys(x: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(x, list) or len(x) > _MAX_ITEMS:
+        raise ProtocolError(f"{what}: keys must be a list")
+    return tuple(_text(k, f"{what}: a key") for k in x)
+
+
 def _tables(x: Any, cid: int, blocks: int, window: int) -> tuple[tuple[int, ...], ...]:
     """A command's other group tables (:mod:`kvstate._tables`): lists of block ids, each as long
     as its block ids."""
@@ -215,13 +256,16 @@ class Hello(NamedTuple):
 #: broken (a checksum or size mismatch: evicted), reads that stopped short of their keys (a key
 #: missing), and operations that failed outright (an error answer)
 STORE_FAULTS = ("broken", "short", "failed")
+#: what a heartbeat counts: the store faults, then the reads its backend armed ahead and those
+#: fired (:mod:`kvstate.backends._arming`)
+WORKER_COUNTS = (*STORE_FAULTS, "armed", "fired")
 
 
 class Beat(NamedTuple):
     rank: int
     incarnation: int
     bytes_moved: int  #: payload bytes the worker's backend moved to and from the store so far
-    faults: tuple[int, ...]  #: its :data:`STORE_FAULTS` so far
+    counts: tuple[int, ...]  #: its :data:`WORKER_COUNTS` so far
 
 
 class Done(NamedTuple):
@@ -252,11 +296,11 @@ def from_worker(data: bytes) -> Hello | Beat | Done | Arrived | Bye:
     kind = items[0]
     if kind == HB:
         _arity(items, 5, "HB")
-        faults = items[4]
-        if not isinstance(faults, list) or len(faults) != len(STORE_FAULTS):
-            raise ProtocolError(f"a heartbeat's store faults must be {len(STORE_FAULTS)} counts")
+        counts = items[4]
+        if not isinstance(counts, list) or len(counts) != len(WORKER_COUNTS):
+            raise ProtocolError(f"a heartbeat's counts must be {len(WORKER_COUNTS)}: {', '.join(WORKER_COUNTS)}")
         return Beat(_int(items[1], "the rank"), _int(items[2], "the incarnation", 1), _int(items[3], "the bytes"),
-                    tuple(_int(f, "a fault count") for f in faults))
+                    tuple(_int(f, "a count") for f in counts))
     if kind == DONE:
         _arity(items, 6, "DONE")
         error = None if items[5] is None else _text(items[5], "the error", empty=True)
