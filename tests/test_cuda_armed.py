@@ -13,6 +13,7 @@ from needs import gpu
 
 from kvstate import CacheSpec, ValidationError
 from kvstate.backends import MemoryStore
+from kvstate.backends._cuda_armed import SLOTS
 from kvstate.backends._lends import LendBoard
 
 pytestmark = [pytest.mark.gpu, gpu()]
@@ -59,6 +60,14 @@ def _lend(p, keys=KEYS, seconds: float = 10.0) -> threading.Thread:
     return t
 
 
+def _meet(p, d) -> None:
+    """D pulls once, unarmed, from P: P's caches are mapped on D's GPU from then on."""
+    keys = [f"meet-{k}" for k in KEYS]
+    t = _lend(p, keys)
+    assert d.pull(0, keys, [30, 31, 32, 33, 34, 35], lambda: True) == len(keys)
+    t.join(10)
+
+
 def _d_bytes(d, blocks=None) -> dict:
     import cupy as cp
 
@@ -77,6 +86,7 @@ def _landed(d) -> bool:
 
 def test_an_armed_pull_lands_byte_for_byte_and_its_slot_serves_the_next(pd):
     p, d = pd
+    _meet(p, d)
     for rep in range(3):  # a slot's memory is armed again once its work ran
         keys = [f"{k}-{rep}" for k in KEYS]
         assert d.arm_pull(0, keys, D_BLOCKS) is True
@@ -86,7 +96,26 @@ def test_an_armed_pull_lands_byte_for_byte_and_its_slot_serves_the_next(pd):
         t.join(10)
         assert _landed(d)
     assert d.armed_counts() == {"armed": 3, "fired": 3, "disarmed": 0, "now": 0}
-    assert d.lend_counts["pulls"] == 3 and p.lend_counts["pulled"] == 3
+    assert d.lend_counts["pulls"] == 4 and p.lend_counts["pulled"] == 4
+
+
+def test_a_pull_from_a_lender_never_met_lets_every_armed_pull_go_and_runs_unarmed(pd):
+    """Mapping a lender's caches may wait for the whole device, every queued wait with it: the
+    first pull from P is unarmed, and lets the other armed pull go first; arming works again
+    once P is mapped."""
+    p, d = pd
+    other = [f"{k}-other" for k in KEYS]
+    assert d.arm_pull(0, KEYS, D_BLOCKS) and d.arm_pull(0, other, [20, 21, 22, 23, 24, 25])
+    t = _lend(p)
+    assert d.pull(0, KEYS, D_BLOCKS, lambda: True) == len(KEYS)
+    t.join(10)
+    assert _landed(d)
+    assert d.armed_counts() == {"armed": 2, "fired": 0, "disarmed": 2, "now": 0}
+    assert d.arm_pull(0, other, D_BLOCKS)
+    t = _lend(p, other)
+    assert d.pull(0, other, D_BLOCKS, lambda: True) == len(KEYS)
+    t.join(10)
+    assert d.armed_counts() == {"armed": 3, "fired": 1, "disarmed": 2, "now": 0}
 
 
 def test_an_armed_pull_no_lend_fires_writes_no_block(pd):
@@ -139,7 +168,7 @@ def test_a_pull_into_the_armed_blocks_after_a_release_runs_unarmed_and_lands(pd)
 
 def test_close_lets_every_armed_pull_go_and_returns(pd):
     p, d = pd
-    for i in range(3):
+    for i in range(SLOTS):
         assert d.arm_pull(0, [f"{k}-{i}" for k in KEYS], D_BLOCKS)
     t0 = time.monotonic()
     d.close()
@@ -149,7 +178,7 @@ def test_close_lets_every_armed_pull_go_and_returns(pd):
 def test_a_rank_arms_at_most_its_slots(pd):
     p, d = pd
     armed = [d.arm_pull(0, [f"{k}-{i}" for k in KEYS], D_BLOCKS) for i in range(10)]
-    assert armed == [True] * 8 + [False] * 2
+    assert armed == [True] * SLOTS + [False] * (10 - SLOTS)
 
 
 @pytest.mark.parametrize("keys,blocks,timeout,match", [
@@ -181,6 +210,7 @@ def test_an_entry_with_ids_out_of_p_s_range_fails_the_armed_pull_and_writes_noth
     """P's entry is checked before the flag goes up: a block id past P's caches fails the
     pull (0: that P does not write the store), the slot is let go, D's blocks keep their bytes."""
     p, d = pd
+    _meet(p, d)
     before = _d_bytes(d)
     assert d.arm_pull(0, KEYS, D_BLOCKS)
     bad = [*P_BLOCKS[:-1], 64]

@@ -63,6 +63,30 @@ def test_d_pulls_from_p_in_one_process_byte_exact(tmp_path, handoff, d_device, s
         pair.close()
 
 
+def test_reads_armed_at_reservation_fire_on_the_gpu_byte_exact(tmp_path):
+    """D's lifecycle announces each read at reservation, the driver arms it on D's GPU (a rank
+    arms ``SLOTS`` at once), and the pull after the first token fires it. D is on its own
+    GPU: P's prefill (here, filling its blocks with CuPy) loads kernels, which on D's GPU in
+    this process would wait behind the armed reads (kvstate.backends._cuda_armed)."""
+    if _devices() < 2:
+        pytest.skip("needs two GPUs: an in-process D arms only on a GPU this process computes nothing on")
+    from kvstate.backends._cuda_armed import SLOTS
+
+    pair = _Pair(tmp_path, "direct", p_backend=_cuda(0), d_backend=_cuda(1), spec=SPEC, wait=4.0, arm=True)
+    again = {f"again-{rid}": tokens for rid, tokens in PROMPTS.items()}
+    try:
+        for prompts in (PROMPTS, again):  # the first pulls map P's caches: they run unarmed
+            outcome, bad, _ = pair.serve(prompts)
+            assert outcome == {rid: "done" for rid in prompts} and bad == []
+        assert pair.armed == {"armed": SLOTS, "matched": SLOTS, "let_go": 0}  # the first SLOTS reserved
+        counts = pair.db.armed_counts()
+        assert counts["fired"] >= 2 * SLOTS and counts["armed"] == counts["fired"] + counts["disarmed"]
+        assert counts["now"] == 0
+        assert pair.db.lend_counts["pulls"] == 4 * len(PROMPTS) and pair.db.lend_counts["pull_failed"] == 0
+    finally:
+        pair.close()
+
+
 def _filled(cp, device, blocks, seed):
     """Eight layers of ``blocks`` blocks of 16 tokens x 2 heads x 64 bf16 (as int16), random."""
     with cp.cuda.Device(device):

@@ -28,6 +28,7 @@ from .._errors import ProtocolError, ValidationError
 from .._spec import CacheSpec
 from .._validate import check_int
 from ..kernels._cuda import CudaSwapper, DeviceLayers, load_cupy
+from ..kernels._cuda_checksum import load_sums
 from ..kernels._cuda_launch import register_host, unregister_host
 from ._arena import ArenaStore
 from ._base import MISSING, Guard, Store, check_fence, leading
@@ -657,6 +658,7 @@ class CudaBackend(DeviceSums, StoreBackend):
             return False
         dst = packed if packed is not None else np.asarray(block_ids, np.int64)
         with self._on(rank):
+            load_sums(self.cp, self._sum_cache)  # a store read or write while armed must load nothing
             if self._armed is None:
                 self._armed, self._firing = ArmedPulls(self.cp), {}
             return self._armed.arm(rank, sw, ours, tuple(keys), dst, time.monotonic() + timeout, block_ids,
@@ -694,17 +696,28 @@ class CudaBackend(DeviceSums, StoreBackend):
     def _fire(self, rank: int, slot: Armed, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
               sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
         """An armed pull's lend taken: P's caches mapped, the fence checked, the flag raised."""
-        armed, sw = cast(ArmedPulls, self._armed), self._swappers[rank]
+        armed = cast(ArmedPulls, self._armed)
         try:
             theirs = self._peers.mapped(peer, rank)  # a lender met before: no device call, no lock
-            if theirs is None:
-                with self._on(rank):
-                    theirs = self._peers.open(peer, rank, sw.bind)
-            check_fence(guard, rank, "scatter into", slot.dst)
+            if theirs is not None:
+                check_fence(guard, rank, "scatter into", slot.dst)
         except BaseException:
             armed.disarm(slot)
             raise
+        if theirs is None:  # mapping it may wait for the device, this slot's wait with it: unarmed
+            armed.disarm(slot)
+            return self._pull_copy(rank, peer, src_ids, slot.dst, sums, guard)
         return armed.fire(slot, [theirs[k] for k in self.spec.kinds], src_ids, sums)()
+
+    def _open_peer(self, rank: int, peer: dict[str, Any]) -> dict[str, Any]:
+        """The lender's caches bound here; mapping one not met before lets every armed pull go
+        first and arms none meanwhile (it may wait for the whole device:
+        :mod:`kvstate.backends._cuda_armed`). Called with the rank's device current."""
+        theirs = self._peers.mapped(peer, rank)
+        if theirs is not None:
+            return theirs
+        with self._armed.quiet() if self._armed is not None else contextlib.nullcontext():
+            return self._peers.open(peer, rank, self._swappers[rank].bind)
 
     def pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
                   dst_ids: Sequence[int] | np.ndarray, sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
@@ -717,6 +730,11 @@ class CudaBackend(DeviceSums, StoreBackend):
         slot = self._firing.pop(threading.get_ident(), None) if self._armed is not None and self._firing else None
         if slot is not None:
             return self._fire(rank, slot, peer, src_ids, sums, guard)
+        return self._pull_copy(rank, peer, src_ids, dst_ids, sums, guard)
+
+    def _pull_copy(self, rank: int, peer: dict[str, Any], src_ids: Sequence[int] | np.ndarray,
+                   dst_ids: Sequence[int] | np.ndarray, sums: Sequence[int] | np.ndarray, guard: Guard | None) -> int:
+        """:meth:`pull_copy` unarmed: the copy launched now."""
         self._check_open()
         if not len(src_ids) == len(dst_ids) == len(sums):
             raise ProtocolError(f"rank {rank}: a pull needs as many lender's blocks, own blocks and checksums, got "
@@ -724,7 +742,7 @@ class CudaBackend(DeviceSums, StoreBackend):
         sw = self._swappers[rank]
         fetch: Callable[[], int]
         with self._on(rank):
-            theirs = self._peers.open(peer, rank, sw.bind)
+            theirs = self._open_peer(rank, peer)
             check_fence(guard, rank, "scatter into", dst_ids)
             ours = self._layers[rank]
             spec = self.spec

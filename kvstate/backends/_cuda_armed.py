@@ -12,19 +12,28 @@ the GPU starts at once, with no launch left on the first token's path.
 Rules:
 
 - A slot is a stream, its pinned memory and its device scratch. A queued wait holds back all
-  that follows it on its stream, so two armed pulls never share one: a rank has at most
-  ``slots`` armed at once, and ``arm`` answers False when none is free (the pull then runs
-  as an unarmed one).
+  that follows it on its stream, so two armed pulls never share one. It can hold back other
+  streams too: the GPU runs streams on a few hardware queues, and a queue whose head waits
+  stalls every stream placed on it. Measured on an H200 (``.dev/run/armhazard.py``): with
+  three or more waits queued in one process, a kernel on a new stream waited for the flag
+  (with ``CUDA_DEVICE_MAX_CONNECTIONS`` 8 or 32); with one or two it did not. So a rank has at
+  most ``slots`` (default 2) armed at once, and ``arm`` answers False when none is free (the
+  pull then runs as an unarmed one).
 - An armed pull is fired by the pull of its keys into its blocks, or *disarmed*: by
   ``disarm``, by a pull of its keys into other blocks, by its deadline (a watchdog thread
   disarms it then), and by ``close``. Disarming raises the flag over a harmless copy: every
   layer pointer the queued work reads or writes is the slot's own scratch row and every id
   0, so it touches no cache.
-- A call that waits for the whole device (``cudaFree``, ``cudaDeviceSynchronize``, loading a
-  module) waits for every armed pull of the process to be fired or disarmed: at most until
-  the latest deadline. The kernels an armed pull queues are loaded before its wait is
-  queued; an engine that frees device memory while pulls are armed arms them with short
-  deadlines.
+- A call that waits for the whole device in this process (``cudaFree``, ``cudaFreeHost``,
+  ``cudaHostUnregister``, ``cudaDeviceSynchronize``, loading a module: a first use of a CuPy
+  operation or a kernel) waits for every armed pull of the process on that GPU to be fired
+  or disarmed: at most until the latest deadline. Allocations, streams, events, copies and
+  launches of loaded kernels do not wait, and neither does another process or another GPU
+  (measured as above). The kernels an armed pull queues, and the checksum kernels of the
+  backend's reads and writes, are loaded before its wait is queued. Mapping a lender not met
+  before may wait for the device: :meth:`ArmedPulls.quiet` lets every armed pull go first
+  and arms none until the mapping is made (a pull already taken waits at most its own wait
+  for P's entry).
 - D's blocks are written only when the pull is fired, by the read that holds them, after its
   fence check, as an unarmed pull writes them. What P's entry says is checked before the
   flag goes up (its layers, row size and ids in range of P's caches); an entry that fails a
@@ -38,7 +47,7 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,7 +57,9 @@ from ..kernels._cuda_checksum import fold_match, load_fold_match
 from ..kernels._cuda_launch import stream_wait_value
 from ..kernels._ids import check_ids
 
-__all__ = ["ArmedPulls", "Armed"]
+__all__ = ["ArmedPulls", "Armed", "SLOTS"]
+
+SLOTS = 2  #: pulls a rank arms at once, by default (see the rules: more stall other streams)
 
 
 class Armed:
@@ -82,13 +93,16 @@ class Armed:
 class ArmedPulls:
     """The armed pulls of one backend's ranks, ``slots`` at most a rank."""
 
-    def __init__(self, cp: Any, slots: int = 8) -> None:
+    def __init__(self, cp: Any, slots: int = SLOTS) -> None:
         self.cp, self.slots = cp, slots
         self._wait = stream_wait_value()
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)  # the watchdog's: a deadline came nearer, or close
+        # the watchdog's (a deadline came nearer, or close) and quiet's (no arming in flight)
+        self._cv = threading.Condition(self._lock)
         self._watchdog: threading.Thread | None = None
         self._closed = False
+        self._quiet = 0  # calls that may wait for the device in progress: nothing is armed meanwhile
+        self._arming = 0  # arms between their check and their entry in the table
         self._cache: dict[str, Any] = {}  # fold_match's kernel, loaded before any wait is queued
         self._ptrs: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()  # by mapping
         self._armed: dict[tuple[int, tuple[str, ...]], Armed] = {}
@@ -107,8 +121,18 @@ class ArmedPulls:
         again disarms the earlier one."""
         self.disarm_keys(rank, keys)
         with self._lock:
-            if self._closed or sum(1 for r, _ in self._armed if r == rank) >= self.slots:
+            if self._closed or self._quiet or sum(1 for r, _ in self._armed if r == rank) >= self.slots:
                 return False
+            self._arming += 1
+        try:
+            return self._arm(rank, sw, ours, keys, dst, deadline, given, prepared)
+        finally:
+            with self._cv:
+                self._arming -= 1
+                self._cv.notify_all()
+
+    def _arm(self, rank: int, sw: Any, ours: Sequence[Any], keys: tuple[str, ...], dst: np.ndarray,
+             deadline: float, given: Any, prepared: Any) -> bool:
         load_fold_match(self.cp, self._cache)
         n, layers = len(dst), len(ours[0])
         slot = self._free(n, len(ours), layers, int(ours[0].row_bytes))
@@ -129,7 +153,7 @@ class ArmedPulls:
         with self._cv:
             self._armed[(rank, keys)] = slot
             self.counts["armed"] += 1
-            self._cv.notify()
+            self._cv.notify_all()
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="kvstate-armed-pulls", daemon=True)
                 self._watchdog.start()
@@ -224,6 +248,26 @@ class ArmedPulls:
             got = self._ptrs[layers] = np.asarray(layers.ptrs, np.uint64)
         return got
 
+    @contextlib.contextmanager
+    def quiet(self, timeout: float = 5.0) -> Iterator[None]:
+        """Around a call that may wait for the whole device (mapping a lender's caches): every
+        armed pull let go first, and none armed until it returns. An arm between its check and
+        its entry is waited for, at most ``timeout`` seconds (it queues no more than a few
+        calls)."""
+        with self._cv:
+            self._quiet += 1
+            self._cv.wait_for(lambda: not self._arming, timeout)
+            slots = list(self._armed.values())
+            self._armed.clear()
+            self._cv.notify_all()
+        try:
+            for slot in slots:
+                self._release(slot)
+            yield
+        finally:
+            with self._lock:
+                self._quiet -= 1
+
     def disarm(self, slot: Armed) -> None:
         """Release an armed pull taken out and not fired: its queued work runs harmlessly."""
         self._release(slot)
@@ -279,7 +323,7 @@ class ArmedPulls:
             self._closed = True
             slots = list(self._armed.values())
             self._armed.clear()
-            self._cv.notify()
+            self._cv.notify_all()
         if self._watchdog is not None:
             self._watchdog.join(5.0)
         for slot in slots:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["block_sums", "summable", "to_host", "fold_match", "load_fold_match"]
+__all__ = ["block_sums", "summable", "to_host", "fold_match", "load_fold_match", "load_sums"]
 
 
 def summable(views: Sequence[Any]) -> bool:
@@ -100,6 +100,17 @@ def load_fold_match(cp: Any, cache: dict[Any, Any]) -> Any:
         kernel.compile()
         cache["fold_match"] = kernel
     return kernel
+
+
+def load_sums(cp: Any, cache: dict[Any, Any]) -> None:
+    """:func:`block_sums`' and :func:`to_host`'s kernels, compiled and loaded now on the current
+    device and kept in ``cache``: a backend about to queue a wait on the host (an armed pull)
+    loads every kernel its reads and writes may launch meanwhile (see :func:`load_fold_match`)."""
+    for name, source, entry in (("kernel", _SOURCE, "sum64_rows"), ("to_host", _TO_HOST, "u64_to_host")):
+        kernel = cache.get(name)
+        if kernel is None:
+            kernel = cache[name] = cp.RawKernel(source, entry)
+        kernel.compile()
 
 
 def fold_match(cp: Any, sums: Any, expect: Any, host_ptr: int, cache: dict[Any, Any]) -> None:
