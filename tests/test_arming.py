@@ -154,6 +154,15 @@ def test_a_backend_that_cannot_arm_is_asked_once_and_never_told_to_let_go():
     assert [c[0] for c in be.calls] == ["arm", "arm"] and counts["armed"] == 0
 
 
+def test_a_request_armed_again_lets_the_older_arm_go_first():
+    be = _Arming()
+    _, counts = _run(be, [_arm(), _arm(keys=("c",), blocks=(9,))])
+    assert [c[:3] for c in be.calls] == [("arm", 0, ("a", "b")), ("arm", 1, ("a", "b")), ("disarm", 0, ("a", "b")),
+                                         ("disarm", 1, ("a", "b")), ("arm", 0, ("c",)), ("arm", 1, ("c",)),
+                                         ("disarm", 0, ("c",)), ("disarm", 1, ("c",))]  # the last, at close
+    assert counts == {"armed": 2, "matched": 0, "let_go": 1}  # counted before the close
+
+
 def test_an_announcement_already_late_arms_nothing():
     be = _Arming()
     _run(be, [_arm(deadline=time.monotonic() - 1)])

@@ -136,6 +136,7 @@ def test_a_read_armed_ahead_reaches_each_rank_and_is_let_go_when_its_request_end
                         calls.append(("arm", rank, tuple(keys), tuple(blocks), timeout)) or True)
     monkeypatch.setattr(ReferenceBackend, "disarm_pull", lambda self, rank, keys:
                         calls.append(("disarm", rank, tuple(keys))) or True)
+    hosted.drv.submit(C.ArmRead("late", (0, 1), time.monotonic() - 1, ("z",), (5,)))  # its token is late: not sent
     hosted.drv.submit(C.ArmRead("r", (0, 1), time.monotonic() + 20, ("a", "b"), (5, 6)))
     hosted.drv._send(0, 0, wire.pack(wire.ARM, hosted.workers[0].incarnation, "r", ["a"], [5, 6], 1.0))
     assert hosted.drv.submit(C.RequestEnded("r", "failed", 504, (5, 6), "first_token_timeout")) is False
@@ -164,7 +165,7 @@ def test_an_arm_that_comes_after_its_read_arms_nothing_or_lets_go_at_once(hosted
     def arm(self, rank, keys, blocks, timeout=60.0):
         calls.append(("arm", rank, tuple(keys)))
         if keys[0] == "late-while" and rank == 0:
-            w._read_begun("while", mark=True)  # the read arrives on another lane as this arms
+            w._read_arrives("while")  # the read arrives on another lane as this arms
         return True
 
     monkeypatch.setattr(ReferenceBackend, "arm_pull", arm)

@@ -452,16 +452,16 @@ class RankWorker:
             if self._read_begun(cmd.request_id):
                 backend.disarm_pull(self.rank, cmd.keys)  # taken by the read already, or let go here
 
-    def _read_begun(self, request_id: str, mark: bool = False) -> bool:
-        """Whether ``request_id``'s read arrived (``mark``: it arrives now; the latest
-        ``MAX_READS_KEPT`` are kept)."""
+    def _read_begun(self, request_id: str) -> bool:
+        """Whether ``request_id``'s read arrived (among the latest ``MAX_READS_KEPT``)."""
         with self._reads_lock:
-            if not mark:
-                return request_id in self._reads_begun
+            return request_id in self._reads_begun
+
+    def _read_arrives(self, request_id: str) -> None:
+        with self._reads_lock:
             self._reads_begun[request_id] = None
             if len(self._reads_begun) > MAX_READS_KEPT:
                 self._reads_begun.popitem(last=False)
-            return True
 
     def _command(self, items: list[Any]) -> C.TransferCommand:
         """The command a CMD message of this incarnation carries. One it cannot take is
@@ -478,7 +478,7 @@ class RankWorker:
     def _run(self, cmd: C.TransferCommand) -> None:
         self.counters["commands"] += 1
         if C.kind_of(cmd) == "read":
-            self._read_begun(cmd.request_id, mark=True)
+            self._read_arrives(cmd.request_id)
         self._runner.admit(cmd)
         if cmd.__class__ is C.SaveLayers:  # it waits for layer reports: never on a receiving thread
             self._saves.submit(self._answer, cmd)
