@@ -18,7 +18,9 @@ Rules:
   three or more waits queued in one process, a kernel on a new stream waited for the flag
   (with ``CUDA_DEVICE_MAX_CONNECTIONS`` 8 or 32); with one or two it did not. So a rank has at
   most ``slots`` (default 2) armed at once, and ``arm`` answers False when none is free (the
-  pull then runs as an unarmed one).
+  pull then runs as an unarmed one). The count is a rank's: a backend holding several ranks
+  on one GPU (a D in one process at TP 2) can queue ``slots`` waits for each, more than the
+  measurement found safe; a rank worker holds one rank.
 - An armed pull is fired by the pull of its keys into its blocks, or *disarmed*: by
   ``disarm``, by a pull of its keys into other blocks, by its deadline (a watchdog thread
   disarms it then), and by ``close``. Disarming raises the flag over a harmless copy: every
