@@ -29,9 +29,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .. import commands as C
-from .._errors import ValidationError
 
-__all__ = ["ArmedReads", "Armed", "check_arm"]
+__all__ = ["ArmedReads", "Armed"]
 
 
 class Armed(NamedTuple):
@@ -89,15 +88,3 @@ class ArmedReads:
         self._by_request.clear()
         return out
 
-
-def check_arm(cmd: C.ArmRead, tp: int, who: str) -> None:
-    """An :class:`~kvstate.commands.ArmRead` a driver can act on: ranks of its TP group, as many
-    blocks as keys; or a ValidationError naming the request."""
-    if not isinstance(cmd.ranks, tuple) or not cmd.ranks or not all(r.__class__ is int and 0 <= r < tp
-                                                                     for r in cmd.ranks):
-        raise ValidationError(f"{who}: ArmRead of request {cmd.request_id!r} names ranks {cmd.ranks!r}; "
-                              f"this driver's are 0..{tp - 1}")
-    if not isinstance(cmd.keys, tuple) or not isinstance(cmd.block_ids, tuple) or \
-            len(cmd.keys) != len(cmd.block_ids) or not cmd.keys:
-        raise ValidationError(f"{who}: ArmRead of request {cmd.request_id!r} needs as many block ids as keys "
-                              f"(at least one), as tuples")

@@ -34,12 +34,12 @@ from .._errors import DriverError, ValidationError
 from .._timeline import Timeline
 from .._validate import check_callable, check_int, check_name, is_int
 from ..events import Completion
-from ._arming import Armed, ArmedReads, check_arm
+from ._arming import Armed, ArmedReads
 from ._base import TransferBackend, check_backend
 from ._gate import LayerArrivals
 from ._runner import CommandRunner, execute
 
-__all__ = ["Driver", "StepDriver", "ThreadedDriver", "check_commands", "check_timeout"]
+__all__ = ["Driver", "StepDriver", "ThreadedDriver", "check_commands", "check_ranks", "check_arm", "check_timeout"]
 
 
 def check_commands(cmds: Any, who: str) -> list[C.Command]:
@@ -52,6 +52,26 @@ def check_commands(cmds: Any, who: str) -> list[C.Command]:
         if not isinstance(c, C.Command):
             raise ValidationError(f"{who}: item {i} is a {type(c).__name__}, not a kvstate command")
     return out
+
+
+def check_ranks(cmd: C.TransferCommand | C.ArmRead, tp: int, who: str) -> None:
+    """``cmd.ranks``: a non-empty tuple of this driver's ranks (``0..tp - 1``), or a
+    ValidationError naming the command and its request."""
+    ranks = cmd.ranks
+    if not isinstance(ranks, tuple) or not ranks or not all(r.__class__ is int and 0 <= r < tp for r in ranks):
+        what = f"command {cmd.command_id}" if isinstance(cmd, C.TransferCommand) else type(cmd).__name__
+        raise ValidationError(f"{who}: {what} of request {cmd.request_id!r} names ranks {ranks!r}; this driver's "
+                              f"are 0..{tp - 1}")
+
+
+def check_arm(cmd: C.ArmRead, tp: int, who: str) -> None:
+    """An :class:`~kvstate.commands.ArmRead` a driver can act on: ranks of its TP group, as many
+    blocks as keys; or a ValidationError naming the request."""
+    check_ranks(cmd, tp, who)
+    if not isinstance(cmd.keys, tuple) or not isinstance(cmd.block_ids, tuple) or \
+            len(cmd.keys) != len(cmd.block_ids) or not cmd.keys:
+        raise ValidationError(f"{who}: ArmRead of request {cmd.request_id!r} needs as many block ids as keys "
+                              f"(at least one), as tuples")
 
 
 def check_timeout(timeout: Any, who: str) -> float:

@@ -50,11 +50,11 @@ from typing import Any, cast
 import zmq
 
 from .. import commands as C
-from .._errors import ConfigError, DriverError, KVStateError, ProtocolError, ValidationError
+from .._errors import ConfigError, DriverError, KVStateError, ProtocolError
 from .._spec import CacheSpec
 from .._validate import MAX_BLOCKS, check_int, check_name
-from ..backends._arming import Armed, ArmedReads, check_arm
-from ..backends._drivers import Driver, check_commands, check_timeout
+from ..backends._arming import Armed, ArmedReads
+from ..backends._drivers import Driver, check_arm, check_commands, check_ranks, check_timeout
 from ..backends._gate import LayerArrivals
 from ..events import Completion
 from ..kernels._cuda_launch import wait_event
@@ -280,11 +280,7 @@ class ProcessDriver(Driver):
                 self._let_go(self._armed.ended(cmd.request_id))
             return False
         cmd = cast(C.TransferCommand, cmd)
-        tp = self.spec.tp_size
-        if not isinstance(cmd.ranks, tuple) or not cmd.ranks or \
-                not all(r.__class__ is int and 0 <= r < tp for r in cmd.ranks):
-            raise ValidationError(f"ProcessDriver.submit: command {cmd.command_id} of request {cmd.request_id!r} "
-                                  f"names ranks {cmd.ranks!r}; this driver's are 0..{tp - 1}")
+        check_ranks(cmd, self.spec.tp_size, "ProcessDriver.submit")
         if self._armed:
             self._let_go(self._armed.read(cmd))
         sends, down = self.ledger.register(cmd)
