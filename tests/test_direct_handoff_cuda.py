@@ -241,6 +241,32 @@ def test_a_pull_with_too_few_checksums_is_refused_before_anything_moves():
         be.close()
 
 
+def test_a_pull_reads_its_own_answer_after_the_rank_s_next_pull_ran():
+    """A rank's pulls run on several lanes: one waiting for its answer while the next one
+    queues. The next may not reuse the scratch the first's answer lands in before the first
+    read it, though the first's GPU work has run (it used to: the first pull was then handed
+    the second's count, here 8 blocks of a 2-block pull)."""
+    from kvstate.backends import CudaBackend
+
+    pb, db = CudaBackend(SPEC, 16, MemoryStore(1 << 20)), CudaBackend(SPEC, 16, MemoryStore(1 << 20))
+    try:
+        src = list(range(8))
+        sums = pb.lend_sums(0, src)
+        sw = db._swappers[0]
+        with db._on(0):
+            theirs = db._open_peer(0, pb.lend_peer(0))
+            pairs = [(theirs[k], db._layers[0][k]) for k in SPEC.kinds]
+            wrong = [s ^ 1 for s in sums[:2]]  # no block matches: the first pull's answer is 0
+            first = db._peers.pull(0, sw, pairs, src[:2], [8, 9], wrong, db._keep_until)
+            sw.wait(sw.stream)  # its GPU work ran; its answer is not read yet
+            second = db._peers.pull(0, sw, pairs, src, list(range(8, 16)), sums, db._keep_until)
+        assert second() == 8
+        assert first() == 0
+    finally:
+        db.close()
+        pb.close()
+
+
 def test_a_gpu_that_cannot_reach_p_is_refused_by_rule():
     from kvstate import ProtocolError
     from kvstate.backends import CudaBackend

@@ -181,12 +181,16 @@ class CudaPeers:
             fold_match(cp, buf["out"], buf["expect"], buf["answer_ptr"], self._kernels)
             done = cp.cuda.Event(block=False, disable_timing=True)
             done.record(sw.stream)
-        buf["held"]["done"] = done
-        keep(rank, done, buf["held"])
+        held = buf["held"]
+        held["done"], held["busy"] = done, True  # the answer is read by fetch, after the GPU's work
+        keep(rank, done, held)
 
         def fetch() -> int:
-            sw.wait(done)
-            return int(buf["answer"][0])
+            try:
+                sw.wait(done)
+                return int(buf["answer"][0])
+            finally:
+                held["busy"] = False
         return fetch
 
     def _copier(self, rank: int, sw: Any, pairs: list[tuple[Any, Any]]) -> Any:
@@ -204,16 +208,20 @@ class CudaPeers:
         at ``out_ptr``); the ids and the lender's sums in pinned memory (``host``, int64, and
         ``sums_host``, at ``host_ptr``) and their copy on the device (at ``dev_ptr``; the
         lender's sums ``expect``); the answer in pinned memory (``answer``, ``answer_ptr``
-        the device's address of it). Views made once a shape."""
+        the device's address of it). Views made once a shape. A scratch is used again only
+        once its pull's GPU work ran *and* its fetch read the answer: the rank's pulls on other
+        lanes queue while one waits, and one reusing the scratch in between would hand the
+        waiting pull its own count (more blocks than it asked for, or fewer)."""
         cp, need = self.cp, kinds * n
         held = self._scratch.get(rank)
-        if held is None or held["size"] < max(need, n) or (held["done"] is not None and not held["done"].done):
+        if held is None or held["size"] < max(need, n) or held["busy"] or \
+                (held["done"] is not None and not held["done"].done):
             import cupyx
             size = max(need, n, 1024)
             host = cupyx.empty_pinned(3 * size + 1, np.uint64)  # ids and the lender's sums, then the answer
             held = self._scratch[rank] = {
-                "size": size, "done": None, "out": cp.empty(size, cp.uint64), "dev": cp.empty(3 * size, cp.uint64),
-                "host": host, "views": {},
+                "size": size, "done": None, "busy": False, "out": cp.empty(size, cp.uint64),
+                "dev": cp.empty(3 * size, cp.uint64), "host": host, "views": {},
                 "answer_ptr": int(cp.cuda.runtime.pointerGetAttributes(int(host.ctypes.data)).devicePointer)
                 + 8 * 3 * size}
         views = held["views"].get((kinds, n))
