@@ -401,7 +401,7 @@ def test_a_cancel_and_a_layer_report_follow_their_command_to_its_lane():
         assert [(c.command_id, c.error) for c in answers(drv, 1)] == [(21, "cancelled")]
 
 
-def test_poll_gives_answers_as_they_come_and_drops_stale_or_bad_ones():
+def test_poll_gives_answers_as_they_come_drops_stale_ones_and_fails_one_past_the_keys():
     with ProcessDriver(SPEC1, 4, restart=False) as drv, FakeWorker(drv, inc=3) as w:
         for cid in (31, 32):
             drv.submit(write_command(cid, (0,)))
@@ -409,15 +409,19 @@ def test_poll_gives_answers_as_they_come_and_drops_stale_or_bad_ones():
         assert drv.poll(0.0) == [] and drv.inflight == 2
         w.answer(31, 1, inc=4)  # another incarnation's: stale
         w.reply.send(b"not a message")
-        w.answer(31, 3)  # more than its two keys: refused
         t = time.monotonic()
         assert drv.poll(0.3) == [] and time.monotonic() - t >= 0.25  # it waited out its timeout
-        assert drv.counters["stale"] == 1 and drv.counters["bad_messages"] == 2
+        assert drv.counters["stale"] == 1 and drv.counters["bad_messages"] == 1
+        w.answer(31, 3)  # more than its two keys: its rank fails, at once
+        got = answers(drv, 1)
+        assert [(c.command_id, c.count, c.error) for c in got] == \
+            [(31, 0, "rank 0 answered 3 leading blocks of command 31, which has 2 keys")]
+        assert drv.counters["bad_messages"] == 2
         w.answer(32, 2)
-        w.answer(31, 1)
-        got = sorted(answers(drv, 2), key=lambda c: c.command_id)
-        assert [(c.command_id, c.count, c.error) for c in got] == [(31, 1, None), (32, 2, None)]
-        assert drv.inflight == 0
+        w.answer(31, 1)  # the rank settled already: stale
+        got = answers(drv, 1)
+        assert [(c.command_id, c.count, c.error) for c in got] == [(32, 2, None)]
+        assert drv.poll(0.2) == [] and drv.inflight == 0 and drv.counters["stale"] == 2
 
 
 def test_closing_tells_every_connected_worker_to_stop():

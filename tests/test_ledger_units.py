@@ -75,17 +75,21 @@ def test_answers_settle_once_and_the_last_one_forgets_the_command():
     assert led.ranks.owed(0) == [] and led.ranks.owed(1) == []
 
 
-def test_an_answer_from_another_incarnation_or_past_the_keys_is_refused_and_counted():
+def test_an_answer_from_another_incarnation_is_refused_and_one_past_the_keys_fails_its_rank():
+    """A worker sends one answer a command: one of more blocks than the command has keys is
+    counted and settles its rank as failed (waiting for another would hold the command to its
+    deadline); a second answer then is stale."""
     led = ledger()
     led.register(cmd(6))
     assert led.answered(done(0, 6, inc=999)) is None
     assert led.counters == {"stale": 1, "bad_messages": 0, "lost": 0}
-    assert led.answered(done(0, 6, leading=3)) is None  # 3 leading blocks of 2 keys
+    got = led.answered(done(0, 6, leading=3))  # 3 leading blocks of 2 keys
+    assert got == Completion(6, 0, 0, error="rank 0 answered 3 leading blocks of command 6, which has 2 keys")
     assert led.counters == {"stale": 1, "bad_messages": 1, "lost": 0}
-    assert led.inflight == 2 and led.owing(6) == [(0, INC[0], 0), (1, INC[1], 0)]
-    assert led.answered(done(1, 6, leading=5)) is None
-    assert led.counters == {"stale": 1, "bad_messages": 2, "lost": 0}
-    assert led.answered(done(0, 6, leading=2)) == Completion(6, 0, 2)
+    assert led.inflight == 1 and led.owing(6) == [(1, INC[1], 0)]
+    assert led.answered(done(0, 6, leading=2)) is None and led.counters["stale"] == 2
+    assert led.answered(done(1, 6, leading=2)) == Completion(6, 1, 2)
+    assert led.inflight == 0 and led.owing(6) == []
 
 
 def test_a_lost_rank_answers_a_failure_once_and_keeps_the_pins_when_asked():

@@ -3,10 +3,13 @@
 The :class:`Ledger` is the driver's bookkeeping, apart from its sockets. For each command
 submitted it keeps the ranks that still owe an answer; an answer settles one, once — a second
 answer, or one from another incarnation than the rank's current one, is *stale* and counted,
-never delivered. It keeps each layer-wise load's arrivals per rank until that rank answered,
-and the commands held for a rank whose worker is being restarted, in order, until it is up
-again or their fences pass. Every method takes the ledger's lock; the driver's control side
-shares it, so a rank's liveness and what it owes always change together.
+never delivered. An answer of more leading blocks than the command has keys is counted as a
+bad message and settles its rank as failed: that worker sends no other answer, so waiting for
+one would hold the command until its deadline and its blocks until its fence. It keeps each
+layer-wise load's arrivals per rank until that rank answered, and the commands held for a
+rank whose worker is being restarted, in order, until it is up again or their fences pass.
+Every method takes the ledger's lock; the driver's control side shares it, so a rank's
+liveness and what it owes always change together.
 """
 from __future__ import annotations
 
@@ -101,9 +104,9 @@ class Ledger:
             if self.ranks.incarnation(msg.rank) != msg.incarnation or p is None or msg.rank not in p.left:
                 self.counters["stale"] += 1
                 return None
-            if msg.leading > len(p.cmd.keys):
+            bad = msg.leading > len(p.cmd.keys)
+            if bad:
                 self.counters["bad_messages"] += 1
-                return None
             self._settle(p, msg.rank)
             arrivals = self._arrivals.pop((msg.command_id, msg.rank), None)
             self.ranks.seen(msg.rank, time.monotonic())
@@ -111,6 +114,9 @@ class Ledger:
             if msg.leading == len(p.cmd.keys):  # read whole: every group arrived (their reports may trail)
                 arrivals.arrive(self.layers, None)
             arrivals.close()
+        if bad:
+            return Completion(msg.command_id, msg.rank, 0, error=f"rank {msg.rank} answered {msg.leading} leading "
+                              f"blocks of command {msg.command_id}, which has {len(p.cmd.keys)} keys")
         return Completion(msg.command_id, msg.rank, msg.leading, error=msg.error)
 
     def lost(self, rank: int, command_id: int, reason: str, lost: bool) -> Completion | None:
