@@ -99,22 +99,27 @@ def test_demo_as_processes(capsys):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, PR_SET_PDEATHSIG)")
-@pytest.mark.parametrize("handoff", ["direct", "both"])
-def test_demo_as_processes_with_the_direct_handoff(capsys, handoff):
+@pytest.mark.parametrize("handoff, arm", [("direct", False), ("both", False), ("direct", True)])
+def test_demo_as_processes_with_the_direct_handoff(capsys, handoff, arm):
     """D's rank workers pull each cache from P's rank workers' shared caches (another
     process's memory), every byte checked; P's lends all end pulled. ``direct`` stores
-    nothing, so P never finds a stored prefix; ``both`` stores the caches beside the lends."""
-    assert main(["demo", "--processes", "--handoff", handoff, "--requests", "24", "--json"]) == 0
+    nothing, so P never finds a stored prefix; ``both`` stores the caches beside the lends.
+    With ``--arm-reads`` D announces each read to its workers at reservation; the reference
+    backend arms none (only the CUDA one can), and the reads run as before."""
+    arms = ["--arm-reads"] if arm else []
+    assert main(["demo", "--processes", "--handoff", handoff, *arms, "--requests", "24", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["integrity_ok"] and s["leaked_blocks"] == 0 and s["pending_commands"] == 0 and s["unfinished"] == 0
     assert s["failed"] == 0 and s["lends_unpulled"] == 0 and s["lends_pulled"] >= s["finished"] > 0
     assert (s["prefix_blocks_read"] > 0) == (handoff == "both")
+    assert (s["reads_announced"] > 0) == arm and s["ranks_armed"] == s["ranks_fired"] == 0
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--processes", "--store", "memory"], "needs a store other processes reach"),
     (["--devices", "0,1"], "--devices goes with --processes --backend cuda"),
     (["--handoff", "direct"], "needs --processes"),
+    (["--processes", "--arm-reads"], "--arm-reads arms direct pulls: it goes with --handoff direct or both"),
 ])
 def test_demo_processes_bad_options(args, needle, capsys):
     assert main(["demo", *args]) == 2
@@ -134,6 +139,37 @@ def test_devices_name_a_gpu_a_role_or_one_a_rank(text, want):
     from kvstate.app._cli import _device_pair
 
     assert _device_pair(text) == want
+
+
+@pytest.mark.parametrize("arm, handoff, ok", [(True, "direct", True), (True, "both", True), (False, "store", True),
+                                              (True, "store", False), ("yes", "direct", False), (1, "direct", False)])
+def test_a_demo_config_arms_reads_only_for_the_direct_handoff(arm, handoff, ok):
+    from kvstate.app._demo import DemoConfig
+
+    cfg = DemoConfig(arm_reads=arm, handoff=handoff)
+    if ok:
+        cfg.validate()
+    else:
+        with pytest.raises(ConfigError, match="--arm-reads arms direct pulls"):
+            cfg.validate()
+
+
+@pytest.mark.parametrize("argv, want", [([], False), (["--backend", "cuda"], False),
+                                        (["--processes", "--handoff", "direct"], False),
+                                        (["--processes", "--handoff", "direct", "--backend", "cuda"], True),
+                                        (["--processes", "--handoff", "both", "--backend", "cuda", "--no-arm-reads"],
+                                         False),
+                                        (["--processes", "--handoff", "both", "--arm-reads"], True)])
+def test_reads_are_armed_by_default_only_where_the_rank_workers_move_bytes_on_gpus(argv, want, monkeypatch):
+    """The CUDA backend's rank workers compute nothing on their GPUs, where arming is safe:
+    ``--arm-reads`` is their default with the direct handoff, and ``--no-arm-reads`` turns it off."""
+    from kvstate.app import _cli
+    from kvstate.kernels import _cuda_launch
+
+    monkeypatch.setattr(_cuda_launch, "cuda_available", lambda: True)  # the choice, not the GPU, is tested
+    args = _cli._parser().parse_args(["demo", *argv])
+    _cli._check_demo(args)
+    assert args.arm_reads is want
 
 
 @pytest.mark.parametrize("devices, ok", [((0, 1), True), (((0, 1), (1, 0)), True), (((0, 1), 1), True),

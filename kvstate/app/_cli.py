@@ -117,6 +117,10 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--handoff", choices=("store", "direct", "both"), default="store",
                    help="how a cache reaches D: through the store (default), or pulled straight from P's caches "
                         "(direct; both: the store written too, for D to fall back on), with --processes")
+    d.add_argument("--arm-reads", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --handoff direct or both: D queues each pull on the GPU when it reserves the blocks, "
+                        "and P's lend fires it (default: on with --backend cuda, where the rank workers only move "
+                        "bytes; docs/engine.md says when it is safe)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
 
 
@@ -158,6 +162,10 @@ def _check_demo_engines(args: argparse.Namespace) -> None:
     """The engines' options: the handoff, the GPUs."""
     if args.handoff != "store" and not args.processes:
         raise ConfigError("--handoff direct or both needs --processes (P and D running side by side)")
+    if args.arm_reads is None:  # the rank workers' GPUs compute nothing: arming is safe there
+        args.arm_reads = args.backend == "cuda" and args.handoff != "store"
+    elif args.arm_reads and args.handoff == "store":
+        raise ConfigError("--arm-reads arms direct pulls: it goes with --handoff direct or both")
     if args.devices is not None and not (args.processes and args.backend == "cuda"):
         raise ConfigError("--devices goes with --processes --backend cuda")
     if args.backend == "cuda":
@@ -173,7 +181,7 @@ def _demo(args: argparse.Namespace) -> int:
     _check_demo(args)
     cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store or "memory",
                      store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend,
-                     handoff=args.handoff, devices=args.devices)
+                     handoff=args.handoff, devices=args.devices, arm_reads=args.arm_reads)
     master = None
     try:
         worker_store = {"kind": "file", "root": args.store_dir} if args.store == "file" else None

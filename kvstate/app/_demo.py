@@ -45,6 +45,9 @@ class DemoConfig:
     #: how caches reach D (``PrefillLifecycle(handoff=)``): through the store, or pulled straight from
     #: P's caches ("direct", "both": with ``--processes``, whose instances run side by side)
     handoff: str = "store"
+    #: D arms each direct pull when it reserves the blocks (``DecodeLifecycle(arm_reads=True)``,
+    #: :mod:`kvstate.backends._cuda_armed`): off by default, see ``docs/engine.md`` for when it is safe
+    arm_reads: bool = False
     #: with ``--processes --backend cuda``: P's and D's GPU, each one index (all the role's ranks
     #: there) or a tuple of one index a TP rank; None: P on GPU 0, D on GPU 1 where there is one
     devices: tuple[int | tuple[int, ...], int | tuple[int, ...]] | None = None
@@ -69,6 +72,9 @@ class DemoConfig:
                               f"{self.devices!r}")
         if self.handoff not in HANDOFFS:
             raise ConfigError(f"--handoff must be one of {list(HANDOFFS)}, got {self.handoff!r}")
+        if self.arm_reads is not False and (self.arm_reads is not True or self.handoff == "store"):
+            raise ConfigError(f"--arm-reads arms direct pulls: it goes with --handoff direct or both, got "
+                              f"arm_reads={self.arm_reads!r} with --handoff {self.handoff}")
 
 
     def _gpus_of_a_role(self, gpus: Any) -> bool:

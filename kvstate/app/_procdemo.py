@@ -110,7 +110,7 @@ def run_processes(cfg: DemoConfig, store: dict[str, Any] | None = None, timeout:
         addresses = {name: f"ipc://{tmp}/{name}" for name in ("router", *_ROLES)}
         # the direct handoff: P's rank workers lend on a board in this run's directory, D's pull there
         extra = {"handoff": cfg.handoff, "board": os.path.join(tmp, "lends") if cfg.handoff != "store" else "",
-                 "backend": cfg.backend}
+                 "backend": cfg.backend, "arm_reads": cfg.arm_reads}
         with Link(addresses["router"], DEMO_SCHEMAS) as link:
             for role in _ROLES:
                 link.connect(role, addresses[role])
@@ -184,7 +184,8 @@ def _reports(link: Any, children: dict[str, Any]) -> dict[str, Any]:
                            "blocks_mismatched": 0, "preemptions": 0, "prefix_blocks_read": 0,
                            "schedulers_reported": sorted(got), "rank_restarts": 0, "lost_answers": 0,
                            "live_requests": 0, "lends_pulled": 0, "lends_unpulled": 0, "store_broken": 0,
-                           "store_short": 0, "store_failed": 0, "expired_transfers": 0}
+                           "store_short": 0, "store_failed": 0, "expired_transfers": 0, "reads_announced": 0,
+                           "ranks_armed": 0, "ranks_fired": 0}
     for figures in got.values():
         for k in out:
             if k in figures and k != "schedulers_reported":

@@ -55,7 +55,7 @@ class Scheduler:
             self.role = PrefillRole(self.lc, view, cfg.seed, self._first_token, lambda rid: self._send("decode",
                                                                                                         "abort", rid))
         else:
-            self.lc = DecodeLifecycle(self.spec, cfg.blocks, Policy())
+            self.lc = DecodeLifecycle(self.spec, cfg.blocks, Policy(), arm_reads=bool(cfg.extra.get("arm_reads")))
             self.role = DecodeRole(self.lc, view, cfg.seed, self._admit,
                                    lambda rid: self._send("prefill", "abort", rid),
                                    lambda rid, state, code, why: self._send("router", "result", rid, state, code, why))
@@ -164,7 +164,14 @@ class Scheduler:
                 "rank_restarts": self.driver.counters["restarts"], "lost_answers": self.driver.counters["lost"],
                 "rank_notices": len(notices), "link": dict(self.link.counters), "driver": dict(self.driver.counters),
                 "lends_pulled": self.lc.counters.get("lends_pulled", 0),
-                "lends_unpulled": self.lc.counters.get("lends_unpulled", 0)}
+                "lends_unpulled": self.lc.counters.get("lends_unpulled", 0),
+                **self._armed_figures()}
+
+    def _armed_figures(self) -> dict[str, int]:
+        """Reads announced to the rank workers to arm, and those their backends armed and fired."""
+        armed = self.driver.armed_reads()
+        return {"reads_announced": armed["armed"], "ranks_armed": armed["ranks_armed"],
+                "ranks_fired": armed["ranks_fired"]}
 
     def close(self) -> None:
         for close in (self.driver.close, self.link.close, self._release):
