@@ -175,10 +175,14 @@ def test_close_lets_every_armed_pull_go_and_returns(pd):
     assert time.monotonic() - t0 < 5 and d.armed_counts()["now"] == 0
 
 
-def test_a_rank_arms_at_most_its_slots(pd):
+def test_a_backend_arms_at_most_its_slots_over_all_its_ranks(pd):
+    """The slots are the GPU's in this process, not a rank's: a D holding both TP ranks on one
+    GPU queues no more waits than one rank would (more stall other streams)."""
     p, d = pd
-    armed = [d.arm_pull(0, [f"{k}-{i}" for k in KEYS], D_BLOCKS) for i in range(10)]
+    armed = [d.arm_pull(i % 2, [f"{k}-{i}" for k in KEYS], D_BLOCKS) for i in range(10)]
     assert armed == [True] * SLOTS + [False] * (10 - SLOTS)
+    assert d.disarm_pull(0, [f"{k}-0" for k in KEYS])  # a slot let go is the other rank's to take
+    assert d.arm_pull(1, [f"{k}-9" for k in KEYS], D_BLOCKS)
 
 
 @pytest.mark.parametrize("keys,blocks,timeout,match", [

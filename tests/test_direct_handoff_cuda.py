@@ -64,8 +64,9 @@ def test_d_pulls_from_p_in_one_process_byte_exact(tmp_path, handoff, d_device, s
 
 
 def test_reads_armed_at_reservation_fire_on_the_gpu_byte_exact(tmp_path):
-    """D's lifecycle announces each read at reservation, the driver arms it on D's GPU (a rank
-    arms ``SLOTS`` at once), and the pull after the first token fires it. D is on its own
+    """D's lifecycle announces each read at reservation, the driver arms it on D's GPU (the
+    backend arms ``SLOTS`` rank pulls at once: one read of both ranks), and the pull after the
+    first token fires it. D is on its own
     GPU: P's prefill (here, filling its blocks with CuPy) loads kernels, which on D's GPU in
     this process would wait behind the armed reads (kvstate.backends._cuda_armed)."""
     if _devices() < 2:
@@ -78,9 +79,10 @@ def test_reads_armed_at_reservation_fire_on_the_gpu_byte_exact(tmp_path):
         for prompts in (PROMPTS, again):  # the first pulls map P's caches: they run unarmed
             outcome, bad, _ = pair.serve(prompts)
             assert outcome == {rid: "done" for rid in prompts} and bad == []
-        assert pair.armed == {"armed": SLOTS, "matched": SLOTS, "let_go": 0}  # the first SLOTS reserved
+        reads = SLOTS // SPEC.tp_size  # the first reserved: each arms a slot a rank
+        assert pair.armed == {"armed": reads, "matched": reads, "let_go": 0}
         counts = pair.db.armed_counts()
-        assert counts["fired"] >= 2 * SLOTS and counts["armed"] == counts["fired"] + counts["disarmed"]
+        assert counts["fired"] >= SLOTS and counts["armed"] == counts["fired"] + counts["disarmed"]
         assert counts["now"] == 0
         assert pair.db.lend_counts["pulls"] == 4 * len(PROMPTS) and pair.db.lend_counts["pull_failed"] == 0
     finally:

@@ -16,11 +16,10 @@ Rules:
   streams too: the GPU runs streams on a few hardware queues, and a queue whose head waits
   stalls every stream placed on it. Measured on an H200 (``.dev/run/armhazard.py``): with
   three or more waits queued in one process, a kernel on a new stream waited for the flag
-  (with ``CUDA_DEVICE_MAX_CONNECTIONS`` 8 or 32); with one or two it did not. So a rank has at
-  most ``slots`` (default 2) armed at once, and ``arm`` answers False when none is free (the
-  pull then runs as an unarmed one). The count is a rank's: a backend holding several ranks
-  on one GPU (a D in one process at TP 2) can queue ``slots`` waits for each, more than the
-  measurement found safe; a rank worker holds one rank.
+  (with ``CUDA_DEVICE_MAX_CONNECTIONS`` 8 or 32); with one or two it did not. So a backend
+  has at most ``slots`` (default 2) armed at once, over all its ranks (they share its GPU and
+  its process: a D in one process at TP 2 queues no more waits than a rank worker), and
+  ``arm`` answers False when none is free (the pull then runs as an unarmed one).
 - An armed pull is fired by the pull of its keys into its blocks, or *disarmed*: by
   ``disarm``, by a pull of its keys into other blocks, by its deadline (a watchdog thread
   disarms it then), and by ``close``. Disarming raises the flag over a harmless copy: every
@@ -61,7 +60,7 @@ from ..kernels._ids import check_ids
 
 __all__ = ["ArmedPulls", "Armed", "SLOTS"]
 
-SLOTS = 2  #: pulls a rank arms at once, by default (see the rules: more stall other streams)
+SLOTS = 2  #: pulls a backend (one GPU of one process) arms at once, by default (more stall other streams)
 
 
 class Armed:
@@ -93,7 +92,7 @@ class Armed:
 
 
 class ArmedPulls:
-    """The armed pulls of one backend's ranks, ``slots`` at most a rank."""
+    """The armed pulls of one backend's ranks, ``slots`` at most over all of them."""
 
     def __init__(self, cp: Any, slots: int = SLOTS) -> None:
         self.cp, self.slots = cp, slots
@@ -123,7 +122,7 @@ class ArmedPulls:
         again disarms the earlier one."""
         self.disarm_keys(rank, keys)
         with self._lock:
-            if self._closed or self._quiet or sum(1 for r, _ in self._armed if r == rank) >= self.slots:
+            if self._closed or self._quiet or len(self._armed) >= self.slots:
                 return False
             self._arming += 1
         try:
