@@ -200,3 +200,36 @@ def test_a_file_that_cannot_be_made_is_refused_by_its_directory_and_left_nowhere
     with pytest.raises(ConfigError, match=rf"cannot make [\d,]+ bytes in {re.escape(repr(str(tmp_path)))} "):
         ArenaStore.create(64, 1, small_bytes=8, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_find_arena_names_the_one_live_arena_of_a_directory_with_the_slots_asked_for(tmp_path):
+    """How engines on one host meet without a path: the one arena whose creator runs, whose
+    format this kvstate reads and whose slots (and tag, when asked) fit; none or several is
+    refused, naming the command that makes one or the paths to choose from."""
+    from kvstate.backends._arena import find_arena
+
+    with pytest.raises(ConfigError, match=f"no kvstate arena .* has {SLOT}-byte slots: start one .*"
+                                          f"kvstate arena --slot-bytes {SLOT} --slots N"):
+        find_arena(SLOT, directory=tmp_path)
+    other = ArenaStore.create(SLOT * 2, 2, directory=tmp_path, tag="big")  # other slots: passed over
+    a = ArenaStore.create(SLOT, 2, directory=tmp_path, tag="geo")
+    try:
+        dead = tmp_path / f"kvstate-arena-{2 ** 22 + 7}-gone"  # a pid that does not run
+        dead.write_bytes(Path(a.path).read_bytes()[:4096])
+        (tmp_path / f"kvstate-arena-{os.getpid()}-short").write_bytes(b"KVSARENA")  # a header cut short
+        assert find_arena(SLOT, directory=tmp_path) == a.path
+        assert find_arena(SLOT, tag="geo", directory=tmp_path) == a.path
+        assert find_arena(SLOT * 2, directory=tmp_path) == other.path
+        with pytest.raises(ConfigError, match="tag 'llama'"):
+            find_arena(SLOT, tag="llama", directory=tmp_path)
+        b = ArenaStore.create(SLOT, 2, directory=tmp_path, tag="geo")
+        with pytest.raises(ConfigError, match=re.escape(f"2 kvstate arenas in {str(tmp_path)!r} have {SLOT}-byte "
+                                                        f"slots: name one by its path")):
+            find_arena(SLOT, directory=tmp_path)
+        b.close()
+        assert find_arena(SLOT, directory=tmp_path) == a.path  # its creator closed it: gone
+        with pytest.raises(ValidationError, match="slot_bytes"):
+            find_arena(0, directory=tmp_path)
+    finally:
+        a.close()
+        other.close()

@@ -225,6 +225,41 @@ def test_p_and_d_hand_off_through_a_shared_arena_and_one_of_another_geometry_is_
         arena.close()
 
 
+def test_with_no_path_p_and_d_meet_in_the_one_arena_of_their_host_whose_slots_fit(engines, model_dir, tmp_path):
+    """The connector's default store is the arena ``kvstate arena`` holds on the host: P and D
+    name none and find the one whose slots are the model's objects (here in ``directory``, so
+    the host's own /dev/shm is left alone); none, or two, is refused naming the way out."""
+    from kvstate import ConfigError
+    from kvstate.backends._arena import ArenaStore
+    from kvstate.integrations.vllm import Settings
+
+    assert Settings().store == {"kind": "arena"}
+    slot = 2 * BS * 128 * 2
+    where = {"kind": "arena", "directory": str(tmp_path)}
+    with pytest.raises(ConfigError, match=f"kvstate arena --slot-bytes {slot} --slots N"):
+        Engine(model_dir, "kv_producer", "bad", store=where)
+    other = ArenaStore.create(slot * 2, 4, small_bytes=1024, directory=tmp_path)  # another geometry: passed over
+    arena = ArenaStore.create(slot, 64, small_bytes=1024, directory=tmp_path)
+    try:
+        P, D = engines("kv_producer", store=where), engines("kv_consumer", store=where)
+        prefill(P)
+        P.run(3)
+        D.add("a", PROMPT, 3, remote=True)
+        D.run(8)
+        assert D.handoff.counters["loaded"] == 1
+        D.assert_clean()
+        P.assert_clean()
+        second = ArenaStore.create(slot, 4, small_bytes=1024, directory=tmp_path)
+        with pytest.raises(ConfigError, match="2 kvstate arenas .* name one by its path"):
+            Engine(model_dir, "kv_consumer", "bad", store=where)
+        second.close()
+        with pytest.raises(ConfigError, match="an arena takes a path, or a directory"):
+            Engine(model_dir, "kv_consumer", "bad", store={**where, "path": arena.path})
+    finally:
+        arena.close()
+        other.close()
+
+
 def test_a_producer_saves_a_prompt_layer_by_layer_within_its_forward_and_d_loads_it(engines):
     """With two layer groups, P's save of a prompt computed in one forward goes out before the
     forward (a SaveLayers) and stores each group as the forward reports its layer; D, with

@@ -32,7 +32,8 @@ Rules:
 - The creator owns the file: :meth:`close` unmaps it and, the creator's, unlinks it (others'
   mappings stay valid). A file whose creator died is removed by the next :meth:`create` in its
   directory (names carry the creator's pid). ``kvstate arena`` is a creator that holds one for
-  the engines of a host until it is stopped.
+  the engines of a host until it is stopped; :func:`find_arena` finds it there for an engine
+  that names no path.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ from ._hostcopy import copy_all
 from ._hostfiles import pid_alive, remove_orphans, shm_directory
 from ._stores import PARALLEL_BYTES, default_threads
 
-__all__ = ["ArenaStore", "Place", "ARENA_VERSION", "ARENA_REREADS"]
+__all__ = ["ArenaStore", "Place", "find_arena", "ARENA_VERSION", "ARENA_REREADS"]
 
 #: times a get copies again, from its key's new slot, an object another put replaced meanwhile
 ARENA_REREADS = 2
@@ -571,6 +572,38 @@ class ArenaStore(Store):
             self._fd = -1
             if self.owner:
                 Path(self.path).unlink(missing_ok=True)
+
+
+def find_arena(slot_bytes: int, tag: str | None = None, directory: str | os.PathLike[str] | None = None) -> str:
+    """The path of the one arena in ``directory`` (default: shared memory) whose creator runs,
+    whose format this kvstate reads and whose slots are ``slot_bytes`` (and ``tag``, when
+    given): how engines on one host meet without naming a path. None, or several, is a
+    :class:`~kvstate._errors.ConfigError` saying how to make one or naming them."""
+    check_int(slot_bytes, "find_arena: slot_bytes", minimum=8)
+    d = Path(directory) if directory is not None else shm_directory()
+    found = []
+    for path in sorted(d.glob("kvstate-arena-*")):
+        pid = path.name[len("kvstate-arena-"):].split("-", 1)[0]
+        if not pid.isdigit() or not pid_alive(int(pid)):
+            continue
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEADER.size)
+        except OSError:
+            continue
+        if len(head) < _HEADER.size:
+            continue
+        magic, version, key_max, _, sbytes, _, _, raw = _HEADER.unpack(head)
+        if (magic, version, key_max, sbytes) == (_MAGIC, ARENA_VERSION, MAX_KEY_LEN, slot_bytes) and \
+                (tag is None or raw.rstrip(b"\0").decode(errors="replace") == tag):
+            found.append(str(path))
+    if len(found) == 1:
+        return found[0]
+    want = f"{slot_bytes}-byte slots" + (f" and tag {tag!r}" if tag is not None else "")
+    if not found:
+        raise ConfigError(f"no kvstate arena in {str(d)!r} has {want}: start one beside the engines (`kvstate arena "
+                          f"--slot-bytes {slot_bytes} --slots N`), or name a store")
+    raise ConfigError(f"{len(found)} kvstate arenas in {str(d)!r} have {want}: name one by its path ({found})")
 
 
 class _FileLock:

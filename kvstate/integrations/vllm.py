@@ -7,6 +7,10 @@ Load it with no patch to vLLM::
                            "kv_role": "kv_producer",
                            "kv_connector_extra_config": {"store": {"kind": "file", "root": "/dev/shm/kv"}}}'
 
+With no ``store``, P and D on one host meet in the shared-memory arena that ``kvstate arena``
+holds there (the one whose slots are the model's objects): the GPU gathers into and scatters
+out of its slots, with no staging copy.
+
 This is the only kvstate module that imports vLLM. The work is kvstate's own: the scheduler
 side is a :class:`~kvstate.integrations._handoff.Handoff` (its rules are the connector's:
 what is saved and loaded, when blocks go back, what a bad block does), the worker side a
@@ -88,10 +92,13 @@ _MEMORY_STORES: dict[str, Store] = {}  # "memory" stores by name: one process's 
 class Settings:
     """The connector's ``kv_connector_extra_config`` (every key checked; unknown ones refused)."""
 
-    #: the pool: ``{"kind": "file", "root": DIR}``, ``{"kind": "mooncake", "master": ...,
-    #: "metadata": ...}`` (kvstate.backends._mooncake.MooncakeConfig's fields), or ``{"kind":
-    #: "memory", "name": NAME}`` (one process only: tests)
-    store: dict[str, Any] = field(default_factory=lambda: {"kind": "memory", "name": "default"})
+    #: the pool: ``{"kind": "arena"}`` (the default: the one shared-memory arena on this host
+    #: whose slots are this model's objects, ``kvstate arena`` holding it; or one named by
+    #: ``"path"``; a ``"directory"`` and ``"tag"`` narrow the search), ``{"kind": "file", "root":
+    #: DIR}``, ``{"kind": "mooncake", "master": ..., "metadata": ...}``
+    #: (kvstate.backends._mooncake.MooncakeConfig's fields), or ``{"kind": "memory", "name":
+    #: NAME}`` (one process only: tests)
+    store: dict[str, Any] = field(default_factory=lambda: {"kind": "arena"})
     namespace: str = ""  #: prefixes every key (default: the model's name)
     transfer_timeout: float = 30.0  #: seconds: every save's and load's deadline
     #: seconds past a deadline a transfer nobody answered keeps its blocks (a stalled rank may
@@ -142,6 +149,23 @@ class Settings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 64:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be an int in {lo}..64, got {v!r}")
+
+
+def _arena_store(cfg: dict[str, Any], spec: CacheSpec) -> dict[str, Any]:
+    """An arena store's configuration with its path: the one given, or the one arena on this
+    host (or in ``directory``) whose slots are this model's objects (and ``tag``, if given);
+    with the slot size it must have, so an arena of another geometry is refused."""
+    from ..backends._arena import find_arena
+
+    slot = spec.block_bytes(spec.kinds[0])
+    extra = set(cfg) - {"kind", "path", "slot_bytes", "tag", "directory"}
+    if extra or ("path" in cfg and "directory" in cfg):
+        raise ConfigError(f"kv_connector_extra_config.store: an arena takes a path, or a directory to find it in, "
+                          f"and the slot_bytes and tag it must have, got {sorted(cfg)}")
+    out = {"slot_bytes": slot, **{k: v for k, v in cfg.items() if k != "directory"}}
+    if "path" not in cfg:
+        out["path"] = find_arena(out["slot_bytes"], cfg.get("tag"), cfg.get("directory"))
+    return out
 
 
 def open_store(cfg: dict[str, Any]) -> Store:
@@ -273,9 +297,8 @@ class KVStateConnector(KVConnectorBase_V1):
         self._layer_of: dict[str, int] = {}  # a layer's name -> its index (worker side)
         self._loading: list[C.LoadLayers] = []  # this step's layer-wise loads (worker side)
         self._short: set[int] = set()  # ... those that did not bring a layer the forward waited for
-        if self.settings.store.get("kind") == "arena":  # its slots must be this model's objects: refused if not
-            self.settings = dataclasses.replace(self.settings, store={
-                "slot_bytes": self.spec.block_bytes(self.spec.kinds[0]), **self.settings.store})
+        if self.settings.store.get("kind") == "arena":
+            self.settings = dataclasses.replace(self.settings, store=_arena_store(self.settings.store, self.spec))
         self.namespace = self.settings.namespace or str(vllm_config.model_config.model)
         self.handoff: Handoff | None = None
         self.transfers: RankTransfers | None = None
