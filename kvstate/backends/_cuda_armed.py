@@ -195,7 +195,7 @@ class ArmedPulls:
         if dst == slot.given if dst.__class__ is list and slot.given is not None else \
                 len(dst) == len(slot.dst) and np.array_equal(np.asarray(dst), slot.dst):
             return slot
-        self._release(slot)
+        self.disarm(slot)
         return None
 
     def fire(self, slot: Armed, theirs: Sequence[Any], src: Sequence[int] | np.ndarray,
@@ -220,7 +220,7 @@ class ArmedPulls:
             else:
                 gids = check_ids(list(src), top, "src", unique=False)
         except (BlockError, ProtocolError) as e:
-            self._release(slot)
+            self.disarm(slot)
             raise ProtocolError(f"rank {slot.rank}: {e}") from None
         h, p = slot.host, slot.kinds * slot.layers
         for j, layer in enumerate(theirs):
@@ -263,21 +263,17 @@ class ArmedPulls:
             self._cv.notify_all()
         try:
             for slot in slots:
-                self._release(slot)
+                self.disarm(slot)
             yield
         finally:
             with self._lock:
                 self._quiet -= 1
 
-    def disarm(self, slot: Armed) -> None:
-        """Release an armed pull taken out and not fired: its queued work runs harmlessly."""
-        self._release(slot)
-
     def disarm_keys(self, rank: int, keys: Sequence[str]) -> bool:
         """Disarm the pull armed for ``keys`` on ``rank``; whether one was."""
         slot = self._pop(rank, keys)
         if slot is not None:
-            self._release(slot)
+            self.disarm(slot)
         return slot is not None
 
     def _pop(self, rank: int, keys: Sequence[str]) -> Armed | None:
@@ -304,10 +300,11 @@ class ArmedPulls:
                     self._cv.wait(min(nearest - now, 60.0))
                     continue
             for slot in slots:
-                self._release(slot)
+                self.disarm(slot)
 
-    def _release(self, slot: Armed) -> None:
-        """Point the slot's queued work at its own scratch row and raise the flag."""
+    def disarm(self, slot: Armed) -> None:
+        """Let an armed pull go unfired (taken out of the table, or never entered): point its
+        queued work at the slot's own scratch row and raise the flag, so it runs harmlessly."""
         h, p, n = slot.host, slot.kinds * slot.layers, len(slot.dst)
         h[2:2 + 2 * p] = int(slot.scratch.data.ptr)
         h[2 + 2 * p:2 + 2 * p + 2 * n] = 0
@@ -328,7 +325,7 @@ class ArmedPulls:
         if self._watchdog is not None:
             self._watchdog.join(5.0)
         for slot in slots:
-            self._release(slot)
+            self.disarm(slot)
         with self._lock:
             idle, self._idle = self._idle, []
         for slot in idle:

@@ -90,27 +90,35 @@ extern "C" __global__ void fold_match(const unsigned long long* sums, long long 
 """
 
 
+#: the kernels, by their name in a caller's cache: source and entry point
+_KERNELS = {"kernel": (_SOURCE, "sum64_rows"), "to_host": (_TO_HOST, "u64_to_host"),
+            "fold_match": (_FOLD_MATCH, "fold_match")}
+
+
+def _kernel(cp: Any, cache: dict[Any, Any], name: str, load: bool = False) -> Any:
+    """The kernel ``name`` of ``_KERNELS``, made once and kept in ``cache``; with ``load``,
+    compiled and loaded on the current device now, rather than at its first launch."""
+    kernel = cache.get(name)
+    if kernel is None:
+        kernel = cache[name] = cp.RawKernel(*_KERNELS[name])
+    if load:
+        kernel.compile()
+    return kernel
+
+
 def load_fold_match(cp: Any, cache: dict[Any, Any]) -> Any:
     """:func:`fold_match`'s kernel, compiled and loaded now and kept in ``cache``: a module
     load waits for every stream of the context, so a caller about to queue work that waits
     on the host (an armed pull) loads it first."""
-    kernel = cache.get("fold_match")
-    if kernel is None:
-        kernel = cp.RawKernel(_FOLD_MATCH, "fold_match")
-        kernel.compile()
-        cache["fold_match"] = kernel
-    return kernel
+    return _kernel(cp, cache, "fold_match", load=True)
 
 
 def load_sums(cp: Any, cache: dict[Any, Any]) -> None:
     """:func:`block_sums`' and :func:`to_host`'s kernels, compiled and loaded now on the current
     device and kept in ``cache``: a backend about to queue a wait on the host (an armed pull)
     loads every kernel its reads and writes may launch meanwhile (see :func:`load_fold_match`)."""
-    for name, source, entry in (("kernel", _SOURCE, "sum64_rows"), ("to_host", _TO_HOST, "u64_to_host")):
-        kernel = cache.get(name)
-        if kernel is None:
-            kernel = cache[name] = cp.RawKernel(source, entry)
-        kernel.compile()
+    for name in ("kernel", "to_host"):
+        _kernel(cp, cache, name, load=True)
 
 
 def fold_match(cp: Any, sums: Any, expect: Any, host_ptr: int, cache: dict[Any, Any]) -> None:
@@ -119,7 +127,7 @@ def fold_match(cp: Any, sums: Any, expect: Any, host_ptr: int, cache: dict[Any, 
     compare with ``expect`` (uint64 on the device, one a block) and store how many leading
     blocks match (an int64) at ``host_ptr`` (the device's address of pinned host memory).
     One CTA: a pull's blocks are hundreds to thousands, and the host reads one number."""
-    kernel = cache.get("fold_match") or load_fold_match(cp, cache)
+    kernel = cache.get("fold_match") or load_fold_match(cp, cache)  # loaded once, then a lookup
     kinds, n = sums.shape
     kernel((1,), (1024,), (sums, np.int64(kinds), np.int64(n), expect, np.uint64(host_ptr)))
 
@@ -133,9 +141,7 @@ def block_sums(cp: Any, views: Sequence[Any], ids: Any, cache: dict[Any, Any], f
     with ``out`` (a zeroed uint64 device array, one per id), the sums land there. ``cache``
     keeps the compiled kernel and, per list of layers, its device pointer table: a backend's
     layers are fixed, so a call reads none of their attributes again."""
-    kernel = cache.get("kernel")
-    if kernel is None:
-        kernel = cache["kernel"] = cp.RawKernel(_SOURCE, "sum64_rows")
+    kernel = _kernel(cp, cache, "kernel")
     table, words = _table(cp, views, cache)
     ids_d = ids if isinstance(ids, cp.ndarray) else cp.asarray(np.asarray(ids, np.int64))
     if out is None:
@@ -163,9 +169,7 @@ def to_host(cp: Any, sums: Any, cache: dict[Any, Any], host: Any = None, host_pt
     ``host_ptr`` the device's address for it if the caller knows it."""
     import cupyx
 
-    kernel = cache.get("to_host")
-    if kernel is None:
-        kernel = cache["to_host"] = cp.RawKernel(_TO_HOST, "u64_to_host")
+    kernel = _kernel(cp, cache, "to_host")
     if host is None:
         host = cupyx.empty_pinned(sums.shape, np.uint64)
     n = int(sums.size)
