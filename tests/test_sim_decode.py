@@ -7,7 +7,8 @@ on step numbers rather than from one increment per token. These tests check that
 arithmetic against what the requests themselves record, on runs that preempt by every
 policy, preempt the same request twice, and preempt a member whose event is due in the
 step that preempts it. One case is worked by hand to its numbers: a victim chosen, its
-cache recomputed alone once the older request ends, its tokens, gaps and round trip.
+cache recomputed alone once the older request ends, its tokens, gaps and round trip; and a
+second from it: a parked request aborted ahead of another, which still resumes.
 """
 from __future__ import annotations
 
@@ -333,3 +334,38 @@ def test_a_victim_recomputed_alone_once_the_older_request_ends(tmp_path, monkeyp
     assert sum(gaps.values()) == 2 * 299
     assert gaps[STEP] == 2 * 299 - 3  # all but each request's first gap on D, and B's across its preemption
     assert max(gaps) == pytest.approx(end + STEP - at)
+
+
+def test_a_parked_request_that_ends_holds_back_none_parked_behind_it(tmp_path, monkeypatch):
+    """Three requests as in the worked case (A, B, C 1 ms apart), D of 14 blocks: A's growth
+    preempts C, then B; both park, B ahead of C (arrival order). B is aborted while parked
+    (a client gave up): its entry is dropped when it reaches the head, and C resumes when A
+    ends, as it would behind a live B. Resumption stopping at an ended head would leave C
+    parked for good, and the run undrained."""
+    monkeypatch.setattr(ComputeModel, "decode_step_time", lambda self, batch, context: STEP)
+    monkeypatch.setattr(ComputeModel, "decode_step_times", lambda self, batch, context, count: [STEP] * count)
+    monkeypatch.setattr(ComputeModel, "prefill_time", lambda self, work: [*work] and PREFILL)
+    trace = tmp_path / "three.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 200, "output_length": 300, "hash_ids": [t]})
+                             + "\n" for t in (0, 1, 2)))
+    cl = Cluster(with_overrides(Scenario(), {
+        "workload.arrival": "trace", "workload.trace": str(trace), "cluster.n_prefill": 1, "cluster.n_decode": 1,
+        "cluster.tp": 1, "cluster.gpu_blocks": 14, "policy.preempt": "recompute"}))
+    d = cl.decode[0]
+    parked_at_abort: list[list[str]] = []
+
+    def abort_b():
+        yield cl.env.timeout(3.2)  # B parked at 2.98 s behind C (1.57 s); A ends at 3.49 s
+        parked_at_abort.append([r.rid for _, r in sorted(d.preempted)])
+        assert d.lc.state_of("r1") == "preempted"
+        d.lc.abort("r1")
+        d.pump()
+
+    cl.env.process(abort_b())
+    cl.run()
+    a, b, c = (cl.reqs[r] for r in ("r0", "r1", "r2"))
+    assert parked_at_abort == [["r1", "r2"]]
+    assert (a.state, b.state, c.state) == ("done", "aborted", "done")
+    assert c.generated == 300 and c.preemptions == 1 and b.finish == pytest.approx(3.2)
+    assert len(cl.round_trips) == 1 and cl.round_trips[0] == pytest.approx(a.finish + PREFILL - 1.573, abs=0.01)
+    assert d.lc.pool.num_used == 0 and not d.preempted
