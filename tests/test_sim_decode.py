@@ -369,3 +369,36 @@ def test_a_parked_request_that_ends_holds_back_none_parked_behind_it(tmp_path, m
     assert c.generated == 300 and c.preemptions == 1 and b.finish == pytest.approx(3.2)
     assert len(cl.round_trips) == 1 and cl.round_trips[0] == pytest.approx(a.finish + PREFILL - 1.573, abs=0.01)
     assert d.lc.pool.num_used == 0 and not d.preempted
+
+
+def test_two_members_due_in_one_step_both_preempted_count_each_token_once(tmp_path, monkeypatch):
+    """Six prompts of 60 tokens prefilled together join D's batch in one step and need their
+    second block in one step; D of 8 blocks has two free. The first two members' events take
+    them, the third's preempts the last arrival and the fourth's the one before it, both due
+    in that step and not yet visited: each one's token of the step is counted as the bulk's,
+    once (counting only one of them would lose a gap), and every answer adds up."""
+    monkeypatch.setattr(ComputeModel, "decode_step_time", lambda self, batch, context: STEP)
+    monkeypatch.setattr(ComputeModel, "decode_step_times", lambda self, batch, context, count: [STEP] * count)
+    monkeypatch.setattr(ComputeModel, "prefill_time", lambda self, work: [*work] and PREFILL)
+    trace = tmp_path / "six.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 60, "output_length": 200, "hash_ids": [i]})
+                             + "\n" for i in range(6)))
+    cl = Cluster(with_overrides(Scenario(), {
+        "workload.arrival": "trace", "workload.trace": str(trace), "cluster.n_prefill": 1, "cluster.n_decode": 1,
+        "cluster.tp": 1, "cluster.gpu_blocks": 8, "policy.preempt": "recompute"}))
+    skipped: list[tuple[int, int]] = []
+    real = DecodeInstance._run_events
+
+    def run_events(self: DecodeInstance, b: int, d: float) -> None:
+        real(self, b, d)
+        if self._skipped:
+            skipped.append((self.steps, self._skipped))
+
+    monkeypatch.setattr(DecodeInstance, "_run_events", run_events)
+    cl.run()
+    reqs = list(cl.reqs.values())
+    assert skipped[0][1] == 2  # the step where both were due
+    assert all(q.state == "done" and q.generated == q.out == 200 for q in reqs)
+    assert sum(cl.decode[0].itl.values()) == sum(q.out - 1 for q in reqs)
+    assert math.isclose(sum(g * n for g, n in cl.decode[0].itl.items()),
+                        sum(q.finish - q.first_token for q in reqs), rel_tol=1e-9)
