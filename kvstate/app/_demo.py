@@ -46,7 +46,8 @@ class DemoConfig:
     #: P's caches ("direct", "both": with ``--processes``, whose instances run side by side)
     handoff: str = "store"
     #: D arms each direct pull when it reserves the blocks (``DecodeLifecycle(arm_reads=True)``,
-    #: :mod:`kvstate.backends._cuda_armed`): off by default, see ``docs/engine.md`` for when it is safe
+    #: :mod:`kvstate.backends._cuda_armed`; ``docs/engine.md`` says when it is safe): ``kvstate
+    #: demo`` turns it on with ``--processes --backend cuda`` and the direct handoff
     arm_reads: bool = False
     #: with ``--processes --backend cuda``: P's and D's GPU, each one index (all the role's ranks
     #: there) or a tuple of one index a TP rank; None: P on GPU 0, D on GPU 1 where there is one
