@@ -8,7 +8,9 @@ arithmetic against what the requests themselves record, on runs that preempt by 
 policy, preempt the same request twice, and preempt a member whose event is due in the
 step that preempts it. One case is worked by hand to its numbers: a victim chosen, its
 cache recomputed alone once the older request ends, its tokens, gaps and round trip; and a
-second from it: a parked request aborted ahead of another, which still resumes.
+second from it: a parked request aborted ahead of another, which still resumes; and a
+request that preempts itself at a block boundary, which resumes only with room for its next
+token.
 """
 from __future__ import annotations
 
@@ -402,3 +404,34 @@ def test_two_members_due_in_one_step_both_preempted_count_each_token_once(tmp_pa
     assert sum(cl.decode[0].itl.values()) == sum(q.out - 1 for q in reqs)
     assert math.isclose(sum(g * n for g, n in cl.decode[0].itl.items()),
                         sum(q.finish - q.first_token for q in reqs), rel_tol=1e-9)
+
+
+def test_a_request_preempted_at_a_block_boundary_resumes_only_with_room_for_its_next_token(tmp_path, monkeypatch):
+    """Prompts of 200 and 260 tokens 1 ms apart, D of 10 blocks of 64, no headroom, preempting
+    by recompute. B, 10 tokens ahead of A, fills its fifth block first (320 tokens) with none
+    free: the victim is B itself, its cache exactly five blocks. It resumes when its 320 tokens
+    *and its next* fit, six blocks: not while A holds the other five (resumed into exactly its
+    old blocks, it would be preempted again at its next token), but when A ends; then it
+    recomputes and makes its other 240 tokens."""
+    monkeypatch.setattr(ComputeModel, "decode_step_time", lambda self, batch, context: STEP)
+    monkeypatch.setattr(ComputeModel, "decode_step_times", lambda self, batch, context, count: [STEP] * count)
+    monkeypatch.setattr(ComputeModel, "prefill_time", lambda self, work: [*work] and PREFILL)
+    trace = tmp_path / "boundary.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 300, "hash_ids": [t]})
+                             + "\n" for t, n in ((0, 200), (1, 260))))
+    cl = Cluster(with_overrides(Scenario(), {
+        "workload.arrival": "trace", "workload.trace": str(trace), "cluster.n_prefill": 1, "cluster.n_decode": 1,
+        "cluster.tp": 1, "cluster.gpu_blocks": 10, "policy.preempt": "recompute", "policy.decode_headroom_blocks": 0}))
+    preempted: list[tuple[str, int, int]] = []
+    real = DecodeInstance._preempt
+
+    def preempt(self: DecodeInstance, req) -> None:
+        real(self, req)
+        preempted.append((req.rid, req.ctx, req.synced))
+
+    monkeypatch.setattr(DecodeInstance, "_preempt", preempt)
+    cl.run()
+    a, b = cl.reqs["r0"], cl.reqs["r1"]
+    assert preempted == [("r1", 320, 320)]  # itself, at the boundary of its fifth block
+    assert (a.state, b.state, a.preemptions, b.preemptions) == ("done", "done", 0, 1)
+    assert b.finish == pytest.approx(a.finish + PREFILL + 240 * STEP)
