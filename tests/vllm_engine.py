@@ -19,8 +19,20 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: not most of the machine's memory
 
 
+def _allow_amx() -> None:
+    """Ask Linux for the AMX tile state, as PyTorch's own helper does. vLLM's CPU attention
+    takes its AMX kernel wherever the CPU has AMX, but this engine's path never asks for the
+    state, and a process that has not asked dies of SIGILL at the first tile instruction."""
+    import torch
+
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None and torch.cpu._is_amx_tile_supported():
+        init()
+
+
 def main() -> None:
     a = json.loads(sys.argv[1])
+    _allow_amx()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
