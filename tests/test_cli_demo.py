@@ -99,7 +99,8 @@ def test_demo_as_processes(capsys):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/dev/shm, PR_SET_PDEATHSIG)")
-@pytest.mark.parametrize("handoff, arm", [("direct", False), ("both", False), ("direct", True)])
+@pytest.mark.parametrize("handoff, arm", [("direct", False), ("both", False),
+                                          pytest.param("direct", True, marks=pytest.mark.slow)])
 def test_demo_as_processes_with_the_direct_handoff(capsys, handoff, arm):
     """D's rank workers pull each cache from P's rank workers' shared caches (another
     process's memory), every byte checked; P's lends all end pulled. ``direct`` stores
