@@ -56,7 +56,7 @@ from .._errors import ConfigError, ValidationError
 from .._validate import check_int
 from ._base import MAX_KEY_LEN, MISSING, TOO_LARGE, Store, check_batch, check_keys
 from ._hostcopy import copy_all
-from ._hostfiles import pid_alive, remove_orphans, shm_directory
+from ._hostfiles import creator_pid, pid_alive, remove_orphans, shm_directory
 from ._stores import PARALLEL_BYTES, default_threads
 
 __all__ = ["ArenaStore", "Place", "find_arena", "ARENA_VERSION", "ARENA_REREADS"]
@@ -583,8 +583,8 @@ def find_arena(slot_bytes: int, tag: str | None = None, directory: str | os.Path
     d = Path(directory) if directory is not None else shm_directory()
     found = []
     for path in sorted(d.glob("kvstate-arena-*")):
-        pid = path.name[len("kvstate-arena-"):].split("-", 1)[0]
-        if not pid.isdigit() or not pid_alive(int(pid)):
+        pid = creator_pid(path.name, "kvstate-arena-")
+        if not pid or not pid_alive(pid):
             continue
         try:
             with open(path, "rb") as f:

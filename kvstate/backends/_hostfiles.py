@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["pid_alive", "pid_running", "remove_orphans", "shm_directory"]
+__all__ = ["creator_pid", "pid_alive", "pid_running", "remove_orphans", "shm_directory"]
 
 
 def shm_directory() -> Path:
@@ -46,6 +46,14 @@ def pid_running(pid: int) -> bool:
     return True
 
 
+def creator_pid(name: str | os.PathLike[str], prefix: str) -> int:
+    """The pid in an entry's name, ``PREFIX<pid>-...`` (its directory ignored); 0 when the name
+    is not one."""
+    base = os.path.basename(name)
+    pid = base[len(prefix):].split("-", 1)[0] if base.startswith(prefix) else ""
+    return int(pid) if pid.isdigit() else 0
+
+
 def remove_orphans(directory: str | os.PathLike[str], prefix: str) -> int:
     """Remove what processes that died left in ``directory``: entries named ``PREFIX<pid>-...``
     whose pid no longer runs. Returns how many went."""
@@ -55,9 +63,8 @@ def remove_orphans(directory: str | os.PathLike[str], prefix: str) -> int:
     except OSError:
         return 0
     for e in entries:
-        rest = e.name[len(prefix):] if e.name.startswith(prefix) else ""
-        pid = rest.split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
+        pid = creator_pid(e.name, prefix)
+        if not pid or pid_alive(pid):
             continue
         try:
             if e.is_dir(follow_symlinks=False):

@@ -63,7 +63,7 @@ import xxhash
 
 from .._errors import ConfigError, KVStateError, ProtocolError
 from .._validate import check_int, is_int
-from ._hostfiles import pid_running, remove_orphans
+from ._hostfiles import creator_pid, pid_running, remove_orphans
 
 __all__ = ["LendBoard", "Lend", "Prepared", "PeerOps", "lend_blocks", "pull_blocks", "fold_sums", "fold_rows",
            "leading_matches", "local_peer",
@@ -309,7 +309,7 @@ class LendBoard:
 
     def _took(self, lend: Lend) -> Lend:
         """``lend``, its P remembered by the pid its name holds (see the module's docstring)."""
-        pid = _pid_of(lend.name)
+        pid = creator_pid(lend.name, _PREFIX)
         with self._lenders_lock:
             self._lenders[pid] = None
             self._lenders.move_to_end(pid)
@@ -328,7 +328,7 @@ class LendBoard:
             os.rename(f"{name}.lend", f"{name}.taken")
         except FileNotFoundError:
             return None  # not there, or taken or withdrawn meanwhile
-        raw = _read_entry(f"{name}.taken") if pid_running(_pid_of(name)) else None
+        raw = _read_entry(f"{name}.taken") if pid_running(creator_pid(name, _PREFIX)) else None
         try:
             lend, theirs = (None, b"") if raw is None else _checked(raw, name, rank, self._peers, tuple(keys), mine)
         except ProtocolError:
@@ -354,13 +354,6 @@ class LendBoard:
 def _at(name: str | os.PathLike[str], state: str) -> str:
     """The file of lend ``name`` in ``state``."""
     return f"{os.fspath(name)}.{state}"
-
-
-def _pid_of(name: str | Path) -> int:
-    """The pid in an entry's name (``lend-PID-...``, as :func:`remove_orphans` reads it)."""
-    base = os.path.basename(name)
-    pid = base[len(_PREFIX):].split("-", 1)[0] if base.startswith(_PREFIX) else ""
-    return int(pid) if pid.isdigit() else 0
 
 
 def _read_entry(path: str) -> bytes | None:
