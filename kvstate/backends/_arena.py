@@ -74,6 +74,32 @@ _FIELDS = (("state", np.uint8, ()), ("gen", np.uint64, ()), ("hash", np.uint64, 
            ("key", np.uint8, (MAX_KEY_LEN * 4,)))  # a key's UTF-8 bytes: at most 4 a character
 
 
+class _Header(NamedTuple):
+    """An arena file's first bytes, as both an opener and :func:`find_arena` read them."""
+
+    magic: bytes
+    version: int
+    key_max: int
+    slots: int
+    slot_bytes: int
+    small_slots: int
+    small_bytes: int
+    raw_tag: bytes
+
+    @classmethod
+    def read(cls, buf: Any) -> _Header:
+        return cls(*_HEADER.unpack_from(buf, 0))
+
+    @property
+    def readable(self) -> bool:
+        """Whether this kvstate reads the format (its version and its keys' longest length)."""
+        return self.version == ARENA_VERSION and self.key_max == MAX_KEY_LEN
+
+    @property
+    def tag(self) -> str:
+        return self.raw_tag.rstrip(b"\0").decode(errors="replace")
+
+
 class Place(NamedTuple):
     """Where an object is: its big slot (-1: not there), the slot's generation, its length."""
 
@@ -227,13 +253,14 @@ class ArenaStore(Store):
             raise ConfigError(f"ArenaStore: {self.path!r} is not an arena ({size} bytes)")
         # its page tables filled now: no copy of this process faults on a page of the file
         self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        magic, version, key_max, slots, sbytes, small_slots, small_bytes, raw = _HEADER.unpack_from(self._map, 0)
-        if magic != _MAGIC:
+        head = _Header.read(self._map)
+        if head.magic != _MAGIC:
             raise ConfigError(f"ArenaStore: {self.path!r} is not an arena (no header)")
-        if version != ARENA_VERSION or key_max != MAX_KEY_LEN:
-            raise ConfigError(f"ArenaStore: {self.path!r} is format version {version}, this kvstate reads "
+        if not head.readable:
+            raise ConfigError(f"ArenaStore: {self.path!r} is format version {head.version}, this kvstate reads "
                               f"{ARENA_VERSION}")
-        self.tag = raw.rstrip(b"\0").decode()
+        self.tag, slots, sbytes = head.tag, head.slots, head.slot_bytes
+        small_slots, small_bytes = head.small_slots, head.small_bytes
         if slot_bytes is not None and slot_bytes != sbytes:
             raise ConfigError(f"ArenaStore: {self.path!r} has {sbytes}-byte slots, {slot_bytes} were asked for: "
                               "it was made for another geometry")
@@ -593,9 +620,8 @@ def find_arena(slot_bytes: int, tag: str | None = None, directory: str | os.Path
             continue
         if len(head) < _HEADER.size:
             continue
-        magic, version, key_max, _, sbytes, _, _, raw = _HEADER.unpack(head)
-        if (magic, version, key_max, sbytes) == (_MAGIC, ARENA_VERSION, MAX_KEY_LEN, slot_bytes) and \
-                (tag is None or raw.rstrip(b"\0").decode(errors="replace") == tag):
+        h = _Header.read(head)
+        if h.magic == _MAGIC and h.readable and h.slot_bytes == slot_bytes and (tag is None or h.tag == tag):
             found.append(str(path))
     if len(found) == 1:
         return found[0]
