@@ -170,7 +170,7 @@ def test_reads_are_armed_by_default_only_where_the_rank_workers_move_bytes_on_gp
     monkeypatch.setattr(_cuda_launch, "cuda_available", lambda: True)  # the choice, not the GPU, is tested
     args = _cli._parser().parse_args(["demo", *argv])
     _cli._check_demo(args)
-    assert args.arm_reads is want
+    assert _cli._arms_reads(args) is want
 
 
 @pytest.mark.parametrize("devices, ok", [((0, 1), True), (((0, 1), (1, 0)), True), (((0, 1), 1), True),

@@ -162,9 +162,7 @@ def _check_demo_engines(args: argparse.Namespace) -> None:
     """The engines' options: the handoff, the GPUs."""
     if args.handoff != "store" and not args.processes:
         raise ConfigError("--handoff direct or both needs --processes (P and D running side by side)")
-    if args.arm_reads is None:  # the rank workers' GPUs compute nothing: arming is safe there
-        args.arm_reads = args.backend == "cuda" and args.handoff != "store"
-    elif args.arm_reads and args.handoff == "store":
+    if args.arm_reads and args.handoff == "store":
         raise ConfigError("--arm-reads arms direct pulls: it goes with --handoff direct or both")
     if args.devices is not None and not (args.processes and args.backend == "cuda"):
         raise ConfigError("--devices goes with --processes --backend cuda")
@@ -175,13 +173,21 @@ def _check_demo_engines(args: argparse.Namespace) -> None:
             raise ConfigError("--backend cuda needs CuPy and a CUDA device (none here)")
 
 
+def _arms_reads(args: argparse.Namespace) -> bool:
+    """``--arm-reads`` as asked; unasked, on where the rank workers' GPUs compute nothing (the
+    CUDA backend with a direct handoff), the one place arming was measured safe."""
+    if args.arm_reads is not None:
+        return bool(args.arm_reads)
+    return args.backend == "cuda" and args.handoff != "store"
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import DemoConfig, format_summary, run_demo
 
     _check_demo(args)
     cfg = DemoConfig(requests=args.requests, seed=args.seed, tp=args.tp, store=args.store or "memory",
                      store_dir=args.store_dir, concurrency=args.concurrency, backend=args.backend,
-                     handoff=args.handoff, devices=args.devices, arm_reads=args.arm_reads)
+                     handoff=args.handoff, devices=args.devices, arm_reads=_arms_reads(args))
     master = None
     try:
         worker_store = {"kind": "file", "root": args.store_dir} if args.store == "file" else None
