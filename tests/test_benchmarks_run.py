@@ -1,6 +1,7 @@
 """The benchmark scripts run and report the keys the docs quote (no timing asserted here)."""
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,24 @@ def test_a_flood_at_every_socket_applies_nothing_restarts_nothing_and_serving_go
     c = res["driver_counters"]
     assert c["foreign_hellos"] > 0 and c["unauthenticated_hellos"] > 0 and c["stale"] > 0 and c["bad_messages"] > 0
     assert res["rss_growth_mb"] <= 10
+
+
+def test_instruction_benchmark_refuses_an_unknown_scenario_before_it_runs():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_instructions.py"), "--against", str(ROOT),
+                        "--scenarios", "default,bursty"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown ['bursty']" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None or not Path("/usr/include/valgrind/callgrind.h").exists(),
+                    reason="needs valgrind and its headers (apt install valgrind)")
+def test_instruction_benchmark_counts_one_simulate_alike_on_one_tree():
+    """The tree against itself: both sides count the same instructions of the measured run
+    (collection switched on around it: a warm-up outside it would make the count larger)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_instructions.py"), "--against", str(ROOT),
+                        "--quick", "--json"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout)["scenarios"]["default"]
+    assert row["this"]["requests"] == row["that"]["requests"] == 200
+    assert 1e8 < row["this"]["instructions"] < 2e9
+    assert abs(row["speedup"]["instructions"] - 1.0) < 0.002
