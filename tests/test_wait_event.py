@@ -33,10 +33,22 @@ class TorchLike:
 
 
 @pytest.mark.parametrize("kind", [CupyLike, TorchLike])
-def test_an_event_that_completes_ends_the_wait(kind):
-    ev = kind(after=5000)  # past the spinning phase: into the sleeps
+def test_an_event_that_completes_ends_the_wait(kind, monkeypatch):
+    """An event that completes well into the sleeping phase ends the wait at its first look
+    after that, however many looks it took."""
+    ev = kind(after=10**12)
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:  # the event completes at the tenth sleep past the spin phase
+        if s:
+            sleeps.append(s)
+            if len(sleeps) == 10:
+                ev.after = ev.polls
+        real_sleep(s)
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", sleep)
     wait_event(ev, 10.0)
-    assert ev.polls == 5001
+    assert len(sleeps) == 10 and ev.polls == ev.after + 1
 
 
 @pytest.mark.parametrize("kind", [CupyLike, TorchLike])
