@@ -51,6 +51,7 @@ def test_engine_sim_dry_run_serves_every_request(tmp_path):
     assert held and len(held) < len(points) and all("model_error" in p for p in held)
 
 
+@pytest.mark.slow  # two trees' benchmark runs in their own processes
 def test_sim_benchmark_against_another_tree_reports_speedups():
     """--against runs both trees' own benchmark in their own processes and compares the figures
     both report (here the tree against itself; no timing asserted)."""
