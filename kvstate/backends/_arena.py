@@ -259,18 +259,18 @@ class ArenaStore(Store):
         if not head.readable:
             raise ConfigError(f"ArenaStore: {self.path!r} is format version {head.version}, this kvstate reads "
                               f"{ARENA_VERSION}")
-        self.tag, slots, sbytes = head.tag, head.slots, head.slot_bytes
-        small_slots, small_bytes = head.small_slots, head.small_bytes
-        if slot_bytes is not None and slot_bytes != sbytes:
-            raise ConfigError(f"ArenaStore: {self.path!r} has {sbytes}-byte slots, {slot_bytes} were asked for: "
-                              "it was made for another geometry")
+        self.tag = head.tag
+        if slot_bytes is not None and slot_bytes != head.slot_bytes:
+            raise ConfigError(f"ArenaStore: {self.path!r} has {head.slot_bytes}-byte slots, {slot_bytes} were asked "
+                              "for: it was made for another geometry")
         if tag is not None and tag != self.tag:
             raise ConfigError(f"ArenaStore: {self.path!r} was made for geometry {self.tag!r}, not {tag!r}")
-        big_at, small_at, need = _layout(slots, sbytes, small_slots, small_bytes)
+        big_at, small_at, need = _layout(head.slots, head.slot_bytes, head.small_slots, head.small_bytes)
         if size != need:
             raise ConfigError(f"ArenaStore: {self.path!r} holds {size:,} bytes, its header needs {need:,}")
         buf = memoryview(self._map)
-        self.big, self.small = _Class(buf, big_at, slots, sbytes), _Class(buf, small_at, small_slots, small_bytes)
+        self.big = _Class(buf, big_at, head.slots, head.slot_bytes)
+        self.small = _Class(buf, small_at, head.small_slots, head.small_bytes)
         self._tick = np.ndarray((1,), np.uint64, buf, _HEADER.size + 8)
 
     @classmethod
