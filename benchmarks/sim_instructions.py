@@ -109,8 +109,11 @@ def count(side: str, tree: str, helper: str, which: str, trace: str, directory: 
     return {**res, "requests": int(r.stdout.split()[-1])}
 
 
-def compare(against: str, scenarios: list[str], caches: bool = False, requests: int = 0) -> dict:
-    """Both trees' counts per scenario and the ratios (that tree's count over this one's)."""
+def compare(against: str, scenarios: list[str], caches: bool = False, requests: int = 0,
+            keep: str | None = None) -> dict:
+    """Both trees' counts per scenario and the ratios (that tree's count over this one's);
+    ``keep``: a directory to copy callgrind's files into (``SIDE-SCENARIO.callgrind``), for
+    ``callgrind_annotate`` to compare function by function."""
     from kvstate.sim._conversation import conversation_trace, write_trace
 
     against = os.path.abspath(against)
@@ -124,6 +127,10 @@ def compare(against: str, scenarios: list[str], caches: bool = False, requests: 
         jobs = [(side, tree, which) for which in scenarios for side, tree in (("this", ROOT), ("that", against))]
         with ThreadPoolExecutor(2) as pool:  # one valgrind a core; the counts do not care
             done = list(pool.map(lambda j: count(j[0], j[1], helper, j[2], traces[j[2]], d, caches, requests), jobs))
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for side, _, which in jobs:
+                shutil.copy(os.path.join(d, f"{side}-{which}.callgrind"), keep)
     rows: dict[str, dict] = {}
     for (side, _, which), res in zip(jobs, done):
         rows.setdefault(which, {})[side] = res
@@ -140,13 +147,14 @@ def main() -> int:
     ap.add_argument("--caches", action="store_true",
                     help="simulate the caches and branch predictors too (about twice as slow)")
     ap.add_argument("--quick", action="store_true", help="the default scenario alone, at 200 requests")
+    ap.add_argument("--keep", metavar="DIR", help="keep callgrind's files there (for callgrind_annotate)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     scenarios = ["default"] if args.quick else [s for s in args.scenarios.split(",") if s]
     bad = [s for s in scenarios if s not in SCENARIOS]
     if bad or not scenarios:
         ap.error(f"--scenarios: unknown {bad or 'none given'}; choose from {', '.join(SCENARIOS)}")
-    res = compare(args.against, scenarios, args.caches, 200 if args.quick else 0)
+    res = compare(args.against, scenarios, args.caches, 200 if args.quick else 0, args.keep)
     if args.json:
         print(json.dumps(res))
         return 0
