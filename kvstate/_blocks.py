@@ -241,7 +241,8 @@ class EnginePool(BlockPool):
         return [b for b, r in enumerate(self._refs) if not r]
 
     def stats(self) -> PoolStats:
-        shared = sum(1 for r in self._refs if r >= 2)
+        refs = self._refs
+        shared = len(refs) - refs.count(0) - refs.count(1)  # in C: refcounts are never negative
         return PoolStats(self.num_blocks, self.num_free, self._used, shared, self._peak, self._allocs, self._frees)
 
     def allocate(self, n: int, headroom: int = 0) -> list[int]:

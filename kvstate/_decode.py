@@ -106,9 +106,8 @@ _LIVE = ("reserved", "reading", "recomputing", "running", "preempt_writing", "pr
          *SWAP_STATES)
 
 DECODE = MachineDef(
-    name="decode",
+    name="decode", initial="reserved",
     states=(*_LIVE, "done", "failed", "aborted"),
-    initial="reserved",
     terminal=("done", "failed", "aborted"),
     transitions=(
         # the GPU prefix cache held every block of the prompt: nothing to read
@@ -185,6 +184,7 @@ DECODE = MachineDef(
 class DecodeLifecycle(Lifecycle[DecodeRequest]):
     """The D instance's side (see the module's rules)."""
 
+    __slots__ = ("layerwise", "arm_reads", "_running", "_frees_behind_window", "_window_tables")
     DEFINITION = DECODE
     RECORD = DecodeRequest
     TIMED_WAITS = ("swapped",)
@@ -282,9 +282,9 @@ class DecodeLifecycle(Lifecycle[DecodeRequest]):
         if req.state != "running":
             raise InvalidTransitionError(request_id, req.state, "append_tokens", DECODE.name)
         new = check_tokens(request_id, token_ids)
-        need = self.spec.blocks_for(len(req.tokens) + len(new)) - len(req.blocks)
+        need = -(-(len(req.tokens) + len(new)) // self.spec.block_size) - len(req.blocks)  # spec.blocks_for, inline
         try:
-            added = self.blocks.allocate(req, max(need, 0))
+            added = self.blocks.allocate(req, need if need > 0 else 0)
         except OutOfBlocksError as e:
             raise OutOfBlocksError(f"request {request_id!r}: cannot grow by {need} blocks ({e})") from None
         req.tokens.extend(new)

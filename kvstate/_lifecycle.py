@@ -59,8 +59,13 @@ HOST_COPIES = (C.SwapOut, C.SwapIn, C.FlushHost)
 
 class Lifecycle(Generic[R]):
     """The pool, requests, transfers and deadlines one role's machine drives, and read-only
-    views of them (for engines, drivers, metrics and the protocol suite: none changes anything)."""
+    views of them (for engines, drivers, metrics and the protocol suite: none changes anything).
+    Slotted, as its roles' classes: every event reads a dozen of its fields, and slots keep them
+    one indexed load away however many a role adds."""
 
+    __slots__ = ("states", "_now", "spec", "policy", "blocks", "_per_block", "prefix_cache", "pool", "clock",
+                 "namespace", "key_cache", "_requests", "_reqs", "host", "_transfers", "_pending", "_timers",
+                 "_out", "_ids", "_ranks", "_depth", "_freed", "counters", "_machine")
     DEFINITION: MachineDef
     RECORD: type[R]  #: the side's request record
     #: states besides the initial one whose wait has a deadline (``_wait``; fires ``timed_out``)

@@ -95,9 +95,11 @@ class Transfers:
         return t
 
     def pin(self, req: Request) -> None:
-        """``req`` lets go of its blocks: each of its unanswered transfers pins the blocks it touches."""
+        """``req`` lets go of its blocks: each of its unanswered transfers pins the blocks it touches.
+        One every rank has answered (none lost) touches no block again and retires next: a
+        request that ends on a transfer's last answer frees its blocks then, unpinned."""
         for t in req.inflight:
-            if not t.pinned:
+            if not t.pinned and (t.left or t.lost):
                 t.pinned = True
                 if t.blocks:
                     self._pool.retain(t.blocks)

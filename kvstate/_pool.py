@@ -78,7 +78,8 @@ class BlockPool:
         return list(self._free)
 
     def stats(self) -> PoolStats:
-        shared = sum(1 for r in self._refs if r >= 2)  # counted here: pins stay two list ops
+        refs = self._refs  # counted here, in C (refcounts are never negative): pins stay two list ops
+        shared = len(refs) - refs.count(0) - refs.count(1)
         return PoolStats(self.num_blocks, len(self._free), self.num_used, shared,
                          self._peak, self._allocs, self._frees)
 

@@ -129,6 +129,7 @@ PREFILL = MachineDef(
 class PrefillLifecycle(Lifecycle[PrefillRequest]):
     """The P instance's side (see the module's rules)."""
 
+    __slots__ = ("layerwise", "handoff", "lend_timeout", "_waiting")
     DEFINITION = PREFILL
     RECORD = PrefillRequest
     SETTLES_IN = "prefilling"

@@ -69,7 +69,7 @@ class PrefillRequest(Request):
 
     def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
-        super().__init__(request_id, state, tokens, keys, extra_keys)
+        Request.__init__(self, request_id, state, tokens, keys, extra_keys)  # not super(): a hot path
         self.token = None  #: the first token, sent once the cache is stored
         self.layers = 0  #: layer-wise: layers of its prefill reported computed
         self.saved = 0  #: layer-wise: leading keys its save stored, when it answered before the prefill ended
@@ -85,7 +85,7 @@ class DecodeRequest(Request):
 
     def __init__(self, request_id: str, state: str, tokens: array[int], keys: list[str],
                  extra_keys: Mapping[int, Sequence[str]] | None) -> None:
-        super().__init__(request_id, state, tokens, keys, extra_keys)
+        Request.__init__(self, request_id, state, tokens, keys, extra_keys)  # not super(): a hot path
         self.stored_keys = None  #: the keys a read brings back
         self.host_keys = None  #: keys it references in the host tier (swapped out)
         self.host_fresh = ()  #: the keys its swap-out fills
