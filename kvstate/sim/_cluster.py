@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from simpy import Timeout
+
 from .. import commands as C
 from .._errors import ConfigError
 from .._spec import CacheSpec
@@ -88,7 +90,7 @@ class Cluster:
         env = self.env
         for a in self._arrivals:
             if a.time > env.now:
-                yield env.timeout(a.time - env.now)
+                yield Timeout(env, a.time - env.now)
             req = SimRequest(a)
             self.reqs[req.rid] = req
             self.live.add(req.rid)

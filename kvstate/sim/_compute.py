@@ -60,7 +60,16 @@ _MEMO = 1 << 16  #: prefill batches whose times are kept (cleared when full)
 
 
 class ComputeModel:
-    """Step times of one instance of a scenario (see the module's docstring)."""
+    """Step times of one instance of a scenario (see the module's docstring). Slotted: its
+    forty-odd figures are read on every step, and an object with more attributes than CPython's
+    shared key table holds (about thirty) would read each through a dictionary of its own."""
+
+    __slots__ = ("tp", "layers", "hidden", "vocab", "wbytes", "peak", "attn_peak", "hbm", "mfu", "half",
+                 "attn_mfu", "mbu", "attn_mbu", "overhead", "kernel", "heads_rank", "head_dim", "kv_token_layer",
+                 "full_layers", "window_layers", "state_layers", "window", "state_rank", "attn_mats", "dense_mats",
+                 "mlp_width", "experts", "top_k", "shared", "ep", "expert_width", "moe_width_tp", "moe_layers",
+                 "custom_ar_bytes", "ar_algos", "profile", "_scale", "_decode_fixed", "_prefill", "_tokens",
+                 "_decode_per_token")
 
     def __init__(self, s: Scenario) -> None:
         m, g, tp = s.model, s.gpu, s.cluster.tp

@@ -12,14 +12,13 @@ production. Notices go to the role's :meth:`Instance.notice`.
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from functools import partial
-from operator import attrgetter
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from types import MethodType
+from typing import Any
 
 import simpy
+from simpy import Event
 
 from .. import commands as C
 from .._lifecycle import Lifecycle
@@ -30,19 +29,21 @@ from ._tp import RankPools
 
 __all__ = ["Instance", "Transfer", "LayerSave", "Swap"]
 
-#: the clock the lifecycles read, ``env.now`` with no Python frame of its own (a lambda is one)
-_NOW = attrgetter("now")
+#: SimPy's ``Environment.now``: a property, whose getter bound to an environment is the clock the
+#: lifecycles read (one call; reading the attribute adds the generic lookup of a property to it)
+_NOW: Callable[[simpy.Environment], float] = vars(simpy.Environment)["now"].fget
 
 
 class Transfer:
     """One transfer command as a task of the rank pools."""
 
-    __slots__ = ("inst", "cmd", "label", "write", "n", "seen", "left")
+    __slots__ = ("inst", "cmd", "label", "write", "n", "skip", "seen", "left")
 
     def __init__(self, inst: Instance, cmd: C.TransferCommand, write: bool) -> None:
         self.inst, self.cmd, self.write = inst, cmd, write
         self.label = cmd.command_id
         self.n = len(cmd.keys)
+        self.skip: int = getattr(cmd, "window_from", 0)  #: leading blocks moved without their window groups
         self.seen: dict[int, tuple[int, int]] = {}  # rank -> (leading keys stored, evictions) at start
         self.left = len(cmd.ranks)  #: ranks yet to answer: only the last answer can start anything
 
@@ -51,30 +52,30 @@ class Transfer:
         moves only the rest; a read moves the leading keys found (a miss ends it). A command
         cancelled before a worker took it is skipped, as the threaded driver skips it."""
         inst = self.inst
-        if self.cmd.command_id in inst.cancelled:
+        if self.label in inst.cancelled:
             return 0.0  # answered "cancelled" at once
-        store, side = inst.sv.store, inst.side
+        store, side = inst.store, inst.side
         if self.write and not side.writers[rank]:  # a replica: the first rank holding its heads stores them
             self.seen[rank] = (self.n, store.evictions)
             return 0.0
-        parts = side.parts[rank]
-        found = store.leading(parts[0], self.cmd.keys)
+        parts, keys = side.parts[rank], self.cmd.keys
+        found = store.leading(parts[0], keys)
         if len(parts) > 1:
             for part in parts[1:]:
-                found = min(found, store.leading(part, self.cmd.keys))
+                found = min(found, store.leading(part, keys))
         self.seen[rank] = (found, store.evictions)
         if self.write:
             rest = self.n - found
             if not rest:
                 return store.query_latency
             if self.cmd.__class__ is C.FlushHost:  # from host memory: the pool's bandwidth only
-                nbytes = rest * side.shard_bytes
-                return store.query_latency + store.occupy(inst.env.now, nbytes)[1] - inst.env.now
+                now = inst.env.now
+                return store.query_latency + store.occupy(now, rest * side.shard_bytes)[1] - now
             return store.query_latency + inst.transfer_time(rank, "d2h", rest)
         if not found:
             return store.latency
-        skip = getattr(self.cmd, "window_from", 0)
-        return inst.transfer_time(rank, "h2d", found, min(skip, found))  # skipped: read without window groups
+        skip = self.skip  # of the blocks found, those read without their window groups
+        return inst.transfer_time(rank, "h2d", found, skip if skip < found else found)
 
     def finish(self, rank: int) -> None:
         self.inst.answer(self, rank)
@@ -129,18 +130,28 @@ class Swap:
 
 
 class Instance(ABC):
-    """One P or D instance: its lifecycle, rank pools and links (the role adds compute)."""
+    """One P or D instance: its lifecycle, rank pools and links (the role adds compute).
 
+    Instances are slotted, as are their roles: an object with more attributes than CPython
+    keeps in its class's shared key table (about thirty) gets a dictionary of its own, and
+    every attribute read on the simulator's hot paths then takes the slower lookup."""
+
+    __slots__ = ("sv", "idx", "env", "store", "decoding", "transfer_timeout", "side", "name", "lc", "link_free",
+                 "cancelled", "write_pool", "read_pool", "wake", "busy_time", "computing_until", "block_seconds",
+                 "_noted_at", "_noted_used", "_link_cost")
     role = ""
     lifecycle_cls: type[Lifecycle] = Lifecycle
 
     def __init__(self, sv: Services, idx: int) -> None:
         s, env = sv.scenario, sv.env
         self.sv, self.idx, self.env = sv, idx, env
+        self.store = sv.store  #: the cluster's storage pool (read on every rank's part of a transfer)
+        self.decoding = self.role == "decode"
+        self.transfer_timeout = sv.policy.transfer_timeout  #: each transfer's deadline, from when it is sent
         self.side = side = sv.sides[self.role]  #: this role's TP degree, geometry, blocks and compute
         self.name = f"{self.role[0].upper()}{idx}"
         self.lc = self.lifecycle_cls(side.lifecycle_spec, side.gpu_blocks, sv.policy,
-                                     clock=partial(_NOW, env), namespace=s.model.name, key_cache=sv.key_cache,
+                                     clock=MethodType(_NOW, env), namespace=s.model.name, key_cache=sv.key_cache,
                                      num_states=side.num_states, **self.lifecycle_options(s))
         tp = side.tp
         self.link_free = [0.0] * tp
@@ -178,21 +189,22 @@ class Instance(ABC):
     def transfer_time(self, rank: int, direction: str, n: int, skip: int = 0) -> float:
         """Seconds of one rank's part of a transfer of ``n`` blocks starting now, ``skip`` of
         them without their window groups (a read from a cache's last window)."""
-        cl, side = self.sv, self.side
-        now = self.env.now
+        side, now = self.side, self.env.now
         link = self._link_cost.get((direction, n))
         if link is None:
             link = self._link_cost[(direction, n)] = side.link_seconds(direction, n)
         if skip:  # the link moves that much less, at its rate for these chunks
             link *= 1.0 - skip * side.window_bytes / (n * side.shard_bytes)
-        start = self.link_free[rank]
+        link_free = self.link_free
+        start = link_free[rank]
         start = start if start >= now else now  # max and min written out: twelve thousand calls a run
-        self.link_free[rank] = link_end = start + link
+        link_free[rank] = link_end = start + link
         nbytes = n * side.shard_bytes - skip * side.window_bytes + (side.state_bytes if n else 0)  # and states
-        s_start, s_end = cl.store.occupy(now, nbytes)
-        if cl.object_s:  # per object moved, when charged
-            s_end += n * len(side.parts[rank]) * side.kinds * cl.object_s
-        pieces = max(1, math.ceil(nbytes / cl.staging_bytes))
+        sv = self.sv
+        s_start, s_end = self.store.occupy(now, nbytes)
+        if sv.object_s:  # per object moved, when charged
+            s_end += n * len(side.parts[rank]) * side.kinds * sv.object_s
+        pieces = -(-nbytes // sv.staging_bytes) if nbytes > sv.staging_bytes else 1
         store_s = s_end - s_start
         tail = (link if link <= store_s else store_s) / pieces  # pipelined in pieces: the faster stage's last one
         end = (link_end if link_end >= s_end else s_end) + tail
@@ -201,21 +213,24 @@ class Instance(ABC):
     def answer(self, task: Transfer, rank: int) -> None:
         """A rank finished its part: answer from the pool's contents (or an injected fault),
         as :func:`~kvstate.backends._drivers.execute` would from a real pool."""
-        cl, cmd, write = self.sv, task.cmd, task.write
+        cl, cmd, write, cid = self.sv, task.cmd, task.write, task.label
         fail = cl.faults_write if write else cl.faults_read
-        if cmd.command_id in self.cancelled:
-            c = Completion(cmd.command_id, rank, 0, error="cancelled")
+        if cid in self.cancelled:
+            c = Completion(cid, rank, 0, error="cancelled")
         elif fail and cl.rng.random() < fail:
-            c = Completion(cmd.command_id, rank, 0, error="injected failure")
+            c = Completion(cid, rank, 0, error="injected failure")
             cl.counters["injected_write_failures" if write else "injected_read_failures"] += 1
         else:
             found, evictions = task.seen[rank]
-            known = found if evictions == cl.store.evictions else 0  # nothing stored went away since
-            n = self._stored(rank, cmd.keys, write, known, getattr(cmd, "window_from", 0))
-            c = Completion(cmd.command_id, rank, cl.store.states_moved(rank, cmd.keys, cmd.states, n, write)
-                           if cmd.states else n)
+            store, keys = self.store, cmd.keys
+            known = found if evictions == store.evictions else 0  # nothing stored went away since
+            if write and not self.side.writers[rank]:  # a replica's write: its first replica stores the keys
+                n = len(keys)
+            else:
+                n = self._stored(rank, keys, write, known, task.skip)
+            c = Completion(cid, rank, store.states_moved(rank, keys, cmd.states, n, write) if cmd.states else n)
             # D's reads of a stored cache; P's prefix read stopping at a miss is a prefix miss
-            if self.role == "decode" and not write and c.count < len(cmd.keys):
+            if not write and self.decoding and c.count < len(keys):
                 cl.counters["partial_reads"] += 1
         if cl.timeline is not None:
             cl.timeline.completed(self.name, [c])
@@ -226,14 +241,11 @@ class Instance(ABC):
         if not cl.live:  # the last answers after the last request ended
             cl.check_finished()
 
-    def _stored(self, rank: int, keys: Sequence[str], write: bool, known: int, window_from: int = 0) -> int:
-        """The pool's answer to one rank's write or read: over each of its head groups (a
-        replica's write: every key, its first replica stores them)."""
-        side, store = self.side, self.sv.store
-        if write and not side.writers[rank]:
-            return len(keys)
-        parts = side.parts[rank]
-        skipped = min(window_from, len(keys)) * side.window_bytes // len(parts) if window_from else 0
+    def _stored(self, rank: int, keys: Sequence[str], write: bool, known: int, window_from: int) -> int:
+        """The pool's answer to one rank's write or read of ``keys`` (a rank that stores them):
+        over each of its head groups."""
+        parts, store = self.side.parts[rank], self.store
+        skipped = min(window_from, len(keys)) * self.side.window_bytes // len(parts) if window_from else 0
         count = store.answer(parts[0], keys, write, known, skipped)  # a part's window bytes not read: skipped
         if len(parts) > 1:
             for part in parts[1:]:
@@ -255,35 +267,40 @@ class Instance(ABC):
             t = cmd.__class__
             kind = KINDS.get(t) or kind_of(cmd)
             if kind == "read" or (kind == "write" and t is not C.SaveLayers):
-                tc = cast(C.TransferCommand, cmd)
+                tc: C.TransferCommand = cmd  # type: ignore[assignment]  # its kind says so (no cast call: hot)
                 write = kind == "write"
                 (self.write_pool if write else self.read_pool).submit(Transfer(self, tc, write), tc.ranks)
                 timed = True
             elif kind == "swap":
-                tc = cast(C.TransferCommand, cmd)
-                out = t is C.SwapOut
-                # preemption swaps (P's are prefix loads and cache copies, D's "loading" a read's prefix)
-                rid = tc.request_id
-                if self.role == "decode" and (out or (self.lc.is_live(rid) and self.lc.state_of(rid) == "swapping_in")):
-                    counters = self.sv.counters
-                    counters["swap_outs" if out else "swap_ins"] += 1
-                    counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
-                (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
+                self._swap(cmd)  # type: ignore[arg-type]
                 timed = True
             elif kind == "write":  # a layer-wise save: the role starts it with its prefill; its deadline runs now
                 self.notice(cmd)
                 timed = True
             elif kind == "cancel":
-                self.cancelled.add(cast(C.CancelCommand, cmd).command_id)
+                self.cancelled.add(cmd.command_id)  # type: ignore[attr-defined]
             elif t is C.LateEvent:
-                name = f"late_{cast(C.LateEvent, cmd).event}"
+                name = f"late_{cmd.event}"  # type: ignore[attr-defined]
                 counters = self.sv.counters
                 counters[name] = counters.get(name, 0) + 1
             else:
                 self.notice(cmd)
-        self.note_blocks()
+        now = self.env.now  # note_blocks, inline: once per pump
+        self.block_seconds += (now - self._noted_at) * self._noted_used
+        self._noted_at, self._noted_used = now, self.lc.pool.num_used
         if timed:
-            self.sv.arm_timer(self, self.env.now + self.lc.policy.transfer_timeout)
+            self.sv.arm_timer(self, now + self.transfer_timeout)
+
+    def _swap(self, tc: C.TransferCommand) -> None:
+        """A swap command to the rank pools (preemption swaps at D counted)."""
+        out = tc.__class__ is C.SwapOut
+        # preemption swaps (P's are prefix loads and cache copies, D's "loading" a read's prefix)
+        rid = tc.request_id
+        if self.decoding and (out or (self.lc.is_live(rid) and self.lc.state_of(rid) == "swapping_in")):
+            counters = self.sv.counters
+            counters["swap_outs" if out else "swap_ins"] += 1
+            counters["blocks_swapped_out" if out else "blocks_swapped_in"] += len(tc.keys)
+        (self.write_pool if out else self.read_pool).submit(Swap(self, tc, out), tc.ranks)
 
     @abstractmethod
     def notice(self, cmd: C.Command) -> None:
@@ -303,5 +320,5 @@ class Instance(ABC):
             self.wake.succeed()
 
     def idle(self) -> simpy.Event:
-        self.wake = self.env.event()
+        self.wake = Event(self.env)
         return self.wake

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
+from simpy import Timeout
+
 from .. import commands as C
 from .._prefill import PrefillLifecycle
 from ._instance import Instance, LayerSave
@@ -34,6 +36,7 @@ FIRST_TOKEN = 1  #: the token id every simulated prefill samples
 class PrefillInstance(Instance):
     """One P instance and its prefill loop."""
 
+    __slots__ = ("queue", "queued_tokens", "waiting", "saves", "assigned")
     role = "prefill"
     lifecycle_cls = PrefillLifecycle
 
@@ -56,7 +59,7 @@ class PrefillInstance(Instance):
         cl = self.sv
         t = cmd.__class__
         if t is C.StartPrefill:
-            cached = cast(C.StartPrefill, cmd).num_cached_tokens  # with state groups: from a state (the lifecycle's)
+            cached = cmd.num_cached_tokens  # type: ignore[attr-defined]  # with state groups: from a state (the lifecycle's)
             req = cl.reqs[cmd.request_id]
             req.cached_tokens = cached
             new = req.input_len - cached
@@ -67,9 +70,8 @@ class PrefillInstance(Instance):
         elif t is C.SaveLayers:
             self.saves[cmd.request_id] = cast(C.TransferCommand, cmd)
         elif t is C.SendFirstToken:
-            ev = self.env.timeout(cl.net_latency)
-            first = cast(C.SendFirstToken, cmd)
-            ev.callbacks.append(lambda _e: cl.first_token(first))
+            ev = Timeout(self.env, cl.net_latency)
+            ev.callbacks.append(lambda _e: cl.first_token(cmd))  # type: ignore[arg-type]  # a SendFirstToken
         elif t is C.RequestEnded and cmd.request_id in self.waiting:  # aborted while queued
             self.queued_tokens -= self.waiting.pop(cmd.request_id)
             cl.counters["prompts_dropped"] += 1
@@ -107,7 +109,7 @@ class PrefillInstance(Instance):
             self.computing_until = env.now + t
             if self.saves:
                 self._start_saves(batch, t)
-            yield env.timeout(t)
+            yield Timeout(env, t)
             for req, _, _ in batch:
                 if lc.is_live(req.rid) and lc.state_of(req.rid) in ("prefilling", "saved"):
                     lc.prefill_done(req.rid, FIRST_TOKEN)

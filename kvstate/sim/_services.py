@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import simpy
+from simpy import Timeout
 
 from .. import commands as C
 from .._keys import KeyCache
@@ -98,7 +99,14 @@ class Side:
 
 
 class Services:
-    """The run's clock, models, pool, records and hooks (see the module's docstring)."""
+    """The run's clock, models, pool, records and hooks (see the module's docstring). Slotted, as
+    the instances that read it on every transfer and step (:class:`~kvstate.sim._instance.Instance`)."""
+
+    __slots__ = ("scenario", "env", "cost", "sides", "fit_blocks", "cache_spec", "gpu_blocks", "compute",
+                 "shard_bytes", "chunk_bytes", "kinds", "block_size", "policy", "staging_bytes", "store", "object_s",
+                 "timeline", "key_cache", "net_latency", "rng", "faults_write", "faults_read", "counters",
+                 "round_trips", "reqs", "live", "done", "_armed", "first_token", "ended", "blocks_freed",
+                 "retry_backlog", "check_finished")
 
     def __init__(self, scenario: Scenario, cost: TransferCostModel | None = None) -> None:
         s = self.scenario = scenario
@@ -154,7 +162,7 @@ class Services:
         if when is None or when >= armed:
             return
         self._armed[inst.name] = when
-        ev = self.env.timeout(max(0.0, when - self.env.now))
+        ev = Timeout(self.env, max(0.0, when - self.env.now))
         ev.callbacks.append(lambda _e: self._on_timer(inst, when))
 
     def _on_timer(self, inst: Ticked, when: float) -> None:

@@ -39,6 +39,9 @@ class SimStore:
         self._last_write: tuple[Sequence[str], int] | None = None  # keys, reordering after it
         self._states: dict[str, int] = {}  # key -> bitmask of the TP ranks whose state after it is stored
         self.busy_until = 0.0
+        #: blocks evicted so far: while it is unchanged, no stored key went away (read on every
+        #: rank's part of a transfer: an attribute, not a property)
+        self.evictions = 0
         self.stats = dict.fromkeys(("puts", "gets", "queries", "bytes_written", "bytes_read",
                                     "evicted_blocks", "hits", "misses"), 0)
 
@@ -50,11 +53,6 @@ class SimStore:
         return start, end + self.latency
 
     # -- contents (the TransferBackend questions) --------------------------------------------
-    @property
-    def evictions(self) -> int:
-        """Blocks evicted so far: while it is unchanged, no stored key went away."""
-        return self.stats["evicted_blocks"]
-
     def leading(self, rank: int, keys: Sequence[str], known: int = 0) -> int:
         """How many leading ``keys`` hold ``rank``'s shard (a look that counts no query).
         ``known``: so many leading keys were seen stored with no eviction since."""
@@ -150,6 +148,7 @@ class SimStore:
         self._lru_moves += 1  # keys went from the pool: no earlier read or write is its tail now
         self.used = self.capacity + excess
         self.stats["evicted_blocks"] += n
+        self.evictions += n
 
     def contents(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every stored key with the ranks whose shard it holds, least recently used first

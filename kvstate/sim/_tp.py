@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import simpy
+from simpy import Timeout
 
 __all__ = ["SimBarrier", "RankPools", "Stuck", "TaskSchedule", "run_schedule", "search_deadlocks",
            "PROTOCOLS", "INDEPENDENT", "SHARED_BARRIER"]
@@ -144,7 +145,7 @@ class RankPools:
         if self._skewed:
             dt += self.skew[r]
         then = self._then
-        self.env.timeout(dt if dt > 0 else 0.0).callbacks.append(lambda _e: then(r, task))
+        Timeout(self.env, dt if dt > 0.0 else 0.0).callbacks.append(lambda _e: then(r, task))
 
     def _worked(self, r: int, task: Any) -> None:
         barrier = self.barrier
