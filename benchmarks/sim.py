@@ -15,12 +15,14 @@ One process, one core (SimPy is single-threaded). Wall times on a shared machine
 tens of percent between runs, and by more from day to day: take the best of several, and
 compare versions side by side.
 
-``--against TREE`` does that: it runs TREE's own ``benchmarks/sim.py --json`` (another checkout,
-an older commit) and this one's, alternating, ``--repeats`` times each, each in its own
-process, and prints both sides' best figures and the speed-ups (that side's time over this
-side's) of the figures both report; and, per figure, the median, lowest and highest of the
-rounds' own speed-ups (a round: one run of each tree, back to back), the figure to quote
-from a shared machine.
+``--against TREE`` does that: it starts one warm simulator process per tree (each imports its
+own ``kvstate``; ``PYTHONHASHSEED=0``), and runs each scenario (the first three above; the
+default at 500 requests with ``--quick``) ``--repeats`` times in pairs, a run of each tree back
+to back, the tree that goes first alternating. A pair's ratio (that tree's wall time over this
+one's) is taken seconds apart, so the machine's drift over minutes, which moves a run by tens of
+percent, falls on both sides of it alike. Printed per figure: each side's best run, and the
+median, lowest and highest of the pairs' ratios with the number of pairs this tree won (the
+tree against itself gives medians within a few percent of 1; take five pairs or more).
 """
 from __future__ import annotations
 
@@ -80,36 +82,103 @@ def colocated_general() -> dict:
             "colocated_general_reasons": r["reasons"]}
 
 
-def child(tree: str, quick: bool) -> dict:
-    """One run of ``tree``'s own benchmark, in a fresh process on that tree's sources."""
-    cmd = [sys.executable, os.path.join(tree, "benchmarks", "sim.py"), "--json"] + (["--quick"] if quick else [])
-    # that tree first, then whatever path this process was given (where its dependencies are)
-    path = os.pathsep.join(p for p in (os.path.abspath(tree), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
-    lines = r.stdout.strip().splitlines()
-    if r.returncode not in (0, 1) or not lines:  # 1: that run was not deterministic, its figures still stand
-        raise SystemExit(f"{tree}: benchmarks/sim.py exited {r.returncode}: {r.stderr.strip()[-500:]}")
-    return json.loads(lines[-1])
+#: a warm simulator of one tree, in its own process: one JSON line in (the scenario's overrides of
+#: the default, its label), one out (wall seconds of its ``simulate()``, requests, the report's digest)
+WORKER = """
+import hashlib, json, sys, time
+from kvstate.sim import Scenario, simulate, to_json, with_overrides
+simulate(with_overrides(Scenario(), {"workload.num_requests": 50}))  # imports and first calls
+print("ready", flush=True)
+for line in sys.stdin:
+    ask = json.loads(line)
+    s = with_overrides(Scenario(), ask["overrides"])
+    t = time.perf_counter()
+    r = simulate(s)
+    wall = time.perf_counter() - t
+    print(json.dumps({"wall": wall, "requests": r["requests"],
+                      "digest": hashlib.sha256(to_json(r).encode()).hexdigest()}), flush=True)
+"""
+
+
+class Worker:
+    """One tree's warm simulator process (its own ``kvstate``, first on its path)."""
+
+    def __init__(self, tree: str) -> None:
+        path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER], cwd=tree, text=True,
+                                     env={**os.environ, "PYTHONPATH": path, "PYTHONHASHSEED": "0"},
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.tree = tree
+        self._expect("ready")
+
+    def _expect(self, what: str | None = None) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line or (what and line.strip() != what):
+            self.close()
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise SystemExit(f"{self.tree}: its simulator stopped: {err.strip()[-500:]}")
+        return line
+
+    def run(self, overrides: dict) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"overrides": overrides}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def against_scenarios(quick: bool, workdir: str) -> dict[str, dict]:
+    """The figures ``--against`` compares: the scenarios' overrides of the default, by figure."""
+    if quick:
+        return {"default_wall_s": {"workload.num_requests": 500}}
+    path = os.path.join(workdir, "conversation.jsonl")
+    write_trace(conversation_trace(12000, seed=0), path)
+    return {"default_wall_s": {}, "trace_wall_s": {"workload.arrival": "trace", "workload.trace": TRACE},
+            "conversation_wall_s": {"workload.arrival": "trace", "workload.trace": path}}
 
 
 def against(tree: str, repeats: int, quick: bool) -> dict:
-    """This tree's and ``tree``'s figures, alternating runs; the best of each and the speed-ups."""
-    tree = os.path.abspath(tree)  # each child runs in its own tree: a relative path would not hold there
-    if not os.path.isfile(os.path.join(tree, "benchmarks", "sim.py")):
-        raise SystemExit(f"--against {tree}: no benchmarks/sim.py there (give a kvstate checkout)")
+    """This tree's and ``tree``'s wall times, scenario by scenario in pairs of runs back to back."""
+    tree = os.path.abspath(tree)  # each worker runs in its own tree: a relative path would not hold there
+    if not os.path.isdir(os.path.join(tree, "kvstate", "sim")):
+        raise SystemExit(f"--against {tree}: no kvstate/sim there (give a kvstate checkout)")
     runs: dict[str, list[dict]] = {"this": [], "that": []}
-    for _ in range(max(1, repeats)):
-        runs["this"].append(child(ROOT, quick))
-        runs["that"].append(child(tree, quick))
-    best = {}
-    for side, docs in runs.items():
-        keys = set(WALLS + ("sim_requests_per_s",)).intersection(*docs)
-        best[side] = {k: (max if k == "sim_requests_per_s" else min)(d[k] for d in docs) for k in sorted(keys)}
-    common = sorted(set(best["this"]) & set(best["that"]))
-    speedup = {k: round(_speedup(k, best["this"], best["that"]), 3) for k in common}
-    return {"against": os.path.abspath(tree), "runs": len(runs["this"]), "this": best["this"], "that": best["that"],
-            "speedup": speedup, "paired": paired(runs["this"], runs["that"], common),
+    with tempfile.TemporaryDirectory() as d:
+        figures = against_scenarios(quick, d)
+        workers = {"this": Worker(os.path.abspath(ROOT)), "that": Worker(tree)}
+        try:
+            for i in range(max(1, repeats)):
+                pair: dict[str, dict] = {"this": {}, "that": {}}
+                for fig, overrides in figures.items():
+                    for side in (("this", "that") if i % 2 == 0 else ("that", "this")):  # each goes first in turn
+                        r = workers[side].run(overrides)
+                        pair[side][fig] = round(r["wall"], 3)
+                        pair[side][fig.replace("_wall_s", "_digest")] = r["digest"]
+                        if fig == "default_wall_s":
+                            pair[side]["default_requests"] = r["requests"]
+                            pair[side]["sim_requests_per_s"] = round(r["requests"] / r["wall"], 1)
+                for side in runs:
+                    runs[side].append(pair[side])
+        finally:
+            for w in workers.values():
+                w.close()
+    keys = sorted([*figures, "sim_requests_per_s"])
+    best = {side: {k: (max if k == "sim_requests_per_s" else min)(d[k] for d in docs) for k in keys}
+            for side, docs in runs.items()}
+    deterministic = {side: all(len({d[k] for d in docs}) == 1 for k in docs[0] if k.endswith("_digest"))
+                     for side, docs in runs.items()}
+    out = paired(runs["this"], runs["that"], keys)
+    return {"against": tree, "runs": len(runs["this"]), "this": best["this"], "that": best["that"],
+            "speedup": {k: v["median"] for k, v in out.items()}, "paired": out, "deterministic": deterministic,
             "this_runs": runs["this"], "that_runs": runs["that"]}
 
 
@@ -120,15 +189,15 @@ def _speedup(key: str, this: dict, that: dict) -> float:
 
 def paired(this_runs: list[dict], that_runs: list[dict], keys: list[str]) -> dict:
     """Each round's speed-up (a round: this tree's run and that tree's run next to it), as the
-    median, lowest and highest over the rounds: on a shared machine a burst of load slows one
-    run of one side, which a best-of figure can credit to either tree; the median of the
-    rounds' ratios is the estimate that one burst cannot move."""
+    median, lowest and highest over the rounds, and the rounds this tree won: on a shared
+    machine a burst of load slows one run of one side, which a best-of figure can credit to
+    either tree; the median of the rounds' ratios is the estimate that one burst cannot move."""
     out = {}
     for k in keys:
         ratios = sorted(_speedup(k, a, b) for a, b in zip(this_runs, that_runs) if k in a and k in b)
         if ratios:
             out[k] = {"median": round(statistics.median(ratios), 3), "min": round(ratios[0], 3),
-                      "max": round(ratios[-1], 3)}
+                      "max": round(ratios[-1], 3), "faster": sum(r > 1.0 for r in ratios), "rounds": len(ratios)}
     return out
 
 
@@ -136,7 +205,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="500 requests, no traces")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of the default scenario (best is reported)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of the default scenario (best is reported); with --against, pairs of each scenario")
     ap.add_argument("--against", metavar="TREE", help="another kvstate checkout to run side by side (see above)")
     args = ap.parse_args()
     if args.against:
@@ -146,8 +216,8 @@ def main() -> int:
         else:
             for k, v in out["speedup"].items():
                 p = out["paired"][k]
-                print(f"{k:<20}  this {out['this'][k]:>9}  that {out['that'][k]:>9}  speed-up {v:.3f}x  "
-                      f"rounds: median {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f})")
+                print(f"{k:<20}  best: this {out['this'][k]:>9}  that {out['that'][k]:>9}   pairs' speed-up: median "
+                      f"{v:.3f}x ({p['min']:.3f}-{p['max']:.3f}), this tree faster in {p['faster']} of {p['rounds']}")
         return 0
     s = Scenario()
     if args.quick:
