@@ -15,10 +15,10 @@ One process, one core (SimPy is single-threaded). Wall times on a shared machine
 tens of percent between runs, and by more from day to day: take the best of several, and
 compare versions side by side.
 
-``--against TREE`` does that: it starts one warm simulator process per tree (each imports its
-own ``kvstate``; ``PYTHONHASHSEED=0``), and runs each scenario (the first three above; the
-default at 500 requests with ``--quick``) ``--repeats`` times in pairs, a run of each tree back
-to back, the tree that goes first alternating. A pair's ratio (that tree's wall time over this
+``--against TREE`` does that: for each scenario (the first three above; the default at 500
+requests with ``--quick``) it starts one warm simulator process per tree (each imports its own
+``kvstate``; ``PYTHONHASHSEED=0``) and runs the scenario ``--repeats`` times in pairs, a run of
+each tree back to back, the tree that goes first alternating. A pair's ratio (that tree's wall time over this
 one's) is taken seconds apart, so the machine's drift over minutes, which moves a run by tens of
 percent, falls on both sides of it alike. Printed per figure: each side's best run, and the
 median, lowest and highest of the pairs' ratios with the number of pairs this tree won (the
@@ -151,26 +151,24 @@ def against(tree: str, repeats: int, quick: bool) -> dict:
     tree = os.path.abspath(tree)  # each worker runs in its own tree: a relative path would not hold there
     if not os.path.isdir(os.path.join(tree, "kvstate", "sim")):
         raise SystemExit(f"--against {tree}: no kvstate/sim there (give a kvstate checkout)")
-    runs: dict[str, list[dict]] = {"this": [], "that": []}
+    pairs = max(1, repeats)
+    runs: dict[str, list[dict]] = {"this": [{} for _ in range(pairs)], "that": [{} for _ in range(pairs)]}
     with tempfile.TemporaryDirectory() as d:
         figures = against_scenarios(quick, d)
-        workers = {"this": Worker(os.path.abspath(ROOT)), "that": Worker(tree)}
-        try:
-            for i in range(max(1, repeats)):
-                pair: dict[str, dict] = {"this": {}, "that": {}}
-                for fig, overrides in figures.items():
+        for fig, overrides in figures.items():  # fresh processes per scenario: no run inherits another's heap
+            workers = {"this": Worker(os.path.abspath(ROOT)), "that": Worker(tree)}
+            try:
+                for i in range(pairs):
                     for side in (("this", "that") if i % 2 == 0 else ("that", "this")):  # each goes first in turn
-                        r = workers[side].run(overrides)
-                        pair[side][fig] = round(r["wall"], 3)
-                        pair[side][fig.replace("_wall_s", "_digest")] = r["digest"]
+                        r, doc = workers[side].run(overrides), runs[side][i]
+                        doc[fig] = round(r["wall"], 3)
+                        doc[fig.replace("_wall_s", "_digest")] = r["digest"]
                         if fig == "default_wall_s":
-                            pair[side]["default_requests"] = r["requests"]
-                            pair[side]["sim_requests_per_s"] = round(r["requests"] / r["wall"], 1)
-                for side in runs:
-                    runs[side].append(pair[side])
-        finally:
-            for w in workers.values():
-                w.close()
+                            doc["default_requests"] = r["requests"]
+                            doc["sim_requests_per_s"] = round(r["requests"] / r["wall"], 1)
+            finally:
+                for w in workers.values():
+                    w.close()
     keys = sorted([*figures, "sim_requests_per_s"])
     best = {side: {k: (max if k == "sim_requests_per_s" else min)(d[k] for d in docs) for k in keys}
             for side, docs in runs.items()}

@@ -435,3 +435,17 @@ def test_a_request_preempted_at_a_block_boundary_resumes_only_with_room_for_its_
     assert preempted == [("r1", 320, 320)]  # itself, at the boundary of its fifth block
     assert (a.state, b.state, a.preemptions, b.preemptions) == ("done", "done", 0, 1)
     assert b.finish == pytest.approx(a.finish + PREFILL + 240 * STEP)
+
+
+def test_the_hot_objects_hold_their_fields_in_slots():
+    """The objects every simulated event reads (instances, their lifecycles, the run's services,
+    the compute model) are slotted all the way up: none carries a per-instance dictionary,
+    through which each attribute read would take CPython's slower lookup, and a field a
+    method sets without declaring it fails at once rather than growing one."""
+    cl = Cluster(with_overrides(Scenario(), {"workload.num_requests": 5}))
+    hot = [cl.sv, cl.sv.compute, *(i for i in cl.instances), *(i.lc for i in cl.instances)]
+    assert {type(o).__name__ for o in hot} >= {"Services", "ComputeModel", "PrefillInstance", "DecodeInstance",
+                                               "PrefillLifecycle", "DecodeLifecycle"}
+    assert [type(o).__name__ for o in hot if hasattr(o, "__dict__")] == []
+    with pytest.raises(AttributeError):
+        cl.decode[0].undeclared_field = 1
