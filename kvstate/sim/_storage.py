@@ -100,12 +100,11 @@ class SimStore:
         before = len(stored)
         stored.update(keys)
         self.used += (len(stored) - before) * self.shard_bytes
-        had = len(blocks)
-        blocks.update(zip(keys, repeat(None)))  # new keys are appended in write order
-        if len(blocks) - had != len(keys) and self._last_write != (keys, self._lru_moves):
-            # some were in the pool already (unless another rank's write of the same keys just
-            # put them at the end, in order): each to the LRU end, in write order
-            deque(map(blocks.move_to_end, keys), 0)
+        if self._last_write != (keys, self._lru_moves):  # else another rank's write of these very keys
+            had = len(blocks)                            # just put them all at the end, in order
+            blocks.update(zip(keys, repeat(None)))  # new keys are appended in write order
+            if len(blocks) - had != len(keys):  # some were in the pool already: each to the LRU end, in order
+                deque(map(blocks.move_to_end, keys), 0)
         self._lru_moves += 1
         self._last_write = (keys, self._lru_moves)
         if self.used > self.capacity:
