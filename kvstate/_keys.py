@@ -95,11 +95,12 @@ class KeyCache:
         if kept is None:
             return [], []
         k = min(nfull, len(kept[1]))
-        if raw[:k * step] != kept[0][:k * step]:  # they part inside: bisect for the first block that differs
-            lo, hi, other = 1, k - 1, kept[0]  # blocks [0, lo) are equal; the answer is at most hi
+        other = kept[0]  # compared with startswith: one slice copied, not two
+        if not other.startswith(raw[:k * step]):  # they part inside: bisect for the first block that differs
+            lo, hi = 1, k - 1  # blocks [0, lo) are equal; the answer is at most hi
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if raw[lo * step:mid * step] == other[lo * step:mid * step]:
+                if other.startswith(raw[lo * step:mid * step], lo * step):
                     lo = mid
                 else:
                     hi = mid - 1
