@@ -15,14 +15,16 @@ One process, one core (SimPy is single-threaded). Wall times on a shared machine
 tens of percent between runs, and by more from day to day: take the best of several, and
 compare versions side by side.
 
-``--against TREE`` does that: for each scenario (the first three above; the default at 500
-requests with ``--quick``) it starts one warm simulator process per tree (each imports its own
-``kvstate``; ``PYTHONHASHSEED=0``) and runs the scenario ``--repeats`` times in pairs, a run of
-each tree back to back, the tree that goes first alternating. A pair's ratio (that tree's wall time over this
-one's) is taken seconds apart, so the machine's drift over minutes, which moves a run by tens of
-percent, falls on both sides of it alike. Printed per figure: each side's best run, and the
-median, lowest and highest of the pairs' ratios with the number of pairs this tree won (the
-tree against itself gives medians within a few percent of 1; take five pairs or more).
+``--against TREE`` does that: it runs each scenario (the first three above; the default at 500
+requests with ``--quick``) ``--repeats`` times in pairs, a run of each tree back to back, the
+tree that goes first alternating; each run in a fresh process of its tree (its own ``kvstate``
+first on the path, ``PYTHONHASHSEED=0``), warmed up by a short run. A pair's ratio (that tree's
+wall time over this one's) is taken seconds apart, so the machine's drift over minutes, which
+moves a run by tens of percent, falls on both sides of it alike; fresh processes keep one
+process's memory layout, which can hold it a few percent apart for its whole life, from
+counting in every pair. Printed per figure: each side's best run, and the median, lowest and
+highest of the pairs' ratios with the number of pairs this tree won (the tree against itself:
+see docs/benchmarks.md; take seven pairs or more).
 """
 from __future__ import annotations
 
@@ -155,10 +157,11 @@ def against(tree: str, repeats: int, quick: bool) -> dict:
     runs: dict[str, list[dict]] = {"this": [{} for _ in range(pairs)], "that": [{} for _ in range(pairs)]}
     with tempfile.TemporaryDirectory() as d:
         figures = against_scenarios(quick, d)
-        for fig, overrides in figures.items():  # fresh processes per scenario: no run inherits another's heap
-            workers = {"this": Worker(os.path.abspath(ROOT)), "that": Worker(tree)}
-            try:
-                for i in range(pairs):
+        for fig, overrides in figures.items():
+            for i in range(pairs):  # fresh processes for every pair: a process's own layout can
+                # make it run a few per cent apart from another for its whole life
+                workers = {"this": Worker(os.path.abspath(ROOT)), "that": Worker(tree)}
+                try:
                     for side in (("this", "that") if i % 2 == 0 else ("that", "this")):  # each goes first in turn
                         r, doc = workers[side].run(overrides), runs[side][i]
                         doc[fig] = round(r["wall"], 3)
@@ -166,9 +169,9 @@ def against(tree: str, repeats: int, quick: bool) -> dict:
                         if fig == "default_wall_s":
                             doc["default_requests"] = r["requests"]
                             doc["sim_requests_per_s"] = round(r["requests"] / r["wall"], 1)
-            finally:
-                for w in workers.values():
-                    w.close()
+                finally:
+                    for w in workers.values():
+                        w.close()
     keys = sorted([*figures, "sim_requests_per_s"])
     best = {side: {k: (max if k == "sim_requests_per_s" else min)(d[k] for d in docs) for k in keys}
             for side, docs in runs.items()}
