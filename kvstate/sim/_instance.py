@@ -285,9 +285,7 @@ class Instance(ABC):
                 counters[name] = counters.get(name, 0) + 1
             else:
                 self.notice(cmd)
-        now = self.env.now  # note_blocks, inline: once per pump
-        self.block_seconds += (now - self._noted_at) * self._noted_used
-        self._noted_at, self._noted_used = now, self.lc.pool.num_used
+        now = self.note_blocks()
         if timed:
             self.sv.arm_timer(self, now + self.transfer_timeout)
 
@@ -307,12 +305,14 @@ class Instance(ABC):
         """A notice of the lifecycle (first token, start prefill, ...): the role's job."""
 
     # -- accounting ----------------------------------------------------------------------------
-    def note_blocks(self) -> None:
+    def note_blocks(self) -> float:
         """Add the blocks held since the last note to the time integral (called whenever the
-        lifecycle acted, so the integral is exact at the scheduler's resolution)."""
+        lifecycle acted, so the integral is exact at the scheduler's resolution); returns the
+        time noted."""
         now = self.env.now
         self.block_seconds += (now - self._noted_at) * self._noted_used
         self._noted_at, self._noted_used = now, self.lc.pool.num_used
+        return now
 
     # -- the compute loop's sleep ---------------------------------------------------------------
     def wake_up(self) -> None:
