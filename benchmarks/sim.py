@@ -1,6 +1,7 @@
 """Simulator speed and determinism: prints a table, ``--json`` prints one object.
 
     python benchmarks/sim.py [--json] [--quick] [--repeats N]
+    python benchmarks/sim.py --against TREE [--repeats N] [--scenarios default,trace,conversation]
 
 - the embedded default scenario (2,000 requests), run ``--repeats`` times with the same seed:
   simulated requests per wall second (best run) and whether every ``--json`` document is
@@ -138,17 +139,27 @@ class Worker:
             self.proc.wait()
 
 
-def against_scenarios(quick: bool, workdir: str) -> dict[str, dict]:
+#: the scenarios ``--against`` can compare (``--scenarios``), in the order they run
+SCENARIOS = ("default", "trace", "conversation")
+
+
+def against_scenarios(quick: bool, workdir: str, scenarios: tuple[str, ...] = SCENARIOS) -> dict[str, dict]:
     """The figures ``--against`` compares: the scenarios' overrides of the default, by figure."""
     if quick:
         return {"default_wall_s": {"workload.num_requests": 500}}
-    path = os.path.join(workdir, "conversation.jsonl")
-    write_trace(conversation_trace(12000, seed=0), path)
-    return {"default_wall_s": {}, "trace_wall_s": {"workload.arrival": "trace", "workload.trace": TRACE},
-            "conversation_wall_s": {"workload.arrival": "trace", "workload.trace": path}}
+    out: dict[str, dict] = {}
+    if "default" in scenarios:
+        out["default_wall_s"] = {}
+    if "trace" in scenarios:
+        out["trace_wall_s"] = {"workload.arrival": "trace", "workload.trace": TRACE}
+    if "conversation" in scenarios:
+        path = os.path.join(workdir, "conversation.jsonl")
+        write_trace(conversation_trace(12000, seed=0), path)
+        out["conversation_wall_s"] = {"workload.arrival": "trace", "workload.trace": path}
+    return out
 
 
-def against(tree: str, repeats: int, quick: bool) -> dict:
+def against(tree: str, repeats: int, quick: bool, scenarios: tuple[str, ...] = SCENARIOS) -> dict:
     """This tree's and ``tree``'s wall times, scenario by scenario in pairs of runs back to back."""
     tree = os.path.abspath(tree)  # each worker runs in its own tree: a relative path would not hold there
     if not os.path.isdir(os.path.join(tree, "kvstate", "sim")):
@@ -156,7 +167,7 @@ def against(tree: str, repeats: int, quick: bool) -> dict:
     pairs = max(1, repeats)
     runs: dict[str, list[dict]] = {"this": [{} for _ in range(pairs)], "that": [{} for _ in range(pairs)]}
     with tempfile.TemporaryDirectory() as d:
-        figures = against_scenarios(quick, d)
+        figures = against_scenarios(quick, d, scenarios)
         for fig, overrides in figures.items():
             for i in range(pairs):  # fresh processes for every pair: a process's own layout can
                 # make it run a few per cent apart from another for its whole life
@@ -172,7 +183,7 @@ def against(tree: str, repeats: int, quick: bool) -> dict:
                 finally:
                     for w in workers.values():
                         w.close()
-    keys = sorted([*figures, "sim_requests_per_s"])
+    keys = sorted([*figures, *(["sim_requests_per_s"] if "default_wall_s" in figures else [])])
     best = {side: {k: (max if k == "sim_requests_per_s" else min)(d[k] for d in docs) for k in keys}
             for side, docs in runs.items()}
     deterministic = {side: all(len({d[k] for d in docs}) == 1 for k in docs[0] if k.endswith("_digest"))
@@ -209,9 +220,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of the default scenario (best is reported); with --against, pairs of each scenario")
     ap.add_argument("--against", metavar="TREE", help="another kvstate checkout to run side by side (see above)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help="with --against, the scenarios to compare (comma-separated: " + ", ".join(SCENARIOS) + ")")
     args = ap.parse_args()
+    scenarios = tuple(x for x in args.scenarios.split(",") if x)
+    bad = [x for x in scenarios if x not in SCENARIOS]
+    if bad or not scenarios:
+        ap.error(f"--scenarios {args.scenarios!r}: each must be one of {', '.join(SCENARIOS)}")
     if args.against:
-        out = against(args.against, args.repeats, args.quick)
+        out = against(args.against, args.repeats, args.quick, scenarios)
         if args.json:
             print(json.dumps(out, sort_keys=True))
         else:

@@ -72,6 +72,22 @@ def test_sim_benchmark_against_another_tree_reports_speedups():
     assert bad.returncode != 0 and "no kvstate/sim there" in bad.stderr
 
 
+def test_sim_benchmark_against_runs_only_the_scenarios_asked(tmp_path):
+    """--scenarios picks the figures compared (a run can spend its pairs on one); an unknown
+    name is refused before any tree runs."""
+    spec = importlib.util.spec_from_file_location("sim_bench", ROOT / "benchmarks" / "sim.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert set(bench.against_scenarios(False, str(tmp_path), ("trace",))) == {"trace_wall_s"}
+    assert not list(tmp_path.iterdir())  # the conversation trace is written only when it runs
+    both = bench.against_scenarios(False, str(tmp_path), ("default", "conversation"))
+    assert set(both) == {"default_wall_s", "conversation_wall_s"}
+    assert (tmp_path / "conversation.jsonl").is_file()
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--against", str(ROOT),
+                          "--scenarios", "default,nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--scenarios 'default,nope'" in bad.stderr
+
+
 def test_sim_benchmark_rounds_median_ignores_one_slow_run():
     """The rounds' median speed-up: times over this side's (rates the other way round), and a
     burst that slows one run of either side moves the extremes only."""
