@@ -220,13 +220,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of the default scenario (best is reported); with --against, pairs of each scenario")
     ap.add_argument("--against", metavar="TREE", help="another kvstate checkout to run side by side (see above)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
-                    help="with --against, the scenarios to compare (comma-separated: " + ", ".join(SCENARIOS) + ")")
+    ap.add_argument("--scenarios", help="with --against and without --quick, the scenarios to compare "
+                                        "(comma-separated: " + ", ".join(SCENARIOS) + "; all by default)")
     args = ap.parse_args()
-    scenarios = tuple(x for x in args.scenarios.split(",") if x)
-    bad = [x for x in scenarios if x not in SCENARIOS]
-    if bad or not scenarios:
-        ap.error(f"--scenarios {args.scenarios!r}: each must be one of {', '.join(SCENARIOS)}")
+    scenarios = SCENARIOS
+    if args.scenarios is not None:
+        if not args.against or args.quick:
+            ap.error("--scenarios applies to --against without --quick (--quick compares the default scenario)")
+        scenarios = tuple(x for x in args.scenarios.split(",") if x)
+        if not scenarios or any(x not in SCENARIOS for x in scenarios):
+            ap.error(f"--scenarios {args.scenarios!r}: each must be one of {', '.join(SCENARIOS)}")
     if args.against:
         out = against(args.against, args.repeats, args.quick, scenarios)
         if args.json:

@@ -72,12 +72,18 @@ def test_sim_benchmark_against_another_tree_reports_speedups():
     assert bad.returncode != 0 and "no kvstate/sim there" in bad.stderr
 
 
-def test_sim_benchmark_against_runs_only_the_scenarios_asked(tmp_path):
-    """--scenarios picks the figures compared (a run can spend its pairs on one); an unknown
-    name is refused before any tree runs."""
+def _sim_bench():
+    """benchmarks/sim.py as a module (it is a script, not a package)."""
     spec = importlib.util.spec_from_file_location("sim_bench", ROOT / "benchmarks" / "sim.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_sim_benchmark_against_runs_only_the_scenarios_asked(tmp_path):
+    """--scenarios picks the figures compared (a run can spend its pairs on one); an unknown
+    name is refused before any tree runs."""
+    bench = _sim_bench()
     assert set(bench.against_scenarios(False, str(tmp_path), ("trace",))) == {"trace_wall_s"}
     assert not list(tmp_path.iterdir())  # the conversation trace is written only when it runs
     both = bench.against_scenarios(False, str(tmp_path), ("default", "conversation"))
@@ -86,14 +92,15 @@ def test_sim_benchmark_against_runs_only_the_scenarios_asked(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--against", str(ROOT),
                           "--scenarios", "default,nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--scenarios 'default,nope'" in bad.stderr
+    alone = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim.py"), "--scenarios", "trace"],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "--scenarios applies to --against" in alone.stderr
 
 
 def test_sim_benchmark_rounds_median_ignores_one_slow_run():
     """The rounds' median speed-up: times over this side's (rates the other way round), and a
     burst that slows one run of either side moves the extremes only."""
-    spec = importlib.util.spec_from_file_location("sim_bench", ROOT / "benchmarks" / "sim.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _sim_bench()
     this = [{"default_wall_s": 1.0, "sim_requests_per_s": 2000.0}] * 4 + [{"default_wall_s": 3.0}]
     that = [{"default_wall_s": 1.1, "sim_requests_per_s": 1000.0}] * 2 + [{"default_wall_s": 9.9}] + \
         [{"default_wall_s": 1.1, "sim_requests_per_s": 1000.0}] * 2
