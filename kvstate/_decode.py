@@ -380,9 +380,9 @@ class DecodeLifecycle(Lifecycle[DecodeRequest]):
         req.base = start  # blocks already in place (from the host tier)
         cls = C.LoadLayers if self.layerwise else C.ReadBlocks
         first = self.spec.window_first_block(len(req.tokens) - 1)  # the cache: every token but the newest
-        req.window_from = max(req.window_from, first if first > start else 0)
-        end = len(keys)
-        self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:end], window_from=max(0, first - start),
+        req.window_from = first if first > start and first > req.window_from else req.window_from
+        end, ahead = len(keys), first - start if first > start else 0  # max(0, first - start), not a call
+        self._transfer(req, cls, "read_done", keys[start:], req.blocks[start:end], window_from=ahead,
                        states=self.states.candidates(req, start, end, True), tables=cut(req, start, end))
 
     # -- actions (named in DECODE) ----------------------------------------------------------------

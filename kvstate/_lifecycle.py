@@ -356,19 +356,28 @@ class Lifecycle(Generic[R]):
     # -- transfers -------------------------------------------------------------------------------
     def _transfer(self, req: Request, cls: type, trigger: str, keys: Sequence[str], blocks: list[int],
                   host_slots: Sequence[int] | None = None, awaited: bool = True, timeout: float | None = None,
-                  **fields: Any) -> None:
+                  states: tuple[tuple[int, int], ...] = (), tables: tuple[tuple[int, ...], ...] = (),
+                  window_from: int = 0, stores: bool = False) -> None:
         """Send a transfer of ``keys`` into / from ``blocks`` (and, for a swap, host tier
         ``host_slots``, whose entries it references until it retires); ``trigger`` takes its
         answer, unless the request does not wait for it (``awaited=False``: a copy that only
         pins its blocks once the request lets go of them). Its deadline is ``timeout`` from
-        now (``Policy.transfer_timeout`` by default)."""
+        now (``Policy.transfer_timeout`` by default). ``states``, ``tables``, ``window_from``
+        and ``stores`` are the command's fields of those names, passed only where set (a
+        command's keywords cost on every transfer)."""
         cid = next(self._ids)
         deadline = self._now + (self.policy.transfer_timeout if timeout is None else timeout)
         ids = tuple(blocks)
         fence = deadline + self.policy.fence_grace
         if host_slots is None:
-            cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, **fields)
-            self._transfers.open(cmd, req, trigger, pinned(ids, cmd.tables))
+            if states or tables or window_from:  # a read or write (a lend has none of them)
+                cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, states=states,
+                          tables=tables, window_from=window_from)
+            elif stores:
+                cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, stores=True)
+            else:
+                cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence)
+            self._transfers.open(cmd, req, trigger, pinned(ids, tables))
         else:
             cmd = cls(req.id, cid, self._ranks, deadline, tuple(keys), ids, fence=fence, host_slots=tuple(host_slots))
             self._transfers.open(cmd, req, trigger, ids, cmd.keys)
@@ -474,6 +483,6 @@ class Lifecycle(Generic[R]):
         req.base = base
         keys = req.keys
         # group tables: the window groups' blocks freed behind the window are not stored (kvstate._tables)
-        window: dict[str, Any] = {"window_from": max(0, req.window_from - base)} if req.tables else {}
         self._transfer(req, cls, "written", keys[base:], req.blocks[base:len(keys)],
-                       states=self.states.written(req, base, len(keys)), tables=cut(req, base, len(keys)), **window)
+                       states=self.states.written(req, base, len(keys)), tables=cut(req, base, len(keys)),
+                       window_from=max(0, req.window_from - base) if req.tables else 0)
