@@ -69,7 +69,7 @@ class ComputeModel:
                  "full_layers", "window_layers", "state_layers", "window", "state_rank", "attn_mats", "dense_mats",
                  "mlp_width", "experts", "top_k", "shared", "ep", "expert_width", "moe_width_tp", "moe_layers",
                  "custom_ar_bytes", "ar_algos", "profile", "_scale", "_decode_fixed", "_prefill", "_tokens",
-                 "_decode_per_token")
+                 "_heads", "_decode_per_token")
 
     def __init__(self, s: Scenario) -> None:
         m, g, tp = s.model, s.gpu, s.cluster.tp
@@ -112,6 +112,7 @@ class ComputeModel:
         self._decode_fixed: dict[int, float] = {}
         self._prefill: dict[tuple[tuple[int, int], ...], float] = {}
         self._tokens: dict[int, tuple[float, float, float]] = {}
+        self._heads: dict[int, float] = {}  # the LM head's GEMM, per count of tokens sampled
         self._decode_per_token = self.decode_attention(1, 1) - self.decode_attention(1, 0)  # one layer's
 
     def _use_profile(self, s: Scenario, path: str) -> None:
@@ -194,7 +195,7 @@ class ComputeModel:
         """Every layer's attention (or state update) in one step, by layer kind."""
         t = 0.0
         if self.full_layers:
-            full = self.decode_attention(batch, context)
+            full = self.decode_attention(batch, context) if batch else 0.0
             prefill = 0.0  # the prompts' attention, summed in their order
             for n, c, _ in prompts:
                 prefill += self.prefill_attention(n, c)
@@ -221,7 +222,9 @@ class ComputeModel:
         bus = 2.0 * (self.tp - 1) / self.tp * nbytes  # what crosses a link, per NCCL's bus bandwidth
         if self.profile is not None and self.profile.allreduce is not None and nbytes > self.custom_ar_bytes:
             return self.profile.allreduce(nbytes)  # NCCL's, as measured: the engine's kernel does not go this far
-        return min(latency + bus / bw for latency, bw in self.ar_algos)
+        (lat_a, bw_a), (lat_b, bw_b) = self.ar_algos  # the faster of the two (no generator: a call per step)
+        a, b = lat_a + bus / bw_a, lat_b + bus / bw_b
+        return a if a <= b else b
 
     def _mlp(self, tokens: int, moe: bool) -> float:
         if not moe:
@@ -271,7 +274,10 @@ class ComputeModel:
         t += dense
         if self.moe_layers:
             t += moe
-        return t + self.gemm("lm_head", sampled, self.hidden, self.vocab / self.tp) + self.overhead
+        head = self._heads.get(sampled)
+        if head is None:
+            head = self._heads[sampled] = self.gemm("lm_head", sampled, self.hidden, self.vocab / self.tp)
+        return t + head + self.overhead
 
     def _by_tokens(self, tokens: int) -> tuple[float, float, float]:
         """A step's parts that depend on its token count alone, kept per count: every layer's
@@ -281,7 +287,7 @@ class ComputeModel:
             return got
         per_layer = self._gemms(tokens, self.attn_mats)
         per_layer += self.elementwise(tokens) + 2 * self.allreduce(tokens * self.hidden * _ACT)
-        dense = (self.layers - self.moe_layers) * self._mlp(tokens, False)
+        dense = (self.layers - self.moe_layers) * self._gemms(tokens, self.dense_mats)  # _mlp(tokens, False)
         moe = self.moe_layers * self._mlp(tokens, True) if self.moe_layers else 0.0
         if len(self._tokens) >= _MEMO:
             self._tokens.clear()
@@ -309,7 +315,7 @@ class ComputeModel:
         if t is None:
             if len(self._prefill) >= _MEMO:
                 self._prefill.clear()
-            t = self._prefill[key] = self.step_time((n, c, True) for n, c in key)
+            t = self._prefill[key] = self.step_time([(n, c, True) for n, c in key])
         return t
 
     def decode_step_time(self, batch: int, context_tokens: int) -> float:

@@ -224,8 +224,11 @@ class Instance(ABC):
             found, evictions = task.seen[rank]
             store, keys = self.store, cmd.keys
             known = found if evictions == store.evictions else 0  # nothing stored went away since
+            parts = self.side.parts[rank]
             if write and not self.side.writers[rank]:  # a replica's write: its first replica stores the keys
                 n = len(keys)
+            elif len(parts) == 1 and not task.skip:  # one head group, moved whole: the pool answers as is
+                n = store.answer(parts[0], keys, write, known)
             else:
                 n = self._stored(rank, keys, write, known, task.skip)
             c = Completion(cid, rank, store.states_moved(rank, keys, cmd.states, n, write) if cmd.states else n)
