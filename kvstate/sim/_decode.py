@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING
 
 import simpy
@@ -110,7 +110,7 @@ class DecodeInstance(Instance):
             self.wake_up()  # a write-back answered: a preempted request may resume
 
     # -- the loop --------------------------------------------------------------------------------
-    def _loop(self):
+    def _loop(self) -> Generator[simpy.Event, object, None]:
         cl, env, lc = self.sv, self.env, self.lc
         while True:
             while self.finishing:
