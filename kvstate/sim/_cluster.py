@@ -11,10 +11,10 @@ block use, and the end of the run: every request ended and no transfer outstandi
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
-from simpy import Timeout
+from simpy import Event, Timeout
 
 from .. import commands as C
 from .._errors import ConfigError
@@ -86,7 +86,7 @@ class Cluster:
                 d.cut_span()
 
     # -- request flow -------------------------------------------------------------------------
-    def _arrive(self):
+    def _arrive(self) -> Generator[Event, object, None]:
         env = self.env
         for a in self._arrivals:
             if a.time > env.now:

@@ -35,7 +35,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import simpy
@@ -124,7 +124,7 @@ class ColocatedInstance:
             self._wake.succeed()
 
     # -- the loop ------------------------------------------------------------------------------
-    def _loop(self):
+    def _loop(self) -> Generator[simpy.Event, object, None]:
         env = self.env
         while True:
             if not self.running and not self.waiting:

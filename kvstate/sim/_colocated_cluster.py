@@ -10,7 +10,8 @@ A run ends when every request has ended.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from functools import partial
 from typing import Any
 
 import simpy
@@ -62,7 +63,7 @@ class ColocatedCluster:
         return merged_hist(x.itl for x in self.instances)
 
     # -- request flow ---------------------------------------------------------------------------
-    def _arrive(self):
+    def _arrive(self) -> Generator[simpy.Event, object, None]:
         env = self.env
         for a in self._arrivals:
             if a.time > env.now:
@@ -76,10 +77,14 @@ class ColocatedCluster:
                 self._ended(req)
                 continue
             if self.frontend:  # the front end hands it over later; its latencies count from its arrival
-                env.timeout(self.frontend).callbacks.append(lambda _e, r=req: self._route(r))
+                env.timeout(self.frontend).callbacks.append(partial(self._handed_over, req))
             else:
                 self._route(req)
         self._check_finished()
+
+    def _handed_over(self, req: SimRequest, _event: simpy.Event) -> None:
+        """The front end's delay for ``req`` passed: it reaches an instance now."""
+        self._route(req)
 
     def _route(self, req: SimRequest) -> None:
         min(self.instances, key=lambda i: i.load).add(req)

@@ -16,9 +16,10 @@ expire and is written after its forward instead.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Generator
 from typing import TYPE_CHECKING, cast
 
-from simpy import Timeout
+from simpy import Event, Timeout
 
 from .. import commands as C
 from .._prefill import PrefillLifecycle
@@ -80,14 +81,15 @@ class PrefillInstance(Instance):
                 self.write_pool.submit(LayerSave(self, save, 0.0), save.ranks)
         # otherwise RequestEnded, FreeBlocks: the pool took the blocks back; D's end is the request's end
 
-    def _loop(self):
+    def _loop(self) -> Generator[Event, object, None]:
         cl, env, q, lc = self.sv, self.env, self.queue, self.lc
         budget = cl.scenario.cluster.prefill_token_budget
         while True:
             if not q:
                 yield self.idle()
                 continue
-            batch, tokens, waiting = [], 0, self.waiting
+            batch: list[tuple[SimRequest, int, int]] = []
+            tokens, waiting = 0, self.waiting
             while q:
                 item = q[0]
                 if item[0].rid not in waiting:  # it ended while queued: dropped, not computed
